@@ -1,0 +1,55 @@
+"""Hook specifications: what an attnpolicy plugin can implement.
+
+A plugin is a module (or object) with functions decorated by
+``attnpolicy.hookimpl`` and named like the specs below. Built-in policies and
+eviction strategies register through these same hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+PROJECT = "attnpolicy"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def attnpolicy_register_policies(register: Callable[[type], None]) -> None:
+    """Register policy classes by calling ``register(PolicyClass)``.
+
+    A policy class has ``name`` and ``description`` class attributes, takes keyword
+    options in ``__init__`` and implements ``decide(layout, ctx) -> Decision``.
+    Called once per plugin when the registry is built; the return value is ignored.
+    """
+
+
+@hookspec
+def attnpolicy_register_evictions(register: Callable[[str, Callable[..., Any]], None]) -> None:
+    """Register cache eviction strategies by calling ``register(name, factory)``.
+
+    ``factory()`` returns an empty ``cachetools.Cache`` whose ``popitem()`` yields
+    the victim. Called once per plugin; the return value is ignored.
+    """
+
+
+@hookspec
+def attnpolicy_on_decision(layout: Any, decision: Any, policy: str, fell_back: bool) -> None:
+    """Observe each decision after the guard: ``decision`` is the one that runs.
+
+    ``fell_back`` is true when the guard replaced the policy's answer. Every
+    implementation is called; return values are ignored.
+    """
+
+
+@hookspec
+def attnpolicy_on_compile(key: Any, seconds: float, nbytes: int) -> None:
+    """Observe each graph compile (a cache miss that built a graph). All implementations run."""
+
+
+@hookspec
+def attnpolicy_on_evict(key: Any, nbytes: int) -> None:
+    """Observe each graph eviction from the cache. All implementations run."""

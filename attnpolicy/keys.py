@@ -1,0 +1,71 @@
+"""GraphKey: everything that changes a compiled attention graph; Call: one graph invocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnpolicy.modes import MaskMode
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """The tensor properties a compiled graph is specialised on."""
+
+    dtype: str  # e.g. "float32", "bfloat16"
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One graph invocation planned from a layout.
+
+    ``kind`` is the graph family: ``CAUSAL`` (mask-free, is_causal, q rows == kv rows),
+    ``MASK`` (dense mask input), ``VARLEN`` (one sequence, bounds passed as a tensor).
+    Rows ``[q_start, q_start + q_len)`` of q and ``[kv_start, kv_start + kv_len)`` of
+    k/v are padded up to ``q_bucket`` / ``kv_bucket`` rows.
+    """
+
+    kind: MaskMode
+    q_start: int
+    q_len: int
+    kv_start: int
+    kv_len: int
+    q_bucket: int
+    kv_bucket: int
+    causal: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    """Cache key of one compiled graph: equal keys can share one graph."""
+
+    kind: MaskMode
+    q_len: int
+    kv_len: int
+    causal: bool
+    spec: TensorSpec
+    impl: str
+    partition_len: int | None
+    backend: str
+
+    @classmethod
+    def for_call(cls, call: Call, spec: TensorSpec, impl: str,
+                 partition_len: int | None, backend: str) -> GraphKey:
+        return cls(call.kind, call.q_bucket, call.kv_bucket, call.causal, spec, impl,
+                   partition_len if impl == "flash" else None, backend)
+
+    def __str__(self) -> str:
+        s = self.spec
+        shape = f"q{self.q_len}" if self.q_len == self.kv_len else f"q{self.q_len}xkv{self.kv_len}"
+        part = f"/p{self.partition_len}" if self.partition_len else ""
+        part += "" if s.scale is None else f"/s{s.scale:g}"
+        kind = self.kind.value + ("" if self.causal else "-bidir")
+        return (f"{kind}/{shape}/{s.dtype}/h{s.heads}kv{s.kv_heads}d{s.head_dim}"
+                f"/{self.impl}{part}/{self.backend}")

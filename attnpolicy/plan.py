@@ -1,0 +1,41 @@
+"""Turn (layout, mode, bucketing) into the graph calls that compute it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from attnpolicy.keys import Call
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import MaskMode, check_legal
+
+
+def exact(n: int) -> int:
+    """The identity bucketing: every length is its own graph size."""
+    return n
+
+
+def plan_calls(layout: BatchLayout, mode: MaskMode,
+               bucket: Callable[[int], int] = exact) -> tuple[Call, ...]:
+    """The calls that compute ``layout`` in ``mode`` (raises if the mode is illegal).
+
+    VARLEN runs a causal sequence without context through the CAUSAL graph of its
+    bucket (mask-free, shared with single-sequence batches); any other sequence
+    (cached context, bidirectional) runs a per-sequence VARLEN graph whose bounds
+    arrive as a tensor, so it never needs a host-built mask either.
+    """
+    check_legal(mode, layout)
+    if mode is MaskMode.CAUSAL:
+        n = layout.q_tokens
+        b = bucket(n)
+        return (Call(MaskMode.CAUSAL, 0, n, 0, n, b, b, True),)
+    if mode is MaskMode.MASK:
+        return (Call(MaskMode.MASK, 0, layout.q_tokens, 0, layout.kv_tokens,
+                     bucket(layout.q_tokens), bucket(layout.kv_tokens), layout.causal),)
+    calls = []
+    for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
+        if layout.causal and ql == kl:
+            b = bucket(ql)
+            calls.append(Call(MaskMode.CAUSAL, qs, ql, ks, kl, b, b, True))
+        else:
+            calls.append(Call(MaskMode.VARLEN, qs, ql, ks, kl, bucket(ql), bucket(kl), layout.causal))
+    return tuple(calls)

@@ -1,0 +1,56 @@
+"""The Policy protocol and the read-only context a policy decides in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from attnpolicy.keys import GraphKey
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import Decision, MaskMode
+
+if TYPE_CHECKING:
+    from attnpolicy.config import AttnPolicyConfig
+    from attnpolicy.costmodel import CostModel
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Decides the mask mode of each batch.
+
+    A policy class has class attributes ``name`` and ``description`` and is built
+    with keyword options (``AttnPolicyConfig.policy_options``). ``decide`` must be a
+    pure function of the layout and the context, so that every tensor-parallel rank
+    takes the same decision.
+    """
+
+    name: str
+    description: str
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision: ...
+
+
+def _nothing_cached(key: GraphKey) -> bool:
+    return False
+
+
+def _no_keys(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may look at besides the layout (read-only).
+
+    - ``config``: the dispatcher's configuration (``None`` outside a dispatcher);
+    - ``is_cached(key)``: whether a graph is compiled and cached now;
+    - ``keys_for(layout, mode)``: the graph keys running ``layout`` in ``mode`` uses;
+    - ``cost_model``: run/compile cost estimates, if one is configured.
+    """
+
+    config: AttnPolicyConfig | None = None
+    is_cached: Callable[[GraphKey], bool] = _nothing_cached
+    keys_for: Callable[[BatchLayout, MaskMode], tuple[GraphKey, ...]] = _no_keys
+    cost_model: CostModel | None = None
+    extra: dict[str, Any] = field(default_factory=dict)

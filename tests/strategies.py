@@ -1,0 +1,53 @@
+"""Hypothesis strategies for batch layouts and matching tensors."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from attnpolicy.layout import BatchLayout
+
+MAX_LEN = 300
+
+
+@st.composite
+def layouts(draw, single: bool = False, max_seqs: int = 8) -> BatchLayout:
+    """1–8 sequences of 1–300 tokens; causal or bidirectional; with or without cached
+    context; unpadded, trailing-padded, or HF-style per-row padded."""
+    if single:
+        n = draw(st.integers(1, MAX_LEN))
+        return BatchLayout.from_lens([n])
+    k = draw(st.integers(1, max_seqs))
+    q_lens = draw(st.lists(st.integers(1, MAX_LEN), min_size=k, max_size=k))
+    causal = draw(st.booleans())
+    shape = draw(st.sampled_from(["packed", "context", "trailing-pad", "hf-pad"]))
+    if shape == "context":
+        extra = draw(st.lists(st.integers(0, 100), min_size=k, max_size=k))
+        return BatchLayout.from_lens(q_lens, [q + e for q, e in zip(q_lens, extra)], causal=causal)
+    if shape == "trailing-pad":
+        pad = draw(st.integers(1, 64))
+        return BatchLayout.from_lens(q_lens, causal=causal, padded_to=sum(q_lens) + pad)
+    if shape == "hf-pad":
+        width = max(q_lens) + draw(st.integers(0, 8))
+        left = draw(st.booleans())
+        mask = torch.zeros(k, width, dtype=torch.int64)
+        for row, n in enumerate(q_lens):
+            if left:
+                mask[row, width - n:] = 1
+            else:
+                mask[row, :n] = 1
+        return BatchLayout.from_padding_mask(mask, causal=causal)
+    return BatchLayout.from_lens(q_lens, causal=causal)
+
+
+@st.composite
+def qkv(draw, layout: BatchLayout, dtype: torch.dtype = torch.float32):
+    """Random q, k, v for ``layout`` with a GQA ratio of 1, 2 or 4."""
+    kv_heads, ratio = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))
+    head_dim = draw(st.sampled_from([8, 16]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(layout.q_tokens, kv_heads * ratio, head_dim, generator=g).to(dtype)
+    k = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v

@@ -1,0 +1,102 @@
+"""Every legal (mode, impl) against the independent per-sequence reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_for
+from strategies import layouts, qkv
+
+from attnpolicy.errors import IllegalModeError, LayoutError
+from attnpolicy.kernels import IMPLS, attend, attention
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import MaskMode
+
+# fp32 kernels against a float64 reference: rounding only.
+FP32_TOL = 1e-5
+# bf16 keeps 8 significant bits (eps 2**-8); inputs are identical bf16 values, so the
+# error is the rounding of the output (and, in SDPA's bf16 path, of the softmax
+# probabilities) to bf16: a few ulps of values of magnitude ≤ ~3. Four ulps at 1.0:
+BF16_TOL = 2**-6
+
+
+def _check(q, k, v, layout, mode, impl, partition_len):
+    out = attend(q, k, v, layout, mode, impl, partition_len=partition_len)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = reference_for(q, k, v, layout)
+    tol = FP32_TOL if q.dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", list(MaskMode))
+@settings(max_examples=300)
+@given(data=st.data())
+def test_every_legal_mode_and_impl_matches_reference(mode, impl, data):
+    layout = data.draw(layouts(single=mode is MaskMode.CAUSAL))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    q, k, v = data.draw(qkv(layout, dtype))
+    # At most ~16 partitions per call keeps the suite fast; sizes need not divide.
+    partition_len = None
+    if impl == "flash":
+        partition_len = max(data.draw(st.integers(1, 128)), -(-layout.kv_tokens // 16))
+    _check(q, k, v, layout, mode, impl, partition_len)
+
+
+@settings(max_examples=100)
+@given(layout=layouts(), data=st.data())
+def test_causal_is_refused_unless_single_unpadded_causal(layout, data):
+    q, k, v = data.draw(qkv(layout))
+    legal = layout.num_seqs == 1 and layout.causal and not layout.is_padded and not layout.has_context
+    if legal:
+        _check(q, k, v, layout, MaskMode.CAUSAL, "sdpa", None)
+    else:
+        with pytest.raises(IllegalModeError, match="mode=causal is illegal"):
+            attend(q, k, v, layout, MaskMode.CAUSAL)
+
+
+def test_padding_rows_are_zero():
+    layout = BatchLayout.from_lens([3, 4], padded_to=10)
+    q = torch.randn(10, 2, 8)
+    for mode in (MaskMode.MASK, MaskMode.VARLEN):
+        out = attend(q, q.clone(), q.clone(), layout, mode)
+        assert out[7:].abs().max() == 0
+
+
+def _tensors(q_tokens=6, kv_tokens=6, heads=4, kv_heads=2, d=8, dtype=torch.float32):
+    return (torch.randn(q_tokens, heads, d, dtype=dtype), torch.randn(kv_tokens, kv_heads, d, dtype=dtype),
+            torch.randn(kv_tokens, kv_heads, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, v: (q[:5], k, v), "q has 5 tokens but layout.q_tokens=6"),
+    (lambda q, k, v: (q, k[:5], v[:5]), "k has 5 tokens but layout.kv_tokens=6"),
+    (lambda q, k, v: (q, k, v[:, :1]), "k and v must have the same shape"),
+    (lambda q, k, v: (q[:, :3], k, v), r"kv heads \(2\) must divide q heads \(3\)"),
+    (lambda q, k, v: (q[..., :4], k, v), "head_dim differs: q has 4, k has 8"),
+    (lambda q, k, v: (q.double(), k, v), "dtype differs"),
+    (lambda q, k, v: (q[0], k, v), r"q must be a 3-D tensor"),
+])
+def test_bad_tensors_name_the_field(change, message):
+    layout = BatchLayout.from_lens([2, 4])
+    with pytest.raises(LayoutError, match=message):
+        attend(*change(*_tensors()), layout, MaskMode.MASK)
+
+
+def test_bad_impl_and_partition_len():
+    layout = BatchLayout.from_lens([6])
+    with pytest.raises(ValueError, match="partition_len must be >= 1, got 0"):
+        attend(*_tensors(), layout, "mask", "flash", partition_len=0)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        attend(*_tensors(), layout, "mask", "xformers")
+    with pytest.raises(ValueError, match="'bogus' is not a valid MaskMode"):
+        attend(*_tensors(), layout, "bogus")
+
+
+def test_flash_partitions_do_not_change_the_result():
+    q, k, v = (torch.randn(4, 50, 16) for _ in range(3))
+    full = attention(q, k, v, impl="flash", causal=True, partition_len=50)
+    for p in (1, 7, 16, 49):
+        torch.testing.assert_close(attention(q, k, v, impl="flash", causal=True, partition_len=p), full)
