@@ -1,0 +1,108 @@
+"""The guard: the boundary between a policy (possibly a third-party plugin) and the
+dispatcher. Whatever the policy does, :meth:`Guard.decide` returns a decision that
+is legal for the layout, or raises :class:`PolicyError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Literal
+
+from attnpolicy.errors import IllegalModeError, PolicyError
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import Decision, MaskMode, why_illegal
+from attnpolicy.plugins import get_plugin_manager, get_policy_info, make_policy
+from attnpolicy.policy import Policy, PolicyContext
+
+log = logging.getLogger("attnpolicy.guard")
+
+OnIllegal = Literal["raise", "fallback"]
+
+
+class Guard:
+    """Checks every decision of ``policy`` against the layout.
+
+    A policy that raises, returns something other than a :class:`Decision`, or
+    chooses a mode that is illegal for the layout is caught here. With
+    ``on_illegal="raise"`` that is a :class:`PolicyError` (chained to the cause);
+    with ``"fallback"`` the batch runs in ``fallback`` mode (MASK or VARLEN, both
+    always legal), the fallback is counted in :attr:`fallbacks` and
+    :attr:`fallback_reasons` (``"illegal"``, ``"exception"``, ``"bad-return"``) and
+    logged as a warning on the ``attnpolicy.guard`` logger. Each decision that runs
+    is reported to the ``attnpolicy_on_decision`` hook (``hook``: a plugin manager's
+    ``pm.hook``; default: the global manager's).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        policy_name: str,
+        plugin: str,
+        on_illegal: OnIllegal = "fallback",
+        fallback: MaskMode = MaskMode.VARLEN,
+        hook: Any = None,
+    ) -> None:
+        if on_illegal not in ("raise", "fallback"):
+            raise PolicyError(f"on_illegal must be 'raise' or 'fallback', got {on_illegal!r}")
+        try:
+            fallback = MaskMode(fallback)
+        except ValueError:
+            raise PolicyError(f"fallback must be a MaskMode, got {fallback!r}") from None
+        if fallback is MaskMode.CAUSAL:
+            raise PolicyError("fallback must be a mode legal for every layout (mask or varlen), got causal")
+        if hook is None:
+            hook = get_plugin_manager().hook
+        self.policy = policy
+        self.policy_name = policy_name
+        self.plugin = plugin
+        self.on_illegal: OnIllegal = on_illegal
+        self.fallback = fallback
+        self.fallbacks = 0
+        self.fallback_reasons: Counter[str] = Counter()
+        self._on_decision = hook.attnpolicy_on_decision
+        self._who = f"policy {policy_name!r} (plugin {plugin!r})"
+
+    @classmethod
+    def for_policy(
+        cls,
+        name: str,
+        options: dict[str, Any] | None = None,
+        *,
+        on_illegal: OnIllegal = "fallback",
+        fallback: MaskMode = MaskMode.VARLEN,
+    ) -> Guard:
+        """A guard around the registered policy ``name`` built with ``options``."""
+        info = get_policy_info(name)
+        return cls(make_policy(name, **(options or {})), name, info.plugin,
+                   on_illegal=on_illegal, fallback=fallback, hook=get_plugin_manager().hook)
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        """The policy's decision if it is legal for ``layout``, else see the class doc."""
+        try:
+            decision = self.policy.decide(layout, ctx)
+        except Exception as exc:
+            return self._failed("exception", f"{self._who} raised {type(exc).__name__}: {exc}",
+                                layout, exc)
+        if not isinstance(decision, Decision):
+            return self._failed(
+                "bad-return",
+                f"{self._who} returned {type(decision).__name__} {decision!r:.100}, not a Decision",
+                layout, None)
+        why = why_illegal(decision.mode, layout)
+        if why is not None:
+            what = f"{self._who} chose {decision.mode.value} for {layout.describe()}: {why}"
+            return self._failed("illegal", what, layout, IllegalModeError(what))
+        self._on_decision(layout=layout, decision=decision, policy=self.policy_name, fell_back=False)
+        return decision
+
+    def _failed(self, category: str, what: str, layout: BatchLayout,
+                cause: BaseException | None) -> Decision:
+        if self.on_illegal == "raise":
+            raise PolicyError(what) from cause
+        self.fallbacks += 1
+        self.fallback_reasons[category] += 1
+        log.warning("%s; fell back to %s", what, self.fallback.value)
+        decision = Decision(self.fallback, f"guard: {what}; fell back to {self.fallback.value}")
+        self._on_decision(layout=layout, decision=decision, policy=self.policy_name, fell_back=True)
+        return decision

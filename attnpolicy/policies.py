@@ -1,0 +1,109 @@
+"""Built-in policies, registered through the same hook third-party plugins use.
+
+They return shared, pre-built :class:`Decision` objects (reasons are cached), so
+deciding allocates nothing: the guard calls ``decide`` once per attention call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+from attnpolicy.hookspecs import hookimpl
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import Decision, MaskMode
+from attnpolicy.policy import PolicyContext
+
+_CAUSAL = Decision(MaskMode.CAUSAL, "single unpadded causal sequence")
+
+
+def why_not_causal(layout: BatchLayout) -> str | None:
+    """``None`` when CAUSAL is legal for ``layout``, else a short reason such as
+    ``"3 sequences packed"`` (the same rule as :func:`attnpolicy.modes.why_illegal`,
+    without building a message per call)."""
+    if layout.num_seqs != 1:
+        return _packed(layout.num_seqs)
+    if not layout.causal:
+        return "bidirectional"
+    if layout.is_padded:
+        return "padded"
+    if layout.has_context:
+        return "cached context"
+    return None
+
+
+@lru_cache(maxsize=1024)
+def _packed(num_seqs: int) -> str:
+    return f"{num_seqs} sequences packed"
+
+
+@lru_cache(maxsize=4096)
+def cached_decision(mode: MaskMode, reason: str) -> Decision:
+    """A shared, immutable ``Decision(mode, reason)``."""
+    return Decision(mode, reason)
+
+
+class AlwaysMask:
+    """Every batch runs one call with a dense mask (the seed's fixed behaviour)."""
+
+    name = "always-mask"
+    description = "MASK for every batch: one call with a dense mask (always legal)"
+
+    _decision = Decision(MaskMode.MASK, "always mask")
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        return self._decision
+
+
+class AlwaysCausal:
+    """CAUSAL for every batch: right only when every batch is one unpadded causal
+    sequence (a runtime with ``max_num_seqs=1`` and no prefix caching). On a packed,
+    padded, bidirectional or context batch CAUSAL is illegal: the guard raises, or
+    falls back to its safe mode and counts the fallback."""
+
+    name = "always-causal"
+    description = ("CAUSAL for every batch (max_num_seqs=1 runtimes); on any other "
+                   "batch the guard raises or falls back to its safe mode")
+
+    _decision = Decision(MaskMode.CAUSAL, "always causal")
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        return self._decision
+
+
+class _CausalWhenLegal:
+    """CAUSAL when it is legal, ``otherwise`` when it is not."""
+
+    otherwise: MaskMode
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        why = why_not_causal(layout)
+        if why is None:
+            return _CAUSAL
+        return cached_decision(self.otherwise, why)
+
+
+class Dynamic(_CausalWhenLegal):
+    """CAUSAL for a single unpadded causal sequence, a dense MASK otherwise."""
+
+    name = "dynamic"
+    description = "CAUSAL when legal (one unpadded causal sequence), MASK otherwise"
+    otherwise = MaskMode.MASK
+
+
+class Varlen(_CausalWhenLegal):
+    """CAUSAL when legal, otherwise one mask-free call per sequence: no dense
+    mask, and causal sequences reuse the CAUSAL graph of their length bucket."""
+
+    name = "varlen"
+    description = "CAUSAL when legal, otherwise VARLEN: one mask-free call per sequence"
+    otherwise = MaskMode.VARLEN
+
+
+BUILTIN_POLICIES = (AlwaysMask, AlwaysCausal, Dynamic, Varlen)
+
+
+@hookimpl
+def attnpolicy_register_policies(register: Callable[[type], None]) -> None:
+    for cls in BUILTIN_POLICIES:
+        register(cls)

@@ -1,0 +1,382 @@
+"""The plugin manager: direct registration, clashes, entry-point discovery, the example package."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import cachetools
+import pytest
+
+import attnpolicy.plugins as plugins
+from attnpolicy.errors import PluginError, PolicyError
+from attnpolicy.hookspecs import hookimpl
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import Decision, MaskMode
+from attnpolicy.plugins import (
+    eviction_registry,
+    failed_plugins,
+    get_plugin_manager,
+    make_policy,
+    policy_registry,
+    reset_plugin_manager,
+)
+from attnpolicy.policy import PolicyContext
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "plugins" / "attnpolicy-length-threshold"
+CTX = PolicyContext()
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugins(monkeypatch):
+    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def policy_class(name, mode=MaskMode.MASK):
+    return type(name, (), {
+        "name": name,
+        "description": f"{name} test policy",
+        "decide": lambda self, layout, ctx: Decision(mode, name),
+    })
+
+
+class Registers:
+    """A plugin object whose register hook calls ``register(*args)`` for each of ``items``."""
+
+    def __init__(self, *items):
+        self.items = items
+
+    @hookimpl
+    def attnpolicy_register_policies(self, register):
+        for item in self.items:
+            register(item)
+
+
+# -- (a) direct registration -----------------------------------------------------------
+
+
+def test_directly_registered_plugin_provides_a_policy():
+    cls = policy_class("direct", MaskMode.VARLEN)
+    get_plugin_manager().register(Registers(cls), name="direct-plugin")
+    info = policy_registry()["direct"]
+    assert (info.plugin, info.description, info.cls) == ("direct-plugin", "direct test policy", cls)
+    assert make_policy("direct").decide(BatchLayout.from_lens([4]), CTX).mode is MaskMode.VARLEN
+
+
+def test_registry_follows_registration_and_unregistration():
+    pm = get_plugin_manager()
+    before = policy_registry()
+    assert "late" not in before
+    pm.register(Registers(policy_class("late")), name="late-plugin")
+    assert policy_registry()["late"].plugin == "late-plugin"
+    pm.unregister(name="late-plugin")
+    assert policy_registry() == before
+
+
+def test_registry_is_cached_and_copies_are_safe_to_mutate():
+    calls = []
+
+    class Counting:
+        @hookimpl
+        def attnpolicy_register_policies(self, register):
+            calls.append(1)
+            register(policy_class("counted"))
+
+    get_plugin_manager().register(Counting(), name="counting")
+    first = policy_registry()
+    first.pop("counted")
+    assert "counted" in policy_registry()
+    assert len(calls) == 1
+
+
+# -- (b) clashes and broken register hooks ---------------------------------------------
+
+
+def test_duplicate_policy_name_names_both_plugins():
+    get_plugin_manager().register(Registers(policy_class("dynamic")), name="copycat")
+    with pytest.raises(PluginError) as info:
+        policy_registry()
+    message = str(info.value)
+    assert "'dynamic'" in message and "'attnpolicy.policies'" in message and "'copycat'" in message
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        (42, ["42", "not a class"]),
+        (type("NoName", (), {"description": "d", "decide": lambda self, layout, ctx: None}), ["'name'"]),
+        (type("NoDescr", (), {"name": "x", "decide": lambda self, layout, ctx: None}), ["'description'"]),
+        (type("NoDecide", (), {"name": "x", "description": "d"}), ["NoDecide", "decide()"]),
+    ],
+)
+def test_bad_policy_class_names_the_plugin(item, words):
+    get_plugin_manager().register(Registers(item), name="sloppy")
+    with pytest.raises(PluginError) as info:
+        policy_registry()
+    assert "'sloppy'" in str(info.value)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_register_hook_that_raises_names_the_plugin():
+    class Exploding:
+        @hookimpl
+        def attnpolicy_register_policies(self, register):
+            raise RuntimeError("kaput")
+
+    get_plugin_manager().register(Exploding(), name="exploding")
+    with pytest.raises(PluginError, match=r"'exploding'.*RuntimeError: kaput") as info:
+        policy_registry()
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_duplicate_eviction_name_names_both_plugins():
+    class Fifo:
+        def __init__(self, name):
+            self.name = name
+
+        @hookimpl
+        def attnpolicy_register_evictions(self, register):
+            register(self.name, lambda: cachetools.FIFOCache(maxsize=1))
+
+    pm = get_plugin_manager()
+    pm.register(Fifo("fifo-x"), name="one")
+    pm.register(Fifo("fifo-x"), name="two")
+    with pytest.raises(PluginError) as info:
+        eviction_registry()
+    assert all(w in str(info.value) for w in ("'fifo-x'", "'one'", "'two'"))
+
+
+def test_bad_eviction_factory_names_the_plugin():
+    class Bad:
+        @hookimpl
+        def attnpolicy_register_evictions(self, register):
+            register("bad", "not callable")
+
+    get_plugin_manager().register(Bad(), name="bad-evictions")
+    with pytest.raises(PluginError, match="'bad-evictions'.*'bad'"):
+        eviction_registry()
+
+
+# -- entry points, in process (fake entry points) --------------------------------------
+
+
+@pytest.fixture
+def fake_entry_points(monkeypatch, tmp_path):
+    (tmp_path / "ep_good.py").write_text(textwrap.dedent("""
+        from attnpolicy.hookspecs import hookimpl
+        from attnpolicy.modes import Decision, MaskMode
+
+        class Good:
+            name = "ep-good"
+            description = "from an entry point"
+            def decide(self, layout, ctx):
+                return Decision(MaskMode.MASK, "good")
+
+        @hookimpl
+        def attnpolicy_register_policies(register):
+            register(Good)
+    """))
+    (tmp_path / "ep_broken.py").write_text("raise ImportError('missing dependency xyz')\n")
+    (tmp_path / "ep_badhook.py").write_text(textwrap.dedent("""
+        from attnpolicy.hookspecs import hookimpl
+
+        @hookimpl
+        def attnpolicy_on_decision(layout, decision, policy, unknown_argument):
+            pass
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [EntryPoint(name, value, "attnpolicy") for name, value in
+           [("good", "ep_good"), ("broken", "ep_broken"), ("badhook", "ep_badhook")]]
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [e for e in eps if e.group == group])
+    monkeypatch.delenv("ATTNPOLICY_LOAD_PLUGINS")
+    for module in ("ep_good", "ep_broken", "ep_badhook"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+
+
+def test_failing_entry_points_warn_are_recorded_and_the_rest_loads(fake_entry_points):
+    with pytest.warns(UserWarning) as record:
+        pm = get_plugin_manager()
+    messages = "\n".join(str(w.message) for w in record)
+    assert "'broken'" in messages and "ImportError: missing dependency xyz" in messages
+    assert "'badhook'" in messages and "unknown_argument" in messages
+    failed = failed_plugins()
+    assert {"broken", "badhook"} <= set(failed)
+    assert "ep_broken" in failed["broken"]
+    assert not pm.has_plugin("badhook")
+    registry = policy_registry()
+    assert registry["ep-good"].plugin == "good"
+    assert registry["dynamic"].plugin == "attnpolicy.policies"
+
+
+@pytest.mark.parametrize(("env", "loaded"), [("", set()), ("good", {"good"}), (" good ,, ", {"good"})])
+def test_load_plugins_env_restricts_entry_points(fake_entry_points, monkeypatch, env, loaded):
+    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", env)
+    reset_plugin_manager()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pm = get_plugin_manager()
+    assert not [w for w in record if "broken" in str(w.message) or "badhook" in str(w.message)]
+    assert {n for n in ("good", "broken", "badhook") if pm.has_plugin(n)} == loaded
+    assert ("ep-good" in policy_registry()) == ("good" in loaded)
+    assert not {"good", "broken", "badhook"} & set(failed_plugins())
+    assert "ep_broken" not in sys.modules  # skipped plugins are not even imported
+
+
+def test_load_plugins_env_warns_about_unknown_names(fake_entry_points, monkeypatch):
+    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "good,nope")
+    reset_plugin_manager()
+    with pytest.warns(UserWarning, match="ATTNPOLICY_LOAD_PLUGINS names 'nope'"):
+        get_plugin_manager()
+    assert policy_registry()["ep-good"].plugin == "good"
+
+
+# -- (c) entry-point discovery in a subprocess ------------------------------------------
+
+LIST_POLICIES = (
+    "import json; from attnpolicy.plugins import policy_registry, failed_plugins; "
+    "print(json.dumps({'policies': {n: i.plugin for n, i in policy_registry().items()}, "
+    "'failed': sorted(failed_plugins())}))"
+)
+RUN_CLI = (
+    "import argparse, sys; from attnpolicy.cli.policies import register; "
+    "p = argparse.ArgumentParser(prog='attnpolicy'); register(p.add_subparsers(required=True)); "
+    "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+)
+
+
+def run_python(code, path, load_plugins=None, args=()):
+    env = {k: v for k, v in os.environ.items() if k != "ATTNPOLICY_LOAD_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(path), str(REPO)])
+    if load_plugins is not None:
+        env["ATTNPOLICY_LOAD_PLUGINS"] = load_plugins
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=path,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def demo_distribution(tmp_path):
+    (tmp_path / "demo_plugin.py").write_text(textwrap.dedent("""
+        from attnpolicy.hookspecs import hookimpl
+        from attnpolicy.modes import Decision, MaskMode
+
+        class Demo:
+            name = "demo"
+            description = "demo policy from an installed distribution"
+            def decide(self, layout, ctx):
+                return Decision(MaskMode.MASK, "demo")
+
+        @hookimpl
+        def attnpolicy_register_policies(register):
+            register(Demo)
+    """))
+    (tmp_path / "broken_plugin.py").write_text("raise RuntimeError('broken on purpose')\n")
+    info = tmp_path / "attnpolicy_demo-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: attnpolicy-demo\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[attnpolicy]\ndemo-plugin = demo_plugin\nbroken-plugin = broken_plugin\n")
+    return tmp_path
+
+
+def listed(result):
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_entry_point_plugins_are_discovered(demo_distribution):
+    result = run_python(LIST_POLICIES, demo_distribution)
+    out = listed(result)
+    assert out["policies"]["demo"] == "demo-plugin"
+    assert out["policies"]["dynamic"] == "attnpolicy.policies"
+    assert "broken-plugin" in out["failed"]
+    assert "'broken-plugin'" in result.stderr and "RuntimeError: broken on purpose" in result.stderr
+
+
+def test_entry_point_plugins_can_be_disabled(demo_distribution):
+    result = run_python(LIST_POLICIES, demo_distribution, load_plugins="")
+    out = listed(result)
+    assert "demo" not in out["policies"] and "dynamic" in out["policies"]
+    assert "broken-plugin" not in result.stderr
+
+
+def test_entry_point_plugins_can_be_selected(demo_distribution):
+    result = run_python(LIST_POLICIES, demo_distribution, load_plugins="demo-plugin")
+    out = listed(result)
+    assert out["policies"]["demo"] == "demo-plugin"
+    assert "broken-plugin" not in out["failed"] and "broken-plugin" not in result.stderr
+
+
+# -- the example package -------------------------------------------------------------------
+
+
+@pytest.fixture
+def length_threshold_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    monkeypatch.delitem(sys.modules, "attnpolicy_length_threshold", raising=False)
+    import attnpolicy_length_threshold
+
+    get_plugin_manager().register(attnpolicy_length_threshold, name="length-threshold")
+    return attnpolicy_length_threshold
+
+
+@pytest.mark.parametrize(
+    ("lens", "kv_lens", "threshold", "mode"),
+    [
+        ([100, 200], None, 512, MaskMode.MASK),
+        ([600], None, 512, MaskMode.CAUSAL),
+        ([100, 600], None, 512, MaskMode.VARLEN),
+        ([100, 200], None, 150, MaskMode.VARLEN),
+        ([16], [600], 512, MaskMode.VARLEN),  # short queries, long context: measured on keys
+        ([511], None, 512, MaskMode.MASK),
+        ([512], None, 512, MaskMode.CAUSAL),
+    ],
+)
+def test_length_threshold_policy(length_threshold_module, lens, kv_lens, threshold, mode):
+    policy = make_policy("length-threshold", threshold=threshold)
+    assert policy.decide(BatchLayout.from_lens(lens, kv_lens), CTX).mode is mode
+    assert policy_registry()["length-threshold"].plugin == "length-threshold"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "512", True])
+def test_length_threshold_validates_threshold(length_threshold_module, bad):
+    with pytest.raises(PolicyError, match="threshold") as info:
+        make_policy("length-threshold", threshold=bad)
+    assert repr(bad) in str(info.value)
+
+
+@pytest.mark.slow
+def test_example_package_installs_and_is_used(tmp_path):
+    src, target = tmp_path / "src", tmp_path / "site"
+    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(src)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    rows = listed(run_python(RUN_CLI, target, args=["policies", "--json"]))
+    assert {"name": "length-threshold", "plugin": "length-threshold",
+            "description": rows[[r["name"] for r in rows].index("length-threshold")]["description"]} in rows
+
+    def decide(*extra):
+        return listed(run_python(RUN_CLI, target, args=[
+            "decide", "--policy", "length-threshold", "--seq-lens", "100,200", "--json", *extra]))
+
+    assert decide() == {"policy": "length-threshold", "mode": "mask",
+                        "reason": "longest sequence < 512 tokens", "fell_back": False}
+    assert decide("--option", "threshold=150")["mode"] == "varlen"
+    bad = run_python(RUN_CLI, target, args=["decide", "--policy", "length-threshold",
+                                            "--seq-lens", "8", "--option", "threshold=0"])
+    assert bad.returncode == 2 and "threshold" in bad.stderr
+    assert "length-threshold" not in listed(run_python(LIST_POLICIES, target, load_plugins=""))["policies"]

@@ -1,0 +1,200 @@
+"""Built-in policies (through the plugin manager) and the `policies` / `decide` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnpolicy.cli.policies import register
+from attnpolicy.errors import PolicyError
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import Decision, MaskMode, is_legal
+from attnpolicy.plugins import make_policy, policy_registry, reset_plugin_manager
+from attnpolicy.policies import why_not_causal
+from attnpolicy.policy import PolicyContext
+
+CTX = PolicyContext()
+LAYOUTS = {
+    "single": BatchLayout.from_lens([512]),
+    "packed": BatchLayout.from_lens([100, 200, 300]),
+    "padded": BatchLayout.from_lens([500], padded_to=512),
+    "bidirectional": BatchLayout.from_lens([512], causal=False),
+    "context": BatchLayout.from_lens([16], [512]),
+}
+REASONS = {
+    "packed": "3 sequences packed",
+    "padded": "padded",
+    "bidirectional": "bidirectional",
+    "context": "cached context",
+}
+C, M, V = MaskMode.CAUSAL, MaskMode.MASK, MaskMode.VARLEN
+EXPECTED = {  # policy -> mode per layout, in LAYOUTS order
+    "always-mask": (M, M, M, M, M),
+    "always-causal": (C, C, C, C, C),
+    "dynamic": (C, M, M, M, M),
+    "varlen": (C, V, V, V, V),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugins(monkeypatch):
+    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def test_builtins_are_registered_by_the_policies_plugin():
+    registry = policy_registry()
+    for name in EXPECTED:
+        info = registry[name]
+        assert info.name == name
+        assert info.plugin == "attnpolicy.policies"
+        assert info.description
+        assert info.cls.name == name
+
+
+@pytest.mark.parametrize("policy", sorted(EXPECTED))
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_builtin_modes(policy, layout_name):
+    decision = make_policy(policy).decide(LAYOUTS[layout_name], CTX)
+    assert isinstance(decision, Decision)
+    assert decision.mode is EXPECTED[policy][list(LAYOUTS).index(layout_name)]
+    assert decision.reason
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "varlen"])
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_causal_when_legal_reasons(policy, layout_name):
+    decision = make_policy(policy).decide(LAYOUTS[layout_name], CTX)
+    assert decision.reason == REASONS.get(layout_name, "single unpadded causal sequence")
+
+
+def test_dynamic_and_varlen_only_choose_legal_modes():
+    for policy in ("dynamic", "varlen", "always-mask"):
+        p = make_policy(policy)
+        for layout in LAYOUTS.values():
+            assert is_legal(p.decide(layout, CTX).mode, layout)
+
+
+def test_always_causal_is_illegal_on_a_packed_batch():
+    layout = LAYOUTS["packed"]
+    assert not is_legal(make_policy("always-causal").decide(layout, CTX).mode, layout)
+
+
+@given(
+    lens=st.lists(st.integers(1, 64), min_size=1, max_size=4),
+    extra_ctx=st.integers(0, 8),
+    pad=st.integers(0, 8),
+    causal=st.booleans(),
+)
+def test_why_not_causal_agrees_with_the_legality_rule(lens, extra_ctx, pad, causal):
+    kv = [n + extra_ctx for n in lens]
+    layout = (BatchLayout.from_lens(lens, kv, causal=causal) if extra_ctx
+              else BatchLayout.from_lens(lens, causal=causal, padded_to=sum(lens) + pad))
+    assert (why_not_causal(layout) is None) == is_legal(MaskMode.CAUSAL, layout)
+
+
+def test_unknown_policy_lists_known_names():
+    with pytest.raises(PolicyError) as info:
+        make_policy("nope")
+    message = str(info.value)
+    assert "'nope'" in message
+    for name in EXPECTED:
+        assert name in message
+
+
+def test_bad_options_name_policy_and_options():
+    with pytest.raises(PolicyError) as info:
+        make_policy("dynamic", threshold=3)
+    message = str(info.value)
+    assert "'dynamic'" in message and "threshold" in message and "attnpolicy.policies" in message
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+# -- CLI --------------------------------------------------------------------------
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="attnpolicy")
+    register(parser.add_subparsers(required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_policies_json(capsys):
+    assert run_cli(["policies", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by_name = {r["name"]: r for r in rows}
+    assert set(EXPECTED) <= set(by_name)
+    assert by_name["dynamic"]["plugin"] == "attnpolicy.policies"
+    assert by_name["dynamic"]["description"] == policy_registry()["dynamic"].description
+
+
+def test_cli_policies_table(capsys):
+    assert run_cli(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in EXPECTED:
+        assert name in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "mode", "fell_back"),
+    [
+        (["--policy", "dynamic", "--seq-lens", "512"], "causal", False),
+        (["--policy", "dynamic", "--seq-lens", "100,200"], "mask", False),
+        (["--policy", "varlen", "--seq-lens", "100,200"], "varlen", False),
+        (["--policy", "dynamic", "--seq-lens", "64", "--bidirectional"], "mask", False),
+        (["--policy", "varlen", "--seq-lens", "16", "--kv-lens", "512"], "varlen", False),
+        (["--policy", "always-causal", "--seq-lens", "100,200"], "varlen", True),
+        (["--policy", "always-causal", "--seq-lens", "100,200", "--fallback", "mask"], "mask", True),
+    ],
+)
+def test_cli_decide_json(capsys, argv, mode, fell_back):
+    assert run_cli(["decide", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == argv[1]
+    assert out["mode"] == mode
+    assert out["fell_back"] is fell_back
+    assert out["reason"].startswith("guard:") is fell_back
+
+
+def test_cli_decide_text(capsys):
+    assert run_cli(["decide", "--policy", "dynamic", "--seq-lens", "1,2,3"]) == 0
+    assert capsys.readouterr().out.strip() == "dynamic: mask (3 sequences packed)"
+
+
+def test_cli_decide_unknown_policy(capsys):
+    assert run_cli(["decide", "--policy", "nope", "--seq-lens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "dynamic" in err and "always-mask" in err
+
+
+def test_cli_decide_bad_option(capsys):
+    assert run_cli(["decide", "--policy", "varlen", "--seq-lens", "8", "--option", "x=1"]) == 2
+    assert "'varlen'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["abc", "1,,2", "0", "-3", ""])
+def test_cli_decide_bad_seq_lens(capsys, value):
+    with pytest.raises(SystemExit) as info:
+        run_cli(["decide", "--policy", "dynamic", "--seq-lens", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seq-lens" in err and repr(value) in err
+
+
+def test_cli_decide_inconsistent_kv_lens(capsys):
+    assert run_cli(["decide", "--policy", "dynamic", "--seq-lens", "8,8", "--kv-lens", "8"]) == 2
+    assert "kv_lens" in capsys.readouterr().err
+
+
+def test_cli_decide_on_illegal_raise(capsys):
+    argv = ["decide", "--policy", "always-causal", "--seq-lens", "4,4", "--on-illegal", "raise"]
+    assert run_cli(argv) == 1
+    err = capsys.readouterr().err
+    assert "always-causal" in err and "attnpolicy.policies" in err
