@@ -1,0 +1,334 @@
+"""GraphCache: compiled graphs by key, bounded by count and bytes, single-flight, observable.
+
+See ``docs/cache.md`` for what each statistic means and how eviction works.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from time import perf_counter
+from typing import Any, Generic, Literal, TypeVar
+
+import cachetools
+
+from attnpolicy import plugins
+from attnpolicy.errors import AttnPolicyError, ConfigError, GraphCompileError, GraphTooLargeError, PluginError
+
+V = TypeVar("V")
+Oversize = Literal["raise", "uncached"]
+
+
+@dataclass(slots=True)
+class _KeyStats:
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0
+    evictions: int = 0
+    compile_seconds: float = 0.0
+    bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Entry(Generic[V]):
+    value: V
+    nbytes: int
+    stats: _KeyStats
+
+
+def _zero_bytes(key: Hashable) -> int:
+    return 0
+
+
+def _check_bound(field: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{field} must be an int >= 1 or None, got {value!r}")
+
+
+def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache:
+    """An empty ordering structure for the registered eviction strategy ``name``."""
+    registry = plugins.eviction_registry()
+    info = registry.get(name)
+    if info is None:
+        raise ConfigError(f"unknown eviction {name!r}; known evictions: {', '.join(sorted(registry))}")
+    try:
+        structure = info.factory(**(options or {}))
+    except Exception as exc:
+        raise ConfigError(
+            f"eviction {name!r} (plugin {info.plugin!r}) rejected eviction_options {options!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(structure, cachetools.Cache) or len(structure):
+        raise PluginError(
+            f"eviction {name!r} (plugin {info.plugin!r}) factory returned {structure!r}, "
+            "not an empty cachetools.Cache"
+        )
+    return structure
+
+
+class GraphCache(Generic[V]):
+    """Compiled graphs by key, never holding more than ``max_graphs`` graphs or ``max_bytes`` bytes.
+
+    - ``eviction``: a registered strategy name (``lru``, ``lfu``, ``fifo``, ``cost``,
+      ``belady`` or a plugin's), built with ``eviction_options`` as keyword options.
+    - ``sizeof(key)``: a graph's bytes, known before building (default: 0), so that a
+      graph larger than ``max_bytes`` is refused without compiling: ``oversize="raise"``
+      raises :class:`GraphTooLargeError`, ``"uncached"`` builds it and returns it
+      without caching (counted in ``uncached``).
+    - ``on_compile(key, seconds, nbytes)``, ``on_evict(key, nbytes)`` observe;
+      ``release(key, value)`` frees an evicted or cleared graph (e.g.
+      :func:`attnpolicy.compile.release_graph`). Callbacks run in the requesting
+      thread, outside the lock, after the cache state is updated.
+
+    Thread-safe. A key missing in several threads at once is built once (single
+    flight); the other threads wait and count as hits and as waits. Builds run
+    outside the lock, so other keys proceed. A failed build caches nothing and
+    raises :class:`GraphCompileError` (also in the waiting threads); the next
+    request builds again.
+    """
+
+    def __init__(
+        self,
+        max_graphs: int | None = None,
+        max_bytes: int | None = None,
+        eviction: str = "lru",
+        sizeof: Callable[[Hashable], int] | None = None,
+        oversize: Oversize = "raise",
+        on_compile: Callable[[Hashable, float, int], None] | None = None,
+        on_evict: Callable[[Hashable, int], None] | None = None,
+        release: Callable[[Hashable, V], None] | None = None,
+        eviction_options: dict[str, Any] | None = None,
+    ) -> None:
+        _check_bound("max_graphs", max_graphs)
+        _check_bound("max_bytes", max_bytes)
+        if oversize not in ("raise", "uncached"):
+            raise ConfigError(f"oversize must be 'raise' or 'uncached', got {oversize!r}")
+        for field, fn in (("sizeof", sizeof), ("on_compile", on_compile),
+                          ("on_evict", on_evict), ("release", release)):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{field} must be callable or None, got {fn!r}")
+        self.max_graphs = max_graphs
+        self.max_bytes = max_bytes
+        self.eviction = eviction
+        self.oversize = oversize
+        self._order: cachetools.Cache = make_eviction(eviction, eviction_options)
+        self._note = getattr(self._order, "note", None)
+        self._sizeof = sizeof or _zero_bytes
+        self._on_compile = on_compile
+        self._on_evict = on_evict
+        self._release = release
+        self._lock = threading.Lock()
+        self._inflight: dict[Hashable, Future[V]] = {}
+        self._per_key: dict[Hashable, _KeyStats] = {}
+        self._bytes = 0
+        self._zero_counters()
+
+    def _zero_counters(self) -> None:
+        self._hits = self._misses = self._evictions = 0
+        self._compiles = self._compile_failures = self._waits = self._uncached = 0
+        self._compile_seconds = 0.0
+        self._peak_graphs = len(self._order)
+        self._peak_bytes = self._bytes
+
+    # -- the hot path ---------------------------------------------------------------
+
+    def get_or_compile(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The graph for ``key``, calling ``build()`` (once, whatever the threads) on a miss."""
+        with self._lock:
+            try:
+                entry = self._order[key]
+            except KeyError:
+                pass
+            else:
+                self._hits += 1
+                entry.stats.hits += 1
+                return entry.value
+        return self._miss(key, build)
+
+    # -- misses ---------------------------------------------------------------------
+
+    def _miss(self, key: Hashable, build: Callable[[], V]) -> V:
+        with self._lock:
+            if key in self._order:  # built by another thread since the hot path looked
+                entry = self._order[key]
+                self._hits += 1
+                entry.stats.hits += 1
+                return entry.value
+            stats = self._per_key.get(key)
+            if stats is None:
+                stats = self._per_key[key] = _KeyStats()
+            future = self._inflight.get(key)
+            owner = future is None
+            if owner:
+                self._misses += 1
+                stats.misses += 1
+                future = self._inflight[key] = Future()
+            else:
+                self._hits += 1
+                self._waits += 1
+                stats.hits += 1
+        if owner:
+            return self._compile(key, build, future, stats)
+        return self._wait(key, future)
+
+    def _wait(self, key: Hashable, future: Future[V]) -> V:
+        exc = future.exception()  # blocks until the owner finishes
+        if exc is None:
+            return future.result()
+        if isinstance(exc, AttnPolicyError):  # a fresh copy per thread, same message and cause
+            raise type(exc)(*exc.args) from exc.__cause__
+        raise GraphCompileError(
+            f"building the graph for key {key} failed in another thread: {type(exc).__name__}: {exc}"
+        ) from exc
+
+    def _compile(self, key: Hashable, build: Callable[[], V], future: Future[V], stats: _KeyStats) -> V:
+        try:
+            nbytes = self._sizeof(key)
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+                raise ConfigError(f"sizeof({key}) returned {nbytes!r}; it must be an int >= 0")
+            cached = self.max_bytes is None or nbytes <= self.max_bytes
+            if not cached and self.oversize == "raise":
+                raise GraphTooLargeError(
+                    f"the graph for key {key} needs {nbytes} bytes, more than max_bytes={self.max_bytes}"
+                )
+            start = perf_counter()
+            try:
+                value = build()
+            except Exception as exc:
+                raise GraphCompileError(
+                    f"building the graph for key {key} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            seconds = perf_counter() - start
+        except BaseException as exc:
+            with self._lock:
+                del self._inflight[key]
+                if isinstance(exc, GraphCompileError):
+                    self._compile_failures += 1
+            future.set_exception(exc)
+            raise
+
+        try:
+            with self._lock:
+                del self._inflight[key]
+                self._compiles += 1
+                self._compile_seconds += seconds
+                stats.compiles += 1
+                stats.compile_seconds += seconds
+                stats.bytes = nbytes
+                if cached:
+                    victims = self._insert(key, _Entry(value, nbytes, stats), seconds)
+                else:
+                    self._uncached += 1
+                    victims = []
+        except BaseException as exc:  # a failing eviction strategy: never leave waiters hanging
+            future.set_exception(exc)
+            raise
+        future.set_result(value)
+        self._released(victims, evicted=True)
+        if self._on_compile is not None:
+            self._on_compile(key, seconds, nbytes)
+        return value
+
+    def _insert(self, key: Hashable, entry: _Entry[V], seconds: float) -> list[tuple[Hashable, _Entry[V]]]:
+        """Evict until ``entry`` fits, then insert it. Call with the lock held."""
+        order = self._order
+        victims = []
+        while ((self.max_graphs is not None and len(order) >= self.max_graphs)
+               or (self.max_bytes is not None and self._bytes + entry.nbytes > self.max_bytes)):
+            victim_key, victim = order.popitem()
+            self._bytes -= victim.nbytes
+            self._evictions += 1
+            victim.stats.evictions += 1
+            victims.append((victim_key, victim))
+        if self._note is not None:
+            self._note(key, cost=seconds, size=entry.nbytes)
+        order[key] = entry
+        self._bytes += entry.nbytes
+        self._peak_graphs = max(self._peak_graphs, len(order))
+        self._peak_bytes = max(self._peak_bytes, self._bytes)
+        return victims
+
+    def _released(self, entries: list[tuple[Hashable, _Entry[V]]], *, evicted: bool) -> None:
+        for key, entry in entries:
+            if self._release is not None:
+                self._release(key, entry.value)
+            if evicted and self._on_evict is not None:
+                self._on_evict(key, entry.nbytes)
+
+    # -- management -----------------------------------------------------------------
+
+    def warmup(self, items: Iterable[tuple[Hashable, Callable[[], V]]]) -> None:
+        """Build each ``(key, build)`` not cached yet, exactly as requests would (counted)."""
+        for key, build in items:
+            self.get_or_compile(key, build)
+
+    def evict(self, key: Hashable) -> bool:
+        """Evict ``key`` now (counted as an eviction, released, ``on_evict`` fires).
+        Returns whether it was cached."""
+        with self._lock:
+            entry = self._order.pop(key, None)
+            if entry is None:
+                return False
+            self._bytes -= entry.nbytes
+            self._evictions += 1
+            entry.stats.evictions += 1
+        self._released([(key, entry)], evicted=True)
+        return True
+
+    def clear(self) -> None:
+        """Drop every graph, calling ``release`` for each. Not counted as evictions and
+        ``on_evict`` does not fire: clearing is an administrative reset, not pressure."""
+        with self._lock:
+            entries = list(self._order.items())
+            self._order.clear()
+            self._bytes = 0
+        self._released(entries, evicted=False)
+
+    def reset_stats(self) -> None:
+        """Zero every counter (per key too; a key's ``bytes`` stays) and reset the
+        peaks to the current contents. Cached graphs stay."""
+        with self._lock:
+            self._zero_counters()
+            for stats in self._per_key.values():
+                stats.hits = stats.misses = stats.compiles = stats.evictions = 0
+                stats.compile_seconds = 0.0
+
+    # -- inspection -----------------------------------------------------------------
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` is cached now; no statistics or recency side effect."""
+        with self._lock:
+            return key in self._order
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._order)
+
+    def keys(self) -> list[Hashable]:
+        """A snapshot of the cached keys."""
+        with self._lock:
+            return list(self._order)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters, the contents and per-key figures (see docs/cache.md)."""
+        with self._lock:
+            return {
+                "hits": self._hits,
+                "misses": self._misses,
+                "evictions": self._evictions,
+                "compiles": self._compiles,
+                "compile_failures": self._compile_failures,
+                "compile_seconds": self._compile_seconds,
+                "waits": self._waits,
+                "uncached": self._uncached,
+                "graphs": len(self._order),
+                "bytes": self._bytes,
+                "peak_graphs": self._peak_graphs,
+                "peak_bytes": self._peak_bytes,
+                "max_graphs": self.max_graphs,
+                "max_bytes": self.max_bytes,
+                "eviction": self.eviction,
+                "per_key": {str(key): asdict(stats) for key, stats in self._per_key.items()},
+            }
