@@ -46,12 +46,15 @@ def _allowed(lq: int, lk: int, causal: bool, mask: torch.Tensor | None,
 
 
 def _sdpa(q, k, v, causal, mask, scale, partition_len):
+    # SDPA's fused CPU/CUDA kernels take [batch, heads, L, D]; 3-D input falls back
+    # to the (several times slower) math path, so add a batch dimension.
     lq, lk = q.shape[-2], k.shape[-2]
     gqa = q.shape[-3] != k.shape[-3]
+    q, k, v = q[None], k[None], v[None]
     if causal and mask is None and lq == lk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[0]
     allowed = _allowed(lq, lk, causal, mask, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)[0]
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -2,7 +2,7 @@
 
 A mask describes which keys each query row may attend; it materialises a dense
 tensor only when a MASK graph needs one. Construction is vectorised (one
-broadcast comparison, no Python loop over tokens) and dense tensors are cached
+block write per sequence, no Python loop over tokens) and dense tensors are cached
 by (layout, shape), so a repeated layout costs nothing to rebuild.
 """
 
@@ -19,14 +19,6 @@ from attnpolicy.layout import BatchLayout
 DENSE_CACHE_SIZE = 16
 
 
-def _row_ids(starts: tuple[int, ...], lens: tuple[int, ...], rows: int) -> torch.Tensor:
-    """Sequence id of each row (-1 for padding rows)."""
-    ids = torch.full((rows,), -1, dtype=torch.int32)
-    for i, (s, n) in enumerate(zip(starts, lens)):
-        ids[s:s + n] = i
-    return ids
-
-
 @dataclass(frozen=True)
 class BlockDiagonalMask:
     """Each query attends every key of its own sequence (bidirectional blocks).
@@ -37,23 +29,29 @@ class BlockDiagonalMask:
 
     layout: BatchLayout
 
-    def _parts(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        lay = self.layout
-        if rows < lay.q_tokens or cols < lay.kv_tokens:
-            raise ValueError(
-                f"mask shape ({rows}, {cols}) is smaller than the layout ({lay.q_tokens}, {lay.kv_tokens})"
-            )
-        q_ids = _row_ids(lay.q_starts, lay.q_lens, rows)
-        k_ids = _row_ids(lay.kv_starts, lay.kv_lens, cols)
-        allowed = q_ids[:, None] == k_ids[None, :]
-        allowed |= (q_ids < 0)[:, None]
-        return allowed, q_ids, k_ids
+    def _block(self, q_len: int, kv_len: int) -> torch.Tensor | bool:
+        return True
 
     def materialize(self, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
-        """Build a fresh dense boolean mask ``[rows, cols]`` (True = attend), uncached."""
-        rows = self.layout.q_tokens if rows is None else rows
-        cols = self.layout.kv_tokens if cols is None else cols
-        return self._parts(rows, cols)[0]
+        """Build a fresh dense boolean mask ``[rows, cols]`` (True = attend), uncached.
+
+        Padded to ``rows × cols`` (a bucket); one block write per sequence, so the
+        cost is one allocation plus the blocks, not a comparison per token pair.
+        """
+        lay = self.layout
+        rows = lay.q_tokens if rows is None else rows
+        cols = lay.kv_tokens if cols is None else cols
+        if rows < lay.q_tokens or cols < lay.kv_tokens:
+            raise ValueError(f"mask shape ({rows}, {cols}) is smaller than the layout "
+                             f"({lay.q_tokens}, {lay.kv_tokens})")
+        allowed = torch.zeros(rows, cols, dtype=torch.bool)
+        real = torch.zeros(rows, dtype=torch.bool)
+        for qs, ql, ks, kl in zip(lay.q_starts, lay.q_lens, lay.kv_starts, lay.kv_lens):
+            allowed[qs:qs + ql, ks:ks + kl] = self._block(ql, kl)
+            real[qs:qs + ql] = True
+        if lay.is_padded or rows > lay.q_tokens:
+            allowed[~real] = True
+        return allowed
 
     def dense(self, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
         """The dense boolean mask, cached per (mask, shape). Do not modify it."""
@@ -74,16 +72,8 @@ class BlockDiagonalCausalMask(BlockDiagonalMask):
     """Causal within each sequence, aligned bottom-right: query ``j`` of a sequence
     with ``c`` cached context keys sees keys ``0 .. c + j``."""
 
-    def _parts(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        allowed, q_ids, k_ids = super()._parts(rows, cols)
-        lay = self.layout
-        q_pos = torch.zeros(rows, dtype=torch.int32)
-        k_pos = torch.zeros(cols, dtype=torch.int32)
-        for qs, ql, ks, kl in zip(lay.q_starts, lay.q_lens, lay.kv_starts, lay.kv_lens):
-            q_pos[qs:qs + ql] = torch.arange(kl - ql, kl, dtype=torch.int32)
-            k_pos[ks:ks + kl] = torch.arange(kl, dtype=torch.int32)
-        allowed &= (k_pos[None, :] <= q_pos[:, None]) | (q_ids < 0)[:, None]
-        return allowed, q_ids, k_ids
+    def _block(self, q_len: int, kv_len: int) -> torch.Tensor | bool:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril_(diagonal=kv_len - q_len)
 
 
 @lru_cache(maxsize=DENSE_CACHE_SIZE)

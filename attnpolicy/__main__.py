@@ -1,0 +1,5 @@
+import sys
+
+from attnpolicy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,138 @@
+"""The seed experiment: mask vs mask-free attention, timed side by side.
+
+For each total length L and sequence count n (n sequences of about L/n tokens):
+n = 1 compares CAUSAL with MASK, n > 1 compares MASK with VARLEN. Modes are
+interleaved within each repeat so drift on a shared machine hits all alike.
+MASK's time includes building its dense mask on the host (uncached): that is
+the cost the seed measured; the build is also reported on its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from attnpolicy.kernels import attend, graph_fn
+from attnpolicy.layout import BatchLayout
+from attnpolicy.masks import mask_for
+from attnpolicy.modes import MaskMode
+from attnpolicy.plan import plan_calls
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    seq_len: int
+    num_seqs: int
+    mode: str
+    impl: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    mask_build_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    seqs: tuple[int, ...] = (1, 4)
+    repeats: int = 5
+    warmup: int = 1
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    impl: str = "sdpa"
+    partition_len: int | None = None
+    threads: int | None = None
+    seed: int = 0
+
+
+def split_lengths(total: int, n: int) -> list[int]:
+    """``n`` lengths summing to ``total``, as equal as possible."""
+    base, extra = divmod(total, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def modes_for(num_seqs: int) -> tuple[MaskMode, MaskMode]:
+    return (MaskMode.CAUSAL, MaskMode.MASK) if num_seqs == 1 else (MaskMode.MASK, MaskMode.VARLEN)
+
+
+def _timed_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, float]:
+    """Total and mask-build seconds of one MASK call that builds its mask afresh."""
+    (call,) = plan_calls(layout, MaskMode.MASK)
+    fn = graph_fn(call, s.impl, None, s.partition_len)
+    t0 = time.perf_counter()
+    mask = mask_for(layout).materialize()
+    t1 = time.perf_counter()
+    fn(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask).transpose(0, 1)
+    return time.perf_counter() - t0, t1 - t0
+
+
+def _timed(q, k, v, layout: BatchLayout, mode: MaskMode, s: BenchSettings) -> tuple[float, float | None]:
+    if mode is MaskMode.MASK:
+        return _timed_mask(q, k, v, layout, s)
+    t0 = time.perf_counter()
+    attend(q, k, v, layout, mode, s.impl, partition_len=s.partition_len)
+    return time.perf_counter() - t0, None
+
+
+def run_bench(s: BenchSettings, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+    """Time every (length, n, mode) of ``s``; returns one row per (length, n, mode)."""
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    dtype = DTYPES[s.dtype]
+    gen = torch.Generator().manual_seed(s.seed)
+    rows: list[BenchRow] = []
+    for length in s.lengths:
+        for n in s.seqs:
+            layout = BatchLayout.from_lens(split_lengths(length, n))
+            q = torch.randn(length, s.heads, s.head_dim, generator=gen).to(dtype)
+            k = torch.randn(length, s.kv_heads, s.head_dim, generator=gen).to(dtype)
+            v = torch.randn(length, s.kv_heads, s.head_dim, generator=gen).to(dtype)
+            modes = modes_for(n)
+            times: dict[MaskMode, list[float]] = {m: [] for m in modes}
+            builds: list[float] = []
+            with torch.inference_mode():
+                for r in range(s.warmup + s.repeats):
+                    for mode in modes:
+                        total, build = _timed(q, k, v, layout, mode, s)
+                        if r >= s.warmup:
+                            times[mode].append(total)
+                            if build is not None:
+                                builds.append(build)
+            for mode in modes:
+                ms = [t * 1e3 for t in times[mode]]
+                rows.append(BenchRow(length, n, mode.value, s.impl, statistics.median(ms), min(ms), max(ms),
+                                     statistics.median(builds) * 1e3 if mode is MaskMode.MASK else None))
+            if progress:
+                progress(f"L={length} n={n}")
+    return rows
+
+
+def speedups(rows: Iterable[BenchRow]) -> list[dict]:
+    """Per (length, n): the faster mode and slower/faster median ratio."""
+    groups: dict[tuple[int, int], list[BenchRow]] = {}
+    for row in rows:
+        groups.setdefault((row.seq_len, row.num_seqs), []).append(row)
+    out = []
+    for (length, n), pair in groups.items():
+        fast, slow = sorted(pair, key=lambda r: r.median_ms)[:2] if len(pair) > 1 else (pair[0], pair[0])
+        out.append({"seq_len": length, "num_seqs": n, "faster": fast.mode, "slower": slow.mode,
+                    "ratio": slow.median_ms / fast.median_ms})
+    return out
+
+
+def environment(s: BenchSettings) -> dict:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": s.dtype,
+            "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "impl": s.impl,
+            "repeats": s.repeats, "warmup": s.warmup}
+
+
+def to_json(s: BenchSettings, rows: list[BenchRow]) -> dict:
+    return {"rows": [asdict(r) for r in rows], "speedups": speedups(rows), "env": environment(s)}

@@ -1,0 +1,62 @@
+"""Helpers shared by the subcommands: argument types, progress, tables, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive integers, e.g. ``128,256``."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def str_list(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated names."""
+    values = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return values
+
+
+@contextmanager
+def progress(total: int, what: str) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr; yields ``advance(label)``."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task(what, total=total)
+
+        def advance(label: str) -> None:
+            bar.update(task, advance=1, description=f"{what}: {label}")
+        yield advance
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
+    Console().print(table)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
