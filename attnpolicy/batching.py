@@ -1,0 +1,170 @@
+"""The batch former: requests → the stream of attention batches a continuous-batching
+server runs (modelled on vLLM V1's scheduler).
+
+Each step schedules the running decodes first (one query token each), then prefill
+tokens (continuing partial prefills, then admitting waiting requests in arrival
+order) within the token budget. Arrival times only order the queue: the simulation
+never waits on the clock, so every request is queued from the start.
+See ``docs/workloads.md`` for the full semantics.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from attnpolicy.errors import ConfigError
+from attnpolicy.layout import BatchLayout
+from attnpolicy.workload import Request
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward pass: its attention layout and which requests it holds.
+
+    ``seq_ids[i]`` is the index (in the list given to :meth:`BatchFormer.steps`) of
+    the request owning sequence ``i`` of ``layout``. The first ``num_decode``
+    sequences are decodes, the remaining ``num_prefill`` are prefill chunks.
+    """
+
+    index: int
+    layout: BatchLayout
+    seq_ids: tuple[int, ...]
+    num_prefill: int
+    num_decode: int
+
+
+class _Running:
+    """Progress of one admitted request."""
+
+    __slots__ = ("rid", "prompt", "output", "prefilled", "generated")
+
+    def __init__(self, rid: int, prompt: int, output: int) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.output = output
+        self.prefilled = 0
+        self.generated = 0
+
+
+class BatchFormer:
+    """Forms the batches of a vLLM-V1-like scheduler.
+
+    - ``max_num_seqs``: most requests running (admitted, not finished) at once;
+    - ``max_num_batched_tokens``: most query tokens per step (must be >= max_num_seqs);
+    - ``chunked_prefill``: split prompts across steps to fill the budget; without it a
+      prompt is prefilled in one step, so the budget must hold ``max_model_len``;
+    - ``prefill_only``: no decoding (embedding / pooling models);
+    - ``max_model_len``: requests with ``prompt + output`` above it are rejected
+      (skipped, listed in :attr:`rejected`), as vLLM rejects them;
+    - ``causal``: ``False`` gives bidirectional layouts; needs ``prefill_only`` and
+      no chunked prefill (a chunk could not see the tokens after it).
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        chunked_prefill: bool = True,
+        prefill_only: bool = False,
+        max_model_len: int = 8192,
+        causal: bool = True,
+    ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        for name, flag in (("chunked_prefill", chunked_prefill), ("prefill_only", prefill_only),
+                           ("causal", causal)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be a bool, got {flag!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
+                f"max_num_seqs={max_num_seqs} (every running decode needs a token)"
+            )
+        if not chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
+                f"{max_model_len} without chunked_prefill (a whole prompt must fit one step)"
+            )
+        if not causal and not prefill_only:
+            raise ConfigError("causal=False needs prefill_only=True (decoding is causal)")
+        if not causal and chunked_prefill:
+            raise ConfigError("causal=False needs chunked_prefill=False (a bidirectional "
+                              "prompt must be prefilled in one step)")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.prefill_only = prefill_only
+        self.max_model_len = max_model_len
+        self.causal = causal
+        #: Requests the latest :meth:`steps` call skipped as too long for max_model_len.
+        self.rejected: tuple[Request, ...] = ()
+
+    def _fits(self, r: Request) -> bool:
+        need = r.prompt_tokens if self.prefill_only else r.prompt_tokens + r.output_tokens
+        return need <= self.max_model_len
+
+    def steps(self, requests: Sequence[Request]) -> Iterator[Step]:
+        """The steps serving ``requests`` (admitted in arrival order, ties in list order).
+
+        Rejections are decided here, before the first step: :attr:`rejected` is set
+        when this returns.
+        """
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+        self.rejected = tuple(requests[i] for i in order if not self._fits(requests[i]))
+        waiting = deque(
+            _Running(i, requests[i].prompt_tokens, 0 if self.prefill_only else requests[i].output_tokens)
+            for i in order if self._fits(requests[i])
+        )
+        return self._run(waiting)
+
+    def _run(self, waiting: deque[_Running]) -> Iterator[Step]:
+        running: list[_Running] = []
+        index = 0
+        while waiting or running:
+            q_lens: list[int] = []
+            kv_lens: list[int] = []
+            ids: list[int] = []
+            for r in running:  # decodes: the last generated token attends to everything before
+                if r.prefilled == r.prompt:
+                    q_lens.append(1)
+                    kv_lens.append(r.prompt + r.generated)
+                    ids.append(r.rid)
+                    r.generated += 1
+            num_decode = len(ids)
+            budget = self.max_num_batched_tokens - num_decode
+            for r in running:  # partial prefills (chunked only), in admission order
+                if budget and r.prefilled < r.prompt:
+                    budget -= self._prefill(r, budget, q_lens, kv_lens, ids)
+            while budget and waiting and len(running) < self.max_num_seqs:
+                head = waiting[0]
+                if not self.chunked_prefill and head.prompt > budget:
+                    break  # first come, first served: nobody overtakes the head
+                running.append(waiting.popleft())
+                budget -= self._prefill(head, budget, q_lens, kv_lens, ids)
+            causal_kv = None if kv_lens == q_lens else kv_lens
+            yield Step(
+                index=index,
+                layout=BatchLayout.from_lens(q_lens, causal_kv, causal=self.causal),
+                seq_ids=tuple(ids),
+                num_prefill=len(ids) - num_decode,
+                num_decode=num_decode,
+            )
+            index += 1
+            running = [r for r in running if r.prefilled < r.prompt or r.generated < r.output]
+
+    @staticmethod
+    def _prefill(r: _Running, budget: int, q_lens: list[int], kv_lens: list[int], ids: list[int]) -> int:
+        """Schedule the next chunk of ``r``'s prompt; returns its token count."""
+        chunk = min(r.prompt - r.prefilled, budget)
+        r.prefilled += chunk
+        q_lens.append(chunk)
+        kv_lens.append(r.prefilled)
+        ids.append(r.rid)
+        if r.prefilled == r.prompt and r.output:
+            r.generated = 1  # the prefill step samples the first output token
+        return chunk
