@@ -1,0 +1,223 @@
+"""The configuration: everything that affects compiled graphs and decisions.
+
+Validated once (RBLN-style rules between ``attn_impl``, ``partition_len`` and
+``max_seq_len``), immutable, saved as ``attnpolicy_config.json`` next to compiled
+artefacts and read back at load. See ``docs/config.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator,
+                      model_validator)
+
+from attnpolicy.buckets import Buckets, PositiveInt
+from attnpolicy.errors import ConfigError, PolicyError
+from attnpolicy.plugins import eviction_registry, make_policy, policy_registry
+
+CONFIG_FILENAME = "attnpolicy_config.json"
+CONFIG_ENV = "ATTNPOLICY_CONFIG"
+POLICY_ENV = "ATTNPOLICY_POLICY"
+FORMAT_VERSION = 1
+
+logger = logging.getLogger("attnpolicy.config")
+
+
+class AttnPolicyConfig(BaseModel):
+    """Policy, buckets, cache bounds, eviction, compile backend and attention
+    implementation of one runtime. Frozen: build a new one to change a field.
+
+    ``attn_impl`` is resolved at validation and is never ``None`` afterwards:
+    ``"flash"`` when ``partition_len`` is given and differs from ``max_seq_len``
+    (an INFO notice is logged), ``"sdpa"`` otherwise.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: Literal[1] = FORMAT_VERSION
+    policy: str = "dynamic"
+    policy_options: dict[str, JsonValue] = Field(default_factory=dict)
+    buckets: Buckets = Buckets()
+    max_graphs: PositiveInt | None = None
+    max_bytes: PositiveInt | None = None
+    eviction: str = "lru"
+    backend: Literal["inductor", "aot_eager", "eager", "none"] = "inductor"
+    attn_impl: Literal["sdpa", "eager", "flash"] | None = None
+    partition_len: PositiveInt | None = None
+    max_seq_len: PositiveInt = 8192
+    on_illegal: Literal["raise", "fallback"] = "fallback"
+    fallback_mode: Literal["mask", "varlen"] = "varlen"
+    on_overflow: Literal["raise", "eager"] = "raise"
+    on_compile_error: Literal["raise", "eager"] = "raise"
+    oversize: Literal["raise", "uncached"] = "raise"
+    strict: Literal["off", "warn", "raise"] = "off"
+
+    @field_validator("policy")
+    @classmethod
+    def _registered_policy(cls, name: str) -> str:
+        known = policy_registry()
+        if name not in known:
+            raise ValueError(f"policy {name!r} is not a registered policy; "
+                             f"known policies: {', '.join(sorted(known)) or '(none)'}")
+        return name
+
+    @field_validator("eviction")
+    @classmethod
+    def _registered_eviction(cls, name: str) -> str:
+        if name == "belady":
+            raise ValueError("eviction 'belady' is simulation-only: it needs an oracle of future "
+                             "requests (next_use), which a live runtime does not have")
+        known = set(eviction_registry()) - {"belady"}
+        if name not in known:
+            raise ValueError(f"eviction {name!r} is not a registered eviction strategy; "
+                             f"known evictions: {', '.join(sorted(known)) or '(none)'}")
+        return name
+
+    @model_validator(mode="after")
+    def _rules(self) -> AttnPolicyConfig:
+        try:
+            make_policy(self.policy, **self.policy_options)
+        except PolicyError as exc:
+            raise ValueError(f"policy_options: {exc}") from exc
+        self._check_buckets()
+        object.__setattr__(self, "attn_impl", self._resolve_attn_impl())
+        return self
+
+    def _resolve_attn_impl(self) -> str:
+        """RBLN's rule: a ``partition_len`` that differs from ``max_seq_len`` means
+        flash attention; the default otherwise is ``sdpa``, torch's fused kernel, the
+        fastest exact implementation on CPU and CUDA (RBLN defaults to ``eager``
+        because its compiler has no fused kernel)."""
+        impl, part, max_len = self.attn_impl, self.partition_len, self.max_seq_len
+        if part is not None and part > max_len:
+            raise ValueError(f"partition_len {part} must be <= max_seq_len {max_len}")
+        partitioned = part is not None and part != max_len
+        auto = impl is None
+        if auto:
+            if not partitioned:
+                return "sdpa"
+            impl = "flash"
+        elif partitioned and impl != "flash":
+            raise ValueError(f"attn_impl {impl!r} conflicts with partition_len {part}: a partition_len "
+                             f"that differs from max_seq_len {max_len} needs attn_impl 'flash'")
+        if impl == "flash":
+            if part is None:
+                raise ValueError("attn_impl 'flash' needs partition_len (the tokens per KV partition), "
+                                 "got None")
+            if max_len % part:
+                raise ValueError(f"max_seq_len {max_len} must be a multiple of partition_len {part} "
+                                 f"for attn_impl 'flash'")
+        if auto:
+            logger.info("partition_len=%d differs from max_seq_len=%d: attn_impl set to 'flash'",
+                        part, max_len)
+        return impl
+
+    def _check_buckets(self) -> None:
+        """The bucket a kind fixes (pow2's smallest, multiple's first, list's largest)
+        must fit in ``max_seq_len``."""
+        b, max_len = self.buckets, self.max_seq_len
+        field, value = {"pow2": ("min", b.min), "multiple": ("multiple", b.multiple),
+                        "list": ("sizes", b.sizes[-1] if b.sizes else None)}.get(b.kind, ("", None))
+        if value is not None and value > max_len:
+            raise ValueError(f"buckets.{field} has bucket {value} > max_seq_len {max_len}")
+
+    def bucket(self, n: int) -> int:
+        """The compiled length for a length ``n`` (hot path; see :meth:`Buckets.bucket`)."""
+        return self.buckets.bucket(n, self.max_seq_len)
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically:
+        a temporary file in the same directory, then ``os.replace``. Creates the directory."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / CONFIG_FILENAME
+        text = self.model_dump_json(indent=2) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{CONFIG_FILENAME}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> AttnPolicyConfig:
+        """Read a config from a directory (its ``attnpolicy_config.json``) or a file.
+
+        Any problem (missing or unreadable file, invalid JSON, wrong version, invalid
+        or unknown field) raises :class:`ConfigError` naming the file and every bad
+        field; nothing is returned unless the whole file is valid."""
+        p = Path(path)
+        file = p / CONFIG_FILENAME if p.is_dir() else p
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file} not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {file}: {exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{file}: invalid JSON at line {exc.lineno}, column {exc.colno}: "
+                              f"{exc.msg}") from None
+        return _validate(data, str(file))
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
+    """The config named by the environment (``os.environ`` by default):
+    ``ATTNPOLICY_CONFIG`` (a directory or file) if set, else defaults; then
+    ``ATTNPOLICY_POLICY``, if set, replaces the policy. Errors: :class:`ConfigError`
+    naming the variable."""
+    env = os.environ if environ is None else environ
+    path = env.get(CONFIG_ENV)
+    config = AttnPolicyConfig()
+    if path:
+        try:
+            config = AttnPolicyConfig.load(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{CONFIG_ENV}={path}: {exc}") from None
+    policy = env.get(POLICY_ENV)
+    if policy:
+        config = _validate({**config.model_dump(mode="json"), "policy": policy}, f"{POLICY_ENV}={policy}")
+    return config
+
+
+def _validate(data: object, source: str) -> AttnPolicyConfig:
+    """``data`` as a config, or :class:`ConfigError` listing every error, naming ``source``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    version = data.get("version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ConfigError(f"{source}: unsupported config version {version!r} "
+                          f"(this attnpolicy reads version {FORMAT_VERSION})")
+    try:
+        return AttnPolicyConfig.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        lines = "\n".join(f"  - {_describe(e)}" for e in errors)
+        raise ConfigError(f"{source}: invalid attnpolicy config ({len(errors)} "
+                          f"error{'s' if len(errors) > 1 else ''}):\n{lines}") from None
+
+
+def _describe(error: Any) -> str:
+    """One pydantic error as ``field.path: message (got value)``."""
+    loc = ".".join(str(part) for part in error["loc"])
+    msg = error["msg"].removeprefix("Value error, ")
+    if not loc:
+        return msg
+    value = repr(error["input"])
+    return f"{loc}: {msg} (got {value if len(value) <= 80 else value[:77] + '...'})"

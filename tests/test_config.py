@@ -1,0 +1,360 @@
+"""AttnPolicyConfig: validation rules, the saved file, the environment and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import typing
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from attnpolicy.buckets import Buckets
+from attnpolicy.cli.config import register
+from attnpolicy.compile import BACKENDS
+from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig, from_env
+from attnpolicy.errors import ConfigError
+from attnpolicy.plugins import reset_plugin_manager
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugins(monkeypatch):
+    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def write(tmp_path, data) -> os.PathLike:
+    path = tmp_path / CONFIG_FILENAME
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+# --- fields and rules ------------------------------------------------------------------
+
+
+def test_defaults_resolve_attn_impl_to_sdpa():
+    c = AttnPolicyConfig()
+    assert c.attn_impl == "sdpa"
+    assert (c.policy, c.eviction, c.backend, c.max_seq_len, c.buckets) == (
+        "dynamic", "lru", "inductor", 8192, Buckets())
+
+
+def test_backend_choices_match_compile():
+    backend = AttnPolicyConfig.model_fields["backend"].annotation
+    assert typing.get_args(backend) == BACKENDS
+
+
+def test_partition_len_unlike_max_seq_len_means_flash(caplog):
+    with caplog.at_level(logging.INFO, logger="attnpolicy.config"):
+        c = AttnPolicyConfig(partition_len=2048, max_seq_len=8192)
+    assert c.attn_impl == "flash"
+    assert [r.getMessage() for r in caplog.records] == [
+        "partition_len=2048 differs from max_seq_len=8192: attn_impl set to 'flash'"]
+
+
+def test_partition_len_equal_to_max_seq_len_keeps_sdpa(caplog):
+    with caplog.at_level(logging.INFO, logger="attnpolicy.config"):
+        assert AttnPolicyConfig(partition_len=4096, max_seq_len=4096).attn_impl == "sdpa"
+        assert AttnPolicyConfig(attn_impl="flash", partition_len=4096, max_seq_len=4096).attn_impl == "flash"
+        assert AttnPolicyConfig(attn_impl="eager").attn_impl == "eager"
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_explicit_impl_conflicting_with_partition_len(impl):
+    with pytest.raises(ValidationError, match=f"attn_impl '{impl}' conflicts with partition_len 1024"):
+        AttnPolicyConfig(attn_impl=impl, partition_len=1024)
+
+
+def test_flash_rules():
+    with pytest.raises(ValidationError, match="attn_impl 'flash' needs partition_len"):
+        AttnPolicyConfig(attn_impl="flash")
+    with pytest.raises(ValidationError, match="max_seq_len 8192 must be a multiple of partition_len 3000"):
+        AttnPolicyConfig(partition_len=3000)
+    with pytest.raises(ValidationError, match="partition_len 9000 must be <= max_seq_len 8192"):
+        AttnPolicyConfig(partition_len=9000)
+
+
+@pytest.mark.parametrize("buckets, match", [
+    (Buckets(kind="list", sizes=(512, 4096)), "buckets.sizes has bucket 4096 > max_seq_len 2048"),
+    (Buckets(min=4096), "buckets.min has bucket 4096 > max_seq_len 2048"),
+    (Buckets(kind="multiple", multiple=3000), "buckets.multiple has bucket 3000 > max_seq_len 2048"),
+])
+def test_buckets_above_max_seq_len(buckets, match):
+    with pytest.raises(ValidationError, match=match):
+        AttnPolicyConfig(buckets=buckets, max_seq_len=2048)
+
+
+def test_bucket_uses_max_seq_len():
+    c = AttnPolicyConfig(max_seq_len=1000)
+    assert [c.bucket(n) for n in (1, 17, 600)] == [16, 32, 1000]
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(ValidationError, match="max_graph\n  Extra inputs are not permitted"):
+        AttnPolicyConfig(max_graph=4)
+
+
+def test_unknown_policy_names_it_and_lists_known():
+    with pytest.raises(ValidationError, match="policy 'nope' is not a registered policy; known policies: "
+                                             "always-causal, always-mask, dynamic, varlen"):
+        AttnPolicyConfig(policy="nope")
+
+
+def test_unknown_eviction_names_it_and_lists_known():
+    with pytest.raises(ValidationError, match="eviction 'mru' is not a registered .*known evictions: "
+                                             "cost, fifo, lfu, lru"):
+        AttnPolicyConfig(eviction="mru")
+
+
+def test_belady_is_simulation_only():
+    with pytest.raises(ValidationError, match="'belady' is simulation-only: it needs an oracle"):
+        AttnPolicyConfig(eviction="belady")
+
+
+def test_policy_options_are_checked_by_building_the_policy():
+    with pytest.raises(ValidationError, match=r"policy 'varlen' .*rejected options \{'depth': 2\}"):
+        AttnPolicyConfig(policy="varlen", policy_options={"depth": 2})
+    with pytest.raises(ValidationError, match="policy_options.x"):
+        AttnPolicyConfig(policy_options={"x": {1, 2}})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_graphs", 0), ("max_bytes", -1), ("partition_len", 0), ("max_seq_len", 0),
+    ("max_graphs", "8"), ("backend", "xla"), ("on_illegal", "ignore"), ("strict", True), ("version", 2),
+])
+def test_invalid_values_name_field_and_value(field, value):
+    with pytest.raises(ValidationError) as info:
+        AttnPolicyConfig(**{field: value})
+    (error,) = info.value.errors()
+    assert error["loc"] == (field,)
+    assert error["input"] == value
+
+
+def test_frozen():
+    c = AttnPolicyConfig()
+    with pytest.raises(ValidationError, match="frozen"):
+        c.policy = "varlen"
+    with pytest.raises(ValidationError, match="frozen"):
+        c.max_seq_len = 4
+
+
+# --- the file --------------------------------------------------------------------------
+
+
+@st.composite
+def configs(draw) -> AttnPolicyConfig:
+    max_seq_len = draw(st.sampled_from([256, 1024, 4096]))
+    impl = draw(st.sampled_from(["auto", "sdpa", "eager", "flash"]))
+    partition_len = None
+    if impl == "flash" or (impl == "auto" and draw(st.booleans())):
+        partition_len = max_seq_len // draw(st.sampled_from([1, 2, 4, 8]))
+    buckets = draw(st.one_of(
+        st.builds(Buckets, min=st.integers(1, max_seq_len)),
+        st.builds(Buckets, kind=st.just("multiple"), multiple=st.integers(1, max_seq_len)),
+        st.lists(st.integers(1, max_seq_len), min_size=1, max_size=6, unique=True)
+          .map(lambda s: Buckets(kind="list", sizes=sorted(s))),
+        st.just(Buckets(kind="exact")),
+    ))
+
+    def lit(name):
+        return st.sampled_from(typing.get_args(AttnPolicyConfig.model_fields[name].annotation))
+
+    return AttnPolicyConfig(
+        policy=draw(st.sampled_from(["always-mask", "always-causal", "dynamic", "varlen"])),
+        buckets=buckets,
+        max_graphs=draw(st.none() | st.integers(1, 64)),
+        max_bytes=draw(st.none() | st.integers(1, 1 << 40)),
+        eviction=draw(st.sampled_from(["lru", "lfu", "fifo", "cost"])),
+        backend=draw(lit("backend")),
+        attn_impl=None if impl == "auto" else impl,
+        partition_len=partition_len,
+        max_seq_len=max_seq_len,
+        **{name: draw(lit(name)) for name in
+           ("on_illegal", "fallback_mode", "on_overflow", "on_compile_error", "oversize", "strict")},
+    )
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(configs())
+def test_save_load_round_trip(tmp_path, config):
+    path = config.save(tmp_path / "artefacts")
+    assert path == tmp_path / "artefacts" / CONFIG_FILENAME
+    assert AttnPolicyConfig.load(path.parent) == config
+    assert AttnPolicyConfig.load(path) == config
+    assert [p.name for p in path.parent.iterdir()] == [CONFIG_FILENAME]  # no temporary file left
+
+
+def test_saved_file_holds_every_field_resolved(tmp_path):
+    path = AttnPolicyConfig(partition_len=1024).save(tmp_path)
+    data = json.loads(path.read_text())
+    assert list(data) == list(AttnPolicyConfig.model_fields)
+    assert data["attn_impl"] == "flash"
+    assert data["buckets"] == {"kind": "pow2", "min": 16}
+    assert path.read_text().startswith("{\n  \"version\": 1,")
+
+
+def test_save_replaces_an_existing_file(tmp_path):
+    AttnPolicyConfig().save(tmp_path)
+    AttnPolicyConfig(policy="varlen").save(tmp_path)
+    assert AttnPolicyConfig.load(tmp_path).policy == "varlen"
+
+
+def test_save_leaves_no_temporary_file_when_writing_fails(tmp_path, monkeypatch):
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        AttnPolicyConfig().save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def valid_dict() -> dict:
+    return AttnPolicyConfig(policy="varlen").model_dump(mode="json")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(max_seq_len=0),
+     r"max_seq_len: Input should be greater than or equal to 1 \(got 0\)"),
+    (lambda d: d.update(policy="nope"), r"policy: policy 'nope' is not a registered policy; known policies: "),
+    (lambda d: d.update(eviction="belady"), r"eviction: eviction 'belady' is simulation-only"),
+    (lambda d: d.update(colour="red"), r"colour: Extra inputs are not permitted \(got 'red'\)"),
+    (lambda d: d.update(version=2), r"unsupported config version 2 \(this attnpolicy reads version 1\)"),
+    (lambda d: d["buckets"].update(kind="list"), r"buckets: .*not used by buckets of kind 'list': min"),
+    (lambda d: d["buckets"].update(min="16"), r"buckets.min: Input should be a valid integer \(got '16'\)"),
+    (lambda d: d.update(attn_impl="eager", partition_len=512),
+     r"attn_impl 'eager' conflicts with partition_len"),
+    (lambda d: d.update(max_graphs=0, strict="yes"), r"\(2 errors\):\n  - max_graphs: .*\n  - strict: "),
+])
+def test_invalid_file_names_file_and_field(tmp_path, edit, match):
+    data = valid_dict()
+    edit(data)
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError, match=match) as info:
+        AttnPolicyConfig.load(tmp_path)
+    assert str(info.value).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"policy": "varlen",\n  "max_seq_len": 4096,,\n}', r"invalid JSON at line 2, column 23"),
+    ("", r"invalid JSON at line 1, column 1"),
+    ("[1, 2]", "expected a JSON object, got list"),
+])
+def test_corrupt_json(tmp_path, text, match):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=match) as info:
+        AttnPolicyConfig.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path / CONFIG_FILENAME} not found"):
+        AttnPolicyConfig.load(tmp_path)
+    with pytest.raises(ConfigError, match="nowhere.json not found"):
+        AttnPolicyConfig.load(tmp_path / "nowhere.json")
+
+
+def test_failed_load_changes_nothing(tmp_path):
+    good = AttnPolicyConfig(policy="varlen", max_graphs=4)
+    good.save(tmp_path)
+    loaded = AttnPolicyConfig.load(tmp_path)
+    data = valid_dict()
+    data.update(max_graphs=8, max_seq_len=-1)  # one good edit, one bad
+    write(tmp_path, data)
+    with pytest.raises(ConfigError):
+        loaded = AttnPolicyConfig.load(tmp_path)
+    assert loaded == good
+    assert loaded.max_graphs == 4
+
+
+def test_file_may_leave_fields_out(tmp_path):
+    write(tmp_path, {"policy": "varlen", "partition_len": 1024})
+    c = AttnPolicyConfig.load(tmp_path)
+    assert (c.policy, c.attn_impl, c.max_seq_len) == ("varlen", "flash", 8192)
+
+
+# --- environment -----------------------------------------------------------------------
+
+
+def test_from_env_defaults():
+    assert from_env({}) == AttnPolicyConfig()
+
+
+def test_from_env_config_and_policy(tmp_path):
+    AttnPolicyConfig(max_graphs=3).save(tmp_path)
+    assert from_env({"ATTNPOLICY_CONFIG": str(tmp_path)}) == AttnPolicyConfig(max_graphs=3)
+    assert from_env({"ATTNPOLICY_CONFIG": str(tmp_path / CONFIG_FILENAME)}).max_graphs == 3
+    both = from_env({"ATTNPOLICY_CONFIG": str(tmp_path), "ATTNPOLICY_POLICY": "varlen"})
+    assert (both.policy, both.max_graphs) == ("varlen", 3)
+    assert from_env({"ATTNPOLICY_POLICY": "always-mask"}) == AttnPolicyConfig(policy="always-mask")
+
+
+def test_from_env_reads_os_environ(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNPOLICY_CONFIG", str(tmp_path))
+    monkeypatch.delenv("ATTNPOLICY_POLICY", raising=False)
+    AttnPolicyConfig(policy="varlen").save(tmp_path)
+    assert from_env().policy == "varlen"
+
+
+def test_from_env_errors_name_the_variable(tmp_path):
+    with pytest.raises(ConfigError, match=f"ATTNPOLICY_CONFIG={tmp_path}: config file .* not found"):
+        from_env({"ATTNPOLICY_CONFIG": str(tmp_path)})
+    with pytest.raises(ConfigError, match="(?s)ATTNPOLICY_POLICY=nope: .*policy 'nope' is not a registered"):
+        from_env({"ATTNPOLICY_POLICY": "nope"})
+
+
+# --- CLI -------------------------------------------------------------------------------
+
+
+def run_cli(argv):
+    parser = argparse.ArgumentParser(prog="attnpolicy")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_show_defaults(capsys):
+    assert run_cli(["config", "show"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# defaults"
+    rows = dict(line.split(None, 1) for line in out[1:])
+    assert rows["policy"] == "dynamic"
+    assert rows["buckets"] == "pow2(min=16)"
+    assert rows["attn_impl"] == "sdpa"
+    assert rows["max_graphs"] == "null"
+    assert rows["policy_options"] == "{}"
+
+
+def test_cli_show_json(tmp_path, capsys):
+    config = AttnPolicyConfig(policy="varlen", partition_len=2048)
+    config.save(tmp_path)
+    assert run_cli(["config", "show", str(tmp_path), "--json"]) == 0
+    assert AttnPolicyConfig.model_validate_json(capsys.readouterr().out) == config
+
+
+def test_cli_validate(tmp_path, capsys):
+    path = AttnPolicyConfig().save(tmp_path)
+    assert run_cli(["config", "validate", str(path)]) == 0
+    assert capsys.readouterr().out == f"valid: {path}\n"
+
+
+@pytest.mark.parametrize("command", ["validate", "show"])
+def test_cli_invalid_file(tmp_path, capsys, command):
+    write(tmp_path, {"policy": "nope"})
+    assert run_cli(["config", command, str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "policy: policy 'nope' is not a registered policy" in captured.err
+    assert str(tmp_path / CONFIG_FILENAME) in captured.err
+
+
+def test_cli_validate_needs_a_path():
+    with pytest.raises(SystemExit):
+        run_cli(["config", "validate"])
