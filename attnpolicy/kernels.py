@@ -15,7 +15,7 @@ Implementations (RBLN's names in brackets):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -166,17 +166,20 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
 
 
 def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-            calls: tuple[Call, ...], graph_for: Callable[[Call], GraphFn]) -> torch.Tensor:
-    """Run planned calls and scatter their outputs into a packed ``[q_tokens, Hq, D]``."""
-    call = calls[0]
-    if len(calls) == 1 and call.q_len == layout.q_tokens and call.kind is not MaskMode.VARLEN:
-        out = graph_for(call)(*graph_inputs(q, k, v, layout, call))[:, :call.q_len].transpose(0, 1)
+            graphs: Sequence[tuple[Call, GraphFn]]) -> torch.Tensor:
+    """Run each planned call through its graph and scatter the outputs into a packed
+    ``[q_tokens, Hq, D]`` tensor (padding rows zero). Inputs are made contiguous so
+    every graph sees the strides it was compiled for."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    call, fn = graphs[0]
+    if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind is not MaskMode.VARLEN:
+        out = fn(*graph_inputs(q, k, v, layout, call))[:, :call.q_len].transpose(0, 1)
         if call.kind is MaskMode.MASK and layout.is_padded:
             out = out * _real_rows(layout).to(out.device)[:, None, None]
         return out
     out = q.new_zeros(q.shape)
-    for call in calls:
-        o = graph_for(call)(*graph_inputs(q, k, v, layout, call))
+    for call, fn in graphs:
+        o = fn(*graph_inputs(q, k, v, layout, call))
         out[call.q_start:call.q_start + call.q_len] = o[:, :call.q_len].transpose(0, 1)
     return out
 
@@ -224,5 +227,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayou
     if partition_len is not None and partition_len < 1:
         raise ValueError(f"partition_len must be >= 1, got {partition_len}")
     check_inputs(q, k, v, layout)
-    calls = plan_calls(layout, mode)
-    return execute(q, k, v, layout, calls, lambda call: graph_fn(call, impl, scale, partition_len))
+    graphs = [(call, graph_fn(call, impl, scale, partition_len)) for call in plan_calls(layout, mode)]
+    return execute(q, k, v, layout, graphs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from attnpolicy.modes import MaskMode
 
@@ -16,10 +17,17 @@ class TensorSpec:
     kv_heads: int
     head_dim: int
     scale: float | None = None  # None: 1/sqrt(head_dim)
+    device: str = "cpu"
 
     @property
     def itemsize(self) -> int:
         return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
+
+    @classmethod
+    def of(cls, q: Any, k: Any, scale: float | None = None) -> TensorSpec:
+        """The spec of packed ``q[tokens, Hq, D]`` and ``k[tokens, Hkv, D]``."""
+        return cls(str(q.dtype).removeprefix("torch."), q.shape[1], k.shape[1], q.shape[2], scale,
+                   str(q.device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,7 @@ class GraphKey:
         shape = f"q{self.q_len}" if self.q_len == self.kv_len else f"q{self.q_len}xkv{self.kv_len}"
         part = f"/p{self.partition_len}" if self.partition_len else ""
         part += "" if s.scale is None else f"/s{s.scale:g}"
+        part += "" if s.device == "cpu" else f"/{s.device}"
         kind = self.kind.value + ("" if self.causal else "-bidir")
         return (f"{kind}/{shape}/{s.dtype}/h{s.heads}kv{s.kv_heads}d{s.head_dim}"
                 f"/{self.impl}{part}/{self.backend}")

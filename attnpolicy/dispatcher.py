@@ -1,0 +1,228 @@
+"""The Dispatcher: layout → policy (guarded) → planned calls → cached graphs → output."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import cachetools
+import torch
+
+from attnpolicy.cache import GraphCache
+from attnpolicy.compile import CompiledGraph, compile_graph, release_graph
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
+from attnpolicy.footprint import graph_bytes
+from attnpolicy.guard import Guard
+from attnpolicy.kernels import GraphFn, check_inputs, execute, graph_fn
+from attnpolicy.keys import Call, GraphKey, TensorSpec
+from attnpolicy.layout import BatchLayout
+from attnpolicy.modes import Decision, MaskMode
+from attnpolicy.plan import plan_calls
+from attnpolicy.plugins import get_plugin_manager
+from attnpolicy.policy import PolicyContext
+
+#: Planned (call, key) tuples remembered per (layout, mode, spec).
+PLAN_CACHE_SIZE = 4096
+
+Planned = tuple[tuple[Call, GraphKey | None], ...]
+#: Builds the graph of a key: ``builder(call, key, spec) -> callable``. The default
+#: compiles with ``torch.compile``; the simulator substitutes a cost-model stub.
+Builder = Callable[[Call, GraphKey, TensorSpec], GraphFn]
+
+
+class Dispatcher:
+    """Runs attention the way ``config`` says, through a bounded graph cache.
+
+    ``attend(q, k, v, layout)`` takes packed ``q[q_tokens, Hq, D]`` and
+    ``k, v[kv_tokens, Hkv, D]`` (see :mod:`attnpolicy.layout`) and returns
+    ``[q_tokens, Hq, D]`` (padding rows zero). Decisions and graph keys are a pure
+    function of the layout, the config and the sequence of earlier calls, so
+    tensor-parallel ranks replaying the same batches agree.
+
+    ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
+    sees every backend compile; ``builder`` replaces compilation (simulation).
+    """
+
+    def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
+                 cache: GraphCache | None = None,
+                 compile_counter: Callable[[Any], None] | None = None,
+                 builder: Builder | None = None) -> None:
+        self.config = cfg = config or AttnPolicyConfig()
+        hook = get_plugin_manager().hook
+        self._hook = hook
+        self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
+                                      fallback=MaskMode(cfg.fallback_mode))
+        self.cache = cache if cache is not None else GraphCache(
+            max_graphs=cfg.max_graphs, max_bytes=cfg.max_bytes, eviction=cfg.eviction,
+            sizeof=graph_bytes, oversize=cfg.oversize,
+            on_compile=lambda key, s, n: hook.attnpolicy_on_compile(key=key, seconds=s, nbytes=n),
+            on_evict=lambda key, n: hook.attnpolicy_on_evict(key=key, nbytes=n),
+            release=_release)
+        self._compile_counter = compile_counter
+        self._builder = builder or self._compile
+        self._largest = _largest_bucket(cfg)
+        self._spec: TensorSpec | None = None
+        self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
+        self._lock = threading.Lock()
+        self._warm = False
+        self.context = PolicyContext(config=cfg, is_cached=self.cache.__contains__,
+                                     keys_for=self._keys_for, cost_model=cost_model)
+        self._modes: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()
+
+    # -- the hot path ------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
+        check_inputs(q, k, v, layout)
+        spec = self.use_spec(TensorSpec.of(q, k, scale))
+        return execute(q, k, v, layout, self.prepare(layout, spec))
+
+    def prepare(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
+        """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
+        ``attend`` does except touching tensors. One call per graph invocation."""
+        decision = self.decide(layout)
+        planned = self._planned(layout, decision.mode, spec)
+        self._modes[decision.mode.value] += 1
+        self._counts["batches"] += 1
+        out = []
+        for call, key in planned:
+            self._counts["calls"] += 1
+            self._counts["real_tokens"] += call.q_len
+            self._counts["padded_tokens"] += call.q_bucket - call.q_len
+            out.append((call, self._graph(call, key, spec)))
+        return out
+
+    def decide(self, layout: BatchLayout) -> Decision:
+        """The decision that runs for ``layout`` (after the guard)."""
+        return self.guard.decide(layout, self.context)
+
+    def use_spec(self, spec: TensorSpec) -> TensorSpec:
+        """Make ``spec`` the tensor spec policies see in ``keys_for`` (set by ``attend``)."""
+        if spec != self._spec:
+            self._spec = spec
+        return self._spec
+
+    # -- planning ----------------------------------------------------------------------
+    def _bucket(self, n: int) -> int:
+        if n > self._largest:
+            if self.config.on_overflow == "raise":
+                raise BucketOverflowError(
+                    f"length {n} exceeds the largest bucket {self._largest} "
+                    f"(max_seq_len={self.config.max_seq_len}); set on_overflow='eager' to run it uncompiled")
+            return n
+        return self.config.bucket(n)
+
+    def _planned(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> Planned:
+        plan_key = (layout, mode, spec)
+        planned = self._plans.get(plan_key)
+        if planned is None:
+            cfg = self.config
+            planned = tuple(
+                (call, None if max(call.q_bucket, call.kv_bucket) > self._largest else
+                 GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend))
+                for call in plan_calls(layout, mode, self._bucket))
+            self._plans[plan_key] = planned
+        return planned
+
+    def _keys_for(self, layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+        if self._spec is None:
+            return ()
+        return tuple(key for _, key in self._planned(layout, mode, self._spec) if key is not None)
+
+    def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec | None = None) -> tuple[GraphKey, ...]:
+        """The graph keys the current decision for ``layout`` would use."""
+        if spec is not None:
+            self.use_spec(spec)
+        return self._keys_for(layout, self.decide(layout).mode)
+
+    # -- graphs ------------------------------------------------------------------------
+    def _uncompiled(self, call: Call, spec: TensorSpec) -> GraphFn:
+        cfg = self.config
+        return graph_fn(call, cfg.attn_impl, spec.scale, cfg.partition_len)
+
+    def _graph(self, call: Call, key: GraphKey | None, spec: TensorSpec) -> GraphFn:
+        if key is None:  # longer than the largest bucket, on_overflow="eager"
+            self._counts["overflow"] += 1
+            return self._uncompiled(call, spec)
+        if self._warm and self.config.strict != "off" and key not in self.cache:
+            self._strict(key)
+        try:
+            return self.cache.get_or_compile(key, lambda: self._builder(call, key, spec))
+        except GraphCompileError:
+            if self.config.on_compile_error == "raise":
+                raise
+            self._counts["compile_error_fallbacks"] += 1
+            return self._uncompiled(call, spec)
+
+    def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
+        return compile_graph(self._uncompiled(call, spec), key.backend, counter=self._compile_counter,
+                             example_inputs=example_inputs(call, spec))
+
+    def _strict(self, key: GraphKey) -> None:
+        self._counts["strict_violations"] += 1
+        message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
+        if self.config.strict == "raise":
+            raise StrictModeError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def warmup(self, layouts: Iterable[BatchLayout], spec: TensorSpec) -> list[GraphKey]:
+        """Compile the graphs the policy would use for ``layouts`` (no attention runs),
+        then count any later compile as a strict-mode violation. Returns the keys."""
+        self.use_spec(spec)
+        keys: dict[GraphKey, None] = {}
+        for layout in layouts:
+            decision = self.guard.decide(layout, self.context)
+            for call, key in self._planned(layout, decision.mode, spec):
+                if key is not None:
+                    self.cache.get_or_compile(key, lambda c=call, k=key: self._builder(c, k, spec))
+                    keys[key] = None
+        self._warm = True
+        return list(keys)
+
+    # -- observation -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters of this dispatcher and its cache (see docs/cache.md)."""
+        c = self._counts
+        real, padded = c["real_tokens"], c["padded_tokens"]
+        return {
+            "batches": c["batches"],
+            "calls": c["calls"],
+            "modes": {m.value: self._modes[m.value] for m in MaskMode},
+            "guard_fallbacks": self.guard.fallbacks,
+            "overflow": c["overflow"],
+            "compile_error_fallbacks": c["compile_error_fallbacks"],
+            "strict_violations": c["strict_violations"],
+            "padding": {"real_tokens": real, "padded_tokens": padded,
+                        "waste": padded / real if real else 0.0},
+            "cache": self.cache.stats(),
+        }
+
+
+def _release(key: GraphKey, graph: CompiledGraph) -> None:
+    release_graph(graph)
+
+
+def _largest_bucket(cfg: AttnPolicyConfig) -> int:
+    if cfg.buckets.kind == "exact":
+        return cfg.max_seq_len
+    return cfg.buckets.sizes_up_to(cfg.max_seq_len)[-1]
+
+
+def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:
+    """Zero tensors of a call's static shapes and strides (heads-first views of packed
+    token-major tensors, as ``graph_inputs`` makes them): what the graph is compiled for."""
+    dtype = getattr(torch, spec.dtype)
+    dev = torch.device(spec.device)
+    q = torch.zeros(call.q_bucket, spec.heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
+    k, v = (torch.zeros(call.kv_bucket, spec.kv_heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
+            for _ in range(2))  # distinct objects: Dynamo guards on aliasing
+    if call.kind is MaskMode.MASK:
+        return q, k, v, torch.ones(call.q_bucket, call.kv_bucket, dtype=torch.bool, device=dev)
+    if call.kind is MaskMode.VARLEN:
+        return q, k, v, torch.tensor([call.q_bucket, call.kv_bucket], device=dev)
+    return q, k, v

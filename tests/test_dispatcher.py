@@ -1,0 +1,214 @@
+"""The Dispatcher end to end: policies, guard, buckets, graph cache, real compiles."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_for
+from strategies import layouts, qkv
+
+from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
+from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
+from attnpolicy.keys import TensorSpec
+from attnpolicy.modes import MaskMode
+from attnpolicy.plugins import get_plugin_manager
+
+POLICIES = ["always-mask", "always-causal", "dynamic", "varlen"]
+SPEC = TensorSpec("float32", 4, 2, 16)
+
+
+def _qkv(layout, heads=4, kv_heads=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(layout.q_tokens, heads, d, generator=g),
+            torch.randn(layout.kv_tokens, kv_heads, d, generator=g),
+            torch.randn(layout.kv_tokens, kv_heads, d, generator=g))
+
+
+def _check(dispatcher, layout, q, k, v):
+    out = dispatcher.attend(q, k, v, layout)
+    tol = 1e-5 if q.dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=40)
+@given(data=st.data())
+def test_every_policy_matches_reference_uncompiled(policy, data):
+    d = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_seq_len=2048))
+    for _ in range(3):  # several batches through one dispatcher: cache hits too
+        layout = data.draw(layouts(max_seqs=4))
+        _check(d, layout, *data.draw(qkv(layout)))
+
+
+MIXED = [BatchLayout.from_lens([37]), BatchLayout.from_lens([5, 20, 3]),
+         BatchLayout.from_lens([100, 60]), BatchLayout.from_lens([20]), BatchLayout.from_lens([60, 9, 9, 9]),
+         BatchLayout.from_lens([3, 4], [30, 50]), BatchLayout.from_lens([7, 7], causal=False),
+         BatchLayout.from_lens([5, 6], padded_to=16)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_matches_reference_compiled(policy):
+    d = Dispatcher(AttnPolicyConfig(policy=policy, backend="eager", max_seq_len=256))
+    for i, layout in enumerate(MIXED * 2):
+        _check(d, layout, *_qkv(layout, seed=i))
+    stats = d.stats()
+    assert stats["batches"] == 2 * len(MIXED)
+    assert stats["cache"]["hits"] >= stats["cache"]["misses"]  # second round hits
+
+
+def _keys(policy, stream):
+    d = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_seq_len=256))
+    keys = set()
+    for layout in stream:
+        keys.update(d.graph_keys_for(layout, SPEC))
+        d.prepare(layout, SPEC)
+    return keys, d
+
+
+def test_varlen_uses_only_causal_graphs_on_causal_prefills():
+    stream = [BatchLayout.from_lens(lens) for lens in
+              ([37], [5, 20, 3], [100, 60], [20], [60, 9, 9, 9], [200], [17, 17])]
+    varlen, d = _keys("varlen", stream)
+    causal_only, _ = _keys("dynamic", [BatchLayout.from_lens([n]) for lay in stream for n in lay.q_lens])
+    assert {k.kind for k in varlen} == {MaskMode.CAUSAL}
+    assert varlen <= causal_only
+    assert d.stats()["modes"]["varlen"] == 4
+    dynamic, _ = _keys("dynamic", stream)
+    assert {k.kind for k in dynamic} == {MaskMode.CAUSAL, MaskMode.MASK}
+    # one graph per bucket for varlen; dynamic needs both kinds
+    assert len(dynamic) > len(varlen)
+
+
+def test_varlen_packed_batch_reuses_single_sequence_graphs():
+    counter = []
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="eager", max_seq_len=256),
+                   compile_counter=counter.append)
+    single = BatchLayout.from_lens([30])
+    d.attend(*_qkv(single), single)
+    assert len(counter) == 1
+    packed = BatchLayout.from_lens([20, 25, 32])  # all in bucket 32
+    _check(d, packed, *_qkv(packed))
+    assert len(counter) == 1 and d.stats()["cache"]["hits"] == 3
+
+
+def test_distinct_keys_are_real_compiles_and_eviction_recompiles():
+    counter = []
+    d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="eager", max_seq_len=4096,
+                                    buckets={"kind": "exact"}, max_graphs=4),
+                   compile_counter=counter.append)
+    lens = list(range(10, 30))
+    for n in lens:
+        lay = BatchLayout.from_lens([n])
+        _check(d, lay, *_qkv(lay))
+    assert len(counter) == 20
+    stats = d.stats()["cache"]
+    assert stats["compiles"] == 20 and stats["evictions"] == 16 and stats["graphs"] == 4
+    lay = BatchLayout.from_lens([10])  # evicted long ago
+    _check(d, lay, *_qkv(lay))
+    assert len(counter) == 21
+
+
+def test_buckets_pad_and_waste_is_counted():
+    d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="none", max_seq_len=256))
+    d.prepare(BatchLayout.from_lens([20]), SPEC)
+    (key,) = d.cache.keys()
+    assert (key.q_len, key.kv_len) == (32, 32)
+    pad = d.stats()["padding"]
+    assert pad == {"real_tokens": 20, "padded_tokens": 12, "waste": 12 / 20}
+
+
+def test_overflow_raises_or_runs_uncompiled():
+    lay = BatchLayout.from_lens([300])
+    strict = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256))
+    with pytest.raises(BucketOverflowError, match="length 300 exceeds the largest bucket 256"):
+        strict.attend(*_qkv(lay), lay)
+    lenient = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256, on_overflow="eager"))
+    _check(lenient, lay, *_qkv(lay))
+    assert lenient.stats()["overflow"] == 1 and lenient.stats()["cache"]["graphs"] == 0
+
+
+class _Exploding(GraphCache):
+    def get_or_compile(self, key, build):
+        return super().get_or_compile(key, lambda: (_ for _ in ()).throw(RuntimeError("backend broke")))
+
+
+def test_compile_failure_raises_or_falls_back_to_eager():
+    lay = BatchLayout.from_lens([12])
+    d = Dispatcher(AttnPolicyConfig(backend="eager", max_seq_len=64), cache=_Exploding())
+    with pytest.raises(GraphCompileError, match="causal/q16"):
+        d.attend(*_qkv(lay), lay)
+    assert d.cache.stats()["compile_failures"] == 1 and len(d.cache) == 0
+    d = Dispatcher(AttnPolicyConfig(backend="eager", max_seq_len=64, on_compile_error="eager"),
+                   cache=_Exploding())
+    _check(d, lay, *_qkv(lay))
+    assert d.stats()["compile_error_fallbacks"] == 1
+
+
+@pytest.mark.parametrize("strict", ["warn", "raise"])
+def test_strict_mode_flags_compiles_after_warmup(strict):
+    d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256, strict=strict))
+    keys = d.warmup([BatchLayout.from_lens([20]), BatchLayout.from_lens([20, 30])], SPEC)
+    assert len(keys) == 2 and len(d.cache) == 2
+    d.prepare(BatchLayout.from_lens([25, 27]), SPEC)  # same MASK bucket: no compile
+    other = BatchLayout.from_lens([100])
+    if strict == "raise":
+        with pytest.raises(StrictModeError, match="causal/q128"):
+            d.prepare(other, SPEC)
+        assert len(d.cache) == 2
+    else:
+        with pytest.warns(RuntimeWarning, match="compiled after warm-up"):
+            d.prepare(other, SPEC)
+    assert d.stats()["strict_violations"] == 1
+
+
+def test_illegal_decision_falls_back_and_is_counted():
+    d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend="none", max_seq_len=256))
+    lay = BatchLayout.from_lens([5, 9])
+    _check(d, lay, *_qkv(lay))
+    assert d.stats()["guard_fallbacks"] == 1 and d.stats()["modes"]["varlen"] == 1
+
+
+def test_observer_hooks_fire_on_compile_and_evict():
+    seen: list[tuple] = []
+
+    class Recorder:
+        @hookimpl
+        def attnpolicy_on_compile(self, key, seconds, nbytes):
+            seen.append(("compile", str(key), nbytes))
+
+        @hookimpl
+        def attnpolicy_on_evict(self, key, nbytes):
+            seen.append(("evict", str(key), nbytes))
+
+    pm = get_plugin_manager()
+    recorder = Recorder()
+    pm.register(recorder)
+    try:
+        d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256, max_graphs=1))
+        d.prepare(BatchLayout.from_lens([20]), SPEC)
+        d.prepare(BatchLayout.from_lens([40]), SPEC)
+    finally:
+        pm.unregister(recorder)
+    kinds = [s[0] for s in seen]
+    assert kinds == ["compile", "evict", "compile"]
+    assert seen[1][1] == seen[0][1] and seen[0][2] > 0
+
+
+def test_graph_bytes_bound_is_never_exceeded():
+    d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=512, max_bytes=1_000_000))
+    for n in (10, 40, 100, 200, 20, 5):
+        d.prepare(BatchLayout.from_lens([n, n]), SPEC)
+        assert d.cache.stats()["bytes"] <= 1_000_000
+    assert d.cache.stats()["evictions"] > 0
+
+
+def test_no_warning_when_everything_is_fine():
+    d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256))
+    lay = BatchLayout.from_lens([4, 4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d.attend(*_qkv(lay), lay)
