@@ -53,6 +53,7 @@ class AttnPolicyConfig(BaseModel):
     attn_impl: Literal["sdpa", "eager", "flash"] | None = None
     partition_len: PositiveInt | None = None
     max_seq_len: PositiveInt = 8192
+    max_batch_tokens: PositiveInt = 65536
     on_illegal: Literal["raise", "fallback"] = "fallback"
     fallback_mode: Literal["mask", "varlen"] = "varlen"
     on_overflow: Literal["raise", "eager"] = "raise"
@@ -88,6 +89,9 @@ class AttnPolicyConfig(BaseModel):
         except PolicyError as exc:
             raise ValueError(f"policy_options: {exc}") from exc
         self._check_buckets()
+        if self.max_batch_tokens < self.max_seq_len:
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= max_seq_len "
+                             f"{self.max_seq_len}")
         object.__setattr__(self, "attn_impl", self._resolve_attn_impl())
         return self
 
@@ -130,8 +134,14 @@ class AttnPolicyConfig(BaseModel):
             raise ValueError(f"buckets.{field} has bucket {value} > max_seq_len {max_len}")
 
     def bucket(self, n: int) -> int:
-        """The compiled length for a length ``n`` (hot path; see :meth:`Buckets.bucket`)."""
+        """The compiled length of one sequence of ``n`` tokens (hot path; see
+        :meth:`Buckets.bucket`); at most ``max_seq_len``."""
         return self.buckets.bucket(n, self.max_seq_len)
+
+    def batch_bucket(self, n: int) -> int:
+        """The compiled row count of a packed MASK call of ``n`` rows (all sequences'
+        queries, or all their keys with cached context); at most ``max_batch_tokens``."""
+        return self.buckets.bucket(n, self.max_batch_tokens)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically:

@@ -64,7 +64,8 @@ class Dispatcher:
             release=_release)
         self._compile_counter = compile_counter
         self._builder = builder or self._compile
-        self._largest = _largest_bucket(cfg)
+        self._largest = _largest_bucket(cfg, cfg.max_seq_len)
+        self._largest_batch = _largest_bucket(cfg, cfg.max_batch_tokens)
         self._spec: TensorSpec | None = None
         self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
         self._lock = threading.Lock()
@@ -108,14 +109,27 @@ class Dispatcher:
         return self._spec
 
     # -- planning ----------------------------------------------------------------------
+    def _overflow(self, n: int, largest: int, field: str) -> int:
+        if self.config.on_overflow == "raise":
+            raise BucketOverflowError(
+                f"length {n} exceeds the largest bucket {largest} ({field}="
+                f"{getattr(self.config, field)}); set on_overflow='eager' to run it uncompiled")
+        return n
+
     def _bucket(self, n: int) -> int:
         if n > self._largest:
-            if self.config.on_overflow == "raise":
-                raise BucketOverflowError(
-                    f"length {n} exceeds the largest bucket {self._largest} "
-                    f"(max_seq_len={self.config.max_seq_len}); set on_overflow='eager' to run it uncompiled")
-            return n
+            return self._overflow(n, self._largest, "max_seq_len")
         return self.config.bucket(n)
+
+    def _batch_bucket(self, n: int) -> int:
+        if n > self._largest_batch:
+            return self._overflow(n, self._largest_batch, "max_batch_tokens")
+        return self.config.batch_bucket(n)
+
+    def _compiled(self, call: Call) -> bool:
+        """False for a call longer than its largest bucket (run uncompiled, on_overflow='eager')."""
+        limit = self._largest_batch if call.kind is MaskMode.MASK else self._largest
+        return max(call.q_bucket, call.kv_bucket) <= limit
 
     def _planned(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> Planned:
         plan_key = (layout, mode, spec)
@@ -123,9 +137,9 @@ class Dispatcher:
         if planned is None:
             cfg = self.config
             planned = tuple(
-                (call, None if max(call.q_bucket, call.kv_bucket) > self._largest else
-                 GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend))
-                for call in plan_calls(layout, mode, self._bucket))
+                (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend)
+                 if self._compiled(call) else None)
+                for call in plan_calls(layout, mode, self._bucket, self._batch_bucket))
             self._plans[plan_key] = planned
         return planned
 
@@ -207,10 +221,10 @@ def _release(key: GraphKey, graph: CompiledGraph) -> None:
     release_graph(graph)
 
 
-def _largest_bucket(cfg: AttnPolicyConfig) -> int:
+def _largest_bucket(cfg: AttnPolicyConfig, max_len: int) -> int:
     if cfg.buckets.kind == "exact":
-        return cfg.max_seq_len
-    return cfg.buckets.sizes_up_to(cfg.max_seq_len)[-1]
+        return max_len
+    return cfg.buckets.sizes_up_to(max_len)[-1]
 
 
 def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:

@@ -14,9 +14,12 @@ def exact(n: int) -> int:
     return n
 
 
-def plan_calls(layout: BatchLayout, mode: MaskMode,
-               bucket: Callable[[int], int] = exact) -> tuple[Call, ...]:
+def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int] = exact,
+               batch_bucket: Callable[[int], int] | None = None) -> tuple[Call, ...]:
     """The calls that compute ``layout`` in ``mode`` (raises if the mode is illegal).
+
+    ``bucket`` rounds one sequence's length up to a compiled size; ``batch_bucket``
+    (default: ``bucket``) rounds the packed row counts of a MASK call.
 
     VARLEN runs a causal sequence without context through the CAUSAL graph of its
     bucket (mask-free, shared with single-sequence batches); any other sequence
@@ -29,8 +32,9 @@ def plan_calls(layout: BatchLayout, mode: MaskMode,
         b = bucket(n)
         return (Call(MaskMode.CAUSAL, 0, n, 0, n, b, b, True),)
     if mode is MaskMode.MASK:
+        batch_bucket = batch_bucket or bucket
         return (Call(MaskMode.MASK, 0, layout.q_tokens, 0, layout.kv_tokens,
-                     bucket(layout.q_tokens), bucket(layout.kv_tokens), layout.causal),)
+                     batch_bucket(layout.q_tokens), batch_bucket(layout.kv_tokens), layout.causal),)
     calls = []
     for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
         if layout.causal and ql == kl:

@@ -124,7 +124,7 @@ def test_buckets_pad_and_waste_is_counted():
 def test_overflow_raises_or_runs_uncompiled():
     lay = BatchLayout.from_lens([300])
     strict = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256))
-    with pytest.raises(BucketOverflowError, match="length 300 exceeds the largest bucket 256"):
+    with pytest.raises(BucketOverflowError, match=r"length 300 exceeds the largest bucket 256 \(max_seq_len=256\)"):
         strict.attend(*_qkv(lay), lay)
     lenient = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256, on_overflow="eager"))
     _check(lenient, lay, *_qkv(lay))
@@ -212,3 +212,14 @@ def test_no_warning_when_everything_is_fine():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         d.attend(*_qkv(lay), lay)
+
+
+def test_mask_calls_bucket_packed_rows_up_to_max_batch_tokens():
+    d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="none", max_seq_len=256, max_batch_tokens=1024))
+    lay = BatchLayout.from_lens([200, 200, 200])  # 600 packed rows > max_seq_len
+    _check(d, lay, *_qkv(lay))
+    (key,) = d.cache.keys()
+    assert key.kind is MaskMode.MASK and key.q_len == 1024
+    big = BatchLayout.from_lens([250] * 5)
+    with pytest.raises(BucketOverflowError, match=r"largest bucket 1024 \(max_batch_tokens=1024\)"):
+        d.attend(*_qkv(big), big)
