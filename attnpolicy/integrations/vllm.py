@@ -1,0 +1,66 @@
+"""vLLM integration: the ``vllm.general_plugins`` entry point.
+
+:func:`register` overrides vLLM's CPU attention backend (``CPU_ATTN``, the only
+slot vLLM's CPU platform selects) with
+:class:`attnpolicy.integrations.vllm_backend.AttnPolicyCPUBackend`, whose
+forward runs attnpolicy's policy and dispatcher on batches whose keys are exactly
+their queries (prefills without cached context, encoder/pooling batches) and
+delegates every other batch (decode, chunked or prefix-cached context, ...) to
+vLLM's own CPU implementation. Configuration: see
+:mod:`attnpolicy.integrations.runtime`. Importing this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+BACKEND_PATH = "attnpolicy.integrations.vllm_backend.AttnPolicyCPUBackend"
+
+
+def register() -> None:
+    """Install the attnpolicy backend in place of ``CPU_ATTN`` (idempotent).
+
+    Returns quietly (with a debug log) when vLLM cannot be imported.
+    """
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    except ImportError as exc:
+        log.debug("vLLM is not importable (%s): attnpolicy's attention backend is not registered", exc)
+        return
+    from attnpolicy.integrations.runtime import install_decision_log
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    _forget_selected_backends()
+    install_decision_log()
+    log.info("attnpolicy: %s now runs %s", AttentionBackendEnum.CPU_ATTN.name, BACKEND_PATH)
+
+
+def unregister() -> None:
+    """Give ``CPU_ATTN`` back to vLLM's own backend (for engines built afterwards)."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:
+        return
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    _forget_selected_backends()
+
+
+def is_registered() -> bool:
+    """Whether ``CPU_ATTN`` currently resolves to the attnpolicy backend."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:
+        return False
+    return AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+
+
+def _forget_selected_backends() -> None:
+    """vLLM memoises backend selection per process; drop it so the override applies
+    to engines built after this call (a no-op on a fresh process)."""
+    from vllm.v1.attention import selector
+
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()

@@ -1,0 +1,90 @@
+"""Tensor-parallel consistency: every rank must take the same decisions and use the
+same graph keys for the same batches, or the ranks compile and run different graphs
+and their collectives deadlock.
+
+Two processes join a gloo group on 127.0.0.1, each replays the same workload
+(synthetic trace → BatchFormer steps) through its own Dispatcher, running real
+attention on rank-local random tensors (so cache state evolves as in a server),
+and all-gathers a digest of its (decision, graph keys) sequence per policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attnpolicy import AttnPolicyConfig, Dispatcher
+from attnpolicy.batching import BatchFormer
+from attnpolicy.keys import TensorSpec
+from attnpolicy.plugins import policy_registry
+from attnpolicy.workload import synthetic_default
+
+WORLD = 2
+STEPS = 24
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def _workload():
+    former = BatchFormer(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=4096)
+    steps = former.steps(synthetic_default(n=24, seed=3))
+    return [step.layout for _, step in zip(range(STEPS), steps)]
+
+
+def _trace(policy: str, rank: int) -> list[str]:
+    """One line per step: the decision and the graph keys it runs."""
+    # a small cache, so evictions change the cache state policies may read
+    d = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_graphs=4))
+    gen = torch.Generator().manual_seed(1000 + rank)  # ranks hold different shards of data
+    lines = []
+    for layout in _workload():
+        q = torch.randn(layout.q_tokens, HEADS, HEAD_DIM, generator=gen)
+        k = torch.randn(layout.kv_tokens, KV_HEADS, HEAD_DIM, generator=gen)
+        keys = d.graph_keys_for(layout, TensorSpec.of(q, k, None))
+        decision = d.decide(layout)
+        d.attend(q, k, torch.randn_like(k), layout)
+        lines.append(f"{decision.mode.value}|{decision.reason}|{'|'.join(map(str, keys))}")
+    return lines
+
+
+def _rank(rank: int, port: int, policies: list[str], queue) -> None:
+    logging.getLogger("attnpolicy.guard").setLevel(logging.ERROR)  # always-causal falls back a lot
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    try:
+        mine = {p: _trace(p, rank) for p in policies}
+        digests = {p: hashlib.sha256("\n".join(lines).encode()).hexdigest() for p, lines in mine.items()}
+        gathered: list[dict[str, str] | None] = [None] * WORLD
+        dist.all_gather_object(gathered, digests)
+        if rank == 0:
+            queue.put((gathered, mine))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_agree_on_decisions_and_graph_keys():
+    policies = sorted(policy_registry())
+    assert {"dynamic", "always-mask", "varlen"} <= set(policies)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    # the test process hosts the rendezvous store on a port the OS picks: no port race
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.start_processes(_rank, args=(store.port, policies, queue), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    gathered, traces = queue.get()
+    assert len(gathered) == WORLD
+    for policy in policies:
+        assert len(traces[policy]) == STEPS
+        assert len({g[policy] for g in gathered}) == 1, f"ranks disagree for policy {policy!r}"
+    modes = {line.split("|")[0] for line in traces["dynamic"]}
+    assert {"causal", "mask"} <= modes, f"workload too uniform to test anything: {modes}"
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "varlen"])
+def test_tensor_parallel_digest_changes_with_the_decisions(policy):
+    """The digest compared above is sensitive: another policy gives another trace."""
+    assert _trace(policy, 0) != _trace("always-mask", 0)

@@ -1,0 +1,73 @@
+"""Tiny random HF models (plus a word-level tokenizer) written to a directory.
+
+Used by the vLLM and transformers integration tests: no downloads. Head dim is
+32 (the smallest vLLM's CPU attention supports); weights are seeded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB = 128
+HEAD_DIM = 32
+
+
+def _save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over ``VOCAB`` tokens: ``[PAD] [UNK] [CLS] [SEP] w4 .. w127``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    vocab = {tok: i for i, tok in enumerate(special + [f"w{i}" for i in range(len(special), VOCAB)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                   cls_token="[CLS]", sep_token="[SEP]", bos_token="[CLS]",
+                                   eos_token="[SEP]", model_max_length=512)
+    fast.save_pretrained(path)
+
+
+def _save(model, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def llama(path: Path, *, kv_heads: int = 2, seed: int = 0) -> Path:
+    """A 2-layer Llama: hidden 128, 4 query heads, ``kv_heads`` kv heads (GQA when < 4)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+                      head_dim=HEAD_DIM, max_position_embeddings=512, bos_token_id=2,
+                      eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
+                      dtype="float32")
+    return _save(LlamaForCausalLM(cfg).eval(), path)
+
+
+def qwen2(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer Qwen2 (q/k/v biases, GQA 4:2)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, bos_token_id=2, eos_token_id=3,
+                      pad_token_id=0, tie_word_embeddings=False, dtype="float32")
+    return _save(Qwen2ForCausalLM(cfg).eval(), path)
+
+
+def bert(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer BERT encoder: hidden 64, 2 heads of 32."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=2 * HEAD_DIM, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=512,
+                     pad_token_id=0, dtype="float32")
+    return _save(BertModel(cfg).eval(), path)
