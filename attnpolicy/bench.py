@@ -63,7 +63,7 @@ def modes_for(num_seqs: int) -> tuple[MaskMode, MaskMode]:
     return (MaskMode.CAUSAL, MaskMode.MASK) if num_seqs == 1 else (MaskMode.MASK, MaskMode.VARLEN)
 
 
-def _timed_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, float]:
+def _time_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, float]:
     """Total and mask-build seconds of one MASK call that builds its mask afresh."""
     (call,) = plan_calls(layout, MaskMode.MASK)
     fn = graph_fn(call, s.impl, None, s.partition_len)
@@ -74,9 +74,10 @@ def _timed_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, 
     return time.perf_counter() - t0, t1 - t0
 
 
-def _timed(q, k, v, layout: BatchLayout, mode: MaskMode, s: BenchSettings) -> tuple[float, float | None]:
+def time_mode(q, k, v, layout: BatchLayout, mode: MaskMode, s: BenchSettings) -> tuple[float, float | None]:
+    """Seconds of one uncompiled call in ``mode``, and of its mask build (MASK only)."""
     if mode is MaskMode.MASK:
-        return _timed_mask(q, k, v, layout, s)
+        return _time_mask(q, k, v, layout, s)
     t0 = time.perf_counter()
     attend(q, k, v, layout, mode, s.impl, partition_len=s.partition_len)
     return time.perf_counter() - t0, None
@@ -101,7 +102,7 @@ def run_bench(s: BenchSettings, progress: Callable[[str], None] | None = None) -
             with torch.inference_mode():
                 for r in range(s.warmup + s.repeats):
                     for mode in modes:
-                        total, build = _timed(q, k, v, layout, mode, s)
+                        total, build = time_mode(q, k, v, layout, mode, s)
                         if r >= s.warmup:
                             times[mode].append(total)
                             if build is not None:

@@ -77,6 +77,9 @@ class GraphCache(Generic[V]):
       graph larger than ``max_bytes`` is refused without compiling: ``oversize="raise"``
       raises :class:`GraphTooLargeError`, ``"uncached"`` builds it and returns it
       without caching (counted in ``uncached``).
+    - ``compile_cost(key, measured_seconds)``: the compile seconds to record for a
+      build (statistics, ``on_compile``, the ``cost`` eviction); default: the measured
+      seconds. A simulation whose builds are stubs returns a modelled cost here.
     - ``on_compile(key, seconds, nbytes)``, ``on_evict(key, nbytes)`` observe;
       ``release(key, value)`` frees an evicted or cleared graph (e.g.
       :func:`attnpolicy.compile.release_graph`). Callbacks run in the requesting
@@ -100,13 +103,14 @@ class GraphCache(Generic[V]):
         on_evict: Callable[[Hashable, int], None] | None = None,
         release: Callable[[Hashable, V], None] | None = None,
         eviction_options: dict[str, Any] | None = None,
+        compile_cost: Callable[[Hashable, float], float] | None = None,
     ) -> None:
         _check_bound("max_graphs", max_graphs)
         _check_bound("max_bytes", max_bytes)
         if oversize not in ("raise", "uncached"):
             raise ConfigError(f"oversize must be 'raise' or 'uncached', got {oversize!r}")
         for field, fn in (("sizeof", sizeof), ("on_compile", on_compile),
-                          ("on_evict", on_evict), ("release", release)):
+                          ("on_evict", on_evict), ("release", release), ("compile_cost", compile_cost)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{field} must be callable or None, got {fn!r}")
         self.max_graphs = max_graphs
@@ -119,6 +123,7 @@ class GraphCache(Generic[V]):
         self._on_compile = on_compile
         self._on_evict = on_evict
         self._release = release
+        self._compile_cost = compile_cost
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, Future[V]] = {}
         self._per_key: dict[Hashable, _KeyStats] = {}
@@ -201,6 +206,8 @@ class GraphCache(Generic[V]):
                     f"building the graph for key {key} failed: {type(exc).__name__}: {exc}"
                 ) from exc
             seconds = perf_counter() - start
+            if self._compile_cost is not None:
+                seconds = self._compile_cost(key, seconds)
         except BaseException as exc:
             with self._lock:
                 del self._inflight[key]

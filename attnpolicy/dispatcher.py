@@ -86,6 +86,7 @@ class Dispatcher:
     def prepare(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
         ``attend`` does except touching tensors. One call per graph invocation."""
+        self.use_spec(spec)
         decision = self.decide(layout)
         planned = self._planned(layout, decision.mode, spec)
         self._modes[decision.mode.value] += 1

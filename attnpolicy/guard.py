@@ -102,7 +102,11 @@ class Guard:
             raise PolicyError(what) from cause
         self.fallbacks += 1
         self.fallback_reasons[category] += 1
-        log.warning("%s; fell back to %s", what, self.fallback.value)
+        # The first fallback of each kind is a warning; the rest are counted and logged
+        # at debug level (a policy that is wrong for a workload is wrong on every batch).
+        level = logging.WARNING if self.fallback_reasons[category] == 1 else logging.DEBUG
+        log.log(level, "%s; fell back to %s (fallbacks so far: %d)", what, self.fallback.value,
+                self.fallbacks)
         decision = Decision(self.fallback, f"guard: {what}; fell back to {self.fallback.value}")
         self._on_decision(layout=layout, decision=decision, policy=self.policy_name, fell_back=True)
         return decision

@@ -26,7 +26,7 @@ from attnpolicy import hookspecs
 from attnpolicy.errors import PluginError, PolicyError
 from attnpolicy.policy import Policy
 
-BUILTIN_PLUGINS = ("attnpolicy.policies", "attnpolicy.evictions")
+BUILTIN_PLUGINS = ("attnpolicy.policies", "attnpolicy.evictions", "attnpolicy.costaware")
 ENTRY_POINT_GROUP = "attnpolicy"
 LOAD_PLUGINS_ENV = "ATTNPOLICY_LOAD_PLUGINS"
 

@@ -103,7 +103,7 @@ def test_unknown_field_is_named():
 
 def test_unknown_policy_names_it_and_lists_known():
     with pytest.raises(ValidationError, match="policy 'nope' is not a registered policy; known policies: "
-                                             "always-causal, always-mask, dynamic, varlen"):
+                                             "always-causal, always-mask, cost-aware, dynamic, varlen"):
         AttnPolicyConfig(policy="nope")
 
 

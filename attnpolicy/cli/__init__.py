@@ -9,7 +9,7 @@ import sys
 from attnpolicy.errors import AttnPolicyError
 
 #: Modules under ``attnpolicy.cli`` that add subcommands through ``register(subparsers)``.
-COMMAND_MODULES = ("bench", "policies", "config")
+COMMAND_MODULES = ("bench", "policies", "config", "run", "replay", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:

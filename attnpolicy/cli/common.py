@@ -52,8 +52,11 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     for col in columns:
         table.add_column(col, justify="right")
     for row in rows:
-        table.add_row(*("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    Console().print(table)
+        table.add_row(*("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+    out = Console()
+    if not out.is_terminal:  # piped: do not squeeze columns into 80 characters
+        out = Console(width=200)
+    out.print(table)
 
 
 def write_json(path: str | Path, data: Any) -> None:

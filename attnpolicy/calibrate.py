@@ -1,0 +1,191 @@
+"""Calibrate a :class:`~attnpolicy.costmodel.CostModel` on this machine.
+
+Every sample runs through the real machinery: a :class:`~attnpolicy.dispatcher.Dispatcher`
+decides, plans and compiles the graph of one key (``compile_graph`` with the chosen
+backend, timed by the graph cache), then its call is timed through
+:func:`attnpolicy.kernels.execute` on real tensors. Real lengths are three quarters of each bucket,
+so the timed calls pay a typical padding.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from attnpolicy.bench import DTYPES, split_lengths
+from attnpolicy.cache import GraphCache
+from attnpolicy.compile import release_graph
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.costmodel import KINDS, CostModel, Fit, Kind, Sample
+from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.footprint import graph_bytes
+from attnpolicy.keys import GraphKey, TensorSpec
+from attnpolicy.kernels import execute
+from attnpolicy.layout import BatchLayout
+from attnpolicy.masks import mask_for
+
+#: The policy that plans each graph family for the calibration layouts below.
+_POLICY: dict[Kind, str] = {"causal": "dynamic", "mask": "always-mask", "varlen": "varlen"}
+#: Hit-path dispatches averaged for the call overhead.
+OVERHEAD_CALLS = 2000
+MIN_REPEATS = 2
+MAX_REPEATS = 10
+MIN_TIMED_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    impl: str = "sdpa"
+    partition_len: int | None = None
+    backend: str = "aot_eager"
+    max_len: int = 4096
+    repeats: int = 3
+    quick: bool = False
+    threads: int | None = 1
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
+
+
+def _real(bucket: int) -> int:
+    return bucket - bucket // 4
+
+
+def shapes(s: CalibrationSettings) -> list[tuple[Kind, int, int]]:
+    """The (kind, q bucket, kv bucket) grid: pow2 sizes from 16 to ``max_len`` (every
+    other size with ``quick``); square shapes for CAUSAL and MASK, decode-like
+    (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
+    sizes = []
+    n = 16
+    while n <= s.max_len:
+        sizes.append(n)
+        n *= 2
+    if s.quick:
+        sizes = sorted({*sizes[::2], sizes[-1]})
+    grid: list[tuple[Kind, int, int]] = []
+    for n in sizes:
+        grid += [("causal", n, n), ("mask", n, n)]
+    for n in sizes:
+        if n >= 64:
+            grid += [("mask", 16, n), ("varlen", 16, n), ("mask", n // 4, n), ("varlen", n // 4, n)]
+        if n >= 32:
+            grid.append(("varlen", n // 2, n))
+    return list(dict.fromkeys(grid))
+
+
+def _layout(kind: Kind, q_bucket: int, kv_bucket: int) -> BatchLayout:
+    """A layout whose single planned call has this kind and buckets (pow2, min 16)."""
+    rq, rkv = (1 if q_bucket == 16 and kv_bucket > 16 else _real(q_bucket)), _real(kv_bucket)
+    if kind == "causal":
+        return BatchLayout.from_lens([rq])
+    if kind == "varlen":
+        return BatchLayout.from_lens([rq], [rkv])
+    n = min(4, rq)
+    q_lens = split_lengths(rq, n)
+    return BatchLayout.from_lens(q_lens, None if rq == rkv else split_lengths(rkv, n))
+
+
+def _fastest_seconds(fn: Callable[[], object]) -> float:
+    """The fastest of :data:`MIN_REPEATS` or more runs (up to :data:`MAX_REPEATS`
+    while they take under :data:`MIN_TIMED_SECONDS` together)."""
+    times: list[float] = []
+    while len(times) < MIN_REPEATS or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = None) -> CostModel:
+    """Measure every shape of :func:`shapes` and fit a :class:`CostModel`.
+
+    First each shape's graph is compiled (one compile sample per key), then
+    ``repeats`` rounds time every shape; a call's sample is its fastest time over
+    all rounds (interference on a shared machine only ever adds time, and rounds
+    spread each shape's runs over the whole calibration). ``progress(label)`` is
+    called once per shape compiled and once per round: ``len(shapes(s)) + repeats``
+    times in all."""
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
+    spec = s.spec
+    dtype = DTYPES[s.dtype]
+    compiled: dict[GraphKey, float] = {}
+    cache = GraphCache(sizeof=graph_bytes, release=lambda key, graph: release_graph(graph),
+                       on_compile=lambda key, seconds, nbytes: compiled.__setitem__(key, seconds))
+    dispatchers = {kind: Dispatcher(AttnPolicyConfig(
+        policy=policy, backend=s.backend, attn_impl=s.impl, partition_len=s.partition_len,
+        max_seq_len=max(s.max_len, s.partition_len or 0)), cache=cache) for kind, policy in _POLICY.items()}
+    gen = torch.Generator().manual_seed(0)
+    samples: list[Sample] = []
+
+    def tensors(layout: BatchLayout) -> tuple[torch.Tensor, ...]:
+        q = torch.randn(layout.q_tokens, s.heads, s.head_dim, generator=gen).to(dtype)
+        k = torch.randn(layout.kv_tokens, s.kv_heads, s.head_dim, generator=gen).to(dtype)
+        return q, k, torch.randn_like(k)
+
+    try:
+        with torch.inference_mode():
+            warm = BatchLayout.from_lens([8])
+            dispatchers["causal"].attend(*tensors(warm), warm)  # Dynamo's one-off start-up cost
+            cache.clear()
+            compiled.clear()
+            runs: list[tuple[Kind, GraphKey, Callable[[], object], Callable[[], object] | None]] = []
+            for kind, qb, kvb in shapes(s):
+                layout = _layout(kind, qb, kvb)
+                tensors_ = tensors(layout)
+                graphs = dispatchers[kind].prepare(layout, spec)
+                (key,) = dispatchers[kind].graph_keys_for(layout, spec)
+                samples.append(Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len,
+                                      seconds=compiled[key]))
+                build = partial(mask_for(layout).materialize, qb, kvb) if kind == "mask" else None
+                runs.append((kind, key, partial(execute, *tensors_, layout, graphs), build))
+                if progress:
+                    progress(f"compiled {key}")
+            fastest = [[math.inf, math.inf] for _ in runs]
+            for r in range(s.repeats):
+                for best, (_, _, run, build) in zip(fastest, runs):
+                    best[0] = min(best[0], _fastest_seconds(run))  # the first run caches its mask
+                    if build is not None:
+                        best[1] = min(best[1], _fastest_seconds(build))
+                if progress:
+                    progress(f"timing round {r + 1}/{s.repeats}")
+            overhead = _call_overhead(dispatchers["causal"], spec)
+    finally:
+        cache.clear()
+    for (kind, key, _, build), (run_s, build_s) in zip(runs, fastest):
+        samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=run_s))
+        if build is not None:
+            samples.append(Sample(what="mask_build", rows=key.q_len, cols=key.kv_len, seconds=build_s))
+    return CostModel(
+        dtype=s.dtype, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, impl=s.impl,
+        partition_len=s.partition_len if s.impl == "flash" else None, backend=s.backend,
+        threads=torch.get_num_threads(), torch_version=torch.__version__,
+        run={kind: _fit(samples, "run", kind) for kind in KINDS},
+        compile={kind: _fit(samples, "compile", kind) for kind in KINDS},
+        mask_build=_fit(samples, "mask_build", None),
+        call_overhead_seconds=overhead, samples=tuple(samples))
+
+
+def _fit(samples: list[Sample], what: str, kind: Kind | None) -> Fit:
+    return Fit.to_samples([(x.rows, x.cols, max(x.seconds, 1e-9)) for x in samples
+                           if x.what == what and x.kind == kind])
+
+
+def _call_overhead(dispatcher: Dispatcher, spec: TensorSpec) -> float:
+    """Seconds per call of ``prepare`` on a cache hit: decision, plan, cache lookup."""
+    layout = BatchLayout.from_lens([12])
+    dispatcher.prepare(layout, spec)
+    start = time.perf_counter()
+    for _ in range(OVERHEAD_CALLS):
+        dispatcher.prepare(layout, spec)
+    return (time.perf_counter() - start) / OVERHEAD_CALLS

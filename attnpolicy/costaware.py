@@ -1,0 +1,231 @@
+"""The built-in ``cost-aware`` policy: the legal mode with the least expected time.
+
+**Pricing.** For each legal mode of a batch the policy prices, with the cost model
+(``ctx.cost_model``, else the built-in default), the calls the mode plans
+(``ctx.keys_for``): their run seconds, the dispatch overhead per call, the host
+mask build of a MASK call (unless that mask was built recently enough for the mask
+cache to hold it), and the compile seconds of every graph that is not cached.
+
+**Rent or buy.** The *cheap* mode minimises run + compile now; the *fast* mode
+minimises run alone. When they differ, running the cheap mode is renting: its
+extra run seconds over the fast mode accumulate as regret on the fast mode's
+missing graphs, and the fast mode is bought (its graphs compiled) once that regret
+reaches the extra cost of buying now. A one-off batch runs on what is cached; a
+graph is compiled once its repeated use has paid for it (ski rental: at most twice
+the optimum per episode).
+
+**Hedging.** Rent-or-buy prices one batch at a time; it cannot see that a graph
+it compiles evicts one that later batches need, which matters when the working
+set is about the cache's size. So the policy replays, alongside, rent-or-buy and
+the fixed rules (``varlen``, ``dynamic``, ``always-mask``) each on a private
+shadow of the graph cache (same capacity, bytes and eviction as the config),
+accumulating each one's modelled seconds. It follows the best fixed rule
+(``varlen`` at first), and rent-or-buy while that is ahead of it; a rule is
+ahead when its seconds plus the price of switching to it (compiling the graphs
+its shadow holds that the real cache lacks) are below ``1 - MARGIN`` times the
+followed rule's. The Decision reason gives
+the rule followed, the modelled totals and the prices.
+
+Decisions are a pure function of the layout stream, the config, the cache state
+and the cost model: no clock, no measurement, so tensor-parallel ranks agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import cachetools
+
+from attnpolicy.cache import GraphCache
+from attnpolicy.costmodel import CostModel
+from attnpolicy.hookspecs import hookimpl
+from attnpolicy.keys import GraphKey
+from attnpolicy.layout import BatchLayout
+from attnpolicy.masks import DENSE_CACHE_SIZE
+from attnpolicy.modes import Decision, MaskMode, legal_modes
+from attnpolicy.policies import AlwaysMask, Dynamic, Varlen, cached_decision, why_not_causal
+from attnpolicy.policy import Policy, PolicyContext
+
+#: A rule is switched to only when it is ahead by this fraction of the followed
+#: rule's modelled seconds (plus the price of switching).
+MARGIN = 0.1
+RENT_OR_BUY = "rent-or-buy"
+
+
+class _Option:
+    """One candidate mode priced for one batch."""
+
+    __slots__ = ("mode", "keys", "run", "missing", "compile")
+
+    def __init__(self, mode: MaskMode, keys: tuple[GraphKey, ...], run: float,
+                 missing: tuple[GraphKey, ...], compile: float) -> None:
+        self.mode = mode
+        self.keys = keys
+        self.run = run
+        self.missing = missing
+        self.compile = compile
+
+    @property
+    def now(self) -> float:
+        return self.run + self.compile
+
+    def describe(self) -> str:
+        text = f"{self.mode.value} {self.run * 1e3:.3g} ms"
+        if self.missing:
+            n = len(self.missing)
+            text += f" + compile {n} graph{'s' * (n > 1)} {self.compile * 1e3:.3g} ms"
+        return text
+
+
+def _price(layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], model: CostModel,
+           is_cached: Callable[[GraphKey], bool], masks: cachetools.LRUCache) -> _Option:
+    run = sum(model.run_seconds(k) for k in keys) + model.call_overhead_seconds * len(keys)
+    if mode is MaskMode.MASK:
+        run += sum(model.mask_build_seconds(k.q_len, k.kv_len) for k in keys
+                   if (layout, k.q_len, k.kv_len) not in masks)
+    missing = tuple(k for k in dict.fromkeys(keys) if not is_cached(k))
+    return _Option(mode, keys, run, missing, sum(model.compile_seconds(k) for k in missing))
+
+
+class _Shadow:
+    """One rule replayed on a private copy of the graph cache: what it would have
+    cost so far (modelled seconds) had it decided every batch."""
+
+    def __init__(self, name: str, config_cache: dict, model: CostModel,
+                 decide: Callable[[BatchLayout, PolicyContext, _Shadow], tuple[MaskMode, str]]) -> None:
+        self.name = name
+        self.cache: GraphCache = GraphCache(**config_cache, sizeof=model.graph_bytes, oversize="uncached",
+                                            compile_cost=lambda key, measured: model.compile_seconds(key))
+        self.masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+        self.seconds = 0.0
+        self._decide = decide
+
+    def step(self, layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> tuple[MaskMode, str]:
+        """Decide ``layout`` as this rule would, charge it, and return (mode, reason)."""
+        mode, reason = self._decide(layout, ctx, self)
+        keys = ctx.keys_for(layout, mode)
+        option = _price(layout, mode, keys, model, self.cache.__contains__, self.masks)
+        self.seconds += option.run
+        for key in keys:  # misses counted one by one: a key may be evicted within the batch
+            if key not in self.cache:
+                self.seconds += model.compile_seconds(key)
+            self.cache.get_or_compile(key, lambda: key)
+        if mode is MaskMode.MASK:
+            for k in keys:
+                self.masks[(layout, k.q_len, k.kv_len)] = True
+        return mode, reason
+
+
+def _fixed(policy: Policy) -> Callable[[BatchLayout, PolicyContext, _Shadow], tuple[MaskMode, str]]:
+    def decide(layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow) -> tuple[MaskMode, str]:
+        decision = policy.decide(layout, ctx)
+        return decision.mode, decision.reason
+    return decide
+
+
+class _RentOrBuy:
+    """The rent-or-buy rule (see the module docstring); keeps the regret per graph."""
+
+    def __init__(self, model: CostModel) -> None:
+        self._model = model
+        self._regret: dict[GraphKey, float] = {}
+
+    def __call__(self, layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow) -> tuple[MaskMode, str]:
+        options: list[_Option] = []
+        for mode in legal_modes(layout):
+            keys = ctx.keys_for(layout, mode)
+            if any(o.keys == keys for o in options):
+                continue  # VARLEN of a lone causal sequence plans CAUSAL's very graph
+            options.append(_price(layout, mode, keys, self._model, shadow.cache.__contains__, shadow.masks))
+        cheap = min(options, key=lambda o: o.now)
+        fast = min(options, key=lambda o: o.run)
+        if fast is cheap:
+            chosen, note = cheap, "cheapest"
+        else:
+            regret = sum(self._regret.get(k, 0.0) for k in fast.missing)
+            premium = fast.now - cheap.now
+            if regret >= premium:
+                chosen, note = fast, f"bought: regret {regret * 1e3:.3g} ms >= extra {premium * 1e3:.3g} ms"
+            else:
+                chosen = cheap
+                gain = cheap.run - fast.run
+                for k in fast.missing:
+                    self._regret[k] = self._regret.get(k, 0.0) + gain * (
+                        self._model.compile_seconds(k) / fast.compile if fast.compile > 0
+                        else 1 / len(fast.missing))
+                note = f"renting: regret {(regret + gain) * 1e3:.3g} ms < extra {premium * 1e3:.3g} ms"
+        for k in chosen.missing:
+            self._regret.pop(k, None)
+        others = "; ".join(o.describe() for o in options if o is not chosen)
+        return chosen.mode, f"{chosen.describe()}{' vs ' + others if others else ''}; {note}"
+
+
+class CostAware:
+    """Rent-or-buy between modes, priced by the cost model, hedged against the fixed
+    rules on shadow caches (see the module docstring)."""
+
+    name = "cost-aware"
+    description = ("the legal mode with the least expected time: run cost vs compile cost of "
+                   "uncached graphs (rent or buy), hedged against the fixed policies")
+
+    def __init__(self) -> None:
+        self._shadows: list[_Shadow] | None = None
+        self._fixed_leader: _Shadow | None = None
+        self._following: _Shadow | None = None
+
+    def _start(self, layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> list[_Shadow]:
+        """The shadows, each holding the graphs of ``layout``'s options that are
+        already cached (a warmed-up cache), at no charge."""
+        cfg = ctx.config
+        bounds = {"max_graphs": None, "max_bytes": None, "eviction": "lru"} if cfg is None else \
+            {"max_graphs": cfg.max_graphs, "max_bytes": cfg.max_bytes, "eviction": cfg.eviction}
+        shadows = [_Shadow(RENT_OR_BUY, bounds, model, _RentOrBuy(model))]
+        shadows += [_Shadow(cls.name, bounds, model, _fixed(cls())) for cls in (Varlen, Dynamic, AlwaysMask)]
+        warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
+        for shadow in shadows:
+            for key in warm:
+                shadow.cache.get_or_compile(key, lambda: key)
+        self._fixed_leader = self._following = shadows[1]
+        return shadows
+
+    @staticmethod
+    def _ahead(candidate: _Shadow, leader: _Shadow, ctx: PolicyContext, model: CostModel) -> bool:
+        """Whether following ``candidate`` instead of ``leader`` pays: its modelled seconds
+        plus the compiles of the graphs it holds that the real cache lacks (the price
+        of switching) are below ``(1 - MARGIN)`` times the leader's."""
+        if candidate is leader or candidate.seconds >= (1 - MARGIN) * leader.seconds:
+            return False
+        switch = sum(model.compile_seconds(k) for k in candidate.cache.keys() if not ctx.is_cached(k))
+        return candidate.seconds + switch < (1 - MARGIN) * leader.seconds
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        model = ctx.cost_model or CostModel.default()
+        if not any(ctx.keys_for(layout, m) for m in legal_modes(layout)):  # no tensor spec yet
+            why = why_not_causal(layout)
+            return cached_decision(MaskMode.CAUSAL if why is None else MaskMode.VARLEN,
+                                   f"no graph keys to price ({why or 'single sequence'})")
+        if self._shadows is None:
+            self._shadows = self._start(layout, ctx, model)
+        rent_or_buy, *fixed = self._shadows
+        modes = {s.name: s.step(layout, ctx, model) for s in self._shadows}
+        best = min(fixed, key=lambda s: s.seconds)
+        if self._ahead(best, self._fixed_leader, ctx, model):
+            if self._following is self._fixed_leader:
+                self._following = best
+            self._fixed_leader = best
+        other = self._fixed_leader if self._following is rent_or_buy else rent_or_buy
+        if self._ahead(other, self._following, ctx, model):
+            self._following = other
+        leader = self._following
+        mode, reason = modes[leader.name]
+        fixed_leader = self._fixed_leader
+        text = (f"{leader.name}: {reason} | modelled so far: {RENT_OR_BUY} {rent_or_buy.seconds:.3g} s, "
+                f"{fixed_leader.name} {fixed_leader.seconds:.3g} s")
+        if leader is not rent_or_buy:
+            text += f" | {RENT_OR_BUY} would run {modes[RENT_OR_BUY][1]}"
+        return Decision(mode, text)
+
+
+@hookimpl
+def attnpolicy_register_policies(register: Callable[[type], None]) -> None:
+    register(CostAware)

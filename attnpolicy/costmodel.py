@@ -1,0 +1,222 @@
+"""The cost model: predicted seconds of attention calls, graph compiles and mask builds.
+
+A :class:`CostModel` holds, for the tensor spec, attention implementation and
+compile backend it was calibrated with (``attnpolicy calibrate``, see
+:mod:`attnpolicy.calibrate`), one :class:`Fit` per quantity:
+
+- ``run[kind]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
+  shape), input padding and output copy included, for each graph family;
+- ``compile[kind]``: seconds to build one graph of a key (backend compile plus its
+  first call on example inputs);
+- ``mask_build``: seconds to build a dense ``rows × cols`` mask on the host;
+- ``call_overhead_seconds``: the dispatcher's own cost per call (decision, plan,
+  cache lookup) on a cache hit.
+
+Each fit is ``base + per_cell·rows·cols + per_token·(rows + cols)`` with
+non-negative coefficients: attention's work grows with the score cells, its memory
+traffic with the tokens, and a call has a fixed cost. Coefficients are fitted by
+least squares on the *relative* error of the calibrated samples, so that small
+and large shapes count alike. Non-negative coefficients make every prediction
+monotone in the lengths and extrapolate linearly in the cells beyond the grid.
+See ``docs/simulate.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from attnpolicy.errors import ConfigError
+from attnpolicy.footprint import graph_bytes
+from attnpolicy.keys import GraphKey, TensorSpec
+from attnpolicy.modes import MaskMode
+
+FORMAT_VERSION = 1
+DEFAULT_RESOURCE = "default_costmodel.json"
+
+Kind = Literal["causal", "mask", "varlen"]
+KINDS: tuple[Kind, ...] = ("causal", "mask", "varlen")
+NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Positive = Annotated[int, Field(strict=True, ge=1)]
+
+
+class Fit(BaseModel):
+    """Seconds as ``base + per_cell·rows·cols + per_token·(rows + cols)``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: NonNegative = 0.0
+    per_cell: NonNegative = 0.0
+    per_token: NonNegative = 0.0
+
+    def __call__(self, rows: int, cols: int) -> float:
+        return self.base + self.per_cell * rows * cols + self.per_token * (rows + cols)
+
+    @classmethod
+    def to_samples(cls, samples: Sequence[tuple[int, int, float]]) -> Fit:
+        """The non-negative fit of ``(rows, cols, seconds)`` samples minimising the
+        squared relative error (exact: the best least-squares solution over every
+        subset of the three terms that has no negative coefficient)."""
+        if not samples:
+            raise ConfigError("a fit needs at least one (rows, cols, seconds) sample, got none")
+        data = np.array(samples, dtype=float)
+        rows, cols, secs = data.T
+        if (secs <= 0).any() or (rows < 1).any() or (cols < 1).any():
+            raise ConfigError(f"fit samples need rows, cols >= 1 and seconds > 0, got {list(samples)!r}")
+        terms = np.stack([np.ones_like(rows), rows * cols, rows + cols], axis=1) / secs[:, None]
+        scale = np.linalg.norm(terms, axis=0)
+        terms = terms / scale
+        target = np.ones(len(secs))
+        best: tuple[float, np.ndarray] | None = None
+        for mask in range(1, 8):
+            cols_used = [i for i in range(3) if mask >> i & 1]
+            coef, *_ = np.linalg.lstsq(terms[:, cols_used], target, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(3)
+            full[cols_used] = coef
+            err = float(np.sum((terms @ full - target) ** 2))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, full)
+        assert best is not None  # a single term's least-squares coefficient is never negative
+        base, per_cell, per_token = (best[1] / scale).tolist()
+        return cls(base=base, per_cell=per_cell, per_token=per_token)
+
+
+class Sample(BaseModel):
+    """One calibration measurement (kept in the JSON to show the fit's quality)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    what: Literal["run", "compile", "mask_build"]
+    kind: Kind | None = None
+    rows: Positive
+    cols: Positive
+    seconds: NonNegative
+
+
+class CostModel(BaseModel):
+    """Predicted seconds for one tensor spec, implementation and compile backend.
+
+    Immutable; :meth:`save` / :meth:`load` round-trip it through JSON and
+    :meth:`default` is the built-in one (calibrated on the project's machine).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: Literal[1] = FORMAT_VERSION
+    dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
+    heads: Positive = 8
+    kv_heads: Positive = 8
+    head_dim: Positive = 64
+    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
+    partition_len: Positive | None = None
+    backend: Literal["inductor", "aot_eager", "eager", "none"] = "aot_eager"
+    threads: Positive = 1
+    torch_version: str = ""
+    run: dict[Kind, Fit]
+    compile: dict[Kind, Fit]
+    mask_build: Fit
+    call_overhead_seconds: NonNegative = 0.0
+    samples: tuple[Sample, ...] = ()
+
+    @model_validator(mode="after")
+    def _every_kind(self) -> CostModel:
+        for field in ("run", "compile"):
+            missing = [k for k in KINDS if k not in getattr(self, field)]
+            if missing:
+                raise ValueError(f"{field} needs a fit for every kind; missing: {', '.join(missing)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        return self
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The tensor spec the model was calibrated with."""
+        return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
+
+    # -- predictions -------------------------------------------------------------------
+    def call_seconds(self, kind: MaskMode | str, q_len: int, kv_len: int) -> float:
+        """Seconds of one call of graph family ``kind`` on a padded ``q_len × kv_len`` shape."""
+        return self.run[MaskMode(kind).value](q_len, kv_len)
+
+    def run_seconds(self, key: GraphKey) -> float:
+        """Seconds of one call of the graph of ``key``."""
+        return self.run[key.kind.value](key.q_len, key.kv_len)
+
+    def compile_seconds(self, key: GraphKey) -> float:
+        """Seconds to build the graph of ``key`` (0 for backend ``"none"``: nothing compiles)."""
+        if key.backend == "none":
+            return 0.0
+        return self.compile[key.kind.value](key.q_len, key.kv_len)
+
+    def mask_build_seconds(self, rows: int, cols: int) -> float:
+        """Seconds to build a dense ``rows × cols`` mask on the host."""
+        return self.mask_build(rows, cols)
+
+    @staticmethod
+    def graph_bytes(key: GraphKey) -> int:
+        """Bytes the graph of ``key`` pins (:func:`attnpolicy.footprint.graph_bytes`)."""
+        return graph_bytes(key)
+
+    # -- files -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the model as JSON to ``path`` (parents created); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CostModel:
+        """Read a model saved by :meth:`save`; any problem raises :class:`ConfigError`
+        naming the file (and each bad field)."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"cost model file {path} not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read cost model file {path}: {exc}") from None
+        return cls.from_json(text, str(path))
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> CostModel:
+        """Parse and validate a model's JSON; errors are :class:`ConfigError` naming ``source``."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: "
+                              f"{exc.msg}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise ConfigError(f"{source}: unsupported cost model version {data.get('version')!r} "
+                              f"(this attnpolicy reads version {FORMAT_VERSION})")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "\n".join(
+                f"  - {'.'.join(str(p) for p in e['loc']) or '(model)'}: "
+                f"{e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors(include_url=False))
+            raise ConfigError(f"{source}: invalid cost model:\n{problems}") from None
+
+    @classmethod
+    def default(cls) -> CostModel:
+        """The built-in model, shipped as ``attnpolicy/data/default_costmodel.json``."""
+        global _default
+        if _default is None:
+            resource = resources.files("attnpolicy").joinpath("data", DEFAULT_RESOURCE)
+            _default = cls.from_json(resource.read_text(encoding="utf-8"), f"attnpolicy/data/{DEFAULT_RESOURCE}")
+        return _default
+
+
+_default: CostModel | None = None

@@ -1,0 +1,77 @@
+"""Replay a workload through a real Dispatcher: real tensors, real compiles, real time.
+
+Each step of the batch former becomes one ``Dispatcher.attend`` call on random
+tensors of the step's layout (one attention layer). Time spent compiling during a
+call is taken from the graph cache's measured compile seconds; the rest of the
+call is attention time. With ``check`` every output is compared with a float64
+per-sequence reference (uncompiled VARLEN through the ``eager`` kernel).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from attnpolicy.batching import BatchFormer, Step
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.kernels import attend
+from attnpolicy.keys import TensorSpec
+from attnpolicy.modes import MaskMode
+from attnpolicy.workload import Request
+
+
+def _pool(rows: int, heads: int, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(rows, heads, spec.head_dim, generator=gen).to(getattr(torch, spec.dtype))
+
+
+def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: TensorSpec,
+                 former: BatchFormer | None = None, *, check: bool = False, seed: int = 0,
+                 progress: Callable[[str], None] | None = None,
+                 steps: Sequence[Step] | None = None) -> dict[str, Any]:
+    """Run every step of ``requests`` (or the given ``steps``) through a Dispatcher."""
+    if steps is None:
+        steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
+    dispatcher = Dispatcher(config)
+    gen = torch.Generator().manual_seed(seed)
+    max_q = max((s.layout.q_tokens for s in steps), default=1)
+    max_kv = max((s.layout.kv_tokens for s in steps), default=1)
+    q_pool = _pool(max_q, spec.heads, spec, gen)
+    k_pool, v_pool = (_pool(max_kv, spec.kv_heads, spec, gen) for _ in range(2))
+    total = compile_total = 0.0
+    max_err = 0.0 if check else None
+    with torch.inference_mode():
+        for step in steps:
+            lay = step.layout
+            q, k, v = q_pool[:lay.q_tokens], k_pool[:lay.kv_tokens], v_pool[:lay.kv_tokens]
+            compiled_before = dispatcher.cache.stats()["compile_seconds"]
+            t0 = time.perf_counter()
+            out = dispatcher.attend(q, k, v, lay, spec.scale)
+            total += time.perf_counter() - t0
+            compile_total += dispatcher.cache.stats()["compile_seconds"] - compiled_before
+            if check:
+                ref = attend(q.double(), k.double(), v.double(), lay, MaskMode.VARLEN, "eager",
+                             scale=spec.scale)
+                max_err = max(max_err, float((out.double() - ref).abs().max()))
+            if progress:
+                progress(f"step {step.index}")
+    stats = dispatcher.stats()
+    return {
+        "cache": stats["cache"],
+        "modes": stats["modes"],
+        "batches": stats["batches"],
+        "calls": stats["calls"],
+        "guard_fallbacks": stats["guard_fallbacks"],
+        "overflow": stats["overflow"],
+        "padding": stats["padding"],
+        "attention_seconds": total - compile_total,
+        "compile_seconds": compile_total,
+        "total_seconds": total,
+        "max_abs_err": max_err,
+        "config": config.model_dump(mode="json"),
+        "spec": {"dtype": spec.dtype, "heads": spec.heads, "kv_heads": spec.kv_heads,
+                 "head_dim": spec.head_dim},
+    }

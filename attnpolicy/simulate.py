@@ -1,0 +1,238 @@
+"""Replay a workload with a cost model instead of compute: fast enough to sweep
+policies × cache capacities × evictions.
+
+Each configuration runs a real :class:`~attnpolicy.dispatcher.Dispatcher` (decision,
+guard, plan, graph cache) over the batches of a
+:class:`~attnpolicy.batching.BatchFormer`, with a builder that compiles nothing:
+a miss is charged the model's compile seconds, every call the model's run seconds
+plus the dispatch overhead, and every MASK call whose dense mask is not in the
+mask cache (mirrored: an LRU of :data:`attnpolicy.masks.DENSE_CACHE_SIZE` masks
+keyed by layout and shape) a host mask build. Hits, misses and evictions are
+therefore exactly those of a real run of the same batches and config.
+
+``belady`` is the offline optimum: the key sequence of the policy's LRU run at the
+same capacity is replayed through Belady's strategy (evict the graph needed
+farthest in the future). For a policy whose decisions do not depend on the cache
+(every fixed policy) that sequence is the one it always requests, so the row is
+the fewest misses any eviction could achieve. A cache-aware policy (``cost-aware``)
+chooses differently under another cache; its belady row is the bound for the
+sequence it chose under LRU. See ``docs/simulate.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cachetools
+
+from attnpolicy.batching import BatchFormer, Step
+from attnpolicy.cache import GraphCache
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.costmodel import CostModel
+from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.errors import ConfigError
+from attnpolicy.keys import Call, GraphKey, TensorSpec
+from attnpolicy.masks import DENSE_CACHE_SIZE
+from attnpolicy.modes import MaskMode
+from attnpolicy.plugins import eviction_registry
+from attnpolicy.workload import Request
+
+BELADY = "belady"
+#: Every row holds at least these fields (issue 5's JSON rows).
+ROW_FIELDS = ("policy", "capacity", "eviction", "hits", "misses", "hit_rate", "compiles",
+              "compile_seconds", "attention_seconds", "total_seconds", "peak_bytes")
+
+
+class SimulatedGraph:
+    """What the simulation's builder returns for a key: it stands for the compiled
+    graph in the cache and is never called."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: GraphKey) -> None:
+        self.key = key
+
+    def __call__(self, *args: Any) -> Any:
+        raise TypeError(f"the simulated graph for key {self.key} has no computation")
+
+
+def _simulated(call: Call, key: GraphKey, spec: TensorSpec) -> SimulatedGraph:
+    return SimulatedGraph(key)
+
+
+def simulation_config(model: CostModel, former: BatchFormer, **fields: Any) -> AttnPolicyConfig:
+    """The base config for simulating ``former``'s batches with ``model``: the model's
+    backend, ``attn_impl`` and ``partition_len``, ``max_seq_len`` = the former's
+    ``max_model_len`` and ``max_batch_tokens`` at least ``max_num_seqs × max_model_len``,
+    so that no packed MASK call (whose kv length is the sum of its sequences'
+    contexts) overflows the buckets. ``fields`` override any of these."""
+    packed = former.max_num_seqs * former.max_model_len
+    base: dict[str, Any] = {"backend": model.backend, "attn_impl": model.impl,
+                            "partition_len": model.partition_len, "max_seq_len": former.max_model_len,
+                            "max_batch_tokens": max(packed, AttnPolicyConfig.model_fields["max_batch_tokens"].default)}
+    return AttnPolicyConfig.model_validate({**base, **fields})
+
+
+@dataclass
+class _Replay:
+    """What one dispatcher run over the batches produced (before any Belady pass)."""
+
+    keys: list[GraphKey] = field(default_factory=list)
+    attention_seconds: float = 0.0
+    mask_builds: int = 0
+    mask_build_seconds: float = 0.0
+    overflow_calls: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -> _Replay:
+    spec = model.spec
+    cache = GraphCache(max_graphs=config.max_graphs, max_bytes=config.max_bytes, eviction=config.eviction,
+                       sizeof=model.graph_bytes, oversize=config.oversize,
+                       compile_cost=lambda key, measured: model.compile_seconds(key))
+    dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
+    dispatcher.use_spec(spec)
+    masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+    out = _Replay()
+    keys = out.keys
+    seconds = 0.0
+    overhead = model.call_overhead_seconds
+    for step in steps:
+        layout = step.layout
+        for call, graph in dispatcher.prepare(layout, spec):
+            if isinstance(graph, SimulatedGraph):
+                keys.append(graph.key)
+                seconds += model.run_seconds(graph.key) + overhead
+            else:  # longer than the largest bucket: runs uncompiled (on_overflow="eager")
+                out.overflow_calls += 1
+                seconds += model.call_seconds(call.kind, call.q_bucket, call.kv_bucket) + overhead
+            if call.kind is MaskMode.MASK:
+                mask_key = (layout, call.q_bucket, call.kv_bucket)
+                if masks.get(mask_key) is None:
+                    masks[mask_key] = True
+                    out.mask_builds += 1
+                    out.mask_build_seconds += model.mask_build_seconds(call.q_bucket, call.kv_bucket)
+    out.attention_seconds = seconds + out.mask_build_seconds
+    out.stats = dispatcher.stats()
+    return out
+
+
+def next_uses(keys: Sequence[GraphKey]) -> list[float]:
+    """For each position, the position of the same key's next request (``inf``: none)."""
+    out = [math.inf] * len(keys)
+    last: dict[GraphKey, float] = {}
+    for i in range(len(keys) - 1, -1, -1):
+        out[i] = last.get(keys[i], math.inf)
+        last[keys[i]] = i
+    return out
+
+
+def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig, model: CostModel) -> GraphCache:
+    """A graph cache bounded like ``config`` that served ``keys`` in order with Belady's
+    eviction (an oracle of the sequence's future); its stats are the bound."""
+    upcoming: dict[GraphKey, float] = {}
+    cache = GraphCache(max_graphs=config.max_graphs, max_bytes=config.max_bytes, eviction=BELADY,
+                       eviction_options={"next_use": upcoming.__getitem__}, sizeof=model.graph_bytes,
+                       oversize=config.oversize, compile_cost=lambda key, measured: model.compile_seconds(key))
+    for key, nxt in zip(keys, next_uses(keys)):
+        upcoming[key] = nxt
+        cache.get_or_compile(key, lambda key=key: SimulatedGraph(key))
+    return cache
+
+
+def _row(policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
+         cache_stats: Mapping[str, Any]) -> dict[str, Any]:
+    hits, misses = cache_stats["hits"], cache_stats["misses"]
+    stats = replay.stats
+    return {
+        "policy": policy,
+        "capacity": config.max_graphs,
+        "eviction": eviction,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "compiles": cache_stats["compiles"],
+        "compile_seconds": cache_stats["compile_seconds"],
+        "attention_seconds": replay.attention_seconds,
+        "total_seconds": replay.attention_seconds + cache_stats["compile_seconds"],
+        "peak_bytes": cache_stats["peak_bytes"],
+        "peak_graphs": cache_stats["peak_graphs"],
+        "evictions": cache_stats["evictions"],
+        "distinct_keys": len(set(replay.keys)),
+        "batches": stats["batches"],
+        "calls": stats["calls"],
+        "modes": stats["modes"],
+        "guard_fallbacks": stats["guard_fallbacks"],
+        "overflow_calls": replay.overflow_calls,
+        "mask_builds": replay.mask_builds,
+        "mask_build_seconds": replay.mask_build_seconds,
+    }
+
+
+def _check_evictions(evictions: Iterable[str]) -> None:
+    known = set(eviction_registry())
+    for name in evictions:
+        if name not in known:
+            raise ConfigError(f"eviction {name!r} is not a registered eviction strategy; "
+                              f"known evictions: {', '.join(sorted(known))}")
+
+
+def simulate(
+    requests: Sequence[Request],
+    policies: Sequence[str],
+    capacities: Sequence[int | None],
+    evictions: Sequence[str],
+    config_base: AttnPolicyConfig | None = None,
+    model: CostModel | None = None,
+    former_options: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (policy, capacity, eviction), in that nesting order.
+
+    ``capacity`` is ``max_graphs`` (``None``: unbounded); every other config field
+    comes from ``config_base`` (default: :func:`simulation_config`); ``model``
+    defaults to :meth:`CostModel.default`; ``former_options`` are
+    :class:`BatchFormer` keyword arguments. ``progress(label)`` is called after each
+    row. Rows hold :data:`ROW_FIELDS` and more: ``attention_seconds`` includes
+    dispatch overheads and mask builds (also given alone as ``mask_build_seconds``);
+    ``total_seconds`` is attention plus compile seconds.
+    """
+    model = model or CostModel.default()
+    former = BatchFormer(**dict(former_options or {}))
+    base = config_base or simulation_config(model, former)
+    if (base.backend, base.attn_impl) != (model.backend, model.impl):
+        raise ConfigError(f"config backend={base.backend!r}, attn_impl={base.attn_impl!r} differ from the "
+                          f"cost model's backend={model.backend!r}, impl={model.impl!r}: calibrate a "
+                          "model for this config or change it")
+    _check_evictions(evictions)
+    steps = list(former.steps(requests))
+    fields = base.model_dump(mode="json")
+    lru_runs: dict[tuple[str, int | None], _Replay] = {}
+    rows = []
+    for policy in policies:
+        for capacity in capacities:
+            def config(eviction: str) -> AttnPolicyConfig:
+                return AttnPolicyConfig.model_validate(
+                    {**fields, "policy": policy, "max_graphs": capacity, "eviction": eviction})
+
+            for eviction in evictions:
+                if eviction == BELADY:
+                    if (policy, capacity) not in lru_runs:
+                        lru_runs[policy, capacity] = _replay(steps, config("lru"), model)
+                    replay = lru_runs[policy, capacity]
+                    cfg = config("lru")
+                    stats = belady_cache(replay.keys, cfg, model).stats()
+                else:
+                    cfg = config(eviction)
+                    replay = _replay(steps, cfg, model)
+                    if eviction == "lru":
+                        lru_runs[policy, capacity] = replay
+                    stats = replay.stats["cache"]
+                rows.append(_row(policy, cfg, eviction, replay, stats))
+                if progress:
+                    progress(f"{policy} capacity={capacity} {eviction}")
+    return rows
+

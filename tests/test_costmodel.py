@@ -1,0 +1,139 @@
+"""CostModel: fits, predictions, JSON files, the built-in default, calibration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from attnpolicy.calibrate import CalibrationSettings, calibrate, shapes
+from attnpolicy.cli import replay
+from attnpolicy.costmodel import KINDS, CostModel, Fit
+from attnpolicy.errors import ConfigError
+from attnpolicy.keys import GraphKey
+from attnpolicy.modes import MaskMode
+
+
+def key(kind: str, q: int, kv: int, model: CostModel, backend: str = "aot_eager") -> GraphKey:
+    return GraphKey(MaskMode(kind), q, kv, True, model.spec, model.impl, None, backend)
+
+
+def test_fit_recovers_exact_coefficients():
+    truth = Fit(base=1e-4, per_cell=2e-9, per_token=3e-7)
+    samples = [(q, kv, truth(q, kv)) for q in (16, 64, 256, 1024) for kv in (q, 4 * q)]
+    fit = Fit.to_samples(samples)
+    for q, kv, seconds in samples:
+        assert fit(q, kv) == pytest.approx(seconds, rel=1e-6)
+
+
+def test_fit_never_has_negative_coefficients():
+    # decreasing seconds would need a negative slope: the fit clamps it to a constant
+    fit = Fit.to_samples([(16, 16, 3e-3), (256, 256, 2e-3), (4096, 4096, 1e-3)])
+    assert fit.per_cell == 0.0 and fit.per_token == 0.0 and fit.base > 0
+
+
+def test_fit_rejects_bad_samples():
+    with pytest.raises(ConfigError, match="at least one"):
+        Fit.to_samples([])
+    with pytest.raises(ConfigError, match="seconds > 0"):
+        Fit.to_samples([(16, 16, 0.0)])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_predictions_monotone_in_work(kind):
+    model = CostModel.default()
+    sizes = [16 << i for i in range(10)]
+    for what in (model.run_seconds, model.compile_seconds):
+        square = [what(key(kind, n, n, model)) for n in sizes]
+        decode = [what(key(kind, 16, n, model)) for n in sizes]
+        assert square == sorted(square) and square[0] < square[-1]
+        assert decode == sorted(decode) and decode[0] < decode[-1]
+    builds = [model.mask_build_seconds(n, n) for n in sizes]
+    assert builds == sorted(builds) and builds[0] < builds[-1]
+
+
+def test_default_model_describes_its_calibration():
+    model = CostModel.default()
+    assert model.spec.heads == model.heads and model.backend == "aot_eager"
+    assert model.samples and model.call_overhead_seconds > 0
+    k = key("mask", 64, 256, model)
+    assert model.graph_bytes(k) > 0
+    assert model.compile_seconds(key("causal", 64, 64, model, backend="none")) == 0.0
+    assert model.call_seconds("varlen", 16, 1024) == model.run_seconds(key("varlen", 16, 1024, model))
+
+
+def test_json_round_trip(tmp_path):
+    model = CostModel.default()
+    path = model.save(tmp_path / "sub" / "model.json")
+    loaded = CostModel.load(path)
+    assert loaded == model
+    k = key("causal", 512, 512, model)
+    assert loaded.run_seconds(k) == model.run_seconds(k)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "invalid JSON at line 1"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"version": 7}', "unsupported cost model version 7"),
+    ("{}", "run: Field required"),
+])
+def test_corrupt_files_name_the_file_and_problem(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as err:
+        CostModel.load(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["run"]["mask"].update(per_cell=-1.0), "run.mask.per_cell: Input should be greater"),
+    (lambda d: d["compile"].pop("varlen"), "compile needs a fit for every kind; missing: varlen"),
+    (lambda d: d.update(kv_heads=3), "kv_heads 3 must divide heads 8"),
+    (lambda d: d.update(colour="red"), "colour: Extra inputs are not permitted"),
+])
+def test_bad_field_values_are_named(tmp_path, edit, match):
+    data = json.loads(CostModel.default().model_dump_json())
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=match):
+        CostModel.load(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        CostModel.load(tmp_path / "nope.json")
+
+
+def test_quick_grid_is_a_subset_with_every_kind():
+    full = shapes(CalibrationSettings())
+    quick = shapes(CalibrationSettings(quick=True))
+    assert set(quick) < set(full) and len(set(full)) == len(full)
+    assert {kind for kind, _, _ in quick} == set(KINDS)
+    assert ("causal", 4096, 4096) in quick and ("varlen", 16, 4096) in quick
+
+
+def test_calibrate_cli_measures_through_the_dispatcher(tmp_path):
+    parser = argparse.ArgumentParser()
+    replay.register(parser.add_subparsers())
+    out = tmp_path / "model.json"
+    args = parser.parse_args(["calibrate", "--out", str(out), "--backend", "eager", "--heads", "2",
+                              "--kv-heads", "1", "--head-dim", "8", "--max-len", "64", "--repeats", "1",
+                              "--quick"])
+    assert args.func(args) == 0
+    model = CostModel.load(out)
+    settings = CalibrationSettings(2, 1, 8, backend="eager", max_len=64, repeats=1, quick=True)
+    grid = shapes(settings)
+    assert (model.heads, model.kv_heads, model.head_dim, model.backend, model.threads) == (2, 1, 8, "eager", 1)
+    assert [(s.kind, s.rows, s.cols) for s in model.samples if s.what == "compile"] == grid
+    assert sum(s.what == "mask_build" for s in model.samples) == sum(k == "mask" for k, _, _ in grid)
+    assert all(s.seconds > 0 for s in model.samples if s.what != "mask_build")
+
+
+def test_calibrate_returns_fits_close_to_its_samples():
+    model = calibrate(CalibrationSettings(heads=2, kv_heads=2, head_dim=8, backend="eager", max_len=32,
+                                          repeats=1))
+    for sample in model.samples:
+        if sample.what == "run":
+            assert model.run[sample.kind](sample.rows, sample.cols) > 0
