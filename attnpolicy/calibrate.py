@@ -24,8 +24,8 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.costmodel import KINDS, CostModel, Fit, Kind, Sample
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.footprint import graph_bytes
-from attnpolicy.keys import GraphKey, TensorSpec
 from attnpolicy.kernels import execute
+from attnpolicy.keys import GraphKey, TensorSpec
 from attnpolicy.layout import BatchLayout
 from attnpolicy.masks import mask_for
 

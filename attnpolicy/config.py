@@ -8,17 +8,16 @@ artefacts and read back at load. See ``docs/config.md``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
+from attnpolicy import jsonfile
 from attnpolicy.buckets import Buckets, PositiveInt
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.plugins import eviction_registry, make_policy, policy_registry
@@ -173,18 +172,7 @@ class AttnPolicyConfig(BaseModel):
         field; nothing is returned unless the whole file is valid."""
         p = Path(path)
         file = p / CONFIG_FILENAME if p.is_dir() else p
-        try:
-            text = file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file {file} not found") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {file}: {exc}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{file}: invalid JSON at line {exc.lineno}, column {exc.colno}: "
-                              f"{exc.msg}") from None
-        return _validate(data, str(file))
+        return jsonfile.parse(cls, jsonfile.read_text(file, "config"), str(file), "config", FORMAT_VERSION)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
@@ -207,27 +195,4 @@ def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
 
 
 def _validate(data: object, source: str) -> AttnPolicyConfig:
-    """``data`` as a config, or :class:`ConfigError` listing every error, naming ``source``."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-    version = data.get("version", FORMAT_VERSION)
-    if version != FORMAT_VERSION:
-        raise ConfigError(f"{source}: unsupported config version {version!r} "
-                          f"(this attnpolicy reads version {FORMAT_VERSION})")
-    try:
-        return AttnPolicyConfig.model_validate(data)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        lines = "\n".join(f"  - {_describe(e)}" for e in errors)
-        raise ConfigError(f"{source}: invalid attnpolicy config ({len(errors)} "
-                          f"error{'s' if len(errors) > 1 else ''}):\n{lines}") from None
-
-
-def _describe(error: Any) -> str:
-    """One pydantic error as ``field.path: message (got value)``."""
-    loc = ".".join(str(part) for part in error["loc"])
-    msg = error["msg"].removeprefix("Value error, ")
-    if not loc:
-        return msg
-    value = repr(error["input"])
-    return f"{loc}: {msg} (got {value if len(value) <= 80 else value[:77] + '...'})"
+    return jsonfile.validate(AttnPolicyConfig, data, source, "config", FORMAT_VERSION)

@@ -109,7 +109,7 @@ class _Shadow:
         for key in keys:  # misses counted one by one: a key may be evicted within the batch
             if key not in self.cache:
                 self.seconds += model.compile_seconds(key)
-            self.cache.get_or_compile(key, lambda: key)
+            self.cache.get_or_compile(key, lambda key=key: key)
         if mode is MaskMode.MASK:
             for k in keys:
                 self.masks[(layout, k.q_len, k.kv_len)] = True
@@ -184,7 +184,7 @@ class CostAware:
         warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
         for shadow in shadows:
             for key in warm:
-                shadow.cache.get_or_compile(key, lambda: key)
+                shadow.cache.get_or_compile(key, lambda key=key: key)
         self._fixed_leader = self._following = shadows[1]
         return shadows
 

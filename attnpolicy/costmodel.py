@@ -23,7 +23,6 @@ See ``docs/simulate.md``.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from importlib import resources
@@ -31,8 +30,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from attnpolicy import jsonfile
 from attnpolicy.errors import ConfigError
 from attnpolicy.footprint import graph_bytes
 from attnpolicy.keys import GraphKey, TensorSpec
@@ -179,35 +179,12 @@ class CostModel(BaseModel):
         """Read a model saved by :meth:`save`; any problem raises :class:`ConfigError`
         naming the file (and each bad field)."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"cost model file {path} not found") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read cost model file {path}: {exc}") from None
-        return cls.from_json(text, str(path))
+        return cls.from_json(jsonfile.read_text(path, "cost model"), str(path))
 
     @classmethod
     def from_json(cls, text: str, source: str) -> CostModel:
         """Parse and validate a model's JSON; errors are :class:`ConfigError` naming ``source``."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: "
-                              f"{exc.msg}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-            raise ConfigError(f"{source}: unsupported cost model version {data.get('version')!r} "
-                              f"(this attnpolicy reads version {FORMAT_VERSION})")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            problems = "\n".join(
-                f"  - {'.'.join(str(p) for p in e['loc']) or '(model)'}: "
-                f"{e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors(include_url=False))
-            raise ConfigError(f"{source}: invalid cost model:\n{problems}") from None
+        return jsonfile.parse(cls, text, source, "cost model", FORMAT_VERSION)
 
     @classmethod
     def default(cls) -> CostModel:

@@ -214,7 +214,7 @@ def simulate(
     rows = []
     for policy in policies:
         for capacity in capacities:
-            def config(eviction: str) -> AttnPolicyConfig:
+            def config(eviction: str, policy: str = policy, capacity: int | None = capacity) -> AttnPolicyConfig:
                 return AttnPolicyConfig.model_validate(
                     {**fields, "policy": policy, "max_graphs": capacity, "eviction": eviction})
 

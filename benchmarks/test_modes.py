@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnpolicy.bench import BenchSettings, time_mode, modes_for, split_lengths
+from attnpolicy.bench import BenchSettings, modes_for, split_lengths, time_mode
 from attnpolicy.layout import BatchLayout
 
 LENGTHS = (128, 512, 1024, 2048)

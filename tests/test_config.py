@@ -18,15 +18,8 @@ from attnpolicy.cli.config import register
 from attnpolicy.compile import BACKENDS
 from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig, from_env
 from attnpolicy.errors import ConfigError
-from attnpolicy.plugins import reset_plugin_manager
 
-
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 def write(tmp_path, data) -> os.PathLike:

@@ -11,7 +11,7 @@ from attnpolicy.guard import Guard
 from attnpolicy.hookspecs import hookimpl
 from attnpolicy.layout import BatchLayout
 from attnpolicy.modes import Decision, MaskMode, is_legal
-from attnpolicy.plugins import get_plugin_manager, make_policy, policy_registry, reset_plugin_manager
+from attnpolicy.plugins import get_plugin_manager, make_policy, policy_registry
 from attnpolicy.policy import PolicyContext
 
 CTX = PolicyContext()
@@ -46,12 +46,7 @@ class Recorder:
         self.calls.append((layout, decision, policy, fell_back))
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 @pytest.fixture

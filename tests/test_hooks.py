@@ -16,17 +16,10 @@ from attnpolicy.plugins import (
     get_plugin_manager,
     make_policy,
     policy_registry,
-    reset_plugin_manager,
 )
 from attnpolicy.policy import PolicyContext
 
-
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 class Observer:

@@ -35,12 +35,7 @@ EXAMPLE = REPO / "plugins" / "attnpolicy-length-threshold"
 CTX = PolicyContext()
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 def policy_class(name, mode=MaskMode.MASK):

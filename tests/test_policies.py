@@ -13,7 +13,7 @@ from attnpolicy.cli.policies import register
 from attnpolicy.errors import PolicyError
 from attnpolicy.layout import BatchLayout
 from attnpolicy.modes import Decision, MaskMode, is_legal
-from attnpolicy.plugins import make_policy, policy_registry, reset_plugin_manager
+from attnpolicy.plugins import make_policy, policy_registry
 from attnpolicy.policies import why_not_causal
 from attnpolicy.policy import PolicyContext
 
@@ -40,12 +40,7 @@ EXPECTED = {  # policy -> mode per layout, in LAYOUTS order
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "")
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 def test_builtins_are_registered_by_the_policies_plugin():

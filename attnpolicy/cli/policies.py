@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from attnpolicy.cli.common import int_list
 from attnpolicy.errors import LayoutError, PolicyError
 from attnpolicy.guard import Guard
 from attnpolicy.layout import BatchLayout
@@ -24,9 +25,9 @@ def register(subparsers: Any) -> None:
 
     d = subparsers.add_parser("decide", help="show the (guarded) decision of a policy for a batch")
     d.add_argument("--policy", required=True, help="registered policy name")
-    d.add_argument("--seq-lens", required=True, type=_lens, metavar="N[,N...]",
+    d.add_argument("--seq-lens", required=True, type=int_list, metavar="N[,N...]",
                    help="query length of each packed sequence, e.g. 512 or 100,200")
-    d.add_argument("--kv-lens", type=_lens, metavar="N[,N...]",
+    d.add_argument("--kv-lens", type=int_list, metavar="N[,N...]",
                    help="key/value length of each sequence (>= its query length: cached context)")
     d.add_argument("--bidirectional", action="store_true", help="non-causal attention")
     d.add_argument("--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
@@ -37,16 +38,6 @@ def register(subparsers: Any) -> None:
                    help="the guard's safe mode (default: varlen)")
     d.add_argument("--json", action="store_true", help="print JSON")
     d.set_defaults(func=cmd_decide)
-
-
-def _lens(text: str) -> tuple[int, ...]:
-    try:
-        lens = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        lens = ()
-    if not lens or min(lens) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return lens
 
 
 def _option(text: str) -> tuple[str, Any]:

@@ -7,13 +7,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from attnpolicy.batching import BatchFormer
 from attnpolicy.bench import DTYPES
 from attnpolicy.calibrate import CalibrationSettings, calibrate, shapes
-from attnpolicy.cli.common import console, int_list, progress, str_list, write_json
+from attnpolicy.cli.common import console, int_list, print_table, progress, str_list, write_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.costmodel import CostModel
 from attnpolicy.kernels import IMPLS
@@ -116,17 +113,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_table(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
-    """A table on stdout, at full width when stdout is not a terminal (piped, logged)."""
-    table = Table(title=title)
-    for col in columns:
-        table.add_column(col, justify="right")
-    for row in rows:
-        table.add_row(*("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    out = Console()
-    if not out.is_terminal:
-        out = Console(width=240)
-    out.print(table)
 
 
 def plot(rows: list[dict[str, Any]], path: str | Path) -> None:

@@ -1,0 +1,60 @@
+"""Reading versioned pydantic models from JSON files, with errors that name the file,
+every bad field and its value (config files and cost models share this)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from attnpolicy.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_text(file: Path, what: str) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file {file} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {what} file {file}: {exc}") from None
+
+
+def parse(cls: type[M], text: str, source: str, what: str, version: int) -> M:
+    """``text`` as a ``cls``: JSON object, supported ``version``, every field valid;
+    else :class:`ConfigError` naming ``source`` and listing each problem."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: "
+                          f"{exc.msg}") from None
+    return validate(cls, data, source, what, version)
+
+
+def validate(cls: type[M], data: object, source: str, what: str, version: int) -> M:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    got = data.get("version", version)
+    if got != version:
+        raise ConfigError(f"{source}: unsupported {what} version {got!r} (this attnpolicy reads "
+                          f"version {version})")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        lines = "\n".join(f"  - {describe(e)}" for e in errors)
+        raise ConfigError(f"{source}: invalid {what} ({len(errors)} error{'s' if len(errors) > 1 else ''}):"
+                          f"\n{lines}") from None
+
+
+def describe(error: Any) -> str:
+    """One pydantic error as ``field.path: message (got value)``."""
+    loc = ".".join(str(part) for part in error["loc"])
+    msg = error["msg"].removeprefix("Value error, ")
+    if not loc:
+        return msg
+    value = repr(error["input"])
+    return f"{loc}: {msg} (got {value if len(value) <= 80 else value[:77] + '...'})"
