@@ -119,7 +119,7 @@ def plot(rows: Sequence[dict[str, Any]], bench_rows: Sequence[Any], out: Path) -
     ax.set_yscale("log")
     ax.set_xlabel("peak graph memory (MiB, computed from static shapes)")
     ax.set_ylabel("predicted total seconds (attention + compiles)")
-    ax.set_title("memory vs speed: one point per graph-cache capacity (labels), best eviction")
+    ax.set_title("memory vs speed per policy (labels: graph-cache capacity)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

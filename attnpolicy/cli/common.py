@@ -27,6 +27,11 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def capacity_list(text: str) -> tuple[int | None, ...]:
+    """argparse type: graph-cache capacities, e.g. ``2,4,8,inf`` (``inf``: unbounded)."""
+    return tuple(None if part.strip() == "inf" else int_list(part)[0] for part in str_list(text))
+
+
 def str_list(text: str) -> tuple[str, ...]:
     """argparse type: comma-separated names."""
     values = tuple(part.strip() for part in text.split(",") if part.strip())

@@ -10,7 +10,7 @@ from typing import Any
 from attnpolicy.batching import BatchFormer
 from attnpolicy.bench import DTYPES
 from attnpolicy.calibrate import CalibrationSettings, calibrate, shapes
-from attnpolicy.cli.common import console, int_list, print_table, progress, str_list, write_json
+from attnpolicy.cli.common import capacity_list, console, print_table, progress, str_list, write_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.costmodel import CostModel
 from attnpolicy.kernels import IMPLS
@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
     s.add_argument("--policies", type=str_list, default=("always-mask", "dynamic", "varlen", "cost-aware"),
                    metavar="P[,P...]", help="registered policies (default: %(default)s)")
-    s.add_argument("--capacities", type=int_list, default=(2, 4, 8, 16), metavar="K[,K...]",
+    s.add_argument("--capacities", type=capacity_list, default=(2, 4, 8, 16), metavar="K[,K...]",
                    help="max_graphs values (default: %(default)s)")
     s.add_argument("--evictions", type=str_list, default=("lru", "belady"), metavar="E[,E...]",
                    help="eviction strategies, 'belady' = offline optimum (default: %(default)s)")

@@ -8,13 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.cli.common import console, int_list, progress, str_list
+from attnpolicy.cli.common import capacity_list, console, progress, str_list
 from attnpolicy.report import ReportSettings, make_report
-
-
-def _capacities(text: str) -> tuple[int | None, ...]:
-    parts = str_list(text)
-    return tuple(None if p in ("inf", "none", "unbounded") else int_list(p)[0] for p in parts)
 
 
 def register(subparsers: Any) -> None:
@@ -24,7 +19,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trace", default=d.trace, help="'default' (built-in synthetic) or an Azure CSV path")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--policies", type=str_list, default=d.policies, metavar="P[,P...]")
-    p.add_argument("--capacities", type=_capacities, default=d.capacities, metavar="K[,K...]",
+    p.add_argument("--capacities", type=capacity_list, default=d.capacities, metavar="K[,K...]",
                    help="max graphs per run; 'inf' for unbounded (default: 2,4,8,16,32,inf)")
     p.add_argument("--evictions", type=str_list, default=d.evictions, metavar="E[,E...]")
     p.add_argument("--cost-model", default=None, help="a cost model JSON from 'attnpolicy calibrate'")
