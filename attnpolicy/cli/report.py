@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.cli.common import capacity_list, console, progress, str_list
+from attnpolicy.bench import BenchSettings
+from attnpolicy.cli.common import capacity_list, console, int_list, progress, str_list
 from attnpolicy.report import ReportSettings, make_report
 
 
@@ -24,6 +25,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--evictions", type=str_list, default=d.evictions, metavar="E[,E...]")
     p.add_argument("--cost-model", default=None, help="a cost model JSON from 'attnpolicy calibrate'")
     p.add_argument("--calibrate", action="store_true", help="calibrate a cost model now (about a minute)")
+    p.add_argument("--bench-lengths", type=int_list, default=d.bench.lengths, metavar="L[,L...]",
+                   help="total lengths of the bench table (default: %(default)s)")
+    p.add_argument("--bench-repeats", type=int, default=d.bench.repeats)
     p.add_argument("--validate-requests", type=int, default=d.validate_requests,
                    help="requests replayed with real compute to check the simulator (default: %(default)s)")
     p.set_defaults(func=cmd_report)
@@ -33,7 +37,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     s = ReportSettings(out=Path(args.out), trace=args.trace, limit=args.limit, policies=tuple(args.policies),
                        capacities=tuple(args.capacities), evictions=tuple(args.evictions),
                        cost_model=args.cost_model, calibrate=args.calibrate,
-                       validate_requests=args.validate_requests)
+                       validate_requests=args.validate_requests,
+                       bench=BenchSettings(lengths=tuple(args.bench_lengths), repeats=args.bench_repeats))
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.policies) * len(s.capacities) * len(s.evictions)
              + len(s.validate_policies) + int(s.calibrate))
     command = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])

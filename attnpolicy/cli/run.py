@@ -61,6 +61,9 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
                  "eviction": args.eviction, "backend": args.backend, "attn_impl": args.impl}
     base.update({k: v for k, v in overrides.items() if v is not None})
     base.setdefault("max_seq_len", args.max_seq_len)
+    # a packed MASK call's keys are every running sequence's context: as in `simulate`
+    base.setdefault("max_batch_tokens", max(AttnPolicyConfig().max_batch_tokens,
+                                            args.max_num_seqs * base["max_seq_len"]))
     return AttnPolicyConfig.model_validate(base)
 
 
