@@ -87,10 +87,10 @@ class AttnPolicyConfig(BaseModel):
             make_policy(self.policy, **self.policy_options)
         except PolicyError as exc:
             raise ValueError(f"policy_options: {exc}") from exc
-        self._check_buckets()
         if self.max_batch_tokens < self.max_seq_len:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= max_seq_len "
                              f"{self.max_seq_len}")
+        self._check_buckets()
         object.__setattr__(self, "attn_impl", self._resolve_attn_impl())
         return self
 
@@ -124,13 +124,21 @@ class AttnPolicyConfig(BaseModel):
         return impl
 
     def _check_buckets(self) -> None:
-        """The bucket a kind fixes (pow2's smallest, multiple's first, list's largest)
-        must fit in ``max_seq_len``."""
+        """Buckets must fit the lengths they serve: pow2's ``min`` (when set) and the
+        first ``multiple`` fit ``max_seq_len``; a list needs a size that fits
+        ``max_seq_len`` and none above ``max_batch_tokens`` (sizes above
+        ``max_seq_len`` serve only the packed rows of MASK calls)."""
         b, max_len = self.buckets, self.max_seq_len
-        field, value = {"pow2": ("min", b.min), "multiple": ("multiple", b.multiple),
-                        "list": ("sizes", b.sizes[-1] if b.sizes else None)}.get(b.kind, ("", None))
-        if value is not None and value > max_len:
-            raise ValueError(f"buckets.{field} has bucket {value} > max_seq_len {max_len}")
+        if b.kind == "pow2" and "min" in b.model_fields_set and b.min > max_len:
+            raise ValueError(f"buckets.min has bucket {b.min} > max_seq_len {max_len}")
+        if b.kind == "multiple" and b.multiple > max_len:
+            raise ValueError(f"buckets.multiple has bucket {b.multiple} > max_seq_len {max_len}")
+        if b.kind == "list":
+            if b.sizes[0] > max_len:
+                raise ValueError(f"buckets.sizes has no bucket <= max_seq_len {max_len}: {list(b.sizes)}")
+            if b.sizes[-1] > self.max_batch_tokens:
+                raise ValueError(f"buckets.sizes has bucket {b.sizes[-1]} > max_batch_tokens "
+                                 f"{self.max_batch_tokens}")
 
     def bucket(self, n: int) -> int:
         """The compiled length of one sequence of ``n`` tokens (hot path; see

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -41,7 +40,8 @@ class Dispatcher:
     ``k, v[kv_tokens, Hkv, D]`` (see :mod:`attnpolicy.layout`) and returns
     ``[q_tokens, Hq, D]`` (padding rows zero). Decisions and graph keys are a pure
     function of the layout, the config and the sequence of earlier calls, so
-    tensor-parallel ranks replaying the same batches agree.
+    tensor-parallel ranks replaying the same batches agree. A Dispatcher is not
+    thread-safe (its graph cache is): use one per thread, or lock around it.
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile; ``builder`` replaces compilation (simulation).
@@ -53,12 +53,11 @@ class Dispatcher:
                  builder: Builder | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
         hook = get_plugin_manager().hook
-        self._hook = hook
         self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
                                       fallback=MaskMode(cfg.fallback_mode))
         self.cache = cache if cache is not None else GraphCache(
             max_graphs=cfg.max_graphs, max_bytes=cfg.max_bytes, eviction=cfg.eviction,
-            sizeof=graph_bytes, oversize=cfg.oversize,
+            sizeof=graph_bytes, oversize=cfg.oversize, compile_cost=_modelled_cost(cfg, cost_model),
             on_compile=lambda key, s, n: hook.attnpolicy_on_compile(key=key, seconds=s, nbytes=n),
             on_evict=lambda key, n: hook.attnpolicy_on_evict(key=key, nbytes=n),
             release=_release)
@@ -68,7 +67,6 @@ class Dispatcher:
         self._largest_batch = _largest_bucket(cfg, cfg.max_batch_tokens)
         self._spec: TensorSpec | None = None
         self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
-        self._lock = threading.Lock()
         self._warm = False
         self.context = PolicyContext(config=cfg, is_cached=self.cache.__contains__,
                                      keys_for=self._keys_for, cost_model=cost_model)
@@ -80,8 +78,7 @@ class Dispatcher:
                scale: float | None = None) -> torch.Tensor:
         """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
         check_inputs(q, k, v, layout)
-        spec = self.use_spec(TensorSpec.of(q, k, scale))
-        return execute(q, k, v, layout, self.prepare(layout, spec))
+        return execute(q, k, v, layout, self.prepare(layout, TensorSpec.of(q, k, scale)))
 
     def prepare(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
@@ -89,14 +86,14 @@ class Dispatcher:
         self.use_spec(spec)
         decision = self.decide(layout)
         planned = self._planned(layout, decision.mode, spec)
+        out = [(call, self._graph(call, key, spec)) for call, key in planned]
+        # counted once every graph is at hand: a batch that raised is not counted
         self._modes[decision.mode.value] += 1
-        self._counts["batches"] += 1
-        out = []
-        for call, key in planned:
-            self._counts["calls"] += 1
-            self._counts["real_tokens"] += call.q_len
-            self._counts["padded_tokens"] += call.q_bucket - call.q_len
-            out.append((call, self._graph(call, key, spec)))
+        c = self._counts
+        c["batches"] += 1
+        c["calls"] += len(planned)
+        c["real_tokens"] += layout.total_tokens
+        c["padded_tokens"] += sum(call.q_bucket for call, _ in planned) - layout.total_tokens
         return out
 
     def decide(self, layout: BatchLayout) -> Decision:
@@ -104,17 +101,16 @@ class Dispatcher:
         return self.guard.decide(layout, self.context)
 
     def use_spec(self, spec: TensorSpec) -> TensorSpec:
-        """Make ``spec`` the tensor spec policies see in ``keys_for`` (set by ``attend``)."""
-        if spec != self._spec:
-            self._spec = spec
-        return self._spec
+        """Make ``spec`` the tensor spec policies see in ``keys_for`` (set by ``prepare``)."""
+        self._spec = spec
+        return spec
 
     # -- planning ----------------------------------------------------------------------
     def _overflow(self, n: int, largest: int, field: str) -> int:
         if self.config.on_overflow == "raise":
             raise BucketOverflowError(
-                f"length {n} exceeds the largest bucket {largest} ({field}="
-                f"{getattr(self.config, field)}); set on_overflow='eager' to run it uncompiled")
+                f"length {n} exceeds the largest bucket {largest} (buckets {self.config.buckets.describe()}, "
+                f"{field}={getattr(self.config, field)}); set on_overflow='eager' to run it uncompiled")
         return n
 
     def _bucket(self, n: int) -> int:
@@ -150,7 +146,9 @@ class Dispatcher:
         return tuple(key for _, key in self._planned(layout, mode, self._spec) if key is not None)
 
     def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec | None = None) -> tuple[GraphKey, ...]:
-        """The graph keys the current decision for ``layout`` would use."""
+        """The graph keys the current decision for ``layout`` would use. It asks the
+        policy like a real batch does (the guard counts and reports the decision, and a
+        stateful policy advances), so call it on every rank or on none."""
         if spec is not None:
             self.use_spec(spec)
         return self._keys_for(layout, self.decide(layout).mode)
@@ -216,6 +214,17 @@ class Dispatcher:
                         "waste": padded / real if real else 0.0},
             "cache": self.cache.stats(),
         }
+
+
+def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey, float], float] | None:
+    """For ``eviction="cost"``: rank graphs by *modelled* compile seconds, so that
+    every tensor-parallel rank evicts the same graphs (measured seconds differ)."""
+    if cfg.eviction != "cost":
+        return None
+    from attnpolicy.costmodel import CostModel
+
+    model = cost_model or CostModel.default()
+    return lambda key, measured: model.compile_seconds(key)
 
 
 def _release(key: GraphKey, graph: CompiledGraph) -> None:

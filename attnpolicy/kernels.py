@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from attnpolicy.errors import LayoutError
 from attnpolicy.keys import Call
 from attnpolicy.layout import BatchLayout
-from attnpolicy.masks import bounded_mask, mask_for
+from attnpolicy.masks import bounded_mask, mask_for, real_rows
 from attnpolicy.modes import MaskMode
 from attnpolicy.plan import plan_calls
 
@@ -57,17 +58,16 @@ def _sdpa(q, k, v, causal, mask, scale, partition_len):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)[0]
 
 
-def _grouped(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """View q as ``[Hkv, G, Lq, D]`` in fp32 so each kv head serves its G query heads."""
     hq, lq, d = q.shape
-    g = hq // k.shape[0]
-    return q.float().reshape(k.shape[0], g, lq, d), g
+    return q.float().reshape(k.shape[0], hq // k.shape[0], lq, d)
 
 
 def _eager(q, k, v, causal, mask, scale, partition_len):
     hq, lq, d = q.shape
     lk = k.shape[-2]
-    qg, _ = _grouped(q, k)
+    qg = _grouped(q, k)
     scores = qg @ k.float()[:, None].transpose(-1, -2) * scale
     allowed = _allowed(lq, lk, causal, mask, q.device)
     if allowed is not None:
@@ -79,7 +79,7 @@ def _eager(q, k, v, causal, mask, scale, partition_len):
 def _flash(q, k, v, causal, mask, scale, partition_len):
     hq, lq, d = q.shape
     lk = k.shape[-2]
-    qg, _ = _grouped(q, k)
+    qg = _grouped(q, k)
     kf, vf = k.float()[:, None], v.float()[:, None]
     allowed = _allowed(lq, lk, causal, mask, q.device)
     run_max = torch.full((*qg.shape[:-1], 1), float("-inf"), device=q.device)
@@ -148,21 +148,34 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
 
 def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
                  call: Call) -> tuple[torch.Tensor, ...]:
-    """Slice, pad to the call's buckets and transpose packed tensors into graph inputs."""
+    """Slice, pad to the call's buckets and transpose packed tensors into graph inputs.
+
+    A MASK call takes the whole packed tensors; the layout's padding rows of k and v
+    are zeroed so that garbage there (an uninitialised buffer: NaN, inf) cannot leak
+    through a zero attention weight (0 · NaN is NaN)."""
     def rows(x: torch.Tensor, start: int, n: int, bucket: int) -> torch.Tensor:
         x = x[start:start + n]
         if bucket > n:
             x = torch.cat([x, x.new_zeros(bucket - n, *x.shape[1:])])
         return x.transpose(0, 1)
 
+    if call.kind is MaskMode.MASK and layout.kv_tokens != layout.total_kv_tokens:
+        real = real_rows(layout.kv_starts, layout.kv_lens, layout.kv_tokens, str(k.device))[:, None, None]
+        k, v = k.where(real, 0), v.where(real, 0)
     ins = (rows(q, call.q_start, call.q_len, call.q_bucket),
            rows(k, call.kv_start, call.kv_len, call.kv_bucket),
            rows(v, call.kv_start, call.kv_len, call.kv_bucket))
     if call.kind is MaskMode.MASK:
-        return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket).to(q.device))
+        return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, str(q.device)))
     if call.kind is MaskMode.VARLEN:
-        return (*ins, torch.tensor([call.q_len, call.kv_len], device=q.device))
+        return (*ins, _lens(call.q_len, call.kv_len, str(q.device)))
     return ins
+
+
+@lru_cache(maxsize=4096)
+def _lens(q_len: int, kv_len: int, device: str) -> torch.Tensor:
+    """The bounds tensor of a VARLEN call, kept per device (no transfer per call)."""
+    return torch.tensor([q_len, kv_len], device=device)
 
 
 def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -175,20 +188,14 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind is not MaskMode.VARLEN:
         out = fn(*graph_inputs(q, k, v, layout, call))[:, :call.q_len].transpose(0, 1)
         if call.kind is MaskMode.MASK and layout.is_padded:
-            out = out * _real_rows(layout).to(out.device)[:, None, None]
+            real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device))
+            out = out.masked_fill(~real[:, None, None], 0)
         return out
     out = q.new_zeros(q.shape)
     for call, fn in graphs:
         o = fn(*graph_inputs(q, k, v, layout, call))
         out[call.q_start:call.q_start + call.q_len] = o[:, :call.q_len].transpose(0, 1)
     return out
-
-
-def _real_rows(layout: BatchLayout) -> torch.Tensor:
-    rows = torch.zeros(layout.q_tokens, dtype=torch.bool)
-    for s, n in zip(layout.q_starts, layout.q_lens):
-        rows[s:s + n] = True
-    return rows
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout) -> None:

@@ -66,7 +66,9 @@ class GraphKey:
     @classmethod
     def for_call(cls, call: Call, spec: TensorSpec, impl: str,
                  partition_len: int | None, backend: str) -> GraphKey:
-        return cls(call.kind, call.q_bucket, call.kv_bucket, call.causal, spec, impl,
+        # a MASK graph takes causality from its mask: causal and bidirectional share it
+        causal = call.causal and call.kind is not MaskMode.MASK
+        return cls(call.kind, call.q_bucket, call.kv_bucket, causal, spec, impl,
                    partition_len if impl == "flash" else None, backend)
 
     def __str__(self) -> str:
@@ -75,6 +77,6 @@ class GraphKey:
         part = f"/p{self.partition_len}" if self.partition_len else ""
         part += "" if s.scale is None else f"/s{s.scale:g}"
         part += "" if s.device == "cpu" else f"/{s.device}"
-        kind = self.kind.value + ("" if self.causal else "-bidir")
+        kind = self.kind.value + ("-bidir" if not self.causal and self.kind is not MaskMode.MASK else "")
         return (f"{kind}/{shape}/{s.dtype}/h{s.heads}kv{s.kv_heads}d{s.head_dim}"
                 f"/{self.impl}{part}/{self.backend}")

@@ -45,19 +45,17 @@ class BlockDiagonalMask:
             raise ValueError(f"mask shape ({rows}, {cols}) is smaller than the layout "
                              f"({lay.q_tokens}, {lay.kv_tokens})")
         allowed = torch.zeros(rows, cols, dtype=torch.bool)
-        real = torch.zeros(rows, dtype=torch.bool)
         for qs, ql, ks, kl in zip(lay.q_starts, lay.q_lens, lay.kv_starts, lay.kv_lens):
             allowed[qs:qs + ql, ks:ks + kl] = self._block(ql, kl)
-            real[qs:qs + ql] = True
         if lay.is_padded or rows > lay.q_tokens:
-            allowed[~real] = True
+            allowed[~real_rows(lay.q_starts, lay.q_lens, rows)] = True
         return allowed
 
-    def dense(self, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
-        """The dense boolean mask, cached per (mask, shape). Do not modify it."""
+    def dense(self, rows: int | None = None, cols: int | None = None, device: str = "cpu") -> torch.Tensor:
+        """The dense boolean mask, cached per (mask, shape, device). Do not modify it."""
         rows = self.layout.q_tokens if rows is None else rows
         cols = self.layout.kv_tokens if cols is None else cols
-        return _dense_cached(self, rows, cols)
+        return _dense_cached(self, rows, cols, device)
 
     def additive(self, dtype: torch.dtype = torch.float32, rows: int | None = None,
                  cols: int | None = None) -> torch.Tensor:
@@ -77,8 +75,17 @@ class BlockDiagonalCausalMask(BlockDiagonalMask):
 
 
 @lru_cache(maxsize=DENSE_CACHE_SIZE)
-def _dense_cached(mask: BlockDiagonalMask, rows: int, cols: int) -> torch.Tensor:
-    return mask.materialize(rows, cols)
+def _dense_cached(mask: BlockDiagonalMask, rows: int, cols: int, device: str) -> torch.Tensor:
+    return mask.materialize(rows, cols).to(device)
+
+
+@lru_cache(maxsize=256)
+def real_rows(starts: tuple[int, ...], lens: tuple[int, ...], tokens: int, device: str = "cpu") -> torch.Tensor:
+    """Boolean ``[tokens]``: True on rows owned by a sequence (cached; do not modify)."""
+    real = torch.zeros(tokens, dtype=torch.bool)
+    for s, n in zip(starts, lens):
+        real[s:s + n] = True
+    return real.to(device)
 
 
 def mask_for(layout: BatchLayout) -> BlockDiagonalMask:

@@ -16,8 +16,9 @@ class MaskMode(str, Enum):
       causal sequence without cached context: the fastest path.
     - ``MASK``: one call with a dense block-diagonal mask built from the layout.
       Always legal; the mask costs a build, memory (L²) and a slower kernel.
-    - ``VARLEN``: one mask-free call per sequence. Always legal; causal
-      sequences without context reuse exactly the CAUSAL graphs.
+    - ``VARLEN``: one call per sequence, no host-built mask. Always legal; causal
+      sequences without context reuse exactly the CAUSAL graphs (mask-free), the
+      others (context, decode, bidirectional) bound their keys inside the graph.
     """
 
     CAUSAL = "causal"

@@ -92,11 +92,11 @@ class Dynamic(_CausalWhenLegal):
 
 
 class Varlen(_CausalWhenLegal):
-    """CAUSAL when legal, otherwise one mask-free call per sequence: no dense
-    mask, and causal sequences reuse the CAUSAL graph of their length bucket."""
+    """CAUSAL when legal, otherwise one call per sequence: no host-built mask, and
+    causal sequences without context reuse the CAUSAL graph of their length bucket."""
 
     name = "varlen"
-    description = "CAUSAL when legal, otherwise VARLEN: one mask-free call per sequence"
+    description = "CAUSAL when legal, otherwise VARLEN: one call per sequence, no host-built mask"
     otherwise = MaskMode.VARLEN
 
 

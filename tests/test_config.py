@@ -17,7 +17,7 @@ from attnpolicy.buckets import Buckets
 from attnpolicy.cli.config import register
 from attnpolicy.compile import BACKENDS
 from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig, from_env
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import BucketOverflowError, ConfigError
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
@@ -75,13 +75,26 @@ def test_flash_rules():
 
 
 @pytest.mark.parametrize("buckets, match", [
-    (Buckets(kind="list", sizes=(512, 4096)), "buckets.sizes has bucket 4096 > max_seq_len 2048"),
+    (Buckets(kind="list", sizes=(512, 8192)), "buckets.sizes has bucket 8192 > max_batch_tokens 4096"),
+    (Buckets(kind="list", sizes=(3000, 4096)), r"buckets.sizes has no bucket <= max_seq_len 2048: \[3000, 4096\]"),
     (Buckets(min=4096), "buckets.min has bucket 4096 > max_seq_len 2048"),
     (Buckets(kind="multiple", multiple=3000), "buckets.multiple has bucket 3000 > max_seq_len 2048"),
 ])
-def test_buckets_above_max_seq_len(buckets, match):
+def test_buckets_that_do_not_fit(buckets, match):
     with pytest.raises(ValidationError, match=match):
-        AttnPolicyConfig(buckets=buckets, max_seq_len=2048)
+        AttnPolicyConfig(buckets=buckets, max_seq_len=2048, max_batch_tokens=4096)
+
+
+def test_list_buckets_above_max_seq_len_serve_packed_rows_only():
+    c = AttnPolicyConfig(buckets=Buckets(kind="list", sizes=(16, 32, 64, 256)), max_seq_len=64,
+                         max_batch_tokens=256)
+    assert c.bucket(40) == 64 and c.batch_bucket(120) == 256
+    with pytest.raises(BucketOverflowError):
+        c.bucket(65)
+
+
+def test_default_pow2_min_fits_a_short_max_seq_len():
+    assert AttnPolicyConfig(max_seq_len=8).bucket(5) == 8
 
 
 def test_bucket_uses_max_seq_len():

@@ -100,3 +100,17 @@ def test_flash_partitions_do_not_change_the_result():
     full = attention(q, k, v, impl="flash", causal=True, partition_len=50)
     for p in (1, 7, 16, 49):
         torch.testing.assert_close(attention(q, k, v, impl="flash", causal=True, partition_len=p), full)
+
+
+@pytest.mark.parametrize("mode", [MaskMode.MASK, MaskMode.VARLEN])
+def test_garbage_in_padding_rows_never_reaches_real_rows(mode):
+    layout = BatchLayout.from_padding_mask(torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]]))
+    q, k, v = _tensors(8, 8)
+    pad = torch.tensor([0, 6, 7])  # rows owned by no sequence
+    for t in (q, k, v):
+        t[pad] = float("nan")
+    out = attend(q, k, v, layout, mode)
+    assert not out.isnan().any()
+    assert out[pad].abs().max() == 0
+    torch.testing.assert_close(out.double(), reference_for(q.nan_to_num(), k.nan_to_num(), v.nan_to_num(),
+                                                           layout), atol=FP32_TOL, rtol=FP32_TOL)
