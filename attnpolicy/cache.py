@@ -216,6 +216,7 @@ class GraphCache(Generic[V]):
             future.set_exception(exc)
             raise
 
+        victims: list[tuple[Hashable, _Entry[V]]] = []
         try:
             with self._lock:
                 del self._inflight[key]
@@ -225,12 +226,12 @@ class GraphCache(Generic[V]):
                 stats.compile_seconds += seconds
                 stats.bytes = nbytes
                 if cached:
-                    victims = self._insert(key, _Entry(value, nbytes, stats), seconds)
+                    self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
                 else:
                     self._uncached += 1
-                    victims = []
         except BaseException as exc:  # a failing eviction strategy: never leave waiters hanging
             future.set_exception(exc)
+            self._released(victims, evicted=True)  # what already left the cache is still freed
             raise
         future.set_result(value)
         self._released(victims, evicted=True)
@@ -238,10 +239,11 @@ class GraphCache(Generic[V]):
             self._on_compile(key, seconds, nbytes)
         return value
 
-    def _insert(self, key: Hashable, entry: _Entry[V], seconds: float) -> list[tuple[Hashable, _Entry[V]]]:
-        """Evict until ``entry`` fits, then insert it. Call with the lock held."""
+    def _insert(self, key: Hashable, entry: _Entry[V], seconds: float,
+                victims: list[tuple[Hashable, _Entry[V]]]) -> None:
+        """Evict (into ``victims``) until ``entry`` fits, then insert it. Call with the
+        lock held; the caller releases ``victims`` after the lock, even if this raises."""
         order = self._order
-        victims = []
         while ((self.max_graphs is not None and len(order) >= self.max_graphs)
                or (self.max_bytes is not None and self._bytes + entry.nbytes > self.max_bytes)):
             victim_key, victim = order.popitem()
@@ -255,7 +257,6 @@ class GraphCache(Generic[V]):
         self._bytes += entry.nbytes
         self._peak_graphs = max(self._peak_graphs, len(order))
         self._peak_bytes = max(self._peak_bytes, self._bytes)
-        return victims
 
     def _released(self, entries: list[tuple[Hashable, _Entry[V]]], *, evicted: bool) -> None:
         for key, entry in entries:

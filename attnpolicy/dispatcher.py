@@ -189,10 +189,9 @@ class Dispatcher:
         self.use_spec(spec)
         keys: dict[GraphKey, None] = {}
         for layout in layouts:
-            decision = self.guard.decide(layout, self.context)
-            for call, key in self._planned(layout, decision.mode, spec):
+            for call, key in self._planned(layout, self.decide(layout).mode, spec):
+                self._graph(call, key, spec)  # with the same overflow and compile-error rules
                 if key is not None:
-                    self.cache.get_or_compile(key, lambda c=call, k=key: self._builder(c, k, spec))
                     keys[key] = None
         self._warm = True
         return list(keys)

@@ -442,6 +442,7 @@ class _Plugin:
     def attnpolicy_register_evictions(self, register):
         register("test-mru", MRU)
         register("test-broken", dict)
+        register("test-fails-second-pop", FailsSecondPop)
 
 
 class MRU(cachetools.Cache):
@@ -453,6 +454,20 @@ class MRU(cachetools.Cache):
     def popitem(self):
         key = list(self)[-1]
         return key, self.pop(key)
+
+
+class FailsSecondPop(cachetools.LRUCache):
+    """LRU whose second eviction in a row fails (a buggy plugin strategy)."""
+
+    def __init__(self):
+        super().__init__(math.inf)
+        self.pops = 0
+
+    def popitem(self):
+        self.pops += 1
+        if self.pops == 2:
+            raise RuntimeError("strategy broke")
+        return super().popitem()
 
 
 @pytest.fixture
@@ -469,3 +484,13 @@ def test_plugin_strategy_by_name(plugin):
     assert victims == ["B"]
     with pytest.raises(PluginError, match="test-broken"):
         GraphCache(eviction="test-broken")
+
+
+def test_victims_evicted_before_a_strategy_fails_are_still_released(plugin):
+    released = []
+    cache = GraphCache(max_bytes=2, sizeof=lambda key: 2 if key == "C" else 1, eviction="test-fails-second-pop",
+                       release=lambda key, graph: released.append(key))
+    run(cache, "AB")
+    with pytest.raises(RuntimeError, match="strategy broke"):
+        cache.get_or_compile("C", build_of("C"))  # needs two evictions; the second fails
+    assert released == ["A"] and cache.keys() == ["B"] and cache.stats()["bytes"] == 1
