@@ -130,6 +130,15 @@ class GraphCache(Generic[V]):
         self._bytes = 0
         self._zero_counters()
 
+    @classmethod
+    def from_config(cls, config: Any, **options: Any) -> GraphCache:
+        """A cache bounded as an :class:`~attnpolicy.config.AttnPolicyConfig` says
+        (``max_graphs``, ``max_bytes``, ``eviction``, ``oversize``); ``options`` add or
+        override constructor arguments."""
+        bounds = {"max_graphs": config.max_graphs, "max_bytes": config.max_bytes,
+                  "eviction": config.eviction, "oversize": config.oversize}
+        return cls(**{**bounds, **options})
+
     def _zero_counters(self) -> None:
         self._hits = self._misses = self._evictions = 0
         self._compiles = self._compile_failures = self._waits = self._uncached = 0

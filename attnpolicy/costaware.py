@@ -37,6 +37,7 @@ from collections.abc import Callable
 import cachetools
 
 from attnpolicy.cache import GraphCache
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.costmodel import CostModel
 from attnpolicy.hookspecs import hookimpl
 from attnpolicy.keys import GraphKey
@@ -91,11 +92,11 @@ class _Shadow:
     """One rule replayed on a private copy of the graph cache: what it would have
     cost so far (modelled seconds) had it decided every batch."""
 
-    def __init__(self, name: str, config_cache: dict, model: CostModel,
+    def __init__(self, name: str, config: AttnPolicyConfig, model: CostModel,
                  decide: Callable[[BatchLayout, PolicyContext, _Shadow], tuple[MaskMode, str]]) -> None:
         self.name = name
-        self.cache: GraphCache = GraphCache(**config_cache, sizeof=model.graph_bytes, oversize="uncached",
-                                            compile_cost=lambda key, measured: model.compile_seconds(key))
+        self.cache: GraphCache = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
+                                                        compile_cost=model.compile_cost)
         self.masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
         self.seconds = 0.0
         self._decide = decide
@@ -176,11 +177,9 @@ class CostAware:
     def _start(self, layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> list[_Shadow]:
         """The shadows, each holding the graphs of ``layout``'s options that are
         already cached (a warmed-up cache), at no charge."""
-        cfg = ctx.config
-        bounds = {"max_graphs": None, "max_bytes": None, "eviction": "lru"} if cfg is None else \
-            {"max_graphs": cfg.max_graphs, "max_bytes": cfg.max_bytes, "eviction": cfg.eviction}
-        shadows = [_Shadow(RENT_OR_BUY, bounds, model, _RentOrBuy(model))]
-        shadows += [_Shadow(cls.name, bounds, model, _fixed(cls())) for cls in (Varlen, Dynamic, AlwaysMask)]
+        cfg = ctx.config or AttnPolicyConfig()  # no config: an unbounded LRU cache
+        shadows = [_Shadow(RENT_OR_BUY, cfg, model, _RentOrBuy(model))]
+        shadows += [_Shadow(cls.name, cfg, model, _fixed(cls())) for cls in (Varlen, Dynamic, AlwaysMask)]
         warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
         for shadow in shadows:
             for key in warm:

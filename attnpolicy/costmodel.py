@@ -157,6 +157,11 @@ class CostModel(BaseModel):
             return 0.0
         return self.compile[key.kind.value](key.q_len, key.kv_len)
 
+    def compile_cost(self, key: GraphKey, measured_seconds: float) -> float:
+        """A :class:`~attnpolicy.cache.GraphCache` ``compile_cost``: record the modelled
+        compile seconds (deterministic on every rank) instead of the measured ones."""
+        return self.compile_seconds(key)
+
     def mask_build_seconds(self, rows: int, cols: int) -> float:
         """Seconds to build a dense ``rows × cols`` mask on the host."""
         return self.mask_build(rows, cols)

@@ -55,9 +55,8 @@ class Dispatcher:
         hook = get_plugin_manager().hook
         self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
                                       fallback=MaskMode(cfg.fallback_mode))
-        self.cache = cache if cache is not None else GraphCache(
-            max_graphs=cfg.max_graphs, max_bytes=cfg.max_bytes, eviction=cfg.eviction,
-            sizeof=graph_bytes, oversize=cfg.oversize, compile_cost=_modelled_cost(cfg, cost_model),
+        self.cache = cache if cache is not None else GraphCache.from_config(
+            cfg, sizeof=graph_bytes, compile_cost=_modelled_cost(cfg, cost_model),
             on_compile=lambda key, s, n: hook.attnpolicy_on_compile(key=key, seconds=s, nbytes=n),
             on_evict=lambda key, n: hook.attnpolicy_on_evict(key=key, nbytes=n),
             release=_release)
@@ -222,8 +221,7 @@ def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey
         return None
     from attnpolicy.costmodel import CostModel
 
-    model = cost_model or CostModel.default()
-    return lambda key, measured: model.compile_seconds(key)
+    return (cost_model or CostModel.default()).compile_cost
 
 
 def _release(key: GraphKey, graph: CompiledGraph) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.bench import DTYPES, BenchSettings, run_bench, speedups, to_json
-from attnpolicy.cli.common import int_list, print_table, progress, write_json
+from attnpolicy.bench import BenchSettings, run_bench, speedups, to_json
+from attnpolicy.cli.common import add_spec_args, int_list, print_table, progress, write_json
 from attnpolicy.kernels import IMPLS
 
 
@@ -19,10 +19,7 @@ def register(subparsers: Any) -> None:
                    help="sequences per call, of L/N tokens each (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per mode (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed runs first (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    add_spec_args(p)
     p.add_argument("--impl", choices=IMPLS, default=d.impl)
     p.add_argument("--partition-len", type=int, default=None, help="flash partition (default: whole kv)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

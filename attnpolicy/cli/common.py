@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from attnpolicy.bench import DTYPES
+
 console = Console(stderr=True)
 
 
@@ -25,6 +27,14 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """The tensor spec of one attention layer: --heads, --kv-heads, --head-dim, --dtype."""
+    p.add_argument("--heads", type=int, default=8, help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default: %(default)s)")
+    p.add_argument("--head-dim", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="(default: %(default)s)")
 
 
 def capacity_list(text: str) -> tuple[int | None, ...]:

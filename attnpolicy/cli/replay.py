@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from attnpolicy.batching import BatchFormer
-from attnpolicy.bench import DTYPES
 from attnpolicy.calibrate import CalibrationSettings, calibrate, shapes
-from attnpolicy.cli.common import capacity_list, console, print_table, progress, str_list, write_json
+from attnpolicy.cli.common import add_spec_args, capacity_list, console, print_table, progress, str_list, write_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.costmodel import CostModel
 from attnpolicy.kernels import IMPLS
@@ -27,10 +26,7 @@ def register(subparsers: Any) -> None:
                    help="cost model JSON to write (default: %(default)s)")
     c.add_argument("--backend", choices=("aot_eager", "inductor", "eager"), default=d.backend,
                    help="compile backend (default: %(default)s)")
-    c.add_argument("--heads", type=int, default=d.heads)
-    c.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    c.add_argument("--head-dim", type=int, default=d.head_dim)
-    c.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    add_spec_args(c)
     c.add_argument("--impl", choices=IMPLS, default=d.impl)
     c.add_argument("--partition-len", type=int, default=None, help="flash partition (impl flash)")
     c.add_argument("--max-len", type=int, default=d.max_len, help="largest bucket measured (default: %(default)s)")

@@ -6,8 +6,7 @@ import argparse
 from typing import Any
 
 from attnpolicy.batching import BatchFormer
-from attnpolicy.bench import DTYPES
-from attnpolicy.cli.common import print_table, progress, write_json
+from attnpolicy.cli.common import add_spec_args, print_table, progress, write_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.keys import TensorSpec
 from attnpolicy.run import run_workload
@@ -21,13 +20,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-seq-len", type=int, default=8192, help="longest sequence (max_model_len)")
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
 
 def spec_from(args: argparse.Namespace) -> TensorSpec:
