@@ -12,19 +12,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BatchLayout": "attnpolicy.layout",
-    "MaskMode": "attnpolicy.modes",
-    "Decision": "attnpolicy.modes",
-    "legal_modes": "attnpolicy.modes",
-    "why_illegal": "attnpolicy.modes",
-    "attend": "attnpolicy.kernels",
-    "GraphKey": "attnpolicy.keys",
-    "GraphCache": "attnpolicy.cache",
-    "Buckets": "attnpolicy.buckets",
+    "BatchLayout": "attnpolicy.core.layout",
+    "MaskMode": "attnpolicy.core.modes",
+    "Decision": "attnpolicy.core.modes",
+    "legal_modes": "attnpolicy.core.modes",
+    "why_illegal": "attnpolicy.core.modes",
+    "attend": "attnpolicy.graphs.execute",
+    "GraphKey": "attnpolicy.graphs.keys",
+    "GraphCache": "attnpolicy.cache.graph_cache",
+    "Buckets": "attnpolicy.graphs.buckets",
     "AttnPolicyConfig": "attnpolicy.config",
     "Dispatcher": "attnpolicy.dispatcher",
-    "PolicyContext": "attnpolicy.policy",
-    "hookimpl": "attnpolicy.hookspecs",
+    "PolicyContext": "attnpolicy.policies.base",
+    "hookimpl": "attnpolicy.plugins.hookspecs",
 }
 
 __all__ = sorted(_EXPORTS)

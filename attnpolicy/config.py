@@ -15,12 +15,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    field_validator,
+    model_validator,
+)
 
-from attnpolicy import jsonfile
-from attnpolicy.buckets import Buckets, PositiveInt
+from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.plugins import eviction_registry, make_policy, policy_registry
+from attnpolicy.graphs.buckets import Buckets, PositiveInt
+from attnpolicy.plugins.registry import eviction_registry, make_policy, policy_registry
 
 CONFIG_FILENAME = "attnpolicy_config.json"
 CONFIG_ENV = "ATTNPOLICY_CONFIG"

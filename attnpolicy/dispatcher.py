@@ -10,19 +10,19 @@ from typing import Any
 import cachetools
 import torch
 
-from attnpolicy.cache import GraphCache
-from attnpolicy.compile import CompiledGraph, compile_graph, release_graph
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
-from attnpolicy.footprint import graph_bytes
-from attnpolicy.guard import Guard
-from attnpolicy.kernels import GraphFn, check_inputs, execute, graph_fn
-from attnpolicy.keys import Call, GraphKey, TensorSpec
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode
-from attnpolicy.plan import plan_calls
-from attnpolicy.plugins import get_plugin_manager
-from attnpolicy.policy import PolicyContext
+from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
+from attnpolicy.graphs.execute import GraphFn, check_inputs, execute, graph_fn
+from attnpolicy.graphs.footprint import graph_bytes
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.graphs.plan import plan_calls
+from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
 
 #: Planned (call, key) tuples remembered per (layout, mode, spec).
 PLAN_CACHE_SIZE = 4096
@@ -37,7 +37,7 @@ class Dispatcher:
     """Runs attention the way ``config`` says, through a bounded graph cache.
 
     ``attend(q, k, v, layout)`` takes packed ``q[q_tokens, Hq, D]`` and
-    ``k, v[kv_tokens, Hkv, D]`` (see :mod:`attnpolicy.layout`) and returns
+    ``k, v[kv_tokens, Hkv, D]`` (see :mod:`attnpolicy.core.layout`) and returns
     ``[q_tokens, Hq, D]`` (padding rows zero). Decisions and graph keys are a pure
     function of the layout, the config and the sequence of earlier calls, so
     tensor-parallel ranks replaying the same batches agree. A Dispatcher is not
@@ -219,7 +219,7 @@ def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey
     every tensor-parallel rank evicts the same graphs (measured seconds differ)."""
     if cfg.eviction != "cost":
         return None
-    from attnpolicy.costmodel import CostModel
+    from attnpolicy.graphs.costmodel import CostModel
 
     return (cost_model or CostModel.default()).compile_cost
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from attnpolicy.plugins import reset_plugin_manager
+from attnpolicy.plugins.registry import reset_plugin_manager
 
 sys.path.insert(0, str(Path(__file__).parent))
 

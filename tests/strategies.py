@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from attnpolicy.layout import BatchLayout
+from attnpolicy.core.layout import BatchLayout
 
 MAX_LEN = 300
 

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnpolicy.batching import BatchFormer, Step
 from attnpolicy.errors import ConfigError
-from attnpolicy.workload import Request, load_azure_csv, synthetic_default
+from attnpolicy.measure.batching import BatchFormer, Step
+from attnpolicy.measure.workload import Request, load_azure_csv, synthetic_default
 
 AZURE_CODE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
 

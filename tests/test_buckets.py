@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from attnpolicy.buckets import Buckets
 from attnpolicy.errors import BucketOverflowError, ConfigError, LayoutError
+from attnpolicy.graphs.buckets import Buckets
 
 
 @st.composite

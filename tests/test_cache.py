@@ -12,12 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnpolicy.cache as cache_module
-from attnpolicy.cache import GraphCache
-from attnpolicy.errors import ConfigError, GraphCompileError, GraphTooLargeError, PluginError
-from attnpolicy.evictions import GDSFCache
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.plugins import get_plugin_manager
+import attnpolicy.cache.graph_cache as cache_module
+from attnpolicy.cache.evictions import GDSFCache
+from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.errors import (
+    ConfigError,
+    GraphCompileError,
+    GraphTooLargeError,
+    PluginError,
+)
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import get_plugin_manager
 
 
 def build_of(key):
@@ -31,7 +36,7 @@ def run(cache, keys):
 
 
 class FakeClock:
-    """Replaces perf_counter in attnpolicy.cache so build durations are exact."""
+    """Replaces perf_counter in attnpolicy.cache.graph_cache so build durations are exact."""
 
     def __init__(self):
         self.now = 0.0

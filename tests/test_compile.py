@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnpolicy.cache import GraphCache
-from attnpolicy.compile import compile_graph, release_graph
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.compile import compile_graph, release_graph
 
 
 def attention(q, k, v):

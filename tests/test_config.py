@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from attnpolicy.buckets import Buckets
 from attnpolicy.cli.config import register
-from attnpolicy.compile import BACKENDS
 from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig, from_env
 from attnpolicy.errors import BucketOverflowError, ConfigError
+from attnpolicy.graphs.buckets import Buckets
+from attnpolicy.graphs.compile import BACKENDS
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

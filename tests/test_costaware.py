@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from attnpolicy.cache import GraphCache
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.costaware import CostAware
-from attnpolicy.costmodel import CostModel
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatcher import Dispatcher
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import MaskMode
-from attnpolicy.plugins import make_policy, policy_registry
-from attnpolicy.policy import PolicyContext
-from attnpolicy.simulate import SimulatedGraph, simulate
-from attnpolicy.workload import load_trace, synthetic_default
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.measure.simulation import SimulatedGraph, simulate
+from attnpolicy.measure.workload import load_trace, synthetic_default
+from attnpolicy.plugins.registry import make_policy, policy_registry
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.costaware import CostAware
 
 MODEL = CostModel.default()
 AZURE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_2023_code.csv"
@@ -32,7 +32,7 @@ def dispatcher(max_graphs: int | None = None) -> Dispatcher:
 
 
 def test_registered_as_builtin():
-    assert policy_registry()["cost-aware"].plugin == "attnpolicy.costaware"
+    assert policy_registry()["cost-aware"].plugin == "attnpolicy.policies.costaware"
     assert isinstance(make_policy("cost-aware"), CostAware)
 
 

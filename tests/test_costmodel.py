@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from attnpolicy.calibrate import CalibrationSettings, calibrate, shapes
 from attnpolicy.cli import replay
-from attnpolicy.costmodel import KINDS, CostModel, Fit
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError
-from attnpolicy.keys import GraphKey
-from attnpolicy.modes import MaskMode
+from attnpolicy.graphs.costmodel import KINDS, CostModel, Fit
+from attnpolicy.graphs.keys import GraphKey
+from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
 
 
 def key(kind: str, q: int, kv: int, model: CostModel, backend: str = "aot_eager") -> GraphKey:

@@ -12,10 +12,10 @@ from reference import reference_for
 from strategies import layouts, qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
-from attnpolicy.keys import TensorSpec
-from attnpolicy.modes import MaskMode
-from attnpolicy.plugins import get_plugin_manager
+from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.plugins.registry import get_plugin_manager
 
 POLICIES = ["always-mask", "always-causal", "dynamic", "varlen"]
 SPEC = TensorSpec("float32", 4, 2, 16)
@@ -241,7 +241,7 @@ def test_causal_and_bidirectional_batches_share_mask_graphs():
 
 
 def test_cost_eviction_ranks_by_modelled_compile_seconds():
-    from attnpolicy.costmodel import CostModel
+    from attnpolicy.graphs.costmodel import CostModel
 
     model = CostModel.default()
     d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="aot_eager", eviction="cost", max_seq_len=256),

@@ -6,13 +6,13 @@ import logging
 
 import pytest
 
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode, is_legal
 from attnpolicy.errors import IllegalModeError, PolicyError
-from attnpolicy.guard import Guard
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode, is_legal
-from attnpolicy.plugins import get_plugin_manager, make_policy, policy_registry
-from attnpolicy.policy import PolicyContext
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import get_plugin_manager, make_policy, policy_registry
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
 
 CTX = PolicyContext()
 SINGLE = BatchLayout.from_lens([64])
@@ -93,7 +93,7 @@ def test_raise_names_plugin_policy_and_problem(category, recorder):
 def test_fallback_is_legal_counted_logged_and_observed(category, fallback, recorder, caplog):
     policy, layout, _, words = bad_policy(category)
     g = guard(policy, fallback=fallback)
-    with caplog.at_level(logging.DEBUG, logger="attnpolicy.guard"):
+    with caplog.at_level(logging.DEBUG, logger="attnpolicy.policies.guard"):
         first = g.decide(layout, CTX)
         g.decide(layout, CTX)
     assert first.mode is fallback
@@ -104,7 +104,7 @@ def test_fallback_is_legal_counted_logged_and_observed(category, fallback, recor
         assert word in first.reason
     assert g.fallbacks == 2
     assert g.fallback_reasons == {category: 2}
-    warnings = [r for r in caplog.records if r.name == "attnpolicy.guard"]
+    warnings = [r for r in caplog.records if r.name == "attnpolicy.policies.guard"]
     # one warning per kind of failure, then debug lines (a wrong policy is wrong every batch)
     assert [r.levelno for r in warnings] == [logging.WARNING, logging.DEBUG]
     assert "test-policy" in warnings[0].getMessage()
@@ -143,15 +143,15 @@ def test_manager_and_guard_still_usable_after_a_failure(recorder):
 
 
 def test_default_hook_is_the_global_manager(recorder):
-    g = Guard(make_policy("varlen"), "varlen", "attnpolicy.policies")
+    g = Guard(make_policy("varlen"), "varlen", "attnpolicy.policies.builtin")
     g.decide(PACKED, CTX)
     assert recorder.calls[0][1:] == (Decision(MaskMode.VARLEN, "3 sequences packed"), "varlen", False)
 
 
 def test_for_policy_builds_from_the_registry(recorder):
     g = Guard.for_policy("always-causal", on_illegal="raise")
-    assert (g.policy_name, g.plugin) == ("always-causal", "attnpolicy.policies")
-    with pytest.raises(PolicyError, match="attnpolicy.policies"):
+    assert (g.policy_name, g.plugin) == ("always-causal", "attnpolicy.policies.builtin")
+    with pytest.raises(PolicyError, match="attnpolicy.policies.builtin"):
         g.decide(PACKED, CTX)
     with pytest.raises(PolicyError, match="known policies"):
         Guard.for_policy("nope")

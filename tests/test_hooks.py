@@ -1,4 +1,4 @@
-"""Every hook in attnpolicy.hookspecs has a test here that exercises it."""
+"""Every hook in attnpolicy.plugins.hookspecs has a test here that exercises it."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import cachetools
 import pluggy
 import pytest
 
-from attnpolicy import hookspecs
-from attnpolicy.guard import Guard
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode
-from attnpolicy.plugins import (
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.plugins import hookspecs
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import (
     eviction_registry,
     get_plugin_manager,
     make_policy,
     policy_registry,
 )
-from attnpolicy.policy import PolicyContext
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
@@ -84,7 +84,7 @@ def exercise_register_evictions():
 
 def exercise_on_decision():
     pm, (a, b) = observers()
-    guard = Guard(make_policy("always-causal"), "always-causal", "attnpolicy.policies", hook=pm.hook)
+    guard = Guard(make_policy("always-causal"), "always-causal", "attnpolicy.policies.builtin", hook=pm.hook)
     single, packed = BatchLayout.from_lens([8]), BatchLayout.from_lens([4, 4])
     d1 = guard.decide(single, PolicyContext())
     d2 = guard.decide(packed, PolicyContext())

@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 from reference import reference_for
 from strategies import layouts, qkv
 
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import IllegalModeError, LayoutError
-from attnpolicy.kernels import IMPLS, attend, attention
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import MaskMode
+from attnpolicy.graphs.execute import attend
+from attnpolicy.kernels.attention import IMPLS, attention
 
 # fp32 kernels against a float64 reference: rounding only.
 FP32_TOL = 1e-5

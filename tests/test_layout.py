@@ -7,9 +7,13 @@ import torch
 from hypothesis import given
 from strategies import layouts
 
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import LayoutError
-from attnpolicy.layout import BatchLayout
-from attnpolicy.masks import BlockDiagonalCausalMask, BlockDiagonalMask, mask_for
+from attnpolicy.kernels.masks import (
+    BlockDiagonalCausalMask,
+    BlockDiagonalMask,
+    mask_for,
+)
 
 
 def test_constructors_agree():

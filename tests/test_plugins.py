@@ -15,12 +15,12 @@ from pathlib import Path
 import cachetools
 import pytest
 
-import attnpolicy.plugins as plugins
+import attnpolicy.plugins.registry as plugins
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.errors import PluginError, PolicyError
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode
-from attnpolicy.plugins import (
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import (
     eviction_registry,
     failed_plugins,
     get_plugin_manager,
@@ -28,7 +28,7 @@ from attnpolicy.plugins import (
     policy_registry,
     reset_plugin_manager,
 )
-from attnpolicy.policy import PolicyContext
+from attnpolicy.policies.base import PolicyContext
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "plugins" / "attnpolicy-length-threshold"
@@ -103,7 +103,7 @@ def test_duplicate_policy_name_names_both_plugins():
     with pytest.raises(PluginError) as info:
         policy_registry()
     message = str(info.value)
-    assert "'dynamic'" in message and "'attnpolicy.policies'" in message and "'copycat'" in message
+    assert "'dynamic'" in message and "'attnpolicy.policies.builtin'" in message and "'copycat'" in message
 
 
 @pytest.mark.parametrize(
@@ -170,8 +170,8 @@ def test_bad_eviction_factory_names_the_plugin():
 @pytest.fixture
 def fake_entry_points(monkeypatch, tmp_path):
     (tmp_path / "ep_good.py").write_text(textwrap.dedent("""
-        from attnpolicy.hookspecs import hookimpl
-        from attnpolicy.modes import Decision, MaskMode
+        from attnpolicy.plugins.hookspecs import hookimpl
+        from attnpolicy.core.modes import Decision, MaskMode
 
         class Good:
             name = "ep-good"
@@ -185,7 +185,7 @@ def fake_entry_points(monkeypatch, tmp_path):
     """))
     (tmp_path / "ep_broken.py").write_text("raise ImportError('missing dependency xyz')\n")
     (tmp_path / "ep_badhook.py").write_text(textwrap.dedent("""
-        from attnpolicy.hookspecs import hookimpl
+        from attnpolicy.plugins.hookspecs import hookimpl
 
         @hookimpl
         def attnpolicy_on_decision(layout, decision, policy, unknown_argument):
@@ -212,7 +212,7 @@ def test_failing_entry_points_warn_are_recorded_and_the_rest_loads(fake_entry_po
     assert not pm.has_plugin("badhook")
     registry = policy_registry()
     assert registry["ep-good"].plugin == "good"
-    assert registry["dynamic"].plugin == "attnpolicy.policies"
+    assert registry["dynamic"].plugin == "attnpolicy.policies.builtin"
 
 
 @pytest.mark.parametrize(("env", "loaded"), [("", set()), ("good", {"good"}), (" good ,, ", {"good"})])
@@ -240,7 +240,7 @@ def test_load_plugins_env_warns_about_unknown_names(fake_entry_points, monkeypat
 # -- (c) entry-point discovery in a subprocess ------------------------------------------
 
 LIST_POLICIES = (
-    "import json; from attnpolicy.plugins import policy_registry, failed_plugins; "
+    "import json; from attnpolicy.plugins.registry import policy_registry, failed_plugins; "
     "print(json.dumps({'policies': {n: i.plugin for n, i in policy_registry().items()}, "
     "'failed': sorted(failed_plugins())}))"
 )
@@ -263,8 +263,8 @@ def run_python(code, path, load_plugins=None, args=()):
 @pytest.fixture
 def demo_distribution(tmp_path):
     (tmp_path / "demo_plugin.py").write_text(textwrap.dedent("""
-        from attnpolicy.hookspecs import hookimpl
-        from attnpolicy.modes import Decision, MaskMode
+        from attnpolicy.plugins.hookspecs import hookimpl
+        from attnpolicy.core.modes import Decision, MaskMode
 
         class Demo:
             name = "demo"
@@ -294,7 +294,7 @@ def test_entry_point_plugins_are_discovered(demo_distribution):
     result = run_python(LIST_POLICIES, demo_distribution)
     out = listed(result)
     assert out["policies"]["demo"] == "demo-plugin"
-    assert out["policies"]["dynamic"] == "attnpolicy.policies"
+    assert out["policies"]["dynamic"] == "attnpolicy.policies.builtin"
     assert "broken-plugin" in out["failed"]
     assert "'broken-plugin'" in result.stderr and "RuntimeError: broken on purpose" in result.stderr
 

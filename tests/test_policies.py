@@ -10,12 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnpolicy.cli.policies import register
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode, is_legal
 from attnpolicy.errors import PolicyError
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode, is_legal
-from attnpolicy.plugins import make_policy, policy_registry
-from attnpolicy.policies import why_not_causal
-from attnpolicy.policy import PolicyContext
+from attnpolicy.plugins.registry import make_policy, policy_registry
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.builtin import why_not_causal
 
 CTX = PolicyContext()
 LAYOUTS = {
@@ -48,7 +48,7 @@ def test_builtins_are_registered_by_the_policies_plugin():
     for name in EXPECTED:
         info = registry[name]
         assert info.name == name
-        assert info.plugin == "attnpolicy.policies"
+        assert info.plugin == "attnpolicy.policies.builtin"
         assert info.description
         assert info.cls.name == name
 
@@ -107,7 +107,7 @@ def test_bad_options_name_policy_and_options():
     with pytest.raises(PolicyError) as info:
         make_policy("dynamic", threshold=3)
     message = str(info.value)
-    assert "'dynamic'" in message and "threshold" in message and "attnpolicy.policies" in message
+    assert "'dynamic'" in message and "threshold" in message and "attnpolicy.policies.builtin" in message
     assert isinstance(info.value.__cause__, TypeError)
 
 
@@ -126,7 +126,7 @@ def test_cli_policies_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     by_name = {r["name"]: r for r in rows}
     assert set(EXPECTED) <= set(by_name)
-    assert by_name["dynamic"]["plugin"] == "attnpolicy.policies"
+    assert by_name["dynamic"]["plugin"] == "attnpolicy.policies.builtin"
     assert by_name["dynamic"]["description"] == policy_registry()["dynamic"].description
 
 
@@ -192,4 +192,4 @@ def test_cli_decide_on_illegal_raise(capsys):
     argv = ["decide", "--policy", "always-causal", "--seq-lens", "4,4", "--on-illegal", "raise"]
     assert run_cli(argv) == 1
     err = capsys.readouterr().err
-    assert "always-causal" in err and "attnpolicy.policies" in err
+    assert "always-causal" in err and "attnpolicy.policies.builtin" in err

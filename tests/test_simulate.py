@@ -11,17 +11,23 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnpolicy.batching import BatchFormer
-from attnpolicy.cache import GraphCache
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.cli import replay
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.costmodel import CostModel
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
-from attnpolicy.keys import GraphKey
-from attnpolicy.modes import MaskMode
-from attnpolicy.simulate import ROW_FIELDS, belady_cache, next_uses, simulate, simulation_config
-from attnpolicy.workload import Request, synthetic_default
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.keys import GraphKey
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.simulation import (
+    ROW_FIELDS,
+    belady_cache,
+    next_uses,
+    simulate,
+    simulation_config,
+)
+from attnpolicy.measure.workload import Request, synthetic_default
 
 MODEL = CostModel.default()
 FIXED = ("always-mask", "dynamic", "varlen")

@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attnpolicy import AttnPolicyConfig, Dispatcher
-from attnpolicy.batching import BatchFormer
-from attnpolicy.keys import TensorSpec
-from attnpolicy.plugins import policy_registry
-from attnpolicy.workload import synthetic_default
+from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.workload import synthetic_default
+from attnpolicy.plugins.registry import policy_registry
 
 WORLD = 2
 STEPS = 24
@@ -52,7 +52,7 @@ def _trace(policy: str, rank: int) -> list[str]:
 
 
 def _rank(rank: int, port: int, policies: list[str], queue) -> None:
-    logging.getLogger("attnpolicy.guard").setLevel(logging.ERROR)  # always-causal falls back a lot
+    logging.getLogger("attnpolicy.policies.guard").setLevel(logging.ERROR)  # always-causal falls back a lot
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     try:

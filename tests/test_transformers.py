@@ -12,10 +12,10 @@ import tiny_models  # noqa: E402
 
 from attnpolicy import AttnPolicyConfig  # noqa: E402
 from attnpolicy.errors import LayoutError  # noqa: E402
-from attnpolicy.hookspecs import hookimpl  # noqa: E402
 from attnpolicy.integrations import transformers as hf  # noqa: E402
 from attnpolicy.integrations.hf_layout import layout_from_mask  # noqa: E402
-from attnpolicy.plugins import get_plugin_manager  # noqa: E402
+from attnpolicy.plugins.hookspecs import hookimpl  # noqa: E402
+from attnpolicy.plugins.registry import get_plugin_manager  # noqa: E402
 
 ATOL = 1e-5
 

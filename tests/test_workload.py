@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from attnpolicy.errors import AttnPolicyError
-from attnpolicy.workload import (
+from attnpolicy.measure.workload import (
     OUTPUT_RANGE,
     PROMPT_RANGE,
     Request,

@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.bench import BenchSettings, run_bench, speedups, to_json
-from attnpolicy.cli.common import add_spec_args, int_list, print_table, progress, write_json
-from attnpolicy.kernels import IMPLS
+from attnpolicy.cli.common import (
+    add_spec_args,
+    int_list,
+    print_table,
+    progress,
+    write_json,
+)
+from attnpolicy.kernels.attention import IMPLS
+from attnpolicy.measure.timing import BenchSettings, run_bench, speedups, to_json
 
 
 def register(subparsers: Any) -> None:

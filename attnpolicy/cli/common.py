@@ -10,10 +10,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from attnpolicy.bench import DTYPES
+from attnpolicy.measure.timing import DTYPES
 
 console = Console(stderr=True)
 

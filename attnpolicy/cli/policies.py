@@ -9,12 +9,12 @@ import sys
 from typing import Any
 
 from attnpolicy.cli.common import int_list
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import LayoutError, PolicyError
-from attnpolicy.guard import Guard
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import MaskMode
-from attnpolicy.plugins import policy_registry
-from attnpolicy.policy import PolicyContext
+from attnpolicy.plugins.registry import policy_registry
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
 
 
 def register(subparsers: Any) -> None:

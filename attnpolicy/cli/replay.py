@@ -7,14 +7,22 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.batching import BatchFormer
-from attnpolicy.calibrate import CalibrationSettings, calibrate, shapes
-from attnpolicy.cli.common import add_spec_args, capacity_list, console, print_table, progress, str_list, write_json
+from attnpolicy.cli.common import (
+    add_spec_args,
+    capacity_list,
+    console,
+    print_table,
+    progress,
+    str_list,
+    write_json,
+)
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.costmodel import CostModel
-from attnpolicy.kernels import IMPLS
-from attnpolicy.simulate import simulate, simulation_config
-from attnpolicy.workload import load_trace
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.kernels.attention import IMPLS
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
+from attnpolicy.measure.simulation import simulate, simulation_config
+from attnpolicy.measure.workload import load_trace
 
 DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
 

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.bench import BenchSettings
 from attnpolicy.cli.common import capacity_list, console, int_list, progress, str_list
-from attnpolicy.report import ReportSettings, make_report
+from attnpolicy.measure.report import ReportSettings, make_report
+from attnpolicy.measure.timing import BenchSettings
 
 
 def register(subparsers: Any) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.batching import BatchFormer
 from attnpolicy.cli.common import add_spec_args, print_table, progress, write_json
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.keys import TensorSpec
-from attnpolicy.run import run_workload
-from attnpolicy.workload import load_trace
+from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.replay import run_workload
+from attnpolicy.measure.workload import load_trace
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import LayoutError
-from attnpolicy.layout import BatchLayout
 
 
 def layout_from_mask(allowed: torch.Tensor, *, causal: bool) -> BatchLayout:

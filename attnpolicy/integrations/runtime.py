@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision
 from attnpolicy.dispatcher import Dispatcher
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision
-from attnpolicy.plugins import get_plugin_manager
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import get_plugin_manager
 
 DECISIONS_LOG_ENV = "ATTNPOLICY_DECISIONS_LOG"
 

@@ -7,7 +7,7 @@ from ``position_ids`` restarts) as with ``"sdpa"`` — without a registered mask
 function transformers would pass no mask at all and drop padding and packing.
 
 :func:`attention` turns HF's ``[batch, heads, len, head_dim]`` tensors and mask
-into packed tensors and a :class:`~attnpolicy.layout.BatchLayout`
+into packed tensors and a :class:`~attnpolicy.core.layout.BatchLayout`
 (:mod:`attnpolicy.integrations.hf_layout`) and runs the dispatcher. Calls it
 cannot express exactly run transformers' ``sdpa_attention_forward`` instead and
 are counted in :func:`fallbacks`: masks that are not a block structure (sliding
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from attnpolicy.config import AttnPolicyConfig, from_env
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import LayoutError
 from attnpolicy.integrations.hf_layout import layout_from_mask, layout_without_mask
 from attnpolicy.integrations.runtime import dispatcher_for, install_decision_log
-from attnpolicy.layout import BatchLayout
 
 log = logging.getLogger(__name__)
 

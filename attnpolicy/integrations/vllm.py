@@ -25,7 +25,10 @@ def register() -> None:
     Returns quietly (with a debug log) when vLLM cannot be imported.
     """
     try:
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        from vllm.v1.attention.backends.registry import (
+            AttentionBackendEnum,
+            register_backend,
+        )
     except ImportError as exc:
         log.debug("vLLM is not importable (%s): attnpolicy's attention backend is not registered", exc)
         return

@@ -7,7 +7,7 @@ KV-cache layout and KV-cache writes (``do_kv_cache_update`` runs before
 - a batch where every sequence's keys are exactly its new tokens
   (``query_start_loc`` diffs == ``seq_lens``: prefill without cached context, or an
   encoder-only/pooling batch) runs through attnpolicy's dispatcher, whose policy
-  picks CAUSAL / MASK / VARLEN from a :class:`~attnpolicy.layout.BatchLayout`
+  picks CAUSAL / MASK / VARLEN from a :class:`~attnpolicy.core.layout.BatchLayout`
   built from ``query_start_loc``, ``seq_lens`` and ``causal``;
 - anything else (decode or chunked prefill reading the paged KV cache,
   per-request causality, cross-attention, ALiBi, sliding windows, soft-capping,
@@ -25,9 +25,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from attnpolicy.config import from_env
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.integrations.runtime import dispatcher_for
-from attnpolicy.layout import BatchLayout
 
 _SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 

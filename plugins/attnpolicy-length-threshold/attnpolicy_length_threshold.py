@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode, is_legal
-from attnpolicy.policy import PolicyContext
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode, is_legal
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.policies.base import PolicyContext
 
 
 class LengthThreshold:

@@ -14,13 +14,13 @@ exact shapes. ``graph_bytes`` adds up the ones attention needs:
   kernel that tiles internally, so no L² workspace is counted.
 
 It is an estimate of what the graph pins, not a measurement of the process; pass
-your own ``sizeof`` to :class:`~attnpolicy.cache.GraphCache` to measure instead.
+your own ``sizeof`` to :class:`~attnpolicy.cache.graph_cache.GraphCache` to measure instead.
 """
 
 from __future__ import annotations
 
-from attnpolicy.keys import GraphKey
-from attnpolicy.modes import MaskMode
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.graphs.keys import GraphKey
 
 FP32 = 4
 

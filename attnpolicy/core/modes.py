@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import IllegalModeError
-from attnpolicy.layout import BatchLayout
 
 
 class MaskMode(str, Enum):

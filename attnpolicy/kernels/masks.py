@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from attnpolicy.layout import BatchLayout
+from attnpolicy.core.layout import BatchLayout
 
 #: Dense masks kept per process (each at most rows×cols bytes as bool).
 DENSE_CACHE_SIZE = 16

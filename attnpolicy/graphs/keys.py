@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attnpolicy.modes import MaskMode
+from attnpolicy.core.modes import MaskMode
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,13 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from attnpolicy.keys import GraphKey
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.graphs.keys import GraphKey
 
 if TYPE_CHECKING:
     from attnpolicy.config import AttnPolicyConfig
-    from attnpolicy.costmodel import CostModel
+    from attnpolicy.graphs.costmodel import CostModel
 
 
 @runtime_checkable

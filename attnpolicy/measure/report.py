@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from attnpolicy.batching import BatchFormer
-from attnpolicy.bench import BenchSettings, run_bench, speedups
-from attnpolicy.calibrate import CalibrationSettings, calibrate
-from attnpolicy.costmodel import CostModel
-from attnpolicy.run import run_workload
-from attnpolicy.simulate import simulate, simulation_config
-from attnpolicy.workload import load_trace
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.calibration import CalibrationSettings, calibrate
+from attnpolicy.measure.replay import run_workload
+from attnpolicy.measure.simulation import simulate, simulation_config
+from attnpolicy.measure.timing import BenchSettings, run_bench, speedups
+from attnpolicy.measure.workload import load_trace
 
 #: tt-xla issue #1784: mask-free / masked speed on their accelerator.
 TT_XLA = {128: 1.12, 1024: 1.26, 4096: 1.50, 16384: 1.82}

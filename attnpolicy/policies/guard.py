@@ -9,13 +9,13 @@ import logging
 from collections import Counter
 from typing import Any, Literal
 
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode, why_illegal
 from attnpolicy.errors import IllegalModeError, PolicyError
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode, why_illegal
-from attnpolicy.plugins import get_plugin_manager, get_policy_info, make_policy
-from attnpolicy.policy import Policy, PolicyContext
+from attnpolicy.plugins.registry import get_plugin_manager, get_policy_info, make_policy
+from attnpolicy.policies.base import Policy, PolicyContext
 
-log = logging.getLogger("attnpolicy.guard")
+log = logging.getLogger("attnpolicy.policies.guard")
 
 OnIllegal = Literal["raise", "fallback"]
 
@@ -29,7 +29,7 @@ class Guard:
     with ``"fallback"`` the batch runs in ``fallback`` mode (MASK or VARLEN, both
     always legal), the fallback is counted in :attr:`fallbacks` and
     :attr:`fallback_reasons` (``"illegal"``, ``"exception"``, ``"bad-return"``) and
-    logged as a warning on the ``attnpolicy.guard`` logger. Each decision that runs
+    logged as a warning on the ``attnpolicy.policies.guard`` logger. Each decision that runs
     is reported to the ``attnpolicy_on_decision`` hook (``hook``: a plugin manager's
     ``pm.hook``; default: the global manager's).
     """

@@ -3,10 +3,10 @@ policies × cache capacities × evictions.
 
 Each configuration runs a real :class:`~attnpolicy.dispatcher.Dispatcher` (decision,
 guard, plan, graph cache) over the batches of a
-:class:`~attnpolicy.batching.BatchFormer`, with a builder that compiles nothing:
+:class:`~attnpolicy.measure.batching.BatchFormer`, with a builder that compiles nothing:
 a miss is charged the model's compile seconds, every call the model's run seconds
 plus the dispatch overhead, and every MASK call whose dense mask is not in the
-mask cache (mirrored: an LRU of :data:`attnpolicy.masks.DENSE_CACHE_SIZE` masks
+mask cache (mirrored: an LRU of :data:`attnpolicy.kernels.masks.DENSE_CACHE_SIZE` masks
 keyed by layout and shape) a host mask build. Hits, misses and evictions are
 therefore exactly those of a real run of the same batches and config.
 
@@ -28,17 +28,17 @@ from typing import Any
 
 import cachetools
 
-from attnpolicy.batching import BatchFormer, Step
-from attnpolicy.cache import GraphCache
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.costmodel import CostModel
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
-from attnpolicy.keys import Call, GraphKey, TensorSpec
-from attnpolicy.masks import DENSE_CACHE_SIZE
-from attnpolicy.modes import MaskMode
-from attnpolicy.plugins import eviction_registry
-from attnpolicy.workload import Request
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
+from attnpolicy.measure.batching import BatchFormer, Step
+from attnpolicy.measure.workload import Request
+from attnpolicy.plugins.registry import eviction_registry
 
 BELADY = "belady"
 #: Every row holds at least these fields (issue 5's JSON rows).

@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
-from attnpolicy.layout import BatchLayout
-from attnpolicy.workload import Request
+from attnpolicy.measure.workload import Request
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import Decision, MaskMode
-from attnpolicy.policy import PolicyContext
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.policies.base import PolicyContext
 
 _CAUSAL = Decision(MaskMode.CAUSAL, "single unpadded causal sequence")
 
 
 def why_not_causal(layout: BatchLayout) -> str | None:
     """``None`` when CAUSAL is legal for ``layout``, else a short reason such as
-    ``"3 sequences packed"`` (the same rule as :func:`attnpolicy.modes.why_illegal`,
+    ``"3 sequences packed"`` (the same rule as :func:`attnpolicy.core.modes.why_illegal`,
     without building a message per call)."""
     if layout.num_seqs != 1:
         return _packed(layout.num_seqs)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from attnpolicy.keys import Call
-from attnpolicy.layout import BatchLayout
-from attnpolicy.modes import MaskMode, check_legal
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode, check_legal
+from attnpolicy.graphs.keys import Call
 
 
 def exact(n: int) -> int:

@@ -2,7 +2,7 @@
 
 A :class:`CostModel` holds, for the tensor spec, attention implementation and
 compile backend it was calibrated with (``attnpolicy calibrate``, see
-:mod:`attnpolicy.calibrate`), one :class:`Fit` per quantity:
+:mod:`attnpolicy.measure.calibration`), one :class:`Fit` per quantity:
 
 - ``run[kind]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
   shape), input padding and output copy included, for each graph family;
@@ -32,11 +32,11 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from attnpolicy import jsonfile
+from attnpolicy.core import jsonfile
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError
-from attnpolicy.footprint import graph_bytes
-from attnpolicy.keys import GraphKey, TensorSpec
-from attnpolicy.modes import MaskMode
+from attnpolicy.graphs.footprint import graph_bytes
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
 FORMAT_VERSION = 1
 DEFAULT_RESOURCE = "default_costmodel.json"
@@ -158,7 +158,7 @@ class CostModel(BaseModel):
         return self.compile[key.kind.value](key.q_len, key.kv_len)
 
     def compile_cost(self, key: GraphKey, measured_seconds: float) -> float:
-        """A :class:`~attnpolicy.cache.GraphCache` ``compile_cost``: record the modelled
+        """A :class:`~attnpolicy.cache.graph_cache.GraphCache` ``compile_cost``: record the modelled
         compile seconds (deterministic on every rank) instead of the measured ones."""
         return self.compile_seconds(key)
 
@@ -168,7 +168,7 @@ class CostModel(BaseModel):
 
     @staticmethod
     def graph_bytes(key: GraphKey) -> int:
-        """Bytes the graph of ``key`` pins (:func:`attnpolicy.footprint.graph_bytes`)."""
+        """Bytes the graph of ``key`` pins (:func:`attnpolicy.graphs.footprint.graph_bytes`)."""
         return graph_bytes(key)
 
     # -- files -------------------------------------------------------------------------

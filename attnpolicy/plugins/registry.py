@@ -22,11 +22,11 @@ from typing import Any
 
 import pluggy
 
-from attnpolicy import hookspecs
 from attnpolicy.errors import PluginError, PolicyError
-from attnpolicy.policy import Policy
+from attnpolicy.plugins import hookspecs
+from attnpolicy.policies.base import Policy
 
-BUILTIN_PLUGINS = ("attnpolicy.policies", "attnpolicy.evictions", "attnpolicy.costaware")
+BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware")
 ENTRY_POINT_GROUP = "attnpolicy"
 LOAD_PLUGINS_ENV = "ATTNPOLICY_LOAD_PLUGINS"
 

@@ -36,16 +36,22 @@ from collections.abc import Callable
 
 import cachetools
 
-from attnpolicy.cache import GraphCache
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.costmodel import CostModel
-from attnpolicy.hookspecs import hookimpl
-from attnpolicy.keys import GraphKey
-from attnpolicy.layout import BatchLayout
-from attnpolicy.masks import DENSE_CACHE_SIZE
-from attnpolicy.modes import Decision, MaskMode, legal_modes
-from attnpolicy.policies import AlwaysMask, Dynamic, Varlen, cached_decision, why_not_causal
-from attnpolicy.policy import Policy, PolicyContext
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode, legal_modes
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.keys import GraphKey
+from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.policies.base import Policy, PolicyContext
+from attnpolicy.policies.builtin import (
+    AlwaysMask,
+    Dynamic,
+    Varlen,
+    cached_decision,
+    why_not_causal,
+)
 
 #: A rule is switched to only when it is ahead by this fraction of the followed
 #: rule's modelled seconds (plus the price of switching).

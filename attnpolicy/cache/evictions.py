@@ -1,6 +1,6 @@
 """Eviction strategies: ``cachetools.Cache`` structures used only to order victims.
 
-:class:`~attnpolicy.cache.GraphCache` builds one structure per cache with
+:class:`~attnpolicy.cache.graph_cache.GraphCache` builds one structure per cache with
 ``factory(**eviction_options)``; the structure is unbounded (``maxsize=inf``) and
 the GraphCache enforces its own bounds, asking ``popitem()`` for the victim. It
 touches a structure only through ``s[key]`` (a hit: updates recency/frequency),
@@ -28,7 +28,7 @@ from typing import Any
 
 import cachetools
 
-from attnpolicy.hookspecs import hookimpl
+from attnpolicy.plugins.hookspecs import hookimpl
 
 
 @dataclass(slots=True)

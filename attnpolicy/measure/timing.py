@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from attnpolicy.kernels import attend, graph_fn
-from attnpolicy.layout import BatchLayout
-from attnpolicy.masks import mask_for
-from attnpolicy.modes import MaskMode
-from attnpolicy.plan import plan_calls
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.graphs.execute import attend, graph_fn
+from attnpolicy.graphs.plan import plan_calls
+from attnpolicy.kernels.masks import mask_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

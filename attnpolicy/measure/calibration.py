@@ -1,9 +1,9 @@
-"""Calibrate a :class:`~attnpolicy.costmodel.CostModel` on this machine.
+"""Calibrate a :class:`~attnpolicy.graphs.costmodel.CostModel` on this machine.
 
 Every sample runs through the real machinery: a :class:`~attnpolicy.dispatcher.Dispatcher`
 decides, plans and compiles the graph of one key (``compile_graph`` with the chosen
 backend, timed by the graph cache), then its call is timed through
-:func:`attnpolicy.kernels.execute` on real tensors. Real lengths are three quarters of each bucket,
+:func:`attnpolicy.graphs.execute.execute` on real tensors. Real lengths are three quarters of each bucket,
 so the timed calls pay a typical padding.
 """
 
@@ -17,17 +17,17 @@ from functools import partial
 
 import torch
 
-from attnpolicy.bench import DTYPES, split_lengths
-from attnpolicy.cache import GraphCache
-from attnpolicy.compile import release_graph
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.costmodel import KINDS, CostModel, Fit, Kind, Sample
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatcher import Dispatcher
-from attnpolicy.footprint import graph_bytes
-from attnpolicy.kernels import execute
-from attnpolicy.keys import GraphKey, TensorSpec
-from attnpolicy.layout import BatchLayout
-from attnpolicy.masks import mask_for
+from attnpolicy.graphs.compile import release_graph
+from attnpolicy.graphs.costmodel import KINDS, CostModel, Fit, Kind, Sample
+from attnpolicy.graphs.execute import execute
+from attnpolicy.graphs.footprint import graph_bytes
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
+from attnpolicy.kernels.masks import mask_for
+from attnpolicy.measure.timing import DTYPES, split_lengths
 
 #: The policy that plans each graph family for the calibration layouts below.
 _POLICY: dict[Kind, str] = {"causal": "dynamic", "mask": "always-mask", "varlen": "varlen"}

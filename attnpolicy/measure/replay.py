@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from attnpolicy.batching import BatchFormer, Step
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatcher import Dispatcher
-from attnpolicy.kernels import attend
-from attnpolicy.keys import TensorSpec
-from attnpolicy.modes import MaskMode
-from attnpolicy.workload import Request
+from attnpolicy.graphs.execute import attend
+from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.measure.batching import BatchFormer, Step
+from attnpolicy.measure.workload import Request
 
 
 def _pool(rows: int, heads: int, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:

@@ -14,8 +14,14 @@ from typing import Any, Generic, Literal, TypeVar
 
 import cachetools
 
-from attnpolicy import plugins
-from attnpolicy.errors import AttnPolicyError, ConfigError, GraphCompileError, GraphTooLargeError, PluginError
+from attnpolicy.errors import (
+    AttnPolicyError,
+    ConfigError,
+    GraphCompileError,
+    GraphTooLargeError,
+    PluginError,
+)
+from attnpolicy.plugins import registry as plugins
 
 V = TypeVar("V")
 Oversize = Literal["raise", "uncached"]
@@ -82,7 +88,7 @@ class GraphCache(Generic[V]):
       seconds. A simulation whose builds are stubs returns a modelled cost here.
     - ``on_compile(key, seconds, nbytes)``, ``on_evict(key, nbytes)`` observe;
       ``release(key, value)`` frees an evicted or cleared graph (e.g.
-      :func:`attnpolicy.compile.release_graph`). Callbacks run in the requesting
+      :func:`attnpolicy.graphs.compile.release_graph`). Callbacks run in the requesting
       thread, outside the lock, after the cache state is updated.
 
     Thread-safe. A key missing in several threads at once is built once (single
