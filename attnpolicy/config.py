@@ -7,10 +7,8 @@ artefacts and read back at load. See ``docs/config.md``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -160,23 +158,8 @@ class AttnPolicyConfig(BaseModel):
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically:
         a temporary file in the same directory, then ``os.replace``. Creates the directory."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / CONFIG_FILENAME
-        text = self.model_dump_json(indent=2) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{CONFIG_FILENAME}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        return path
+        return jsonfile.write_text_atomic(Path(directory) / CONFIG_FILENAME,
+                                          self.model_dump_json(indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> AttnPolicyConfig:

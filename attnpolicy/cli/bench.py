@@ -10,8 +10,8 @@ from attnpolicy.cli.common import (
     int_list,
     print_table,
     progress,
-    write_json,
 )
+from attnpolicy.core.jsonfile import write_json
 from attnpolicy.kernels.attention import IMPLS
 from attnpolicy.measure.timing import BenchSettings, run_bench, speedups, to_json
 

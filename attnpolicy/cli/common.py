@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
@@ -78,9 +76,3 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     if not out.is_terminal:  # piped: do not squeeze columns into 80 characters
         out = Console(width=200)
     out.print(table)
-
-
-def write_json(path: str | Path, data: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")

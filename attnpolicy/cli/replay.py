@@ -14,9 +14,9 @@ from attnpolicy.cli.common import (
     print_table,
     progress,
     str_list,
-    write_json,
 )
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.jsonfile import write_json
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.kernels.attention import IMPLS
 from attnpolicy.measure.batching import BatchFormer

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.cli.common import add_spec_args, print_table, progress, write_json
+from attnpolicy.cli.common import add_spec_args, print_table, progress
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.jsonfile import write_json
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.replay import run_workload

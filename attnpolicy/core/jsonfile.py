@@ -1,9 +1,14 @@
-"""Reading versioned pydantic models from JSON files, with errors that name the file,
-every bad field and its value (config files and cost models share this)."""
+"""JSON files: one atomic writer for every file attnpolicy writes, and reading
+versioned pydantic models with errors that name the file, every bad field and its
+value (config files and cost models share this)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -12,6 +17,41 @@ from pydantic import BaseModel, ValidationError
 from attnpolicy.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (parents created): a temporary file in the
+    same directory, fsynced, then ``os.replace``. A failed write (full disk, a file-size
+    limit, an interrupt) leaves the previous file as it was and no temporary behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> Path:
+    """``data`` as indented JSON, written atomically (see :func:`write_text_atomic`).
+    Pydantic models and dataclasses are written through their JSON form."""
+    return write_text_atomic(path, json.dumps(data, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
 
 
 def read_text(file: Path, what: str) -> str:

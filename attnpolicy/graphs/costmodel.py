@@ -173,11 +173,8 @@ class CostModel(BaseModel):
 
     # -- files -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the model as JSON to ``path`` (parents created); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
-        return path
+        """Write the model as JSON to ``path`` atomically (parents created); returns the path."""
+        return jsonfile.write_text_atomic(path, self.model_dump_json(indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CostModel:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.calibration import CalibrationSettings, calibrate
@@ -265,6 +265,6 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     }
     data["plots"] = plot(sweep, bench_rows, s.out)
     data["seconds"] = time.perf_counter() - start
-    (s.out / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    (s.out / "report.md").write_text(markdown(data) + "\n")
+    write_json(s.out / "report.json", data)
+    write_text_atomic(s.out / "report.md", markdown(data) + "\n")
     return data
