@@ -3,15 +3,22 @@
 Validated once (RBLN-style rules between ``attn_impl``, ``partition_len`` and
 ``max_seq_len``), immutable, saved as ``attnpolicy_config.json`` next to compiled
 artefacts and read back at load. See ``docs/config.md``.
+
+The config is plain data: building one imports neither torch nor the plugin
+registry. The policy and eviction *names* (and ``policy_options``) are checked
+where they are resolved: when a :class:`~attnpolicy.dispatcher.Dispatcher` builds
+its policy and cache, or by :meth:`AttnPolicyConfig.validate_names`
+(``attnpolicy config validate``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,9 +30,18 @@ from pydantic import (
 )
 
 from attnpolicy.core import jsonfile
-from attnpolicy.errors import ConfigError, PolicyError
+from attnpolicy.core.names import (
+    Backend,
+    FallbackMode,
+    Impl,
+    OnCompileError,
+    OnIllegal,
+    OnOverflow,
+    Oversize,
+    Strict,
+)
+from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
-from attnpolicy.plugins.registry import eviction_registry, make_policy, policy_registry
 
 CONFIG_FILENAME = "attnpolicy_config.json"
 CONFIG_ENV = "ATTNPOLICY_CONFIG"
@@ -53,45 +69,35 @@ class AttnPolicyConfig(BaseModel):
     max_graphs: PositiveInt | None = None
     max_bytes: PositiveInt | None = None
     eviction: str = "lru"
-    backend: Literal["inductor", "aot_eager", "eager", "none"] = "inductor"
-    attn_impl: Literal["sdpa", "eager", "flash"] | None = None
+    backend: Backend = "inductor"
+    attn_impl: Impl | None = None
     partition_len: PositiveInt | None = None
     max_seq_len: PositiveInt = 8192
     max_batch_tokens: PositiveInt = 65536
-    on_illegal: Literal["raise", "fallback"] = "fallback"
-    fallback_mode: Literal["mask", "varlen"] = "varlen"
-    on_overflow: Literal["raise", "eager"] = "raise"
-    on_compile_error: Literal["raise", "eager"] = "raise"
-    oversize: Literal["raise", "uncached"] = "raise"
-    strict: Literal["off", "warn", "raise"] = "off"
+    on_illegal: OnIllegal = "fallback"
+    fallback_mode: FallbackMode = "varlen"
+    on_overflow: OnOverflow = "raise"
+    on_compile_error: OnCompileError = "raise"
+    oversize: Oversize = "raise"
+    strict: Strict = "off"
 
-    @field_validator("policy")
+    @field_validator("policy", "eviction")
     @classmethod
-    def _registered_policy(cls, name: str) -> str:
-        known = policy_registry()
-        if name not in known:
-            raise ValueError(f"policy {name!r} is not a registered policy; "
-                             f"known policies: {', '.join(sorted(known)) or '(none)'}")
+    def _a_name(cls, name: str) -> str:
+        if not name.strip():
+            raise ValueError(f"must be a registered name, got {name!r}")
         return name
 
     @field_validator("eviction")
     @classmethod
-    def _registered_eviction(cls, name: str) -> str:
+    def _live_eviction(cls, name: str) -> str:
         if name == "belady":
             raise ValueError("eviction 'belady' is simulation-only: it needs an oracle of future "
                              "requests (next_use), which a live runtime does not have")
-        known = set(eviction_registry()) - {"belady"}
-        if name not in known:
-            raise ValueError(f"eviction {name!r} is not a registered eviction strategy; "
-                             f"known evictions: {', '.join(sorted(known)) or '(none)'}")
         return name
 
     @model_validator(mode="after")
     def _rules(self) -> AttnPolicyConfig:
-        try:
-            make_policy(self.policy, **self.policy_options)
-        except PolicyError as exc:
-            raise ValueError(f"policy_options: {exc}") from exc
         if self.max_batch_tokens < self.max_seq_len:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= max_seq_len "
                              f"{self.max_seq_len}")
@@ -145,6 +151,22 @@ class AttnPolicyConfig(BaseModel):
                 raise ValueError(f"buckets.sizes has bucket {b.sizes[-1]} > max_batch_tokens "
                                  f"{self.max_batch_tokens}")
 
+    def validate_names(self) -> Any:
+        """Resolve ``policy`` and ``eviction`` against the plugin registry and build the
+        policy with ``policy_options``; returns the built policy. Raises
+        :class:`ConfigError` naming the field and its value (an unknown name lists the
+        known ones). Imports the registry (and so the installed plugins)."""
+        from attnpolicy.cache.graph_cache import make_eviction
+        from attnpolicy.errors import PolicyError
+        from attnpolicy.plugins.registry import make_policy
+
+        try:
+            policy = make_policy(self.policy, **self.policy_options)
+        except PolicyError as exc:
+            raise ConfigError(str(exc)) from exc
+        make_eviction(self.eviction)
+        return policy
+
     def bucket(self, n: int) -> int:
         """The compiled length of one sequence of ``n`` tokens (hot path; see
         :meth:`Buckets.bucket`); at most ``max_seq_len``."""
@@ -176,8 +198,10 @@ class AttnPolicyConfig(BaseModel):
 def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
     """The config named by the environment (``os.environ`` by default):
     ``ATTNPOLICY_CONFIG`` (a directory or file) if set, else defaults; then
-    ``ATTNPOLICY_POLICY``, if set, replaces the policy. Errors: :class:`ConfigError`
-    naming the variable."""
+    ``ATTNPOLICY_POLICY``, if set, replaces the policy and must be a registered one.
+    When it names another policy than the config's, the config's ``policy_options``
+    (meant for that policy) are dropped with one warning naming them. Errors:
+    :class:`ConfigError` naming the variable."""
     env = os.environ if environ is None else environ
     path = env.get(CONFIG_ENV)
     config = AttnPolicyConfig()
@@ -187,8 +211,19 @@ def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
         except ConfigError as exc:
             raise ConfigError(f"{CONFIG_ENV}={path}: {exc}") from None
     policy = env.get(POLICY_ENV)
-    if policy:
-        config = _validate({**config.model_dump(mode="json"), "policy": policy}, f"{POLICY_ENV}={policy}")
+    if policy and policy != config.policy:
+        from attnpolicy.errors import PolicyError
+        from attnpolicy.plugins.registry import get_policy_info
+
+        try:
+            get_policy_info(policy)
+        except PolicyError as exc:
+            raise ConfigError(f"{POLICY_ENV}={policy}: {exc}") from None
+        if config.policy_options:
+            logger.warning("%s=%s replaces policy %r: its policy_options %s are dropped",
+                           POLICY_ENV, policy, config.policy, json.dumps(config.policy_options))
+        config = _validate({**config.model_dump(mode="json"), "policy": policy, "policy_options": {}},
+                           f"{POLICY_ENV}={policy}")
     return config
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -13,13 +14,14 @@ import torch
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.execute import GraphFn, check_inputs, execute, graph_fn
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.graphs.plan import plan_calls
+from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
@@ -27,7 +29,7 @@ from attnpolicy.policies.guard import Guard
 #: Planned (call, key) tuples remembered per (layout, mode, spec).
 PLAN_CACHE_SIZE = 4096
 
-Planned = tuple[tuple[Call, GraphKey | None], ...]
+Planned = tuple[tuple[Call, GraphKey], ...]
 #: Builds the graph of a key: ``builder(call, key, spec) -> callable``. The default
 #: compiles with ``torch.compile``; the simulator substitutes a cost-model stub.
 Builder = Callable[[Call, GraphKey, TensorSpec], GraphFn]
@@ -45,6 +47,11 @@ class Dispatcher:
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile; ``builder`` replaces compilation (simulation).
+
+    The policy is built once, here: an unknown policy or eviction name, or
+    ``policy_options`` the policy rejects, raise a clear error naming the field.
+    Observer hooks are isolated (see :mod:`attnpolicy.plugins.observers`); the
+    exceptions they raised are counted in ``stats()["observer_errors"]``.
     """
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
@@ -52,23 +59,20 @@ class Dispatcher:
                  compile_counter: Callable[[Any], None] | None = None,
                  builder: Builder | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
-        hook = get_plugin_manager().hook
+        self.observers = observers = Observers(get_plugin_manager())
         self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
-                                      fallback=MaskMode(cfg.fallback_mode))
+                                      fallback=MaskMode(cfg.fallback_mode), observers=observers)
         self.cache = cache if cache is not None else GraphCache.from_config(
             cfg, sizeof=graph_bytes, compile_cost=_modelled_cost(cfg, cost_model),
-            on_compile=lambda key, s, n: hook.attnpolicy_on_compile(key=key, seconds=s, nbytes=n),
-            on_evict=lambda key, n: hook.attnpolicy_on_evict(key=key, nbytes=n),
-            release=_release)
+            on_compile=observers.on_compile, on_evict=observers.on_evict, release=_release)
+        self._cost_model = cost_model
         self._compile_counter = compile_counter
         self._builder = builder or self._compile
         self._largest = _largest_bucket(cfg, cfg.max_seq_len)
         self._largest_batch = _largest_bucket(cfg, cfg.max_batch_tokens)
-        self._spec: TensorSpec | None = None
         self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
+        self._contexts: dict[TensorSpec, PolicyContext] = {}
         self._warm = False
-        self.context = PolicyContext(config=cfg, is_cached=self.cache.__contains__,
-                                     keys_for=self._keys_for, cost_model=cost_model)
         self._modes: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
 
@@ -82,8 +86,7 @@ class Dispatcher:
     def prepare(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
         ``attend`` does except touching tensors. One call per graph invocation."""
-        self.use_spec(spec)
-        decision = self.decide(layout)
+        decision = self.decide(layout, spec)
         planned = self._planned(layout, decision.mode, spec)
         out = [(call, self._graph(call, key, spec)) for call, key in planned]
         # counted once every graph is at hand: a batch that raised is not counted
@@ -95,14 +98,23 @@ class Dispatcher:
         c["padded_tokens"] += sum(call.q_bucket for call, _ in planned) - layout.total_tokens
         return out
 
-    def decide(self, layout: BatchLayout) -> Decision:
-        """The decision that runs for ``layout`` (after the guard)."""
-        return self.guard.decide(layout, self.context)
+    def decide(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
+        """The decision that runs for ``layout`` on tensors of ``spec`` (after the guard).
+        A real decision: a stateful policy advances and ``attnpolicy_on_decision`` fires
+        (``prepare`` calls it once per batch)."""
+        return self.guard.decide(layout, self.context_for(spec))
 
-    def use_spec(self, spec: TensorSpec) -> TensorSpec:
-        """Make ``spec`` the tensor spec policies see in ``keys_for`` (set by ``prepare``)."""
-        self._spec = spec
-        return spec
+    def context_for(self, spec: TensorSpec) -> PolicyContext:
+        """The policy context of calls on tensors of ``spec`` (one kept per spec)."""
+        ctx = self._contexts.get(spec)
+        if ctx is None:
+            def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+                return tuple(key for call, key in self._planned(layout, mode, spec) if call.compiled)
+
+            ctx = self._contexts[spec] = PolicyContext(
+                config=self.config, spec=spec, is_cached=self.cache.__contains__, keys_for=keys_for,
+                cost_model=self._cost_model)
+        return ctx
 
     # -- planning ----------------------------------------------------------------------
     def _overflow(self, n: int, largest: int, field: str) -> int:
@@ -122,10 +134,13 @@ class Dispatcher:
             return self._overflow(n, self._largest_batch, "max_batch_tokens")
         return self.config.batch_bucket(n)
 
-    def _compiled(self, call: Call) -> bool:
-        """False for a call longer than its largest bucket (run uncompiled, on_overflow='eager')."""
-        limit = self._largest_batch if call.kind is MaskMode.MASK else self._largest
-        return max(call.q_bucket, call.kv_bucket) <= limit
+    def _fits(self, call: Call) -> Call:
+        """``call``, marked uncompiled when it is longer than its largest bucket (it runs
+        uncompiled, on_overflow='eager')."""
+        limit = self._largest_batch if call.family is GraphFamily.MASK else self._largest
+        if max(call.q_bucket, call.kv_bucket) <= limit:
+            return call
+        return dataclasses.replace(call, compiled=False)
 
     def _planned(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> Planned:
         plan_key = (layout, mode, spec)
@@ -133,32 +148,29 @@ class Dispatcher:
         if planned is None:
             cfg = self.config
             planned = tuple(
-                (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend)
-                 if self._compiled(call) else None)
-                for call in plan_calls(layout, mode, self._bucket, self._batch_bucket))
+                (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend))
+                for call in map(self._fits, plan_calls(layout, mode, self._bucket, self._batch_bucket)))
             self._plans[plan_key] = planned
         return planned
 
-    def _keys_for(self, layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
-        if self._spec is None:
-            return ()
-        return tuple(key for _, key in self._planned(layout, mode, self._spec) if key is not None)
+    def preview(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
+        """The decision a batch of ``layout`` on tensors of ``spec`` would get now, with
+        no side effect: no policy state advances, no hook fires, nothing is counted
+        (:meth:`Guard.preview <attnpolicy.policies.guard.Guard.preview>`)."""
+        return self.guard.preview(layout, self.context_for(spec))
 
-    def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec | None = None) -> tuple[GraphKey, ...]:
-        """The graph keys the current decision for ``layout`` would use. It asks the
-        policy like a real batch does (the guard counts and reports the decision, and a
-        stateful policy advances), so call it on every rank or on none."""
-        if spec is not None:
-            self.use_spec(spec)
-        return self._keys_for(layout, self.decide(layout).mode)
+    def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec) -> tuple[GraphKey, ...]:
+        """The graph keys a batch of ``layout`` would use now (from :meth:`preview`: no
+        side effect, so any rank may call it any number of times)."""
+        return self.context_for(spec).keys_for(layout, self.preview(layout, spec).mode)
 
     # -- graphs ------------------------------------------------------------------------
     def _uncompiled(self, call: Call, spec: TensorSpec) -> GraphFn:
         cfg = self.config
         return graph_fn(call, cfg.attn_impl, spec.scale, cfg.partition_len)
 
-    def _graph(self, call: Call, key: GraphKey | None, spec: TensorSpec) -> GraphFn:
-        if key is None:  # longer than the largest bucket, on_overflow="eager"
+    def _graph(self, call: Call, key: GraphKey, spec: TensorSpec) -> GraphFn:
+        if not call.compiled:  # longer than the largest bucket, on_overflow="eager"
             self._counts["overflow"] += 1
             return self._uncompiled(call, spec)
         if self._warm and self.config.strict != "off" and key not in self.cache:
@@ -183,14 +195,14 @@ class Dispatcher:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def warmup(self, layouts: Iterable[BatchLayout], spec: TensorSpec) -> list[GraphKey]:
-        """Compile the graphs the policy would use for ``layouts`` (no attention runs),
-        then count any later compile as a strict-mode violation. Returns the keys."""
-        self.use_spec(spec)
+        """Compile the graphs the policy would use for ``layouts`` (as :meth:`preview`
+        decides them: no attention runs, no decision is counted), then count any later
+        compile as a strict-mode violation. Returns the keys."""
         keys: dict[GraphKey, None] = {}
         for layout in layouts:
-            for call, key in self._planned(layout, self.decide(layout).mode, spec):
+            for call, key in self._planned(layout, self.preview(layout, spec).mode, spec):
                 self._graph(call, key, spec)  # with the same overflow and compile-error rules
-                if key is not None:
+                if call.compiled:
                     keys[key] = None
         self._warm = True
         return list(keys)
@@ -208,6 +220,7 @@ class Dispatcher:
             "overflow": c["overflow"],
             "compile_error_fallbacks": c["compile_error_fallbacks"],
             "strict_violations": c["strict_violations"],
+            "observer_errors": dict(self.observers.errors),
             "padding": {"real_tokens": real, "padded_tokens": padded,
                         "waste": padded / real if real else 0.0},
             "cache": self.cache.stats(),
@@ -242,8 +255,8 @@ def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:
     q = torch.zeros(call.q_bucket, spec.heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
     k, v = (torch.zeros(call.kv_bucket, spec.kv_heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
             for _ in range(2))  # distinct objects: Dynamo guards on aliasing
-    if call.kind is MaskMode.MASK:
+    if call.family is GraphFamily.MASK:
         return q, k, v, torch.ones(call.q_bucket, call.kv_bucket, dtype=torch.bool, device=dev)
-    if call.kind is MaskMode.VARLEN:
+    if call.family is GraphFamily.VARLEN:
         return q, k, v, torch.tensor([call.q_bucket, call.kv_bucket], device=dev)
     return q, k, v

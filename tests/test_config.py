@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 import os
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -15,7 +17,10 @@ from pydantic import ValidationError
 
 from attnpolicy.cli.config import register
 from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig, from_env
-from attnpolicy.errors import BucketOverflowError, ConfigError
+from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.errors import BucketOverflowError, ConfigError, PolicyError
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.compile import BACKENDS
 
@@ -107,16 +112,67 @@ def test_unknown_field_is_named():
         AttnPolicyConfig(max_graph=4)
 
 
-def test_unknown_policy_names_it_and_lists_known():
-    with pytest.raises(ValidationError, match="policy 'nope' is not a registered policy; known policies: "
-                                             "always-causal, always-mask, cost-aware, dynamic, varlen"):
-        AttnPolicyConfig(policy="nope")
+def test_building_a_config_imports_neither_torch_nor_plugins():
+    """The config is plain data: no torch, no plugin registry, no entry point."""
+    code = ("import sys; from attnpolicy import AttnPolicyConfig; AttnPolicyConfig(); "
+            "print(' '.join(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.split()
+    bad = [m for m in out if m.split(".")[0] in ("torch", "pluggy", "numpy", "attnpolicy_length_threshold")
+           or m.startswith(("attnpolicy.plugins", "attnpolicy.policies"))]
+    assert "attnpolicy.config" in out and bad == []
 
 
-def test_unknown_eviction_names_it_and_lists_known():
-    with pytest.raises(ValidationError, match="eviction 'mru' is not a registered .*known evictions: "
-                                             "cost, fifo, lfu, lru"):
-        AttnPolicyConfig(eviction="mru")
+KNOWN_POLICIES = "always-causal, always-mask, cost-aware, dynamic, varlen"
+
+
+def test_unknown_policy_is_an_error_where_it_is_resolved():
+    config = AttnPolicyConfig(policy="nope", backend="none")  # plain data: no registry yet
+    match = f"policy 'nope' is not a registered policy; known policies: {KNOWN_POLICIES}"
+    with pytest.raises(PolicyError, match=match):
+        Dispatcher(config)
+    with pytest.raises(ConfigError, match=match):
+        config.validate_names()
+
+
+def test_unknown_eviction_is_an_error_where_it_is_resolved():
+    config = AttnPolicyConfig(eviction="mru", backend="none")
+    match = "eviction 'mru'.*known evictions: belady, cost, fifo, lfu, lru"
+    with pytest.raises(ConfigError, match=match):
+        Dispatcher(config)
+    with pytest.raises(ConfigError, match=match):
+        config.validate_names()
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_empty_names_are_rejected_by_the_config(name):
+    with pytest.raises(ValidationError, match="policy\n  Value error, must be a registered name"):
+        AttnPolicyConfig(policy=name)
+
+
+def test_the_policy_is_built_once_per_dispatcher():
+    built = []
+
+    class Counted:
+        name = "counted"
+        description = "counts its builds"
+
+        def __init__(self, depth: int = 1) -> None:
+            built.append(depth)
+
+        def decide(self, layout, ctx):
+            raise AssertionError("not called")
+
+    class Plugin:
+        @hookimpl
+        def attnpolicy_register_policies(self, register):
+            register(Counted)
+
+    get_plugin_manager().register(Plugin(), name="counted-plugin")
+    config = AttnPolicyConfig(policy="counted", policy_options={"depth": 3}, backend="none")
+    assert built == []
+    Dispatcher(config)
+    assert built == [3]
 
 
 def test_belady_is_simulation_only():
@@ -125,8 +181,12 @@ def test_belady_is_simulation_only():
 
 
 def test_policy_options_are_checked_by_building_the_policy():
-    with pytest.raises(ValidationError, match=r"policy 'varlen' .*rejected options \{'depth': 2\}"):
-        AttnPolicyConfig(policy="varlen", policy_options={"depth": 2})
+    config = AttnPolicyConfig(policy="varlen", policy_options={"depth": 2}, backend="none")
+    match = r"policy 'varlen' .*rejected policy_options \{'depth': 2\}"
+    with pytest.raises(PolicyError, match=match):
+        Dispatcher(config)
+    with pytest.raises(ConfigError, match=match):
+        config.validate_names()
     with pytest.raises(ValidationError, match="policy_options.x"):
         AttnPolicyConfig(policy_options={"x": {1, 2}})
 
@@ -229,7 +289,6 @@ def valid_dict() -> dict:
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d.update(max_seq_len=0),
      r"max_seq_len: Input should be greater than or equal to 1 \(got 0\)"),
-    (lambda d: d.update(policy="nope"), r"policy: policy 'nope' is not a registered policy; known policies: "),
     (lambda d: d.update(eviction="belady"), r"eviction: eviction 'belady' is simulation-only"),
     (lambda d: d.update(colour="red"), r"colour: Extra inputs are not permitted \(got 'red'\)"),
     (lambda d: d.update(version=2), r"unsupported config version 2 \(this attnpolicy reads version 1\)"),
@@ -309,6 +368,23 @@ def test_from_env_reads_os_environ(tmp_path, monkeypatch):
     assert from_env().policy == "varlen"
 
 
+def test_env_policy_drops_the_options_of_another_policy(tmp_path, caplog):
+    AttnPolicyConfig(policy="cost-aware", policy_options={"x": 1}, max_graphs=3).save(tmp_path)
+    env = {"ATTNPOLICY_CONFIG": str(tmp_path), "ATTNPOLICY_POLICY": "varlen"}
+    with caplog.at_level(logging.WARNING, logger="attnpolicy.config"):
+        config = from_env(env)
+    assert (config.policy, config.policy_options, config.max_graphs) == ("varlen", {}, 3)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ATTNPOLICY_POLICY=varlen replaces policy 'cost-aware': its policy_options {\"x\": 1} are dropped"]
+    Dispatcher(config.model_copy(update={"backend": "none"}))  # the options would break varlen
+
+
+def test_env_policy_equal_to_the_config_keeps_its_options(tmp_path, caplog):
+    AttnPolicyConfig(policy="cost-aware", policy_options={"x": 1}).save(tmp_path)
+    config = from_env({"ATTNPOLICY_CONFIG": str(tmp_path), "ATTNPOLICY_POLICY": "cost-aware"})
+    assert config.policy_options == {"x": 1} and caplog.records == []
+
+
 def test_from_env_errors_name_the_variable(tmp_path):
     with pytest.raises(ConfigError, match=f"ATTNPOLICY_CONFIG={tmp_path}: config file .* not found"):
         from_env({"ATTNPOLICY_CONFIG": str(tmp_path)})
@@ -357,8 +433,8 @@ def test_cli_invalid_file(tmp_path, capsys, command):
     assert run_cli(["config", command, str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "policy: policy 'nope' is not a registered policy" in captured.err
-    assert str(tmp_path / CONFIG_FILENAME) in captured.err
+    assert "policy 'nope' is not a registered policy" in captured.err
+    assert str(tmp_path) in captured.err
 
 
 def test_cli_validate_needs_a_path():

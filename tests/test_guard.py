@@ -10,6 +10,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, is_legal
 from attnpolicy.errors import IllegalModeError, PolicyError
 from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager, make_policy, policy_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
@@ -57,7 +58,7 @@ def recorder():
 
 
 def guard(policy, name="test-policy", **kwargs):
-    return Guard(policy, name, "test-plugin", hook=get_plugin_manager().hook, **kwargs)
+    return Guard(policy, name, "test-plugin", observers=Observers(get_plugin_manager()), **kwargs)
 
 
 BAD = {  # category -> (make policy, layout, type of the cause, words the message must contain)
@@ -155,8 +156,43 @@ def test_for_policy_builds_from_the_registry(recorder):
         g.decide(PACKED, CTX)
     with pytest.raises(PolicyError, match="known policies"):
         Guard.for_policy("nope")
-    with pytest.raises(PolicyError, match="rejected options"):
+    with pytest.raises(PolicyError, match="rejected policy_options"):
         Guard.for_policy("dynamic", {"bogus": 1})
+
+
+@pytest.mark.parametrize("category", sorted(BAD))
+def test_preview_has_no_side_effect(recorder, caplog, category):
+    make, layout, _, words = BAD[category]
+    g = guard(make())
+    with caplog.at_level(logging.DEBUG, logger="attnpolicy.policies.guard"):
+        previewed = g.preview(layout, CTX)
+    assert (g.fallbacks, dict(g.fallback_reasons), recorder.calls, caplog.records) == (0, {}, [], [])
+    assert previewed == g.decide(layout, CTX)  # the same answer decide gives
+    assert g.fallbacks == 1 and len(recorder.calls) == 1
+
+
+def test_preview_uses_the_policy_preview_when_it_has_one(recorder):
+    class Stateful:
+        def __init__(self):
+            self.n = 0
+
+        def decide(self, layout, ctx):
+            self.n += 1
+            return Decision(MaskMode.MASK, f"call {self.n}")
+
+        def preview(self, layout, ctx):
+            return Decision(MaskMode.MASK, f"call {self.n + 1}")
+
+    policy = Stateful()
+    g = guard(policy)
+    assert [g.preview(SINGLE, CTX).reason for _ in range(3)] == ["call 1"] * 3
+    assert policy.n == 0 and recorder.calls == []
+    assert g.decide(SINGLE, CTX).reason == "call 1" and policy.n == 1
+
+
+def test_preview_raises_like_decide_with_on_illegal_raise():
+    with pytest.raises(PolicyError, match="chose causal"):
+        guard(make_policy("always-causal"), on_illegal="raise").preview(PACKED, CTX)
 
 
 def test_fallback_must_be_always_legal():

@@ -10,6 +10,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.plugins import hookspecs
 from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import (
     eviction_registry,
     get_plugin_manager,
@@ -84,7 +85,8 @@ def exercise_register_evictions():
 
 def exercise_on_decision():
     pm, (a, b) = observers()
-    guard = Guard(make_policy("always-causal"), "always-causal", "attnpolicy.policies.builtin", hook=pm.hook)
+    guard = Guard(make_policy("always-causal"), "always-causal", "attnpolicy.policies.builtin",
+                  observers=Observers(pm))
     single, packed = BatchLayout.from_lens([8]), BatchLayout.from_lens([4, 4])
     d1 = guard.decide(single, PolicyContext())
     d2 = guard.decide(packed, PolicyContext())

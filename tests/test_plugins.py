@@ -16,6 +16,7 @@ import cachetools
 import pytest
 
 import attnpolicy.plugins.registry as plugins
+from attnpolicy import AttnPolicyConfig, Dispatcher
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.errors import PluginError, PolicyError
@@ -95,15 +96,34 @@ def test_registry_is_cached_and_copies_are_safe_to_mutate():
     assert len(calls) == 1
 
 
-# -- (b) clashes and broken register hooks ---------------------------------------------
+# -- (b) clashes and broken register hooks: the bad plugin is rejected alone ------------
 
 
-def test_duplicate_policy_name_names_both_plugins():
-    get_plugin_manager().register(Registers(policy_class("dynamic")), name="copycat")
-    with pytest.raises(PluginError) as info:
-        policy_registry()
-    message = str(info.value)
-    assert "'dynamic'" in message and "'attnpolicy.policies.builtin'" in message and "'copycat'" in message
+def assert_rejected(plugin, words, caplog):
+    """``plugin`` is listed as failed (with ``words``), unregistered, warned about once
+    in one line; built-ins, the config and a dispatcher stay usable."""
+    failed = failed_plugins()
+    assert plugin in failed, failed
+    for word in words:
+        assert word in failed[plugin]
+    assert not get_plugin_manager().has_plugin(plugin)
+    warned = [r.getMessage() for r in caplog.records if r.name == "attnpolicy.plugins"]
+    assert len([m for m in warned if repr(plugin) in m]) == 1 and all("\n" not in m for m in warned)
+    assert policy_registry()["dynamic"].plugin == "attnpolicy.policies.builtin"
+    assert {"lru", "cost"} <= set(eviction_registry())
+    Dispatcher(AttnPolicyConfig(policy="varlen", backend="none"))
+
+
+def test_plugin_reusing_a_builtin_name_is_rejected_alone(caplog):
+    pm = get_plugin_manager()
+    pm.register(Registers(policy_class("dynamic"), policy_class("copycat-own")), name="copycat")
+    pm.register(Registers(policy_class("fine")), name="fine-plugin")
+    assert_rejected("copycat", ["'dynamic'", "'attnpolicy.policies.builtin'", "'copycat'"], caplog)
+    registry = policy_registry()
+    assert registry["fine"].plugin == "fine-plugin"
+    assert "copycat-own" not in registry  # nothing of a rejected plugin is half-applied
+    with pytest.raises(PolicyError, match="'copycat-own' is not a registered policy.*rejected plugins: copycat"):
+        make_policy("copycat-own")
 
 
 @pytest.mark.parametrize(
@@ -111,32 +131,26 @@ def test_duplicate_policy_name_names_both_plugins():
     [
         (42, ["42", "not a class"]),
         (type("NoName", (), {"description": "d", "decide": lambda self, layout, ctx: None}), ["'name'"]),
-        (type("NoDescr", (), {"name": "x", "decide": lambda self, layout, ctx: None}), ["'description'"]),
+        (type("NoDescr", (), {"name": "x", "description": "d"}), ["NoDescr", "decide()"]),
         (type("NoDecide", (), {"name": "x", "description": "d"}), ["NoDecide", "decide()"]),
     ],
 )
-def test_bad_policy_class_names_the_plugin(item, words):
+def test_bad_policy_class_rejects_the_plugin(item, words, caplog):
     get_plugin_manager().register(Registers(item), name="sloppy")
-    with pytest.raises(PluginError) as info:
-        policy_registry()
-    assert "'sloppy'" in str(info.value)
-    for word in words:
-        assert word in str(info.value)
+    assert_rejected("sloppy", ["'sloppy'", *words], caplog)
 
 
-def test_register_hook_that_raises_names_the_plugin():
+def test_register_hook_that_raises_rejects_the_plugin(caplog):
     class Exploding:
         @hookimpl
         def attnpolicy_register_policies(self, register):
             raise RuntimeError("kaput")
 
     get_plugin_manager().register(Exploding(), name="exploding")
-    with pytest.raises(PluginError, match=r"'exploding'.*RuntimeError: kaput") as info:
-        policy_registry()
-    assert isinstance(info.value.__cause__, RuntimeError)
+    assert_rejected("exploding", ["'exploding'", "RuntimeError: kaput"], caplog)
 
 
-def test_duplicate_eviction_name_names_both_plugins():
+def test_duplicate_eviction_rejects_the_second_plugin(caplog):
     class Fifo:
         def __init__(self, name):
             self.name = name
@@ -148,20 +162,56 @@ def test_duplicate_eviction_name_names_both_plugins():
     pm = get_plugin_manager()
     pm.register(Fifo("fifo-x"), name="one")
     pm.register(Fifo("fifo-x"), name="two")
-    with pytest.raises(PluginError) as info:
-        eviction_registry()
-    assert all(w in str(info.value) for w in ("'fifo-x'", "'one'", "'two'"))
+    assert_rejected("two", ["'fifo-x'", "'one'", "'two'"], caplog)
+    assert eviction_registry()["fifo-x"].plugin == "one"
 
 
-def test_bad_eviction_factory_names_the_plugin():
+def test_bad_eviction_factory_rejects_the_plugin(caplog):
     class Bad:
         @hookimpl
         def attnpolicy_register_evictions(self, register):
             register("bad", "not callable")
 
     get_plugin_manager().register(Bad(), name="bad-evictions")
-    with pytest.raises(PluginError, match="'bad-evictions'.*'bad'"):
-        eviction_registry()
+    assert_rejected("bad-evictions", ["'bad-evictions'", "'bad'"], caplog)
+    assert "bad" not in eviction_registry()
+
+
+def test_builtin_plugin_that_fails_to_import_is_an_error(monkeypatch):
+    monkeypatch.setattr(plugins, "BUILTIN_PLUGINS", (*plugins.BUILTIN_PLUGINS, "attnpolicy.no_such_module"))
+    reset_plugin_manager()
+    with pytest.raises(PluginError, match="built-in plugin 'attnpolicy.no_such_module' failed to load: "
+                                          "ModuleNotFoundError"):
+        policy_registry()
+
+
+def test_register_hooks_go_through_pm_hook():
+    """pluggy's argument pruning, monitoring and wrappers apply to the register hooks."""
+    class NoArgs:  # implements the hook with a subset of its arguments, as pluggy allows
+        @hookimpl
+        def attnpolicy_register_policies(self):
+            return None
+
+    seen = []
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def attnpolicy_register_policies(self, register):
+            seen.append("wrapped")
+            return (yield)
+
+    pm = get_plugin_manager()
+    pm.register(NoArgs(), name="no-args")
+    pm.register(Wrapper(), name="wrapper")
+    called = []
+    undo = pm.add_hookcall_monitoring(lambda name, impls, kwargs: called.append(name), lambda *a: None)
+    try:
+        registry = policy_registry()
+    finally:
+        undo()
+    assert "dynamic" in registry and "no-args" not in failed_plugins()
+    # one call per implementing plugin: the two built-ins and no-args
+    assert called.count("attnpolicy_register_policies") == len(seen) == 3
 
 
 # -- entry points, in process (fake entry points) --------------------------------------
@@ -200,10 +250,11 @@ def fake_entry_points(monkeypatch, tmp_path):
         monkeypatch.delitem(sys.modules, module, raising=False)
 
 
-def test_failing_entry_points_warn_are_recorded_and_the_rest_loads(fake_entry_points):
-    with pytest.warns(UserWarning) as record:
+def test_failing_entry_points_warn_are_recorded_and_the_rest_loads(fake_entry_points, caplog):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a one-line log warning, not a UserWarning
         pm = get_plugin_manager()
-    messages = "\n".join(str(w.message) for w in record)
+    messages = "\n".join(r.getMessage() for r in caplog.records if r.name == "attnpolicy.plugins")
     assert "'broken'" in messages and "ImportError: missing dependency xyz" in messages
     assert "'badhook'" in messages and "unknown_argument" in messages
     failed = failed_plugins()
@@ -229,11 +280,14 @@ def test_load_plugins_env_restricts_entry_points(fake_entry_points, monkeypatch,
     assert "ep_broken" not in sys.modules  # skipped plugins are not even imported
 
 
-def test_load_plugins_env_warns_about_unknown_names(fake_entry_points, monkeypatch):
+def test_load_plugins_env_warns_about_unknown_names(fake_entry_points, monkeypatch, caplog):
     monkeypatch.setenv("ATTNPOLICY_LOAD_PLUGINS", "good,nope")
     reset_plugin_manager()
-    with pytest.warns(UserWarning, match="ATTNPOLICY_LOAD_PLUGINS names 'nope'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a one-line log warning, not a UserWarning
         get_plugin_manager()
+    assert [r.getMessage() for r in caplog.records] == [
+        "ATTNPOLICY_LOAD_PLUGINS names 'nope' but no 'attnpolicy' entry point has that name"]
     assert policy_registry()["ep-good"].plugin == "good"
 
 

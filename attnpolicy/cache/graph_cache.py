@@ -10,10 +10,11 @@ from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from time import perf_counter
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import cachetools
 
+from attnpolicy.core.names import OVERSIZE, Oversize
 from attnpolicy.errors import (
     AttnPolicyError,
     ConfigError,
@@ -24,7 +25,6 @@ from attnpolicy.errors import (
 from attnpolicy.plugins import registry as plugins
 
 V = TypeVar("V")
-Oversize = Literal["raise", "uncached"]
 
 
 @dataclass(slots=True)
@@ -113,7 +113,7 @@ class GraphCache(Generic[V]):
     ) -> None:
         _check_bound("max_graphs", max_graphs)
         _check_bound("max_bytes", max_bytes)
-        if oversize not in ("raise", "uncached"):
+        if oversize not in OVERSIZE:
             raise ConfigError(f"oversize must be 'raise' or 'uncached', got {oversize!r}")
         for field, fn in (("sizeof", sizeof), ("on_compile", on_compile),
                           ("on_evict", on_evict), ("release", release), ("compile_cost", compile_cost)):

@@ -12,7 +12,7 @@ from attnpolicy.cli.common import (
     progress,
 )
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.kernels.attention import IMPLS
+from attnpolicy.core.names import IMPLS
 from attnpolicy.measure.timing import BenchSettings, run_bench, speedups, to_json
 
 

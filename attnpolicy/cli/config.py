@@ -30,7 +30,14 @@ def register(subparsers: Any) -> None:
 
 
 def _load(path: str | None) -> AttnPolicyConfig:
-    return AttnPolicyConfig() if path is None else AttnPolicyConfig.load(path)
+    """The config at ``path`` (defaults without), its policy and eviction names resolved
+    against the installed plugins and its policy_options checked by building the policy."""
+    config = AttnPolicyConfig() if path is None else AttnPolicyConfig.load(path)
+    try:
+        config.validate_names()
+    except ConfigError as exc:
+        raise ConfigError(f"{path or 'defaults'}: {exc}") from None
+    return config
 
 
 def _error(exc: ConfigError) -> int:
@@ -58,7 +65,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     try:
-        AttnPolicyConfig.load(args.path)
+        _load(args.path)
     except ConfigError as exc:
         return _error(exc)
     print(f"valid: {args.path}")

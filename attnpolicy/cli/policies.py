@@ -11,6 +11,7 @@ from typing import Any
 from attnpolicy.cli.common import int_list
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.names import FALLBACK_MODES, ON_ILLEGAL
 from attnpolicy.errors import LayoutError, PolicyError
 from attnpolicy.plugins.registry import policy_registry
 from attnpolicy.policies.base import PolicyContext
@@ -32,9 +33,9 @@ def register(subparsers: Any) -> None:
     d.add_argument("--bidirectional", action="store_true", help="non-causal attention")
     d.add_argument("--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                    help="policy option (repeatable); VALUE is parsed as JSON when it can be")
-    d.add_argument("--on-illegal", choices=("raise", "fallback"), default="fallback",
+    d.add_argument("--on-illegal", choices=ON_ILLEGAL, default="fallback",
                    help="what the guard does with a bad decision (default: fallback)")
-    d.add_argument("--fallback", choices=("mask", "varlen"), default="varlen",
+    d.add_argument("--fallback", choices=FALLBACK_MODES, default="varlen",
                    help="the guard's safe mode (default: varlen)")
     d.add_argument("--json", action="store_true", help="print JSON")
     d.set_defaults(func=cmd_decide)

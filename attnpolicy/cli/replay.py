@@ -17,8 +17,8 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
+from attnpolicy.core.names import BACKENDS, IMPLS
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.kernels.attention import IMPLS
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
 from attnpolicy.measure.simulation import simulate, simulation_config
@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
     c = subparsers.add_parser("calibrate", help="measure run, compile and mask-build costs; write a cost model")
     c.add_argument("--out", default=DEFAULT_COSTMODEL_PATH, metavar="PATH",
                    help="cost model JSON to write (default: %(default)s)")
-    c.add_argument("--backend", choices=("aot_eager", "inductor", "eager"), default=d.backend,
+    c.add_argument("--backend", choices=[b for b in BACKENDS if b != "none"], default=d.backend,
                    help="compile backend (default: %(default)s)")
     add_spec_args(c)
     c.add_argument("--impl", choices=IMPLS, default=d.impl)

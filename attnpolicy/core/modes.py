@@ -1,9 +1,11 @@
-"""Mask modes, decisions, and which mode is legal for which layout."""
+"""Mask modes (a policy's decision), graph families (what a compiled graph
+computes), and the one rule of which mode is legal for which layout."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import IllegalModeError
@@ -41,20 +43,55 @@ class Decision:
             object.__setattr__(self, "mode", MaskMode(self.mode))
 
 
+class GraphFamily(str, Enum):
+    """What one compiled graph computes (a :class:`MaskMode` plans calls of these).
+
+    - ``CAUSAL``: mask-free, ``is_causal``, query rows == key rows (CAUSAL plans it,
+      and VARLEN for each causal sequence without cached context);
+    - ``MASK``: a dense mask is an input (MASK plans it);
+    - ``VARLEN``: one sequence whose bounds arrive as a tensor (VARLEN plans it for
+      sequences with cached context, and bidirectional ones).
+    """
+
+    CAUSAL = "causal"
+    MASK = "mask"
+    VARLEN = "varlen"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def why_not_causal(layout: BatchLayout) -> str | None:
+    """The legality rule: ``None`` when CAUSAL computes the right answer for
+    ``layout`` (one unpadded causal sequence without cached context), else a short
+    reason such as ``"3 sequences packed"``. Allocates nothing per call (reasons are
+    shared strings), so policies may call it on every batch."""
+    if layout.num_seqs != 1:
+        return _packed(layout.num_seqs)
+    if not layout.causal:
+        return "bidirectional"
+    if layout.is_padded:
+        return "padded"
+    if layout.has_context:
+        return "cached context"
+    return None
+
+
+@lru_cache(maxsize=1024)
+def _packed(num_seqs: int) -> str:
+    return f"{num_seqs} sequences packed"
+
+
 def why_illegal(mode: MaskMode, layout: BatchLayout) -> str | None:
-    """``None`` if ``mode`` computes the right answer for ``layout``, else why not."""
+    """``None`` if ``mode`` computes the right answer for ``layout``, else why not
+    (MASK and VARLEN are always legal; CAUSAL follows :func:`why_not_causal`)."""
     if mode is not MaskMode.CAUSAL:
         return None
-    if layout.num_seqs != 1:
-        return f"CAUSAL needs one sequence, the layout packs {layout.num_seqs}"
-    if not layout.causal:
-        return "CAUSAL needs a causal layout, the layout is bidirectional"
-    if layout.is_padded:
-        return f"CAUSAL needs an unpadded tensor, the layout is {layout.describe()}"
-    if layout.has_context:
-        return (f"CAUSAL needs kv length == query length, got kv={layout.kv_lens[0]} "
-                f"q={layout.q_lens[0]} (cached context)")
-    return None
+    why = why_not_causal(layout)
+    if why is None:
+        return None
+    return (f"CAUSAL needs one sequence, unpadded, causal, without cached context; "
+            f"this layout: {why} ({layout.describe()})")
 
 
 def is_legal(mode: MaskMode, layout: BatchLayout) -> bool:

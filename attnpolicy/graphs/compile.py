@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
+from attnpolicy.core.names import BACKENDS
 from attnpolicy.errors import ConfigError
-
-BACKENDS = ("inductor", "aot_eager", "eager", "none")
 
 
 class CompiledGraph:

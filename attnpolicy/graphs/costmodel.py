@@ -4,9 +4,10 @@ A :class:`CostModel` holds, for the tensor spec, attention implementation and
 compile backend it was calibrated with (``attnpolicy calibrate``, see
 :mod:`attnpolicy.measure.calibration`), one :class:`Fit` per quantity:
 
-- ``run[kind]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
-  shape), input padding and output copy included, for each graph family;
-- ``compile[kind]``: seconds to build one graph of a key (backend compile plus its
+- ``run[family]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
+  shape), input padding and output copy included, for each :class:`GraphFamily`
+  (JSON keys ``causal``, ``mask``, ``varlen``);
+- ``compile[family]``: seconds to build one graph of a key (backend compile plus its
   first call on example inputs);
 - ``mask_build``: seconds to build a dense ``rows × cols`` mask on the host;
 - ``call_overhead_seconds``: the dispatcher's own cost per call (decision, plan,
@@ -33,7 +34,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from attnpolicy.core import jsonfile
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.names import Backend, DType, Impl
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -41,8 +43,6 @@ from attnpolicy.graphs.keys import GraphKey, TensorSpec
 FORMAT_VERSION = 1
 DEFAULT_RESOURCE = "default_costmodel.json"
 
-Kind = Literal["causal", "mask", "varlen"]
-KINDS: tuple[Kind, ...] = ("causal", "mask", "varlen")
 NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Positive = Annotated[int, Field(strict=True, ge=1)]
 
@@ -96,7 +96,7 @@ class Sample(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     what: Literal["run", "compile", "mask_build"]
-    kind: Kind | None = None
+    kind: GraphFamily | None = None
     rows: Positive
     cols: Positive
     seconds: NonNegative
@@ -112,27 +112,27 @@ class CostModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: Literal[1] = FORMAT_VERSION
-    dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
+    dtype: DType = "float32"
     heads: Positive = 8
     kv_heads: Positive = 8
     head_dim: Positive = 64
-    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
+    impl: Impl = "sdpa"
     partition_len: Positive | None = None
-    backend: Literal["inductor", "aot_eager", "eager", "none"] = "aot_eager"
+    backend: Backend = "aot_eager"
     threads: Positive = 1
     torch_version: str = ""
-    run: dict[Kind, Fit]
-    compile: dict[Kind, Fit]
+    run: dict[GraphFamily, Fit]
+    compile: dict[GraphFamily, Fit]
     mask_build: Fit
     call_overhead_seconds: NonNegative = 0.0
     samples: tuple[Sample, ...] = ()
 
     @model_validator(mode="after")
-    def _every_kind(self) -> CostModel:
+    def _every_family(self) -> CostModel:
         for field in ("run", "compile"):
-            missing = [k for k in KINDS if k not in getattr(self, field)]
+            missing = [f.value for f in GraphFamily if f not in getattr(self, field)]
             if missing:
-                raise ValueError(f"{field} needs a fit for every kind; missing: {', '.join(missing)}")
+                raise ValueError(f"{field} needs a fit for every graph family; missing: {', '.join(missing)}")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
         return self
@@ -143,19 +143,19 @@ class CostModel(BaseModel):
         return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
 
     # -- predictions -------------------------------------------------------------------
-    def call_seconds(self, kind: MaskMode | str, q_len: int, kv_len: int) -> float:
-        """Seconds of one call of graph family ``kind`` on a padded ``q_len × kv_len`` shape."""
-        return self.run[MaskMode(kind).value](q_len, kv_len)
+    def call_seconds(self, family: GraphFamily, q_len: int, kv_len: int) -> float:
+        """Seconds of one call of graph ``family`` on a padded ``q_len × kv_len`` shape."""
+        return self.run[family](q_len, kv_len)
 
     def run_seconds(self, key: GraphKey) -> float:
         """Seconds of one call of the graph of ``key``."""
-        return self.run[key.kind.value](key.q_len, key.kv_len)
+        return self.run[key.family](key.q_len, key.kv_len)
 
     def compile_seconds(self, key: GraphKey) -> float:
         """Seconds to build the graph of ``key`` (0 for backend ``"none"``: nothing compiles)."""
         if key.backend == "none":
             return 0.0
-        return self.compile[key.kind.value](key.q_len, key.kv_len)
+        return self.compile[key.family](key.q_len, key.kv_len)
 
     def compile_cost(self, key: GraphKey, measured_seconds: float) -> float:
         """A :class:`~attnpolicy.cache.graph_cache.GraphCache` ``compile_cost``: record the modelled

@@ -10,11 +10,12 @@ from functools import lru_cache
 import torch
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.keys import Call
 from attnpolicy.graphs.plan import plan_calls
-from attnpolicy.kernels.attention import IMPLS, attention
+from attnpolicy.kernels.attention import attention
 from attnpolicy.kernels.masks import bounded_mask, mask_for, real_rows
 
 GraphFn = Callable[..., torch.Tensor]
@@ -29,11 +30,11 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     Each family's functions are closures over one code object; ``compile.py`` gives
     every compiled graph a fresh code object of its own.
     """
-    if call.kind is MaskMode.CAUSAL:
+    if call.family is GraphFamily.CAUSAL:
         def causal_graph(q, k, v):
             return attention(q, k, v, impl=impl, causal=True, scale=scale, partition_len=partition_len)
         return causal_graph
-    if call.kind is MaskMode.MASK:
+    if call.family is GraphFamily.MASK:
         def mask_graph(q, k, v, mask):
             return attention(q, k, v, impl=impl, mask=mask, scale=scale, partition_len=partition_len)
         return mask_graph
@@ -58,15 +59,15 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
             x = torch.cat([x, x.new_zeros(bucket - n, *x.shape[1:])])
         return x.transpose(0, 1)
 
-    if call.kind is MaskMode.MASK and layout.kv_tokens != layout.total_kv_tokens:
+    if call.family is GraphFamily.MASK and layout.kv_tokens != layout.total_kv_tokens:
         real = real_rows(layout.kv_starts, layout.kv_lens, layout.kv_tokens, str(k.device))[:, None, None]
         k, v = k.where(real, 0), v.where(real, 0)
     ins = (rows(q, call.q_start, call.q_len, call.q_bucket),
            rows(k, call.kv_start, call.kv_len, call.kv_bucket),
            rows(v, call.kv_start, call.kv_len, call.kv_bucket))
-    if call.kind is MaskMode.MASK:
+    if call.family is GraphFamily.MASK:
         return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, str(q.device)))
-    if call.kind is MaskMode.VARLEN:
+    if call.family is GraphFamily.VARLEN:
         return (*ins, _lens(call.q_len, call.kv_len, str(q.device)))
     return ins
 
@@ -84,9 +85,9 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     every graph sees the strides it was compiled for."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     call, fn = graphs[0]
-    if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind is not MaskMode.VARLEN:
+    if len(graphs) == 1 and call.q_len == layout.q_tokens and call.family is not GraphFamily.VARLEN:
         out = fn(*graph_inputs(q, k, v, layout, call))[:, :call.q_len].transpose(0, 1)
-        if call.kind is MaskMode.MASK and layout.is_padded:
+        if call.family is GraphFamily.MASK and layout.is_padded:
             real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device))
             out = out.masked_fill(~real[:, None, None], 0)
         return out

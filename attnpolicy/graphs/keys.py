@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """The tensor properties a compiled graph is specialised on."""
 
-    dtype: str  # e.g. "float32", "bfloat16"
+    dtype: str  # one of attnpolicy.core.names.DTYPES
     heads: int
     kv_heads: int
     head_dim: int
@@ -21,7 +23,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
+        return _ITEMSIZE[self.dtype]
 
     @classmethod
     def of(cls, q: Any, k: Any, scale: float | None = None) -> TensorSpec:
@@ -34,13 +36,14 @@ class TensorSpec:
 class Call:
     """One graph invocation planned from a layout.
 
-    ``kind`` is the graph family: ``CAUSAL`` (mask-free, is_causal, q rows == kv rows),
-    ``MASK`` (dense mask input), ``VARLEN`` (one sequence, bounds passed as a tensor).
-    Rows ``[q_start, q_start + q_len)`` of q and ``[kv_start, kv_start + kv_len)`` of
-    k/v are padded up to ``q_bucket`` / ``kv_bucket`` rows.
+    ``family`` is the :class:`GraphFamily` of its graph. Rows ``[q_start, q_start +
+    q_len)`` of q and ``[kv_start, kv_start + kv_len)`` of k/v are padded up to
+    ``q_bucket`` / ``kv_bucket`` rows. ``compiled`` is false for a call longer than
+    the largest bucket that runs uncompiled (``on_overflow="eager"``): it has no graph
+    in the cache.
     """
 
-    kind: MaskMode
+    family: GraphFamily
     q_start: int
     q_len: int
     kv_start: int
@@ -48,13 +51,14 @@ class Call:
     q_bucket: int
     kv_bucket: int
     causal: bool
+    compiled: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class GraphKey:
     """Cache key of one compiled graph: equal keys can share one graph."""
 
-    kind: MaskMode
+    family: GraphFamily
     q_len: int
     kv_len: int
     causal: bool
@@ -67,8 +71,8 @@ class GraphKey:
     def for_call(cls, call: Call, spec: TensorSpec, impl: str,
                  partition_len: int | None, backend: str) -> GraphKey:
         # a MASK graph takes causality from its mask: causal and bidirectional share it
-        causal = call.causal and call.kind is not MaskMode.MASK
-        return cls(call.kind, call.q_bucket, call.kv_bucket, causal, spec, impl,
+        causal = call.causal and call.family is not GraphFamily.MASK
+        return cls(call.family, call.q_bucket, call.kv_bucket, causal, spec, impl,
                    partition_len if impl == "flash" else None, backend)
 
     def __str__(self) -> str:
@@ -77,6 +81,6 @@ class GraphKey:
         part = f"/p{self.partition_len}" if self.partition_len else ""
         part += "" if s.scale is None else f"/s{s.scale:g}"
         part += "" if s.device == "cpu" else f"/{s.device}"
-        kind = self.kind.value + ("-bidir" if not self.causal and self.kind is not MaskMode.MASK else "")
+        kind = self.family.value + ("-bidir" if not self.causal and self.family is not GraphFamily.MASK else "")
         return (f"{kind}/{shape}/{s.dtype}/h{s.heads}kv{s.kv_heads}d{s.head_dim}"
                 f"/{self.impl}{part}/{self.backend}")

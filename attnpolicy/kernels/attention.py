@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-IMPLS = ("sdpa", "eager", "flash")
+from attnpolicy.core.names import IMPLS
 
 
 def _causal_allowed(lq: int, lk: int, device: torch.device) -> torch.Tensor:

@@ -20,9 +20,10 @@ import torch
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.graphs.compile import release_graph
-from attnpolicy.graphs.costmodel import KINDS, CostModel, Fit, Kind, Sample
+from attnpolicy.graphs.costmodel import CostModel, Fit, Sample
 from attnpolicy.graphs.execute import execute
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -30,7 +31,8 @@ from attnpolicy.kernels.masks import mask_for
 from attnpolicy.measure.timing import DTYPES, split_lengths
 
 #: The policy that plans each graph family for the calibration layouts below.
-_POLICY: dict[Kind, str] = {"causal": "dynamic", "mask": "always-mask", "varlen": "varlen"}
+_POLICY: dict[GraphFamily, str] = {GraphFamily.CAUSAL: "dynamic", GraphFamily.MASK: "always-mask",
+                                   GraphFamily.VARLEN: "varlen"}
 #: Hit-path dispatches averaged for the call overhead.
 OVERHEAD_CALLS = 2000
 MIN_REPEATS = 2
@@ -61,7 +63,7 @@ def _real(bucket: int) -> int:
     return bucket - bucket // 4
 
 
-def shapes(s: CalibrationSettings) -> list[tuple[Kind, int, int]]:
+def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
     """The (kind, q bucket, kv bucket) grid: pow2 sizes from 16 to ``max_len`` (every
     other size with ``quick``); square shapes for CAUSAL and MASK, decode-like
     (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
@@ -72,23 +74,24 @@ def shapes(s: CalibrationSettings) -> list[tuple[Kind, int, int]]:
         n *= 2
     if s.quick:
         sizes = sorted({*sizes[::2], sizes[-1]})
-    grid: list[tuple[Kind, int, int]] = []
+    grid: list[tuple[GraphFamily, int, int]] = []
     for n in sizes:
-        grid += [("causal", n, n), ("mask", n, n)]
+        grid += [(GraphFamily.CAUSAL, n, n), (GraphFamily.MASK, n, n)]
     for n in sizes:
         if n >= 64:
-            grid += [("mask", 16, n), ("varlen", 16, n), ("mask", n // 4, n), ("varlen", n // 4, n)]
+            grid += [(GraphFamily.MASK, 16, n), (GraphFamily.VARLEN, 16, n),
+                     (GraphFamily.MASK, n // 4, n), (GraphFamily.VARLEN, n // 4, n)]
         if n >= 32:
-            grid.append(("varlen", n // 2, n))
+            grid.append((GraphFamily.VARLEN, n // 2, n))
     return list(dict.fromkeys(grid))
 
 
-def _layout(kind: Kind, q_bucket: int, kv_bucket: int) -> BatchLayout:
+def _layout(kind: GraphFamily, q_bucket: int, kv_bucket: int) -> BatchLayout:
     """A layout whose single planned call has this kind and buckets (pow2, min 16)."""
     rq, rkv = (1 if q_bucket == 16 and kv_bucket > 16 else _real(q_bucket)), _real(kv_bucket)
-    if kind == "causal":
+    if kind is GraphFamily.CAUSAL:
         return BatchLayout.from_lens([rq])
-    if kind == "varlen":
+    if kind is GraphFamily.VARLEN:
         return BatchLayout.from_lens([rq], [rkv])
     n = min(4, rq)
     q_lens = split_lengths(rq, n)
@@ -136,10 +139,10 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
     try:
         with torch.inference_mode():
             warm = BatchLayout.from_lens([8])
-            dispatchers["causal"].attend(*tensors(warm), warm)  # Dynamo's one-off start-up cost
+            dispatchers[GraphFamily.CAUSAL].attend(*tensors(warm), warm)  # Dynamo's one-off start-up cost
             cache.clear()
             compiled.clear()
-            runs: list[tuple[Kind, GraphKey, Callable[[], object], Callable[[], object] | None]] = []
+            runs: list[tuple[GraphFamily, GraphKey, Callable[[], object], Callable[[], object] | None]] = []
             for kind, qb, kvb in shapes(s):
                 layout = _layout(kind, qb, kvb)
                 tensors_ = tensors(layout)
@@ -147,7 +150,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                 (key,) = dispatchers[kind].graph_keys_for(layout, spec)
                 samples.append(Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len,
                                       seconds=compiled[key]))
-                build = partial(mask_for(layout).materialize, qb, kvb) if kind == "mask" else None
+                build = partial(mask_for(layout).materialize, qb, kvb) if kind is GraphFamily.MASK else None
                 runs.append((kind, key, partial(execute, *tensors_, layout, graphs), build))
                 if progress:
                     progress(f"compiled {key}")
@@ -159,7 +162,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                         best[1] = min(best[1], _fastest_seconds(build))
                 if progress:
                     progress(f"timing round {r + 1}/{s.repeats}")
-            overhead = _call_overhead(dispatchers["causal"], spec)
+            overhead = _call_overhead(dispatchers[GraphFamily.CAUSAL], spec)
     finally:
         cache.clear()
     for (kind, key, _, build), (run_s, build_s) in zip(runs, fastest):
@@ -170,13 +173,13 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         dtype=s.dtype, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, impl=s.impl,
         partition_len=s.partition_len if s.impl == "flash" else None, backend=s.backend,
         threads=torch.get_num_threads(), torch_version=torch.__version__,
-        run={kind: _fit(samples, "run", kind) for kind in KINDS},
-        compile={kind: _fit(samples, "compile", kind) for kind in KINDS},
+        run={kind: _fit(samples, "run", kind) for kind in GraphFamily},
+        compile={kind: _fit(samples, "compile", kind) for kind in GraphFamily},
         mask_build=_fit(samples, "mask_build", None),
         call_overhead_seconds=overhead, samples=tuple(samples))
 
 
-def _fit(samples: list[Sample], what: str, kind: Kind | None) -> Fit:
+def _fit(samples: list[Sample], what: str, kind: GraphFamily | None) -> Fit:
     return Fit.to_samples([(x.rows, x.cols, max(x.seconds, 1e-9)) for x in samples
                            if x.what == what and x.kind == kind])
 

@@ -30,7 +30,7 @@ import cachetools
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
@@ -92,7 +92,6 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
     spec = model.spec
     cache = GraphCache.from_config(config, sizeof=model.graph_bytes, compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
-    dispatcher.use_spec(spec)
     masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
     out = _Replay()
     keys = out.keys
@@ -106,8 +105,8 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
                 seconds += model.run_seconds(graph.key) + overhead
             else:  # longer than the largest bucket: runs uncompiled (on_overflow="eager")
                 out.overflow_calls += 1
-                seconds += model.call_seconds(call.kind, call.q_bucket, call.kv_bucket) + overhead
-            if call.kind is MaskMode.MASK:
+                seconds += model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + overhead
+            if call.family is GraphFamily.MASK:
                 mask_key = (layout, call.q_bucket, call.kv_bucket)
                 if masks.get(mask_key) is None:
                     masks[mask_key] = True

@@ -4,31 +4,45 @@ Built-in plugins (:data:`BUILTIN_PLUGINS`) register through the same hooks as
 third-party plugins, which are found through the ``attnpolicy`` entry-point group
 the first time the manager is needed. ``ATTNPOLICY_LOAD_PLUGINS`` (comma-separated
 entry-point names) restricts which entry points load: unset loads all, set but
-empty loads none. A plugin that fails to load is reported with a warning and in
-:func:`failed_plugins`; the manager stays usable.
+empty loads none.
+
+One bad plugin never disables the others. A third-party plugin that fails to load,
+whose register hook raises, or that registers a name another plugin (a built-in
+first) already holds is rejected alone: it is unregistered, logged once as a
+one-line warning on the ``attnpolicy.plugins`` logger, and listed by
+:func:`failed_plugins`; every other plugin stays usable. A *built-in* plugin that
+fails is a bug in attnpolicy: :class:`PluginError`.
+
+The register hooks are called through ``pm.hook`` (one plugin at a time, with
+:meth:`pluggy.PluginManager.subset_hook_caller`), so pluggy's argument pruning,
+tracing and hook wrappers apply, and an error is attributed to its plugin.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from attnpolicy.errors import PluginError, PolicyError
 from attnpolicy.plugins import hookspecs
-from attnpolicy.policies.base import Policy
+
+if TYPE_CHECKING:
+    from attnpolicy.policies.base import Policy
 
 BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware")
 ENTRY_POINT_GROUP = "attnpolicy"
 LOAD_PLUGINS_ENV = "ATTNPOLICY_LOAD_PLUGINS"
+
+log = logging.getLogger("attnpolicy.plugins")
 
 
 @dataclass(frozen=True)
@@ -79,15 +93,20 @@ def reset_plugin_manager() -> None:
 
 
 def failed_plugins() -> Mapping[str, str]:
-    """Plugins that failed to load: plugin name -> what went wrong."""
-    get_plugin_manager()
-    return MappingProxyType(dict(_failed))
+    """Plugins that were rejected (failed to load, raised in a register hook, or
+    clashed with another plugin's name): plugin name -> what went wrong. Builds the
+    registries first, so every rejection is listed."""
+    with _lock:
+        policy_registry()
+        eviction_registry()
+        return MappingProxyType(dict(_failed))
 
 
-def _fail(name: str, what: str, exc: BaseException) -> None:
-    message = f"attnpolicy plugin {name!r} ({what}) failed to load: {type(exc).__name__}: {exc}"
+def _fail(name: str, message: str) -> None:
+    """Record a rejected plugin; logged once per plugin (one line, no traceback)."""
+    if name not in _failed:
+        log.warning("%s", message)
     _failed[name] = message
-    warnings.warn(message, stacklevel=3)
 
 
 def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
@@ -107,7 +126,8 @@ def _build() -> pluggy.PluginManager:
         try:
             _register(pm, importlib.import_module(module_name), module_name)
         except Exception as exc:
-            _fail(module_name, "built-in module", exc)
+            raise PluginError(f"built-in plugin {module_name!r} failed to load: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
     env = os.environ.get(LOAD_PLUGINS_ENV)
     wanted = None if env is None else {n.strip() for n in env.split(",") if n.strip()}
@@ -119,12 +139,11 @@ def _build() -> pluggy.PluginManager:
         try:
             _register(pm, ep.load(), ep.name)
         except Exception as exc:
-            _fail(ep.name, f"entry point {ep.name} = {ep.value}", exc)
+            _fail(ep.name, f"attnpolicy plugin {ep.name!r} (entry point {ep.name} = {ep.value}) failed to "
+                           f"load: {type(exc).__name__}: {exc}")
     for missing in sorted((wanted or set()) - found):
-        warnings.warn(
-            f"{LOAD_PLUGINS_ENV} names {missing!r} but no {ENTRY_POINT_GROUP!r} entry point has that name",
-            stacklevel=3,
-        )
+        log.warning("%s names %r but no %r entry point has that name", LOAD_PLUGINS_ENV, missing,
+                    ENTRY_POINT_GROUP)
     return pm
 
 
@@ -136,15 +155,41 @@ def _signature(impls: list[Any]) -> tuple[object, ...]:
     return tuple((impl.plugin_name, impl.function) for impl in impls)
 
 
-def _call_register_hook(impl: Any, register: Callable[..., None], hook_name: str) -> None:
-    try:
-        impl.function(register=register)
-    except PluginError:
-        raise
-    except Exception as exc:
-        raise PluginError(
-            f"plugin {impl.plugin_name!r}: its {hook_name} hook raised {type(exc).__name__}: {exc}"
-        ) from exc
+def _per_plugin(pm: pluggy.PluginManager, hook_name: str) -> Iterator[tuple[str, Any]]:
+    """``(plugin name, hook caller)`` for each plugin implementing ``hook_name``, built-ins
+    first: the caller is ``pm.hook``'s with every other plugin's implementation
+    removed (hook wrappers stay)."""
+    impls = [i for i in _impls(pm, hook_name) if not (i.hookwrapper or i.wrapper)]
+    impls.sort(key=lambda i: i.plugin_name not in BUILTIN_PLUGINS)  # stable: registration order
+    for impl in impls:
+        others = [o.plugin for o in impls if o is not impl]
+        yield impl.plugin_name, pm.subset_hook_caller(hook_name, remove_plugins=others)
+
+
+def _collect(pm: pluggy.PluginManager, hook_name: str, what: str,
+             add: Callable[[str, dict[str, Any], dict[str, Any]], Callable[..., None]]) -> dict[str, Any]:
+    """Run ``hook_name`` plugin by plugin into one registry. ``add(plugin, registry,
+    staged)`` makes the ``register`` callback of one plugin, which stages its entries;
+    a plugin's entries are committed only when its hook returned. A failing
+    third-party plugin is rejected (unregistered, recorded); a built-in raises."""
+    registry: dict[str, Any] = {}
+    rejected: list[str] = []
+    for plugin, call in _per_plugin(pm, hook_name):
+        staged: dict[str, Any] = {}
+        try:
+            call(register=add(plugin, registry, staged))
+        except Exception as exc:
+            detail = str(exc) if isinstance(exc, PluginError) else (
+                f"plugin {plugin!r}: its {hook_name} hook raised {type(exc).__name__}: {exc}")
+            if plugin in BUILTIN_PLUGINS:
+                raise PluginError(detail) from exc
+            _fail(plugin, f"attnpolicy plugin {plugin!r} rejected ({what}): {detail}")
+            rejected.append(plugin)
+            continue
+        registry.update(staged)
+    for plugin in rejected:
+        pm.unregister(name=plugin)
+    return registry
 
 
 def _check_policy_class(plugin: str, cls: object) -> None:
@@ -161,29 +206,43 @@ def _check_policy_class(plugin: str, cls: object) -> None:
         raise PluginError(f"plugin {plugin!r}: policy class {cls.__qualname__} has no decide() method")
 
 
+def _policy_adder(plugin: str, registry: dict[str, Any], staged: dict[str, Any]) -> Callable[[type], None]:
+    def register(cls: type) -> None:
+        _check_policy_class(plugin, cls)
+        name: str = cls.name  # type: ignore[attr-defined]  # checked above
+        holder = registry.get(name) or staged.get(name)
+        if holder is not None:
+            raise PluginError(f"policy {name!r} is registered by two plugins: "
+                              f"{holder.plugin!r} and {plugin!r}")
+        staged[name] = PolicyInfo(name, plugin, cls.description, cls)  # type: ignore[attr-defined]
+    return register
+
+
+def _eviction_adder(plugin: str, registry: dict[str, Any],
+                    staged: dict[str, Any]) -> Callable[[str, Callable[..., Any]], None]:
+    def register(name: str, factory: Callable[..., Any]) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {plugin!r} registered an eviction with name {name!r}")
+        if not callable(factory):
+            raise PluginError(f"plugin {plugin!r}: eviction {name!r} factory {factory!r} is not callable")
+        holder = registry.get(name) or staged.get(name)
+        if holder is not None:
+            raise PluginError(f"eviction {name!r} is registered by two plugins: "
+                              f"{holder.plugin!r} and {plugin!r}")
+        staged[name] = EvictionInfo(name, plugin, factory)
+    return register
+
+
 def policy_registry() -> dict[str, PolicyInfo]:
     """Every registered policy by name (cached until the set of plugins changes)."""
     global _policies
     with _lock:
-        impls = _impls(get_plugin_manager(), "attnpolicy_register_policies")
-        signature = _signature(impls)
-        if _policies is not None and _policies[0] == signature:
+        pm = get_plugin_manager()
+        hook = "attnpolicy_register_policies"
+        if _policies is not None and _policies[0] == _signature(_impls(pm, hook)):
             return dict(_policies[1])
-        registry: dict[str, PolicyInfo] = {}
-        for impl in impls:
-            plugin = impl.plugin_name
-
-            def register(cls: type, plugin: str = plugin) -> None:
-                _check_policy_class(plugin, cls)
-                if cls.name in registry:
-                    raise PluginError(
-                        f"policy {cls.name!r} is registered by two plugins: "
-                        f"{registry[cls.name].plugin!r} and {plugin!r}"
-                    )
-                registry[cls.name] = PolicyInfo(cls.name, plugin, cls.description, cls)
-
-            _call_register_hook(impl, register, "attnpolicy_register_policies")
-        _policies = (signature, registry)
+        registry = _collect(pm, hook, "policies", _policy_adder)
+        _policies = (_signature(_impls(pm, hook)), registry)
         return dict(registry)
 
 
@@ -191,51 +250,37 @@ def eviction_registry() -> dict[str, EvictionInfo]:
     """Every registered eviction strategy by name (cached until the set of plugins changes)."""
     global _evictions
     with _lock:
-        impls = _impls(get_plugin_manager(), "attnpolicy_register_evictions")
-        signature = _signature(impls)
-        if _evictions is not None and _evictions[0] == signature:
+        pm = get_plugin_manager()
+        hook = "attnpolicy_register_evictions"
+        if _evictions is not None and _evictions[0] == _signature(_impls(pm, hook)):
             return dict(_evictions[1])
-        registry: dict[str, EvictionInfo] = {}
-        for impl in impls:
-            plugin = impl.plugin_name
-
-            def register(name: str, factory: Callable[..., Any], plugin: str = plugin) -> None:
-                if not isinstance(name, str) or not name:
-                    raise PluginError(f"plugin {plugin!r} registered an eviction with name {name!r}")
-                if not callable(factory):
-                    raise PluginError(
-                        f"plugin {plugin!r}: eviction {name!r} factory {factory!r} is not callable"
-                    )
-                if name in registry:
-                    raise PluginError(
-                        f"eviction {name!r} is registered by two plugins: "
-                        f"{registry[name].plugin!r} and {plugin!r}"
-                    )
-                registry[name] = EvictionInfo(name, plugin, factory)
-
-            _call_register_hook(impl, register, "attnpolicy_register_evictions")
-        _evictions = (signature, registry)
+        registry = _collect(pm, hook, "evictions", _eviction_adder)
+        _evictions = (_signature(_impls(pm, hook)), registry)
         return dict(registry)
 
 
 def get_policy_info(name: str) -> PolicyInfo:
-    """The registered policy ``name``, or :class:`PolicyError` listing the known names."""
+    """The registered policy ``name``, or :class:`PolicyError` listing the known names
+    (and the rejected plugins, one of which may have meant to provide it)."""
     registry = policy_registry()
     try:
         return registry[name]
     except KeyError:
+        rejected = f"; rejected plugins: {', '.join(sorted(_failed))}" if _failed else ""
         raise PolicyError(
-            f"unknown policy {name!r}; known policies: {', '.join(sorted(registry)) or '(none)'}"
+            f"policy {name!r} is not a registered policy; known policies: "
+            f"{', '.join(sorted(registry)) or '(none)'}{rejected}"
         ) from None
 
 
 def make_policy(name: str, **options: Any) -> Policy:
-    """Build the registered policy ``name`` with keyword ``options``."""
+    """Build the registered policy ``name`` with keyword ``options`` (the config's
+    ``policy_options``); errors are :class:`PolicyError` naming the field and value."""
     info = get_policy_info(name)
     try:
         return info.cls(**options)
     except Exception as exc:
         raise PolicyError(
-            f"policy {name!r} (plugin {info.plugin!r}) rejected options {options!r}: "
+            f"policy {name!r} (plugin {info.plugin!r}) rejected policy_options {options!r}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc

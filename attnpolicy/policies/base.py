@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
-from attnpolicy.graphs.keys import GraphKey
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
 if TYPE_CHECKING:
     from attnpolicy.config import AttnPolicyConfig
@@ -20,9 +20,15 @@ class Policy(Protocol):
     """Decides the mask mode of each batch.
 
     A policy class has class attributes ``name`` and ``description`` and is built
-    with keyword options (``AttnPolicyConfig.policy_options``). ``decide`` must be a
-    pure function of the layout and the context, so that every tensor-parallel rank
-    takes the same decision.
+    with keyword options (``AttnPolicyConfig.policy_options``). ``decide`` is called
+    once per batch that runs, and must be a function of the layouts and contexts it
+    has seen, so that every tensor-parallel rank takes the same decision.
+
+    A *stateful* policy (one whose answer depends on earlier batches, like
+    ``cost-aware``) also implements ``preview(layout, ctx) -> Decision``: the answer
+    ``decide`` would give now, without changing any state.
+    :meth:`~attnpolicy.dispatcher.Dispatcher.graph_keys_for` and ``warmup`` call
+    ``preview`` when the policy has one, ``decide`` otherwise.
     """
 
     name: str
@@ -41,15 +47,20 @@ def _no_keys(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """What a policy may look at besides the layout (read-only).
+    """What a policy may look at besides the layout (read-only), for one call.
 
     - ``config``: the dispatcher's configuration (``None`` outside a dispatcher);
+    - ``spec``: the tensor spec of this call's q/k/v (``None`` outside a dispatcher);
     - ``is_cached(key)``: whether a graph is compiled and cached now;
-    - ``keys_for(layout, mode)``: the graph keys running ``layout`` in ``mode`` uses;
+    - ``keys_for(layout, mode)``: the graph keys running ``layout`` in ``mode`` with
+      this call's ``spec`` uses (none outside a dispatcher);
     - ``cost_model``: run/compile cost estimates, if one is configured.
+
+    A dispatcher keeps one context per tensor spec, so deciding allocates nothing.
     """
 
     config: AttnPolicyConfig | None = None
+    spec: TensorSpec | None = None
     is_cached: Callable[[GraphKey], bool] = _nothing_cached
     keys_for: Callable[[BatchLayout, MaskMode], tuple[GraphKey, ...]] = _no_keys
     cost_model: CostModel | None = None

@@ -10,31 +10,11 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.core.modes import Decision, MaskMode, why_not_causal
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.policies.base import PolicyContext
 
 _CAUSAL = Decision(MaskMode.CAUSAL, "single unpadded causal sequence")
-
-
-def why_not_causal(layout: BatchLayout) -> str | None:
-    """``None`` when CAUSAL is legal for ``layout``, else a short reason such as
-    ``"3 sequences packed"`` (the same rule as :func:`attnpolicy.core.modes.why_illegal`,
-    without building a message per call)."""
-    if layout.num_seqs != 1:
-        return _packed(layout.num_seqs)
-    if not layout.causal:
-        return "bidirectional"
-    if layout.is_padded:
-        return "padded"
-    if layout.has_context:
-        return "cached context"
-    return None
-
-
-@lru_cache(maxsize=1024)
-def _packed(num_seqs: int) -> str:
-    return f"{num_seqs} sequences packed"
 
 
 @lru_cache(maxsize=4096)

@@ -28,6 +28,13 @@ the rule followed, the modelled totals and the prices.
 
 Decisions are a pure function of the layout stream, the config, the cache state
 and the cost model: no clock, no measurement, so tensor-parallel ranks agree.
+
+**Preview.** :meth:`CostAware.preview` answers as the rule followed now would,
+without stepping any shadow or regret: the next real decision differs only when
+that batch makes another rule overtake the followed one.
+
+Outside a dispatcher (a context without keys to price) every option costs nothing,
+so no rule ever gets ahead and the policy answers as ``varlen``.
 """
 
 from __future__ import annotations
@@ -42,15 +49,12 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, legal_modes
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
-from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.policies.base import Policy, PolicyContext
 from attnpolicy.policies.builtin import (
     AlwaysMask,
     Dynamic,
     Varlen,
-    cached_decision,
-    why_not_causal,
 )
 
 #: A rule is switched to only when it is ahead by this fraction of the followed
@@ -99,17 +103,20 @@ class _Shadow:
     cost so far (modelled seconds) had it decided every batch."""
 
     def __init__(self, name: str, config: AttnPolicyConfig, model: CostModel,
-                 decide: Callable[[BatchLayout, PolicyContext, _Shadow], tuple[MaskMode, str]]) -> None:
+                 decide: _Rule) -> None:
         self.name = name
         self.cache: GraphCache = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
                                                         compile_cost=model.compile_cost)
+        # imported here: it imports torch, and the registry imports this module
+        from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
+
         self.masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
         self.seconds = 0.0
         self._decide = decide
 
     def step(self, layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> tuple[MaskMode, str]:
         """Decide ``layout`` as this rule would, charge it, and return (mode, reason)."""
-        mode, reason = self._decide(layout, ctx, self)
+        mode, reason = self._decide(layout, ctx, self, True)
         keys = ctx.keys_for(layout, mode)
         option = _price(layout, mode, keys, model, self.cache.__contains__, self.masks)
         self.seconds += option.run
@@ -122,9 +129,18 @@ class _Shadow:
                 self.masks[(layout, k.q_len, k.kv_len)] = True
         return mode, reason
 
+    def preview(self, layout: BatchLayout, ctx: PolicyContext) -> tuple[MaskMode, str]:
+        """What this rule would decide for ``layout`` now; changes nothing."""
+        return self._decide(layout, ctx, self, False)
 
-def _fixed(policy: Policy) -> Callable[[BatchLayout, PolicyContext, _Shadow], tuple[MaskMode, str]]:
-    def decide(layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow) -> tuple[MaskMode, str]:
+
+#: A rule: ``rule(layout, ctx, shadow, commit) -> (mode, reason)``; with ``commit``
+#: false it must not change any state.
+_Rule = Callable[[BatchLayout, PolicyContext, "_Shadow", bool], tuple[MaskMode, str]]
+
+
+def _fixed(policy: Policy) -> _Rule:
+    def decide(layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow, commit: bool) -> tuple[MaskMode, str]:
         decision = policy.decide(layout, ctx)
         return decision.mode, decision.reason
     return decide
@@ -137,7 +153,8 @@ class _RentOrBuy:
         self._model = model
         self._regret: dict[GraphKey, float] = {}
 
-    def __call__(self, layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow) -> tuple[MaskMode, str]:
+    def __call__(self, layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow,
+                 commit: bool) -> tuple[MaskMode, str]:
         options: list[_Option] = []
         for mode in legal_modes(layout):
             keys = ctx.keys_for(layout, mode)
@@ -156,12 +173,12 @@ class _RentOrBuy:
             else:
                 chosen = cheap
                 gain = cheap.run - fast.run
-                for k in fast.missing:
+                for k in fast.missing if commit else ():
                     self._regret[k] = self._regret.get(k, 0.0) + gain * (
                         self._model.compile_seconds(k) / fast.compile if fast.compile > 0
                         else 1 / len(fast.missing))
                 note = f"renting: regret {(regret + gain) * 1e3:.3g} ms < extra {premium * 1e3:.3g} ms"
-        for k in chosen.missing:
+        for k in chosen.missing if commit else ():
             self._regret.pop(k, None)
         others = "; ".join(o.describe() for o in options if o is not chosen)
         return chosen.mode, f"{chosen.describe()}{' vs ' + others if others else ''}; {note}"
@@ -179,6 +196,7 @@ class CostAware:
         self._shadows: list[_Shadow] | None = None
         self._fixed_leader: _Shadow | None = None
         self._following: _Shadow | None = None
+        self._first = Varlen()  # the rule followed before any batch
 
     def _start(self, layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> list[_Shadow]:
         """The shadows, each holding the graphs of ``layout``'s options that are
@@ -205,10 +223,6 @@ class CostAware:
 
     def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
         model = ctx.cost_model or CostModel.default()
-        if not any(ctx.keys_for(layout, m) for m in legal_modes(layout)):  # no tensor spec yet
-            why = why_not_causal(layout)
-            return cached_decision(MaskMode.CAUSAL if why is None else MaskMode.VARLEN,
-                                   f"no graph keys to price ({why or 'single sequence'})")
         if self._shadows is None:
             self._shadows = self._start(layout, ctx, model)
         rent_or_buy, *fixed = self._shadows
@@ -229,6 +243,14 @@ class CostAware:
         if leader is not rent_or_buy:
             text += f" | {RENT_OR_BUY} would run {modes[RENT_OR_BUY][1]}"
         return Decision(mode, text)
+
+    def preview(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        """The decision of the rule followed now, without stepping anything (see the
+        module docstring)."""
+        if self._following is None:
+            return self._first.decide(layout, ctx)
+        mode, reason = self._following.preview(layout, ctx)
+        return Decision(mode, f"{self._following.name}: {reason} (preview)")
 
 
 @hookimpl

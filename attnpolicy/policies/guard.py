@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Literal
+from typing import Any
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, why_illegal
+from attnpolicy.core.names import ON_ILLEGAL, OnIllegal
 from attnpolicy.errors import IllegalModeError, PolicyError
+from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager, get_policy_info, make_policy
 from attnpolicy.policies.base import Policy, PolicyContext
 
 log = logging.getLogger("attnpolicy.policies.guard")
-
-OnIllegal = Literal["raise", "fallback"]
 
 
 class Guard:
@@ -30,8 +30,11 @@ class Guard:
     always legal), the fallback is counted in :attr:`fallbacks` and
     :attr:`fallback_reasons` (``"illegal"``, ``"exception"``, ``"bad-return"``) and
     logged as a warning on the ``attnpolicy.policies.guard`` logger. Each decision that runs
-    is reported to the ``attnpolicy_on_decision`` hook (``hook``: a plugin manager's
-    ``pm.hook``; default: the global manager's).
+    is reported to the ``attnpolicy_on_decision`` hook through ``observers``
+    (default: the global plugin manager's), which isolates a raising observer.
+
+    :meth:`preview` answers the same question without side effects: no hook, no
+    count, no log, and a stateful policy's ``preview`` instead of its ``decide``.
     """
 
     def __init__(
@@ -41,9 +44,9 @@ class Guard:
         plugin: str,
         on_illegal: OnIllegal = "fallback",
         fallback: MaskMode = MaskMode.VARLEN,
-        hook: Any = None,
+        observers: Observers | None = None,
     ) -> None:
-        if on_illegal not in ("raise", "fallback"):
+        if on_illegal not in ON_ILLEGAL:
             raise PolicyError(f"on_illegal must be 'raise' or 'fallback', got {on_illegal!r}")
         try:
             fallback = MaskMode(fallback)
@@ -51,8 +54,6 @@ class Guard:
             raise PolicyError(f"fallback must be a MaskMode, got {fallback!r}") from None
         if fallback is MaskMode.CAUSAL:
             raise PolicyError("fallback must be a mode legal for every layout (mask or varlen), got causal")
-        if hook is None:
-            hook = get_plugin_manager().hook
         self.policy = policy
         self.policy_name = policy_name
         self.plugin = plugin
@@ -60,7 +61,9 @@ class Guard:
         self.fallback = fallback
         self.fallbacks = 0
         self.fallback_reasons: Counter[str] = Counter()
-        self._on_decision = hook.attnpolicy_on_decision
+        self.observers = observers if observers is not None else Observers(get_plugin_manager())
+        self._on_decision = self.observers.on_decision
+        self._preview: Any = getattr(policy, "preview", None)
         self._who = f"policy {policy_name!r} (plugin {plugin!r})"
 
     @classmethod
@@ -71,11 +74,13 @@ class Guard:
         *,
         on_illegal: OnIllegal = "fallback",
         fallback: MaskMode = MaskMode.VARLEN,
+        observers: Observers | None = None,
     ) -> Guard:
-        """A guard around the registered policy ``name`` built with ``options``."""
+        """A guard around the registered policy ``name`` built (once) with ``options``;
+        an unknown name or rejected options raise :class:`PolicyError` naming them."""
         info = get_policy_info(name)
         return cls(make_policy(name, **(options or {})), name, info.plugin,
-                   on_illegal=on_illegal, fallback=fallback, hook=get_plugin_manager().hook)
+                   on_illegal=on_illegal, fallback=fallback, observers=observers)
 
     def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
         """The policy's decision if it is legal for ``layout``, else see the class doc."""
@@ -95,6 +100,28 @@ class Guard:
             return self._failed("illegal", what, layout, IllegalModeError(what))
         self._on_decision(layout=layout, decision=decision, policy=self.policy_name, fell_back=False)
         return decision
+
+    def preview(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        """The decision :meth:`decide` would return now, with no side effect (see the
+        class doc); an illegal answer previews as the fallback, or raises with
+        ``on_illegal="raise"``."""
+        try:
+            decision = (self._preview or self.policy.decide)(layout, ctx)
+        except Exception as exc:  # noqa: BLE001  (as decide: any policy failure is guarded)
+            return self._previewed(f"{self._who} raised {type(exc).__name__}: {exc}", exc)
+        if not isinstance(decision, Decision):
+            return self._previewed(
+                f"{self._who} returned {type(decision).__name__} {decision!r:.100}, not a Decision", None)
+        why = why_illegal(decision.mode, layout)
+        if why is not None:
+            what = f"{self._who} chose {decision.mode.value} for {layout.describe()}: {why}"
+            return self._previewed(what, IllegalModeError(what))
+        return decision
+
+    def _previewed(self, what: str, cause: BaseException | None) -> Decision:
+        if self.on_illegal == "raise":
+            raise PolicyError(what) from cause
+        return Decision(self.fallback, f"guard: {what}; fell back to {self.fallback.value}")
 
     def _failed(self, category: str, what: str, layout: BatchLayout,
                 cause: BaseException | None) -> Decision:
