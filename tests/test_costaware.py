@@ -1,34 +1,49 @@
-"""The cost-aware policy: rent-or-buy pricing, hedging, determinism, acceptance."""
+"""The cost-aware policy: rent-or-buy pricing, hedging, determinism, pure previews,
+acceptance on synthetic cost models (independent of the shipped default model)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.dispatcher import Dispatcher
-from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.measure.simulation import SimulatedGraph, simulate
-from attnpolicy.measure.workload import load_trace, synthetic_default
-from attnpolicy.plugins.registry import make_policy, policy_registry
+from attnpolicy.measure.workload import Request, synthetic_default
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import get_plugin_manager, make_policy, policy_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.costaware import CostAware
 
-MODEL = CostModel.default()
-AZURE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 FIXED = ("always-mask", "dynamic", "varlen")
 
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
-def dispatcher(max_graphs: int | None = None) -> Dispatcher:
-    d = Dispatcher(AttnPolicyConfig(policy="cost-aware", backend="aot_eager", max_graphs=max_graphs),
-                   builder=lambda call, key, spec: SimulatedGraph(key), cost_model=MODEL,
-                   cache=GraphCache(max_graphs=max_graphs, sizeof=MODEL.graph_bytes))
-    d.use_spec(MODEL.spec)
-    return d
+
+def synthetic(compile_s: float, mask_cell: float, *, cell: float = 1e-9, varlen_call: float = 2e-4,
+              build_cell: float = 1e-9) -> CostModel:
+    """A cost model written by hand: every graph compiles in ``compile_s`` seconds; a
+    MASK call costs ``mask_cell`` per score cell, CAUSAL and VARLEN ``cell`` (VARLEN
+    also ``varlen_call`` per call); a mask build ``build_cell`` per cell."""
+    return CostModel(run={GraphFamily.CAUSAL: Fit(base=1e-4, per_cell=cell),
+                          GraphFamily.MASK: Fit(base=1e-4, per_cell=mask_cell),
+                          GraphFamily.VARLEN: Fit(base=varlen_call, per_cell=cell)},
+                     compile={f: Fit(base=compile_s) for f in GraphFamily},
+                     mask_build=Fit(per_cell=build_cell), call_overhead_seconds=1e-4)
+
+
+#: compiling a graph costs 0.5 s; a MASK call 4x the cells of a mask-free one
+MODEL = synthetic(0.5, 4e-9)
+SPEC = MODEL.spec
+
+
+def dispatcher(max_graphs: int | None = None, model: CostModel = MODEL) -> Dispatcher:
+    return Dispatcher(AttnPolicyConfig(policy="cost-aware", backend="aot_eager", max_graphs=max_graphs),
+                      builder=lambda call, key, spec: SimulatedGraph(key), cost_model=model,
+                      cache=GraphCache(max_graphs=max_graphs, sizeof=model.graph_bytes))
 
 
 def test_registered_as_builtin():
@@ -39,59 +54,110 @@ def test_registered_as_builtin():
 def test_one_off_long_sequence_runs_on_the_cached_mask_graph_then_compiles_once_it_pays():
     d = dispatcher()
     layout = BatchLayout.from_lens([4000])
-    (mask_key,) = d.context.keys_for(layout, MaskMode.MASK)
-    (causal_key,) = d.context.keys_for(layout, MaskMode.CAUSAL)
+    ctx = d.context_for(SPEC)
+    (mask_key,) = ctx.keys_for(layout, MaskMode.MASK)
+    (causal_key,) = ctx.keys_for(layout, MaskMode.CAUSAL)
     d.cache.get_or_compile(mask_key, lambda: SimulatedGraph(mask_key))  # warmed up
-    first = d.decide(layout)
+    # MASK: 4000² cells at 4e-9 + its mask build (84 ms) vs CAUSAL at 1e-9 (17 ms) + a 0.5 s
+    # compile: renting accumulates 67 ms of regret per batch, buying pays after ~7
+    first = d.decide(layout, SPEC)
     assert first.mode is MaskMode.MASK
-    assert "causal" in first.reason and "compile 1 graph" in first.reason and " ms" in first.reason
-    d.prepare(layout, MODEL.spec)
+    assert "mask 84.1 ms vs causal 17 ms + compile 1 graph 500 ms; renting" in first.reason
+    d.prepare(layout, SPEC)
     assert causal_key not in d.cache
-    modes = []
-    for _ in range(8):  # the same long sequence again and again: compiling CAUSAL pays back
-        modes.append(d.decide(layout).mode)
-        d.prepare(layout, MODEL.spec)
-    assert MaskMode.CAUSAL in modes and causal_key in d.cache
-    assert modes[modes.index(MaskMode.CAUSAL):] == [MaskMode.CAUSAL] * (len(modes) - modes.index(MaskMode.CAUSAL))
+    modes = [MaskMode.MASK]
+    for _ in range(14):  # the same long sequence again and again: compiling CAUSAL pays back
+        modes.append(d.decide(layout, SPEC).mode)
+        d.prepare(layout, SPEC)
+    bought = modes.index(MaskMode.CAUSAL)
+    assert 5 <= bought <= 14, modes
+    assert modes[bought:] == [MaskMode.CAUSAL] * (len(modes) - bought)
     assert d.stats()["cache"]["per_key"][str(causal_key)]["compiles"] == 1
 
 
-def test_without_a_tensor_spec_it_falls_back_to_mask_free_modes():
+def test_outside_a_dispatcher_it_answers_as_varlen():
     policy = CostAware()
     assert policy.decide(BatchLayout.from_lens([10]), PolicyContext()).mode is MaskMode.CAUSAL
     assert policy.decide(BatchLayout.from_lens([10, 20]), PolicyContext()).mode is MaskMode.VARLEN
 
 
-def test_deterministic_on_a_layout_stream():
-    def run() -> list[tuple[str, str]]:
+def layouts(n: int = 30) -> list[BatchLayout]:
+    return [BatchLayout.from_lens([min(r.prompt_tokens, 3000), 64], [min(r.prompt_tokens, 3000), 900])
+            for r in synthetic_default(n)]
+
+
+class Decisions:
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    def attnpolicy_on_decision(self, decision):
+        self.seen.append((decision.mode.value, decision.reason))
+
+
+def run(previews: bool) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The decisions of a cost-aware dispatcher over a layout stream (as the
+    on_decision hook saw them), with or without previews between batches."""
+    recorder = Decisions()
+    get_plugin_manager().register(recorder)
+    try:
         d = dispatcher(max_graphs=4)
-        out = []
-        for r in synthetic_default(30):
-            layout = BatchLayout.from_lens([min(r.prompt_tokens, 3000), 64], [min(r.prompt_tokens, 3000), 900])
-            out.append((d.decide(layout).mode.value, d.decide(layout).reason))
-            d.prepare(layout, MODEL.spec)
-        return out
-    assert run() == run()
+        previewed = []
+        for layout in layouts():
+            if previews:
+                for _ in range(3):
+                    keys = d.graph_keys_for(layout, SPEC)
+                previewed.append((d.preview(layout, SPEC).mode.value, len(keys)))
+            d.prepare(layout, SPEC)
+        assert d.stats()["batches"] == len(recorder.seen)
+        return recorder.seen, previewed
+    finally:
+        get_plugin_manager().unregister(recorder)
 
 
-def check_acceptance(rows: list[dict], capacities: tuple[int, ...]) -> None:
-    by = {(r["policy"], r["capacity"], r["eviction"]): r for r in rows}
-    for capacity in capacities:
-        for eviction in ("lru", "belady"):
-            best = min(by[p, capacity, eviction]["total_seconds"] for p in FIXED)
-            assert by["cost-aware", capacity, eviction]["total_seconds"] <= best, (capacity, eviction)
-        for policy in (*FIXED, "cost-aware"):
-            assert by[policy, capacity, "belady"]["misses"] <= by[policy, capacity, "lru"]["misses"]
+def test_deterministic_on_a_layout_stream():
+    assert run(previews=False) == run(previews=False)
+
+
+def test_previews_do_not_change_the_decisions():
+    plain, _ = run(previews=False)
+    with_previews, previewed = run(previews=True)
+    assert with_previews == plain  # previews advanced nothing and fired no hook
+    # a preview is the followed rule's answer: the batch's decision, unless a rule overtook
+    agree = sum(p == mode for (p, _), (mode, _) in zip(previewed, plain))
+    assert agree >= len(plain) - 3
+
+
+def totals(model: CostModel, capacities: tuple[int | None, ...],
+           requests: list[Request] | None = None) -> dict[tuple[str, int | None], float]:
+    if requests is None:
+        requests = [Request(r.arrival, min(r.prompt_tokens, 2000), min(r.output_tokens, 30))
+                    for r in synthetic_default(60)]
+    rows = simulate(requests, [*FIXED, "cost-aware"], list(capacities), ["lru"], model=model)
+    return {(r["policy"], r["capacity"]): r["total_seconds"] for r in rows}
+
+
+def test_with_free_compiles_it_beats_every_fixed_policy():
+    """Compiles cost nothing: rent-or-buy runs each batch in its fastest legal mode,
+    so it is at least as good as any fixed rule."""
+    t = totals(synthetic(0.0, 4e-9), (2, None))
+    for capacity in (2, None):
+        best = min(t[p, capacity] for p in FIXED)
+        assert t["cost-aware", capacity] <= best, (capacity, t)
+        assert t["cost-aware", capacity] < t["always-mask", capacity] / 2
 
 
 @pytest.mark.slow
-def test_acceptance_on_the_default_workload():
-    rows = simulate(load_trace("default"), [*FIXED, "cost-aware"], [2, 4, 8], ["lru", "belady"])
-    check_acceptance(rows, (2, 4, 8))
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not AZURE.is_file(), reason=f"{AZURE} not present")
-def test_acceptance_on_the_azure_code_trace():
-    rows = simulate(load_trace(AZURE, 1000), [*FIXED, "cost-aware"], [2, 4, 8], ["lru", "belady"])
-    check_acceptance(rows, (2, 4, 8))
+@pytest.mark.parametrize("compile_s, model", [
+    (5.0, synthetic(5.0, 4e-9)),
+    (20.0, synthetic(20.0, 1e-10, cell=1e-10, varlen_call=1e-3, build_cell=0.0)),
+], ids=["dear-compiles", "mask-cheap"])
+def test_when_compiles_dominate_it_pays_at_most_two_extra_compiles(compile_s, model):
+    """Compiles dominate (a bounded cache keeps evicting): the best rule is the one
+    that compiles least, and on a long workload cost-aware ends within two compiles
+    of it (what it pays to find it), far from the worst."""
+    t = totals(model, (2, 8), synthetic_default(400))
+    for capacity in (2, 8):
+        fixed = sorted(t[p, capacity] for p in FIXED)
+        assert t["cost-aware", capacity] <= fixed[0] + 2 * compile_s, (capacity, t)
+        assert t["cost-aware", capacity] < fixed[-1] / 2, (capacity, t)

@@ -12,7 +12,7 @@ from reference import reference_for
 from strategies import layouts, qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily
 from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.plugins.registry import get_plugin_manager
@@ -74,11 +74,11 @@ def test_varlen_uses_only_causal_graphs_on_causal_prefills():
               ([37], [5, 20, 3], [100, 60], [20], [60, 9, 9, 9], [200], [17, 17])]
     varlen, d = _keys("varlen", stream)
     causal_only, _ = _keys("dynamic", [BatchLayout.from_lens([n]) for lay in stream for n in lay.q_lens])
-    assert {k.kind for k in varlen} == {MaskMode.CAUSAL}
+    assert {k.family for k in varlen} == {GraphFamily.CAUSAL}
     assert varlen <= causal_only
     assert d.stats()["modes"]["varlen"] == 4
     dynamic, _ = _keys("dynamic", stream)
-    assert {k.kind for k in dynamic} == {MaskMode.CAUSAL, MaskMode.MASK}
+    assert {k.family for k in dynamic} == {GraphFamily.CAUSAL, GraphFamily.MASK}
     # one graph per bucket for varlen; dynamic needs both kinds
     assert len(dynamic) > len(varlen)
 
@@ -220,7 +220,7 @@ def test_mask_calls_bucket_packed_rows_up_to_max_batch_tokens():
     lay = BatchLayout.from_lens([200, 200, 200])  # 600 packed rows > max_seq_len
     _check(d, lay, *_qkv(lay))
     (key,) = d.cache.keys()
-    assert key.kind is MaskMode.MASK and key.q_len == 1024
+    assert key.family is GraphFamily.MASK and key.q_len == 1024
     big = BatchLayout.from_lens([250] * 5)
     with pytest.raises(BucketOverflowError, match=r"largest bucket 1024 \(buckets pow2\(min=16\), max_batch_tokens=1024\)"):
         d.attend(*_qkv(big), big)

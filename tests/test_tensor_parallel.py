@@ -3,9 +3,11 @@ same graph keys for the same batches, or the ranks compile and run different gra
 and their collectives deadlock.
 
 Two processes join a gloo group on 127.0.0.1, each replays the same workload
-(synthetic trace → BatchFormer steps) through its own Dispatcher, running real
-attention on rank-local random tensors (so cache state evolves as in a server),
-and all-gathers a digest of its (decision, graph keys) sequence per policy.
+(synthetic trace → BatchFormer steps) through its own Dispatcher exactly as a
+server does (one ``attend`` per batch on rank-local random tensors, so cache state
+evolves as in a server), records through the observer hooks what each batch
+decided, planned, compiled and evicted, and all-gathers a digest of that record
+per policy.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnpolicy import AttnPolicyConfig, Dispatcher
+from attnpolicy import AttnPolicyConfig, Decision, Dispatcher, hookimpl
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.workload import synthetic_default
-from attnpolicy.plugins.registry import policy_registry
+from attnpolicy.plugins.registry import get_plugin_manager, policy_registry
 
 WORLD = 2
 STEPS = 24
@@ -35,19 +37,49 @@ def _workload():
     return [step.layout for _, step in zip(range(STEPS), steps)]
 
 
+class _Recorder:
+    """What the observer hooks saw: the decision of each batch, the compiles and evictions."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.decisions: list[Decision] = []
+
+    @hookimpl
+    def attnpolicy_on_decision(self, decision: Decision, fell_back: bool) -> None:
+        self.decisions.append(decision)
+
+    @hookimpl
+    def attnpolicy_on_compile(self, key) -> None:
+        self.events.append(f"compile {key}")
+
+    @hookimpl
+    def attnpolicy_on_evict(self, key) -> None:
+        self.events.append(f"evict {key}")
+
+
 def _trace(policy: str, rank: int) -> list[str]:
-    """One line per step: the decision and the graph keys it runs."""
+    """One line per batch, as production runs it (one ``attend`` per batch, nothing
+    else asks the policy): the decision the on_decision hook saw, the graph keys that
+    decision plans, and the compiles and evictions the batch caused."""
     # a small cache, so evictions change the cache state policies may read
     d = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_graphs=4))
+    recorder = _Recorder()
+    get_plugin_manager().register(recorder)
     gen = torch.Generator().manual_seed(1000 + rank)  # ranks hold different shards of data
     lines = []
-    for layout in _workload():
-        q = torch.randn(layout.q_tokens, HEADS, HEAD_DIM, generator=gen)
-        k = torch.randn(layout.kv_tokens, KV_HEADS, HEAD_DIM, generator=gen)
-        keys = d.graph_keys_for(layout, TensorSpec.of(q, k, None))
-        decision = d.decide(layout)
-        d.attend(q, k, torch.randn_like(k), layout)
-        lines.append(f"{decision.mode.value}|{decision.reason}|{'|'.join(map(str, keys))}")
+    try:
+        for layout in _workload():
+            q = torch.randn(layout.q_tokens, HEADS, HEAD_DIM, generator=gen)
+            k = torch.randn(layout.kv_tokens, KV_HEADS, HEAD_DIM, generator=gen)
+            d.attend(q, k, torch.randn_like(k), layout)
+            (decision,) = recorder.decisions
+            recorder.decisions.clear()
+            keys = d.context_for(TensorSpec.of(q, k)).keys_for(layout, decision.mode)  # pure: a plan
+            lines.append("|".join([decision.mode.value, decision.reason, *map(str, keys), *recorder.events]))
+            recorder.events.clear()
+    finally:
+        get_plugin_manager().unregister(recorder)
+    assert d.stats()["batches"] == len(lines)
     return lines
 
 
@@ -82,6 +114,7 @@ def test_tensor_parallel_ranks_agree_on_decisions_and_graph_keys():
         assert len({g[policy] for g in gathered}) == 1, f"ranks disagree for policy {policy!r}"
     modes = {line.split("|")[0] for line in traces["dynamic"]}
     assert {"causal", "mask"} <= modes, f"workload too uniform to test anything: {modes}"
+    assert any("evict " in line for line in traces["dynamic"]), "no eviction: the cache state never mattered"
 
 
 @pytest.mark.parametrize("policy", ["dynamic", "varlen"])
