@@ -8,15 +8,15 @@ import json
 import pytest
 
 from attnpolicy.cli import replay
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily
 from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.costmodel import KINDS, CostModel, Fit
+from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import GraphKey
 from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
 
 
 def key(kind: str, q: int, kv: int, model: CostModel, backend: str = "aot_eager") -> GraphKey:
-    return GraphKey(MaskMode(kind), q, kv, True, model.spec, model.impl, None, backend)
+    return GraphKey(GraphFamily(kind), q, kv, True, model.spec, model.impl, None, backend)
 
 
 def test_fit_recovers_exact_coefficients():
@@ -40,7 +40,30 @@ def test_fit_rejects_bad_samples():
         Fit.to_samples([(16, 16, 0.0)])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def test_fit_is_the_documented_formula():
+    # base + per_cell·rows·cols + per_token·(rows + cols), written out: 1 + 2·20 + 3·9
+    assert Fit(base=1.0, per_cell=2.0, per_token=3.0)(4, 5) == 68.0
+
+
+def test_predictions_use_the_fit_of_the_key_family():
+    """Each family has its own fit (distinct bases here); ``none`` compiles nothing."""
+    model = CostModel(run={f: Fit(base=b) for f, b in zip(GraphFamily, (1.0, 2.0, 3.0))},
+                      compile={f: Fit(base=b) for f, b in zip(GraphFamily, (10.0, 20.0, 30.0))},
+                      mask_build=Fit(per_cell=0.5))
+    for family, run, compile_s in zip(GraphFamily, (1.0, 2.0, 3.0), (10.0, 20.0, 30.0)):
+        assert model.run_seconds(key(family, 64, 256, model)) == run
+        assert model.call_seconds(family, 64, 256) == run
+        assert model.compile_seconds(key(family, 64, 256, model)) == compile_s
+        assert model.compile_seconds(key(family, 64, 256, model, backend="none")) == 0.0
+    assert model.mask_build_seconds(4, 8) == 16.0
+
+
+def test_json_keys_are_the_family_names():
+    data = json.loads(CostModel.default().model_dump_json())
+    assert sorted(data["run"]) == sorted(data["compile"]) == ["causal", "mask", "varlen"]
+
+
+@pytest.mark.parametrize("kind", list(GraphFamily))
 def test_default_predictions_monotone_in_work(kind):
     model = CostModel.default()
     sizes = [16 << i for i in range(10)]
@@ -59,8 +82,6 @@ def test_default_model_describes_its_calibration():
     assert model.samples and model.call_overhead_seconds > 0
     k = key("mask", 64, 256, model)
     assert model.graph_bytes(k) > 0
-    assert model.compile_seconds(key("causal", 64, 64, model, backend="none")) == 0.0
-    assert model.call_seconds("varlen", 16, 1024) == model.run_seconds(key("varlen", 16, 1024, model))
 
 
 def test_json_round_trip(tmp_path):
@@ -88,7 +109,7 @@ def test_corrupt_files_name_the_file_and_problem(tmp_path, text, match):
 
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d["run"]["mask"].update(per_cell=-1.0), "run.mask.per_cell: Input should be greater"),
-    (lambda d: d["compile"].pop("varlen"), "compile needs a fit for every kind; missing: varlen"),
+    (lambda d: d["compile"].pop("varlen"), "compile needs a fit for every graph family; missing: varlen"),
     (lambda d: d.update(kv_heads=3), "kv_heads 3 must divide heads 8"),
     (lambda d: d.update(colour="red"), "colour: Extra inputs are not permitted"),
 ])
@@ -110,7 +131,7 @@ def test_quick_grid_is_a_subset_with_every_kind():
     full = shapes(CalibrationSettings())
     quick = shapes(CalibrationSettings(quick=True))
     assert set(quick) < set(full) and len(set(full)) == len(full)
-    assert {kind for kind, _, _ in quick} == set(KINDS)
+    assert {kind for kind, _, _ in quick} == set(GraphFamily)
     assert ("causal", 4096, 4096) in quick and ("varlen", 16, 4096) in quick
 
 
@@ -131,9 +152,13 @@ def test_calibrate_cli_measures_through_the_dispatcher(tmp_path):
     assert all(s.seconds > 0 for s in model.samples if s.what != "mask_build")
 
 
-def test_calibrate_returns_fits_close_to_its_samples():
+def test_calibrate_fits_each_family_to_its_own_samples():
     model = calibrate(CalibrationSettings(heads=2, kv_heads=2, head_dim=8, backend="eager", max_len=32,
                                           repeats=1))
-    for sample in model.samples:
-        if sample.what == "run":
-            assert model.run[sample.kind](sample.rows, sample.cols) > 0
+    for family in GraphFamily:
+        for what in ("run", "compile"):
+            mine = [(x.rows, x.cols, max(x.seconds, 1e-9)) for x in model.samples
+                    if x.what == what and x.kind is family]
+            assert mine and getattr(model, what)[family] == Fit.to_samples(mine), (what, family)
+    builds = [(x.rows, x.cols, max(x.seconds, 1e-9)) for x in model.samples if x.what == "mask_build"]
+    assert model.mask_build == Fit.to_samples(builds)
