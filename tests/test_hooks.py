@@ -137,3 +137,62 @@ def test_exercised_names_are_hooks():
 @pytest.mark.parametrize("hook_name", sorted(EXERCISED))
 def test_hook(hook_name):
     EXERCISED[hook_name]()
+
+
+# -- observers never break attention ---------------------------------------------------------
+
+
+class Raising:
+    """An observer whose every hook raises."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @hookimpl
+    def attnpolicy_on_decision(self, decision):
+        self.calls += 1
+        raise RuntimeError("observer bug")
+
+    @hookimpl
+    def attnpolicy_on_compile(self, key):
+        self.calls += 1
+        raise KeyError("observer bug")
+
+    @hookimpl
+    def attnpolicy_on_evict(self, key):
+        self.calls += 1
+        raise ValueError("observer bug")
+
+
+def test_a_raising_observer_is_isolated_logged_once_and_counted(caplog):
+    import torch
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+
+    pm, (before,) = observers(1)
+    raising = Raising()
+    pm.register(raising, name="raising")
+    after = Observer()
+    pm.register(after, name="after")
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_graphs=1))
+    layouts = [BatchLayout.from_lens([n]) for n in (20, 40, 20, 40)]
+    for layout in layouts:
+        q = torch.randn(layout.q_tokens, 2, 8)
+        d.attend(q, q, q, layout)  # no exception reaches attention
+    kinds = [event[0] for event in after.seen]
+    assert kinds == [event[0] for event in before.seen]  # every other observer saw everything
+    assert kinds.count("decision") == 4 and kinds.count("compile") == 4 and kinds.count("evict") == 3
+    assert d.stats()["observer_errors"] == {"raising": raising.calls} and raising.calls == 11
+    warned = [r.getMessage() for r in caplog.records if r.name == "attnpolicy.plugins"]
+    assert len(warned) == 3 and all("'raising'" in m and "observer bug" in m for m in warned)  # once per hook
+
+
+def test_observers_cost_no_hook_call_when_none_is_registered(monkeypatch):
+    from attnpolicy.plugins.observers import Observers
+
+    pm = get_plugin_manager()
+    obs = Observers(pm)
+    monkeypatch.setattr(pm, "subset_hook_caller", lambda *a, **k: pytest.fail("built a hook caller"))
+    obs.on_decision(layout=None, decision=None, policy="p", fell_back=False)
+    obs.on_compile(key="k", seconds=0.0, nbytes=0)
+    assert obs.errors == {}

@@ -429,3 +429,10 @@ def test_example_package_installs_and_is_used(tmp_path):
                                             "--seq-lens", "8", "--option", "threshold=0"])
     assert bad.returncode == 2 and "threshold" in bad.stderr
     assert "length-threshold" not in listed(run_python(LIST_POLICIES, target, load_plugins=""))["policies"]
+
+
+def test_example_plugin_imports_only_the_top_level_package():
+    source = (EXAMPLE / "attnpolicy_length_threshold.py").read_text()
+    imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+    assert [i for i in imports if "attnpolicy" in i] == [
+        "from attnpolicy import BatchLayout, Decision, MaskMode, PolicyContext, hookimpl, is_legal"]

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, MaskMode, is_legal
-from attnpolicy.plugins.hookspecs import hookimpl
-from attnpolicy.policies.base import PolicyContext
+from attnpolicy import BatchLayout, Decision, MaskMode, PolicyContext, hookimpl, is_legal
 
 
 class LengthThreshold:
