@@ -19,10 +19,10 @@ from attnpolicy.cli.config import register
 from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig, from_env
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import BucketOverflowError, ConfigError, PolicyError
-from attnpolicy.plugins.hookspecs import hookimpl
-from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.compile import BACKENDS
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import get_plugin_manager
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

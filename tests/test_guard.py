@@ -162,7 +162,7 @@ def test_for_policy_builds_from_the_registry(recorder):
 
 @pytest.mark.parametrize("category", sorted(BAD))
 def test_preview_has_no_side_effect(recorder, caplog, category):
-    make, layout, _, words = BAD[category]
+    make, layout, _, _ = BAD[category]
     g = guard(make())
     with caplog.at_level(logging.DEBUG, logger="attnpolicy.policies.guard"):
         previewed = g.preview(layout, CTX)

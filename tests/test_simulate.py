@@ -12,7 +12,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.cli import replay
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import GraphFamily
