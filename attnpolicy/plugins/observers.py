@@ -31,9 +31,11 @@ class Observers:
         self._logged: set[tuple[str, str]] = set()
         # per hook: (the implementations they were built from, one caller per plugin)
         self._callers: dict[str, tuple[list[Any], list[tuple[str, Any]]]] = {}
+        self._decision = pm.hook.attnpolicy_on_decision
+        self._compile = pm.hook.attnpolicy_on_compile
+        self._evict = pm.hook.attnpolicy_on_evict
 
-    def _per_plugin(self, hook_name: str) -> list[tuple[str, Any]]:
-        impls = getattr(self._pm.hook, hook_name).get_hookimpls()
+    def _per_plugin(self, hook_name: str, impls: list[Any]) -> list[tuple[str, Any]]:
         cached = self._callers.get(hook_name)
         if cached is not None and cached[0] == impls:
             return cached[1]
@@ -46,7 +48,12 @@ class Observers:
     def notify(self, hook_name: str, **kwargs: Any) -> None:
         """Call every plugin's ``hook_name`` with ``kwargs``; never raises an
         :class:`Exception` from a plugin."""
-        for plugin, call in self._per_plugin(hook_name):
+        impls = getattr(self._pm.hook, hook_name).get_hookimpls()
+        if impls:
+            self._notify(hook_name, impls, kwargs)
+
+    def _notify(self, hook_name: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
+        for plugin, call in self._per_plugin(hook_name, impls):
             try:
                 call(**kwargs)
             except Exception as exc:  # noqa: BLE001  (isolation: an observer must never break attention)
@@ -56,12 +63,19 @@ class Observers:
                     log.warning("attnpolicy plugin %r: its %s hook raised %s: %s (ignored; further "
                                 "errors are only counted)", plugin, hook_name, type(exc).__name__, exc)
 
+    # The three observer hooks: with no implementation, one list copy and nothing else.
     def on_decision(self, layout: Any, decision: Any, policy: str, fell_back: bool) -> None:
-        self.notify("attnpolicy_on_decision", layout=layout, decision=decision, policy=policy,
-                    fell_back=fell_back)
+        impls = self._decision.get_hookimpls()
+        if impls:
+            self._notify("attnpolicy_on_decision", impls, {"layout": layout, "decision": decision,
+                                                            "policy": policy, "fell_back": fell_back})
 
     def on_compile(self, key: Any, seconds: float, nbytes: int) -> None:
-        self.notify("attnpolicy_on_compile", key=key, seconds=seconds, nbytes=nbytes)
+        impls = self._compile.get_hookimpls()
+        if impls:
+            self._notify("attnpolicy_on_compile", impls, {"key": key, "seconds": seconds, "nbytes": nbytes})
 
     def on_evict(self, key: Any, nbytes: int) -> None:
-        self.notify("attnpolicy_on_evict", key=key, nbytes=nbytes)
+        impls = self._evict.get_hookimpls()
+        if impls:
+            self._notify("attnpolicy_on_evict", impls, {"key": key, "nbytes": nbytes})
