@@ -46,7 +46,7 @@ from attnpolicy.graphs.buckets import Buckets, PositiveInt
 CONFIG_FILENAME = "attnpolicy_config.json"
 CONFIG_ENV = "ATTNPOLICY_CONFIG"
 POLICY_ENV = "ATTNPOLICY_POLICY"
-FORMAT_VERSION = 1
+FORMAT_VERSION: Literal[1] = 1
 
 logger = logging.getLogger("attnpolicy.config")
 
@@ -105,7 +105,7 @@ class AttnPolicyConfig(BaseModel):
         object.__setattr__(self, "attn_impl", self._resolve_attn_impl())
         return self
 
-    def _resolve_attn_impl(self) -> str:
+    def _resolve_attn_impl(self) -> Impl:
         """RBLN's rule: a ``partition_len`` that differs from ``max_seq_len`` means
         flash attention; the default otherwise is ``sdpa``, torch's fused kernel, the
         fastest exact implementation on CPU and CUDA (RBLN defaults to ``eager``
@@ -132,6 +132,7 @@ class AttnPolicyConfig(BaseModel):
         if auto:
             logger.info("partition_len=%d differs from max_seq_len=%d: attn_impl set to 'flash'",
                         part, max_len)
+        assert impl is not None  # set above when it was None
         return impl
 
     def _check_buckets(self) -> None:
@@ -142,9 +143,9 @@ class AttnPolicyConfig(BaseModel):
         b, max_len = self.buckets, self.max_seq_len
         if b.kind == "pow2" and "min" in b.model_fields_set and b.min > max_len:
             raise ValueError(f"buckets.min has bucket {b.min} > max_seq_len {max_len}")
-        if b.kind == "multiple" and b.multiple > max_len:
+        if b.kind == "multiple" and b.multiple is not None and b.multiple > max_len:
             raise ValueError(f"buckets.multiple has bucket {b.multiple} > max_seq_len {max_len}")
-        if b.kind == "list":
+        if b.kind == "list" and b.sizes is not None:
             if b.sizes[0] > max_len:
                 raise ValueError(f"buckets.sizes has no bucket <= max_seq_len {max_len}: {list(b.sizes)}")
             if b.sizes[-1] > self.max_batch_tokens:

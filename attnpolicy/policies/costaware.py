@@ -66,7 +66,7 @@ RENT_OR_BUY = "rent-or-buy"
 class _Option:
     """One candidate mode priced for one batch."""
 
-    __slots__ = ("mode", "keys", "run", "missing", "compile")
+    __slots__ = ("compile", "keys", "missing", "mode", "run")
 
     def __init__(self, mode: MaskMode, keys: tuple[GraphKey, ...], run: float,
                  missing: tuple[GraphKey, ...], compile: float) -> None:
@@ -123,7 +123,7 @@ class _Shadow:
         for key in keys:  # misses counted one by one: a key may be evicted within the batch
             if key not in self.cache:
                 self.seconds += model.compile_seconds(key)
-            self.cache.get_or_compile(key, lambda key=key: key)
+            self.cache.get_or_compile(key, _stand_in(key))
         if mode is MaskMode.MASK:
             for k in keys:
                 self.masks[(layout, k.q_len, k.kv_len)] = True
@@ -137,6 +137,11 @@ class _Shadow:
 #: A rule: ``rule(layout, ctx, shadow, commit) -> (mode, reason)``; with ``commit``
 #: false it must not change any state.
 _Rule = Callable[[BatchLayout, PolicyContext, "_Shadow", bool], tuple[MaskMode, str]]
+
+
+def _stand_in(key: GraphKey) -> Callable[[], GraphKey]:
+    """What a shadow cache holds for a key: the key itself (nothing is compiled)."""
+    return lambda: key
 
 
 def _fixed(policy: Policy) -> _Rule:
@@ -184,6 +189,15 @@ class _RentOrBuy:
         return chosen.mode, f"{chosen.describe()}{' vs ' + others if others else ''}; {note}"
 
 
+class _Hedge:
+    """The shadows (rent-or-buy first, then the fixed rules), the best fixed rule so far
+    and the rule followed now (``varlen`` at first)."""
+
+    def __init__(self, shadows: list[_Shadow]) -> None:
+        self.shadows = shadows
+        self.fixed_leader = self.following = shadows[1]
+
+
 class CostAware:
     """Rent-or-buy between modes, priced by the cost model, hedged against the fixed
     rules on shadow caches (see the module docstring)."""
@@ -193,12 +207,11 @@ class CostAware:
                    "uncached graphs (rent or buy), hedged against the fixed policies")
 
     def __init__(self) -> None:
-        self._shadows: list[_Shadow] | None = None
-        self._fixed_leader: _Shadow | None = None
-        self._following: _Shadow | None = None
+        self._hedge: _Hedge | None = None  # built on the first batch
         self._first = Varlen()  # the rule followed before any batch
 
-    def _start(self, layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> list[_Shadow]:
+    @staticmethod
+    def _start(layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> _Hedge:
         """The shadows, each holding the graphs of ``layout``'s options that are
         already cached (a warmed-up cache), at no charge."""
         cfg = ctx.config or AttnPolicyConfig()  # no config: an unbounded LRU cache
@@ -207,9 +220,8 @@ class CostAware:
         warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
         for shadow in shadows:
             for key in warm:
-                shadow.cache.get_or_compile(key, lambda key=key: key)
-        self._fixed_leader = self._following = shadows[1]
-        return shadows
+                shadow.cache.get_or_compile(key, _stand_in(key))
+        return _Hedge(shadows)
 
     @staticmethod
     def _ahead(candidate: _Shadow, leader: _Shadow, ctx: PolicyContext, model: CostModel) -> bool:
@@ -218,26 +230,28 @@ class CostAware:
         of switching) are below ``(1 - MARGIN)`` times the leader's."""
         if candidate is leader or candidate.seconds >= (1 - MARGIN) * leader.seconds:
             return False
-        switch = sum(model.compile_seconds(k) for k in candidate.cache.keys() if not ctx.is_cached(k))
+        held: list[GraphKey] = candidate.cache.keys()  # type: ignore[assignment]  # a shadow holds GraphKeys
+        switch = sum(model.compile_seconds(k) for k in held if not ctx.is_cached(k))
         return candidate.seconds + switch < (1 - MARGIN) * leader.seconds
 
     def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
         model = ctx.cost_model or CostModel.default()
-        if self._shadows is None:
-            self._shadows = self._start(layout, ctx, model)
-        rent_or_buy, *fixed = self._shadows
-        modes = {s.name: s.step(layout, ctx, model) for s in self._shadows}
+        if self._hedge is None:
+            self._hedge = self._start(layout, ctx, model)
+        h = self._hedge
+        rent_or_buy, *fixed = h.shadows
+        modes = {s.name: s.step(layout, ctx, model) for s in h.shadows}
         best = min(fixed, key=lambda s: s.seconds)
-        if self._ahead(best, self._fixed_leader, ctx, model):
-            if self._following is self._fixed_leader:
-                self._following = best
-            self._fixed_leader = best
-        other = self._fixed_leader if self._following is rent_or_buy else rent_or_buy
-        if self._ahead(other, self._following, ctx, model):
-            self._following = other
-        leader = self._following
+        if self._ahead(best, h.fixed_leader, ctx, model):
+            if h.following is h.fixed_leader:
+                h.following = best
+            h.fixed_leader = best
+        other = h.fixed_leader if h.following is rent_or_buy else rent_or_buy
+        if self._ahead(other, h.following, ctx, model):
+            h.following = other
+        leader = h.following
         mode, reason = modes[leader.name]
-        fixed_leader = self._fixed_leader
+        fixed_leader = h.fixed_leader
         text = (f"{leader.name}: {reason} | modelled so far: {RENT_OR_BUY} {rent_or_buy.seconds:.3g} s, "
                 f"{fixed_leader.name} {fixed_leader.seconds:.3g} s")
         if leader is not rent_or_buy:
@@ -247,10 +261,11 @@ class CostAware:
     def preview(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
         """The decision of the rule followed now, without stepping anything (see the
         module docstring)."""
-        if self._following is None:
+        if self._hedge is None:
             return self._first.decide(layout, ctx)
-        mode, reason = self._following.preview(layout, ctx)
-        return Decision(mode, f"{self._following.name}: {reason} (preview)")
+        following = self._hedge.following
+        mode, reason = following.preview(layout, ctx)
+        return Decision(mode, f"{following.name}: {reason} (preview)")
 
 
 @hookimpl

@@ -86,7 +86,7 @@ class Guard:
         """The policy's decision if it is legal for ``layout``, else see the class doc."""
         try:
             decision = self.policy.decide(layout, ctx)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (the boundary: any policy failure is guarded)
             return self._failed("exception", f"{self._who} raised {type(exc).__name__}: {exc}",
                                 layout, exc)
         if not isinstance(decision, Decision):
