@@ -1,8 +1,11 @@
 """Hook specifications: what an attnpolicy plugin can implement.
 
 A plugin is a module (or object) with functions decorated by
-``attnpolicy.hookimpl`` and named like the specs below. Built-in policies and
-eviction strategies register through these same hooks.
+``attnpolicy.hookimpl`` and named like the specs below (taking any subset of
+their arguments). Built-in policies and eviction strategies register through
+these same hooks. A plugin whose register hook fails is rejected alone (see
+:mod:`attnpolicy.plugins.registry`); an observer hook that raises is logged and
+counted, never raised into attention (see :mod:`attnpolicy.plugins.observers`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def attnpolicy_on_decision(layout: Any, decision: Any, policy: str, fell_back: b
     """Observe each decision after the guard: ``decision`` is the one that runs.
 
     ``fell_back`` is true when the guard replaced the policy's answer. Every
-    implementation is called; return values are ignored.
+    implementation is called, once per batch that runs (never for a preview);
+    return values are ignored.
     """
 
 
