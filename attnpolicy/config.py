@@ -25,6 +25,7 @@ from pydantic import (
 from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
+from attnpolicy.kernels.masks import DEFAULT_MAX_MASK_BYTES
 from attnpolicy.plugins.registry import eviction_registry, make_policy, policy_registry
 
 CONFIG_FILENAME = "attnpolicy_config.json"
@@ -58,6 +59,7 @@ class AttnPolicyConfig(BaseModel):
     partition_len: PositiveInt | None = None
     max_seq_len: PositiveInt = 8192
     max_batch_tokens: PositiveInt = 65536
+    max_mask_bytes: PositiveInt = DEFAULT_MAX_MASK_BYTES
     on_illegal: Literal["raise", "fallback"] = "fallback"
     fallback_mode: Literal["mask", "varlen"] = "varlen"
     on_overflow: Literal["raise", "eager"] = "raise"

@@ -53,7 +53,7 @@ def test_one_off_long_sequence_runs_on_the_cached_mask_graph_then_compiles_once_
         d.prepare(layout, MODEL.spec)
     assert MaskMode.CAUSAL in modes and causal_key in d.cache
     assert modes[modes.index(MaskMode.CAUSAL):] == [MaskMode.CAUSAL] * (len(modes) - modes.index(MaskMode.CAUSAL))
-    assert d.stats()["cache"]["per_key"][str(causal_key)]["compiles"] == 1
+    assert d.stats().cache.per_key[str(causal_key)].compiles == 1
 
 
 def test_without_a_tensor_spec_it_falls_back_to_mask_free_modes():

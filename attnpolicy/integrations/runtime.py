@@ -76,7 +76,7 @@ class DecisionLog:
         with _lock:
             built = list(_dispatchers.values())
         for config, d in built:
-            self.write({"event": "stats", "policy": config.policy, "stats": d.stats()})
+            self.write({"event": "stats", "policy": config.policy, "stats": d.stats().to_json()})
 
 
 def install_decision_log(environ: Mapping[str, str] = os.environ) -> DecisionLog | None:

@@ -6,8 +6,8 @@ guard, plan, graph cache) over the batches of a
 :class:`~attnpolicy.measure.batching.BatchFormer`, with a builder that compiles nothing:
 a miss is charged the model's compile seconds, every call the model's run seconds
 plus the dispatch overhead, and every MASK call whose dense mask is not in the
-mask cache (mirrored: an LRU of :data:`attnpolicy.kernels.masks.DENSE_CACHE_SIZE` masks
-keyed by layout and shape) a host mask build. Hits, misses and evictions are
+mask cache (mirrored: a :class:`~attnpolicy.kernels.masks.MaskCache` bounded by
+``max_mask_bytes``, keyed like the dispatcher's) a host mask build. Hits, misses and evictions are
 therefore exactly those of a real run of the same batches and config.
 
 ``belady`` is the offline optimum: the key sequence of the policy's LRU run at the
@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import cachetools
-
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
@@ -35,7 +33,7 @@ from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
+from attnpolicy.kernels.masks import MaskCache, mask_for
 from attnpolicy.measure.batching import BatchFormer, Step
 from attnpolicy.measure.workload import Request
 from attnpolicy.plugins.registry import eviction_registry
@@ -93,7 +91,7 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
     cache = GraphCache.from_config(config, sizeof=model.graph_bytes, compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
     dispatcher.use_spec(spec)
-    masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+    masks = MaskCache(config.max_mask_bytes)
     out = _Replay()
     keys = out.keys
     seconds = 0.0
@@ -108,13 +106,13 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
                 out.overflow_calls += 1
                 seconds += model.call_seconds(call.kind, call.q_bucket, call.kv_bucket) + overhead
             if call.kind is MaskMode.MASK:
-                mask_key = (layout, call.q_bucket, call.kv_bucket)
-                if masks.get(mask_key) is None:
-                    masks[mask_key] = True
+                mask_key = (mask_for(layout), call.q_bucket, call.kv_bucket, spec.device)
+                if mask_key not in masks:
                     out.mask_builds += 1
                     out.mask_build_seconds += model.mask_build_seconds(call.q_bucket, call.kv_bucket)
+                masks.lookup(mask_key, call.q_bucket * call.kv_bucket, bool)
     out.attention_seconds = seconds + out.mask_build_seconds
-    out.stats = dispatcher.stats()
+    out.stats = dispatcher.stats().to_json()
     return out
 
 
@@ -221,7 +219,7 @@ def simulate(
                         lru_runs[policy, capacity] = _replay(steps, config("lru"), model)
                     replay = lru_runs[policy, capacity]
                     cfg = config("lru")
-                    stats = belady_cache(replay.keys, cfg, model).stats()
+                    stats = belady_cache(replay.keys, cfg, model).stats().to_json()
                 else:
                     cfg = config(eviction)
                     replay = _replay(steps, cfg, model)

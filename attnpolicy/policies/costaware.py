@@ -34,15 +34,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import cachetools
-
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, legal_modes
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
-from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
+from attnpolicy.kernels.masks import MaskCache
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.policies.base import Policy, PolicyContext
 from attnpolicy.policies.builtin import (
@@ -85,7 +83,7 @@ class _Option:
 
 
 def _price(layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], model: CostModel,
-           is_cached: Callable[[GraphKey], bool], masks: cachetools.LRUCache) -> _Option:
+           is_cached: Callable[[GraphKey], bool], masks: MaskCache) -> _Option:
     run = sum(model.run_seconds(k) for k in keys) + model.call_overhead_seconds * len(keys)
     if mode is MaskMode.MASK:
         run += sum(model.mask_build_seconds(k.q_len, k.kv_len) for k in keys
@@ -103,7 +101,7 @@ class _Shadow:
         self.name = name
         self.cache: GraphCache = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
                                                         compile_cost=model.compile_cost)
-        self.masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+        self.masks = MaskCache(config.max_mask_bytes)  # mirrors the dispatcher's
         self.seconds = 0.0
         self._decide = decide
 
@@ -119,7 +117,7 @@ class _Shadow:
             self.cache.get_or_compile(key, lambda key=key: key)
         if mode is MaskMode.MASK:
             for k in keys:
-                self.masks[(layout, k.q_len, k.kv_len)] = True
+                self.masks.lookup((layout, k.q_len, k.kv_len), k.q_len * k.kv_len, bool)
         return mode, reason
 
 
