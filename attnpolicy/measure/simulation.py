@@ -167,6 +167,15 @@ def _row(policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
     }
 
 
+def _rejections(former: BatchFormer) -> str:
+    """Why the former rejected its requests, e.g. ``3 need more than max_model_len=8192
+    tokens (the first: 1e+23 prompt + 10 output)``."""
+    first = former.rejected[0]
+    need = "prompt" if former.prefill_only else "prompt + output"
+    return (f"{len(former.rejected)} need more than max_model_len={former.max_model_len} tokens "
+            f"({need}; the first: {first.prompt_tokens} prompt + {first.output_tokens} output)")
+
+
 def _check_evictions(evictions: Iterable[str]) -> None:
     known = set(eviction_registry())
     for name in evictions:
@@ -191,7 +200,9 @@ def simulate(
     comes from ``config_base`` (default: :func:`simulation_config`); ``model``
     defaults to :meth:`CostModel.default`; ``former_options`` are
     :class:`BatchFormer` keyword arguments. ``progress(label)`` is called after each
-    row. Rows hold :data:`ROW_FIELDS` and more: ``attention_seconds`` includes
+    row. A trace whose every request is rejected (longer than ``max_model_len``)
+    raises :class:`ConfigError` saying why; ``rejected`` in each row counts the
+    requests left out. Rows hold :data:`ROW_FIELDS` and more: ``attention_seconds`` includes
     dispatch overheads and mask builds (also given alone as ``mask_build_seconds``);
     ``total_seconds`` is attention plus compile seconds.
     """
@@ -204,6 +215,10 @@ def simulate(
                           "model for this config or change it")
     _check_evictions(evictions)
     steps = list(former.steps(requests))
+    rejected = former.rejected
+    if rejected and len(rejected) == len(requests):
+        raise ConfigError(f"every request ({len(requests)}) was rejected: {_rejections(former)}; "
+                          "nothing to simulate (raise max_model_len or check the trace)")
     fields = base.model_dump(mode="json")
     lru_runs: dict[tuple[str, int | None], _Replay] = {}
     rows = []
@@ -226,7 +241,7 @@ def simulate(
                     if eviction == "lru":
                         lru_runs[policy, capacity] = replay
                     stats = replay.stats["cache"]
-                rows.append(_row(policy, cfg, eviction, replay, stats))
+                rows.append({**_row(policy, cfg, eviction, replay, stats), "rejected": len(rejected)})
                 if progress:
                     progress(f"{policy} capacity={capacity} {eviction}")
     return rows
