@@ -20,9 +20,13 @@ _EXPORTS = {
     "attend": "attnpolicy.graphs.execute",
     "GraphKey": "attnpolicy.graphs.keys",
     "GraphCache": "attnpolicy.cache.graph_cache",
+    "CacheStats": "attnpolicy.cache.graph_cache",
+    "KeyStats": "attnpolicy.cache.graph_cache",
+    "MaskCache": "attnpolicy.kernels.masks",
     "Buckets": "attnpolicy.graphs.buckets",
     "AttnPolicyConfig": "attnpolicy.config",
     "Dispatcher": "attnpolicy.dispatcher",
+    "DispatcherStats": "attnpolicy.dispatcher",
     "PolicyContext": "attnpolicy.policies.base",
     "hookimpl": "attnpolicy.plugins.hookspecs",
 }
