@@ -44,6 +44,14 @@ def _dispatcher(policy: str, impl: str, backend: str) -> Dispatcher:
     return _dispatchers[key]
 
 
+def _run(d: Dispatcher, qkv, layout: BatchLayout) -> tuple[torch.Tensor, str]:
+    """The output of one batch and the mode that ran it."""
+    before = d.stats().modes
+    out = d.attend(*qkv, layout)
+    (mode,) = (m for m, n in d.stats().modes.items() if n != before[m])
+    return out, mode
+
+
 @st.composite
 def _layouts(draw) -> BatchLayout:
     """2–4 sequences of at most 64 tokens (context included)."""
@@ -93,7 +101,7 @@ def test_a_sequence_is_exact_and_untouched_by_its_neighbours(data, policy, impl,
                    (v, _padding(layout.kv_starts, layout.kv_lens, layout.kv_tokens))):
         t[pad] = data.draw(st.sampled_from(BAD))  # an uninitialised buffer's garbage
     d = _dispatcher(policy, impl, backend)
-    clean = d.attend(q, k, v, layout)
+    clean, clean_mode = _run(d, (q, k, v), layout)
 
     me = data.draw(st.integers(0, layout.num_seqs - 1))
     dirty = [t.clone() for t in (q, k, v)]
@@ -104,13 +112,16 @@ def test_a_sequence_is_exact_and_untouched_by_its_neighbours(data, policy, impl,
         starts, lens = (layout.q_starts, layout.q_lens) if which == 0 else (layout.kv_starts, layout.kv_lens)
         row = starts[i] + data.draw(st.integers(0, lens[i] - 1))
         dirty[which][row, data.draw(st.integers(0, dirty[which].shape[1] - 1)), 0] = data.draw(st.sampled_from(BAD))
-    out = d.attend(*dirty, layout)
+    out, mode = _run(d, dirty, layout)
 
     rows = slice(layout.q_starts[me], layout.q_starts[me] + layout.q_lens[me])
-    assert torch.isfinite(out[rows]).all()
-    assert torch.equal(out[rows], clean[rows])
-    finite = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]  # padding garbage is never read
     tol = TOL[dtype]
+    assert torch.isfinite(out[rows]).all()
+    if mode == clean_mode:
+        assert torch.equal(out[rows], clean[rows])
+    else:  # cost-aware may decide the same layout differently the second time
+        torch.testing.assert_close(out[rows], clean[rows], atol=tol, rtol=tol)
+    finite = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]  # padding garbage is never read
     torch.testing.assert_close(out[rows].double(), reference_for(*finite, layout)[rows], atol=tol, rtol=tol)
 
 
