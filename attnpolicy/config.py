@@ -31,6 +31,7 @@ from pydantic import (
 
 from attnpolicy.core import jsonfile
 from attnpolicy.core.names import (
+    DEFAULT_MAX_MASK_BYTES,
     Backend,
     FallbackMode,
     Impl,
@@ -74,6 +75,7 @@ class AttnPolicyConfig(BaseModel):
     partition_len: PositiveInt | None = None
     max_seq_len: PositiveInt = 8192
     max_batch_tokens: PositiveInt = 65536
+    max_mask_bytes: PositiveInt = DEFAULT_MAX_MASK_BYTES
     on_illegal: OnIllegal = "fallback"
     fallback_mode: FallbackMode = "varlen"
     on_overflow: OnOverflow = "raise"

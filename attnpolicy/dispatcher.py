@@ -6,12 +6,13 @@ import dataclasses
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import cachetools
 import torch
 
-from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
@@ -21,6 +22,7 @@ from attnpolicy.graphs.execute import GraphFn, check_inputs, execute, graph_fn
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.graphs.plan import plan_calls
+from attnpolicy.kernels.masks import MaskCache, MaskCacheStats
 from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
@@ -35,6 +37,38 @@ Planned = tuple[tuple[Call, GraphKey], ...]
 Builder = Callable[[Call, GraphKey, TensorSpec], GraphFn]
 
 
+@dataclass(frozen=True, slots=True)
+class PaddingStats:
+    """Real query tokens and the rows graphs padded on top of them."""
+
+    real_tokens: int
+    padded_tokens: int
+    waste: float
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    """A snapshot of a :class:`Dispatcher`: its counters, its graph cache's and its
+    mask cache's (see docs/cache.md). ``to_json()`` gives the dict of the JSON outputs."""
+
+    batches: int
+    calls: int
+    modes: dict[str, int]
+    guard_fallbacks: int
+    overflow: int
+    mask_fallbacks: int
+    compile_error_fallbacks: int
+    strict_violations: int
+    observer_errors: dict[str, int]
+    padding: PaddingStats
+    plans: int
+    masks: MaskCacheStats
+    cache: CacheStats
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class Dispatcher:
     """Runs attention the way ``config`` says, through a bounded graph cache.
 
@@ -45,13 +79,21 @@ class Dispatcher:
     tensor-parallel ranks replaying the same batches agree. A Dispatcher is not
     thread-safe (its graph cache is): use one per thread, or lock around it.
 
+    Everything it keeps is its own and bounded: graphs (``max_graphs``,
+    ``max_bytes``), dense masks (``max_mask_bytes``), small mask tensors and plans
+    (:data:`~attnpolicy.kernels.masks.SMALL_CACHE_SIZE`, :data:`PLAN_CACHE_SIZE`
+    entries); all appear in :meth:`stats` and go with the dispatcher. The graphs a
+    batch uses are pinned from :meth:`prepare` until the batch has run (the end of
+    :meth:`attend`, or the next :meth:`prepare`): evicting one then does not free it,
+    so it never compiles again behind the cache's back.
+
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile; ``builder`` replaces compilation (simulation).
 
     The policy is built once, here: an unknown policy or eviction name, or
     ``policy_options`` the policy rejects, raise a clear error naming the field.
     Observer hooks are isolated (see :mod:`attnpolicy.plugins.observers`); the
-    exceptions they raised are counted in ``stats()["observer_errors"]``.
+    exceptions they raised are counted in ``stats().observer_errors``.
     """
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
@@ -72,6 +114,8 @@ class Dispatcher:
         self._largest_batch = _largest_bucket(cfg, cfg.max_batch_tokens)
         self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
         self._contexts: dict[TensorSpec, PolicyContext] = {}
+        self.masks = MaskCache(cfg.max_mask_bytes)
+        self._pinned: list[GraphKey] = []
         self._warm = False
         self._modes: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
@@ -80,23 +124,42 @@ class Dispatcher:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
                scale: float | None = None) -> torch.Tensor:
         """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
-        check_inputs(q, k, v, layout)
-        return execute(q, k, v, layout, self.prepare(layout, TensorSpec.of(q, k, scale)))
+        check_inputs(q, k, v, layout, scale)
+        graphs = self.prepare(layout, TensorSpec.of(q, k, scale))
+        try:
+            return execute(q, k, v, layout, graphs, self.masks)
+        finally:
+            self.release_batch()
 
     def prepare(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
-        ``attend`` does except touching tensors. One call per graph invocation."""
+        ``attend`` does except touching tensors. One call per graph invocation. The
+        graphs stay pinned until :meth:`release_batch` or the next ``prepare``."""
+        self.release_batch()
+        self._check_lengths(layout)
         decision = self.decide(layout, spec)
-        planned = self._planned(layout, decision.mode, spec)
-        out = [(call, self._graph(call, key, spec)) for call, key in planned]
+        mode, planned = self._planned(layout, decision.mode, spec)
+        try:
+            out = [(call, self._graph(call, key, spec, pin=True)) for call, key in planned]
+        except BaseException:
+            self.release_batch()
+            raise
         # counted once every graph is at hand: a batch that raised is not counted
-        self._modes[decision.mode.value] += 1
+        self._modes[mode.value] += 1
         c = self._counts
+        if mode is not decision.mode:
+            c["mask_fallbacks"] += 1
         c["batches"] += 1
         c["calls"] += len(planned)
         c["real_tokens"] += layout.total_tokens
         c["padded_tokens"] += sum(call.q_bucket for call, _ in planned) - layout.total_tokens
         return out
+
+    def release_batch(self) -> None:
+        """Unpin the graphs of the batch last prepared (it has run)."""
+        if self._pinned:
+            pinned, self._pinned = self._pinned, []
+            self.cache.unpin(pinned)
 
     def decide(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
         """The decision that runs for ``layout`` on tensors of ``spec`` (after the guard).
@@ -109,7 +172,7 @@ class Dispatcher:
         ctx = self._contexts.get(spec)
         if ctx is None:
             def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
-                return tuple(key for call, key in self._planned(layout, mode, spec) if call.compiled)
+                return tuple(key for call, key in self._planned(layout, mode, spec)[1] if call.compiled)
 
             ctx = self._contexts[spec] = PolicyContext(
                 config=self.config, spec=spec, is_cached=self.cache.__contains__, keys_for=keys_for,
@@ -123,6 +186,26 @@ class Dispatcher:
                 f"length {n} exceeds the largest bucket {largest} (buckets {self.config.buckets.describe()}, "
                 f"{field}={getattr(self.config, field)}); set on_overflow='eager' to run it uncompiled")
         return n
+
+    def _check_lengths(self, layout: BatchLayout) -> None:
+        """One rule for every policy: a sequence (cached context included) longer than
+        the largest bucket of ``max_seq_len`` is an overflow, refused under
+        ``on_overflow='raise'`` whatever mode the policy picks."""
+        if layout.max_kv_len > self._largest:
+            self._overflow(layout.max_kv_len, self._largest, "max_seq_len")
+
+    def _mask_fits(self, call: Call, layout: BatchLayout) -> bool:
+        """Whether a MASK call's dense mask is within ``max_mask_bytes`` (raises under
+        ``on_overflow='raise'`` when not: nothing is allocated)."""
+        nbytes, limit = call.q_bucket * call.kv_bucket, self.config.max_mask_bytes
+        if nbytes <= limit:
+            return True
+        if self.config.on_overflow == "raise":
+            raise BucketOverflowError(
+                f"the MASK call of {layout.describe()} needs a {call.q_bucket} x {call.kv_bucket} mask "
+                f"({nbytes} bytes), more than max_mask_bytes={limit}; raise max_mask_bytes, or set "
+                "on_overflow='eager' to run such batches in VARLEN mode")
+        return False
 
     def _bucket(self, n: int) -> int:
         if n > self._largest:
@@ -142,16 +225,23 @@ class Dispatcher:
             return call
         return dataclasses.replace(call, compiled=False)
 
-    def _planned(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> Planned:
+    def _planned(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> tuple[MaskMode, Planned]:
+        """The mode that runs (VARLEN for a MASK call over ``max_mask_bytes`` under
+        ``on_overflow='eager'``) and its planned calls."""
         plan_key = (layout, mode, spec)
-        planned = self._plans.get(plan_key)
-        if planned is None:
-            cfg = self.config
-            planned = tuple(
-                (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend))
-                for call in map(self._fits, plan_calls(layout, mode, self._bucket, self._batch_bucket)))
-            self._plans[plan_key] = planned
-        return planned
+        hit = self._plans.get(plan_key)
+        if hit is not None:
+            return hit
+        cfg = self.config
+        calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
+        if mode is MaskMode.MASK and not self._mask_fits(calls[0], layout):
+            mode = MaskMode.VARLEN
+            calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
+        planned = tuple(
+            (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend))
+            for call in map(self._fits, calls))
+        self._plans[plan_key] = (mode, planned)
+        return mode, planned
 
     def preview(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
         """The decision a batch of ``layout`` on tensors of ``spec`` would get now, with
@@ -169,19 +259,22 @@ class Dispatcher:
         cfg = self.config
         return graph_fn(call, cfg.attn_impl, spec.scale, cfg.partition_len)
 
-    def _graph(self, call: Call, key: GraphKey, spec: TensorSpec) -> GraphFn:
+    def _graph(self, call: Call, key: GraphKey, spec: TensorSpec, pin: bool = False) -> GraphFn:
         if not call.compiled:  # longer than the largest bucket, on_overflow="eager"
             self._counts["overflow"] += 1
             return self._uncompiled(call, spec)
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
-            return self.cache.get_or_compile(key, lambda: self._builder(call, key, spec))
+            graph = self.cache.get_or_compile(key, lambda: self._builder(call, key, spec), pin=pin)
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise
             self._counts["compile_error_fallbacks"] += 1
             return self._uncompiled(call, spec)
+        if pin:
+            self._pinned.append(key)
+        return graph
 
     def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
         return compile_graph(self._uncompiled(call, spec), key.backend, counter=self._compile_counter,
@@ -200,7 +293,8 @@ class Dispatcher:
         compile as a strict-mode violation. Returns the keys."""
         keys: dict[GraphKey, None] = {}
         for layout in layouts:
-            for call, key in self._planned(layout, self.preview(layout, spec).mode, spec):
+            self._check_lengths(layout)
+            for call, key in self._planned(layout, self.preview(layout, spec).mode, spec)[1]:
                 self._graph(call, key, spec)  # with the same overflow and compile-error rules
                 if call.compiled:
                     keys[key] = None
@@ -208,23 +302,25 @@ class Dispatcher:
         return list(keys)
 
     # -- observation -------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Counters of this dispatcher and its cache (see docs/cache.md)."""
+    def stats(self) -> DispatcherStats:
+        """Counters of this dispatcher, its graph cache and its masks (see docs/cache.md)."""
         c = self._counts
         real, padded = c["real_tokens"], c["padded_tokens"]
-        return {
-            "batches": c["batches"],
-            "calls": c["calls"],
-            "modes": {m.value: self._modes[m.value] for m in MaskMode},
-            "guard_fallbacks": self.guard.fallbacks,
-            "overflow": c["overflow"],
-            "compile_error_fallbacks": c["compile_error_fallbacks"],
-            "strict_violations": c["strict_violations"],
-            "observer_errors": dict(self.observers.errors),
-            "padding": {"real_tokens": real, "padded_tokens": padded,
-                        "waste": padded / real if real else 0.0},
-            "cache": self.cache.stats(),
-        }
+        return DispatcherStats(
+            batches=c["batches"],
+            calls=c["calls"],
+            modes={m.value: self._modes[m.value] for m in MaskMode},
+            guard_fallbacks=self.guard.fallbacks,
+            overflow=c["overflow"],
+            mask_fallbacks=c["mask_fallbacks"],
+            compile_error_fallbacks=c["compile_error_fallbacks"],
+            strict_violations=c["strict_violations"],
+            observer_errors=dict(self.observers.errors),
+            padding=PaddingStats(real, padded, padded / real if real else 0.0),
+            plans=len(self._plans),
+            masks=self.masks.stats(),
+            cache=self.cache.stats(),
+        )
 
 
 def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey, float], float] | None:

@@ -31,7 +31,7 @@ def test_dispatch_overhead_on_hit(benchmark, policy, name):
     benchmark.group = f"dispatch overhead {name}"
     benchmark.extra_info.update(policy=policy, calls_per_batch=len(d.prepare(layout, SPEC)))
     benchmark(d.prepare, layout, SPEC)
-    stats = d.stats()["cache"]
+    stats = d.stats().to_json()["cache"]
     benchmark.extra_info.update(hit_rate=stats["hits"] / (stats["hits"] + stats["misses"]),
                                 compiles=stats["compiles"])
 
@@ -45,7 +45,7 @@ def test_policy_on_workload(benchmark, policy, capacity):
         d = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_graphs=capacity), builder=_stub)
         for step in steps:
             d.prepare(step.layout, SPEC)
-        return d.stats()
+        return d.stats().to_json()
 
     benchmark.group = f"policy decisions on 100 default requests, capacity {capacity}"
     stats = benchmark.pedantic(replay, rounds=3)

@@ -70,15 +70,15 @@ def test_lru_acceptance_sequence():
     cache, victims = evicting_cache(max_graphs=2, eviction="lru")
     for key in "ABACAB":
         assert cache.get_or_compile(key, build_of(key)) == ("graph", key)
-        assert cache.stats()["graphs"] <= 2
+        assert cache.stats().graphs <= 2
     s = cache.stats()
-    assert (s["hits"], s["misses"], s["evictions"], s["compiles"]) == (2, 4, 2, 4)
+    assert (s.hits, s.misses, s.evictions, s.compiles) == (2, 4, 2, 4)
     assert victims == ["B", "C"]
     assert sorted(cache.keys()) == ["A", "B"]
-    assert s["peak_graphs"] == 2
-    a = s["per_key"]["A"]
-    assert (a["hits"], a["misses"], a["compiles"], a["evictions"], a["bytes"]) == (2, 1, 1, 0, 0)
-    assert s["per_key"]["B"]["misses"] == 2 and s["per_key"]["B"]["evictions"] == 1
+    assert s.peak_graphs == 2
+    a = s.per_key["A"]
+    assert (a.hits, a.misses, a.compiles, a.evictions, a.bytes) == (2, 1, 1, 0, 0)
+    assert s.per_key["B"].misses == 2 and s.per_key["B"].evictions == 1
 
 
 # -- strategies that pick a different victim than LRU -----------------------------------
@@ -101,7 +101,7 @@ def test_cost_keeps_the_expensive_graph_lru_would_evict(clock):
         cache.get_or_compile("C", clock.build("C", 0.5))
     assert caches["lru"][1] == ["A"]
     assert caches["cost"][1] == ["B"]
-    assert caches["cost"][0].stats()["per_key"]["A"]["compile_seconds"] == 5.0
+    assert caches["cost"][0].stats().per_key["A"].compile_seconds == 5.0
 
 
 def test_cost_evicts_the_larger_of_equally_expensive_graphs(clock):
@@ -163,7 +163,7 @@ def test_belady_evicts_the_key_used_farthest_ahead():
     run(lru, requests)
     assert belady_victims == ["A"]  # never used again
     assert lru_victims == ["B", "A"]
-    assert belady.stats()["hits"] == 2 and lru.stats()["hits"] == 1
+    assert belady.stats().hits == 2 and lru.stats().hits == 1
 
 
 def test_belady_ties_go_to_the_first_inserted():
@@ -203,10 +203,10 @@ def test_bounds_and_accounting_hold_for_random_sequences(requests, sizes, max_gr
         assert value is built[key]
         assert previous is None or value is previous
         s = cache.stats()
-        assert s["hits"] + s["misses"] == oracle.pos + 1
-        assert s["graphs"] == len(cache) <= (max_graphs or math.inf)
-        assert s["bytes"] == sum(sizes[k] for k in cache.keys()) <= max_bytes
-        assert s["compiles"] == s["misses"] == s["evictions"] + s["graphs"]
+        assert s.hits + s.misses == oracle.pos + 1
+        assert s.graphs == len(cache) <= (max_graphs or math.inf)
+        assert s.bytes == sum(sizes[k] for k in cache.keys()) <= max_bytes
+        assert s.compiles == s.misses == s.evictions + s.graphs
 
 
 # -- oversize --------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def test_oversize_raise_refuses_without_building():
         cache.get_or_compile("big", lambda: builds.append(1))
     assert all(part in str(err.value) for part in ("big", "20", "max_bytes=10"))
     assert builds == [] and "big" not in cache
-    assert cache.stats()["compiles"] == 0 and cache.stats()["misses"] == 1
+    assert cache.stats().compiles == 0 and cache.stats().misses == 1
 
 
 def test_oversize_uncached_builds_every_time_and_counts():
@@ -228,15 +228,15 @@ def test_oversize_uncached_builds_every_time_and_counts():
     for _ in range(2):
         assert cache.get_or_compile("big", lambda: builds.append(1) or "value") == "value"
     s = cache.stats()
-    assert builds == [1, 1] and s["uncached"] == 2 and s["compiles"] == 3
-    assert cache.keys() == ["small"] and s["bytes"] == 5 and s["evictions"] == 0
+    assert builds == [1, 1] and s.uncached == 2 and s.compiles == 3
+    assert cache.keys() == ["small"] and s.bytes == 5 and s.evictions == 0
 
 
 # -- threads -----------------------------------------------------------------------------
 
 def wait_for_waiters(cache, n, timeout=5.0):
     deadline = time.monotonic() + timeout
-    while cache.stats()["waits"] < n and time.monotonic() < deadline:
+    while cache.stats().waits < n and time.monotonic() < deadline:
         time.sleep(0.005)
 
 
@@ -271,9 +271,9 @@ def test_single_flight_eight_threads_one_build():
 
     results = in_threads(8, lambda: cache.get_or_compile("fresh", build))
     s = cache.stats()
-    assert len(builds) == 1 and s["compiles"] == 1
+    assert len(builds) == 1 and s.compiles == 1
     assert all(r is results[0] for r in results) and results[0] is not None
-    assert (s["misses"], s["hits"], s["waits"]) == (1, 7, 7)
+    assert (s.misses, s.hits, s.waits) == (1, 7, 7)
 
 
 def test_single_flight_failure_reaches_every_waiter_then_retries():
@@ -289,7 +289,7 @@ def test_single_flight_failure_reaches_every_waiter_then_retries():
     assert len(builds) == 1
     assert all(isinstance(r, GraphCompileError) and "k" in str(r) for r in results)
     assert all(isinstance(r.__cause__, RuntimeError) for r in results)
-    assert cache.stats()["compile_failures"] == 1
+    assert cache.stats().compile_failures == 1
     assert cache.get_or_compile("k", lambda: "ok") == "ok"
 
 
@@ -341,11 +341,11 @@ def test_failed_build_caches_nothing_and_the_next_request_retries():
         cache.get_or_compile("key-1", failing)
     assert "key-1" in str(err.value) and err.value.__cause__ is original
     s = cache.stats()
-    assert (s["compile_failures"], s["compiles"], s["graphs"], s["bytes"]) == (1, 0, 0, 0)
+    assert (s.compile_failures, s.compiles, s.graphs, s.bytes) == (1, 0, 0, 0)
     assert "key-1" not in cache
     assert cache.get_or_compile("key-1", lambda: "built") == "built"
     s = cache.stats()
-    assert (s["compile_failures"], s["compiles"], s["misses"], s["bytes"]) == (1, 1, 2, 7)
+    assert (s.compile_failures, s.compiles, s.misses, s.bytes) == (1, 1, 2, 7)
 
 
 # -- callbacks, explicit eviction, clear, reset ------------------------------------------
@@ -361,7 +361,7 @@ def test_callbacks_fire_with_key_seconds_bytes_and_value(clock):
     assert compiled == [("A", 2.0, 3), ("B", 0.25, 4)]
     assert evicted == [("A", 3)]
     assert released == [("A", ("graph", "A"))]
-    assert cache.stats()["compile_seconds"] == 2.25
+    assert cache.stats().compile_seconds == 2.25
 
 
 def test_explicit_evict_and_clear():
@@ -370,11 +370,11 @@ def test_explicit_evict_and_clear():
                        release=lambda key, value: released.append(key))
     run(cache, "ABC")
     assert cache.evict("B") is True and cache.evict("B") is False
-    assert evicted == [("B", 2)] and cache.stats()["evictions"] == 1
+    assert evicted == [("B", 2)] and cache.stats().evictions == 1
     cache.clear()
     s = cache.stats()
     assert sorted(released) == ["A", "B", "C"] and evicted == [("B", 2)]
-    assert (s["graphs"], s["bytes"], s["evictions"], s["peak_graphs"]) == (0, 0, 1, 3)
+    assert (s.graphs, s.bytes, s.evictions, s.peak_graphs) == (0, 0, 1, 3)
 
 
 def test_reset_stats_keeps_graphs_and_resets_peaks_to_current():
@@ -383,12 +383,12 @@ def test_reset_stats_keeps_graphs_and_resets_peaks_to_current():
     cache.evict("C")
     cache.reset_stats()
     s = cache.stats()
-    assert (s["hits"], s["misses"], s["compiles"], s["evictions"], s["compile_seconds"]) == (0, 0, 0, 0, 0.0)
-    assert (s["graphs"], s["bytes"], s["peak_graphs"], s["peak_bytes"]) == (2, 10, 2, 10)
-    assert s["per_key"]["A"] == {"hits": 0, "misses": 0, "compiles": 0, "evictions": 0,
+    assert (s.hits, s.misses, s.compiles, s.evictions, s.compile_seconds) == (0, 0, 0, 0, 0.0)
+    assert (s.graphs, s.bytes, s.peak_graphs, s.peak_bytes) == (2, 10, 2, 10)
+    assert s.to_json()["per_key"]["A"] == {"hits": 0, "misses": 0, "compiles": 0, "evictions": 0,
                                  "compile_seconds": 0.0, "bytes": 5}
     run(cache, "A")
-    assert cache.stats()["hits"] == 1
+    assert cache.stats().hits == 1
 
 
 def test_contains_and_keys_have_no_side_effects():
@@ -407,7 +407,7 @@ def test_warmup_compiles_and_counts():
     cache.warmup([(k, build_of(k)) for k in "AB"])
     cache.warmup([("A", build_of("A"))])
     s = cache.stats()
-    assert cache.keys() == ["A", "B"] and (s["compiles"], s["misses"], s["hits"]) == (2, 2, 1)
+    assert cache.keys() == ["A", "B"] and (s.compiles, s.misses, s.hits) == (2, 2, 1)
 
 
 # -- validation and plugins --------------------------------------------------------------
@@ -439,7 +439,7 @@ def test_sizeof_must_return_non_negative_int():
     for _ in range(2):  # the second request is not left waiting on the first
         with pytest.raises(ConfigError, match=r"sizeof\(k\) returned -1"):
             cache.get_or_compile("k", lambda: 1)
-    assert cache.stats()["compiles"] == 0
+    assert cache.stats().compiles == 0
 
 
 class _Plugin:
@@ -498,4 +498,85 @@ def test_victims_evicted_before_a_strategy_fails_are_still_released(plugin):
     run(cache, "AB")
     with pytest.raises(RuntimeError, match="strategy broke"):
         cache.get_or_compile("C", build_of("C"))  # needs two evictions; the second fails
-    assert released == ["A"] and cache.keys() == ["B"] and cache.stats()["bytes"] == 1
+    # the victim that already left is freed, and so is the graph that was built for C
+    assert released == ["A", "C"] and cache.keys() == ["B"] and cache.stats().bytes == 1
+    s = cache.stats()
+    assert (s.misses, s.compiles, s.compile_failures, s.refused) == (3, 3, 0, 0)
+
+
+# -- faults: no hang, counters consistent, nothing leaked -------------------------------
+
+def _balanced(cache):
+    """Every miss ended in exactly one outcome."""
+    s = cache.stats()
+    return s.misses == s.compiles + s.compile_failures + s.refused
+
+
+def test_a_build_requesting_its_own_key_raises_instead_of_hanging():
+    cache = GraphCache()
+
+    def build():
+        return cache.get_or_compile("A", build)
+
+    done = []
+    t = threading.Thread(target=lambda: done.append(pytest.raises(GraphCompileError, cache.get_or_compile,
+                                                                  "A", build)))
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "a re-entrant build hangs"
+    assert "re-entrant build" in str(done[0].value) and "key A" in str(done[0].value)
+    assert cache.get_or_compile("A", build_of("A")) == ("graph", "A")  # the key still works
+    assert _balanced(cache) and cache.stats().compile_failures == 1
+
+
+def test_an_interrupted_build_is_counted_and_the_key_builds_again():
+    cache = GraphCache()
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cache.get_or_compile("A", interrupted)
+    s = cache.stats()
+    assert (s.misses, s.compile_failures, s.compiles) == (1, 1, 0) and _balanced(cache)
+    assert cache.get_or_compile("A", build_of("A")) == ("graph", "A")
+
+
+def test_a_raising_sizeof_is_a_counted_refusal_naming_the_key():
+    def sizeof(key):
+        raise OSError("no size")
+
+    cache = GraphCache(sizeof=sizeof)
+    with pytest.raises(ConfigError, match=r"sizeof\(k\) raised OSError: no size"):
+        cache.get_or_compile("k", build_of("k"))
+    s = cache.stats()
+    assert (s.misses, s.refused, s.compiles) == (1, 1, 0) and _balanced(cache)
+
+
+def test_a_raising_compile_cost_counts_the_compile_and_releases_the_graph():
+    released = []
+
+    def cost(key, seconds):
+        raise RuntimeError("model broke")
+
+    cache = GraphCache(compile_cost=cost, release=lambda key, graph: released.append(key))
+    with pytest.raises(RuntimeError, match="model broke"):
+        cache.get_or_compile("A", build_of("A"))
+    assert released == ["A"] and "A" not in cache and _balanced(cache)
+
+
+# -- pinning -----------------------------------------------------------------------------
+
+def test_a_pinned_graph_evicted_is_held_until_unpinned():
+    released = []
+    cache = GraphCache(max_graphs=1, release=lambda key, graph: released.append(key))
+    a = cache.get_or_compile("A", build_of("A"), pin=True)
+    cache.get_or_compile("B", build_of("B"), pin=True)  # evicts A: pinned, so held, not released
+    s = cache.stats()
+    assert cache.keys() == ["B"] and s.graphs == 1 and s.evictions == 1
+    assert (s.held_graphs, s.peak_held_graphs) == (1, 1) and released == []
+    assert a == ("graph", "A")
+    cache.unpin(["A", "B"])
+    assert released == ["A"] and cache.stats().held_graphs == 0 and cache.stats().peak_held_graphs == 1
+    cache.get_or_compile("C", build_of("C"))  # B is no longer pinned: released at once
+    assert released == ["A", "B"]

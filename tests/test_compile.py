@@ -51,7 +51,7 @@ def test_twenty_keys_of_one_function_are_twenty_real_compiles():
     cache, get = cache_of_lengths(compiles)
     for length in range(1, 21):  # far past Dynamo's recompile_limit of 8 per code object
         get(length)
-    assert len(compiles) == 20 and cache.stats()["compiles"] == 20
+    assert len(compiles) == 20 and cache.stats().compiles == 20
     for length in (1, 9, 20):
         assert torch.allclose(get(length)(*qkv(length)), attention(*qkv(length)))
     assert len(compiles) == 20  # hits reuse the compiled code
@@ -68,7 +68,7 @@ def test_evicted_graph_is_freed_and_recompiled_on_request():
     assert 2 not in cache
     assert compiles.modules[0]() is None  # freed although `first` is still referenced
     get(2)
-    assert len(compiles) == 4 and cache.stats()["compiles"] == 4
+    assert len(compiles) == 4 and cache.stats().compiles == 4
     assert torch.allclose(first(*qkv(2)), attention(*qkv(2)))  # a released graph still runs
     assert len(compiles) == 5
 

@@ -72,7 +72,7 @@ def test_one_off_long_sequence_runs_on_the_cached_mask_graph_then_compiles_once_
     bought = modes.index(MaskMode.CAUSAL)
     assert 5 <= bought <= 14, modes
     assert modes[bought:] == [MaskMode.CAUSAL] * (len(modes) - bought)
-    assert d.stats()["cache"]["per_key"][str(causal_key)]["compiles"] == 1
+    assert d.stats().cache.per_key[str(causal_key)].compiles == 1
 
 
 def test_outside_a_dispatcher_it_answers_as_varlen():
@@ -109,7 +109,7 @@ def run(previews: bool) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
                     keys = d.graph_keys_for(layout, SPEC)
                 previewed.append((d.preview(layout, SPEC).mode.value, len(keys)))
             d.prepare(layout, SPEC)
-        assert d.stats()["batches"] == len(recorder.seen)
+        assert d.stats().batches == len(recorder.seen)
         return recorder.seen, previewed
     finally:
         get_plugin_manager().unregister(recorder)

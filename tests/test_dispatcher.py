@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -56,8 +57,8 @@ def test_every_policy_matches_reference_compiled(policy):
     for i, layout in enumerate(MIXED * 2):
         _check(d, layout, *_qkv(layout, seed=i))
     stats = d.stats()
-    assert stats["batches"] == 2 * len(MIXED)
-    assert stats["cache"]["hits"] >= stats["cache"]["misses"]  # second round hits
+    assert stats.batches == 2 * len(MIXED)
+    assert stats.cache.hits >= stats.cache.misses  # second round hits
 
 
 def _keys(policy, stream):
@@ -76,7 +77,7 @@ def test_varlen_uses_only_causal_graphs_on_causal_prefills():
     causal_only, _ = _keys("dynamic", [BatchLayout.from_lens([n]) for lay in stream for n in lay.q_lens])
     assert {k.family for k in varlen} == {GraphFamily.CAUSAL}
     assert varlen <= causal_only
-    assert d.stats()["modes"]["varlen"] == 4
+    assert d.stats().modes["varlen"] == 4
     dynamic, _ = _keys("dynamic", stream)
     assert {k.family for k in dynamic} == {GraphFamily.CAUSAL, GraphFamily.MASK}
     # one graph per bucket for varlen; dynamic needs both kinds
@@ -92,7 +93,7 @@ def test_varlen_packed_batch_reuses_single_sequence_graphs():
     assert len(counter) == 1
     packed = BatchLayout.from_lens([20, 25, 32])  # all in bucket 32
     _check(d, packed, *_qkv(packed))
-    assert len(counter) == 1 and d.stats()["cache"]["hits"] == 3
+    assert len(counter) == 1 and d.stats().cache.hits == 3
 
 
 def test_distinct_keys_are_real_compiles_and_eviction_recompiles():
@@ -105,8 +106,8 @@ def test_distinct_keys_are_real_compiles_and_eviction_recompiles():
         lay = BatchLayout.from_lens([n])
         _check(d, lay, *_qkv(lay))
     assert len(counter) == 20
-    stats = d.stats()["cache"]
-    assert stats["compiles"] == 20 and stats["evictions"] == 16 and stats["graphs"] == 4
+    stats = d.stats().cache
+    assert stats.compiles == 20 and stats.evictions == 16 and stats.graphs == 4
     lay = BatchLayout.from_lens([10])  # evicted long ago
     _check(d, lay, *_qkv(lay))
     assert len(counter) == 21
@@ -117,7 +118,7 @@ def test_buckets_pad_and_waste_is_counted():
     d.prepare(BatchLayout.from_lens([20]), SPEC)
     (key,) = d.cache.keys()
     assert (key.q_len, key.kv_len) == (32, 32)
-    pad = d.stats()["padding"]
+    pad = asdict(d.stats().padding)
     assert pad == {"real_tokens": 20, "padded_tokens": 12, "waste": 12 / 20}
 
 
@@ -128,12 +129,12 @@ def test_overflow_raises_or_runs_uncompiled():
         strict.attend(*_qkv(lay), lay)
     lenient = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256, on_overflow="eager"))
     _check(lenient, lay, *_qkv(lay))
-    assert lenient.stats()["overflow"] == 1 and lenient.stats()["cache"]["graphs"] == 0
+    assert lenient.stats().overflow == 1 and lenient.stats().cache.graphs == 0
 
 
 class _Exploding(GraphCache):
-    def get_or_compile(self, key, build):
-        return super().get_or_compile(key, lambda: (_ for _ in ()).throw(RuntimeError("backend broke")))
+    def get_or_compile(self, key, build, **options):
+        return super().get_or_compile(key, lambda: (_ for _ in ()).throw(RuntimeError("backend broke")), **options)
 
 
 def test_compile_failure_raises_or_falls_back_to_eager():
@@ -141,11 +142,11 @@ def test_compile_failure_raises_or_falls_back_to_eager():
     d = Dispatcher(AttnPolicyConfig(backend="eager", max_seq_len=64), cache=_Exploding())
     with pytest.raises(GraphCompileError, match="causal/q16"):
         d.attend(*_qkv(lay), lay)
-    assert d.cache.stats()["compile_failures"] == 1 and len(d.cache) == 0
+    assert d.cache.stats().compile_failures == 1 and len(d.cache) == 0
     d = Dispatcher(AttnPolicyConfig(backend="eager", max_seq_len=64, on_compile_error="eager"),
                    cache=_Exploding())
     _check(d, lay, *_qkv(lay))
-    assert d.stats()["compile_error_fallbacks"] == 1
+    assert d.stats().compile_error_fallbacks == 1
 
 
 @pytest.mark.parametrize("strict", ["warn", "raise"])
@@ -156,21 +157,21 @@ def test_strict_mode_flags_compiles_after_warmup(strict):
     d.prepare(BatchLayout.from_lens([25, 27]), SPEC)  # same MASK bucket: no compile
     other = BatchLayout.from_lens([100])
     if strict == "raise":
-        batches = d.stats()["batches"]
+        batches = d.stats().batches
         with pytest.raises(StrictModeError, match="causal/q128"):
             d.prepare(other, SPEC)
-        assert len(d.cache) == 2 and d.stats()["batches"] == batches  # nothing half-counted
+        assert len(d.cache) == 2 and d.stats().batches == batches  # nothing half-counted
     else:
         with pytest.warns(RuntimeWarning, match="compiled after warm-up"):
             d.prepare(other, SPEC)
-    assert d.stats()["strict_violations"] == 1
+    assert d.stats().strict_violations == 1
 
 
 def test_illegal_decision_falls_back_and_is_counted():
     d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend="none", max_seq_len=256))
     lay = BatchLayout.from_lens([5, 9])
     _check(d, lay, *_qkv(lay))
-    assert d.stats()["guard_fallbacks"] == 1 and d.stats()["modes"]["varlen"] == 1
+    assert d.stats().guard_fallbacks == 1 and d.stats().modes["varlen"] == 1
 
 
 def test_observer_hooks_fire_on_compile_and_evict():
@@ -203,8 +204,8 @@ def test_graph_bytes_bound_is_never_exceeded():
     d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=512, max_bytes=1_000_000))
     for n in (10, 40, 100, 200, 20, 5):
         d.prepare(BatchLayout.from_lens([n, n]), SPEC)
-        assert d.cache.stats()["bytes"] <= 1_000_000
-    assert d.cache.stats()["evictions"] > 0
+        assert d.cache.stats().bytes <= 1_000_000
+    assert d.cache.stats().evictions > 0
 
 
 def test_no_warning_when_everything_is_fine():
@@ -230,14 +231,14 @@ def test_padding_waste_counts_only_real_tokens_as_real():
     for policy, padded in (("always-mask", 32 - 5), ("varlen", 16 + 16 - 5)):
         d = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_seq_len=256))
         d.prepare(BatchLayout.from_lens([3, 2], padded_to=20), SPEC)
-        assert d.stats()["padding"] == {"real_tokens": 5, "padded_tokens": padded, "waste": padded / 5}
+        assert asdict(d.stats().padding) == {"real_tokens": 5, "padded_tokens": padded, "waste": padded / 5}
 
 
 def test_causal_and_bidirectional_batches_share_mask_graphs():
     d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=256))
     d.prepare(BatchLayout.from_lens([20, 30]), SPEC)
     d.prepare(BatchLayout.from_lens([20, 30], causal=False), SPEC)
-    assert d.cache.stats()["compiles"] == 1 and d.cache.stats()["hits"] == 1
+    assert d.cache.stats().compiles == 1 and d.cache.stats().hits == 1
 
 
 def test_cost_eviction_ranks_by_modelled_compile_seconds():
@@ -250,4 +251,4 @@ def test_cost_eviction_ranks_by_modelled_compile_seconds():
     d.prepare(BatchLayout.from_lens([20, 30]), SPEC)
     expected = sum(model.compile_seconds(k) for k in d.cache.keys())
     # measured build time is ~0 here: the recorded seconds are the model's, the same on every rank
-    assert d.cache.stats()["compile_seconds"] == pytest.approx(expected)
+    assert d.cache.stats().compile_seconds == pytest.approx(expected)

@@ -182,7 +182,7 @@ def test_a_raising_observer_is_isolated_logged_once_and_counted(caplog):
     kinds = [event[0] for event in after.seen]
     assert kinds == [event[0] for event in before.seen]  # every other observer saw everything
     assert kinds.count("decision") == 4 and kinds.count("compile") == 4 and kinds.count("evict") == 3
-    assert d.stats()["observer_errors"] == {"raising": raising.calls} and raising.calls == 11
+    assert d.stats().observer_errors == {"raising": raising.calls} and raising.calls == 11
     warned = [r.getMessage() for r in caplog.records if r.name == "attnpolicy.plugins"]
     assert len(warned) == 3 and all("'raising'" in m and "observer bug" in m for m in warned)  # once per hook
 

@@ -12,6 +12,7 @@ from attnpolicy.errors import LayoutError
 from attnpolicy.kernels.masks import (
     BlockDiagonalCausalMask,
     BlockDiagonalMask,
+    MaskCache,
     mask_for,
 )
 
@@ -58,6 +59,8 @@ def test_padding_mask_left_and_right():
     (lambda: BatchLayout.from_padding_mask(torch.tensor([[1, 1], [0, 0]])), "row 1 has no tokens"),
     (lambda: BatchLayout.from_padding_mask(torch.tensor([[1, 2]])), "only 0 and 1"),
     (lambda: BatchLayout.from_padding_mask(torch.ones(2, 2, 2)), r"must be 2-D \[batch, len\], got shape"),
+    (lambda: BatchLayout.from_padding_mask(torch.zeros(2, 0)), r"batch >= 1 and len >= 1, got shape \(2, 0\)"),
+    (lambda: BatchLayout.from_padding_mask(torch.zeros(0, 3)), r"batch >= 1 and len >= 1, got shape \(0, 3\)"),
     (lambda: BatchLayout.from_lens([2], causal="yes"), "causal must be a bool, got 'yes'"),
 ])
 def test_bad_layouts_name_the_field_and_value(build, message):
@@ -91,9 +94,17 @@ def test_masks_match_the_token_pair_definition(layout):
     assert torch.equal(mask.materialize(rows, cols), _naive(layout, rows, cols))
 
 
-def test_dense_is_cached_and_additive_matches():
+def test_dense_is_cached_only_in_a_given_cache_and_additive_matches():
     mask = mask_for(BatchLayout.from_lens([2, 3]))
-    assert mask.dense() is mask.dense()
+    assert mask.dense() is not mask.dense() and torch.equal(mask.dense(), mask.dense())
+    cache = MaskCache(max_bytes=30)
+    assert mask.dense(cache=cache) is mask.dense(cache=cache)
+    assert (cache.stats().hits, cache.stats().misses, cache.stats().bytes) == (1, 1, 25)
+    other = mask_for(BatchLayout.from_lens([1, 4]))
+    other.dense(cache=cache)  # 25 more bytes: the first mask goes (LRU, 30-byte bound)
+    assert cache.stats().evictions == 1 and cache.stats().bytes == 25
+    big = mask_for(BatchLayout.from_lens([3, 4]))
+    assert big.dense(cache=cache).shape == (7, 7) and cache.stats().uncached == 1  # 49 > 30: not kept
     bias = mask.additive(torch.float32)
     assert torch.equal(bias == 0, mask.dense()) and torch.isinf(bias[~mask.dense()]).all()
     with pytest.raises(ValueError, match=r"mask shape \(4, 5\) is smaller than the layout \(5, 5\)"):

@@ -79,7 +79,7 @@ def _trace(policy: str, rank: int) -> list[str]:
             recorder.events.clear()
     finally:
         get_plugin_manager().unregister(recorder)
-    assert d.stats()["batches"] == len(lines)
+    assert d.stats().batches == len(lines)
     return lines
 
 

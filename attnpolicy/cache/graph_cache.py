@@ -6,6 +6,7 @@ See ``docs/cache.md`` for what each statistic means and how eviction works.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -13,8 +14,9 @@ from time import perf_counter
 from typing import Any, Generic, TypeVar
 
 import cachetools
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
-from attnpolicy.core.names import OVERSIZE, Oversize
+from attnpolicy.core.names import Oversize
 from attnpolicy.errors import (
     AttnPolicyError,
     ConfigError,
@@ -27,8 +29,51 @@ from attnpolicy.plugins import registry as plugins
 V = TypeVar("V")
 
 
+@dataclass(frozen=True, slots=True)
+class KeyStats:
+    """The figures of one key (see docs/cache.md)."""
+
+    hits: int
+    misses: int
+    compiles: int
+    evictions: int
+    compile_seconds: float
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of a :class:`GraphCache` (see docs/cache.md for each figure).
+    ``to_json()`` gives the dict of the JSON outputs."""
+
+    hits: int
+    misses: int
+    evictions: int
+    compiles: int
+    compile_failures: int
+    compile_seconds: float
+    waits: int
+    uncached: int
+    refused: int
+    graphs: int
+    bytes: int
+    peak_graphs: int
+    peak_bytes: int
+    held_graphs: int
+    held_bytes: int
+    peak_held_graphs: int
+    peak_held_bytes: int
+    max_graphs: int | None
+    max_bytes: int | None
+    eviction: str
+    per_key: dict[str, KeyStats]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass(slots=True)
-class _KeyStats:
+class _KeyCounters:
     hits: int = 0
     misses: int = 0
     compiles: int = 0
@@ -36,21 +81,38 @@ class _KeyStats:
     compile_seconds: float = 0.0
     bytes: int = 0
 
+    def snapshot(self) -> KeyStats:
+        return KeyStats(self.hits, self.misses, self.compiles, self.evictions, self.compile_seconds, self.bytes)
+
 
 @dataclass(slots=True)
 class _Entry(Generic[V]):
     value: V
     nbytes: int
-    stats: _KeyStats
+    stats: _KeyCounters
+
+
+class _Bounds(BaseModel):
+    """The validated bounds of a cache."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+
+    max_graphs: PositiveInt | None = None
+    max_bytes: PositiveInt | None = None
+    oversize: Oversize = "raise"
+
+    @classmethod
+    def of(cls, **fields: Any) -> _Bounds:
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])} {e['msg'].lower()}, got {e['input']!r}"
+                                 for e in exc.errors())
+            raise ConfigError(f"invalid GraphCache bounds: {problems}") from None
 
 
 def _zero_bytes(key: Hashable) -> int:
     return 0
-
-
-def _check_bound(field: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{field} must be an int >= 1 or None, got {value!r}")
 
 
 def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache:
@@ -91,11 +153,18 @@ class GraphCache(Generic[V]):
       :func:`attnpolicy.graphs.compile.release_graph`). Callbacks run in the requesting
       thread, outside the lock, after the cache state is updated.
 
+    Pinning: ``get_or_compile(key, build, pin=True)`` pins the key until
+    :meth:`unpin`. A pinned graph can still be evicted (the bounds on *cached* graphs
+    always hold), but it is not released: it stays *held*, callable without a
+    recompile, until its last pin goes. The Dispatcher pins the graphs of the batch it
+    prepares until the batch has run; ``held_*`` statistics report that transient excess.
+
     Thread-safe. A key missing in several threads at once is built once (single
     flight); the other threads wait and count as hits and as waits. Builds run
     outside the lock, so other keys proceed. A failed build caches nothing and
     raises :class:`GraphCompileError` (also in the waiting threads); the next
-    request builds again.
+    request builds again. A build that requests its own key (same thread) raises
+    :class:`GraphCompileError` instead of waiting for itself.
     """
 
     def __init__(
@@ -111,18 +180,15 @@ class GraphCache(Generic[V]):
         eviction_options: dict[str, Any] | None = None,
         compile_cost: Callable[[Hashable, float], float] | None = None,
     ) -> None:
-        _check_bound("max_graphs", max_graphs)
-        _check_bound("max_bytes", max_bytes)
-        if oversize not in OVERSIZE:
-            raise ConfigError(f"oversize must be 'raise' or 'uncached', got {oversize!r}")
+        bounds = _Bounds.of(max_graphs=max_graphs, max_bytes=max_bytes, oversize=oversize)
         for field, fn in (("sizeof", sizeof), ("on_compile", on_compile),
                           ("on_evict", on_evict), ("release", release), ("compile_cost", compile_cost)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{field} must be callable or None, got {fn!r}")
-        self.max_graphs = max_graphs
-        self.max_bytes = max_bytes
+        self.max_graphs = bounds.max_graphs
+        self.max_bytes = bounds.max_bytes
         self.eviction = eviction
-        self.oversize = oversize
+        self.oversize = bounds.oversize
         self._order: cachetools.Cache = make_eviction(eviction, eviction_options)
         self._note = getattr(self._order, "note", None)
         self._sizeof = sizeof or _zero_bytes
@@ -131,9 +197,11 @@ class GraphCache(Generic[V]):
         self._release = release
         self._compile_cost = compile_cost
         self._lock = threading.Lock()
-        self._inflight: dict[Hashable, Future[V]] = {}
-        self._per_key: dict[Hashable, _KeyStats] = {}
-        self._bytes = 0
+        self._inflight: dict[Hashable, tuple[Future[V], int]] = {}
+        self._per_key: dict[Hashable, _KeyCounters] = {}
+        self._pins: Counter[Hashable] = Counter()
+        self._held: list[tuple[Hashable, _Entry[V]]] = []
+        self._bytes = self._held_bytes = 0
         self._zero_counters()
 
     @classmethod
@@ -146,16 +214,19 @@ class GraphCache(Generic[V]):
         return cls(**{**bounds, **options})
 
     def _zero_counters(self) -> None:
-        self._hits = self._misses = self._evictions = 0
+        self._hits = self._misses = self._evictions = self._refused = 0
         self._compiles = self._compile_failures = self._waits = self._uncached = 0
         self._compile_seconds = 0.0
         self._peak_graphs = len(self._order)
         self._peak_bytes = self._bytes
+        self._peak_held = len(self._held)
+        self._peak_held_bytes = self._held_bytes
 
     # -- the hot path ---------------------------------------------------------------
 
-    def get_or_compile(self, key: Hashable, build: Callable[[], V]) -> V:
-        """The graph for ``key``, calling ``build()`` (once, whatever the threads) on a miss."""
+    def get_or_compile(self, key: Hashable, build: Callable[[], V], *, pin: bool = False) -> V:
+        """The graph for ``key``, calling ``build()`` (once, whatever the threads) on a
+        miss. ``pin``: keep the returned graph unreleased until :meth:`unpin`."""
         with self._lock:
             try:
                 entry = self._order[key]
@@ -164,34 +235,61 @@ class GraphCache(Generic[V]):
             else:
                 self._hits += 1
                 entry.stats.hits += 1
+                if pin:
+                    self._pins[key] += 1
                 return entry.value
-        return self._miss(key, build)
+        return self._miss(key, build, pin)
+
+    def unpin(self, keys: Iterable[Hashable]) -> None:
+        """Drop one pin of each key (as pinned by ``get_or_compile``); graphs evicted
+        while pinned are released when their last pin goes."""
+        with self._lock:
+            for key in keys:
+                self._pins[key] -= 1
+                if self._pins[key] <= 0:
+                    del self._pins[key]
+            free = [(k, e) for k, e in self._held if k not in self._pins]
+            if free:
+                self._held = [(k, e) for k, e in self._held if k in self._pins]
+                self._held_bytes = sum(e.nbytes for _, e in self._held)
+        self._released(free, evicted=False)
 
     # -- misses ---------------------------------------------------------------------
 
-    def _miss(self, key: Hashable, build: Callable[[], V]) -> V:
+    def _miss(self, key: Hashable, build: Callable[[], V], pin: bool) -> V:
         with self._lock:
             if key in self._order:  # built by another thread since the hot path looked
                 entry = self._order[key]
                 self._hits += 1
                 entry.stats.hits += 1
+                if pin:
+                    self._pins[key] += 1
                 return entry.value
+            inflight = self._inflight.get(key)
+            if inflight is not None and inflight[1] == threading.get_ident():
+                raise GraphCompileError(
+                    f"re-entrant build: building the graph for key {key} requested key {key} again "
+                    "in the same thread (a build must not request its own key)")
             stats = self._per_key.get(key)
             if stats is None:
-                stats = self._per_key[key] = _KeyStats()
-            future = self._inflight.get(key)
-            owner = future is None
-            if owner:
+                stats = self._per_key[key] = _KeyCounters()
+            if inflight is None:
                 self._misses += 1
                 stats.misses += 1
-                future = self._inflight[key] = Future()
+                future: Future[V] = Future()
+                self._inflight[key] = (future, threading.get_ident())
             else:
+                future = inflight[0]
                 self._hits += 1
                 self._waits += 1
                 stats.hits += 1
-        if owner:
-            return self._compile(key, build, future, stats)
-        return self._wait(key, future)
+        if inflight is None:
+            return self._compile(key, build, future, stats, pin)
+        value = self._wait(key, future)
+        if pin:
+            with self._lock:
+                self._pins[key] += 1
+        return value
 
     def _wait(self, key: Hashable, future: Future[V]) -> V:
         exc = future.exception()  # blocks until the owner finishes
@@ -203,36 +301,56 @@ class GraphCache(Generic[V]):
             f"building the graph for key {key} failed in another thread: {type(exc).__name__}: {exc}"
         ) from exc
 
-    def _compile(self, key: Hashable, build: Callable[[], V], future: Future[V], stats: _KeyStats) -> V:
+    def _size(self, key: Hashable) -> tuple[int, bool]:
+        """``(bytes, cached)`` of ``key``'s graph, or raise: a refusal before building."""
         try:
             nbytes = self._sizeof(key)
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-                raise ConfigError(f"sizeof({key}) returned {nbytes!r}; it must be an int >= 0")
-            cached = self.max_bytes is None or nbytes <= self.max_bytes
-            if not cached and self.oversize == "raise":
-                raise GraphTooLargeError(
-                    f"the graph for key {key} needs {nbytes} bytes, more than max_bytes={self.max_bytes}"
-                )
-            start = perf_counter()
-            try:
-                value = build()
-            except Exception as exc:
-                raise GraphCompileError(
-                    f"building the graph for key {key} failed: {type(exc).__name__}: {exc}"
-                ) from exc
+        except Exception as exc:
+            raise ConfigError(f"sizeof({key}) raised {type(exc).__name__}: {exc}") from exc
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError(f"sizeof({key}) returned {nbytes!r}; it must be an int >= 0")
+        cached = self.max_bytes is None or nbytes <= self.max_bytes
+        if not cached and self.oversize == "raise":
+            raise GraphTooLargeError(
+                f"the graph for key {key} needs {nbytes} bytes, more than max_bytes={self.max_bytes}"
+            )
+        return nbytes, cached
+
+    def _abandon(self, key: Hashable, future: Future[V], exc: BaseException, *, refused: bool) -> None:
+        """A miss that produced no graph: counted, waiters told, the key free again."""
+        with self._lock:
+            del self._inflight[key]
+            if refused:
+                self._refused += 1
+            else:
+                self._compile_failures += 1
+        future.set_exception(exc)
+
+    def _compile(self, key: Hashable, build: Callable[[], V], future: Future[V], stats: _KeyCounters,
+                 pin: bool) -> V:
+        try:
+            nbytes, cached = self._size(key)
+        except BaseException as exc:
+            self._abandon(key, future, exc, refused=True)
+            raise
+        start = perf_counter()
+        try:
+            value = build()
+        except Exception as exc:
+            error = GraphCompileError(f"building the graph for key {key} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._abandon(key, future, error, refused=False)
+            raise error from exc
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: counted, not wrapped
+            self._abandon(key, future, exc, refused=False)
+            raise
+
+        victims: list[tuple[Hashable, _Entry[V], bool]] = []
+        inserted = False
+        try:
             seconds = perf_counter() - start
             if self._compile_cost is not None:
                 seconds = self._compile_cost(key, seconds)
-        except BaseException as exc:
-            with self._lock:
-                del self._inflight[key]
-                if isinstance(exc, GraphCompileError):
-                    self._compile_failures += 1
-            future.set_exception(exc)
-            raise
-
-        victims: list[tuple[Hashable, _Entry[V]]] = []
-        try:
             with self._lock:
                 del self._inflight[key]
                 self._compiles += 1
@@ -242,11 +360,21 @@ class GraphCache(Generic[V]):
                 stats.bytes = nbytes
                 if cached:
                     self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
+                    inserted = True
                 else:
                     self._uncached += 1
-        except BaseException as exc:  # a failing eviction strategy: never leave waiters hanging
+                if pin:
+                    self._pins[key] += 1
+        except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
+            with self._lock:
+                if self._inflight.get(key, (None, 0))[0] is future:  # compile_cost raised
+                    del self._inflight[key]
+                    self._compiles += 1  # the build ran: counted all the same
+                    stats.compiles += 1
             future.set_exception(exc)
             self._released(victims, evicted=True)  # what already left the cache is still freed
+            if not inserted and self._release is not None:
+                self._release(key, value)
             raise
         future.set_result(value)
         self._released(victims, evicted=True)
@@ -254,18 +382,28 @@ class GraphCache(Generic[V]):
             self._on_compile(key, seconds, nbytes)
         return value
 
+    def _remove(self, key: Hashable, entry: _Entry[V], victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
+        """Account ``entry`` leaving the cache; a pinned one is held, not released. Lock held."""
+        self._bytes -= entry.nbytes
+        held = key in self._pins
+        if held:
+            self._held.append((key, entry))
+            self._held_bytes += entry.nbytes
+            self._peak_held = max(self._peak_held, len(self._held))
+            self._peak_held_bytes = max(self._peak_held_bytes, self._held_bytes)
+        victims.append((key, entry, held))
+
     def _insert(self, key: Hashable, entry: _Entry[V], seconds: float,
-                victims: list[tuple[Hashable, _Entry[V]]]) -> None:
+                victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
         """Evict (into ``victims``) until ``entry`` fits, then insert it. Call with the
         lock held; the caller releases ``victims`` after the lock, even if this raises."""
         order = self._order
         while ((self.max_graphs is not None and len(order) >= self.max_graphs)
                or (self.max_bytes is not None and self._bytes + entry.nbytes > self.max_bytes)):
             victim_key, victim = order.popitem()
-            self._bytes -= victim.nbytes
             self._evictions += 1
             victim.stats.evictions += 1
-            victims.append((victim_key, victim))
+            self._remove(victim_key, victim, victims)
         if self._note is not None:
             self._note(key, cost=seconds, size=entry.nbytes)
         order[key] = entry
@@ -273,9 +411,10 @@ class GraphCache(Generic[V]):
         self._peak_graphs = max(self._peak_graphs, len(order))
         self._peak_bytes = max(self._peak_bytes, self._bytes)
 
-    def _released(self, entries: list[tuple[Hashable, _Entry[V]]], *, evicted: bool) -> None:
-        for key, entry in entries:
-            if self._release is not None:
+    def _released(self, entries: Iterable[tuple[Hashable, _Entry[V]] | tuple[Hashable, _Entry[V], bool]],
+                  *, evicted: bool) -> None:
+        for key, entry, *held in entries:
+            if self._release is not None and not (held and held[0]):
                 self._release(key, entry.value)
             if evicted and self._on_evict is not None:
                 self._on_evict(key, entry.nbytes)
@@ -288,26 +427,29 @@ class GraphCache(Generic[V]):
             self.get_or_compile(key, build)
 
     def evict(self, key: Hashable) -> bool:
-        """Evict ``key`` now (counted as an eviction, released, ``on_evict`` fires).
-        Returns whether it was cached."""
+        """Evict ``key`` now (counted as an eviction, released unless pinned, ``on_evict``
+        fires). Returns whether it was cached."""
+        victims: list[tuple[Hashable, _Entry[V], bool]] = []
         with self._lock:
             entry = self._order.pop(key, None)
             if entry is None:
                 return False
-            self._bytes -= entry.nbytes
             self._evictions += 1
             entry.stats.evictions += 1
-        self._released([(key, entry)], evicted=True)
+            self._remove(key, entry, victims)
+        self._released(victims, evicted=True)
         return True
 
     def clear(self) -> None:
-        """Drop every graph, calling ``release`` for each. Not counted as evictions and
-        ``on_evict`` does not fire: clearing is an administrative reset, not pressure."""
+        """Drop every graph, calling ``release`` for each (a pinned one when unpinned).
+        Not counted as evictions and ``on_evict`` does not fire: clearing is an
+        administrative reset, not pressure."""
+        victims: list[tuple[Hashable, _Entry[V], bool]] = []
         with self._lock:
-            entries = list(self._order.items())
+            for key, entry in list(self._order.items()):
+                self._remove(key, entry, victims)
             self._order.clear()
-            self._bytes = 0
-        self._released(entries, evicted=False)
+        self._released(victims, evicted=False)
 
     def reset_stats(self) -> None:
         """Zero every counter (per key too; a key's ``bytes`` stays) and reset the
@@ -334,24 +476,16 @@ class GraphCache(Generic[V]):
         with self._lock:
             return list(self._order)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats:
         """A snapshot of the counters, the contents and per-key figures (see docs/cache.md)."""
         with self._lock:
-            return {
-                "hits": self._hits,
-                "misses": self._misses,
-                "evictions": self._evictions,
-                "compiles": self._compiles,
-                "compile_failures": self._compile_failures,
-                "compile_seconds": self._compile_seconds,
-                "waits": self._waits,
-                "uncached": self._uncached,
-                "graphs": len(self._order),
-                "bytes": self._bytes,
-                "peak_graphs": self._peak_graphs,
-                "peak_bytes": self._peak_bytes,
-                "max_graphs": self.max_graphs,
-                "max_bytes": self.max_bytes,
-                "eviction": self.eviction,
-                "per_key": {str(key): asdict(stats) for key, stats in self._per_key.items()},
-            }
+            return CacheStats(
+                hits=self._hits, misses=self._misses, evictions=self._evictions, compiles=self._compiles,
+                compile_failures=self._compile_failures, compile_seconds=self._compile_seconds,
+                waits=self._waits, uncached=self._uncached, refused=self._refused,
+                graphs=len(self._order), bytes=self._bytes, peak_graphs=self._peak_graphs,
+                peak_bytes=self._peak_bytes, held_graphs=len(self._held), held_bytes=self._held_bytes,
+                peak_held_graphs=self._peak_held, peak_held_bytes=self._peak_held_bytes,
+                max_graphs=self.max_graphs, max_bytes=self.max_bytes, eviction=self.eviction,
+                per_key={str(key): stats.snapshot() for key, stats in self._per_key.items()},
+            )

@@ -167,6 +167,8 @@ class BatchLayout:
         m = torch.as_tensor(mask)
         if m.dim() != 2:
             raise LayoutError(f"padding mask must be 2-D [batch, len], got shape {tuple(m.shape)}")
+        if 0 in m.shape:
+            raise LayoutError(f"padding mask must have batch >= 1 and len >= 1, got shape {tuple(m.shape)}")
         if not bool(((m == 0) | (m == 1)).all()):
             raise LayoutError("padding mask must hold only 0 and 1")
         b, length = m.shape

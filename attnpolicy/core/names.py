@@ -1,7 +1,8 @@
 """The names each setting accepts, defined once.
 
 Each is a ``Literal`` type (for pydantic fields and mypy) and a tuple of its values
-(for argparse ``choices`` and run-time checks). This module imports nothing but
+(for argparse ``choices`` and run-time checks), and the defaults the config shares
+with lower layers. This module imports nothing but
 ``typing``, so every layer may use it.
 """
 
@@ -44,3 +45,7 @@ OVERSIZE: tuple[Oversize, ...] = get_args(Oversize)
 #: What a compile after warm-up does.
 Strict = Literal["off", "warn", "raise"]
 STRICT: tuple[Strict, ...] = get_args(Strict)
+
+#: The default bound of a Dispatcher's dense-mask cache and of one MASK call's mask:
+#: 256 MiB, a 16k × 16k boolean mask (config field ``max_mask_bytes``).
+DEFAULT_MAX_MASK_BYTES = 256 * 2**20

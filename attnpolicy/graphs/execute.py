@@ -5,7 +5,6 @@ computes, how packed tensors become its inputs, and how outputs are scattered ba
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
 import torch
 
@@ -15,8 +14,8 @@ from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.keys import Call
 from attnpolicy.graphs.plan import plan_calls
-from attnpolicy.kernels.attention import attention
-from attnpolicy.kernels.masks import bounded_mask, mask_for, real_rows
+from attnpolicy.kernels.attention import attention, check_scale
+from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows
 
 GraphFn = Callable[..., torch.Tensor]
 
@@ -47,63 +46,69 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
 
 
 def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-                 call: Call) -> tuple[torch.Tensor, ...]:
+                 call: Call, masks: MaskCache | None = None) -> tuple[torch.Tensor, ...]:
     """Slice, pad to the call's buckets and transpose packed tensors into graph inputs.
 
-    A MASK call takes the whole packed tensors; the layout's padding rows of k and v
-    are zeroed so that garbage there (an uninitialised buffer: NaN, inf) cannot leak
-    through a zero attention weight (0 · NaN is NaN)."""
+    A MASK call takes the whole packed tensors, padding rows included: garbage there
+    (an uninitialised buffer: NaN, inf) is isolated by the kernel like any key row the
+    mask hides. Masks and bounds come from ``masks`` (built fresh without one)."""
     def rows(x: torch.Tensor, start: int, n: int, bucket: int) -> torch.Tensor:
         x = x[start:start + n]
         if bucket > n:
             x = torch.cat([x, x.new_zeros(bucket - n, *x.shape[1:])])
         return x.transpose(0, 1)
 
-    if call.family is GraphFamily.MASK and layout.kv_tokens != layout.total_kv_tokens:
-        real = real_rows(layout.kv_starts, layout.kv_lens, layout.kv_tokens, str(k.device))[:, None, None]
-        k, v = k.where(real, 0), v.where(real, 0)
     ins = (rows(q, call.q_start, call.q_len, call.q_bucket),
            rows(k, call.kv_start, call.kv_len, call.kv_bucket),
            rows(v, call.kv_start, call.kv_len, call.kv_bucket))
+    device = str(q.device)
     if call.family is GraphFamily.MASK:
-        return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, str(q.device)))
+        return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device, masks))
     if call.family is GraphFamily.VARLEN:
-        return (*ins, _lens(call.q_len, call.kv_len, str(q.device)))
+        def bounds() -> torch.Tensor:  # kept per device: no transfer per call
+            return torch.tensor([call.q_len, call.kv_len], device=device)
+        lens = bounds() if masks is None else masks.small(("lens", call.q_len, call.kv_len, device), bounds)
+        return (*ins, lens)
     return ins
 
 
-@lru_cache(maxsize=4096)
-def _lens(q_len: int, kv_len: int, device: str) -> torch.Tensor:
-    """The bounds tensor of a VARLEN call, kept per device (no transfer per call)."""
-    return torch.tensor([q_len, kv_len], device=device)
-
-
 def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-            graphs: Sequence[tuple[Call, GraphFn]]) -> torch.Tensor:
+            graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None = None) -> torch.Tensor:
     """Run each planned call through its graph and scatter the outputs into a packed
     ``[q_tokens, Hq, D]`` tensor (padding rows zero). Inputs are made contiguous so
-    every graph sees the strides it was compiled for."""
+    every graph sees the strides it was compiled for; masks come from ``masks``."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     call, fn = graphs[0]
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.family is not GraphFamily.VARLEN:
-        out = fn(*graph_inputs(q, k, v, layout, call))[:, :call.q_len].transpose(0, 1)
+        out = fn(*graph_inputs(q, k, v, layout, call, masks))[:, :call.q_len].transpose(0, 1)
         if call.family is GraphFamily.MASK and layout.is_padded:
-            real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device))
+            real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device), masks)
             out = out.masked_fill(~real[:, None, None], 0)
         return out
     out = q.new_zeros(q.shape)
     for call, fn in graphs:
-        o = fn(*graph_inputs(q, k, v, layout, call))
+        o = fn(*graph_inputs(q, k, v, layout, call, masks))
         out[call.q_start:call.q_start + call.q_len] = o[:, :call.q_len].transpose(0, 1)
     return out
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout) -> None:
-    """Raise :class:`LayoutError` naming the field if the tensors do not fit the layout."""
+#: The dtypes attention computes in (fp16/bf16/fp32 in fp32, fp64 in fp64).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+                 scale: object = None) -> None:
+    """Raise :class:`LayoutError` naming the field if the tensors do not fit the layout
+    (or ``ValueError`` for a ``scale`` that is not None or a finite number > 0)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise LayoutError(f"{name} must be a 3-D tensor [tokens, heads, head_dim], got {shape}")
+        if t.dtype not in DTYPES:
+            raise LayoutError(f"{name} has dtype {t.dtype}; attention takes "
+                              f"{', '.join(str(d) for d in DTYPES)}")
+        if t.shape[1] < 1 or t.shape[2] < 1:
+            raise LayoutError(f"{name} must have at least one head and head_dim >= 1, got shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise LayoutError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if q.shape[0] != layout.q_tokens:
@@ -118,6 +123,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
         raise LayoutError(f"dtype differs: q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise LayoutError(f"device differs: q {q.device}, k {k.device}, v {v.device}")
+    check_scale(scale)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -133,6 +139,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayou
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if partition_len is not None and partition_len < 1:
         raise ValueError(f"partition_len must be >= 1, got {partition_len}")
-    check_inputs(q, k, v, layout)
+    check_inputs(q, k, v, layout, scale)
     graphs = [(call, graph_fn(call, impl, scale, partition_len)) for call in plan_calls(layout, mode)]
     return execute(q, k, v, layout, graphs)

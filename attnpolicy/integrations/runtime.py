@@ -8,6 +8,9 @@ Environment variables (read when an integration builds its dispatcher):
 - ``ATTNPOLICY_DECISIONS_LOG``: a file that gets one JSON line per decision
   (``"event": "decision"``) and, at process exit, one line of cache stats per
   dispatcher (``"event": "stats"``). Several processes may append to one file.
+  The path is checked when the log is installed: a file that cannot be opened for
+  appending raises :class:`~attnpolicy.errors.ConfigError` naming the variable there,
+  never later inside an attention call.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision
 from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.errors import ConfigError
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
 
@@ -60,6 +64,12 @@ class DecisionLog:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._write_lock = threading.Lock()
+        try:  # fail here, with the path named, rather than in every attend
+            with open(self.path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{DECISIONS_LOG_ENV}={path}: cannot append to the decisions log: "
+                              f"{type(exc).__name__}: {exc.strerror or exc}") from exc
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps({"pid": os.getpid(), **record}, default=str) + "\n"
@@ -76,7 +86,7 @@ class DecisionLog:
         with _lock:
             built = list(_dispatchers.values())
         for config, d in built:
-            self.write({"event": "stats", "policy": config.policy, "stats": d.stats()})
+            self.write({"event": "stats", "policy": config.policy, "stats": d.stats().to_json()})
 
 
 def install_decision_log(environ: Mapping[str, str] = os.environ) -> DecisionLog | None:

@@ -7,9 +7,18 @@ bottom-right (query ``j`` sees keys ``0 .. Lk - Lq + j``), ``mask`` is boolean
 
 Implementations (RBLN's names in brackets):
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
-- ``eager`` ["eager"]: explicit ``softmax(q kᵀ · scale) v`` in fp32;
+- ``eager`` ["eager"]: explicit ``softmax(q kᵀ · scale) v`` in fp32 (fp64 for fp64
+  inputs);
 - ``flash`` ["flash_attn"]: keys in partitions of ``partition_len`` tokens combined
-  with an exact online softmax (running max and sum), in fp32.
+  with an exact online softmax (running max and sum), in fp32 (fp64 for fp64 inputs).
+
+Isolation: with a ``mask``, a query row depends only on the key/value rows it
+attends. A masked-out key whose k or v row holds NaN or ±inf would otherwise leak
+into every row (a zero probability times inf is NaN; an additive -inf on a NaN
+score stays NaN), so non-finite key/value rows are zeroed before the product and
+every query row that *attends* one of them is set to NaN afterwards: a sequence's
+own non-finite values still poison its own rows, as in torch's SDPA, and never
+another's. It stays one in-graph computation, without a host synchronisation.
 """
 
 from __future__ import annotations
@@ -37,6 +46,11 @@ def _allowed(lq: int, lk: int, causal: bool, mask: torch.Tensor | None,
     return mask
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16- and 32-bit inputs, fp64 for fp64: never less precise than the input."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _sdpa(q, k, v, causal, mask, scale, partition_len):
     # SDPA's fused CPU/CUDA kernels take [batch, heads, L, D]; 3-D input falls back
     # to the (several times slower) math path, so add a batch dimension.
@@ -50,20 +64,21 @@ def _sdpa(q, k, v, causal, mask, scale, partition_len):
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """View q as ``[Hkv, G, Lq, D]`` in fp32 so each kv head serves its G query heads."""
+    """View q as ``[Hkv, G, Lq, D]`` in the compute dtype so each kv head serves its G
+    query heads."""
     hq, lq, d = q.shape
-    return q.float().reshape(k.shape[0], hq // k.shape[0], lq, d)
+    return q.to(_compute_dtype(q.dtype)).reshape(k.shape[0], hq // k.shape[0], lq, d)
 
 
 def _eager(q, k, v, causal, mask, scale, partition_len):
     hq, lq, d = q.shape
     lk = k.shape[-2]
     qg = _grouped(q, k)
-    scores = qg @ k.float()[:, None].transpose(-1, -2) * scale
+    scores = qg @ k.to(qg.dtype)[:, None].transpose(-1, -2) * scale
     allowed = _allowed(lq, lk, causal, mask, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v.float()[:, None]
+    out = torch.softmax(scores, dim=-1) @ v.to(qg.dtype)[:, None]
     return out.reshape(hq, lq, d).to(q.dtype)
 
 
@@ -71,9 +86,9 @@ def _flash(q, k, v, causal, mask, scale, partition_len):
     hq, lq, d = q.shape
     lk = k.shape[-2]
     qg = _grouped(q, k)
-    kf, vf = k.float()[:, None], v.float()[:, None]
+    kf, vf = k.to(qg.dtype)[:, None], v.to(qg.dtype)[:, None]
     allowed = _allowed(lq, lk, causal, mask, q.device)
-    run_max = torch.full((*qg.shape[:-1], 1), float("-inf"), device=q.device)
+    run_max = torch.full((*qg.shape[:-1], 1), float("-inf"), dtype=qg.dtype, device=q.device)
     run_sum = torch.zeros_like(run_max)
     acc = torch.zeros_like(qg)
     for start in range(0, lk, partition_len):
@@ -94,6 +109,28 @@ def _flash(q, k, v, causal, mask, scale, partition_len):
 _IMPL_FNS = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
 
 
+def _finite_rows(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k`` and ``v`` with their non-finite rows zeroed, and ``poisoned[Hkv, Lq]``:
+    the query rows (per kv head) that attend at least one such row."""
+    # a row's largest magnitude is finite iff the row is (NaN propagates through amax);
+    # cheaper than isfinite(...).all(-1) over every element
+    ok = torch.isfinite(k.abs().amax(-1)) & torch.isfinite(v.abs().amax(-1))  # [Hkv, Lk]
+    k = k.masked_fill(~ok[..., None], 0)
+    v = v.masked_fill(~ok[..., None], 0)
+    # one small matmul instead of an [Hkv, Lq, Lk] intermediate: a count > 0 is exact
+    poisoned = (allowed.to(torch.float32) @ (~ok).to(torch.float32).T).T > 0
+    return k, v, poisoned
+
+
+def check_scale(scale: object) -> None:
+    """Raise ``ValueError`` unless ``scale`` is None or a finite number > 0."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 (or None for 1/sqrt(head_dim)), got {scale!r}")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
               causal: bool = False, mask: torch.Tensor | None = None,
               scale: float | None = None, partition_len: int | None = None) -> torch.Tensor:
@@ -105,5 +142,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = 
         partition_len = k.shape[-2] if partition_len is None else partition_len
         if partition_len < 1:
             raise ValueError(f"partition_len must be >= 1, got {partition_len}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return fn(q, k, v, causal, mask, scale, partition_len)
+    check_scale(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if mask is None:
+        return fn(q, k, v, causal, mask, scale, partition_len)
+    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
+    assert allowed is not None  # a mask was given
+    k, v, poisoned = _finite_rows(k, v, allowed)
+    out = fn(q, k, v, causal, mask, scale, partition_len)
+    hq, lq, d = out.shape
+    hkv = k.shape[0]
+    out = out.reshape(hkv, hq // hkv, lq, d).masked_fill(poisoned[:, None, :, None], float("nan"))
+    return out.reshape(hq, lq, d)

@@ -2,21 +2,112 @@
 
 A mask describes which keys each query row may attend; it materialises a dense
 tensor only when a MASK graph needs one. Construction is vectorised (one
-block write per sequence, no Python loop over tokens) and dense tensors are cached
-by (layout, shape), so a repeated layout costs nothing to rebuild.
+block write per sequence, no Python loop over tokens). Nothing is cached per
+process: a :class:`MaskCache` (each Dispatcher owns one) keeps dense masks by
+(mask, shape, device) within a byte bound, and the small per-layout tensors
+(real-row masks, VARLEN bounds) within an entry bound, so a repeated layout costs
+nothing to rebuild and everything is freed with its owner.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.names import DEFAULT_MAX_MASK_BYTES
 
-#: Dense masks kept per process (each at most rows×cols bytes as bool).
-DENSE_CACHE_SIZE = 16
+#: Default byte bound of one dense mask and of a MaskCache's dense masks together
+#: (``AttnPolicyConfig.max_mask_bytes``): 256 MiB, a 16384 × 16384 boolean mask.
+#: Small tensors (real-row masks, VARLEN bounds) a MaskCache keeps.
+SMALL_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class MaskCacheStats:
+    """A snapshot of a :class:`MaskCache` (see docs/cache.md)."""
+
+    masks: int
+    bytes: int
+    peak_bytes: int
+    max_bytes: int | None
+    hits: int
+    misses: int
+    evictions: int
+    uncached: int
+    small: int
+    small_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class MaskCache:
+    """The masks one owner (a Dispatcher) keeps: dense boolean masks, least recently
+    used first out, at most ``max_bytes`` bytes together (a mask larger than that is
+    built and returned uncached); and up to ``max_small`` small tensors (real-row
+    masks, VARLEN bounds). Not thread-safe (nor is its owner)."""
+
+    def __init__(self, max_bytes: int | None = DEFAULT_MAX_MASK_BYTES, max_small: int = SMALL_CACHE_SIZE) -> None:
+        self.max_bytes = max_bytes
+        self.max_small = max_small
+        self._dense: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._small: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._bytes = self._peak = self._small_bytes = 0
+        self._hits = self._misses = self._evictions = self._uncached = 0
+
+    def lookup(self, key: Hashable, nbytes: int, build: Callable[[], Any]) -> Any:
+        """The dense entry for ``key`` (``nbytes`` large), built by ``build()`` on a miss."""
+        hit = self._dense.get(key)
+        if hit is not None:
+            self._dense.move_to_end(key)
+            self._hits += 1
+            return hit[0]
+        self._misses += 1
+        value = build()
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            self._uncached += 1
+            return value
+        while self.max_bytes is not None and self._bytes + nbytes > self.max_bytes:
+            _, (_, gone) = self._dense.popitem(last=False)
+            self._bytes -= gone
+            self._evictions += 1
+        self._dense[key] = (value, nbytes)
+        self._bytes += nbytes
+        self._peak = max(self._peak, self._bytes)
+        return value
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether a dense entry for ``key`` is cached (no recency side effect)."""
+        return key in self._dense
+
+    def small(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The small tensor for ``key``, built by ``build()`` on a miss."""
+        hit = self._small.get(key)
+        if hit is not None:
+            self._small.move_to_end(key)
+            return hit
+        value = self._small[key] = build()
+        self._small_bytes += value.nbytes
+        if len(self._small) > self.max_small:
+            _, gone = self._small.popitem(last=False)
+            self._small_bytes -= gone.nbytes
+        return value
+
+    def clear(self) -> None:
+        """Drop every mask and small tensor (counters stay)."""
+        self._dense.clear()
+        self._small.clear()
+        self._bytes = self._small_bytes = 0
+
+    def stats(self) -> MaskCacheStats:
+        return MaskCacheStats(len(self._dense), self._bytes, self._peak, self.max_bytes, self._hits,
+                              self._misses, self._evictions, self._uncached, len(self._small),
+                              self._small_bytes)
 
 
 @dataclass(frozen=True)
@@ -51,11 +142,16 @@ class BlockDiagonalMask:
             allowed[~real_rows(lay.q_starts, lay.q_lens, rows)] = True
         return allowed
 
-    def dense(self, rows: int | None = None, cols: int | None = None, device: str = "cpu") -> torch.Tensor:
-        """The dense boolean mask, cached per (mask, shape, device). Do not modify it."""
+    def dense(self, rows: int | None = None, cols: int | None = None, device: str = "cpu",
+              cache: MaskCache | None = None) -> torch.Tensor:
+        """The dense boolean mask on ``device``: built fresh, or taken from ``cache``
+        (per mask, shape and device; do not modify a cached mask)."""
         rows = self.layout.q_tokens if rows is None else rows
         cols = self.layout.kv_tokens if cols is None else cols
-        return _dense_cached(self, rows, cols, device)
+        if cache is None:
+            return self.materialize(rows, cols).to(device)
+        return cache.lookup((self, rows, cols, device), rows * cols,
+                            lambda: self.materialize(rows, cols).to(device))
 
     def additive(self, dtype: torch.dtype = torch.float32, rows: int | None = None,
                  cols: int | None = None) -> torch.Tensor:
@@ -74,18 +170,16 @@ class BlockDiagonalCausalMask(BlockDiagonalMask):
         return torch.ones(q_len, kv_len, dtype=torch.bool).tril_(diagonal=kv_len - q_len)
 
 
-@lru_cache(maxsize=DENSE_CACHE_SIZE)
-def _dense_cached(mask: BlockDiagonalMask, rows: int, cols: int, device: str) -> torch.Tensor:
-    return mask.materialize(rows, cols).to(device)
-
-
-@lru_cache(maxsize=256)
-def real_rows(starts: tuple[int, ...], lens: tuple[int, ...], tokens: int, device: str = "cpu") -> torch.Tensor:
-    """Boolean ``[tokens]``: True on rows owned by a sequence (cached; do not modify)."""
-    real = torch.zeros(tokens, dtype=torch.bool)
-    for s, n in zip(starts, lens):
-        real[s:s + n] = True
-    return real.to(device)
+def real_rows(starts: tuple[int, ...], lens: tuple[int, ...], tokens: int, device: str = "cpu",
+              cache: MaskCache | None = None) -> torch.Tensor:
+    """Boolean ``[tokens]``: True on rows owned by a sequence (from ``cache`` if
+    given; do not modify a cached one)."""
+    def build() -> torch.Tensor:
+        real = torch.zeros(tokens, dtype=torch.bool)
+        for s, n in zip(starts, lens):
+            real[s:s + n] = True
+        return real.to(device)
+    return build() if cache is None else cache.small(("rows", starts, lens, tokens, device), build)
 
 
 def mask_for(layout: BatchLayout) -> BlockDiagonalMask:

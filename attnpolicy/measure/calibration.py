@@ -151,7 +151,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                 samples.append(Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len,
                                       seconds=compiled[key]))
                 build = partial(mask_for(layout).materialize, qb, kvb) if kind is GraphFamily.MASK else None
-                runs.append((kind, key, partial(execute, *tensors_, layout, graphs), build))
+                runs.append((kind, key, partial(execute, *tensors_, layout, graphs, dispatchers[kind].masks), build))
                 if progress:
                     progress(f"compiled {key}")
             fastest = [[math.inf, math.inf] for _ in runs]

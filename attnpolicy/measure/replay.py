@@ -47,18 +47,18 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
         for step in steps:
             lay = step.layout
             q, k, v = q_pool[:lay.q_tokens], k_pool[:lay.kv_tokens], v_pool[:lay.kv_tokens]
-            compiled_before = dispatcher.cache.stats()["compile_seconds"]
+            compiled_before = dispatcher.cache.stats().compile_seconds
             t0 = time.perf_counter()
             out = dispatcher.attend(q, k, v, lay, spec.scale)
             total += time.perf_counter() - t0
-            compile_total += dispatcher.cache.stats()["compile_seconds"] - compiled_before
+            compile_total += dispatcher.cache.stats().compile_seconds - compiled_before
             if check:
                 ref = attend(q.double(), k.double(), v.double(), lay, MaskMode.VARLEN, "eager",
                              scale=spec.scale)
                 max_err = max(max_err, float((out.double() - ref).abs().max()))
             if progress:
                 progress(f"step {step.index}")
-    stats = dispatcher.stats()
+    stats = dispatcher.stats().to_json()
     return {
         "cache": stats["cache"],
         "modes": stats["modes"],

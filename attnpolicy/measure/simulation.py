@@ -6,8 +6,8 @@ guard, plan, graph cache) over the batches of a
 :class:`~attnpolicy.measure.batching.BatchFormer`, with a builder that compiles nothing:
 a miss is charged the model's compile seconds, every call the model's run seconds
 plus the dispatch overhead, and every MASK call whose dense mask is not in the
-mask cache (mirrored: an LRU of :data:`attnpolicy.kernels.masks.DENSE_CACHE_SIZE` masks
-keyed by layout and shape) a host mask build. Hits, misses and evictions are
+mask cache (mirrored: a :class:`~attnpolicy.kernels.masks.MaskCache` bounded by
+``max_mask_bytes``, keyed like the dispatcher's) a host mask build. Hits, misses and evictions are
 therefore exactly those of a real run of the same batches and config.
 
 ``belady`` is the offline optimum: the key sequence of the policy's LRU run at the
@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import cachetools
-
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import GraphFamily
@@ -35,7 +33,7 @@ from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
+from attnpolicy.kernels.masks import MaskCache, mask_for
 from attnpolicy.measure.batching import BatchFormer, Step
 from attnpolicy.measure.workload import Request
 from attnpolicy.plugins.registry import eviction_registry
@@ -92,7 +90,7 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
     spec = model.spec
     cache = GraphCache.from_config(config, sizeof=model.graph_bytes, compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
-    masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+    masks = MaskCache(config.max_mask_bytes)
     out = _Replay()
     keys = out.keys
     seconds = 0.0
@@ -107,13 +105,13 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
                 out.overflow_calls += 1
                 seconds += model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + overhead
             if call.family is GraphFamily.MASK:
-                mask_key = (layout, call.q_bucket, call.kv_bucket)
-                if masks.get(mask_key) is None:
-                    masks[mask_key] = True
+                mask_key = (mask_for(layout), call.q_bucket, call.kv_bucket, spec.device)
+                if mask_key not in masks:
                     out.mask_builds += 1
                     out.mask_build_seconds += model.mask_build_seconds(call.q_bucket, call.kv_bucket)
+                masks.lookup(mask_key, call.q_bucket * call.kv_bucket, bool)
     out.attention_seconds = seconds + out.mask_build_seconds
-    out.stats = dispatcher.stats()
+    out.stats = dispatcher.stats().to_json()
     return out
 
 
@@ -168,6 +166,15 @@ def _row(policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
     }
 
 
+def _rejections(former: BatchFormer) -> str:
+    """Why the former rejected its requests, e.g. ``3 need more than max_model_len=8192
+    tokens (the first: 1e+23 prompt + 10 output)``."""
+    first = former.rejected[0]
+    need = "prompt" if former.prefill_only else "prompt + output"
+    return (f"{len(former.rejected)} need more than max_model_len={former.max_model_len} tokens "
+            f"({need}; the first: {first.prompt_tokens} prompt + {first.output_tokens} output)")
+
+
 def _check_evictions(evictions: Iterable[str]) -> None:
     known = set(eviction_registry())
     for name in evictions:
@@ -192,7 +199,9 @@ def simulate(
     comes from ``config_base`` (default: :func:`simulation_config`); ``model``
     defaults to :meth:`CostModel.default`; ``former_options`` are
     :class:`BatchFormer` keyword arguments. ``progress(label)`` is called after each
-    row. Rows hold :data:`ROW_FIELDS` and more: ``attention_seconds`` includes
+    row. A trace whose every request is rejected (longer than ``max_model_len``)
+    raises :class:`ConfigError` saying why; ``rejected`` in each row counts the
+    requests left out. Rows hold :data:`ROW_FIELDS` and more: ``attention_seconds`` includes
     dispatch overheads and mask builds (also given alone as ``mask_build_seconds``);
     ``total_seconds`` is attention plus compile seconds.
     """
@@ -205,6 +214,10 @@ def simulate(
                           "model for this config or change it")
     _check_evictions(evictions)
     steps = list(former.steps(requests))
+    rejected = former.rejected
+    if rejected and len(rejected) == len(requests):
+        raise ConfigError(f"every request ({len(requests)}) was rejected: {_rejections(former)}; "
+                          "nothing to simulate (raise max_model_len or check the trace)")
     fields = base.model_dump(mode="json")
     lru_runs: dict[tuple[str, int | None], _Replay] = {}
     rows = []
@@ -220,14 +233,14 @@ def simulate(
                         lru_runs[policy, capacity] = _replay(steps, config("lru"), model)
                     replay = lru_runs[policy, capacity]
                     cfg = config("lru")
-                    stats = belady_cache(replay.keys, cfg, model).stats()
+                    stats = belady_cache(replay.keys, cfg, model).stats().to_json()
                 else:
                     cfg = config(eviction)
                     replay = _replay(steps, cfg, model)
                     if eviction == "lru":
                         lru_runs[policy, capacity] = replay
                     stats = replay.stats["cache"]
-                rows.append(_row(policy, cfg, eviction, replay, stats))
+                rows.append({**_row(policy, cfg, eviction, replay, stats), "rejected": len(rejected)})
                 if progress:
                     progress(f"{policy} capacity={capacity} {eviction}")
     return rows

@@ -40,8 +40,7 @@ so no rule ever gets ahead and the policy answers as ``varlen``.
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import cachetools
+from typing import TYPE_CHECKING
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -51,6 +50,10 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.policies.base import Policy, PolicyContext
+
+if TYPE_CHECKING:
+    from attnpolicy.kernels.masks import MaskCache
+
 from attnpolicy.policies.builtin import (
     AlwaysMask,
     Dynamic,
@@ -89,7 +92,7 @@ class _Option:
 
 
 def _price(layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], model: CostModel,
-           is_cached: Callable[[GraphKey], bool], masks: cachetools.LRUCache) -> _Option:
+           is_cached: Callable[[GraphKey], bool], masks: MaskCache) -> _Option:
     run = sum(model.run_seconds(k) for k in keys) + model.call_overhead_seconds * len(keys)
     if mode is MaskMode.MASK:
         run += sum(model.mask_build_seconds(k.q_len, k.kv_len) for k in keys
@@ -108,9 +111,9 @@ class _Shadow:
         self.cache: GraphCache = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
                                                         compile_cost=model.compile_cost)
         # imported here: it imports torch, and the registry imports this module
-        from attnpolicy.kernels.masks import DENSE_CACHE_SIZE
+        from attnpolicy.kernels.masks import MaskCache
 
-        self.masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+        self.masks = MaskCache(config.max_mask_bytes)  # mirrors the dispatcher's
         self.seconds = 0.0
         self._decide = decide
 
@@ -126,7 +129,7 @@ class _Shadow:
             self.cache.get_or_compile(key, _stand_in(key))
         if mode is MaskMode.MASK:
             for k in keys:
-                self.masks[(layout, k.q_len, k.kv_len)] = True
+                self.masks.lookup((layout, k.q_len, k.kv_len), k.q_len * k.kv_len, bool)
         return mode, reason
 
     def preview(self, layout: BatchLayout, ctx: PolicyContext) -> tuple[MaskMode, str]:
