@@ -104,7 +104,8 @@ class BatchFormer:
         #: Requests the latest :meth:`steps` call skipped as too long for max_model_len.
         self.rejected: tuple[Request, ...] = ()
 
-    def _fits(self, r: Request) -> bool:
+    def fits(self, r: Request) -> bool:
+        """Whether ``r`` is admitted (not longer than ``max_model_len``)."""
         need = r.prompt_tokens if self.prefill_only else r.prompt_tokens + r.output_tokens
         return need <= self.max_model_len
 
@@ -115,10 +116,10 @@ class BatchFormer:
         when this returns.
         """
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-        self.rejected = tuple(requests[i] for i in order if not self._fits(requests[i]))
+        self.rejected = tuple(requests[i] for i in order if not self.fits(requests[i]))
         waiting = deque(
             _Running(i, requests[i].prompt_tokens, 0 if self.prefill_only else requests[i].output_tokens)
-            for i in order if self._fits(requests[i])
+            for i in order if self.fits(requests[i])
         )
         return self._run(waiting)
 

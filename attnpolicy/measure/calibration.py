@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -27,7 +29,7 @@ from attnpolicy.graphs.execute import execute
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.measure.timing import DTYPES, split_lengths
+from attnpolicy.measure.timing import DEFAULT_THREADS, DTYPES, split_lengths
 
 #: The policy that plans each graph family for the calibration layouts below.
 _POLICY: dict[Kind, str] = {"causal": "dynamic", "mask": "always-mask", "varlen": "varlen"}
@@ -38,19 +40,29 @@ MAX_REPEATS = 10
 MIN_TIMED_SECONDS = 0.02
 
 
-@dataclass(frozen=True)
+@validated(frozen=True)
 class CalibrationSettings:
-    heads: int = 8
-    kv_heads: int = 8
-    head_dim: int = 64
-    dtype: str = "float32"
-    impl: str = "sdpa"
-    partition_len: int | None = None
-    backend: str = "aot_eager"
-    max_len: int = 4096
-    repeats: int = 3
+    """What ``attnpolicy calibrate`` measures; validated like the config."""
+
+    heads: int = Field(8, ge=1)
+    kv_heads: int = Field(8, ge=1)
+    head_dim: int = Field(64, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
+    partition_len: int | None = Field(None, ge=1)
+    backend: Literal["aot_eager", "inductor", "eager", "none"] = "aot_eager"
+    max_len: int = Field(4096, ge=16)
+    repeats: int = Field(3, ge=1)
     quick: bool = False
-    threads: int | None = 1
+    threads: int | None = Field(DEFAULT_THREADS, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CalibrationSettings:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        if self.impl == "flash" and self.partition_len is None:
+            raise ValueError("impl 'flash' needs partition_len")
+        return self
 
     @property
     def spec(self) -> TensorSpec:
