@@ -75,13 +75,13 @@ def test_deterministic_on_a_layout_stream():
 
 
 def check_acceptance(rows: list[dict], capacities: tuple[int, ...]) -> None:
-    by = {(r["policy"], r["capacity"], r["eviction"]): r for r in rows}
+    by = {(r.policy, r.capacity, r.eviction): r for r in rows}
     for capacity in capacities:
         for eviction in ("lru", "belady"):
-            best = min(by[p, capacity, eviction]["total_seconds"] for p in FIXED)
-            assert by["cost-aware", capacity, eviction]["total_seconds"] <= best, (capacity, eviction)
+            best = min(by[p, capacity, eviction].total_seconds for p in FIXED)
+            assert by["cost-aware", capacity, eviction].total_seconds <= best, (capacity, eviction)
         for policy in (*FIXED, "cost-aware"):
-            assert by[policy, capacity, "belady"]["misses"] <= by[policy, capacity, "lru"]["misses"]
+            assert by[policy, capacity, "belady"].misses <= by[policy, capacity, "lru"].misses
 
 
 @pytest.mark.slow

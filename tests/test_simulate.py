@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -12,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnpolicy.cache.graph_cache import GraphCache
-from attnpolicy.cli import replay
+from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatcher import Dispatcher
@@ -64,24 +63,24 @@ def test_belady_never_misses_more_than_lru(stream, capacity):
 def test_rows_hold_every_field_and_add_up():
     rows = simulate(requests(), ["dynamic", "varlen"], [2, None], ["lru", "cost", "belady"],
                     former_options=SMALL)
-    assert [(r["policy"], r["capacity"], r["eviction"]) for r in rows] == [
+    assert [(r.policy, r.capacity, r.eviction) for r in rows] == [
         (p, c, e) for p in ("dynamic", "varlen") for c in (2, None) for e in ("lru", "cost", "belady")]
     for r in rows:
-        assert set(ROW_FIELDS) <= set(r)
-        assert r["total_seconds"] == pytest.approx(r["attention_seconds"] + r["compile_seconds"])
-        assert r["hit_rate"] == pytest.approx(r["hits"] / (r["hits"] + r["misses"]))
-        assert r["hits"] + r["misses"] == r["calls"]
-        assert r["peak_bytes"] > 0 and r["compiles"] == r["misses"]
-    varlen = [r for r in rows if r["policy"] == "varlen"]
-    assert all(r["mask_builds"] == 0 for r in varlen)
-    assert all(r["modes"]["mask"] == 0 and r["modes"]["varlen"] > 0 for r in varlen)
+        assert set(ROW_FIELDS) <= set(r.to_json())
+        assert r.total_seconds == pytest.approx(r.attention_seconds + r.compile_seconds)
+        assert r.hit_rate == pytest.approx(r.hits / (r.hits + r.misses))
+        assert r.hits + r.misses == r.calls
+        assert r.peak_bytes > 0 and r.compiles == r.misses
+    varlen = [r for r in rows if r.policy == "varlen"]
+    assert all(r.mask_builds == 0 for r in varlen)
+    assert all(r.modes["mask"] == 0 and r.modes["varlen"] > 0 for r in varlen)
 
 
 def test_unbounded_capacity_misses_each_key_once():
     for policy in (*FIXED, "cost-aware"):
         (row,) = simulate(requests(), [policy], [None], ["lru"], former_options=SMALL)
-        assert row["misses"] == row["distinct_keys"] == row["compiles"]
-        assert row["evictions"] == 0
+        assert row.misses == row.distinct_keys == row.compiles
+        assert row.evictions == 0
 
 
 def test_deterministic():
@@ -91,12 +90,12 @@ def test_deterministic():
 
 def test_belady_bounds_lru_on_the_default_workload():
     rows = simulate(synthetic_default(120), [*FIXED, "cost-aware"], [2, 4, 8], ["lru", "belady"])
-    by = {(r["policy"], r["capacity"], r["eviction"]): r for r in rows}
+    by = {(r.policy, r.capacity, r.eviction): r for r in rows}
     for policy in (*FIXED, "cost-aware"):
         for capacity in (2, 4, 8):
             lru, belady = by[policy, capacity, "lru"], by[policy, capacity, "belady"]
-            assert belady["misses"] <= lru["misses"]
-            assert belady["attention_seconds"] == lru["attention_seconds"]
+            assert belady.misses <= lru.misses
+            assert belady.attention_seconds == lru.attention_seconds
 
 
 def test_mask_builds_mirror_the_mask_cache():
@@ -104,7 +103,7 @@ def test_mask_builds_mirror_the_mask_cache():
     same = [Request(0.0, 100, 0)] * 3
     (row,) = simulate(same, ["always-mask"], [None], ["lru"],
                       former_options={"max_num_seqs": 1, "max_num_batched_tokens": 128, "prefill_only": True})
-    assert row["batches"] == 3 and row["mask_builds"] == 1
+    assert row.batches == 3 and row.mask_builds == 1
 
 
 def test_simulated_misses_equal_a_real_run():
@@ -123,7 +122,7 @@ def test_simulated_misses_equal_a_real_run():
             real.attend(q, k, k, lay)
         stats = real.stats()
         assert (stats["cache"]["misses"], stats["cache"]["hits"], stats["modes"]) == (
-            row["misses"], row["hits"], row["modes"]), policy
+            row.misses, row.hits, row.modes), policy
 
 
 def test_config_must_match_the_model():
@@ -145,13 +144,10 @@ def test_simulation_config_fits_packed_batches():
 
 
 def test_simulate_cli_writes_json_and_plot(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    replay.register(parser.add_subparsers())
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    args = parser.parse_args(["simulate", "--trace", "default", "--limit", "20", "--policies", "varlen,cost-aware",
-                              "--capacities", "2,4", "--evictions", "lru,belady", "--max-num-seqs", "4",
-                              "--max-num-batched-tokens", "512", "--json", str(out), "--plot", str(png)])
-    assert args.func(args) == 0
+    assert main(["simulate", "--trace", "default", "--limit", "20", "--policies", "varlen,cost-aware",
+                 "--capacities", "2,4", "--evictions", "lru,belady", "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "512", "--json", str(out), "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
     assert data["requests"] == 20 and len(data["rows"]) == 8
     assert data["config"]["max_seq_len"] == 8192 and data["former"]["max_num_seqs"] == 4
