@@ -27,7 +27,21 @@ _EXPORTS = {
     "hookimpl": "attnpolicy.plugins.hookspecs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AttnPolicyConfig",
+    "BatchLayout",
+    "Buckets",
+    "Decision",
+    "Dispatcher",
+    "GraphCache",
+    "GraphKey",
+    "MaskMode",
+    "PolicyContext",
+    "attend",
+    "hookimpl",
+    "legal_modes",
+    "why_illegal",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -236,7 +236,8 @@ def settings(cls: Callable[..., T], flags: Mapping[str, str], **values: Any) -> 
         # a rule between fields: name each field by its flag
         named = re.sub(r"\b[a-z]+(?:_[a-z]+)*\b",
                        lambda m: flags.get(m[0], "--" + m[0].replace("_", "-")) if m[0] in values else m[0], msg)
-        fail(f"argument {re.search(r'--[a-z-]+', named)[0] if '--' in named else ''}: {named}")
+        flag = re.search(r"--[a-z-]+", named)
+        fail(f"argument {flag[0] if flag else ''}: {named}")
 
 
 def describe_options(options: Mapping[str, Mapping[str, Any]]) -> str:

@@ -26,6 +26,7 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     - CAUSAL: ``f(q, k, v)``, mask-free, ``is_causal``;
     - MASK: ``f(q, k, v, mask)`` with a dense boolean mask built on the host;
     - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds arrive as a tensor.
+
     Each family's functions are closures over one code object; ``compile.py`` gives
     every compiled graph a fresh code object of its own.
     """

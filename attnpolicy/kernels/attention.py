@@ -6,6 +6,7 @@ bottom-right (query ``j`` sees keys ``0 .. Lk - Lq + j``), ``mask`` is boolean
 ``[Lq, Lk]`` with True = attend; both may be given.
 
 Implementations (RBLN's names in brackets):
+
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
 - ``eager`` ["eager"]: explicit ``softmax(q kᵀ · scale) v`` in fp32;
 - ``flash`` ["flash_attn"]: keys in partitions of ``partition_len`` tokens combined

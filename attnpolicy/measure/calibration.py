@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import partial
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -44,17 +44,17 @@ MIN_TIMED_SECONDS = 0.02
 class CalibrationSettings:
     """What ``attnpolicy calibrate`` measures; validated like the config."""
 
-    heads: int = Field(8, ge=1)
-    kv_heads: int = Field(8, ge=1)
-    head_dim: int = Field(64, ge=1)
+    heads: Annotated[int, Field(ge=1)] = 8
+    kv_heads: Annotated[int, Field(ge=1)] = 8
+    head_dim: Annotated[int, Field(ge=1)] = 64
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     impl: Literal["sdpa", "eager", "flash"] = "sdpa"
-    partition_len: int | None = Field(None, ge=1)
+    partition_len: Annotated[int | None, Field(ge=1)] = None
     backend: Literal["aot_eager", "inductor", "eager", "none"] = "aot_eager"
-    max_len: int = Field(4096, ge=16)
-    repeats: int = Field(3, ge=1)
+    max_len: Annotated[int, Field(ge=16)] = 4096
+    repeats: Annotated[int, Field(ge=1)] = 3
     quick: bool = False
-    threads: int | None = Field(DEFAULT_THREADS, ge=1)
+    threads: Annotated[int | None, Field(ge=1)] = DEFAULT_THREADS
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrationSettings:
@@ -132,15 +132,23 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
     spec = s.spec
     dtype = DTYPES[s.dtype]
     compiled: dict[GraphKey, float] = {}
-    cache = GraphCache(sizeof=graph_bytes, release=lambda key, graph: release_graph(graph),
-                       on_compile=lambda key, seconds, nbytes: compiled.__setitem__(key, seconds))
+    def on_compile(key: Hashable, seconds: float, nbytes: int) -> None:
+        assert isinstance(key, GraphKey)
+        compiled[key] = seconds
+
+    def sizeof(key: Hashable) -> int:
+        assert isinstance(key, GraphKey)
+        return graph_bytes(key)
+
+    cache: GraphCache[Any] = GraphCache(sizeof=sizeof, release=lambda key, graph: release_graph(graph),
+                                        on_compile=on_compile)
     dispatchers = {kind: Dispatcher(AttnPolicyConfig(
         policy=policy, backend=s.backend, attn_impl=s.impl, partition_len=s.partition_len,
         max_seq_len=max(s.max_len, s.partition_len or 0)), cache=cache) for kind, policy in _POLICY.items()}
     gen = torch.Generator().manual_seed(0)
     samples: list[Sample] = []
 
-    def tensors(layout: BatchLayout) -> tuple[torch.Tensor, ...]:
+    def tensors(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.randn(layout.q_tokens, s.heads, s.head_dim, generator=gen).to(dtype)
         k = torch.randn(layout.kv_tokens, s.kv_heads, s.head_dim, generator=gen).to(dtype)
         return q, k, torch.randn_like(k)
@@ -159,7 +167,8 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                 (key,) = dispatchers[kind].graph_keys_for(layout, spec)
                 samples.append(Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len,
                                       seconds=compiled[key]))
-                build = partial(mask_for(layout).materialize, qb, kvb) if kind == "mask" else None
+                build: Callable[[], object] | None = (
+                    partial(mask_for(layout).materialize, qb, kvb) if kind == "mask" else None)
                 runs.append((kind, key, partial(execute, *tensors_, layout, graphs), build))
                 if progress:
                     progress(f"compiled {key}")

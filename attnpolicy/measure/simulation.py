@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import cachetools
@@ -130,7 +131,7 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
     cache = GraphCache.from_config(config, sizeof=model.graph_bytes, compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
     dispatcher.use_spec(spec)
-    masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+    masks: cachetools.LRUCache[tuple[Any, ...], bool] = cachetools.LRUCache(DENSE_CACHE_SIZE)
     out = _Replay()
     keys = out.keys
     seconds = 0.0
@@ -165,7 +166,8 @@ def next_uses(keys: Sequence[GraphKey]) -> list[float]:
     return out
 
 
-def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig, model: CostModel) -> GraphCache:
+def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig,
+                 model: CostModel) -> GraphCache[SimulatedGraph]:
     """A graph cache bounded like ``config`` that served ``keys`` in order with Belady's
     eviction (an oracle of the sequence's future); its stats are the bound."""
     upcoming: dict[GraphKey, float] = {}
@@ -173,7 +175,7 @@ def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig, model: Cost
                                    sizeof=model.graph_bytes, compile_cost=model.compile_cost)
     for key, nxt in zip(keys, next_uses(keys)):
         upcoming[key] = nxt
-        cache.get_or_compile(key, lambda key=key: SimulatedGraph(key))
+        cache.get_or_compile(key, partial(SimulatedGraph, key))
     return cache
 
 
@@ -268,7 +270,8 @@ def simulate(
         options = {**(base.policy_options if policy == base.policy else {}),
                    **(policy_options or {}).get(policy, {})}
         for capacity in capacities:
-            def config(eviction: str, policy: str = policy, capacity: int | None = capacity) -> AttnPolicyConfig:
+            def config(eviction: str, policy: str = policy, capacity: int | None = capacity,
+                       options: dict[str, Any] = options) -> AttnPolicyConfig:
                 return AttnPolicyConfig.model_validate(
                     {**fields, "policy": policy, "policy_options": options, "max_graphs": capacity,
                      "eviction": eviction})

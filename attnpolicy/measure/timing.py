@@ -54,17 +54,18 @@ class BenchSettings:
     """What ``attnpolicy bench`` times; validated (every count >= 1, ``kv_heads``
     divides ``heads``, no more sequences than tokens)."""
 
-    lengths: tuple[Annotated[int, Positive], ...] = Field((128, 256, 512, 1024, 2048, 4096), min_length=1)
-    seqs: tuple[Annotated[int, Positive], ...] = Field((1, 4), min_length=1)
-    repeats: int = Field(5, ge=1)
-    warmup: int = Field(1, ge=0)
-    heads: int = Field(8, ge=1)
-    kv_heads: int = Field(8, ge=1)
-    head_dim: int = Field(64, ge=1)
+    lengths: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (
+        128, 256, 512, 1024, 2048, 4096)
+    seqs: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (1, 4)
+    repeats: Annotated[int, Field(ge=1)] = 5
+    warmup: Annotated[int, Field(ge=0)] = 1
+    heads: Annotated[int, Field(ge=1)] = 8
+    kv_heads: Annotated[int, Field(ge=1)] = 8
+    head_dim: Annotated[int, Field(ge=1)] = 64
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     impl: Literal["sdpa", "eager", "flash"] = "sdpa"
-    partition_len: int | None = Field(None, ge=1)
-    threads: int | None = Field(DEFAULT_THREADS, ge=1)
+    partition_len: Annotated[int | None, Field(ge=1)] = None
+    threads: Annotated[int | None, Field(ge=1)] = DEFAULT_THREADS
     seed: int = 0
 
     @model_validator(mode="after")
@@ -103,7 +104,8 @@ def modes_for(num_seqs: int) -> tuple[MaskMode, MaskMode]:
     return (MaskMode.CAUSAL, MaskMode.MASK) if num_seqs == 1 else (MaskMode.MASK, MaskMode.VARLEN)
 
 
-def _time_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, float]:
+def _time_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+               s: BenchSettings) -> tuple[float, float]:
     """Total and mask-build seconds of one MASK call that builds its mask afresh."""
     (call,) = plan_calls(layout, MaskMode.MASK)
     fn = graph_fn(call, s.impl, None, s.partition_len)
@@ -114,7 +116,8 @@ def _time_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, f
     return time.perf_counter() - t0, t1 - t0
 
 
-def time_mode(q, k, v, layout: BatchLayout, mode: MaskMode, s: BenchSettings) -> tuple[float, float | None]:
+def time_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, mode: MaskMode,
+              s: BenchSettings) -> tuple[float, float | None]:
     """Seconds of one uncompiled call in ``mode``, and of its mask build (MASK only)."""
     if mode is MaskMode.MASK:
         return _time_mask(q, k, v, layout, s)

@@ -109,8 +109,9 @@ def _nanoseconds(text: str) -> int:
     m = _TIMESTAMP.fullmatch(text.strip())
     if m is None:
         raise ValueError("expected YYYY-MM-DD HH:MM:SS[.fraction]")
-    *parts, frac = m.groups()
-    since = datetime(*(int(p) for p in parts)) - _EPOCH  # ValueError on e.g. month 13
+    year, month, day, hour, minute, second, frac = m.groups()
+    # ValueError on e.g. month 13
+    since = datetime(int(year), int(month), int(day), int(hour), int(minute), int(second)) - _EPOCH
     return (since.days * 86_400 + since.seconds) * 10**9 + int((frac or "").ljust(9, "0"))
 
 

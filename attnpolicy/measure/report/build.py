@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import time
@@ -43,21 +44,23 @@ class ReportSettings:
 
     out: Path = Path("report")
     trace: str = "default"
-    limit: int | None = Field(None, ge=1)
+    limit: Annotated[int | None, Field(ge=1)] = None
     # always-causal is left out: on packed batches the guard turns it into varlen.
-    policies: tuple[str, ...] = Field(("always-mask", "dynamic", "varlen", "cost-aware"), min_length=1)
-    capacities: tuple[Annotated[int, Field(ge=1)] | None, ...] = Field((2, 4, 8, 16, 32, None), min_length=1)
-    evictions: tuple[str, ...] = Field(("lru", "lfu", "cost", "belady"), min_length=1)
+    policies: Annotated[tuple[str, ...], Field(min_length=1)] = ("always-mask", "dynamic", "varlen", "cost-aware")
+    capacities: Annotated[tuple[Annotated[int, Field(ge=1)] | None, ...], Field(min_length=1)] = (
+        2, 4, 8, 16, 32, None)
+    evictions: Annotated[tuple[str, ...], Field(min_length=1)] = ("lru", "lfu", "cost", "belady")
     bench: BenchSettings = BenchSettings(repeats=3)
     cost_model: str | None = None
     calibrate: bool = False
-    validate_requests: int = Field(6, ge=1)
-    validate_capacity: int = Field(4, ge=1)
+    validate_requests: Annotated[int, Field(ge=1)] = 6
+    validate_capacity: Annotated[int, Field(ge=1)] = 4
     #: Policies of the sweep also replayed with real compute (always-mask is left out:
     #: its dense masks over every sequence's context make real decode batches slow).
     validate_policies: tuple[str, ...] = ("dynamic", "varlen", "cost-aware")
-    former: dict[str, Any] = Field(default_factory=lambda: {"max_num_seqs": 8, "max_num_batched_tokens": 2048})
-    policy_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    former: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"max_num_seqs": 8, "max_num_batched_tokens": 2048})
+    policy_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @model_validator(mode="after")
     def _former(self) -> ReportSettings:
