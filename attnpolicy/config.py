@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,7 +30,7 @@ from attnpolicy.plugins.registry import eviction_registry, make_policy, policy_r
 CONFIG_FILENAME = "attnpolicy_config.json"
 CONFIG_ENV = "ATTNPOLICY_CONFIG"
 POLICY_ENV = "ATTNPOLICY_POLICY"
-FORMAT_VERSION = 1
+FORMAT_VERSION: Final = 1
 
 logger = logging.getLogger("attnpolicy.config")
 
@@ -126,6 +126,7 @@ class AttnPolicyConfig(BaseModel):
         if auto:
             logger.info("partition_len=%d differs from max_seq_len=%d: attn_impl set to 'flash'",
                         part, max_len)
+        assert impl is not None
         return impl
 
     def _check_buckets(self) -> None:
@@ -134,11 +135,11 @@ class AttnPolicyConfig(BaseModel):
         ``max_seq_len`` and none above ``max_batch_tokens`` (sizes above
         ``max_seq_len`` serve only the packed rows of MASK calls)."""
         b, max_len = self.buckets, self.max_seq_len
-        if b.kind == "pow2" and "min" in b.model_fields_set and b.min > max_len:
+        if b.kind == "pow2" and "min" in b.model_fields_set and b.min is not None and b.min > max_len:
             raise ValueError(f"buckets.min has bucket {b.min} > max_seq_len {max_len}")
-        if b.kind == "multiple" and b.multiple > max_len:
+        if b.kind == "multiple" and b.multiple is not None and b.multiple > max_len:
             raise ValueError(f"buckets.multiple has bucket {b.multiple} > max_seq_len {max_len}")
-        if b.kind == "list":
+        if b.kind == "list" and b.sizes:
             if b.sizes[0] > max_len:
                 raise ValueError(f"buckets.sizes has no bucket <= max_seq_len {max_len}: {list(b.sizes)}")
             if b.sizes[-1] > self.max_batch_tokens:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import cachetools
 import torch
@@ -48,7 +48,7 @@ class Dispatcher:
     """
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
-                 cache: GraphCache | None = None,
+                 cache: GraphCache[Any] | None = None,
                  compile_counter: Callable[[Any], None] | None = None,
                  builder: Builder | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
@@ -65,7 +65,7 @@ class Dispatcher:
         self._largest = _largest_bucket(cfg, cfg.max_seq_len)
         self._largest_batch = _largest_bucket(cfg, cfg.max_batch_tokens)
         self._spec: TensorSpec | None = None
-        self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
+        self._plans: cachetools.LRUCache[Any, Any] = cachetools.LRUCache(PLAN_CACHE_SIZE)
         self._warm = False
         self.context = PolicyContext(config=cfg, is_cached=self.cache.__contains__,
                                      keys_for=self._keys_for, cost_model=cost_model)
@@ -133,7 +133,7 @@ class Dispatcher:
         if planned is None:
             cfg = self.config
             planned = tuple(
-                (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend)
+                (call, GraphKey.for_call(call, spec, cast(str, cfg.attn_impl), cfg.partition_len, cfg.backend)
                  if self._compiled(call) else None)
                 for call in plan_calls(layout, mode, self._bucket, self._batch_bucket))
             self._plans[plan_key] = planned
@@ -155,7 +155,7 @@ class Dispatcher:
     # -- graphs ------------------------------------------------------------------------
     def _uncompiled(self, call: Call, spec: TensorSpec) -> GraphFn:
         cfg = self.config
-        return graph_fn(call, cfg.attn_impl, spec.scale, cfg.partition_len)
+        return graph_fn(call, cast(str, cfg.attn_impl), spec.scale, cfg.partition_len)
 
     def _graph(self, call: Call, key: GraphKey | None, spec: TensorSpec) -> GraphFn:
         if key is None:  # longer than the largest bucket, on_overflow="eager"
@@ -164,7 +164,7 @@ class Dispatcher:
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
-            return self.cache.get_or_compile(key, lambda: self._builder(call, key, spec))
+            return cast(GraphFn, self.cache.get_or_compile(key, lambda: self._builder(call, key, spec)))
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.costaware import CostAware
 
 MODEL = CostModel.default()
-AZURE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+#: The Azure 2023 code trace, when the environment names a local copy (never in the repository).
+AZURE = Path(os.environ.get("ATTNPOLICY_AZURE_TRACE", "azure_llm_2023_code.csv"))
 FIXED = ("always-mask", "dynamic", "varlen")
 
 

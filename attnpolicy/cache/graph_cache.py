@@ -53,7 +53,7 @@ def _check_bound(field: str, value: int | None) -> None:
         raise ConfigError(f"{field} must be an int >= 1 or None, got {value!r}")
 
 
-def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache:
+def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache[Hashable, Any]:
     """An empty ordering structure for the registered eviction strategy ``name``."""
     registry = plugins.eviction_registry()
     info = registry.get(name)
@@ -123,7 +123,7 @@ class GraphCache(Generic[V]):
         self.max_bytes = max_bytes
         self.eviction = eviction
         self.oversize = oversize
-        self._order: cachetools.Cache = make_eviction(eviction, eviction_options)
+        self._order: cachetools.Cache[Hashable, _Entry[V]] = make_eviction(eviction, eviction_options)
         self._note = getattr(self._order, "note", None)
         self._sizeof = sizeof or _zero_bytes
         self._on_compile = on_compile
@@ -137,7 +137,7 @@ class GraphCache(Generic[V]):
         self._zero_counters()
 
     @classmethod
-    def from_config(cls, config: Any, **options: Any) -> GraphCache:
+    def from_config(cls, config: Any, **options: Any) -> GraphCache[V]:
         """A cache bounded as an :class:`~attnpolicy.config.AttnPolicyConfig` says
         (``max_graphs``, ``max_bytes``, ``eviction``, ``oversize``); ``options`` add or
         override constructor arguments."""
@@ -186,9 +186,11 @@ class GraphCache(Generic[V]):
                 stats.misses += 1
                 future = self._inflight[key] = Future()
             else:
+                assert future is not None
                 self._hits += 1
                 self._waits += 1
                 stats.hits += 1
+        assert future is not None
         if owner:
             return self._compile(key, build, future, stats)
         return self._wait(key, future)

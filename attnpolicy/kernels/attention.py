@@ -38,7 +38,8 @@ def _allowed(lq: int, lk: int, causal: bool, mask: torch.Tensor | None,
     return mask
 
 
-def _sdpa(q, k, v, causal, mask, scale, partition_len):
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
+          partition_len: int | None) -> torch.Tensor:
     # SDPA's fused CPU/CUDA kernels take [batch, heads, L, D]; 3-D input falls back
     # to the (several times slower) math path, so add a batch dimension.
     lq, lk = q.shape[-2], k.shape[-2]
@@ -56,7 +57,8 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return q.float().reshape(k.shape[0], hq // k.shape[0], lq, d)
 
 
-def _eager(q, k, v, causal, mask, scale, partition_len):
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
+           partition_len: int | None) -> torch.Tensor:
     hq, lq, d = q.shape
     lk = k.shape[-2]
     qg = _grouped(q, k)
@@ -68,7 +70,8 @@ def _eager(q, k, v, causal, mask, scale, partition_len):
     return out.reshape(hq, lq, d).to(q.dtype)
 
 
-def _flash(q, k, v, causal, mask, scale, partition_len):
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
+           partition_len: int | None) -> torch.Tensor:
     hq, lq, d = q.shape
     lk = k.shape[-2]
     qg = _grouped(q, k)
@@ -77,6 +80,7 @@ def _flash(q, k, v, causal, mask, scale, partition_len):
     run_max = torch.full((*qg.shape[:-1], 1), float("-inf"), device=q.device)
     run_sum = torch.zeros_like(run_max)
     acc = torch.zeros_like(qg)
+    assert partition_len is not None  # attention() resolves it
     for start in range(0, lk, partition_len):
         end = min(start + partition_len, lk)
         s = qg @ kf[..., start:end, :].transpose(-1, -2) * scale

@@ -128,7 +128,8 @@ class _Replay:
 
 def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -> _Replay:
     spec = model.spec
-    cache = GraphCache.from_config(config, sizeof=model.graph_bytes, compile_cost=model.compile_cost)
+    cache: GraphCache[SimulatedGraph] = GraphCache.from_config(config, sizeof=model.graph_bytes,
+                                                               compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
     dispatcher.use_spec(spec)
     masks: cachetools.LRUCache[tuple[Any, ...], bool] = cachetools.LRUCache(DENSE_CACHE_SIZE)
@@ -171,8 +172,9 @@ def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig,
     """A graph cache bounded like ``config`` that served ``keys`` in order with Belady's
     eviction (an oracle of the sequence's future); its stats are the bound."""
     upcoming: dict[GraphKey, float] = {}
-    cache = GraphCache.from_config(config, eviction=BELADY, eviction_options={"next_use": upcoming.__getitem__},
-                                   sizeof=model.graph_bytes, compile_cost=model.compile_cost)
+    cache: GraphCache[SimulatedGraph] = GraphCache.from_config(
+        config, eviction=BELADY, eviction_options={"next_use": upcoming.__getitem__},
+        sizeof=model.graph_bytes, compile_cost=model.compile_cost)
     for key, nxt in zip(keys, next_uses(keys)):
         upcoming[key] = nxt
         cache.get_or_compile(key, partial(SimulatedGraph, key))

@@ -129,7 +129,7 @@ def _build() -> pluggy.PluginManager:
 
 
 def _impls(pm: pluggy.PluginManager, hook_name: str) -> list[Any]:
-    return getattr(pm.hook, hook_name).get_hookimpls()
+    return list(getattr(pm.hook, hook_name).get_hookimpls())
 
 
 def _signature(impls: list[Any]) -> tuple[object, ...]:
@@ -173,7 +173,7 @@ def policy_registry() -> dict[str, PolicyInfo]:
         for impl in impls:
             plugin = impl.plugin_name
 
-            def register(cls: type, plugin: str = plugin) -> None:
+            def register(cls: Any, plugin: str = plugin) -> None:
                 _check_policy_class(plugin, cls)
                 if cls.name in registry:
                     raise PluginError(
@@ -233,7 +233,8 @@ def make_policy(name: str, **options: Any) -> Policy:
     """Build the registered policy ``name`` with keyword ``options``."""
     info = get_policy_info(name)
     try:
-        return info.cls(**options)
+        policy: Policy = info.cls(**options)
+        return policy
     except Exception as exc:
         raise PolicyError(
             f"policy {name!r} (plugin {info.plugin!r}) rejected options {options!r}: "

@@ -33,6 +33,8 @@ and the cost model: no clock, no measurement, so tensor-parallel ranks agree.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
 
 import cachetools
 
@@ -85,13 +87,17 @@ class _Option:
 
 
 def _price(layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], model: CostModel,
-           is_cached: Callable[[GraphKey], bool], masks: cachetools.LRUCache) -> _Option:
+           is_cached: Callable[[GraphKey], bool], masks: cachetools.LRUCache[Any, bool]) -> _Option:
     run = sum(model.run_seconds(k) for k in keys) + model.call_overhead_seconds * len(keys)
     if mode is MaskMode.MASK:
         run += sum(model.mask_build_seconds(k.q_len, k.kv_len) for k in keys
                    if (layout, k.q_len, k.kv_len) not in masks)
     missing = tuple(k for k in dict.fromkeys(keys) if not is_cached(k))
     return _Option(mode, keys, run, missing, sum(model.compile_seconds(k) for k in missing))
+
+
+def _same(key: GraphKey) -> GraphKey:
+    return key
 
 
 class _Shadow:
@@ -101,9 +107,9 @@ class _Shadow:
     def __init__(self, name: str, config: AttnPolicyConfig, model: CostModel,
                  decide: Callable[[BatchLayout, PolicyContext, _Shadow], tuple[MaskMode, str]]) -> None:
         self.name = name
-        self.cache: GraphCache = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
+        self.cache: GraphCache[GraphKey] = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
                                                         compile_cost=model.compile_cost)
-        self.masks: cachetools.LRUCache = cachetools.LRUCache(DENSE_CACHE_SIZE)
+        self.masks: cachetools.LRUCache[Any, bool] = cachetools.LRUCache(DENSE_CACHE_SIZE)
         self.seconds = 0.0
         self._decide = decide
 
@@ -116,7 +122,7 @@ class _Shadow:
         for key in keys:  # misses counted one by one: a key may be evicted within the batch
             if key not in self.cache:
                 self.seconds += model.compile_seconds(key)
-            self.cache.get_or_compile(key, lambda key=key: key)
+            self.cache.get_or_compile(key, partial(_same, key))
         if mode is MaskMode.MASK:
             for k in keys:
                 self.masks[(layout, k.q_len, k.kv_len)] = True
@@ -189,7 +195,7 @@ class CostAware:
         warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
         for shadow in shadows:
             for key in warm:
-                shadow.cache.get_or_compile(key, lambda key=key: key)
+                shadow.cache.get_or_compile(key, partial(_same, key))
         self._fixed_leader = self._following = shadows[1]
         return shadows
 
@@ -200,7 +206,8 @@ class CostAware:
         of switching) are below ``(1 - MARGIN)`` times the leader's."""
         if candidate is leader or candidate.seconds >= (1 - MARGIN) * leader.seconds:
             return False
-        switch = sum(model.compile_seconds(k) for k in candidate.cache.keys() if not ctx.is_cached(k))
+        switch = sum(model.compile_seconds(cast(GraphKey, k)) for k in candidate.cache.keys()
+                     if not ctx.is_cached(cast(GraphKey, k)))
         return candidate.seconds + switch < (1 - MARGIN) * leader.seconds
 
     def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
@@ -211,6 +218,7 @@ class CostAware:
                                    f"no graph keys to price ({why or 'single sequence'})")
         if self._shadows is None:
             self._shadows = self._start(layout, ctx, model)
+        assert self._fixed_leader is not None and self._following is not None
         rent_or_buy, *fixed = self._shadows
         modes = {s.name: s.step(layout, ctx, model) for s in self._shadows}
         best = min(fixed, key=lambda s: s.seconds)
