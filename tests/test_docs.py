@@ -89,6 +89,11 @@ def test_doc_links_resolve_to_files_a_clone_has():
             assert not _ignored(path), f"{doc.name} links to {target}, which .gitignore excludes"
 
 
+def test_no_package_file_is_ignored_by_git():
+    for path in ROOT.glob("attnpolicy/**/*.py"):
+        assert not _ignored(path), f"{path.relative_to(ROOT)} is excluded by .gitignore"
+
+
 def test_readme_first_lines_are_the_setup_and_test_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert lines[3].endswith("attnpolicy report --out report")
