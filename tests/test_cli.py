@@ -283,6 +283,14 @@ def test_simulate_warns_when_the_cost_model_is_extrapolated(tmp_path, capsys):
     assert extrapolation(short, [Request(0.0, 9000, 10)], former) is None  # rejected: never simulated
 
 
+def test_plot_of_capacities_that_tie(tmp_path, capsys):
+    # 3 requests never need 32 graphs: capacity 32 and unbounded give the same row
+    png = tmp_path / "sweep.png"
+    assert main(["simulate", "--limit", "3", "--policies", "varlen", "--capacities", "32,inf",
+                 "--evictions", "lru", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_simulate_table_explains_its_units(capsys):
     assert main(["simulate", *SMALL, "--policies", "varlen", "--capacities", "2,inf", "--evictions", "lru"]) == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -33,8 +33,9 @@ def plot_sweep(rows: Sequence[SimRow], path: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(evictions), figsize=(5.5 * len(evictions), 4.5), squeeze=False)
     for ax, eviction in zip(axes[0], evictions):
         for policy in policies:
-            pts = sorted((r.peak_bytes / 2**20, r.total_seconds, r.capacity)
-                         for r in rows if r.policy == policy and r.eviction == eviction)
+            pts = sorted(((r.peak_bytes / 2**20, r.total_seconds, r.capacity)
+                          for r in rows if r.policy == policy and r.eviction == eviction),
+                         key=lambda p: (p[0], p[1]))  # capacities tie when the bound is never reached
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
             for x, y, cap in pts:
                 ax.annotate("∞" if cap is None else str(cap), (x, y), fontsize=7, xytext=(3, 3),
