@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 
+import cachetools
 import pytest
 
 from attnpolicy import __version__
@@ -197,6 +198,19 @@ def test_policies_json_lists_options_and_evictions(threshold_plugin, capsys):
     assert by["policy", "threshold-demo"]["plugin"] == "threshold-plugin"
     assert by["policy", "dynamic"]["options"] == {}
     assert {"lru", "lfu", "fifo", "cost", "belady"} <= {n for k, n in by if k == "eviction"}
+
+
+@pytest.mark.usefixtures("fresh_plugins")
+def test_policies_json_is_strict_json_with_non_json_defaults(capsys):
+    class Inf:
+        @hookimpl
+        def attnpolicy_register_evictions(self, register):
+            register("inf-default", lambda maxsize=float("inf"): cachetools.LRUCache(maxsize))
+
+    get_plugin_manager().register(Inf(), name="inf-plugin")
+    assert main(["policies", "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+    assert {e["name"]: e for e in entries}["inf-default"]["options"] == {"maxsize": "inf"}
 
 
 def test_policies_table_shows_options_and_evictions(threshold_plugin, capsys):

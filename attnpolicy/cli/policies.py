@@ -71,8 +71,17 @@ def options_of(factory: Callable[..., Any]) -> dict[str, Any]:
         return {}
     if isinstance(factory, type):
         params = params[1:]  # self
-    return {p.name: (None if p.default is inspect.Parameter.empty else p.default) for p in params
+    return {p.name: _json_value(None if p.default is inspect.Parameter.empty else p.default) for p in params
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` if it is plain JSON, else its ``repr`` (``math.inf`` → ``"inf"``)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
 
 
 def _summary(factory: Callable[..., Any]) -> str:
@@ -81,7 +90,7 @@ def _summary(factory: Callable[..., Any]) -> str:
 
 
 def _shown(options: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={json.dumps(v, default=repr)}" for k, v in options.items()) or "-"
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in options.items()) or "-"
 
 
 def cmd_policies(args: argparse.Namespace) -> int:

@@ -172,7 +172,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
         requests = load_trace(s.trace, s.limit)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
     bench_rows = run_bench(s.bench, progress)
     model, source = _model(s, progress)
     former = BatchFormer(**s.former)

@@ -45,11 +45,11 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         "# attnpolicy report", "",
         f"Command: `{data['command']}`  ",
-        f"Machine: {env['machine']}, torch {env['torch']}, {env['threads']} threads, "
-        f"{env.get('date', '')}. Took {data['seconds']:.0f} s.", "",
+        (f"Machine: {env['machine']}, torch {env['torch']}, {env['threads']} threads, "
+         f"{env.get('date', '')}. Took {data['seconds']:.0f} s."), "",
         "## 1. Mask vs mask-free attention (measured)", "",
-        f"`attnpolicy bench` settings: {bench['env']}. Medians of {bench['env']['repeats']} runs, "
-        "modes interleaved; MASK includes building its mask (also shown alone).", "",
+        (f"`attnpolicy bench` settings: {bench['env']}. Medians of {bench['env']['repeats']} runs, "
+         "modes interleaved; MASK includes building its mask (also shown alone)."), "",
         table(("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms"),
               [(r["seq_len"], r["num_seqs"], r["mode"], r["median_ms"], r["min_ms"], r["max_ms"],
                 r["mask_build_ms"]) for r in bench["rows"]]), "",
@@ -79,8 +79,8 @@ def markdown(data: dict[str, Any]) -> str:
               [(_cap(c["capacity"]), c["best_policy"], c["total_seconds"], c["vs_best_fixed"])
                for c in data["summary"]]), "",
         "## 3. Simulator vs real compute (same prefix, config and batches)", "",
-        f"First {s['validate_requests']} requests, capacity {s['validate_capacity']}, LRU, "
-        "real tensors and real compiles, every output checked against the float64 reference.", "",
+        (f"First {s['validate_requests']} requests, capacity {s['validate_capacity']}, LRU, "
+         "real tensors and real compiles, every output checked against the float64 reference."), "",
         table(("policy", "batches", "misses pred/meas", "compile s pred/meas", "attention s pred/meas",
                "total s pred/meas", "max abs err"),
               [(v["policy"], v["batches"], f"{v['predicted_misses']} / {v['measured_misses']}",
