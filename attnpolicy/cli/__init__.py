@@ -15,7 +15,7 @@ COMMAND_MODULES = ("report", "policies", "simulate", "calibrate", "run", "bench"
 EPILOG = """first steps (seconds each):
   attnpolicy decide --policy dynamic --seq-lens 100,200
   attnpolicy simulate --limit 20
-then the main job (a few minutes):
+then the main job (minutes; --limit 40 for a quick look):
   attnpolicy report --out report"""
 
 

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
     d = ReportSettings()
     p = command(subparsers, "report",
                 "the main job: bench table, policy sweep with Belady's bound, simulator check, plots",
-                "attnpolicy report --out report   # about 2 minutes on 2 cores; --limit 40 for a quick look",
+                "attnpolicy report --out report   # minutes (README: a measured time); --limit 40 for a quick look",
                 cmd_report)
     p.add_argument("--out", default=str(d.out), metavar="DIR",
                    help=f"output directory: report.md, report.json, PNGs (default: {d.out})")
