@@ -36,7 +36,30 @@ _EXPORTS = {
     "hookimpl": "attnpolicy.plugins.hookspecs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AttnPolicyConfig",
+    "BatchLayout",
+    "Buckets",
+    "CacheStats",
+    "Decision",
+    "Dispatcher",
+    "DispatcherStats",
+    "GraphCache",
+    "GraphFamily",
+    "GraphKey",
+    "KeyStats",
+    "MaskCache",
+    "MaskMode",
+    "Policy",
+    "PolicyContext",
+    "TensorSpec",
+    "attend",
+    "hookimpl",
+    "is_legal",
+    "legal_modes",
+    "why_illegal",
+    "why_not_causal",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,3 +1,5 @@
+"""``python -m attnpolicy``: the command line."""
+
 import sys
 
 from attnpolicy.cli import main

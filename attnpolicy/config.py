@@ -143,11 +143,11 @@ class AttnPolicyConfig(BaseModel):
         ``max_seq_len`` and none above ``max_batch_tokens`` (sizes above
         ``max_seq_len`` serve only the packed rows of MASK calls)."""
         b, max_len = self.buckets, self.max_seq_len
-        if b.kind == "pow2" and "min" in b.model_fields_set and b.min > max_len:
+        if b.kind == "pow2" and "min" in b.model_fields_set and b.min is not None and b.min > max_len:
             raise ValueError(f"buckets.min has bucket {b.min} > max_seq_len {max_len}")
         if b.kind == "multiple" and b.multiple is not None and b.multiple > max_len:
             raise ValueError(f"buckets.multiple has bucket {b.multiple} > max_seq_len {max_len}")
-        if b.kind == "list" and b.sizes is not None:
+        if b.kind == "list" and b.sizes:
             if b.sizes[0] > max_len:
                 raise ValueError(f"buckets.sizes has no bucket <= max_seq_len {max_len}: {list(b.sizes)}")
             if b.sizes[-1] > self.max_batch_tokens:

@@ -7,7 +7,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import cachetools
 import torch
@@ -97,7 +97,7 @@ class Dispatcher:
     """
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
-                 cache: GraphCache | None = None,
+                 cache: GraphCache[Any] | None = None,
                  compile_counter: Callable[[Any], None] | None = None,
                  builder: Builder | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
@@ -112,7 +112,7 @@ class Dispatcher:
         self._builder = builder or self._compile
         self._largest = _largest_bucket(cfg, cfg.max_seq_len)
         self._largest_batch = _largest_bucket(cfg, cfg.max_batch_tokens)
-        self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
+        self._plans: cachetools.LRUCache[Any, Any] = cachetools.LRUCache(PLAN_CACHE_SIZE)
         self._contexts: dict[TensorSpec, PolicyContext] = {}
         self.masks = MaskCache(cfg.max_mask_bytes)
         self._pinned: list[GraphKey] = []
@@ -231,14 +231,14 @@ class Dispatcher:
         plan_key = (layout, mode, spec)
         hit = self._plans.get(plan_key)
         if hit is not None:
-            return hit
+            return cast(tuple[MaskMode, Planned], hit)
         cfg = self.config
         calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
         if mode is MaskMode.MASK and not self._mask_fits(calls[0], layout):
             mode = MaskMode.VARLEN
             calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
         planned = tuple(
-            (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend))
+            (call, GraphKey.for_call(call, spec, cast(str, cfg.attn_impl), cfg.partition_len, cfg.backend))
             for call in map(self._fits, calls))
         self._plans[plan_key] = (mode, planned)
         return mode, planned
@@ -257,7 +257,7 @@ class Dispatcher:
     # -- graphs ------------------------------------------------------------------------
     def _uncompiled(self, call: Call, spec: TensorSpec) -> GraphFn:
         cfg = self.config
-        return graph_fn(call, cfg.attn_impl, spec.scale, cfg.partition_len)
+        return graph_fn(call, cast(str, cfg.attn_impl), spec.scale, cfg.partition_len)
 
     def _graph(self, call: Call, key: GraphKey, spec: TensorSpec, pin: bool = False) -> GraphFn:
         if not call.compiled:  # longer than the largest bucket, on_overflow="eager"
@@ -266,7 +266,7 @@ class Dispatcher:
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
-            graph = self.cache.get_or_compile(key, lambda: self._builder(call, key, spec), pin=pin)
+            graph = cast(GraphFn, self.cache.get_or_compile(key, lambda: self._builder(call, key, spec), pin=pin))
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise

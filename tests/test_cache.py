@@ -519,8 +519,13 @@ def test_a_build_requesting_its_own_key_raises_instead_of_hanging():
         return cache.get_or_compile("A", build)
 
     done = []
-    t = threading.Thread(target=lambda: done.append(pytest.raises(GraphCompileError, cache.get_or_compile,
-                                                                  "A", build)))
+
+    def request() -> None:
+        with pytest.raises(GraphCompileError) as raised:
+            cache.get_or_compile("A", build)
+        done.append(raised)
+
+    t = threading.Thread(target=request)
     t.start()
     t.join(5)
     assert not t.is_alive(), "a re-entrant build hangs"

@@ -134,7 +134,7 @@ def totals(model: CostModel, capacities: tuple[int | None, ...],
         requests = [Request(r.arrival, min(r.prompt_tokens, 2000), min(r.output_tokens, 30))
                     for r in synthetic_default(60)]
     rows = simulate(requests, [*FIXED, "cost-aware"], list(capacities), ["lru"], model=model)
-    return {(r["policy"], r["capacity"]): r["total_seconds"] for r in rows}
+    return {(r.policy, r.capacity): r.total_seconds for r in rows}
 
 
 def test_with_free_compiles_it_beats_every_fixed_policy():

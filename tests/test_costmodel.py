@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from attnpolicy.cli import replay
+from attnpolicy.cli import main
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
@@ -136,13 +135,9 @@ def test_quick_grid_is_a_subset_with_every_kind():
 
 
 def test_calibrate_cli_measures_through_the_dispatcher(tmp_path):
-    parser = argparse.ArgumentParser()
-    replay.register(parser.add_subparsers())
     out = tmp_path / "model.json"
-    args = parser.parse_args(["calibrate", "--out", str(out), "--backend", "eager", "--heads", "2",
-                              "--kv-heads", "1", "--head-dim", "8", "--max-len", "64", "--repeats", "1",
-                              "--quick"])
-    assert args.func(args) == 0
+    assert main(["calibrate", "--out", str(out), "--backend", "eager", "--heads", "2",
+                 "--kv-heads", "1", "--head-dim", "8", "--max-len", "64", "--repeats", "1", "--quick"]) == 0
     model = CostModel.load(out)
     settings = CalibrationSettings(2, 1, 8, backend="eager", max_len=64, repeats=1, quick=True)
     grid = shapes(settings)

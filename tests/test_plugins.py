@@ -415,8 +415,8 @@ def test_example_package_installs_and_is_used(tmp_path):
         check=True, capture_output=True, text=True, timeout=300,
     )
     rows = listed(run_python(RUN_CLI, target, args=["policies", "--json"]))
-    assert {"name": "length-threshold", "plugin": "length-threshold",
-            "description": rows[[r["name"] for r in rows].index("length-threshold")]["description"]} in rows
+    row = rows[[r["name"] for r in rows].index("length-threshold")]
+    assert (row["plugin"], row["options"]) == ("length-threshold", {"threshold": 512})
 
     def decide(*extra):
         return listed(run_python(RUN_CLI, target, args=[

@@ -241,4 +241,4 @@ def test_simulate_reports_a_trace_whose_every_request_is_rejected():
                                           r"100000000000000000000000 prompt \+ 5 output\)"):
         simulate(requests, ["dynamic"], [4], ["lru"])
     (row,) = simulate([*requests, Request(2.0, 100, 5)], ["dynamic"], [4], ["lru"])
-    assert row["rejected"] == 2 and row["batches"] > 0
+    assert row.rejected == 2 and row.batches > 0

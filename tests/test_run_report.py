@@ -23,14 +23,14 @@ def test_run_checks_every_output_and_counts_like_the_simulator():
         config = AttnPolicyConfig(policy=policy, backend="none", max_graphs=3, max_seq_len=512,
                                   max_batch_tokens=2048)
         result = run_workload(REQUESTS, config, SPEC, former, check=True)
-        assert result["max_abs_err"] < 1e-5
-        assert result["batches"] == len(list(former.steps(REQUESTS)))
-        assert sum(result["modes"].values()) == result["batches"]
-        assert result["total_seconds"] >= result["attention_seconds"] >= 0
+        assert result.max_abs_err < 1e-5
+        assert result.batches == len(list(former.steps(REQUESTS)))
+        assert sum(result.modes.values()) == result.batches
+        assert result.total_seconds >= result.attention_seconds >= 0
         # the built-in cost model is for aot_eager; the backend does not change hits and misses
         modelled = AttnPolicyConfig.model_validate({**config.model_dump(), "backend": "aot_eager"})
         (row,) = simulate(REQUESTS, [policy], [3], ["lru"], modelled, None, FORMER)
-        assert (row["hits"], row["misses"]) == (result["cache"]["hits"], result["cache"]["misses"])
+        assert (row.hits, row.misses) == (result.cache["hits"], result.cache["misses"])
 
 
 def test_run_command_writes_json(tmp_path, capsys):

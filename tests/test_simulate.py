@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -12,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnpolicy.cli import replay
+from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatcher import Dispatcher
@@ -77,24 +76,24 @@ def test_belady_is_the_optimum_of_an_exhaustive_search(stream, capacity):
 def test_rows_hold_every_field_and_add_up():
     rows = simulate(requests(), ["dynamic", "varlen"], [2, None], ["lru", "cost", "belady"],
                     former_options=SMALL)
-    assert [(r["policy"], r["capacity"], r["eviction"]) for r in rows] == [
+    assert [(r.policy, r.capacity, r.eviction) for r in rows] == [
         (p, c, e) for p in ("dynamic", "varlen") for c in (2, None) for e in ("lru", "cost", "belady")]
     for r in rows:
-        assert set(ROW_FIELDS) <= set(r)
-        assert r["total_seconds"] == pytest.approx(r["attention_seconds"] + r["compile_seconds"])
-        assert r["hit_rate"] == pytest.approx(r["hits"] / (r["hits"] + r["misses"]))
-        assert r["hits"] + r["misses"] == r["calls"]
-        assert r["peak_bytes"] > 0
-    varlen = [r for r in rows if r["policy"] == "varlen"]
-    assert all(r["mask_builds"] == 0 for r in varlen)
-    assert all(r["modes"]["mask"] == 0 and r["modes"]["varlen"] > 0 for r in varlen)
+        assert set(ROW_FIELDS) <= set(r.to_json())
+        assert r.total_seconds == pytest.approx(r.attention_seconds + r.compile_seconds)
+        assert r.hit_rate == pytest.approx(r.hits / (r.hits + r.misses))
+        assert r.hits + r.misses == r.calls
+        assert r.peak_bytes > 0
+    varlen = [r for r in rows if r.policy == "varlen"]
+    assert all(r.mask_builds == 0 for r in varlen)
+    assert all(r.modes["mask"] == 0 and r.modes["varlen"] > 0 for r in varlen)
 
 
 def test_unbounded_capacity_misses_each_key_once():
     for policy in (*FIXED, "cost-aware"):
         (row,) = simulate(requests(), [policy], [None], ["lru"], former_options=SMALL)
-        assert row["misses"] == row["distinct_keys"]
-        assert row["evictions"] == 0
+        assert row.misses == row.distinct_keys
+        assert row.evictions == 0
 
 
 def test_simulated_compiles_equal_the_backend_compiles_of_a_real_run():
@@ -113,8 +112,8 @@ def test_simulated_compiles_equal_the_backend_compiles_of_a_real_run():
         q = torch.randn(lay.q_tokens, 2, 8, generator=gen)
         k, v = (torch.randn(lay.kv_tokens, 1, 8, generator=gen) for _ in range(2))
         d.attend(q, k, v, lay)
-    assert row["evictions"] > 0
-    assert row["compiles"] == len(counter) == d.stats().cache.compiles
+    assert row.evictions > 0
+    assert row.compiles == len(counter) == d.stats().cache.compiles
 
 
 def textbook_belady_misses(keys: list, capacity: int) -> int:
@@ -139,7 +138,7 @@ def test_belady_rows_are_the_optimum_for_the_keys_each_policy_requests():
     dispatcher with an unbounded cache."""
     reqs = synthetic_default(120)
     rows = simulate(reqs, list(FIXED), [2, 4, 8], ["lru", "belady"])
-    by = {(r["policy"], r["capacity"], r["eviction"]): r for r in rows}
+    by = {(r.policy, r.capacity, r.eviction): r for r in rows}
     former = BatchFormer()
     for policy in FIXED:
         d = Dispatcher(simulation_config(MODEL, former, policy=policy), cost_model=MODEL,
@@ -147,8 +146,8 @@ def test_belady_rows_are_the_optimum_for_the_keys_each_policy_requests():
         keys = [graph.key for step in former.steps(reqs) for _, graph in d.prepare(step.layout, MODEL.spec)]
         for capacity in (2, 4, 8):
             optimum = textbook_belady_misses(keys, capacity)
-            assert by[policy, capacity, "belady"]["misses"] == optimum
-            assert by[policy, capacity, "lru"]["misses"] >= optimum
+            assert by[policy, capacity, "belady"].misses == optimum
+            assert by[policy, capacity, "lru"].misses >= optimum
 
 
 def test_mask_builds_mirror_the_mask_cache():
@@ -156,7 +155,7 @@ def test_mask_builds_mirror_the_mask_cache():
     same = [Request(0.0, 100, 0)] * 3
     (row,) = simulate(same, ["always-mask"], [None], ["lru"],
                       former_options={"max_num_seqs": 1, "max_num_batched_tokens": 128, "prefill_only": True})
-    assert row["batches"] == 3 and row["mask_builds"] == 1
+    assert row.batches == 3 and row.mask_builds == 1
 
 
 def test_simulated_misses_equal_a_real_run():
@@ -175,7 +174,7 @@ def test_simulated_misses_equal_a_real_run():
             real.attend(q, k, k, lay)
         stats = real.stats()
         assert (stats.cache.misses, stats.cache.hits, stats.modes) == (
-            row["misses"], row["hits"], row["modes"]), policy
+            row.misses, row.hits, row.modes), policy
 
 
 def test_config_must_match_the_model():
@@ -197,13 +196,10 @@ def test_simulation_config_fits_packed_batches():
 
 
 def test_simulate_cli_writes_json_and_plot(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    replay.register(parser.add_subparsers())
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    args = parser.parse_args(["simulate", "--trace", "default", "--limit", "20", "--policies", "varlen,cost-aware",
-                              "--capacities", "2,4", "--evictions", "lru,belady", "--max-num-seqs", "4",
-                              "--max-num-batched-tokens", "512", "--json", str(out), "--plot", str(png)])
-    assert args.func(args) == 0
+    assert main(["simulate", "--trace", "default", "--limit", "20", "--policies", "varlen,cost-aware",
+                 "--capacities", "2,4", "--evictions", "lru,belady", "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "512", "--json", str(out), "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
     assert data["requests"] == 20 and len(data["rows"]) == 8
     assert data["config"]["max_seq_len"] == 8192 and data["former"]["max_num_seqs"] == 4

@@ -40,7 +40,7 @@ class _Priority:
     size: int
 
 
-class GDSFCache(cachetools.Cache):
+class GDSFCache(cachetools.Cache[Hashable, Any]):
     """Greedy-Dual-Size-Frequency ordering: evicts the entry with the lowest priority
 
     ``H = L + freq * cost / size``, where ``cost`` is the entry's compile seconds,
@@ -103,7 +103,7 @@ class GDSFCache(cachetools.Cache):
         return self._meta[key].priority
 
 
-class BeladyCache(cachetools.Cache):
+class BeladyCache(cachetools.Cache[Hashable, Any]):
     """Belady's offline optimum: evicts the entry whose next request is farthest away.
 
     ``next_use(key)`` must return the index of ``key``'s next request after the
@@ -145,7 +145,7 @@ class BeladyCache(cachetools.Cache):
         self._seq.clear()
 
 
-BUILTIN: dict[str, Callable[..., cachetools.Cache]] = {
+BUILTIN: dict[str, Callable[..., cachetools.Cache[Hashable, Any]]] = {
     "lru": partial(cachetools.LRUCache, math.inf),
     "lfu": partial(cachetools.LFUCache, math.inf),
     "fifo": partial(cachetools.FIFOCache, math.inf),

@@ -115,7 +115,7 @@ def _zero_bytes(key: Hashable) -> int:
     return 0
 
 
-def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache:
+def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache[Hashable, Any]:
     """An empty ordering structure for the registered eviction strategy ``name``."""
     registry = plugins.eviction_registry()
     info = registry.get(name)
@@ -189,7 +189,7 @@ class GraphCache(Generic[V]):
         self.max_bytes = bounds.max_bytes
         self.eviction = eviction
         self.oversize = bounds.oversize
-        self._order: cachetools.Cache = make_eviction(eviction, eviction_options)
+        self._order: cachetools.Cache[Hashable, _Entry[V]] = make_eviction(eviction, eviction_options)
         self._note = getattr(self._order, "note", None)
         self._sizeof = sizeof or _zero_bytes
         self._on_compile = on_compile
@@ -205,7 +205,7 @@ class GraphCache(Generic[V]):
         self._zero_counters()
 
     @classmethod
-    def from_config(cls, config: Any, **options: Any) -> GraphCache:
+    def from_config(cls, config: Any, **options: Any) -> GraphCache[V]:
         """A cache bounded as an :class:`~attnpolicy.config.AttnPolicyConfig` says
         (``max_graphs``, ``max_bytes``, ``eviction``, ``oversize``); ``options`` add or
         override constructor arguments."""
@@ -283,6 +283,7 @@ class GraphCache(Generic[V]):
                 self._hits += 1
                 self._waits += 1
                 stats.hits += 1
+        assert future is not None
         if inflight is None:
             return self._compile(key, build, future, stats, pin)
         value = self._wait(key, future)

@@ -2,31 +2,50 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
+from attnpolicy import __version__
+from attnpolicy.cli.common import Parser, fail
 from attnpolicy.errors import AttnPolicyError
 
 #: Modules under ``attnpolicy.cli`` that add subcommands through ``register(subparsers)``.
-COMMAND_MODULES = ("bench", "policies", "config", "run", "replay", "report")
+COMMAND_MODULES = ("report", "policies", "simulate", "calibrate", "run", "bench", "config")
+
+EPILOG = """first steps (seconds each):
+  attnpolicy decide --policy dynamic --seq-lens 100,200
+  attnpolicy simulate --limit 20
+then the main job (minutes; --limit 40 for a quick look):
+  attnpolicy report --out report"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="attnpolicy",
-        description="Measure and choose attention mask modes and compiled-graph budgets.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def build_parser() -> Parser:
+    parser = Parser(prog="attnpolicy", epilog=EPILOG,
+                    description="Measure and choose attention mask modes and compiled-graph budgets.")
+    parser.add_argument("--version", action="version", version=f"attnpolicy {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMAND_MODULES:
         importlib.import_module(f"attnpolicy.cli.{name}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run ``attnpolicy`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+    Every error is one line on stderr, ``attnpolicy: error: ...``, with status 2."""
+    parser = build_parser()
     try:
-        return args.func(args)
-    except AttnPolicyError as exc:
-        print(f"attnpolicy: error: {exc}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        try:
+            return int(args.func(args))
+        except AttnPolicyError as exc:
+            fail(str(exc))
+    except SystemExit as stop:  # --help, --version and every error
+        return stop.code if isinstance(stop.code, int) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,63 +7,65 @@ from typing import Any
 
 from attnpolicy.cli.common import (
     add_spec_args,
+    command,
     int_list,
+    natural_int,
+    positive_int,
     print_table,
     progress,
+    settings,
+    shown,
+    warn,
 )
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.core.names import IMPLS
-from attnpolicy.measure.timing import BenchSettings, run_bench, speedups, to_json
+from attnpolicy.measure.timing import NOISY, BenchSettings, run_bench, speedups, to_json
+
+FLAGS = {"kv_heads": "--kv-heads", "seqs": "--seqs", "partition_len": "--partition-len"}
 
 
 def register(subparsers: Any) -> None:
     d = BenchSettings()
-    p = subparsers.add_parser("bench", help="time CAUSAL vs MASK (1 sequence) and MASK vs VARLEN (packed)")
+    p = command(subparsers, "bench", "time CAUSAL vs MASK (1 sequence) and MASK vs VARLEN (packed)",
+                "attnpolicy bench --lengths 512,2048 --seqs 1,4 --repeats 5", cmd_bench)
     p.add_argument("--lengths", type=int_list, default=d.lengths, metavar="L[,L...]",
-                   help="total tokens per call (default: %(default)s)")
+                   help=f"total tokens per call (default: {shown(d.lengths)})")
     p.add_argument("--seqs", type=int_list, default=d.seqs, metavar="N[,N...]",
-                   help="sequences per call, of L/N tokens each (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per mode (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed runs first (default: %(default)s)")
+                   help=f"sequences per call, of L/N tokens each (default: {shown(d.seqs)})")
+    p.add_argument("--repeats", type=positive_int, default=d.repeats, metavar="N",
+                   help=f"timed runs per mode (default: {d.repeats})")
+    p.add_argument("--warmup", type=natural_int, default=d.warmup, metavar="N",
+                   help=f"untimed runs first (default: {d.warmup})")
     add_spec_args(p)
-    p.add_argument("--impl", choices=IMPLS, default=d.impl)
-    p.add_argument("--partition-len", type=int, default=None, help="flash partition (default: whole kv)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--json", metavar="PATH", help="write rows and environment as JSON")
-    p.set_defaults(func=cmd_bench)
-
-
-def settings_from(args: argparse.Namespace) -> BenchSettings:
-    for name in ("repeats", "heads", "kv_heads", "head_dim"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"attnpolicy bench: error: --{name.replace('_', '-')} must be >= 1, "
-                             f"got {getattr(args, name)}")
-    if args.heads % args.kv_heads:
-        raise SystemExit(f"attnpolicy bench: error: --kv-heads ({args.kv_heads}) must divide "
-                         f"--heads ({args.heads})")
-    if args.warmup < 0:
-        raise SystemExit(f"attnpolicy bench: error: --warmup must be >= 0, got {args.warmup}")
-    bad = [(L, n) for L in args.lengths for n in args.seqs if n > L]
-    if bad:
-        raise SystemExit(f"attnpolicy bench: error: --seqs {bad[0][1]} exceeds --lengths {bad[0][0]}")
-    return BenchSettings(tuple(args.lengths), tuple(args.seqs), args.repeats, args.warmup, args.heads,
-                         args.kv_heads, args.head_dim, args.dtype, args.impl, args.partition_len,
-                         args.threads)
+    p.add_argument("--impl", choices=("sdpa", "eager", "flash"), default=d.impl,
+                   help=f"attention implementation (default: {d.impl})")
+    p.add_argument("--partition-len", type=positive_int, default=None, metavar="N",
+                   help="tokens per KV partition for --impl flash (default: whole kv)")
+    p.add_argument("--threads", type=positive_int, default=d.threads, metavar="N",
+                   help=f"torch threads, as calibrate's default (default: {d.threads})")
+    p.add_argument("--json", metavar="PATH", help="write rows and environment as JSON (default: none)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    s = settings_from(args)
+    s = settings(BenchSettings, FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
+                 warmup=args.warmup, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                 dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, threads=args.threads)
     with progress(len(s.lengths) * len(s.seqs), "bench") as advance:
         rows = run_bench(s, advance)
-    ratio = {(r["seq_len"], r["num_seqs"]): r for r in speedups(rows)}
+    ratio = {(sp.seq_len, sp.num_seqs): sp for sp in speedups(rows)}
     table = []
     for row in rows:
         sp = ratio[(row.seq_len, row.num_seqs)]
-        mark = f"{sp['ratio']:.2f}x" if row.mode == sp["faster"] else ""
+        mark = f"{sp.faster} {sp.ratio:.2f}× faster" if row.mode == sp.faster else ""
         table.append((row.seq_len, row.num_seqs, row.mode, row.median_ms, row.min_ms, row.max_ms,
-                      row.mask_build_ms, mark))
-    print_table(f"attention modes, {s.impl}, {s.dtype}, H={s.heads}/{s.kv_heads} D={s.head_dim}",
-                ("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms", "speedup"), table)
+                      row.mask_build_ms, mark + (" (noisy)" if mark and sp.noisy else "")))
+    print_table(f"attention modes, {s.impl}, {s.dtype}, H={s.heads}/{s.kv_heads} D={s.head_dim}, "
+                f"{s.threads} thread(s)",
+                ("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms", "speedup"), table,
+                caption="speedup: slower median / faster median")
+    noisy = [f"L={sp.seq_len} seqs={sp.num_seqs}" for sp in ratio.values() if sp.noisy]
+    if noisy:
+        warn(f"a median is more than {NOISY:g}× its minimum at {', '.join(noisy)}: the machine was busy, "
+             "the speedup is unreliable (rerun with more --repeats)")
     if args.json:
         write_json(args.json, to_json(s, rows))
     return 0

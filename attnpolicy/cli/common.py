@@ -1,12 +1,17 @@
-"""Helpers shared by the subcommands: argument types, progress, tables, JSON output."""
+"""Helpers shared by the subcommands: the parser class (one error style), argument
+types, the shared argument groups, per-policy options, progress, the one table."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator, Sequence
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, NoReturn, TypeVar
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -17,9 +22,72 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from attnpolicy.errors import AttnPolicyError
 from attnpolicy.measure.timing import DTYPES
 
 console = Console(stderr=True)
+T = TypeVar("T")
+#: Bytes are printed in MiB everywhere.
+MIB = 2**20
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose every error is one line, ``attnpolicy: error: ...``, exit 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+
+class UsageError(AttnPolicyError):
+    """A command-line value is wrong (reported before any work starts)."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``attnpolicy: error: message`` (one line) on stderr and exit with status 2."""
+    print(f"attnpolicy: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def warn(message: str) -> None:
+    """Print ``attnpolicy: warning: message`` on stderr."""
+    print(f"attnpolicy: warning: {message}", file=sys.stderr)
+
+
+def command(subparsers: Any, name: str, summary: str, example: str,
+            func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """A subcommand with a one-line summary and an example in its epilog."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=summary, description=summary[0].upper() + summary[1:] + ".",
+        epilog=f"example:\n  {example}")
+    p.set_defaults(func=func)
+    return p
+
+
+# -- argument types -------------------------------------------------------------------
+
+
+def _int(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int(text, 1)
+
+
+def natural_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int(text, 0)
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -33,25 +101,152 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    """The tensor spec of one attention layer: --heads, --kv-heads, --head-dim, --dtype."""
-    p.add_argument("--heads", type=int, default=8, help="query heads (default: %(default)s)")
-    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default: %(default)s)")
-    p.add_argument("--head-dim", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="(default: %(default)s)")
-
-
-def capacity_list(text: str) -> tuple[int | None, ...]:
-    """argparse type: graph-cache capacities, e.g. ``2,4,8,inf`` (``inf``: unbounded)."""
-    return tuple(None if part.strip() == "inf" else int_list(part)[0] for part in str_list(text))
-
-
 def str_list(text: str) -> tuple[str, ...]:
     """argparse type: comma-separated names."""
     values = tuple(part.strip() for part in text.split(",") if part.strip())
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
     return values
+
+
+def capacity_list(text: str) -> tuple[int | None, ...]:
+    """argparse type: graph-cache capacities, e.g. ``2,4,8,inf`` (``inf``: unbounded)."""
+    try:
+        return tuple(None if part == "inf" else int_list(part)[0] for part in str_list(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers >= 1 or 'inf', got {text!r}") from None
+
+
+def option(text: str) -> tuple[str, str, Any]:
+    """argparse type: ``POLICY:KEY=VALUE`` (VALUE parsed as JSON when it can be)."""
+    head, sep, raw = text.partition("=")
+    policy, colon, key = head.rpartition(":")
+    if not sep or not colon or not policy or not key:
+        raise argparse.ArgumentTypeError(f"expected POLICY:KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return policy, key, value
+
+
+def shown(value: Any) -> str:
+    """A default as a user types it: ``2,4,inf`` for a tuple, ``none`` for None."""
+    if isinstance(value, (tuple, list)):
+        return ",".join("inf" if v is None else str(v) for v in value)
+    return "none" if value is None else str(value)
+
+
+# -- shared argument groups -----------------------------------------------------------
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """The tensor spec of one attention layer: --heads, --kv-heads, --head-dim, --dtype."""
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default: 8)")
+    p.add_argument("--kv-heads", type=positive_int, default=8,
+                   help="key/value heads; must divide --heads (default: 8)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="channels per head (default: 64)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="tensor dtype (default: float32)")
+
+
+def check_spec_args(args: argparse.Namespace) -> None:
+    if args.heads % args.kv_heads:
+        fail(f"argument --kv-heads: {args.kv_heads} must divide --heads {args.heads}")
+
+
+def add_workload_args(p: argparse.ArgumentParser, max_num_seqs: int, max_num_batched_tokens: int,
+                      max_seq_len: int) -> None:
+    """--trace/--limit and the batch former's knobs (simulate, run, report)."""
+    p.add_argument("--trace", default="default", metavar="default|PATH",
+                   help="'default' (the built-in synthetic trace, 400 requests) or an Azure-format "
+                        "CSV (TIMESTAMP,ContextTokens,GeneratedTokens) (default: default)")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
+                   help="first N requests only (default: all)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, metavar="N",
+                   help=f"most requests running at once, as vLLM's max_num_seqs (default: {max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=max_num_batched_tokens, metavar="N",
+                   help="most query tokens per step, as vLLM's max_num_batched_tokens "
+                        f"(default: {max_num_batched_tokens})")
+    p.add_argument("--max-seq-len", type=positive_int, default=max_seq_len, metavar="N",
+                   help=f"longest request (prompt + output) admitted, as vLLM's max_model_len "
+                        f"(default: {max_seq_len})")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step (default: chunked prefill on)")
+
+
+def add_option_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--option", action="append", type=option, default=[], metavar="POLICY:KEY=VALUE",
+                   help="an option of one policy, e.g. cost-aware:margin=0.9 (repeatable; VALUE is "
+                        "parsed as JSON when it can be) (default: none)")
+
+
+def former_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_seq_len, "chunked_prefill": not args.no_chunked_prefill}
+
+
+def policy_options(args: argparse.Namespace, flag: str, policies: Sequence[str],
+                   base: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Per-policy options from ``--option`` (over ``base``), each checked by building
+    the policy; errors name the flag and the value."""
+    from attnpolicy.errors import PolicyError
+    from attnpolicy.plugins.registry import make_policy, policy_registry
+
+    known = policy_registry()
+    for name in policies:
+        if name not in known:
+            fail(f"argument {flag}: {name!r} is not a registered policy; known policies: {', '.join(sorted(known))}")
+    out: dict[str, dict[str, Any]] = {p: dict((base or {}).get(p, {})) for p in policies}
+    for policy, key, value in args.option:
+        if policy not in out:
+            fail(f"argument --option: {policy}:{key}={json.dumps(value)} names policy {policy!r}, "
+                 f"which is not run (policies: {', '.join(policies)})")
+        out[policy][key] = value
+    for name, opts in out.items():
+        try:
+            make_policy(name, **opts)
+        except PolicyError as exc:
+            fail(f"argument --option: {exc}")
+    return out
+
+
+def check_evictions(flag: str, names: Sequence[str], simulation: bool) -> None:
+    from attnpolicy.plugins.registry import eviction_registry
+
+    known = set(eviction_registry()) - (set() if simulation else {"belady"})
+    for name in names:
+        if name not in known:
+            extra = " ('belady' is simulation-only)" if name == "belady" else ""
+            fail(f"argument {flag}: {name!r} is not a registered eviction strategy{extra}; "
+                 f"known evictions: {', '.join(sorted(known))}")
+
+
+def settings(cls: Callable[..., T], flags: Mapping[str, str], **values: Any) -> T:
+    """``cls(**values)``; a validation error names the flag (``flags[field]``) and the value."""
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        e = exc.errors(include_url=False)[0]
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["loc"]:
+            field = str(e["loc"][0])
+            fail(f"argument {flags.get(field, '--' + field.replace('_', '-'))}: {msg}, got {shown(e['input'])}")
+        # a rule between fields: name each field by its flag
+        named = re.sub(r"\b[a-z]+(?:_[a-z]+)*\b",
+                       lambda m: flags.get(m[0], "--" + m[0].replace("_", "-")) if m[0] in values else m[0], msg)
+        flag = re.search(r"--[a-z-]+", named)
+        fail(f"argument {flag[0] if flag else ''}: {named}")
+
+
+def describe_options(options: Mapping[str, Mapping[str, Any]]) -> str:
+    """``cost-aware margin=0.9; x k=1`` for the policies that have options, else ``""``."""
+    return "; ".join(f"{p} " + " ".join(f"{k}={json.dumps(v)}" for k, v in o.items())
+                     for p, o in options.items() if o)
+
+
+# -- output ------------------------------------------------------------------------------
 
 
 @contextmanager
@@ -66,10 +261,13 @@ def progress(total: int, what: str) -> Iterator[Callable[[str], None]]:
         yield advance
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    table = Table(title=title)
-    for col in columns:
-        table.add_column(col, justify="right")
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                caption: str | None = None) -> None:
+    """The one table style of the CLI (stdout): floats to 4 significant digits."""
+    table = Table(title=title, caption=caption)
+    for i, col in enumerate(columns):
+        numeric = all(isinstance(row[i], (int, float)) or row[i] is None for row in rows)
+        table.add_column(col, justify="right" if numeric else "left")
     for row in rows:
         table.add_row(*("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
     out = Console()

@@ -8,25 +8,31 @@ import json
 import sys
 from typing import Any
 
+from attnpolicy.cli.common import command, fail
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.errors import ConfigError
 
 
 def register(subparsers: Any) -> None:
     """Add the ``config`` command (``show``, ``validate``) to an argparse subparsers object."""
-    config = subparsers.add_parser("config", help="show or validate an attnpolicy config")
-    commands = config.add_subparsers(dest="config_command", required=True, metavar="{show,validate}")
-
-    show = commands.add_parser("show", help="print the resolved config (defaults without PATH)")
+    config = command(subparsers, "config", "show or validate an attnpolicy config",
+                     "attnpolicy config validate my_model/  # or: attnpolicy config show --json", _no_command)
+    commands = config.add_subparsers(dest="config_command", metavar="show | validate")
+    show = command(commands, "show", "print the resolved config (the defaults without PATH)",
+                   "attnpolicy config show my_model/attnpolicy_config.json", cmd_show)
     show.add_argument("path", nargs="?", metavar="PATH",
-                      help="a config directory (attnpolicy_config.json inside) or file")
-    show.add_argument("--json", action="store_true", help="print the config file's JSON")
-    show.set_defaults(func=cmd_show)
+                      help="a config directory (attnpolicy_config.json inside) or file (default: the defaults)")
+    show.add_argument("--json", action="store_true",
+                      help="print the config file's JSON (default: one field per line)")
 
-    validate = commands.add_parser("validate", help="check a config file or directory")
+    validate = command(commands, "validate", "check a config file or directory; list every bad field",
+                       "attnpolicy config validate my_model/", cmd_validate)
     validate.add_argument("path", metavar="PATH",
-                          help="a config directory (attnpolicy_config.json inside) or file")
-    validate.set_defaults(func=cmd_validate)
+                          help="a config directory (attnpolicy_config.json inside) or file (required)")
+
+
+def _no_command(args: argparse.Namespace) -> int:
+    fail("argument show | validate: a config command is required")
 
 
 def _load(path: str | None) -> AttnPolicyConfig:
@@ -41,7 +47,7 @@ def _load(path: str | None) -> AttnPolicyConfig:
 
 
 def _error(exc: ConfigError) -> int:
-    print(f"attnpolicy config: error: {exc}", file=sys.stderr)
+    print(f"attnpolicy: error: {' '.join(str(exc).split())}", file=sys.stderr)
     return 2
 
 

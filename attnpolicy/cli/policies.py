@@ -1,48 +1,58 @@
-"""``attnpolicy policies`` (list registered policies) and ``attnpolicy decide``
-(run one policy, behind the guard, on a layout given as lengths)."""
+"""``attnpolicy policies`` (registered policies with their options, and evictions) and
+``attnpolicy decide`` (run one policy, behind the guard, on a layout given as lengths)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
+import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from attnpolicy.cli.common import int_list
+from attnpolicy.cli.common import command, int_list, print_table
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import FALLBACK_MODES, ON_ILLEGAL
 from attnpolicy.errors import LayoutError, PolicyError
-from attnpolicy.plugins.registry import policy_registry
+from attnpolicy.plugins.registry import eviction_registry, policy_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
 
 def register(subparsers: Any) -> None:
     """Add the ``policies`` and ``decide`` subcommands to an argparse subparsers object."""
-    p = subparsers.add_parser("policies", help="list the registered policies and their plugins")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=cmd_policies)
+    p = command(subparsers, "policies", "list the registered policies (with options) and eviction strategies",
+                "attnpolicy policies --json", cmd_policies)
+    p.add_argument("--json", action="store_true",
+                   help='print JSON: one entry per policy, then per eviction, each with "kind" and '
+                        '"options" (default: a table)')
 
-    d = subparsers.add_parser("decide", help="show the (guarded) decision of a policy for a batch")
-    d.add_argument("--policy", required=True, help="registered policy name")
+    d = command(subparsers, "decide", "show the (guarded) decision of a policy for one batch",
+                "attnpolicy decide --policy dynamic --seq-lens 100,200", cmd_decide)
+    d.add_argument("--policy", required=True, metavar="NAME",
+                   help="registered policy, see 'attnpolicy policies' (required)")
     d.add_argument("--seq-lens", required=True, type=int_list, metavar="N[,N...]",
-                   help="query length of each packed sequence, e.g. 512 or 100,200")
+                   help="query length of each packed sequence, e.g. 512 or 100,200 (required)")
     d.add_argument("--kv-lens", type=int_list, metavar="N[,N...]",
-                   help="key/value length of each sequence (>= its query length: cached context)")
-    d.add_argument("--bidirectional", action="store_true", help="non-causal attention")
+                   help="key/value length of each sequence, >= its query length: cached context "
+                        "(default: the query lengths)")
+    d.add_argument("--bidirectional", action="store_true", help="non-causal attention (default: causal)")
     d.add_argument("--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
-                   help="policy option (repeatable); VALUE is parsed as JSON when it can be")
+                   help="policy option (repeatable); VALUE is parsed as JSON when it can be, "
+                        "POLICY:KEY=VALUE is accepted too (default: none)")
     d.add_argument("--on-illegal", choices=ON_ILLEGAL, default="fallback",
                    help="what the guard does with a bad decision (default: fallback)")
     d.add_argument("--fallback", choices=FALLBACK_MODES, default="varlen",
                    help="the guard's safe mode (default: varlen)")
-    d.add_argument("--json", action="store_true", help="print JSON")
-    d.set_defaults(func=cmd_decide)
+    d.add_argument("--json", action="store_true", help="print JSON (default: one line of text)")
 
 
 def _option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
+    key = key.rpartition(":")[2]
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
@@ -52,20 +62,60 @@ def _option(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def cmd_policies(args: argparse.Namespace) -> int:
-    infos = sorted(policy_registry().values(), key=lambda i: i.name)
-    if args.json:
-        print(json.dumps([{"name": i.name, "plugin": i.plugin, "description": i.description}
-                          for i in infos], indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
+def options_of(factory: Callable[..., Any]) -> dict[str, Any]:
+    """Keyword options of a class's ``__init__`` (or a factory) and their defaults
+    (``None`` for a required one); ``*args``/``**kwargs`` are left out."""
+    target = factory.__init__ if isinstance(factory, type) else factory  # type: ignore[misc]
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    if isinstance(factory, type):
+        params = params[1:]  # self
+    return {p.name: _json_value(None if p.default is inspect.Parameter.empty else p.default) for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
 
-    table = Table("policy", "plugin", "description")
-    for i in infos:
-        table.add_row(i.name, i.plugin, i.description)
-    Console().print(table)
+
+def _json_value(value: Any) -> Any:
+    """``value`` if it is plain JSON, else its ``repr`` (``math.inf`` → ``"inf"``)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
+def _summary(factory: Callable[..., Any]) -> str:
+    target = factory.func if isinstance(factory, functools.partial) else factory
+    return (inspect.getdoc(target) or "").split("\n")[0]
+
+
+def _shown(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={json.dumps(v)}" for k, v in options.items()) or "-"
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    policies = sorted(policy_registry().values(), key=lambda i: i.name)
+    evictions = sorted(eviction_registry().values(), key=lambda i: i.name)
+    if args.json:
+        entries = [{"kind": "policy", "name": i.name, "plugin": i.plugin, "description": i.description,
+                    "options": options_of(i.cls)} for i in policies]
+        entries += [{"kind": "eviction", "name": e.name, "plugin": e.plugin,
+                     "description": _summary(e.factory),
+                     "options": options_of(e.factory)} for e in evictions]
+        print(json.dumps(entries, indent=2, default=repr))
+        return 0
+    print_table("policies (options: name=default; set with --option POLICY:KEY=VALUE)",
+                ("policy", "plugin", "options", "description"),
+                [(i.name, i.plugin, _shown(options_of(i.cls)), i.description) for i in policies])
+    print_table("eviction strategies (belady: simulation only)", ("eviction", "plugin", "options", "description"),
+                [(e.name, e.plugin, _shown(options_of(e.factory)), _summary(e.factory)) for e in evictions])
     return 0
+
+
+def _error(exc: Exception, code: int) -> int:
+    print(f"attnpolicy: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return code
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
@@ -74,13 +124,16 @@ def cmd_decide(args: argparse.Namespace) -> int:
                                  fallback=MaskMode(args.fallback))
         layout = BatchLayout.from_lens(args.seq_lens, args.kv_lens, causal=not args.bidirectional)
     except (PolicyError, LayoutError) as exc:
-        print(f"attnpolicy decide: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
+    guard_log = logging.getLogger("attnpolicy.policies.guard")
+    quiet = guard_log.disabled
+    guard_log.disabled = True  # a fallback is reported once, below
     try:
         decision = guard.decide(layout, PolicyContext())
     except PolicyError as exc:
-        print(f"attnpolicy decide: error: {exc}", file=sys.stderr)
-        return 1
+        return _error(exc, 1)
+    finally:
+        guard_log.disabled = quiet
     result = {"policy": args.policy, "mode": decision.mode.value, "reason": decision.reason,
               "fell_back": guard.fallbacks > 0}
     if args.json:

@@ -8,45 +8,77 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.cli.common import capacity_list, console, int_list, progress, str_list
+from attnpolicy.cli.common import (
+    add_workload_args,
+    check_evictions,
+    command,
+    console,
+    describe_options,
+    former_options,
+    int_list,
+    policy_options,
+    positive_int,
+    progress,
+    settings,
+    shown,
+    warn,
+)
+from attnpolicy.cli.simulate import add_sweep_args, cost_model, former_from, workload
 from attnpolicy.measure.report import ReportSettings, make_report
+from attnpolicy.measure.simulation import extrapolation
 from attnpolicy.measure.timing import BenchSettings
+
+FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
+         "validate_requests": "--validate-requests"}
 
 
 def register(subparsers: Any) -> None:
     d = ReportSettings()
-    p = subparsers.add_parser("report", help="the main job: bench table, policy sweep, Belady bound, plots")
-    p.add_argument("--out", default=str(d.out), help="output directory (default: %(default)s)")
-    p.add_argument("--trace", default=d.trace, help="'default' (built-in synthetic) or an Azure CSV path")
-    p.add_argument("--limit", type=int, default=None, help="first N requests only")
-    p.add_argument("--policies", type=str_list, default=d.policies, metavar="P[,P...]")
-    p.add_argument("--capacities", type=capacity_list, default=d.capacities, metavar="K[,K...]",
-                   help="max graphs per run; 'inf' for unbounded (default: 2,4,8,16,32,inf)")
-    p.add_argument("--evictions", type=str_list, default=d.evictions, metavar="E[,E...]")
-    p.add_argument("--cost-model", default=None, help="a cost model JSON from 'attnpolicy calibrate'")
-    p.add_argument("--calibrate", action="store_true", help="calibrate a cost model now (about a minute)")
+    p = command(subparsers, "report",
+                "the main job: bench table, policy sweep with Belady's bound, simulator check, plots",
+                "attnpolicy report --out report   # minutes (README: a measured time); --limit 40 for a quick look",
+                cmd_report)
+    p.add_argument("--out", default=str(d.out), metavar="DIR",
+                   help=f"output directory: report.md, report.json, PNGs (default: {d.out})")
+    add_workload_args(p, d.former["max_num_seqs"], d.former["max_num_batched_tokens"], 8192)
+    add_sweep_args(p, d.policies, d.capacities, d.evictions)
+    p.add_argument("--cost-model", default=None, metavar="PATH",
+                   help="a cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate a cost model now, about a minute (default: off)")
     p.add_argument("--bench-lengths", type=int_list, default=d.bench.lengths, metavar="L[,L...]",
-                   help="total lengths of the bench table (default: %(default)s)")
-    p.add_argument("--bench-repeats", type=int, default=d.bench.repeats)
-    p.add_argument("--validate-requests", type=int, default=d.validate_requests,
-                   help="requests replayed with real compute to check the simulator (default: %(default)s)")
-    p.set_defaults(func=cmd_report)
+                   help=f"total lengths of the bench table (default: {shown(d.bench.lengths)})")
+    p.add_argument("--bench-repeats", type=positive_int, default=d.bench.repeats, metavar="N",
+                   help=f"timed runs per bench mode (default: {d.bench.repeats})")
+    p.add_argument("--validate-requests", type=positive_int, default=d.validate_requests, metavar="N",
+                   help="first N requests replayed with real compute to check the simulator "
+                        f"(default: {d.validate_requests})")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    s = ReportSettings(out=Path(args.out), trace=args.trace, limit=args.limit, policies=tuple(args.policies),
-                       capacities=tuple(args.capacities), evictions=tuple(args.evictions),
-                       cost_model=args.cost_model, calibrate=args.calibrate,
-                       validate_requests=args.validate_requests,
-                       bench=BenchSettings(lengths=tuple(args.bench_lengths), repeats=args.bench_repeats))
+    former = former_from(args)
+    options = policy_options(args, "--policies", args.policies)
+    check_evictions("--evictions", args.evictions, simulation=True)
+    model = cost_model(args)
+    requests = workload(args, former)
+    if model is not None and (warning := extrapolation(model, requests, former)) is not None:
+        warn(warning)
+    bench = settings(BenchSettings, FLAGS, lengths=tuple(args.bench_lengths), repeats=args.bench_repeats)
+    s = settings(ReportSettings, FLAGS, out=Path(args.out), trace=args.trace, limit=args.limit,
+                 policies=tuple(args.policies), capacities=tuple(args.capacities), evictions=tuple(args.evictions),
+                 cost_model=args.cost_model, calibrate=args.calibrate, validate_requests=args.validate_requests,
+                 bench=bench, former=former_options(args), policy_options=options)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.policies) * len(s.capacities) * len(s.evictions)
-             + len(s.validate_policies) + int(s.calibrate))
-    command = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+             + len(s.validated_policies) + int(s.calibrate))
+    command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance:
-        data = make_report(s, command, advance)
+        data = make_report(s, command_line, advance, requests)
     console.print(f"wrote {s.out / 'report.md'}, {s.out / 'report.json'} and "
                   f"{', '.join(str(s.out / p) for p in data['plots'])} in {data['seconds']:.0f} s")
+    ran = describe_options(options)
+    if ran:
+        console.print(f"policy options: {ran}")
     for row in data["summary"]:
-        console.print(f"capacity {row['capacity'] or '∞'}: best {row['best_policy']} "
-                      f"{row['total_seconds']:.3g} s")
+        console.print(f"capacity {'∞' if row['capacity'] is None else row['capacity']}: best "
+                      f"{row['best_policy']} {row['total_seconds']:.3g} s")
     return 0

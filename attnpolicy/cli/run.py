@@ -5,77 +5,109 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.cli.common import add_spec_args, print_table, progress
+from attnpolicy.cli.common import (
+    MIB,
+    add_option_arg,
+    add_spec_args,
+    add_workload_args,
+    check_evictions,
+    check_spec_args,
+    command,
+    describe_options,
+    fail,
+    policy_options,
+    positive_int,
+    print_table,
+    progress,
+    warn,
+)
+from attnpolicy.cli.simulate import former_from, workload
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
+from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.replay import run_workload
-from attnpolicy.measure.workload import load_trace
+from attnpolicy.measure.replay import TOLERANCE, run_workload
 
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """--trace/--limit and the batch former's knobs (shared by run and report)."""
-    p.add_argument("--trace", default="default", help="'default' (built-in synthetic) or an Azure CSV path")
-    p.add_argument("--limit", type=int, default=None, help="use the first N requests")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-seq-len", type=int, default=8192, help="longest sequence (max_model_len)")
-
-
-def spec_from(args: argparse.Namespace) -> TensorSpec:
-    return TensorSpec(args.dtype, args.heads, args.kv_heads, args.head_dim)
-
-
-def former_from(args: argparse.Namespace) -> BatchFormer:
-    return BatchFormer(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_seq_len)
+DEFAULTS = AttnPolicyConfig.model_fields
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("run", help="replay a workload through the Dispatcher with real compute")
-    add_workload_args(p)
+    p = command(subparsers, "run", "replay a workload through the Dispatcher with real tensors and compiles",
+                "attnpolicy run --limit 10 --policy varlen --backend aot_eager --check", cmd_run)
+    add_workload_args(p, 16, 2048, 8192)
     add_spec_args(p)
-    p.add_argument("--config", help="a saved attnpolicy config (dir or file); flags below override it")
-    p.add_argument("--policy", default=None)
-    p.add_argument("--max-graphs", type=int, default=None)
-    p.add_argument("--max-bytes", type=int, default=None)
-    p.add_argument("--eviction", default=None)
-    p.add_argument("--backend", default=None, help="inductor | aot_eager | eager | none")
-    p.add_argument("--impl", default=None, help="attn_impl: sdpa | eager | flash")
-    p.add_argument("--check", action="store_true", help="compare every output with the reference")
-    p.add_argument("--json", metavar="PATH")
-    p.set_defaults(func=cmd_run)
+    p.add_argument("--config", metavar="PATH",
+                   help="a saved attnpolicy config (directory or file); the flags below override it "
+                        "(default: the config defaults)")
+    p.add_argument("--policy", default=None, metavar="NAME",
+                   help="registered policy, see 'attnpolicy policies' (default: the config's, dynamic)")
+    add_option_arg(p)
+    p.add_argument("--max-graphs", type=positive_int, default=None, metavar="N",
+                   help="graph-cache capacity (default: the config's, unbounded)")
+    p.add_argument("--max-bytes", type=positive_int, default=None, metavar="N",
+                   help="graph-cache byte budget (default: the config's, unbounded)")
+    p.add_argument("--eviction", default=None, metavar="NAME",
+                   help="registered eviction strategy, see 'attnpolicy policies' (default: the config's, lru)")
+    p.add_argument("--backend", choices=("inductor", "aot_eager", "eager", "none"), default=None,
+                   help="compile backend (default: the config's, inductor)")
+    p.add_argument("--impl", choices=("sdpa", "eager", "flash"), default=None,
+                   help="attention implementation, attn_impl (default: the config's, sdpa)")
+    p.add_argument("--check", action="store_true",
+                   help="compare every output with the float64 reference and print pass or fail against "
+                        f"the dtype's tolerance ({', '.join(f'{d} {t:g}' for d, t in TOLERANCE.items())}) "
+                        "(default: off)")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON (default: none)")
 
 
 def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
+    """The config of --config and the flags; every name and value checked, errors name the flag."""
     base = AttnPolicyConfig.load(args.config).model_dump() if args.config else {}
-    overrides = {"policy": args.policy, "max_graphs": args.max_graphs, "max_bytes": args.max_bytes,
-                 "eviction": args.eviction, "backend": args.backend, "attn_impl": args.impl}
+    policy = args.policy or base.get("policy", DEFAULTS["policy"].default)
+    own = base.get("policy_options", {}) if base.get("policy", policy) == policy else {}
+    options = policy_options(args, "--policy", [policy], {policy: own})[policy]
+    if args.eviction is not None:
+        check_evictions("--eviction", [args.eviction], simulation=False)
+    overrides = {"policy": policy, "policy_options": options, "max_graphs": args.max_graphs,
+                 "max_bytes": args.max_bytes, "eviction": args.eviction, "backend": args.backend,
+                 "attn_impl": args.impl}
     base.update({k: v for k, v in overrides.items() if v is not None})
     base.setdefault("max_seq_len", args.max_seq_len)
     # a packed MASK call's keys are every running sequence's context: as in `simulate`
-    base.setdefault("max_batch_tokens", max(AttnPolicyConfig().max_batch_tokens,
+    base.setdefault("max_batch_tokens", max(DEFAULTS["max_batch_tokens"].default,
                                             args.max_num_seqs * base["max_seq_len"]))
-    return AttnPolicyConfig.model_validate(base)
+    try:
+        return jsonfile.validate(AttnPolicyConfig, base, "--config and flags", "config", base.get("version", 1))
+    except ConfigError as exc:
+        fail(str(exc))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    check_spec_args(args)
     config = config_from(args)
-    requests = load_trace(args.trace, args.limit)
-    steps = list(former_from(args).steps(requests))
+    former = former_from(args)
+    requests = workload(args, former)
+    steps = list(former.steps(requests))
+    spec = TensorSpec(args.dtype, args.heads, args.kv_heads, args.head_dim)
     with progress(len(steps), "run") as advance:
-        result = run_workload(requests, config, spec_from(args), check=args.check, steps=steps,
-                              progress=advance)
-    c = result["cache"]
-    rows = [("policy", config.policy), ("backend", config.backend), ("batches", result["batches"]),
-            ("graph calls", result["calls"]),
-            ("modes", ", ".join(f"{m} {n}" for m, n in result["modes"].items())),
-            ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]),
-            ("evictions", c["evictions"]), ("peak graph bytes", c["peak_bytes"]),
-            ("attention s", result["attention_seconds"]), ("compile s", result["compile_seconds"]),
-            ("total s", result["total_seconds"]), ("max abs err", result["max_abs_err"])]
-    print_table(f"attnpolicy run: {args.trace}", ("", "value"), rows)
+        result = run_workload(requests, config, spec, check=args.check, steps=steps, progress=advance)
+    c = result.cache
+    rows: list[tuple[str, Any]] = [
+        ("policy", config.policy), ("policy options", describe_options({config.policy: config.policy_options})
+                                    or "none"),
+        ("backend", config.backend), ("batches", result.batches), ("graph calls", result.calls),
+        ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
+        ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]),
+        ("evictions", c["evictions"]), ("peak graph MiB", c["peak_bytes"] / MIB),
+        ("attention s", result.attention_seconds), ("compile s", result.compile_seconds),
+        ("total s", result.total_seconds)]
+    if result.max_abs_err is not None:
+        rows += [("max abs err", result.max_abs_err),
+                 ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]
+    print_table(f"attnpolicy run: {args.trace}, {config.policy}", ("", "value"), rows)
     if args.json:
-        write_json(args.json, result)
+        write_json(args.json, result.to_json())
+    if result.passed is False:
+        warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {result.tolerance:g}")
+        return 1
     return 0

@@ -93,7 +93,7 @@ def validate(cls: type[M], data: object, source: str, what: str, version: int) -
 def describe(error: Any) -> str:
     """One pydantic error as ``field.path: message (got value)``."""
     loc = ".".join(str(part) for part in error["loc"])
-    msg = error["msg"].removeprefix("Value error, ")
+    msg = str(error["msg"]).removeprefix("Value error, ")
     if not loc:
         return msg
     value = repr(error["input"])

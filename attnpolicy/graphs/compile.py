@@ -112,4 +112,4 @@ def release_graph(graph: CompiledGraph) -> None:
     gets correct results (Dynamo compiles it again, which ``counter`` sees).
     """
     if graph.code is not None:
-        torch._dynamo.reset_code(graph.code)
+        torch._dynamo.reset_code(graph.code)  # type: ignore[attr-defined]

@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -40,7 +40,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION: Final = 1
 DEFAULT_RESOURCE = "default_costmodel.json"
 
 NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]

@@ -26,20 +26,21 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     - CAUSAL: ``f(q, k, v)``, mask-free, ``is_causal``;
     - MASK: ``f(q, k, v, mask)`` with a dense boolean mask built on the host;
     - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds arrive as a tensor.
+
     Each family's functions are closures over one code object; ``compile.py`` gives
     every compiled graph a fresh code object of its own.
     """
     if call.family is GraphFamily.CAUSAL:
-        def causal_graph(q, k, v):
+        def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attention(q, k, v, impl=impl, causal=True, scale=scale, partition_len=partition_len)
         return causal_graph
     if call.family is GraphFamily.MASK:
-        def mask_graph(q, k, v, mask):
+        def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return attention(q, k, v, impl=impl, mask=mask, scale=scale, partition_len=partition_len)
         return mask_graph
     rows, cols, causal = call.q_bucket, call.kv_bucket, call.causal
 
-    def varlen_graph(q, k, v, lens):
+    def varlen_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         m = bounded_mask(rows, cols, lens, causal)
         return attention(q, k, v, impl=impl, mask=m, scale=scale, partition_len=partition_len)
     return varlen_graph

@@ -54,7 +54,8 @@ def layout_from_mask(allowed: torch.Tensor, *, causal: bool) -> BatchLayout:
     q_starts = starts.nonzero().flatten()
     kv_starts = first[q_starts]
     kv_lens = last[q_starts + q_lens - 1] - kv_starts + 1
-    return BatchLayout(q_lens.tolist(), kv_lens.tolist(), q_starts.tolist(), kv_starts.tolist(),
+    return BatchLayout(tuple(q_lens.tolist()), tuple(kv_lens.tolist()), tuple(q_starts.tolist()),
+                       tuple(kv_starts.tolist()),
                        batch * lq, batch * lk, causal)
 
 

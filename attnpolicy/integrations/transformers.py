@@ -106,7 +106,7 @@ _mask_layouts = _MaskLayouts()
 
 def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
           attention_mask: torch.Tensor | None, dropout: float,
-          kwargs: dict[str, Any]) -> tuple[BatchLayout, torch.Tensor | None] | str:
+          kwargs: dict[str, Any]) -> tuple[BatchLayout, int | None] | str:
     """(layout, key length to crop to or None), or the reason to fall back."""
     if dropout:
         return "dropout"

@@ -16,6 +16,8 @@ KV-cache layout and KV-cache writes (``do_kv_cache_update`` runs before
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -76,7 +78,7 @@ def layout_for(md: CPUAttentionMetadata) -> BatchLayout | None:
 class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
     """Runs attnpolicy on context-free batches, vLLM's CPU kernel on the rest."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.dispatcher: Dispatcher = dispatcher_for(from_env())
         self.handles_layer = (
@@ -88,7 +90,7 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             and self.kv_sharing_target_layer_name is None
         )
 
-    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata | None,
                 output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:

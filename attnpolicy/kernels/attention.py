@@ -6,6 +6,7 @@ bottom-right (query ``j`` sees keys ``0 .. Lk - Lq + j``), ``mask`` is boolean
 ``[Lq, Lk]`` with True = attend; both may be given.
 
 Implementations (RBLN's names in brackets):
+
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
 - ``eager`` ["eager"]: explicit ``softmax(q kᵀ · scale) v`` in fp32 (fp64 for fp64
   inputs);
@@ -51,7 +52,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _sdpa(q, k, v, causal, mask, scale, partition_len):
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
+          partition_len: int | None) -> torch.Tensor:
     # SDPA's fused CPU/CUDA kernels take [batch, heads, L, D]; 3-D input falls back
     # to the (several times slower) math path, so add a batch dimension.
     lq, lk = q.shape[-2], k.shape[-2]
@@ -70,7 +72,8 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return q.to(_compute_dtype(q.dtype)).reshape(k.shape[0], hq // k.shape[0], lq, d)
 
 
-def _eager(q, k, v, causal, mask, scale, partition_len):
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
+           partition_len: int | None) -> torch.Tensor:
     hq, lq, d = q.shape
     lk = k.shape[-2]
     qg = _grouped(q, k)
@@ -82,7 +85,8 @@ def _eager(q, k, v, causal, mask, scale, partition_len):
     return out.reshape(hq, lq, d).to(q.dtype)
 
 
-def _flash(q, k, v, causal, mask, scale, partition_len):
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
+           partition_len: int | None) -> torch.Tensor:
     hq, lq, d = q.shape
     lk = k.shape[-2]
     qg = _grouped(q, k)
@@ -91,6 +95,7 @@ def _flash(q, k, v, causal, mask, scale, partition_len):
     run_max = torch.full((*qg.shape[:-1], 1), float("-inf"), dtype=qg.dtype, device=q.device)
     run_sum = torch.zeros_like(run_max)
     acc = torch.zeros_like(qg)
+    assert partition_len is not None  # attention() resolves it
     for start in range(0, lk, partition_len):
         end = min(start + partition_len, lk)
         s = qg @ kf[..., start:end, :].transpose(-1, -2) * scale

@@ -150,8 +150,9 @@ class BlockDiagonalMask:
         cols = self.layout.kv_tokens if cols is None else cols
         if cache is None:
             return self.materialize(rows, cols).to(device)
-        return cache.lookup((self, rows, cols, device), rows * cols,
-                            lambda: self.materialize(rows, cols).to(device))
+        dense: torch.Tensor = cache.lookup((self, rows, cols, device), rows * cols,
+                                           lambda: self.materialize(rows, cols).to(device))
+        return dense
 
     def additive(self, dtype: torch.dtype = torch.float32, rows: int | None = None,
                  cols: int | None = None) -> torch.Tensor:

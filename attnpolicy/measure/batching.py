@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
@@ -33,6 +36,47 @@ class Step:
     seq_ids: tuple[int, ...]
     num_prefill: int
     num_decode: int
+
+
+class _Knobs(BaseModel):
+    """The batch former's knobs, validated (strict types, rules between knobs)."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+
+    max_num_seqs: Annotated[int, Field(ge=1)]
+    max_num_batched_tokens: Annotated[int, Field(ge=1)]
+    chunked_prefill: bool
+    prefill_only: bool
+    max_model_len: Annotated[int, Field(ge=1)]
+    causal: bool
+
+    @model_validator(mode="after")
+    def _rules(self) -> _Knobs:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={self.max_num_seqs} (every running decode needs a token)")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
+                             f"{self.max_model_len} without chunked_prefill (a whole prompt must fit one step)")
+        if not self.causal and not self.prefill_only:
+            raise ValueError("causal=False needs prefill_only=True (decoding is causal)")
+        if not self.causal and self.chunked_prefill:
+            raise ValueError("causal=False needs chunked_prefill=False (a bidirectional "
+                             "prompt must be prefilled in one step)")
+        return self
+
+    @classmethod
+    def check(cls, **knobs: Any) -> None:
+        """:class:`ConfigError` naming the first bad knob and its value."""
+        try:
+            cls(**knobs)
+        except ValidationError as exc:
+            e = exc.errors(include_url=False)[0]
+            if not e["loc"]:
+                raise ConfigError(e["msg"].removeprefix("Value error, ")) from None
+            name = str(e["loc"][0])
+            kind = "a bool" if cls.model_fields[name].annotation is bool else "an int >= 1"
+            raise ConfigError(f"{name} must be {kind}, got {e['input']!r}") from None
 
 
 class _Running:
@@ -71,30 +115,9 @@ class BatchFormer:
         max_model_len: int = 8192,
         causal: bool = True,
     ) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        for name, flag in (("chunked_prefill", chunked_prefill), ("prefill_only", prefill_only),
-                           ("causal", causal)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{name} must be a bool, got {flag!r}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ConfigError(
-                f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
-                f"max_num_seqs={max_num_seqs} (every running decode needs a token)"
-            )
-        if not chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len="
-                f"{max_model_len} without chunked_prefill (a whole prompt must fit one step)"
-            )
-        if not causal and not prefill_only:
-            raise ConfigError("causal=False needs prefill_only=True (decoding is causal)")
-        if not causal and chunked_prefill:
-            raise ConfigError("causal=False needs chunked_prefill=False (a bidirectional "
-                              "prompt must be prefilled in one step)")
+        _Knobs.check(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     chunked_prefill=chunked_prefill, prefill_only=prefill_only, max_model_len=max_model_len,
+                     causal=causal)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -104,7 +127,8 @@ class BatchFormer:
         #: Requests the latest :meth:`steps` call skipped as too long for max_model_len.
         self.rejected: tuple[Request, ...] = ()
 
-    def _fits(self, r: Request) -> bool:
+    def fits(self, r: Request) -> bool:
+        """Whether ``r`` is admitted (not longer than ``max_model_len``)."""
         need = r.prompt_tokens if self.prefill_only else r.prompt_tokens + r.output_tokens
         return need <= self.max_model_len
 
@@ -115,10 +139,10 @@ class BatchFormer:
         when this returns.
         """
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-        self.rejected = tuple(requests[i] for i in order if not self._fits(requests[i]))
+        self.rejected = tuple(requests[i] for i in order if not self.fits(requests[i]))
         waiting = deque(
             _Running(i, requests[i].prompt_tokens, 0 if self.prefill_only else requests[i].output_tokens)
-            for i in order if self._fits(requests[i])
+            for i in order if self.fits(requests[i])
         )
         return self._run(waiting)
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
 from functools import partial
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -28,7 +30,7 @@ from attnpolicy.graphs.execute import execute
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.measure.timing import DTYPES, split_lengths
+from attnpolicy.measure.timing import DEFAULT_THREADS, DTYPES, split_lengths
 
 #: The policy that plans each graph family for the calibration layouts below.
 _POLICY: dict[GraphFamily, str] = {GraphFamily.CAUSAL: "dynamic", GraphFamily.MASK: "always-mask",
@@ -40,19 +42,29 @@ MAX_REPEATS = 10
 MIN_TIMED_SECONDS = 0.02
 
 
-@dataclass(frozen=True)
+@validated(frozen=True)
 class CalibrationSettings:
-    heads: int = 8
-    kv_heads: int = 8
-    head_dim: int = 64
-    dtype: str = "float32"
-    impl: str = "sdpa"
-    partition_len: int | None = None
-    backend: str = "aot_eager"
-    max_len: int = 4096
-    repeats: int = 3
+    """What ``attnpolicy calibrate`` measures; validated like the config."""
+
+    heads: Annotated[int, Field(ge=1)] = 8
+    kv_heads: Annotated[int, Field(ge=1)] = 8
+    head_dim: Annotated[int, Field(ge=1)] = 64
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
+    partition_len: Annotated[int | None, Field(ge=1)] = None
+    backend: Literal["aot_eager", "inductor", "eager", "none"] = "aot_eager"
+    max_len: Annotated[int, Field(ge=16)] = 4096
+    repeats: Annotated[int, Field(ge=1)] = 3
     quick: bool = False
-    threads: int | None = 1
+    threads: Annotated[int | None, Field(ge=1)] = DEFAULT_THREADS
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CalibrationSettings:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        if self.impl == "flash" and self.partition_len is None:
+            raise ValueError("impl 'flash' needs partition_len")
+        return self
 
     @property
     def spec(self) -> TensorSpec:
@@ -123,15 +135,23 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
     spec = s.spec
     dtype = DTYPES[s.dtype]
     compiled: dict[GraphKey, float] = {}
-    cache = GraphCache(sizeof=graph_bytes, release=lambda key, graph: release_graph(graph),
-                       on_compile=lambda key, seconds, nbytes: compiled.__setitem__(key, seconds))
+    def on_compile(key: Hashable, seconds: float, nbytes: int) -> None:
+        assert isinstance(key, GraphKey)
+        compiled[key] = seconds
+
+    def sizeof(key: Hashable) -> int:
+        assert isinstance(key, GraphKey)
+        return graph_bytes(key)
+
+    cache: GraphCache[Any] = GraphCache(sizeof=sizeof, release=lambda key, graph: release_graph(graph),
+                                        on_compile=on_compile)
     dispatchers = {kind: Dispatcher(AttnPolicyConfig(
         policy=policy, backend=s.backend, attn_impl=s.impl, partition_len=s.partition_len,
         max_seq_len=max(s.max_len, s.partition_len or 0)), cache=cache) for kind, policy in _POLICY.items()}
     gen = torch.Generator().manual_seed(0)
     samples: list[Sample] = []
 
-    def tensors(layout: BatchLayout) -> tuple[torch.Tensor, ...]:
+    def tensors(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.randn(layout.q_tokens, s.heads, s.head_dim, generator=gen).to(dtype)
         k = torch.randn(layout.kv_tokens, s.kv_heads, s.head_dim, generator=gen).to(dtype)
         return q, k, torch.randn_like(k)
@@ -150,7 +170,8 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                 (key,) = dispatchers[kind].graph_keys_for(layout, spec)
                 samples.append(Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len,
                                       seconds=compiled[key]))
-                build = partial(mask_for(layout).materialize, qb, kvb) if kind is GraphFamily.MASK else None
+                build: Callable[[], object] | None = (
+                    partial(mask_for(layout).materialize, qb, kvb) if kind is GraphFamily.MASK else None)
                 runs.append((kind, key, partial(execute, *tensors_, layout, graphs, dispatchers[kind].masks), build))
                 if progress:
                     progress(f"compiled {key}")

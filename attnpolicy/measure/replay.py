@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,36 @@ from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.measure.batching import BatchFormer, Step
 from attnpolicy.measure.workload import Request
 
+#: Largest absolute error against the float64 reference that ``check`` accepts, per dtype.
+TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a real replay measured. ``cache`` is the graph cache's stats, ``modes``
+    counts batches per mode; ``max_abs_err``, ``tolerance`` and ``passed`` are
+    ``None`` unless outputs were checked against the reference."""
+
+    cache: dict[str, Any]
+    modes: dict[str, int]
+    batches: int
+    calls: int
+    guard_fallbacks: int
+    overflow: int
+    padding: dict[str, Any]
+    attention_seconds: float
+    compile_seconds: float
+    total_seconds: float
+    max_abs_err: float | None
+    tolerance: float | None
+    passed: bool | None
+    config: dict[str, Any]
+    spec: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as JSON: one key per field."""
+        return asdict(self)
+
 
 def _pool(rows: int, heads: int, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(rows, heads, spec.head_dim, generator=gen).to(getattr(torch, spec.dtype))
@@ -31,8 +62,9 @@ def _pool(rows: int, heads: int, spec: TensorSpec, gen: torch.Generator) -> torc
 def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: TensorSpec,
                  former: BatchFormer | None = None, *, check: bool = False, seed: int = 0,
                  progress: Callable[[str], None] | None = None,
-                 steps: Sequence[Step] | None = None) -> dict[str, Any]:
-    """Run every step of ``requests`` (or the given ``steps``) through a Dispatcher."""
+                 steps: Sequence[Step] | None = None) -> RunResult:
+    """Run every step of ``requests`` (or the given ``steps``) through a Dispatcher;
+    with ``check``, compare every output with the float64 reference."""
     if steps is None:
         steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
     dispatcher = Dispatcher(config)
@@ -42,7 +74,7 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
     q_pool = _pool(max_q, spec.heads, spec, gen)
     k_pool, v_pool = (_pool(max_kv, spec.kv_heads, spec, gen) for _ in range(2))
     total = compile_total = 0.0
-    max_err = 0.0 if check else None
+    max_err = 0.0
     with torch.inference_mode():
         for step in steps:
             lay = step.layout
@@ -59,19 +91,22 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
             if progress:
                 progress(f"step {step.index}")
     stats = dispatcher.stats().to_json()
-    return {
-        "cache": stats["cache"],
-        "modes": stats["modes"],
-        "batches": stats["batches"],
-        "calls": stats["calls"],
-        "guard_fallbacks": stats["guard_fallbacks"],
-        "overflow": stats["overflow"],
-        "padding": stats["padding"],
-        "attention_seconds": total - compile_total,
-        "compile_seconds": compile_total,
-        "total_seconds": total,
-        "max_abs_err": max_err,
-        "config": config.model_dump(mode="json"),
-        "spec": {"dtype": spec.dtype, "heads": spec.heads, "kv_heads": spec.kv_heads,
-                 "head_dim": spec.head_dim},
-    }
+    tolerance = TOLERANCE[spec.dtype] if check else None
+    return RunResult(
+        cache=dict(stats["cache"]),
+        modes=dict(stats["modes"]),
+        batches=stats["batches"],
+        calls=stats["calls"],
+        guard_fallbacks=stats["guard_fallbacks"],
+        overflow=stats["overflow"],
+        padding=dict(stats["padding"]),
+        attention_seconds=total - compile_total,
+        compile_seconds=compile_total,
+        total_seconds=total,
+        max_abs_err=max_err if check else None,
+        tolerance=tolerance,
+        passed=None if tolerance is None else max_err <= tolerance,
+        config=config.model_dump(mode="json"),
+        spec={"dtype": spec.dtype, "heads": spec.heads, "kv_heads": spec.kv_heads,
+              "head_dim": spec.head_dim},
+    )

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from attnpolicy.cache.graph_cache import GraphCache
@@ -39,9 +40,48 @@ from attnpolicy.measure.workload import Request
 from attnpolicy.plugins.registry import eviction_registry
 
 BELADY = "belady"
-#: Every row holds at least these fields (issue 5's JSON rows).
+#: The JSON form of every row holds at least these keys (the stable contract).
 ROW_FIELDS = ("policy", "capacity", "eviction", "hits", "misses", "hit_rate", "compiles",
               "compile_seconds", "attention_seconds", "total_seconds", "peak_bytes")
+
+
+@dataclass(frozen=True)
+class SimRow:
+    """One simulated (policy, capacity, eviction): cache counters and modelled seconds.
+
+    ``attention_seconds`` includes dispatch overheads and mask builds (also given
+    alone as ``mask_build_seconds``); ``total_seconds`` is attention plus compile
+    seconds; ``capacity`` is ``max_graphs`` (``None``: unbounded); ``modes`` counts
+    batches per mode; ``policy_options`` are the options the policy ran with;
+    ``rejected`` counts the requests the batch former left out (too long)."""
+
+    policy: str
+    capacity: int | None
+    eviction: str
+    hits: int
+    misses: int
+    hit_rate: float
+    compiles: int
+    compile_seconds: float
+    attention_seconds: float
+    total_seconds: float
+    peak_bytes: int
+    peak_graphs: int
+    evictions: int
+    distinct_keys: int
+    batches: int
+    calls: int
+    modes: dict[str, int]
+    guard_fallbacks: int
+    overflow_calls: int
+    mask_builds: int
+    mask_build_seconds: float
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    rejected: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The row as JSON: one key per field."""
+        return asdict(self)
 
 
 class SimulatedGraph:
@@ -88,7 +128,8 @@ class _Replay:
 
 def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -> _Replay:
     spec = model.spec
-    cache = GraphCache.from_config(config, sizeof=model.graph_bytes, compile_cost=model.compile_cost)
+    cache: GraphCache[SimulatedGraph] = GraphCache.from_config(config, sizeof=model.graph_bytes,
+                                                               compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
     masks = MaskCache(config.max_mask_bytes)
     out = _Replay()
@@ -125,45 +166,69 @@ def next_uses(keys: Sequence[GraphKey]) -> list[float]:
     return out
 
 
-def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig, model: CostModel) -> GraphCache:
+def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig,
+                 model: CostModel) -> GraphCache[SimulatedGraph]:
     """A graph cache bounded like ``config`` that served ``keys`` in order with Belady's
     eviction (an oracle of the sequence's future); its stats are the bound."""
     upcoming: dict[GraphKey, float] = {}
-    cache = GraphCache.from_config(config, eviction=BELADY, eviction_options={"next_use": upcoming.__getitem__},
-                                   sizeof=model.graph_bytes, compile_cost=model.compile_cost)
+    cache: GraphCache[SimulatedGraph] = GraphCache.from_config(
+        config, eviction=BELADY, eviction_options={"next_use": upcoming.__getitem__},
+        sizeof=model.graph_bytes, compile_cost=model.compile_cost)
     for key, nxt in zip(keys, next_uses(keys)):
         upcoming[key] = nxt
-        cache.get_or_compile(key, lambda key=key: SimulatedGraph(key))
+        cache.get_or_compile(key, partial(SimulatedGraph, key))
     return cache
 
 
 def _row(policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
-         cache_stats: Mapping[str, Any]) -> dict[str, Any]:
+         cache_stats: Mapping[str, Any], rejected: int) -> SimRow:
     hits, misses = cache_stats["hits"], cache_stats["misses"]
     stats = replay.stats
-    return {
-        "policy": policy,
-        "capacity": config.max_graphs,
-        "eviction": eviction,
-        "hits": hits,
-        "misses": misses,
-        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "compiles": cache_stats["compiles"],
-        "compile_seconds": cache_stats["compile_seconds"],
-        "attention_seconds": replay.attention_seconds,
-        "total_seconds": replay.attention_seconds + cache_stats["compile_seconds"],
-        "peak_bytes": cache_stats["peak_bytes"],
-        "peak_graphs": cache_stats["peak_graphs"],
-        "evictions": cache_stats["evictions"],
-        "distinct_keys": len(set(replay.keys)),
-        "batches": stats["batches"],
-        "calls": stats["calls"],
-        "modes": stats["modes"],
-        "guard_fallbacks": stats["guard_fallbacks"],
-        "overflow_calls": replay.overflow_calls,
-        "mask_builds": replay.mask_builds,
-        "mask_build_seconds": replay.mask_build_seconds,
-    }
+    return SimRow(
+        policy=policy,
+        capacity=config.max_graphs,
+        eviction=eviction,
+        hits=hits,
+        misses=misses,
+        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+        compiles=cache_stats["compiles"],
+        compile_seconds=cache_stats["compile_seconds"],
+        attention_seconds=replay.attention_seconds,
+        total_seconds=replay.attention_seconds + cache_stats["compile_seconds"],
+        peak_bytes=cache_stats["peak_bytes"],
+        peak_graphs=cache_stats["peak_graphs"],
+        evictions=cache_stats["evictions"],
+        distinct_keys=len(set(replay.keys)),
+        batches=stats["batches"],
+        calls=stats["calls"],
+        modes=dict(stats["modes"]),
+        guard_fallbacks=stats["guard_fallbacks"],
+        overflow_calls=replay.overflow_calls,
+        mask_builds=replay.mask_builds,
+        mask_build_seconds=replay.mask_build_seconds,
+        policy_options=dict(config.policy_options),
+        rejected=rejected,
+    )
+
+
+def extrapolation(model: CostModel, requests: Sequence[Request], former: BatchFormer) -> str | None:
+    """A warning when the longest admitted request is more than twice the longest
+    length ``model`` was calibrated on (its seconds are then extrapolated), else ``None``."""
+    measured = max((x.cols for x in model.samples), default=0)
+    longest = max((r.prompt_tokens + r.output_tokens for r in requests if former.fits(r)), default=0)
+    if measured and longest > 2 * measured:
+        return (f"the cost model was calibrated up to {measured} tokens but the workload holds "
+                f"requests of {longest} tokens: its seconds are extrapolated (calibrate with "
+                f"--max-len {1 << (longest - 1).bit_length()})")
+    return None
+
+
+def check_model(config: AttnPolicyConfig, model: CostModel) -> None:
+    """:class:`ConfigError` unless ``model`` was calibrated for ``config``'s backend and impl."""
+    if (config.backend, config.attn_impl) != (model.backend, model.impl):
+        raise ConfigError(f"config backend={config.backend!r}, attn_impl={config.attn_impl!r} differ from "
+                          f"the cost model's backend={model.backend!r}, impl={model.impl!r}: calibrate a "
+                          "model for this config or change it")
 
 
 def _rejections(former: BatchFormer) -> str:
@@ -192,26 +257,26 @@ def simulate(
     model: CostModel | None = None,
     former_options: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
-) -> list[dict[str, Any]]:
+    policy_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[SimRow]:
     """One row per (policy, capacity, eviction), in that nesting order.
 
     ``capacity`` is ``max_graphs`` (``None``: unbounded); every other config field
     comes from ``config_base`` (default: :func:`simulation_config`); ``model``
     defaults to :meth:`CostModel.default`; ``former_options`` are
     :class:`BatchFormer` keyword arguments. ``progress(label)`` is called after each
-    row. A trace whose every request is rejected (longer than ``max_model_len``)
-    raises :class:`ConfigError` saying why; ``rejected`` in each row counts the
-    requests left out. Rows hold :data:`ROW_FIELDS` and more: ``attention_seconds`` includes
-    dispatch overheads and mask builds (also given alone as ``mask_build_seconds``);
-    ``total_seconds`` is attention plus compile seconds.
+    row. ``policy_options[name]`` are the options of policy ``name``; the base
+    config's ``policy_options`` apply to its own policy only. A trace whose every
+    request is rejected (longer than ``max_model_len``) raises :class:`ConfigError`
+    saying why; ``rejected`` in each row counts the requests left out. Rows hold
+    :data:`ROW_FIELDS` and more: ``attention_seconds`` includes dispatch overheads and
+    mask builds (also given alone as ``mask_build_seconds``); ``total_seconds`` is
+    attention plus compile seconds.
     """
     model = model or CostModel.default()
     former = BatchFormer(**dict(former_options or {}))
     base = config_base or simulation_config(model, former)
-    if (base.backend, base.attn_impl) != (model.backend, model.impl):
-        raise ConfigError(f"config backend={base.backend!r}, attn_impl={base.attn_impl!r} differ from the "
-                          f"cost model's backend={model.backend!r}, impl={model.impl!r}: calibrate a "
-                          "model for this config or change it")
+    check_model(base, model)
     _check_evictions(evictions)
     steps = list(former.steps(requests))
     rejected = former.rejected
@@ -222,10 +287,14 @@ def simulate(
     lru_runs: dict[tuple[str, int | None], _Replay] = {}
     rows = []
     for policy in policies:
+        options = {**(base.policy_options if policy == base.policy else {}),
+                   **(policy_options or {}).get(policy, {})}
         for capacity in capacities:
-            def config(eviction: str, policy: str = policy, capacity: int | None = capacity) -> AttnPolicyConfig:
+            def config(eviction: str, policy: str = policy, capacity: int | None = capacity,
+                       options: dict[str, Any] = options) -> AttnPolicyConfig:
                 return AttnPolicyConfig.model_validate(
-                    {**fields, "policy": policy, "max_graphs": capacity, "eviction": eviction})
+                    {**fields, "policy": policy, "policy_options": options, "max_graphs": capacity,
+                     "eviction": eviction})
 
             for eviction in evictions:
                 if eviction == BELADY:
@@ -240,7 +309,7 @@ def simulate(
                     if eviction == "lru":
                         lru_runs[policy, capacity] = replay
                     stats = replay.stats["cache"]
-                rows.append({**_row(policy, cfg, eviction, replay, stats), "rejected": len(rejected)})
+                rows.append(_row(policy, cfg, eviction, replay, stats, len(rejected)))
                 if progress:
                     progress(f"{policy} capacity={capacity} {eviction}")
     return rows

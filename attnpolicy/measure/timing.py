@@ -1,10 +1,10 @@
-"""The seed experiment: mask vs mask-free attention, timed side by side.
+"""Mask vs mask-free attention, timed side by side (``attnpolicy bench``).
 
 For each total length L and sequence count n (n sequences of about L/n tokens):
 n = 1 compares CAUSAL with MASK, n > 1 compares MASK with VARLEN. Modes are
 interleaved within each repeat so drift on a shared machine hits all alike.
-MASK's time includes building its dense mask on the host (uncached): that is
-the cost the seed measured; the build is also reported on its own.
+MASK's time includes building its dense mask on the host (uncached), as a runtime
+without a mask cache pays it; the build is also reported on its own.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
@@ -37,20 +40,58 @@ class BenchRow:
     mask_build_ms: float | None = None
 
 
-@dataclass(frozen=True)
+#: A median this many times its run's minimum is flagged as noisy.
+NOISY = 2.0
+#: Threads of ``bench`` and ``calibrate`` unless told otherwise: one thread is stable
+#: on a shared machine and is what the built-in cost model was calibrated with.
+DEFAULT_THREADS = 1
+
+Positive = Field(ge=1)
+
+
+@validated(frozen=True)
 class BenchSettings:
-    lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
-    seqs: tuple[int, ...] = (1, 4)
-    repeats: int = 5
-    warmup: int = 1
-    heads: int = 8
-    kv_heads: int = 8
-    head_dim: int = 64
-    dtype: str = "float32"
-    impl: str = "sdpa"
-    partition_len: int | None = None
-    threads: int | None = None
+    """What ``attnpolicy bench`` times; validated (every count >= 1, ``kv_heads``
+    divides ``heads``, no more sequences than tokens)."""
+
+    lengths: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (
+        128, 256, 512, 1024, 2048, 4096)
+    seqs: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (1, 4)
+    repeats: Annotated[int, Field(ge=1)] = 5
+    warmup: Annotated[int, Field(ge=0)] = 1
+    heads: Annotated[int, Field(ge=1)] = 8
+    kv_heads: Annotated[int, Field(ge=1)] = 8
+    head_dim: Annotated[int, Field(ge=1)] = 64
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
+    partition_len: Annotated[int | None, Field(ge=1)] = None
+    threads: Annotated[int | None, Field(ge=1)] = DEFAULT_THREADS
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BenchSettings:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        if max(self.seqs) > min(self.lengths):
+            raise ValueError(f"seqs {max(self.seqs)} exceeds lengths {min(self.lengths)}: "
+                             "every sequence needs a token")
+        return self
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """Per (length, sequences): the faster mode and the slower/faster median ratio;
+    ``noisy`` when a median is more than :data:`NOISY` times its minimum."""
+
+    seq_len: int
+    num_seqs: int
+    faster: str
+    slower: str
+    ratio: float
+    noisy: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def split_lengths(total: int, n: int) -> list[int]:
@@ -63,7 +104,8 @@ def modes_for(num_seqs: int) -> tuple[MaskMode, MaskMode]:
     return (MaskMode.CAUSAL, MaskMode.MASK) if num_seqs == 1 else (MaskMode.MASK, MaskMode.VARLEN)
 
 
-def _time_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, float]:
+def _time_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+               s: BenchSettings) -> tuple[float, float]:
     """Total and mask-build seconds of one MASK call that builds its mask afresh."""
     (call,) = plan_calls(layout, MaskMode.MASK)
     fn = graph_fn(call, s.impl, None, s.partition_len)
@@ -74,7 +116,8 @@ def _time_mask(q, k, v, layout: BatchLayout, s: BenchSettings) -> tuple[float, f
     return time.perf_counter() - t0, t1 - t0
 
 
-def time_mode(q, k, v, layout: BatchLayout, mode: MaskMode, s: BenchSettings) -> tuple[float, float | None]:
+def time_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, mode: MaskMode,
+              s: BenchSettings) -> tuple[float, float | None]:
     """Seconds of one uncompiled call in ``mode``, and of its mask build (MASK only)."""
     if mode is MaskMode.MASK:
         return _time_mask(q, k, v, layout, s)
@@ -116,7 +159,7 @@ def run_bench(s: BenchSettings, progress: Callable[[str], None] | None = None) -
     return rows
 
 
-def speedups(rows: Iterable[BenchRow]) -> list[dict]:
+def speedups(rows: Iterable[BenchRow]) -> list[Speedup]:
     """Per (length, n): the faster mode and slower/faster median ratio."""
     groups: dict[tuple[int, int], list[BenchRow]] = {}
     for row in rows:
@@ -124,16 +167,17 @@ def speedups(rows: Iterable[BenchRow]) -> list[dict]:
     out = []
     for (length, n), pair in groups.items():
         fast, slow = sorted(pair, key=lambda r: r.median_ms)[:2] if len(pair) > 1 else (pair[0], pair[0])
-        out.append({"seq_len": length, "num_seqs": n, "faster": fast.mode, "slower": slow.mode,
-                    "ratio": slow.median_ms / fast.median_ms})
+        noisy = any(r.median_ms > NOISY * r.min_ms for r in pair)
+        out.append(Speedup(length, n, fast.mode, slow.mode, slow.median_ms / fast.median_ms, noisy))
     return out
 
 
-def environment(s: BenchSettings) -> dict:
+def environment(s: BenchSettings) -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": s.dtype,
             "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "impl": s.impl,
             "repeats": s.repeats, "warmup": s.warmup}
 
 
-def to_json(s: BenchSettings, rows: list[BenchRow]) -> dict:
-    return {"rows": [asdict(r) for r in rows], "speedups": speedups(rows), "env": environment(s)}
+def to_json(s: BenchSettings, rows: list[BenchRow]) -> dict[str, Any]:
+    return {"rows": [asdict(r) for r in rows], "speedups": [sp.to_json() for sp in speedups(rows)],
+            "env": environment(s)}

@@ -15,7 +15,10 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TextIO
+from typing import Annotated, TextIO
+
+from pydantic import Field, TypeAdapter, ValidationError
+from typing_extensions import TypedDict
 
 from attnpolicy.errors import AttnPolicyError
 
@@ -36,13 +39,23 @@ class Request:
     output_tokens: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.arrival, (int, float)) or isinstance(self.arrival, bool) \
-                or not math.isfinite(self.arrival) or self.arrival < 0:
-            raise TraceError(f"arrival must be a finite number >= 0, got {self.arrival!r}")
-        for name, low in (("prompt_tokens", 1), ("output_tokens", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise TraceError(f"{name} must be an int >= {low}, got {value!r}")
+        try:
+            _REQUEST.validate_python({"arrival": self.arrival, "prompt_tokens": self.prompt_tokens,
+                                      "output_tokens": self.output_tokens})
+        except ValidationError as exc:
+            e = exc.errors(include_url=False)[0]
+            name = str(e["loc"][0])
+            raise TraceError(f"{name} must be {_RULES[name]}, got {e['input']!r}") from None
+
+
+class _RequestFields(TypedDict):
+    arrival: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+    prompt_tokens: Annotated[int, Field(strict=True, ge=1)]
+    output_tokens: Annotated[int, Field(strict=True, ge=0)]
+
+
+_REQUEST = TypeAdapter(_RequestFields)
+_RULES = {"arrival": "a finite number >= 0", "prompt_tokens": "an int >= 1", "output_tokens": "an int >= 0"}
 
 
 # -- synthetic default ------------------------------------------------------------
@@ -109,8 +122,9 @@ def _nanoseconds(text: str) -> int:
     m = _TIMESTAMP.fullmatch(text.strip())
     if m is None:
         raise ValueError("expected YYYY-MM-DD HH:MM:SS[.fraction]")
-    *parts, frac = m.groups()
-    since = datetime(*(int(p) for p in parts)) - _EPOCH  # ValueError on e.g. month 13
+    year, month, day, hour, minute, second, frac = m.groups()
+    # ValueError on e.g. month 13
+    since = datetime(int(year), int(month), int(day), int(hour), int(minute), int(second)) - _EPOCH
     return (since.days * 86_400 + since.seconds) * 10**9 + int((frac or "").ljust(9, "0"))
 
 

@@ -56,7 +56,7 @@ class Observers:
         for plugin, call in self._per_plugin(hook_name, impls):
             try:
                 call(**kwargs)
-            except Exception as exc:  # noqa: BLE001  (isolation: an observer must never break attention)
+            except Exception as exc:
                 self.errors[plugin] += 1
                 if (plugin, hook_name) not in self._logged:
                     self._logged.add((plugin, hook_name))

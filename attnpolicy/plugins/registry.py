@@ -148,7 +148,7 @@ def _build() -> pluggy.PluginManager:
 
 
 def _impls(pm: pluggy.PluginManager, hook_name: str) -> list[Any]:
-    return getattr(pm.hook, hook_name).get_hookimpls()
+    return list(getattr(pm.hook, hook_name).get_hookimpls())
 
 
 def _signature(impls: list[Any]) -> tuple[object, ...]:
@@ -278,7 +278,8 @@ def make_policy(name: str, **options: Any) -> Policy:
     ``policy_options``); errors are :class:`PolicyError` naming the field and value."""
     info = get_policy_info(name)
     try:
-        return info.cls(**options)
+        policy: Policy = info.cls(**options)
+        return policy
     except Exception as exc:
         raise PolicyError(
             f"policy {name!r} (plugin {info.plugin!r}) rejected policy_options {options!r}: "

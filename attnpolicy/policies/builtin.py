@@ -24,7 +24,7 @@ def cached_decision(mode: MaskMode, reason: str) -> Decision:
 
 
 class AlwaysMask:
-    """Every batch runs one call with a dense mask (the seed's fixed behaviour)."""
+    """Every batch runs one call with a dense mask (the behaviour of runtimes without a policy)."""
 
     name = "always-mask"
     description = "MASK for every batch: one call with a dense mask (always legal)"

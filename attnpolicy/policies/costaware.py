@@ -101,6 +101,10 @@ def _price(layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], mode
     return _Option(mode, keys, run, missing, sum(model.compile_seconds(k) for k in missing))
 
 
+def _same(key: GraphKey) -> GraphKey:
+    return key
+
+
 class _Shadow:
     """One rule replayed on a private copy of the graph cache: what it would have
     cost so far (modelled seconds) had it decided every batch."""
@@ -108,7 +112,7 @@ class _Shadow:
     def __init__(self, name: str, config: AttnPolicyConfig, model: CostModel,
                  decide: _Rule) -> None:
         self.name = name
-        self.cache: GraphCache = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
+        self.cache: GraphCache[GraphKey] = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
                                                         compile_cost=model.compile_cost)
         # imported here: it imports torch, and the registry imports this module
         from attnpolicy.kernels.masks import MaskCache

@@ -86,7 +86,7 @@ class Guard:
         """The policy's decision if it is legal for ``layout``, else see the class doc."""
         try:
             decision = self.policy.decide(layout, ctx)
-        except Exception as exc:  # noqa: BLE001  (the boundary: any policy failure is guarded)
+        except Exception as exc:
             return self._failed("exception", f"{self._who} raised {type(exc).__name__}: {exc}",
                                 layout, exc)
         if not isinstance(decision, Decision):
@@ -107,7 +107,7 @@ class Guard:
         ``on_illegal="raise"``."""
         try:
             decision = (self._preview or self.policy.decide)(layout, ctx)
-        except Exception as exc:  # noqa: BLE001  (as decide: any policy failure is guarded)
+        except Exception as exc:
             return self._previewed(f"{self._who} raised {type(exc).__name__}: {exc}", exc)
         if not isinstance(decision, Decision):
             return self._previewed(

@@ -1,0 +1,66 @@
+"""``attnpolicy calibrate``: fit a cost model on this machine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from attnpolicy.cli.common import (
+    add_spec_args,
+    command,
+    console,
+    positive_int,
+    print_table,
+    progress,
+    settings,
+)
+from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
+
+DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
+FLAGS = {"max_len": "--max-len", "kv_heads": "--kv-heads", "head_dim": "--head-dim", "impl": "--impl",
+         "partition_len": "--partition-len"}
+
+
+def register(subparsers: Any) -> None:
+    d = CalibrationSettings()
+    c = command(subparsers, "calibrate", "measure run, compile and mask-build seconds; write a cost model",
+                "attnpolicy calibrate --quick --out model.json && attnpolicy simulate --cost-model model.json",
+                cmd_calibrate)
+    c.add_argument("--out", default=DEFAULT_COSTMODEL_PATH, metavar="PATH",
+                   help=f"cost model JSON to write (default: {DEFAULT_COSTMODEL_PATH})")
+    c.add_argument("--backend", choices=("aot_eager", "inductor", "eager"), default=d.backend,
+                   help=f"compile backend (default: {d.backend})")
+    add_spec_args(c)
+    c.add_argument("--impl", choices=("sdpa", "eager", "flash"), default=d.impl,
+                   help=f"attention implementation (default: {d.impl})")
+    c.add_argument("--partition-len", type=positive_int, default=None, metavar="N",
+                   help="tokens per KV partition, needed by --impl flash (default: none)")
+    c.add_argument("--max-len", type=positive_int, default=d.max_len, metavar="N",
+                   help=f"largest bucket measured; simulating longer requests extrapolates "
+                        f"(default: {d.max_len})")
+    c.add_argument("--repeats", type=positive_int, default=d.repeats, metavar="N",
+                   help=f"timing rounds (default: {d.repeats})")
+    c.add_argument("--threads", type=positive_int, default=d.threads, metavar="N",
+                   help=f"torch threads while measuring; stable on a shared machine, and bench's "
+                        f"default too (default: {d.threads})")
+    c.add_argument("--quick", action="store_true", help="every other size only (default: off)")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                 dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
+                 max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads)
+    with progress(len(shapes(s)) + s.repeats, "calibrate") as advance:
+        model = calibrate(s, advance)
+    path = model.save(args.out)
+    rows = []
+    for x in model.samples:
+        fit = model.mask_build if x.what == "mask_build" else getattr(model, x.what)[x.kind]
+        predicted = fit(x.rows, x.cols)
+        rows.append((x.what, x.kind or "", x.rows, x.cols, x.seconds * 1e3, predicted * 1e3,
+                     predicted / x.seconds if x.seconds else None))
+    print_table(f"cost model, {model.impl}/{model.backend}, {model.dtype}, H={model.heads}/{model.kv_heads} "
+                f"D={model.head_dim}, {model.threads} thread(s)",
+                ("what", "kind", "rows", "cols", "measured ms", "model ms", "model/measured"), rows)
+    console.print(f"dispatch overhead per call: {model.call_overhead_seconds * 1e6:.1f} µs; wrote {path}")
+    return 0

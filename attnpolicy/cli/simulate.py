@@ -1,0 +1,139 @@
+"""``attnpolicy simulate``: replay a workload with a cost model, policies × capacities × evictions."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from attnpolicy.cli.common import (
+    MIB,
+    add_option_arg,
+    add_workload_args,
+    capacity_list,
+    check_evictions,
+    describe_options,
+    fail,
+    former_options,
+    policy_options,
+    print_table,
+    progress,
+    shown,
+    str_list,
+    warn,
+)
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.jsonfile import write_json
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.report.plots import plot_sweep
+from attnpolicy.measure.simulation import SimRow, check_model, extrapolation, simulate, simulation_config
+from attnpolicy.measure.workload import Request, TraceError, load_trace
+
+POLICIES = ("always-mask", "dynamic", "varlen", "cost-aware")
+CAPACITIES = (2, 4, 8, 16)
+EVICTIONS = ("lru", "belady")
+#: BatchFormer argument → the flag that sets it.
+FORMER_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+                "max_model_len": "--max-seq-len", "chunked_prefill": "--no-chunked-prefill"}
+
+
+def register(subparsers: Any) -> None:
+    from attnpolicy.cli.common import command
+
+    f = BatchFormer()
+    s = command(subparsers, "simulate", "replay a workload with a cost model: policies × capacities × evictions",
+                "attnpolicy simulate --limit 20 --policies dynamic,varlen --capacities 4,inf",
+                cmd_simulate)
+    add_workload_args(s, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
+    add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS)
+    s.add_argument("--cost-model", metavar="PATH",
+                   help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+    s.add_argument("--config", metavar="PATH",
+                   help="base attnpolicy config; its policy_options apply to its own policy only "
+                        "(default: derived from the cost model and the batch former)")
+    s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
+    s.add_argument("--plot", metavar="PATH.png",
+                   help="plot peak graph MiB vs total seconds per policy and eviction (default: none)")
+
+
+def add_sweep_args(p: argparse.ArgumentParser, policies: tuple[str, ...], capacities: tuple[int | None, ...],
+                   evictions: tuple[str, ...]) -> None:
+    """--policies, --capacities, --evictions and --option (simulate and report)."""
+    p.add_argument("--policies", type=str_list, default=policies, metavar="P[,P...]",
+                   help=f"registered policies, see 'attnpolicy policies' (default: {shown(policies)})")
+    p.add_argument("--capacities", type=capacity_list, default=capacities, metavar="K[,K...]",
+                   help=f"graph-cache capacities (max_graphs); 'inf' for unbounded (default: {shown(capacities)})")
+    p.add_argument("--evictions", type=str_list, default=evictions, metavar="E[,E...]",
+                   help="eviction strategies; 'belady' is the offline optimum (the fewest misses any "
+                        f"eviction could achieve) (default: {shown(evictions)})")
+    add_option_arg(p)
+
+
+def former_from(args: argparse.Namespace) -> BatchFormer:
+    """The batch former of the workload flags; an error names the flag."""
+    try:
+        return BatchFormer(**former_options(args))
+    except ConfigError as exc:
+        message = str(exc)
+        for name, flag in FORMER_FLAGS.items():
+            message = message.replace(name, flag)
+        fail(f"argument {message.split('=')[0].split()[0]}: {message}")
+
+
+def cost_model(args: argparse.Namespace) -> CostModel | None:
+    """The model of --cost-model (``None`` without it); an error names the flag."""
+    try:
+        return CostModel.load(args.cost_model) if args.cost_model else None
+    except ConfigError as exc:
+        fail(f"argument --cost-model: {exc}")
+
+
+def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
+    """The requests of --trace/--limit; an empty workload is an error."""
+    try:
+        requests = load_trace(args.trace, args.limit)
+    except TraceError as exc:
+        fail(f"argument --trace: {exc}")
+    if not requests:
+        fail(f"argument --trace: {args.trace!r} holds no requests")
+    if not any(former.fits(r) for r in requests):
+        longest = min(r.prompt_tokens + r.output_tokens for r in requests)
+        fail(f"argument --max-seq-len: every request of {args.trace!r} is longer than {args.max_seq_len} "
+             f"tokens (the shortest has {longest}); nothing to run")
+    return requests
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    model = cost_model(args) or CostModel.default()
+    former = former_from(args)
+    base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
+    options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
+    check_evictions("--evictions", args.evictions, simulation=True)
+    check_model(base, model)
+    requests = workload(args, former)
+    if (warning := extrapolation(model, requests, former)) is not None:
+        warn(warning)
+    total = len(args.policies) * len(args.capacities) * len(args.evictions)
+    with progress(total, "simulate") as advance:
+        rows = simulate(requests, args.policies, args.capacities, args.evictions, base, model,
+                        former_options(args), advance, options)
+    ran = describe_options(options)
+    print_sweep(f"simulated {len(requests)} requests of {args.trace} ({rows[0].batches} batches), "
+                f"cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
+    if args.json:
+        write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
+                               "config": base.model_dump(mode="json"), "policy_options": options,
+                               "rows": [r.to_json() for r in rows]})
+    if args.plot:
+        plot_sweep(rows, args.plot)
+    return 0
+
+
+def print_sweep(title: str, rows: list[SimRow]) -> None:
+    print_table(title, ("policy", "capacity", "eviction", "hits", "misses", "hit rate", "compile s",
+                        "attention s", "total s", "peak MiB", "batches c/m/v"),
+                [(r.policy, "∞" if r.capacity is None else r.capacity, r.eviction, r.hits, r.misses, r.hit_rate,
+                  r.compile_seconds, r.attention_seconds, r.total_seconds, r.peak_bytes / MIB,
+                  "/".join(str(r.modes[m]) for m in ("causal", "mask", "varlen"))) for r in rows],
+                caption="batches c/m/v: batches run causal / mask / varlen; capacity ∞: unbounded")

@@ -1,0 +1,204 @@
+"""Run the report's measurements and write report.json, report.md and the plots.
+
+1. the mask-vs-mask-free table on this machine (``attnpolicy bench``);
+2. a cost model (the built-in one, a given file, or calibrated now);
+3. the policy × capacity × eviction sweep on the workload, Belady's bound included
+   (``attnpolicy simulate``);
+4. the simulator checked against real compute on a prefix of the workload:
+   predicted vs measured misses and seconds, side by side (``attnpolicy run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass as validated
+
+from attnpolicy.core.jsonfile import write_json, write_text_atomic
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.calibration import CalibrationSettings, calibrate
+from attnpolicy.measure.replay import run_workload
+from attnpolicy.measure.report.markdown import markdown
+from attnpolicy.measure.report.plots import plot_bench, plot_sweep
+from attnpolicy.measure.simulation import SimRow, simulate, simulation_config
+from attnpolicy.measure.timing import BenchSettings, run_bench, speedups
+from attnpolicy.measure.workload import Request, load_trace
+
+#: The fixed policies cost-aware is compared with in the summary.
+FIXED = ("always-mask", "dynamic", "varlen")
+
+
+@validated(frozen=True)
+class ReportSettings:
+    """What ``attnpolicy report`` measures; validated like the config."""
+
+    out: Path = Path("report")
+    trace: str = "default"
+    limit: Annotated[int | None, Field(ge=1)] = None
+    # always-causal is left out: on packed batches the guard turns it into varlen.
+    policies: Annotated[tuple[str, ...], Field(min_length=1)] = ("always-mask", "dynamic", "varlen", "cost-aware")
+    capacities: Annotated[tuple[Annotated[int, Field(ge=1)] | None, ...], Field(min_length=1)] = (
+        2, 4, 8, 16, 32, None)
+    evictions: Annotated[tuple[str, ...], Field(min_length=1)] = ("lru", "lfu", "cost", "belady")
+    bench: BenchSettings = BenchSettings(repeats=3)
+    cost_model: str | None = None
+    calibrate: bool = False
+    validate_requests: Annotated[int, Field(ge=1)] = 6
+    validate_capacity: Annotated[int, Field(ge=1)] = 4
+    #: Policies of the sweep also replayed with real compute (always-mask is left out:
+    #: its dense masks over every sequence's context make real decode batches slow).
+    validate_policies: tuple[str, ...] = ("dynamic", "varlen", "cost-aware")
+    former: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"max_num_seqs": 8, "max_num_batched_tokens": 2048})
+    policy_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _former(self) -> ReportSettings:
+        BatchFormer(**self.former)
+        return self
+
+    @property
+    def validated_policies(self) -> tuple[str, ...]:
+        return tuple(p for p in self.policies if p in self.validate_policies)
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    """Predicted (simulate) vs measured (run) on the same prefix, config and batches."""
+
+    policy: str
+    capacity: int
+    batches: int
+    predicted_misses: int
+    measured_misses: int
+    predicted_compile_seconds: float
+    measured_compile_seconds: float
+    predicted_attention_seconds: float
+    measured_attention_seconds: float
+    predicted_total_seconds: float
+    measured_total_seconds: float
+    max_abs_err: float | None
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """The best policy at one capacity (best online eviction); ``vs_best_fixed`` is
+    cost-aware's total over the best fixed policy's (``None`` without both)."""
+
+    capacity: int | None
+    best_policy: str
+    total_seconds: float
+    vs_best_fixed: float | None
+
+
+def _model(s: ReportSettings, progress: Callable[[str], None]) -> tuple[CostModel, str]:
+    if s.cost_model:
+        return CostModel.load(s.cost_model), f"loaded from {s.cost_model}"
+    if s.calibrate:
+        progress("calibrating")
+        return calibrate(CalibrationSettings(quick=True)), "calibrated now (attnpolicy calibrate --quick)"
+    return CostModel.default(), "built-in (attnpolicy/data/default_costmodel.json)"
+
+
+def validate(model: CostModel, requests: Sequence[Request], s: ReportSettings,
+             progress: Callable[[str], None]) -> list[ValidationRow]:
+    """Predicted (simulate) vs measured (run) on the same prefix, config and batches."""
+    former = BatchFormer(**s.former)
+    steps = list(former.steps(requests))
+    rows = []
+    torch.set_num_threads(model.threads)
+    for policy in s.validated_policies:
+        config = simulation_config(model, former, policy=policy, max_graphs=s.validate_capacity,
+                                   policy_options=s.policy_options.get(policy, {}))
+        (predicted,) = simulate(requests, [policy], [s.validate_capacity], ["lru"], config, model, s.former)
+        measured = run_workload(requests, config, model.spec, steps=steps, check=True)
+        rows.append(ValidationRow(
+            policy=policy, capacity=s.validate_capacity, batches=len(steps),
+            predicted_misses=predicted.misses, measured_misses=measured.cache["misses"],
+            predicted_compile_seconds=predicted.compile_seconds,
+            measured_compile_seconds=measured.compile_seconds,
+            predicted_attention_seconds=predicted.attention_seconds,
+            measured_attention_seconds=measured.attention_seconds,
+            predicted_total_seconds=predicted.total_seconds,
+            measured_total_seconds=measured.total_seconds,
+            max_abs_err=measured.max_abs_err))
+        progress(f"validated {policy}")
+    return rows
+
+
+def best_by_policy(rows: Sequence[SimRow]) -> dict[tuple[str, int | None], SimRow]:
+    """Per (policy, capacity): the row of the best online eviction (not belady)."""
+    best: dict[tuple[str, int | None], SimRow] = {}
+    for row in rows:
+        if row.eviction == "belady":
+            continue
+        k = (row.policy, row.capacity)
+        if k not in best or row.total_seconds < best[k].total_seconds:
+            best[k] = row
+    return best
+
+
+def summarize(rows: Sequence[SimRow]) -> list[SummaryRow]:
+    best = best_by_policy(rows)
+    out = []
+    for cap in dict.fromkeys(r.capacity for r in rows):
+        at = {p: r for (p, c), r in best.items() if c == cap}
+        if not at:
+            continue
+        winner = min(at.values(), key=lambda r: r.total_seconds)
+        fixed = [at[p].total_seconds for p in FIXED if p in at]
+        out.append(SummaryRow(cap, winner.policy, winner.total_seconds,
+                              at["cost-aware"].total_seconds / min(fixed)
+                              if fixed and "cost-aware" in at else None))
+    return out
+
+
+def make_report(s: ReportSettings, command: str, progress: Callable[[str], None],
+                requests: Sequence[Request] | None = None) -> dict[str, Any]:
+    """Measure, then write ``report.json``, ``report.md`` and the PNGs under ``s.out``;
+    returns the JSON data. ``requests``: the workload if already loaded."""
+    start = time.perf_counter()
+    if requests is None:
+        requests = load_trace(s.trace, s.limit)
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+           "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    bench_rows = run_bench(s.bench, progress)
+    model, source = _model(s, progress)
+    former = BatchFormer(**s.former)
+    sweep = simulate(requests, s.policies, s.capacities, s.evictions, simulation_config(model, former),
+                     model, s.former, progress, s.policy_options)
+    validation = validate(model, requests[:s.validate_requests], s, progress)
+    bench_speedups = speedups(bench_rows)
+    s.out.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {
+        "command": command,
+        "settings": {**asdict(s), "out": str(s.out), "bench": asdict(s.bench)},
+        "env": env,
+        "bench": {"rows": [asdict(r) for r in bench_rows], "speedups": [sp.to_json() for sp in bench_speedups],
+                  "env": {"dtype": s.bench.dtype, "heads": s.bench.heads, "kv_heads": s.bench.kv_heads,
+                          "head_dim": s.bench.head_dim, "impl": s.bench.impl, "repeats": s.bench.repeats,
+                          "threads": s.bench.threads}},
+        "cost_model_source": source,
+        "cost_model": model.model_dump(mode="json", exclude={"samples"}),
+        "workload": {"requests": len(requests), "batches": sweep[0].batches if sweep else 0},
+        "sweep": [r.to_json() for r in sweep],
+        "summary": [asdict(r) for r in summarize(sweep)],
+        "validation": [asdict(v) for v in validation],
+    }
+    plots = [plot_sweep(sweep, s.out / "frontier.png"), plot_bench(bench_speedups, s.out / "bench.png")]
+    data["plots"] = [p.name for p in plots]
+    data["seconds"] = time.perf_counter() - start
+    write_json(s.out / "report.json", data)
+    write_text_atomic(s.out / "report.md", markdown(data) + "\n")
+    return data

@@ -1,0 +1,92 @@
+"""report.md, rendered from the report's JSON data alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from attnpolicy.measure.report.plots import TT_XLA
+
+MIB = 2**20
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _cap(capacity: int | None) -> str:
+    return "∞" if capacity is None else str(capacity)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; floats to 4 significant digits."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _options(rows: Sequence[dict[str, Any]]) -> str:
+    seen = {r["policy"]: r.get("policy_options") or {} for r in rows}
+    with_options = [f"`{p}` {o}" for p, o in seen.items() if o]
+    return (" Policy options: " + ", ".join(with_options) + ".") if with_options else ""
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The report as Markdown (sections: bench, sweep, simulator vs real compute)."""
+    s = data["settings"]
+    bench = data["bench"]
+    env = data["env"]
+    model = data["cost_model"]
+    limit = "" if s["limit"] is None else f" (first {s['limit']} requests)"
+    lines = [
+        "# attnpolicy report", "",
+        f"Command: `{data['command']}`  ",
+        (f"Machine: {env['machine']}, torch {env['torch']}, {env['threads']} threads, "
+         f"{env.get('date', '')}. Took {data['seconds']:.0f} s."), "",
+        "## 1. Mask vs mask-free attention (measured)", "",
+        (f"`attnpolicy bench` settings: {bench['env']}. Medians of {bench['env']['repeats']} runs, "
+         "modes interleaved; MASK includes building its mask (also shown alone)."), "",
+        table(("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms"),
+              [(r["seq_len"], r["num_seqs"], r["mode"], r["median_ms"], r["min_ms"], r["max_ms"],
+                r["mask_build_ms"]) for r in bench["rows"]]), "",
+        table(("L", "seqs", "faster", "slower / faster", "noisy (median > 2 × min)"),
+              [(sp["seq_len"], sp["num_seqs"], sp["faster"], sp["ratio"], "yes" if sp["noisy"] else "")
+               for sp in bench["speedups"]]), "",
+        "tt-xla (Tenstorrent's compiler, tenstorrent/tt-xla#1784, their accelerator, 1 sequence, "
+        "mask / causal): " + ", ".join(f"{v}× @ {k}" for k, v in TT_XLA.items()) + ".", "",
+        "![bench](bench.png)", "",
+        "## 2. Policies × graph-cache capacity × eviction (simulated)", "",
+        f"Workload: `{s['trace']}`{limit}, "
+        f"{data['workload']['requests']} requests → {data['workload']['batches']} batches "
+        f"(batch former {s['former']}). Cost model: {data['cost_model_source']} "
+        f"({model['backend']}, {model['impl']}, H={model['heads']}/{model['kv_heads']} D={model['head_dim']}, "
+        f"{model['threads']} thread(s)). Capacity = max graphs (∞: unbounded). "
+        "Total = attention (incl. dispatch overhead and mask builds) + compiles. "
+        "Modes c/m/v: batches run causal / mask / varlen." + _options(data["sweep"]), "",
+        table(("policy", "capacity", "eviction", "hits", "misses", "hit rate", "compile s", "attention s",
+               "total s", "peak MiB", "modes c/m/v"),
+              [(r["policy"], _cap(r["capacity"]), r["eviction"], r["hits"], r["misses"], r["hit_rate"],
+                r["compile_seconds"], r["attention_seconds"], r["total_seconds"], r["peak_bytes"] / MIB,
+                "/".join(str(r["modes"][m]) for m in ("causal", "mask", "varlen")))
+               for r in data["sweep"]]), "",
+        "![frontier](frontier.png)", "",
+        "### Best policy per capacity (best online eviction; belady = offline bound on misses)", "",
+        table(("capacity", "best policy", "total s", "cost-aware vs best fixed policy"),
+              [(_cap(c["capacity"]), c["best_policy"], c["total_seconds"], c["vs_best_fixed"])
+               for c in data["summary"]]), "",
+        "## 3. Simulator vs real compute (same prefix, config and batches)", "",
+        (f"First {s['validate_requests']} requests, capacity {s['validate_capacity']}, LRU, "
+         "real tensors and real compiles, every output checked against the float64 reference."), "",
+        table(("policy", "batches", "misses pred/meas", "compile s pred/meas", "attention s pred/meas",
+               "total s pred/meas", "max abs err"),
+              [(v["policy"], v["batches"], f"{v['predicted_misses']} / {v['measured_misses']}",
+                f"{v['predicted_compile_seconds']:.3g} / {v['measured_compile_seconds']:.3g}",
+                f"{v['predicted_attention_seconds']:.3g} / {v['measured_attention_seconds']:.3g}",
+                f"{v['predicted_total_seconds']:.3g} / {v['measured_total_seconds']:.3g}",
+                v["max_abs_err"]) for v in data["validation"]]), "",
+    ]
+    return "\n".join(lines)

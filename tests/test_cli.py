@@ -1,0 +1,317 @@
+"""The command line as a user meets it, through ``attnpolicy.cli.main``: one-line
+errors before any work, per-policy options, discoverability, help texts, outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import cachetools
+import pytest
+
+from attnpolicy import __version__
+from attnpolicy.cli import build_parser, main
+from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.simulation import extrapolation
+from attnpolicy.measure.timing import BenchRow, speedups
+from attnpolicy.measure.workload import Request
+from attnpolicy.plugins.hookspecs import hookimpl
+from attnpolicy.plugins.registry import get_plugin_manager
+
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
+
+CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+SMALL = ["--limit", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "256"]
+
+
+def one_error_line(capsys, argv):
+    """Run ``argv``; assert exit 2 and exactly one stderr line; return that line."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("attnpolicy: error: ")
+    assert captured.out == ""
+    return lines[0]
+
+
+# -- every mistake: exit 2, one line naming the flag and value, nothing done ------------------
+
+
+MISTAKES = [
+    (["simulate", "--policies", "varln"], ["--policies", "'varln'", "varlen"]),
+    (["simulate", "--evictions", "lru,mru"], ["--evictions", "'mru'", "lru"]),
+    (["simulate", "--limit", "0"], ["--limit", "'0'"]),
+    (["simulate", "--capacities", "2,0"], ["--capacities", "'2,0'"]),
+    (["simulate", "--capacities", "two"], ["--capacities", "'two'"]),
+    (["simulate", "--option", "varlen:x"], ["--option", "'varlen:x'"]),
+    (["simulate", "--option", "nope:x=1"], ["--option", "'nope'"]),
+    (["simulate", "--policies", "varlen", "--option", "varlen:x=1"], ["--option", "'varlen'", "'x'"]),
+    (["simulate", "--max-num-seqs", "32", "--max-num-batched-tokens", "16"], ["--max-num-batched-tokens", "16"]),
+    (["simulate", "--cost-model", "/nonexistent/model.json"], ["--cost-model", "/nonexistent/model.json"]),
+    (["simulate", "--trace", "/nonexistent/trace.csv"], ["--trace", "/nonexistent/trace.csv"]),
+    (["run", "--policy", "varln"], ["--policy", "'varln'"]),
+    (["run", "--eviction", "belady"], ["--eviction", "'belady'", "simulation-only"]),
+    (["run", "--eviction", "mru"], ["--eviction", "'mru'"]),
+    (["run", "--max-graphs", "0"], ["--max-graphs", "'0'"]),
+    (["run", "--backend", "tpu"], ["--backend", "'tpu'"]),
+    (["run", "--heads", "8", "--kv-heads", "3"], ["--kv-heads", "3", "--heads 8"]),
+    (["run", "--limit", "0"], ["--limit", "'0'"]),
+    (["report", "--limit", "0"], ["--limit", "'0'"]),
+    (["report", "--policies", "varln"], ["--policies", "'varln'"]),
+    (["report", "--evictions", "mru"], ["--evictions", "'mru'"]),
+    (["report", "--bench-repeats", "0"], ["--bench-repeats", "'0'"]),
+    (["bench", "--seqs", "8", "--lengths", "4"], ["--seqs", "8", "--lengths", "4"]),
+    (["bench", "--repeats", "0"], ["--repeats", "'0'"]),
+    (["bench", "--kv-heads", "3"], ["--kv-heads", "3"]),
+    (["bench", "--dtype", "float64"], ["--dtype", "'float64'"]),
+    (["calibrate", "--impl", "flash"], ["--impl", "--partition-len"]),
+    (["calibrate", "--max-len", "8"], ["--max-len", "8"]),
+    (["decide", "--policy", "nope", "--seq-lens", "8"], ["'nope'"]),
+    (["decide", "--policy", "dynamic", "--seq-lens", "0"], ["--seq-lens", "'0'"]),
+    (["config", "validate", "/nonexistent/dir"], ["/nonexistent/dir"]),
+    (["config"], ["show", "validate"]),
+    (["nope"], ["'nope'"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), MISTAKES, ids=[" ".join(a) for a, _ in MISTAKES])
+def test_mistakes_exit_2_with_one_line_before_any_work(capsys, tmp_path, argv, named):
+    out = tmp_path / "out"
+    extra = {"report": ["--out", str(out)], "simulate": ["--json", str(out)], "run": ["--json", str(out)],
+             "bench": ["--json", str(out)], "calibrate": ["--out", str(out)]}.get(argv[0], [])
+    line = one_error_line(capsys, [*argv, *extra])
+    for word in named:
+        assert word in line, line
+    assert not out.exists()  # nothing written, no folder left behind
+
+
+def test_report_on_an_empty_workload_writes_nothing(capsys, tmp_path):
+    trace = tmp_path / "empty.csv"
+    trace.write_text(CSV_HEADER)
+    line = one_error_line(capsys, ["report", "--trace", str(trace), "--out", str(tmp_path / "r")])
+    assert "--trace" in line and "no requests" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_workload_whose_every_request_is_rejected_is_an_error(capsys, tmp_path):
+    trace = tmp_path / "long.csv"
+    trace.write_text(CSV_HEADER + "2023-11-16 18:17:03.9799600,9000,3\n")
+    line = one_error_line(capsys, ["simulate", "--trace", str(trace), "--max-seq-len", "4096"])
+    assert "--max-seq-len" in line and "4096" in line and "9003" in line
+
+
+def test_a_bad_config_file_is_one_line(capsys, tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"max_graphs": 0, "eviction": "lru"}))
+    line = one_error_line(capsys, ["simulate", "--config", str(tmp_path / "c.json")])
+    assert "max_graphs" in line and "(got 0)" in line
+
+
+# -- per-policy options ----------------------------------------------------------------------
+
+
+class Threshold:
+    """A plugin policy with options: MASK below ``threshold`` tokens, else VARLEN."""
+
+    name = "threshold-demo"
+    description = "MASK below threshold tokens"
+
+    def __init__(self, threshold: int = 512, label: str = "t") -> None:
+        if not isinstance(threshold, int) or threshold < 1:
+            raise ValueError(f"threshold must be an int >= 1, got {threshold!r}")
+        self.threshold = threshold
+
+    def decide(self, layout, ctx):
+        if layout.max_kv_len < self.threshold:
+            return Decision(MaskMode.MASK, "short")
+        return Decision(MaskMode.VARLEN, "long")
+
+
+class ThresholdPlugin:
+    @hookimpl
+    def attnpolicy_register_policies(self, register):
+        register(Threshold)
+
+
+@pytest.fixture
+def threshold_plugin():
+    get_plugin_manager().register(ThresholdPlugin(), name="threshold-plugin")
+
+
+def test_sweep_with_a_plugin_policy_and_its_options_next_to_builtins(threshold_plugin, tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", *SMALL, "--policies", "varlen,threshold-demo,dynamic", "--capacities", "4",
+                 "--evictions", "lru", "--option", "threshold-demo:threshold=100000", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "threshold-demo threshold=100000" in " ".join(stdout.split())
+    data = json.loads(out.read_text())
+    assert data["policy_options"] == {"varlen": {}, "threshold-demo": {"threshold": 100000}, "dynamic": {}}
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert rows["threshold-demo"]["policy_options"] == {"threshold": 100000}
+    assert rows["varlen"]["policy_options"] == {} and rows["dynamic"]["policy_options"] == {}
+    # the option ran: every batch is shorter than 100000 tokens, so every batch ran MASK
+    # (with the default threshold of 512 the long ones run VARLEN)
+    assert rows["threshold-demo"]["modes"] == {"causal": 0, "mask": rows["threshold-demo"]["batches"], "varlen": 0}
+
+
+def test_a_bad_plugin_option_is_refused_before_the_sweep(threshold_plugin, capsys):
+    line = one_error_line(capsys, ["simulate", *SMALL, "--policies", "varlen,threshold-demo",
+                                   "--option", "threshold-demo:threshold=0"])
+    assert "threshold-demo" in line and "threshold must be an int >= 1, got 0" in line
+
+
+def test_config_policy_options_apply_only_to_their_policy(threshold_plugin, tmp_path, capsys):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"policy": "threshold-demo", "policy_options": {"threshold": 32},
+                                  "backend": "aot_eager"}))
+    out = tmp_path / "sim.json"
+    assert main(["simulate", *SMALL, "--config", str(config), "--policies", "varlen,threshold-demo",
+                 "--capacities", "inf", "--evictions", "lru", "--json", str(out)]) == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["threshold-demo"]["policy_options"] == {"threshold": 32}
+    assert rows["varlen"]["policy_options"] == {}
+
+
+def test_run_takes_options_of_its_policy(threshold_plugin, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["run", *SMALL, "--policy", "threshold-demo", "--option", "threshold-demo:threshold=64",
+                 "--backend", "none", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["policy_options"] == {"threshold": 64}
+    assert "threshold=64" in capsys.readouterr().out
+    line = one_error_line(capsys, ["run", "--policy", "varlen", "--option", "threshold-demo:threshold=64"])
+    assert "--option" in line and "threshold-demo" in line
+
+
+# -- discoverability ---------------------------------------------------------------------------
+
+
+def test_policies_json_lists_options_and_evictions(threshold_plugin, capsys):
+    assert main(["policies", "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)
+    by = {(e["kind"], e["name"]): e for e in entries}
+    assert by["policy", "threshold-demo"]["options"] == {"threshold": 512, "label": "t"}
+    assert by["policy", "threshold-demo"]["plugin"] == "threshold-plugin"
+    assert by["policy", "dynamic"]["options"] == {}
+    assert {"lru", "lfu", "fifo", "cost", "belady"} <= {n for k, n in by if k == "eviction"}
+
+
+@pytest.mark.usefixtures("fresh_plugins")
+def test_policies_json_is_strict_json_with_non_json_defaults(capsys):
+    class Inf:
+        @hookimpl
+        def attnpolicy_register_evictions(self, register):
+            register("inf-default", lambda maxsize=float("inf"): cachetools.LRUCache(maxsize))
+
+    get_plugin_manager().register(Inf(), name="inf-plugin")
+    assert main(["policies", "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+    assert {e["name"]: e for e in entries}["inf-default"]["options"] == {"maxsize": "inf"}
+
+
+def test_policies_table_shows_options_and_evictions(threshold_plugin, capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    assert "threshold=512" in out and 'label="t"' in out
+    assert "eviction" in out and "belady" in out and "lfu" in out
+
+
+def test_version_and_bare_command(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"attnpolicy {__version__}"
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for name in ("report", "simulate", "run", "bench", "calibrate", "policies", "decide", "config"):
+        assert re.search(rf"^\s+{name}\b", out, re.M), name
+    assert "attnpolicy simulate --limit 20" in out
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                for inner, subsub in _subparsers(sub):
+                    yield f"{name} {inner}", subsub
+
+
+def test_every_subcommand_and_flag_is_documented():
+    commands = dict(_subparsers(build_parser()))
+    assert {"report", "simulate", "run", "bench", "calibrate", "policies", "decide", "config",
+            "config show", "config validate"} <= set(commands)
+    for name, sub in commands.items():
+        assert sub.description, name
+        assert "example:\n  attnpolicy " in (sub.epilog or ""), name
+        for action in sub._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            flag = "/".join(action.option_strings) or action.dest
+            assert action.help, f"{name} {flag} has no help"
+            assert re.search(r"\((default: [^)]+|required)\)$", action.help), f"{name} {flag}: {action.help}"
+            assert not re.search(r"\(\d+, |\('|None", action.help), f"{name} {flag}: {action.help}"
+
+
+# -- outputs ----------------------------------------------------------------------------------
+
+
+def test_bench_says_which_mode_is_faster(capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--lengths", "32", "--seqs", "1,2", "--repeats", "1", "--warmup", "0",
+                 "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert len(re.findall(r"(causal|mask|varlen) \d+\.\d\d× faster", text)) == 2
+    assert "1 thread(s)" in text
+    assert {sp["num_seqs"] for sp in json.loads(out.read_text())["speedups"]} == {1, 2}
+
+
+def test_speedups_flag_a_median_far_from_its_minimum():
+    rows = [BenchRow(128, 4, "mask", "sdpa", 12.0, 0.36, 20.0), BenchRow(128, 4, "varlen", "sdpa", 0.4, 0.35, 0.5),
+            BenchRow(256, 4, "mask", "sdpa", 1.0, 0.9, 1.1), BenchRow(256, 4, "varlen", "sdpa", 0.5, 0.45, 0.6)]
+    noisy = {sp.seq_len: sp.noisy for sp in speedups(rows)}
+    assert noisy == {128: True, 256: False}
+
+
+def test_run_check_prints_pass_against_its_tolerance(capsys):
+    assert main(["run", *SMALL, "--policy", "varlen", "--backend", "none", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "8", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"check\s+│\s+pass \(tolerance 0\.0001\)", out), out
+    assert "peak graph MiB" in out
+
+
+def test_simulate_warns_when_the_cost_model_is_extrapolated(tmp_path, capsys):
+    model = CostModel.default()
+    short = model.model_copy(update={"samples": tuple(s for s in model.samples if s.cols <= 256)})
+    path = short.save(tmp_path / "short.json")
+    assert main(["simulate", "--limit", "5", "--policies", "varlen", "--capacities", "inf", "--evictions", "lru",
+                 "--cost-model", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "attnpolicy: warning: the cost model was calibrated up to 256 tokens" in err
+    former = BatchFormer()
+    assert extrapolation(model, [Request(0.0, 4000, 10)], former) is None
+    assert extrapolation(short, [Request(0.0, 4000, 10)], former) is not None
+    assert extrapolation(short, [Request(0.0, 9000, 10)], former) is None  # rejected: never simulated
+
+
+def test_plot_of_capacities_that_tie(tmp_path, capsys):
+    # 3 requests never need 32 graphs: capacity 32 and unbounded give the same row
+    png = tmp_path / "sweep.png"
+    assert main(["simulate", "--limit", "3", "--policies", "varlen", "--capacities", "32,inf",
+                 "--evictions", "lru", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_table_explains_its_units(capsys):
+    assert main(["simulate", *SMALL, "--policies", "varlen", "--capacities", "2,inf", "--evictions", "lru"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "peak MiB" in out and "batches c/m/v" in out and "batches run causal / mask / varlen" in out
+
+
+def test_a_guard_fallback_is_reported_once(capsys):
+    assert main(["decide", "--policy", "always-causal", "--seq-lens", "3,4"]) == 0
+    captured = capsys.readouterr()
+    assert "[guard fell back]" in captured.out and captured.err == ""
