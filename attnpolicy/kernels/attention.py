@@ -17,9 +17,9 @@ Isolation: with a ``mask``, a query row depends only on the key/value rows it
 attends. A masked-out key whose k or v row holds NaN or ±inf would otherwise leak
 into every row (a zero probability times inf is NaN; an additive -inf on a NaN
 score stays NaN), so non-finite key/value rows are zeroed before the product and
-every query row that *attends* one of them is set to NaN afterwards: a sequence's
-own non-finite values still poison its own rows, as in torch's SDPA, and never
-another's. It stays one in-graph computation, without a host synchronisation.
+every query row that *attends* one of them (in any head) is set to NaN afterwards:
+a sequence's own non-finite values still poison its own rows, as in torch's SDPA,
+and never another's. It stays one in-graph computation, without a host synchronisation.
 """
 
 from __future__ import annotations
@@ -116,15 +116,15 @@ _IMPL_FNS = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
 
 def _finite_rows(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k`` and ``v`` with their non-finite rows zeroed, and ``poisoned[Hkv, Lq]``:
-    the query rows (per kv head) that attend at least one such row."""
+    """``k`` and ``v`` with their non-finite rows zeroed, and ``poisoned[Lq]``: the
+    query rows that attend at least one such row (in any head)."""
     # a row's largest magnitude is finite iff the row is (NaN propagates through amax);
     # cheaper than isfinite(...).all(-1) over every element
     ok = torch.isfinite(k.abs().amax(-1)) & torch.isfinite(v.abs().amax(-1))  # [Hkv, Lk]
     k = k.masked_fill(~ok[..., None], 0)
     v = v.masked_fill(~ok[..., None], 0)
-    # one small matmul instead of an [Hkv, Lq, Lk] intermediate: a count > 0 is exact
-    poisoned = (allowed.to(torch.float32) @ (~ok).to(torch.float32).T).T > 0
+    # boolean [Lq, Lk] work only, no float copy of the mask
+    poisoned = (allowed & ~ok.all(0)).any(-1)
     return k, v, poisoned
 
 
@@ -154,8 +154,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = 
     allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
     assert allowed is not None  # a mask was given
     k, v, poisoned = _finite_rows(k, v, allowed)
-    out = fn(q, k, v, causal, mask, scale, partition_len)
-    hq, lq, d = out.shape
-    hkv = k.shape[0]
-    out = out.reshape(hkv, hq // hkv, lq, d).masked_fill(poisoned[:, None, :, None], float("nan"))
-    return out.reshape(hq, lq, d)
+    return fn(q, k, v, causal, mask, scale, partition_len).masked_fill(poisoned[:, None], float("nan"))
