@@ -64,7 +64,7 @@ class AttnPolicyConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: Literal[1] = FORMAT_VERSION
-    policy: str = "dynamic"
+    policy: str = "varlen"
     policy_options: dict[str, JsonValue] = Field(default_factory=dict)
     buckets: Buckets = Buckets()
     max_graphs: PositiveInt | None = None

@@ -40,7 +40,7 @@ def test_defaults_resolve_attn_impl_to_sdpa():
     c = AttnPolicyConfig()
     assert c.attn_impl == "sdpa"
     assert (c.policy, c.eviction, c.backend, c.max_seq_len, c.buckets) == (
-        "dynamic", "lru", "inductor", 8192, Buckets())
+        "varlen", "lru", "inductor", 8192, Buckets())
 
 
 def test_backend_choices_match_compile():
@@ -407,7 +407,7 @@ def test_cli_show_defaults(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "# defaults"
     rows = dict(line.split(None, 1) for line in out[1:])
-    assert rows["policy"] == "dynamic"
+    assert rows["policy"] == "varlen"
     assert rows["buckets"] == "pow2(min=16)"
     assert rows["attn_impl"] == "sdpa"
     assert rows["max_graphs"] == "null"

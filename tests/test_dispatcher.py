@@ -151,7 +151,7 @@ def test_compile_failure_raises_or_falls_back_to_eager():
 
 @pytest.mark.parametrize("strict", ["warn", "raise"])
 def test_strict_mode_flags_compiles_after_warmup(strict):
-    d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256, strict=strict))
+    d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="none", max_seq_len=256, strict=strict))
     keys = d.warmup([BatchLayout.from_lens([20]), BatchLayout.from_lens([20, 30])], SPEC)
     assert len(keys) == 2 and len(d.cache) == 2
     d.prepare(BatchLayout.from_lens([25, 27]), SPEC)  # same MASK bucket: no compile
@@ -201,7 +201,7 @@ def test_observer_hooks_fire_on_compile_and_evict():
 
 
 def test_graph_bytes_bound_is_never_exceeded():
-    d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=512, max_bytes=1_000_000))
+    d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="none", max_seq_len=512, max_bytes=1_000_000))
     for n in (10, 40, 100, 200, 20, 5):
         d.prepare(BatchLayout.from_lens([n, n]), SPEC)
         assert d.cache.stats().bytes <= 1_000_000

@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
                    help="a saved attnpolicy config (directory or file); the flags below override it "
                         "(default: the config defaults)")
     p.add_argument("--policy", default=None, metavar="NAME",
-                   help="registered policy, see 'attnpolicy policies' (default: the config's, dynamic)")
+                   help="registered policy, see 'attnpolicy policies' (default: the config's, varlen)")
     add_option_arg(p)
     p.add_argument("--max-graphs", type=positive_int, default=None, metavar="N",
                    help="graph-cache capacity (default: the config's, unbounded)")
