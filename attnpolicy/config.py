@@ -188,7 +188,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
             raise ConfigError(f"{CONFIG_ENV}={path}: {exc}") from None
     policy = env.get(POLICY_ENV)
     if policy:
-        config = _validate({**config.model_dump(mode="json"), "policy": policy}, f"{POLICY_ENV}={policy}")
+        # only the fields the file set stay set: an integration fills the others from its runtime
+        config = _validate({**config.model_dump(mode="json", exclude_unset=True), "policy": policy},
+                           f"{POLICY_ENV}={policy}")
     return config
 
 

@@ -82,8 +82,19 @@ class Dispatcher:
     def prepare(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
         ``attend`` does except touching tensors. One call per graph invocation."""
+        return self.prepare_step(layout, spec)[1]
+
+    def prepare_step(self, layout: BatchLayout,
+                     spec: TensorSpec) -> tuple[Decision, list[tuple[Call, GraphFn]]]:
+        """:meth:`prepare`, also returning the decision the graphs were planned for."""
         self.use_spec(spec)
         decision = self.decide(layout)
+        return decision, self.graphs_for(layout, decision, spec)
+
+    def graphs_for(self, layout: BatchLayout, decision: Decision,
+                   spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
+        """Plan ``layout`` in an already taken ``decision`` and fetch (or compile) its
+        graphs through the cache; counted as one batch."""
         planned = self._planned(layout, decision.mode, spec)
         out = [(call, self._graph(call, key, spec)) for call, key in planned]
         # counted once every graph is at hand: a batch that raised is not counted

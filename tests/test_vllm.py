@@ -24,12 +24,15 @@ from pathlib import Path
 
 import pytest
 
-PROMPT_LENS = (5, 17, 33, 9)  # generated together: one packed prefill
-SINGLE_LEN = 21  # generated alone: a one-sequence prefill
-MAX_TOKENS = 6
-POLICIES = ("dynamic", "always-mask", "varlen")
-ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=8 << 20,
-              max_model_len=128, max_num_seqs=8, seed=0)
+PACKED_LENS = (5, 17, 33, 9)  # generated together: one packed prefill
+CHUNKED_LEN = 2100  # chunked over several steps with a 256-token budget, next to a short prompt
+LONG_LEN = 9000  # above attnpolicy's default max_seq_len (8192), below max_model_len
+ARRIVAL_LENS = (40, 150, 12, 300, 25)  # added one by one while earlier requests decode
+POLICIES = ("dynamic", "always-mask", "varlen", "cost-aware")
+ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=48 << 20, max_model_len=10000,
+              max_num_seqs=8, max_num_batched_tokens=256, enable_chunked_prefill=True,
+              enable_prefix_caching=True, seed=0)
+MAX_POSITIONS = 10000
 
 
 def _prompts(lens, first: int) -> list[dict]:
@@ -40,27 +43,88 @@ def _prompts(lens, first: int) -> list[dict]:
 # -- child side ----------------------------------------------------------------------
 
 
-def _generate(model: str) -> list[list[int]]:
-    from vllm import LLM, SamplingParams
+def _params(max_tokens: int, prompt_logprobs: bool):
+    from vllm import SamplingParams
 
-    llm = LLM(model=model, **ENGINE)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(_prompts(PROMPT_LENS, 0), params, use_tqdm=False)
-    outs += llm.generate(_prompts([SINGLE_LEN], 50), params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    _shutdown(llm)
-    return tokens
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          prompt_logprobs=0 if prompt_logprobs else None)
 
 
-def _embed(model: str) -> list[list[float]]:
+def _result(o) -> dict:
+    """Generated tokens, and the logprob of each prompt token (when asked for)."""
+    ids = o.prompt_token_ids
+    lps = [None if d is None else d[t].logprob for t, d in zip(ids, o.prompt_logprobs)] \
+        if o.prompt_logprobs else None
+    return {"tokens": list(o.outputs[0].token_ids), "prompt_logprobs": lps}
+
+
+def _arrivals(engine) -> list[dict]:
+    """Requests added through ``LLMEngine.add_request`` while others decode."""
+    params = _params(6, True)
+    pending = list(enumerate(_prompts(ARRIVAL_LENS, 20)))
+    done: dict[str, dict] = {}
+    for i, p in pending[:2]:
+        engine.add_request(f"arrival-{i}", p, params)
+    pending = pending[2:]
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 2 == 1:
+            i, p = pending.pop(0)
+            engine.add_request(f"arrival-{i}", p, params)
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = _result(o)
+        step += 1
+    return [done[f"arrival-{i}"] for i in range(len(ARRIVAL_LENS))]
+
+
+def _scenarios(llm, only_packed: bool = False) -> dict[str, list[dict]]:
+    def gen(prompts, params):
+        return [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    out = {"packed": gen(_prompts(PACKED_LENS, 0), _params(4, True))}
+    if only_packed:
+        return out
+    chunked = _prompts([CHUNKED_LEN], 11)[0]
+    out["chunked"] = gen([chunked, *_prompts([7], 12)], _params(3, True))
+    # prefix-cache hit: the first 2 blocks (256 tokens) of the chunked prompt are cached
+    hit = {"prompt_token_ids": chunked["prompt_token_ids"][:300] + [5, 6, 7]}
+    out["prefix_hit"] = gen([hit], _params(3, False))
+    out["arrivals"] = _arrivals(llm.llm_engine)
+    out["long"] = gen(_prompts([LONG_LEN], 13), _params(2, True))
+    return out
+
+
+def _embed(llm) -> dict[str, list[list[float]]]:
+    outs = llm.embed(_prompts(PACKED_LENS, 0), use_tqdm=False)
+    outs += llm.embed(_prompts([21], 50), use_tqdm=False)
+    return {"embeddings": [list(map(float, o.outputs.embedding)) for o in outs]}
+
+
+class _StepCounter:
+    """Counts the attention metadata vLLM builds: one per attention step (all layers
+    of a step share it), independently of the backend that runs it."""
+
+    def __init__(self) -> None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+        self.count = 0
+        build = CPUAttentionMetadataBuilder.build
+
+        def counted(builder, *args, **kwargs):
+            self.count += 1
+            return build(builder, *args, **kwargs)
+
+        CPUAttentionMetadataBuilder.build = counted
+
+
+def _engine(model: str, pooling: bool):
     from vllm import LLM
 
-    llm = LLM(model=model, runner="pooling", **ENGINE)
-    outs = llm.embed(_prompts(PROMPT_LENS, 0), use_tqdm=False)
-    outs += llm.embed(_prompts([SINGLE_LEN], 50), use_tqdm=False)
-    vectors = [list(map(float, o.outputs.embedding)) for o in outs]
-    _shutdown(llm)
-    return vectors
+    if pooling:
+        return LLM(model=model, runner="pooling", dtype="float32", enforce_eager=True,
+                   kv_cache_memory_bytes=8 << 20, max_model_len=128, seed=0)
+    return LLM(model=model, **ENGINE)
 
 
 def _shutdown(llm) -> None:
@@ -75,18 +139,28 @@ def _shutdown(llm) -> None:
 
 
 def _child(scenario: str, model: str, out: str) -> None:
-    run = _generate if scenario.endswith("generate") else _embed
+    pooling = scenario.endswith("embed")
+    run = _embed if pooling else _scenarios
     result: dict[str, object] = {"pid": os.getpid()}
     if scenario.startswith("inproc"):
         from attnpolicy.integrations import vllm as integration
 
-        result["stock"] = run(model)
-        integration.register()
-        for policy in POLICIES if run is _generate else ("dynamic",):
-            os.environ["ATTNPOLICY_POLICY"] = policy
-            result[policy] = run(model)
+        counter = _StepCounter()
+        steps: dict[str, int] = {}
+        for policy in ("stock", *(("dynamic", "varlen") if pooling else POLICIES)):
+            if policy != "stock":
+                integration.register()
+                os.environ["ATTNPOLICY_POLICY"] = policy
+            before = counter.count
+            llm = _engine(model, pooling)
+            result[policy] = run(llm)
+            _shutdown(llm)
+            steps[policy] = counter.count - before
+        result["steps"] = steps
     else:
-        result["attnpolicy"] = run(model)
+        llm = _engine(model, pooling)
+        result["attnpolicy"] = _scenarios(llm, only_packed=True)
+        _shutdown(llm)
     Path(out).write_text(json.dumps(result))
 
 

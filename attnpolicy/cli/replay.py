@@ -21,7 +21,8 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.kernels.attention import IMPLS
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
-from attnpolicy.measure.simulation import simulate, simulation_config
+from attnpolicy.measure.layout_stream import read_layout_stream, select_run
+from attnpolicy.measure.simulation import simulate, simulate_run, simulation_config
 from attnpolicy.measure.workload import load_trace
 
 DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
@@ -62,6 +63,10 @@ def register(subparsers: Any) -> None:
     s.add_argument("--max-seq-len", type=int, default=f.max_model_len,
                    help="longest request (prompt + output) admitted (default: %(default)s)")
     s.add_argument("--no-chunked-prefill", action="store_true")
+    s.add_argument("--layouts", metavar="FILE",
+                   help="replay a recorded layout stream (ATTNPOLICY_LAYOUT_LOG) instead of --trace, "
+                        "under its recorded config unless --config is given")
+    s.add_argument("--run", metavar="RUN", help="with --layouts: the run to replay when FILE holds several")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     s.add_argument("--plot", metavar="PATH.png", help="plot total seconds and peak graph bytes vs capacity")
     s.set_defaults(func=cmd_simulate)
@@ -93,6 +98,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     model = CostModel.load(args.cost_model) if args.cost_model else CostModel.default()
+    if args.layouts:
+        return simulate_recorded(args, model)
     former_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                       "max_model_len": args.max_seq_len, "chunked_prefill": not args.no_chunked_prefill}
     base = (AttnPolicyConfig.load(args.config) if args.config
@@ -117,6 +124,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
+    """``simulate --layouts FILE``: replay one recorded run (see docs/vllm.md)."""
+    run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
+    base = AttnPolicyConfig.load(args.config) if args.config else run.config
+    total = len(args.policies) * len(args.capacities) * len(args.evictions)
+    with progress(total, "simulate") as advance:
+        rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance)
+    rec = run.config
+    print_table(f"replayed run {run.run} of {args.layouts}: {len(run.steps)} steps, recorded {rec.policy} "
+                f"capacity={rec.max_graphs or '∞'} {rec.eviction}: {run.misses} misses",
+                ("policy", "capacity", "eviction", "hits", "misses", "hit rate", "compile s", "attention s",
+                 "total s", "peak MiB", "modes c/m/v"),
+                [(r["policy"], r["capacity"] or "∞", r["eviction"], r["hits"], r["misses"], r["hit_rate"],
+                  r["compile_seconds"], r["attention_seconds"], r["total_seconds"], r["peak_bytes"] / 2**20,
+                  "/".join(str(r["modes"][m]) for m in ("causal", "mask", "varlen"))) for r in rows])
+    if args.json:
+        write_json(args.json, {"layouts": args.layouts, "run": run.run, "steps": len(run.steps),
+                               "recorded_misses": run.misses, "config": base.model_dump(mode="json"),
+                               "rows": rows})
+    return 0
 
 
 def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
