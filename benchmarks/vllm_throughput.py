@@ -116,7 +116,7 @@ def main() -> int:
         for name in args.workloads.split(","):
             work = WORKLOADS[name]
 
-            def timed(stock: bool) -> float:
+            def timed(stock: bool, llm=llm, work=work) -> float:
                 AttnPolicyCPUImpl.forward = CPUAttentionBackendImpl.forward if stock else ours_forward
                 t0 = time.perf_counter()
                 tokens = work(llm, SamplingParams)

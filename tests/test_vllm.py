@@ -323,7 +323,7 @@ def _stream_runs(tmp: Path):
 def test_vllm_layout_stream_replays_to_the_recorded_misses(generated, policy):
     from attnpolicy.measure.simulation import simulate_run
 
-    result, tmp = generated
+    _, tmp = generated
     run = _stream_runs(tmp)[policy]
     decisions = [d for d in _decisions(tmp / "decisions.jsonl") if d["policy"] == policy]
     assert len(run.steps) == len(decisions)

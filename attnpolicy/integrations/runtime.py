@@ -19,8 +19,8 @@ import json
 import os
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from attnpolicy.config import FORMAT_VERSION, AttnPolicyConfig

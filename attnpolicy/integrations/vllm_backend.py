@@ -42,8 +42,17 @@ from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph
 from attnpolicy.graphs.execute import GraphFn, execute, graph_fn
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.integrations.runtime import RuntimeLimits, dispatcher_for, fit_to_runtime, layout_stream
-from attnpolicy.integrations.vllm_paged import GATHER_ISAS, PagedGather, PagedVarlenKernel
+from attnpolicy.integrations.runtime import (
+    RuntimeLimits,
+    dispatcher_for,
+    fit_to_runtime,
+    layout_stream,
+)
+from attnpolicy.integrations.vllm_paged import (
+    GATHER_ISAS,
+    PagedGather,
+    PagedVarlenKernel,
+)
 
 _SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
@@ -85,7 +94,7 @@ def layout_for(md: CPUAttentionMetadata) -> BatchLayout:
 class _Step:
     """What every layer of one step shares: layout, decision, graphs, gather index."""
 
-    __slots__ = ("metadata", "layout", "decision", "spec", "graphs", "gather")
+    __slots__ = ("decision", "gather", "graphs", "layout", "metadata", "spec")
 
     def __init__(self, md: CPUAttentionMetadata, layout: BatchLayout, decision: Decision,
                  spec: TensorSpec, graphs: list[tuple[Call, GraphFn]]) -> None:

@@ -51,9 +51,13 @@ class PagedVarlenKernel:
                  output: torch.Tensor) -> torch.Tensor:
         n = md.num_actual_tokens
         k_scale, v_scale = layer._k_scale_float, layer._v_scale_float  # type: ignore[attr-defined]
+        if md.scheduler_metadata is None:
+            raise ValueError("vLLM's metadata has no scheduler_metadata: the CPU kernel needs it")
         if self.attn_type == AttentionType.ENCODER_ONLY:
-            kv_cache = md.encoder_cache  # a scratch cache: write this batch's keys first
-            key_cache, value_cache = split_cache(kv_cache)
+            if md.encoder_cache is None or key is None or value is None:
+                raise ValueError("encoder-only attention needs key, value and metadata.encoder_cache")
+            # a scratch cache: write this batch's keys first
+            key_cache, value_cache = split_cache(md.encoder_cache)
             ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping,
                                            layer.isa, k_scale=k_scale, v_scale=v_scale,  # type: ignore[attr-defined]
                                            kv_cache_dtype=self.kv_cache_dtype)
