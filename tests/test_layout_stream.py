@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -12,7 +13,11 @@ from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.layout_stream import LayoutStreamWriter, read_layout_stream, select_run
+from attnpolicy.measure.layout_stream import (
+    LayoutStreamWriter,
+    read_layout_stream,
+    select_run,
+)
 from attnpolicy.measure.simulation import simulate_run
 from attnpolicy.measure.workload import synthetic_default
 
@@ -48,7 +53,7 @@ def test_replay_under_the_recorded_config_reproduces_the_misses(tmp_path, policy
     assert run.runtime == {"max_model_len": 4096}
     steps = run.steps
     assert [s.step for s in steps] == list(range(len(layouts)))
-    assert all(b.misses >= a.misses and b.hits >= a.hits for a, b in zip(steps, steps[1:]))
+    assert all(b.misses >= a.misses and b.hits >= a.hits for a, b in itertools.pairwise(steps))
     if max_graphs is not None:
         assert steps[-1].evictions > 0 and max(s.graphs for s in steps) <= max_graphs
     [row] = simulate_run(run, [policy], [max_graphs], [eviction])
@@ -85,8 +90,8 @@ def test_stream_holds_several_runs_and_padded_layouts(tmp_path):
     ("not json", "layouts.jsonl:2: not a JSON line"),
     ('{"event": "step", "run": "x", "step": 0}', "step of run 'x' before its header"),
     ('{"event": "step", "run": "R", "step": 0, "q": [2], "causal": true}', "layouts.jsonl:2: missing field 'kv'"),
-    ('{"event": "step", "run": "R", "step": 0, "q": [4], "kv": [2], "causal": true, "mode": "mask", '
-     '"keys": [], "hits": 0, "misses": 0, "evictions": 0, "graphs": 0}', r"kv_lens\[0\] must be >= q_lens\[0\]"),
+    (('{"event": "step", "run": "R", "step": 0, "q": [4], "kv": [2], "causal": true, "mode": "mask", '
+      '"keys": [], "hits": 0, "misses": 0, "evictions": 0, "graphs": 0}'), r"kv_lens\[0\] must be >= q_lens\[0\]"),
 ])
 def test_bad_stream_lines_are_named(tmp_path, line, message):
     path = tmp_path / "layouts.jsonl"
