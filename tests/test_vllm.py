@@ -306,6 +306,8 @@ def test_vllm_every_attention_step_is_decided(generated, policy):
     mixed = [d for d in decisions if 1 in d["q_lens"] and max(d["q_lens"]) > 1]
     chunk = [d for d in decisions if any(1 < q < kv for q, kv in zip(d["q_lens"], d["kv_lens"]))]
     assert decode and mixed and chunk
+    # the prefix-cache hit: 2 cached blocks of 128 tokens, 303 - 256 new ones
+    assert any(d["q_lens"] == [303 - 256] and d["kv_lens"] == [303] for d in decisions)
     assert max(max(d["kv_lens"]) for d in decisions) == LONG_LEN + 1  # the long prompt's decode step
     modes = {d["mode"] for d in decisions if d["num_seqs"] > 1}
     assert modes == {"varlen" if policy == "varlen" else "mask"} or policy == "cost-aware"
