@@ -17,8 +17,8 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
   stock); CAUSAL (one context-free sequence) runs attnpolicy's graph on the step's
   keys as they are; MASK runs attnpolicy's graph on keys gathered from the paged
   cache (once per step per layer, only when some sequence has cached context).
-- Graphs are compiled on first *use*: a key only planned (the VARLEN family, which
-  the paged kernel runs) enters the cache and its statistics without compiling.
+- VARLEN-family keys (which the paged kernel runs) enter the graph cache and its
+  statistics without compiling; CAUSAL and MASK graphs compile when first planned.
 - Layers the backend cannot run (ALiBi, sliding window, soft-capping, sinks, KV
   sharing, cross-attention, fp8 KV cache, AMX cache layout, per-request causality,
   fused output quantisation) run vLLM's own implementation.
@@ -38,7 +38,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from attnpolicy.config import AttnPolicyConfig, from_env
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatcher import Dispatcher, example_inputs
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph
 from attnpolicy.graphs.execute import GraphFn, execute, graph_fn
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
@@ -70,9 +70,15 @@ class AttnPolicyCPUBackend(CPUAttentionBackend):
 
 
 def deferred_build(call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
-    """A dispatcher ``builder`` that compiles on the graph's first call (``torch.compile``
-    is lazy without example inputs): keys that are only planned cost nothing."""
-    return compile_graph(graph_fn(call, key.impl, spec.scale, key.partition_len), key.backend)
+    """The dispatcher's ``builder`` inside vLLM. VARLEN-family graphs never run here
+    (vLLM's paged kernel runs VARLEN steps): they are compiled only if ever called
+    (``torch.compile`` is lazy without example inputs), so planning them costs
+    nothing. CAUSAL and MASK graphs compile now, as the dispatcher's own builder
+    does, so compile time and errors stay inside the cache's build."""
+    fn = graph_fn(call, key.impl, spec.scale, key.partition_len)
+    if call.kind is MaskMode.VARLEN:
+        return compile_graph(fn, key.backend)
+    return compile_graph(fn, key.backend, example_inputs=example_inputs(call, spec))
 
 
 def runtime_limits() -> RuntimeLimits:
