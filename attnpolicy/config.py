@@ -225,7 +225,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
         if config.policy_options:
             logger.warning("%s=%s replaces policy %r: its policy_options %s are dropped",
                            POLICY_ENV, policy, config.policy, json.dumps(config.policy_options))
-        config = _validate({**config.model_dump(mode="json"), "policy": policy, "policy_options": {}},
+        # only the fields the file set stay set: an integration fills the others from its runtime
+        config = _validate({**config.model_dump(mode="json", exclude_unset=True), "policy": policy,
+                            "policy_options": {}},
                            f"{POLICY_ENV}={policy}")
     return config
 

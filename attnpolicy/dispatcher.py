@@ -135,9 +135,26 @@ class Dispatcher:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
         ``attend`` does except touching tensors. One call per graph invocation. The
         graphs stay pinned until :meth:`release_batch` or the next ``prepare``."""
+        return self.prepare_step(layout, spec)[1]
+
+    def prepare_step(self, layout: BatchLayout,
+                     spec: TensorSpec) -> tuple[Decision, list[tuple[Call, GraphFn]]]:
+        """:meth:`prepare`, also returning the decision that runs: the policy's, or
+        VARLEN when its MASK call's mask is over ``max_mask_bytes`` (``on_overflow='eager'``)."""
         self.release_batch()
         self._check_lengths(layout)
         decision = self.decide(layout, spec)
+        return self._fetch(layout, decision, spec)
+
+    def graphs_for(self, layout: BatchLayout, decision: Decision,
+                   spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
+        """Plan ``layout`` in an already taken ``decision`` (e.g. a layer with another
+        tensor spec in the same step) and fetch its graphs, pinned with the batch's;
+        counted as one batch."""
+        return self._fetch(layout, decision, spec)[1]
+
+    def _fetch(self, layout: BatchLayout, decision: Decision,
+               spec: TensorSpec) -> tuple[Decision, list[tuple[Call, GraphFn]]]:
         mode, planned = self._planned(layout, decision.mode, spec)
         try:
             out = [(call, self._graph(call, key, spec, pin=True)) for call, key in planned]
@@ -153,7 +170,9 @@ class Dispatcher:
         c["calls"] += len(planned)
         c["real_tokens"] += layout.total_tokens
         c["padded_tokens"] += sum(call.q_bucket for call, _ in planned) - layout.total_tokens
-        return out
+        if mode is not decision.mode:
+            decision = Decision(mode, f"{decision.reason}; its mask exceeds max_mask_bytes: ran {mode.value}")
+        return decision, out
 
     def release_batch(self) -> None:
         """Unpin the graphs of the batch last prepared (it has run)."""

@@ -24,12 +24,15 @@ from pathlib import Path
 
 import pytest
 
-PROMPT_LENS = (5, 17, 33, 9)  # generated together: one packed prefill
-SINGLE_LEN = 21  # generated alone: a one-sequence prefill
-MAX_TOKENS = 6
-POLICIES = ("dynamic", "always-mask", "varlen")
-ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=8 << 20,
-              max_model_len=128, max_num_seqs=8, seed=0)
+PACKED_LENS = (5, 17, 33, 9)  # generated together: one packed prefill
+CHUNKED_LEN = 2100  # chunked over several steps with a 256-token budget, next to a short prompt
+LONG_LEN = 9000  # above attnpolicy's default max_seq_len (8192), below max_model_len
+ARRIVAL_LENS = (40, 150, 12, 300, 25)  # added one by one while earlier requests decode
+POLICIES = ("dynamic", "always-mask", "varlen", "cost-aware")
+ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=48 << 20, max_model_len=10000,
+              max_num_seqs=8, max_num_batched_tokens=256, enable_chunked_prefill=True,
+              enable_prefix_caching=True, seed=0)
+MAX_POSITIONS = 10000
 
 
 def _prompts(lens, first: int) -> list[dict]:
@@ -40,27 +43,88 @@ def _prompts(lens, first: int) -> list[dict]:
 # -- child side ----------------------------------------------------------------------
 
 
-def _generate(model: str) -> list[list[int]]:
-    from vllm import LLM, SamplingParams
+def _params(max_tokens: int, prompt_logprobs: bool):
+    from vllm import SamplingParams
 
-    llm = LLM(model=model, **ENGINE)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(_prompts(PROMPT_LENS, 0), params, use_tqdm=False)
-    outs += llm.generate(_prompts([SINGLE_LEN], 50), params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    _shutdown(llm)
-    return tokens
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          prompt_logprobs=0 if prompt_logprobs else None)
 
 
-def _embed(model: str) -> list[list[float]]:
+def _result(o) -> dict:
+    """Generated tokens, and the logprob of each prompt token (when asked for)."""
+    ids = o.prompt_token_ids
+    lps = [None if d is None else d[t].logprob for t, d in zip(ids, o.prompt_logprobs)] \
+        if o.prompt_logprobs else None
+    return {"tokens": list(o.outputs[0].token_ids), "prompt_logprobs": lps}
+
+
+def _arrivals(engine) -> list[dict]:
+    """Requests added through ``LLMEngine.add_request`` while others decode."""
+    params = _params(6, True)
+    pending = list(enumerate(_prompts(ARRIVAL_LENS, 20)))
+    done: dict[str, dict] = {}
+    for i, p in pending[:2]:
+        engine.add_request(f"arrival-{i}", p, params)
+    pending = pending[2:]
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 2 == 1:
+            i, p = pending.pop(0)
+            engine.add_request(f"arrival-{i}", p, params)
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = _result(o)
+        step += 1
+    return [done[f"arrival-{i}"] for i in range(len(ARRIVAL_LENS))]
+
+
+def _scenarios(llm, only_packed: bool = False) -> dict[str, list[dict]]:
+    def gen(prompts, params):
+        return [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    out = {"packed": gen(_prompts(PACKED_LENS, 0), _params(4, True))}
+    if only_packed:
+        return out
+    chunked = _prompts([CHUNKED_LEN], 11)[0]
+    out["chunked"] = gen([chunked, *_prompts([7], 12)], _params(3, True))
+    # prefix-cache hit: the first 2 blocks (256 tokens) of the chunked prompt are cached
+    hit = {"prompt_token_ids": [*chunked["prompt_token_ids"][:300], 5, 6, 7]}
+    out["prefix_hit"] = gen([hit], _params(3, False))
+    out["arrivals"] = _arrivals(llm.llm_engine)
+    out["long"] = gen(_prompts([LONG_LEN], 13), _params(2, True))
+    return out
+
+
+def _embed(llm) -> dict[str, list[list[float]]]:
+    outs = llm.embed(_prompts(PACKED_LENS, 0), use_tqdm=False)
+    outs += llm.embed(_prompts([21], 50), use_tqdm=False)
+    return {"embeddings": [list(map(float, o.outputs.embedding)) for o in outs]}
+
+
+class _StepCounter:
+    """Counts the attention metadata vLLM builds: one per attention step (all layers
+    of a step share it), independently of the backend that runs it."""
+
+    def __init__(self) -> None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+        self.count = 0
+        build = CPUAttentionMetadataBuilder.build
+
+        def counted(builder, *args, **kwargs):
+            self.count += 1
+            return build(builder, *args, **kwargs)
+
+        CPUAttentionMetadataBuilder.build = counted
+
+
+def _engine(model: str, pooling: bool):
     from vllm import LLM
 
-    llm = LLM(model=model, runner="pooling", **ENGINE)
-    outs = llm.embed(_prompts(PROMPT_LENS, 0), use_tqdm=False)
-    outs += llm.embed(_prompts([SINGLE_LEN], 50), use_tqdm=False)
-    vectors = [list(map(float, o.outputs.embedding)) for o in outs]
-    _shutdown(llm)
-    return vectors
+    if pooling:
+        return LLM(model=model, runner="pooling", dtype="float32", enforce_eager=True,
+                   kv_cache_memory_bytes=8 << 20, max_model_len=128, seed=0)
+    return LLM(model=model, **ENGINE)
 
 
 def _shutdown(llm) -> None:
@@ -75,18 +139,28 @@ def _shutdown(llm) -> None:
 
 
 def _child(scenario: str, model: str, out: str) -> None:
-    run = _generate if scenario.endswith("generate") else _embed
+    pooling = scenario.endswith("embed")
+    run = _embed if pooling else _scenarios
     result: dict[str, object] = {"pid": os.getpid()}
     if scenario.startswith("inproc"):
         from attnpolicy.integrations import vllm as integration
 
-        result["stock"] = run(model)
-        integration.register()
-        for policy in POLICIES if run is _generate else ("dynamic",):
-            os.environ["ATTNPOLICY_POLICY"] = policy
-            result[policy] = run(model)
+        counter = _StepCounter()
+        steps: dict[str, int] = {}
+        for policy in ("stock", *(("dynamic", "varlen") if pooling else POLICIES)):
+            if policy != "stock":
+                integration.register()
+                os.environ["ATTNPOLICY_POLICY"] = policy
+            before = counter.count
+            llm = _engine(model, pooling)
+            result[policy] = run(llm)
+            _shutdown(llm)
+            steps[policy] = counter.count - before
+        result["steps"] = steps
     else:
-        result["attnpolicy"] = run(model)
+        llm = _engine(model, pooling)
+        result["attnpolicy"] = _scenarios(llm, only_packed=True)
+        _shutdown(llm)
     Path(out).write_text(json.dumps(result))
 
 
@@ -98,19 +172,20 @@ if __name__ == "__main__":
 # -- test side -----------------------------------------------------------------------
 
 
-_RESET_ENV = ("ATTNPOLICY_POLICY", "ATTNPOLICY_CONFIG", "ATTNPOLICY_DECISIONS_LOG", "VLLM_PLUGINS",
-              "VLLM_ENABLE_V1_MULTIPROCESSING")
+_RESET_ENV = ("ATTNPOLICY_POLICY", "ATTNPOLICY_CONFIG", "ATTNPOLICY_DECISIONS_LOG", "ATTNPOLICY_LAYOUT_LOG",
+              "VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
-def _run_child(scenario: str, model: Path, tmp: Path, log: Path, extra_env: dict[str, str]) -> dict:
+def _run_child(scenario: str, model: Path, tmp: Path, extra_env: dict[str, str]) -> dict:
     out = tmp / f"{scenario}.json"
     env = {k: v for k, v in os.environ.items() if k not in _RESET_ENV}
     config = tmp / "attnpolicy_config.json"  # compiled graphs, cheaply: aot_eager
     config.write_text(json.dumps({"backend": "aot_eager"}))
-    env.update({"ATTNPOLICY_DECISIONS_LOG": str(log), "ATTNPOLICY_CONFIG": str(config),
+    env.update({"ATTNPOLICY_DECISIONS_LOG": str(tmp / "decisions.jsonl"), "ATTNPOLICY_CONFIG": str(config),
+                "ATTNPOLICY_LAYOUT_LOG": str(tmp / "layouts.jsonl"),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **extra_env})
     proc = subprocess.run([sys.executable, __file__, scenario, str(model), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 
@@ -143,40 +218,144 @@ def test_vllm_register_without_vllm_does_nothing(monkeypatch, caplog):
     assert "vLLM is not importable" in caplog.text
 
 
+def test_fit_to_runtime_takes_unset_limits_from_the_runtime():
+    from attnpolicy.config import AttnPolicyConfig, from_env
+    from attnpolicy.errors import ConfigError
+    from attnpolicy.integrations.runtime import RuntimeLimits, fit_to_runtime
+
+    limits = RuntimeLimits(max_model_len=10000, max_num_batched_tokens=256, max_num_seqs=8, block_size=128)
+    fitted = fit_to_runtime(from_env({"ATTNPOLICY_POLICY": "varlen"}), limits)
+    assert (fitted.policy, fitted.max_seq_len, fitted.max_batch_tokens) == ("varlen", 10000, 80000)
+    assert fitted.bucket(9000) == 10000  # a 9,000-token sequence fits a bucket
+    mine = AttnPolicyConfig(max_seq_len=16384, max_batch_tokens=131072)
+    assert fit_to_runtime(mine, limits) is mine  # what the user set stays
+    with pytest.raises(ConfigError, match="max_seq_len=8192 is below what the runtime admits"):
+        fit_to_runtime(AttnPolicyConfig(max_seq_len=8192), limits)
+    eager = fit_to_runtime(AttnPolicyConfig(max_seq_len=8192, on_overflow="eager"), limits)
+    assert eager.max_seq_len == 8192 and eager.max_batch_tokens == 80000
+    flash = fit_to_runtime(AttnPolicyConfig(partition_len=512), limits)
+    assert (flash.attn_impl, flash.max_seq_len) == ("flash", 10240)  # a multiple of partition_len
+
+
+def test_paged_gather_reads_what_vllm_wrote(vllm_installed):
+    import torch
+    from vllm import _custom_ops as ops
+
+    from attnpolicy.integrations.vllm_paged import PagedGather, split_cache
+
+    torch.manual_seed(0)
+    blocks, heads, bs, d = 9, 2, 32, 32
+    kv_cache = torch.zeros(blocks, heads, bs, 2 * d)
+    key_cache, value_cache = split_cache(kv_cache)
+    kv_lens = (70, 5, 33)  # partial blocks, in scattered physical blocks
+    table = torch.tensor([[4, 1, 7], [0, 0, 0], [8, 2, 0]], dtype=torch.int32)
+    slots = torch.cat([table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(kv_lens)])
+    k, v = torch.randn(sum(kv_lens), heads, d), torch.randn(sum(kv_lens), heads, d)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+    got_k, got_v = PagedGather(table, kv_lens, bs)(kv_cache)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
 @pytest.fixture(scope="module")
 def llama_dir(vllm_installed, tmp_path_factory) -> Path:
     import tiny_models
 
-    return tiny_models.llama(tmp_path_factory.mktemp("vllm") / "llama")
+    return tiny_models.llama(tmp_path_factory.mktemp("vllm") / "llama", max_positions=MAX_POSITIONS)
 
 
 @pytest.fixture(scope="module")
 def generated(llama_dir, tmp_path_factory):
+    """Every scenario on one engine per policy (and one stock engine), in one child."""
     tmp = tmp_path_factory.mktemp("vllm-generate")
-    log = tmp / "decisions.jsonl"
-    return _run_child("inproc-generate", llama_dir, tmp, log, INPROC), _decisions(log)
+    return _run_child("inproc-generate", llama_dir, tmp, INPROC), tmp
+
+
+SCENARIOS = ("packed", "chunked", "prefix_hit", "arrivals", "long")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_vllm_llama_greedy_tokens_match_stock(generated, policy):
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_vllm_llama_matches_stock(generated, policy, scenario):
     result, _ = generated
-    assert len(result["stock"]) == len(PROMPT_LENS) + 1
-    assert all(len(t) == MAX_TOKENS for t in result["stock"])
-    assert result[policy] == result["stock"]
+    stock, ours = result["stock"][scenario], result[policy][scenario]
+    assert stock and all(r["tokens"] for r in stock)
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in stock]
+    for mine, ref in zip(ours, stock):
+        assert (mine["prompt_logprobs"] is None) == (ref["prompt_logprobs"] is None)
+        if ref["prompt_logprobs"] is not None:
+            pairs = [(a, b) for a, b in zip(mine["prompt_logprobs"], ref["prompt_logprobs"]) if b is not None]
+            assert len(pairs) == len(ref["prompt_logprobs"]) - 1
+            assert max(abs(a - b) for a, b in pairs) <= 1e-5
 
 
-def test_vllm_decisions_show_the_policy_at_work(generated):
-    _, decisions = generated
-    by_policy = {p: [d for d in decisions if d["policy"] == p] for p in POLICIES}
-    packed = [d for d in by_policy["dynamic"] if d["q_lens"] == list(PROMPT_LENS)]
-    single = [d for d in by_policy["dynamic"] if d["q_lens"] == [SINGLE_LEN]]
-    assert packed and {d["mode"] for d in packed} == {"mask"}
-    assert single and {d["mode"] for d in single} == {"causal"}
-    assert {d["mode"] for d in by_policy["always-mask"]} == {"mask"}
-    assert {d["mode"] for d in by_policy["varlen"] if d["num_seqs"] > 1} == {"varlen"}
-    # decode steps read the paged KV cache: they go to vLLM's kernel, never to a policy
-    assert all(d["q_lens"] == d["kv_lens"] for d in decisions)
+def test_vllm_long_prompt_is_served(generated):
+    result, _ = generated
+    [long] = result["stock"]["long"]
+    assert len(long["prompt_logprobs"]) == LONG_LEN and len(long["tokens"]) == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_vllm_every_attention_step_is_decided(generated, policy):
+    result, tmp = generated
+    decisions = [d for d in _decisions(tmp / "decisions.jsonl") if d["policy"] == policy]
+    # one decision per attention step: as many as vLLM built metadata objects
+    assert len(decisions) == result["steps"][policy] == result["steps"]["stock"] > 0
     assert not any(d["fell_back"] for d in decisions)
+    decode = [d for d in decisions if set(d["q_lens"]) == {1}]
+    mixed = [d for d in decisions if 1 in d["q_lens"] and max(d["q_lens"]) > 1]
+    chunk = [d for d in decisions if any(1 < q < kv for q, kv in zip(d["q_lens"], d["kv_lens"]))]
+    assert decode and mixed and chunk
+    # the prefix-cache hit: 2 cached blocks of 128 tokens, 303 - 256 new ones
+    assert any(d["q_lens"] == [303 - 256] and d["kv_lens"] == [303] for d in decisions)
+    assert max(max(d["kv_lens"]) for d in decisions) == LONG_LEN + 1  # the long prompt's decode step
+    modes = {d["mode"] for d in decisions if d["num_seqs"] > 1}
+    assert modes == {"varlen" if policy == "varlen" else "mask"} or policy == "cost-aware"
+    if policy == "always-mask":
+        assert {d["mode"] for d in decisions} == {"mask"}
+
+
+def _stream_runs(tmp: Path):
+    from attnpolicy.measure.layout_stream import read_layout_stream
+
+    return {r.config.policy: r for r in read_layout_stream(tmp / "layouts.jsonl")}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_vllm_layout_stream_replays_to_the_recorded_misses(generated, policy):
+    from attnpolicy.measure.simulation import simulate_run
+
+    _, tmp = generated
+    run = _stream_runs(tmp)[policy]
+    decisions = [d for d in _decisions(tmp / "decisions.jsonl") if d["policy"] == policy]
+    assert len(run.steps) == len(decisions)
+    assert [list(s.layout.q_lens) for s in run.steps] == [d["q_lens"] for d in decisions]
+    assert [s.mode.value for s in run.steps] == [d["mode"] for d in decisions]
+    assert run.config.max_seq_len == 10000 and run.runtime["max_num_batched_tokens"] == 256
+    assert run.misses > 0 and run.steps[-1].hits > 0
+    cfg = run.config
+    [row] = simulate_run(run, [policy], [cfg.max_graphs], [cfg.eviction])
+    assert (row.misses, row.hits) == (run.misses, run.steps[-1].hits)
+    assert row.batches == len(run.steps)
+    assert sum(row.modes.values()) == len(run.steps)
+
+
+def test_simulate_layouts_cli_replays_a_recorded_run(generated, tmp_path, capsys):
+    from attnpolicy.cli import main
+
+    _, tmp = generated
+    run = _stream_runs(tmp)["varlen"]
+    out = tmp_path / "rows.json"
+    assert main(["simulate", "--layouts", str(tmp / "layouts.jsonl"), "--run", run.run, "--policies",
+                 "varlen,dynamic", "--capacities", "inf,2", "--evictions", "lru", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["capacity"]) for r in rows] == [("varlen", None), ("varlen", 2),
+                                                            ("dynamic", None), ("dynamic", 2)]
+    assert rows[0]["misses"] == run.misses
+    assert rows[1]["misses"] > rows[0]["misses"]  # a 2-graph cache misses more on the same stream
+    # a file of several runs needs --run: a clear error, no rows
+    assert main(["simulate", "--layouts", str(tmp / "layouts.jsonl")]) == 2
+    assert "choose one with --run" in capsys.readouterr().err
 
 
 def test_vllm_bert_pooling_embeddings_match_stock(vllm_installed, tmp_path):
@@ -184,14 +363,18 @@ def test_vllm_bert_pooling_embeddings_match_stock(vllm_installed, tmp_path):
     import torch
 
     model = tiny_models.bert(tmp_path / "bert")
-    log = tmp_path / "decisions.jsonl"
-    result = _run_child("inproc-embed", model, tmp_path, log, INPROC)
-    stock, ours = torch.tensor(result["stock"]), torch.tensor(result["dynamic"])
-    assert stock.shape == (len(PROMPT_LENS) + 1, 64)
-    torch.testing.assert_close(ours, stock, atol=1e-5, rtol=0)
-    decisions = _decisions(log)
-    packed = [d for d in decisions if d["q_lens"] == list(PROMPT_LENS)]
-    assert packed and all(not d["causal"] and d["mode"] == "mask" for d in packed)
+    result = _run_child("inproc-embed", model, tmp_path, INPROC)
+    stock = torch.tensor(result["stock"]["embeddings"])
+    assert stock.shape == (len(PACKED_LENS) + 1, 64)
+    for policy in ("dynamic", "varlen"):
+        torch.testing.assert_close(torch.tensor(result[policy]["embeddings"]), stock, atol=1e-5, rtol=0)
+    decisions = _decisions(tmp_path / "decisions.jsonl")
+    for policy in ("dynamic", "varlen"):
+        mine = [d for d in decisions if d["policy"] == policy]
+        assert len(mine) == result["steps"][policy] == result["steps"]["stock"]
+    packed = [d for d in decisions if d["q_lens"] == list(PACKED_LENS)]
+    assert {(d["policy"], d["mode"], d["causal"]) for d in packed} == {("dynamic", "mask", False),
+                                                                       ("varlen", "varlen", False)}
 
 
 def _entry_point_dist(root: Path) -> Path:
@@ -205,14 +388,16 @@ def _entry_point_dist(root: Path) -> Path:
 
 
 def test_vllm_entry_point_reaches_engine_process(llama_dir, generated, tmp_path):
-    stock = generated[0]["stock"]
-    log = tmp_path / "decisions.jsonl"
+    stock = generated[0]["stock"]["packed"]
     path = os.pathsep.join(filter(None, [str(_entry_point_dist(tmp_path / "ep")),
                                          os.environ.get("PYTHONPATH")]))
     env = {"PYTHONPATH": path, "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "ATTNPOLICY_POLICY": "dynamic"}
-    result = _run_child("multiproc-generate", llama_dir, tmp_path, log, env)
-    assert result["attnpolicy"] == stock
-    decisions = _decisions(log)
+    result = _run_child("multiproc-generate", llama_dir, tmp_path, env)
+    ours = result["attnpolicy"]["packed"]
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in stock]
+    assert max(abs(a - b) for mine, ref in zip(ours, stock)
+               for a, b in zip(mine["prompt_logprobs"][1:], ref["prompt_logprobs"][1:])) <= 1e-5
+    decisions = _decisions(tmp_path / "decisions.jsonl")
     assert decisions, "no decision reached the log: the backend did not run in the engine process"
     assert {d["pid"] for d in decisions} - {result["pid"]}, "decisions came only from the front-end process"

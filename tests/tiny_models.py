@@ -34,15 +34,16 @@ def _save(model, path: Path) -> Path:
     return path
 
 
-def llama(path: Path, *, kv_heads: int = 2, seed: int = 0) -> Path:
-    """A 2-layer Llama: hidden 128, 4 query heads, ``kv_heads`` kv heads (GQA when < 4)."""
+def llama(path: Path, *, kv_heads: int = 2, seed: int = 0, max_positions: int = 512) -> Path:
+    """A 2-layer Llama: hidden 128, 4 query heads, ``kv_heads`` kv heads (GQA when < 4),
+    positions up to ``max_positions``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
-                      head_dim=HEAD_DIM, max_position_embeddings=512, bos_token_id=2,
+                      head_dim=HEAD_DIM, max_position_embeddings=max_positions, bos_token_id=2,
                       eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
                       dtype="float32")
     return _save(LlamaForCausalLM(cfg).eval(), path)

@@ -26,8 +26,16 @@ from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.layout_stream import read_layout_stream, select_run
 from attnpolicy.measure.report.plots import plot_sweep
-from attnpolicy.measure.simulation import SimRow, check_model, extrapolation, simulate, simulation_config
+from attnpolicy.measure.simulation import (
+    SimRow,
+    check_model,
+    extrapolation,
+    simulate,
+    simulate_run,
+    simulation_config,
+)
 from attnpolicy.measure.workload import Request, TraceError, load_trace
 
 POLICIES = ("always-mask", "dynamic", "varlen", "cost-aware")
@@ -52,6 +60,11 @@ def register(subparsers: Any) -> None:
     s.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config; its policy_options apply to its own policy only "
                         "(default: derived from the cost model and the batch former)")
+    s.add_argument("--layouts", metavar="FILE",
+                   help="replay a recorded layout stream (ATTNPOLICY_LAYOUT_LOG) instead of --trace, "
+                        "under its recorded config unless --config is given (default: none)")
+    s.add_argument("--run", metavar="RUN",
+                   help="with --layouts: the run to replay when FILE holds several (default: the only one)")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
     s.add_argument("--plot", metavar="PATH.png",
                    help="plot peak graph MiB vs total seconds per policy and eviction (default: none)")
@@ -106,6 +119,8 @@ def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     model = cost_model(args) or CostModel.default()
+    if args.layouts:
+        return simulate_recorded(args, model)
     former = former_from(args)
     base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
@@ -127,6 +142,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                "rows": [r.to_json() for r in rows]})
     if args.plot:
         plot_sweep(rows, args.plot)
+    return 0
+
+
+def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
+    """``simulate --layouts FILE``: replay one recorded run (see docs/vllm.md)."""
+    try:
+        run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
+    except ConfigError as exc:
+        fail(f"argument --layouts: {exc}")
+    base = AttnPolicyConfig.load(args.config) if args.config else run.config
+    options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
+    check_evictions("--evictions", args.evictions, simulation=True)
+    total = len(args.policies) * len(args.capacities) * len(args.evictions)
+    with progress(total, "simulate") as advance:
+        rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance, options)
+    rec = run.config
+    print_sweep(f"replayed run {run.run} of {args.layouts}: {len(run.steps)} steps, recorded {rec.policy} "
+                f"capacity={rec.max_graphs or '∞'} {rec.eviction}: {run.misses} misses", rows)
+    if args.json:
+        write_json(args.json, {"layouts": args.layouts, "run": run.run, "steps": len(run.steps),
+                               "recorded_misses": run.misses, "config": base.model_dump(mode="json"),
+                               "policy_options": options, "rows": [r.to_json() for r in rows]})
     return 0
 
 

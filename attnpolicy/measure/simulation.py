@@ -29,6 +29,7 @@ from typing import Any
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
@@ -36,6 +37,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels.masks import MaskCache, mask_for
 from attnpolicy.measure.batching import BatchFormer, Step
+from attnpolicy.measure.layout_stream import LayoutRun
 from attnpolicy.measure.workload import Request
 from attnpolicy.plugins.registry import eviction_registry
 
@@ -126,8 +128,9 @@ class _Replay:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -> _Replay:
-    spec = model.spec
+def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+            spec: TensorSpec | None = None) -> _Replay:
+    spec = spec or model.spec
     cache: GraphCache[SimulatedGraph] = GraphCache.from_config(config, sizeof=model.graph_bytes,
                                                                compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
@@ -137,7 +140,7 @@ def _replay(steps: Sequence[Step], config: AttnPolicyConfig, model: CostModel) -
     seconds = 0.0
     overhead = model.call_overhead_seconds
     for step in steps:
-        layout = step.layout
+        layout = step.layout if isinstance(step, Step) else step
         for call, graph in dispatcher.prepare(layout, spec):
             if isinstance(graph, SimulatedGraph):
                 keys.append(graph.key)
@@ -277,12 +280,38 @@ def simulate(
     former = BatchFormer(**dict(former_options or {}))
     base = config_base or simulation_config(model, former)
     check_model(base, model)
-    _check_evictions(evictions)
     steps = list(former.steps(requests))
     rejected = former.rejected
     if rejected and len(rejected) == len(requests):
         raise ConfigError(f"every request ({len(requests)}) was rejected: {_rejections(former)}; "
                           "nothing to simulate (raise max_model_len or check the trace)")
+    return simulate_layouts(steps, policies, capacities, evictions, base, model, progress=progress,
+                            policy_options=policy_options, rejected=len(rejected))
+
+
+def simulate_layouts(
+    steps: Sequence[Step | BatchLayout],
+    policies: Sequence[str],
+    capacities: Sequence[int | None],
+    evictions: Sequence[str],
+    config_base: AttnPolicyConfig,
+    model: CostModel | None = None,
+    spec: TensorSpec | None = None,
+    progress: Callable[[str], None] | None = None,
+    policy_options: Mapping[str, Mapping[str, Any]] | None = None,
+    rejected: int = 0,
+) -> list[SimRow]:
+    """:func:`simulate` over given steps (or layouts, e.g. a recorded layout stream,
+    see :mod:`attnpolicy.measure.layout_stream`) instead of a batch former's.
+
+    ``spec`` (default: the model's) is the tensor spec of the graph keys: give the
+    recorded one to reproduce a recorded run's keys, and with them its hits, misses
+    and ``max_bytes`` evictions exactly. Costs are the model's, whatever its backend.
+    ``rejected`` is reported in every row (requests the caller left out).
+    """
+    model = model or CostModel.default()
+    _check_evictions(evictions)
+    base = config_base
     fields = base.model_dump(mode="json")
     lru_runs: dict[tuple[str, int | None], _Replay] = {}
     rows = []
@@ -299,18 +328,30 @@ def simulate(
             for eviction in evictions:
                 if eviction == BELADY:
                     if (policy, capacity) not in lru_runs:
-                        lru_runs[policy, capacity] = _replay(steps, config("lru"), model)
+                        lru_runs[policy, capacity] = _replay(steps, config("lru"), model, spec)
                     replay = lru_runs[policy, capacity]
                     cfg = config("lru")
                     stats = belady_cache(replay.keys, cfg, model).stats().to_json()
                 else:
                     cfg = config(eviction)
-                    replay = _replay(steps, cfg, model)
+                    replay = _replay(steps, cfg, model, spec)
                     if eviction == "lru":
                         lru_runs[policy, capacity] = replay
                     stats = replay.stats["cache"]
-                rows.append(_row(policy, cfg, eviction, replay, stats, len(rejected)))
+                rows.append(_row(policy, cfg, eviction, replay, stats, rejected))
                 if progress:
                     progress(f"{policy} capacity={capacity} {eviction}")
     return rows
 
+
+
+def simulate_run(run: LayoutRun, policies: Sequence[str], capacities: Sequence[int | None],
+                 evictions: Sequence[str], model: CostModel | None = None,
+                 config_base: AttnPolicyConfig | None = None,
+                 progress: Callable[[str], None] | None = None,
+                 policy_options: Mapping[str, Mapping[str, Any]] | None = None) -> list[SimRow]:
+    """:func:`simulate_layouts` over a recorded run's layouts, with its tensor spec and
+    (unless ``config_base`` is given) the config it ran with: the row for the recorded
+    policy, ``max_graphs`` and eviction reproduces the run's misses."""
+    return simulate_layouts(run.layouts, policies, capacities, evictions, config_base or run.config,
+                            model, run.spec, progress, policy_options)

