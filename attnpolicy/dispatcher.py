@@ -24,7 +24,8 @@ from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
-#: Planned (call, key) tuples remembered per (layout, mode, spec).
+#: Planned (call, key) tuples remembered per (layout, mode, spec); also the bound of
+#: the prepared-batch memo (cleared when full).
 PLAN_CACHE_SIZE = 4096
 
 Planned = tuple[tuple[Call, GraphKey | None], ...]
@@ -66,6 +67,8 @@ class Dispatcher:
         self._largest_batch = _largest_bucket(cfg, cfg.max_batch_tokens)
         self._spec: TensorSpec | None = None
         self._plans: cachetools.LRUCache = cachetools.LRUCache(PLAN_CACHE_SIZE)
+        self._batches: dict[tuple[BatchLayout, TensorSpec], _Prepared] = {}
+        self._specs: dict[tuple[Any, ...], TensorSpec] = {}
         self._warm = False
         self.context = PolicyContext(config=cfg, is_cached=self.cache.__contains__,
                                      keys_for=self._keys_for, cost_model=cost_model)
@@ -77,23 +80,54 @@ class Dispatcher:
                scale: float | None = None) -> torch.Tensor:
         """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
         check_inputs(q, k, v, layout)
-        return execute(q, k, v, layout, self.prepare(layout, TensorSpec.of(q, k, scale)))
+        return execute(q, k, v, layout, self.prepare(layout, self._spec_of(q, k, scale)))
 
     def prepare(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
         ``attend`` does except touching tensors. One call per graph invocation."""
-        self.use_spec(spec)
-        decision = self.decide(layout)
-        planned = self._planned(layout, decision.mode, spec)
-        out = [(call, self._graph(call, key, spec)) for call, key in planned]
+        batch = self._prepared(layout, spec)
+        out = [(call, self._graph(call, key, spec)) for call, key in batch.planned]
         # counted once every graph is at hand: a batch that raised is not counted
-        self._modes[decision.mode.value] += 1
+        self._modes[batch.decision.mode.value] += 1
         c = self._counts
         c["batches"] += 1
-        c["calls"] += len(planned)
+        c["calls"] += batch.calls
         c["real_tokens"] += layout.total_tokens
-        c["padded_tokens"] += sum(call.q_bucket for call, _ in planned) - layout.total_tokens
+        c["padded_tokens"] += batch.padded_tokens
         return out
+
+    # -- prepared batches: the per-layout memo of the hot path ---------------------------
+    def _prepared(self, layout: BatchLayout, spec: TensorSpec) -> _Prepared:
+        """The decision and plan for ``layout``. A stateless policy's decision (see
+        :attr:`Guard.stateless`) is reused per (layout, spec) and replayed to the
+        decision hook; any other policy is asked every time, as is a decision the
+        guard overrode (its fallback is counted per batch). Graphs are not memoised:
+        ``_graph`` fetches them from the cache for every call, so hits, recency and
+        evictions stay exact."""
+        self._spec = spec
+        memo_key = (layout, spec)
+        batch = self._batches.get(memo_key)
+        if batch is not None:
+            self.guard.replay(layout, batch.decision)
+            return batch
+        fallbacks = self.guard.fallbacks
+        decision = self.decide(layout)
+        batch = _Prepared(decision, self._planned(layout, decision.mode, spec), layout)
+        if self.guard.stateless and self.guard.fallbacks == fallbacks:
+            if len(self._batches) >= PLAN_CACHE_SIZE:
+                self._batches.clear()
+            self._batches[memo_key] = batch
+        return batch
+
+    def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> TensorSpec:
+        """``TensorSpec.of(q, k, scale)``, reused per distinct tensor properties."""
+        key = (q.dtype, q.shape[1], q.shape[2], k.shape[1], scale, q.device)
+        spec = self._specs.get(key)
+        if spec is None:
+            if len(self._specs) >= PLAN_CACHE_SIZE:
+                self._specs.clear()
+            spec = self._specs[key] = TensorSpec.of(q, k, scale)
+        return spec
 
     def decide(self, layout: BatchLayout) -> Decision:
         """The decision that runs for ``layout`` (after the guard)."""
@@ -164,16 +198,21 @@ class Dispatcher:
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
-            return self.cache.get_or_compile(key, lambda: self._builder(call, key, spec))
+            graph = self.cache.get_or_compile(key, lambda: self._builder(call, key, spec))
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise
             self._counts["compile_error_fallbacks"] += 1
             return self._uncompiled(call, spec)
+        # a compiled graph runs through the callable its backend produced (guard-free)
+        return graph.call if isinstance(graph, CompiledGraph) else graph
 
     def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
-        return compile_graph(self._uncompiled(call, spec), key.backend, counter=self._compile_counter,
-                             example_inputs=example_inputs(call, spec))
+        graph = compile_graph(self._uncompiled(call, spec), key.backend, counter=self._compile_counter,
+                              example_inputs=example_inputs(call, spec))
+        if not graph.direct:
+            self._counts["direct_call_fallbacks"] += 1
+        return graph
 
     def _strict(self, key: GraphKey) -> None:
         self._counts["strict_violations"] += 1
@@ -208,10 +247,23 @@ class Dispatcher:
             "overflow": c["overflow"],
             "compile_error_fallbacks": c["compile_error_fallbacks"],
             "strict_violations": c["strict_violations"],
+            "direct_call_fallbacks": c["direct_call_fallbacks"],
             "padding": {"real_tokens": real, "padded_tokens": padded,
                         "waste": padded / real if real else 0.0},
             "cache": self.cache.stats(),
         }
+
+
+class _Prepared:
+    """A batch's decision and planned (call, key) pairs, with its per-batch counts."""
+
+    __slots__ = ("calls", "decision", "padded_tokens", "planned")
+
+    def __init__(self, decision: Decision, planned: Planned, layout: BatchLayout) -> None:
+        self.decision = decision
+        self.planned = planned
+        self.calls = len(planned)
+        self.padded_tokens = sum(call.q_bucket for call, _ in planned) - layout.total_tokens
 
 
 def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey, float], float] | None:

@@ -251,3 +251,64 @@ def test_cost_eviction_ranks_by_modelled_compile_seconds():
     expected = sum(model.compile_seconds(k) for k in d.cache.keys())
     # measured build time is ~0 here: the recorded seconds are the model's, the same on every rank
     assert d.cache.stats()["compile_seconds"] == pytest.approx(expected)
+
+
+class _Counting:
+    """A policy plugin that counts how often it is asked (stateless or not)."""
+
+    def __init__(self, stateless):
+        self.asked = 0
+        self.stateless = stateless
+
+    name = "counting"
+    description = "varlen, counting decisions"
+
+    def decide(self, layout, ctx):
+        from attnpolicy.core.modes import Decision
+        self.asked += 1
+        return Decision(MaskMode.VARLEN, "counted")
+
+
+@pytest.mark.parametrize("stateless", [True, False])
+def test_stateless_decisions_are_reused_per_layout_and_still_reported(stateless):
+    decisions = []
+
+    class Recorder:
+        @hookimpl
+        def attnpolicy_on_decision(self, layout, decision, policy, fell_back):
+            decisions.append(decision.mode)
+
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_seq_len=256))
+    d.guard.policy = policy = _Counting(stateless)
+    pm = get_plugin_manager()
+    recorder = Recorder()
+    pm.register(recorder)
+    try:
+        lay = BatchLayout.from_lens([5, 9])
+        for seed in range(3):
+            _check(d, lay, *_qkv(lay, seed=seed))
+    finally:
+        pm.unregister(recorder)
+    assert policy.asked == (1 if stateless else 3)
+    assert decisions == [MaskMode.VARLEN] * 3
+    stats = d.stats()
+    assert stats["batches"] == 3 and stats["calls"] == 6 and stats["modes"]["varlen"] == 3
+    assert stats["cache"]["hits"] + stats["cache"]["misses"] == 6  # fetched for every call
+
+
+def test_guard_fallbacks_are_counted_per_batch_not_memoised():
+    d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend="none", max_seq_len=256))
+    lay = BatchLayout.from_lens([5, 9])
+    for seed in range(3):
+        _check(d, lay, *_qkv(lay, seed=seed))
+    assert d.stats()["guard_fallbacks"] == 3
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_graphs_are_called_directly(backend):
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=256))
+    lay = BatchLayout.from_lens([5, 9], kv_lens=[7, 9])
+    _check(d, lay, *_qkv(lay))
+    for key in d.cache.keys():
+        assert d.cache.get_or_compile(key, None).direct
+    assert d.stats()["direct_call_fallbacks"] == 0

@@ -52,23 +52,33 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
     A MASK call takes the whole packed tensors; the layout's padding rows of k and v
     are zeroed so that garbage there (an uninitialised buffer: NaN, inf) cannot leak
     through a zero attention weight (0 · NaN is NaN)."""
-    def rows(x: torch.Tensor, start: int, n: int, bucket: int) -> torch.Tensor:
-        x = x[start:start + n]
-        if bucket > n:
-            x = torch.cat([x, x.new_zeros(bucket - n, *x.shape[1:])])
-        return x.transpose(0, 1)
-
     if call.kind is MaskMode.MASK and layout.kv_tokens != layout.total_kv_tokens:
         real = real_rows(layout.kv_starts, layout.kv_lens, layout.kv_tokens, str(k.device))[:, None, None]
         k, v = k.where(real, 0), v.where(real, 0)
-    ins = (rows(q, call.q_start, call.q_len, call.q_bucket),
-           rows(k, call.kv_start, call.kv_len, call.kv_bucket),
-           rows(v, call.kv_start, call.kv_len, call.kv_bucket))
+    ins = (_rows(q, call.q_start, call.q_len, call.q_bucket),
+           _rows(k, call.kv_start, call.kv_len, call.kv_bucket),
+           _rows(v, call.kv_start, call.kv_len, call.kv_bucket))
     if call.kind is MaskMode.MASK:
         return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, str(q.device)))
     if call.kind is MaskMode.VARLEN:
         return (*ins, _lens(call.q_len, call.kv_len, str(q.device)))
     return ins
+
+
+def _rows(x: torch.Tensor, start: int, n: int, bucket: int) -> torch.Tensor:
+    """Rows ``[start, start + n)`` of packed ``x``, padded with zero rows to ``bucket``,
+    heads first. No copy unless padding is needed (then one ``cat`` with a cached zero block)."""
+    if n != x.shape[0]:
+        x = x[start:start + n]
+    if bucket > n:
+        x = torch.cat([x, _zeros(bucket - n, x.shape[1], x.shape[2], x.dtype, x.device)])
+    return x.transpose(0, 1)
+
+
+@lru_cache(maxsize=256)
+def _zeros(n: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A read-only-by-convention block of zero padding rows (never written: ``cat`` copies it)."""
+    return torch.zeros(n, heads, head_dim, dtype=dtype, device=device)
 
 
 @lru_cache(maxsize=4096)
@@ -80,25 +90,50 @@ def _lens(q_len: int, kv_len: int, device: str) -> torch.Tensor:
 def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
             graphs: Sequence[tuple[Call, GraphFn]]) -> torch.Tensor:
     """Run each planned call through its graph and scatter the outputs into a packed
-    ``[q_tokens, Hq, D]`` tensor (padding rows zero). Inputs are made contiguous so
-    every graph sees the strides it was compiled for."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    ``[q_tokens, Hq, D]`` tensor (padding rows zero), in no-grad mode (graphs are
+    compiled for inference). Inputs are made contiguous so every graph sees the
+    strides it was compiled for."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs)
+    return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs)
+
+
+def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+             graphs: Sequence[tuple[Call, GraphFn]]) -> torch.Tensor:
     call, fn = graphs[0]
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind is not MaskMode.VARLEN:
-        out = fn(*graph_inputs(q, k, v, layout, call))[:, :call.q_len].transpose(0, 1)
+        out = fn(*graph_inputs(q, k, v, layout, call))
+        if call.q_bucket != call.q_len:
+            out = out[:, :call.q_len]
+        out = out.transpose(0, 1)
         if call.kind is MaskMode.MASK and layout.is_padded:
             real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device))
             out = out.masked_fill(~real[:, None, None], 0)
         return out
-    out = q.new_zeros(q.shape)
+    # every real row is written by exactly one call: only padding rows need zeros
+    out = q.new_zeros(q.shape) if layout.q_tokens != layout.total_tokens else torch.empty_like(q)
     for call, fn in graphs:
         o = fn(*graph_inputs(q, k, v, layout, call))
-        out[call.q_start:call.q_start + call.q_len] = o[:, :call.q_len].transpose(0, 1)
+        n = call.q_len
+        out[call.q_start:call.q_start + n].copy_((o if call.q_bucket == n else o[:, :n]).transpose(0, 1))
     return out
+
+
+def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout) -> bool:
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T)):
+        return False
+    qs, ks = q.shape, k.shape
+    return (len(qs) == 3 and len(ks) == 3 and ks == v.shape and qs[0] == layout.q_tokens
+            and ks[0] == layout.kv_tokens and qs[2] == ks[2] and ks[1] > 0 and qs[1] % ks[1] == 0
+            and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout) -> None:
     """Raise :class:`LayoutError` naming the field if the tensors do not fit the layout."""
+    if _fits(q, k, v, layout):  # the common case in one expression; the checks below say what is wrong
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -22,7 +22,9 @@ class Policy(Protocol):
     A policy class has class attributes ``name`` and ``description`` and is built
     with keyword options (``AttnPolicyConfig.policy_options``). ``decide`` must be a
     pure function of the layout and the context, so that every tensor-parallel rank
-    takes the same decision.
+    takes the same decision. A policy whose decision depends on the layout alone
+    may set the class attribute ``stateless = True``: the dispatcher then asks it once
+    per layout and reuses the decision.
     """
 
     name: str

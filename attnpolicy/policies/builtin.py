@@ -46,6 +46,8 @@ def cached_decision(mode: MaskMode, reason: str) -> Decision:
 class AlwaysMask:
     """Every batch runs one call with a dense mask (the seed's fixed behaviour)."""
 
+    stateless = True  # the decision is a function of the layout: dispatchers reuse it
+
     name = "always-mask"
     description = "MASK for every batch: one call with a dense mask (always legal)"
 
@@ -61,6 +63,8 @@ class AlwaysCausal:
     padded, bidirectional or context batch CAUSAL is illegal: the guard raises, or
     falls back to its safe mode and counts the fallback."""
 
+    stateless = True  # the decision is a function of the layout: dispatchers reuse it
+
     name = "always-causal"
     description = ("CAUSAL for every batch (max_num_seqs=1 runtimes); on any other "
                    "batch the guard raises or falls back to its safe mode")
@@ -73,6 +77,8 @@ class AlwaysCausal:
 
 class _CausalWhenLegal:
     """CAUSAL when it is legal, ``otherwise`` when it is not."""
+
+    stateless = True  # the decision is a function of the layout: dispatchers reuse it
 
     otherwise: MaskMode
 
