@@ -115,3 +115,32 @@ def test_garbage_in_padding_rows_never_reaches_real_rows(mode):
     assert out[pad].abs().max() == 0
     torch.testing.assert_close(out.double(), reference_for(q.nan_to_num(), k.nan_to_num(), v.nan_to_num(),
                                                            layout), atol=FP32_TOL, rtol=FP32_TOL)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", [MaskMode.MASK, MaskMode.VARLEN])
+def test_gqa_matches_reference(mode, impl, kv_heads):
+    layout = BatchLayout.from_lens([3, 17, 5], [9, 17, 30], padded_to=33)
+    g = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(33, 8, 16, generator=g)
+    k, v = (torch.randn(layout.kv_tokens, kv_heads, 16, generator=g) for _ in range(2))
+    _check(q, k, v, layout, mode, impl, 7 if impl == "flash" else None)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gqa_never_repeats_k_or_v(impl):
+    """No op copies K/V once per query head: no repeat/index_select, and no copy
+    the size of K broadcast to every query head."""
+    hq, hkv, lq, lk, d = 8, 2, 3, 40, 16
+    q, k, v = torch.randn(hq, lq, d), torch.randn(hkv, lk, d), torch.randn(hkv, lk, d)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        attention(q, k, v, impl=impl, causal=True, partition_len=lk)
+    for event in prof.events():
+        assert "repeat" not in event.name and "index_select" not in event.name, event.name
+        if event.name in ("aten::clone", "aten::copy_", "aten::contiguous", "aten::_unsafe_view"):
+            for shape in event.input_shapes:
+                numel = 1
+                for n in shape:
+                    numel *= n
+                assert not shape or numel != hq * lk * d, (event.name, event.input_shapes)

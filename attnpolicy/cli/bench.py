@@ -30,6 +30,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--partition-len", type=int, default=None, help="flash partition (default: whole kv)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="write rows and environment as JSON")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead: time Dispatcher.attend against the bare kernel per backend, policy, batch")
     p.set_defaults(func=cmd_bench)
 
 
@@ -53,6 +55,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     s = settings_from(args)
+    if args.overhead:
+        from attnpolicy.cli.overhead import cmd_overhead
+
+        return cmd_overhead(args)
     with progress(len(s.lengths) * len(s.seqs), "bench") as advance:
         rows = run_bench(s, advance)
     ratio = {(r["seq_len"], r["num_seqs"]): r for r in speedups(rows)}

@@ -50,35 +50,37 @@ def _sdpa(q, k, v, causal, mask, scale, partition_len):
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """View q as ``[Hkv, G, Lq, D]`` in fp32 so each kv head serves its G query heads."""
+    """q as ``[Hkv, G·Lq, D]`` in fp32: each kv head's G query heads stacked along the
+    rows, so one batched matmul per kv head serves them all and K/V are never
+    repeated or broadcast-copied (GQA without materialising K/V per query head)."""
     hq, lq, d = q.shape
-    return q.float().reshape(k.shape[0], hq // k.shape[0], lq, d)
+    return q.float().reshape(k.shape[0], hq // k.shape[0] * lq, d)
 
 
 def _eager(q, k, v, causal, mask, scale, partition_len):
     hq, lq, d = q.shape
-    lk = k.shape[-2]
-    qg = _grouped(q, k)
-    scores = qg @ k.float()[:, None].transpose(-1, -2) * scale
+    hkv, lk = k.shape[0], k.shape[-2]
+    scores = (_grouped(q, k) @ k.float().transpose(-1, -2) * scale).reshape(hkv, hq // hkv, lq, lk)
     allowed = _allowed(lq, lk, causal, mask, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v.float()[:, None]
-    return out.reshape(hq, lq, d).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1).reshape(hkv, -1, lk)
+    return (probs @ v.float()).reshape(hq, lq, d).to(q.dtype)
 
 
 def _flash(q, k, v, causal, mask, scale, partition_len):
     hq, lq, d = q.shape
-    lk = k.shape[-2]
+    hkv, lk = k.shape[0], k.shape[-2]
+    g = hq // hkv
     qg = _grouped(q, k)
-    kf, vf = k.float()[:, None], v.float()[:, None]
+    kf, vf = k.float(), v.float()
     allowed = _allowed(lq, lk, causal, mask, q.device)
-    run_max = torch.full((*qg.shape[:-1], 1), float("-inf"), device=q.device)
+    run_max = torch.full((hkv, g, lq, 1), float("-inf"), device=q.device)
     run_sum = torch.zeros_like(run_max)
-    acc = torch.zeros_like(qg)
+    acc = torch.zeros(hkv, g, lq, d, device=q.device)
     for start in range(0, lk, partition_len):
         end = min(start + partition_len, lk)
-        s = qg @ kf[..., start:end, :].transpose(-1, -2) * scale
+        s = (qg @ kf[:, start:end].transpose(-1, -2) * scale).reshape(hkv, g, lq, end - start)
         if allowed is not None:
             s = s.masked_fill(~allowed[:, start:end], float("-inf"))
         new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True))
@@ -86,7 +88,7 @@ def _flash(q, k, v, causal, mask, scale, partition_len):
         p = torch.exp(s - safe_max)
         alpha = torch.exp(run_max - safe_max)
         run_sum = run_sum * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + p @ vf[..., start:end, :]
+        acc = acc * alpha + (p.reshape(hkv, g * lq, end - start) @ vf[:, start:end]).reshape(hkv, g, lq, d)
         run_max = new_max
     return (acc / run_sum).reshape(hq, lq, d).to(q.dtype)
 
