@@ -56,6 +56,9 @@ class AttnPolicyConfig(BaseModel):
     backend: Literal["inductor", "aot_eager", "eager", "none"] = "inductor"
     attn_impl: Literal["sdpa", "eager", "flash"] | None = None
     partition_len: PositiveInt | None = None
+    #: implementation per graph family ("causal", "mask", "varlen"): a registered kernel
+    #: name or "auto"; a family not listed uses attn_impl
+    kernels: dict[str, str] = Field(default_factory=dict)
     max_seq_len: PositiveInt = 8192
     max_batch_tokens: PositiveInt = 65536
     on_illegal: Literal["raise", "fallback"] = "fallback"
@@ -85,6 +88,21 @@ class AttnPolicyConfig(BaseModel):
             raise ValueError(f"eviction {name!r} is not a registered eviction strategy; "
                              f"known evictions: {', '.join(sorted(known)) or '(none)'}")
         return name
+
+    @field_validator("kernels")
+    @classmethod
+    def _registered_kernels(cls, kernels: dict[str, str]) -> dict[str, str]:
+        from attnpolicy.plugins.kernels import FAMILIES, kernel_registry
+
+        known = kernel_registry()
+        for family, name in kernels.items():
+            if family not in FAMILIES:
+                raise ValueError(f"kernels: family {family!r} is not one of {', '.join(FAMILIES)}")
+            if name != "auto" and (family, name) not in known:
+                names = ", ".join(n for f, n in known if f == family)
+                raise ValueError(f"kernels: {name!r} is not a registered {family} kernel; "
+                                 f"known: auto, {names}")
+        return kernels
 
     @model_validator(mode="after")
     def _rules(self) -> AttnPolicyConfig:

@@ -14,12 +14,26 @@ from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
-from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
+from attnpolicy.errors import (
+    BucketOverflowError,
+    ConfigError,
+    GraphCompileError,
+    StrictModeError,
+)
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.execute import GraphFn, check_inputs, execute, graph_fn
+from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.graphs.plan import plan_calls
+from attnpolicy.kernels.flex import BlockMaskCache, build_block_mask, flex_graph
+from attnpolicy.plugins.kernels import (
+    FAMILIES,
+    KernelInfo,
+    get_kernel,
+    impls_for,
+    why_unfit,
+)
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
@@ -74,6 +88,9 @@ class Dispatcher:
                                      keys_for=self._keys_for, cost_model=cost_model)
         self._modes: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
+        self._kernels = _KernelChoice(cfg, cost_model)
+        #: FlexAttention block masks per layout (bounded; see kernels/flex.py)
+        self.block_masks = BlockMaskCache()
 
     # -- the hot path ------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -86,7 +103,7 @@ class Dispatcher:
         """Decide, plan and fetch (or compile) the graphs for ``layout``: everything
         ``attend`` does except touching tensors. One call per graph invocation."""
         batch = self._prepared(layout, spec)
-        out = [(call, self._graph(call, key, spec)) for call, key in batch.planned]
+        out = [(call, self._graph(call, key, spec, layout)) for call, key in batch.planned]
         # counted once every graph is at hand: a batch that raised is not counted
         self._modes[batch.decision.mode.value] += 1
         c = self._counts
@@ -167,7 +184,8 @@ class Dispatcher:
         if planned is None:
             cfg = self.config
             planned = tuple(
-                (call, GraphKey.for_call(call, spec, cfg.attn_impl, cfg.partition_len, cfg.backend)
+                (call, GraphKey.for_call(call, spec, self._kernels.impl(call, layout, spec), cfg.partition_len,
+                                         cfg.backend)
                  if self._compiled(call) else None)
                 for call in plan_calls(layout, mode, self._bucket, self._batch_bucket))
             self._plans[plan_key] = planned
@@ -187,14 +205,17 @@ class Dispatcher:
         return self._keys_for(layout, self.decide(layout).mode)
 
     # -- graphs ------------------------------------------------------------------------
-    def _uncompiled(self, call: Call, spec: TensorSpec) -> GraphFn:
-        cfg = self.config
-        return graph_fn(call, cfg.attn_impl, spec.scale, cfg.partition_len)
+    def _uncompiled(self, call: Call, spec: TensorSpec, impl: str) -> GraphFn:
+        if impl == "flex":
+            return FlexGraph(flex_graph(spec.scale), self.block_masks)
+        return graph_fn(call, impl, spec.scale, self.config.partition_len)
 
-    def _graph(self, call: Call, key: GraphKey | None, spec: TensorSpec) -> GraphFn:
+    def _graph(self, call: Call, key: GraphKey | None, spec: TensorSpec,
+               layout: BatchLayout | None = None) -> GraphFn:
         if key is None:  # longer than the largest bucket, on_overflow="eager"
             self._counts["overflow"] += 1
-            return self._uncompiled(call, spec)
+            impl = (self.config.attn_impl or "sdpa") if layout is None else self._kernels.impl(call, layout, spec)
+            return self._uncompiled(call, spec, impl)
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
@@ -203,12 +224,20 @@ class Dispatcher:
             if self.config.on_compile_error == "raise":
                 raise
             self._counts["compile_error_fallbacks"] += 1
-            return self._uncompiled(call, spec)
+            return self._uncompiled(call, spec, key.impl)
         # a compiled graph runs through the callable its backend produced (guard-free)
-        return graph.call if isinstance(graph, CompiledGraph) else graph
+        return graph.call if type(graph) is CompiledGraph else graph
 
-    def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
-        graph = compile_graph(self._uncompiled(call, spec), key.backend, counter=self._compile_counter,
+    def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
+        if key.impl == "flex":
+            ins = (*(t[None] for t in example_inputs(call, spec)[:3]),
+                   build_block_mask(_ONE_ROW, call.q_bucket, call.kv_bucket, spec.device))
+            graph = compile_graph(flex_graph(spec.scale), key.backend, counter=self._compile_counter,
+                                  example_inputs=ins)
+            return FlexGraph(graph, self.block_masks)  # flex graphs take a BlockMask: called through Dynamo
+        fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len)
+        assert not isinstance(fn, FlexGraph)  # flex is compiled above
+        graph = compile_graph(fn, key.backend, counter=self._compile_counter,
                               example_inputs=example_inputs(call, spec))
         if not graph.direct:
             self._counts["direct_call_fallbacks"] += 1
@@ -251,6 +280,8 @@ class Dispatcher:
             "padding": {"real_tokens": real, "padded_tokens": padded,
                         "waste": padded / real if real else 0.0},
             "cache": self.cache.stats(),
+            "block_masks": {"entries": len(self.block_masks), "bytes": self.block_masks.nbytes,
+                            "max_entries": self.block_masks.max_entries, "builds": self.block_masks.builds},
         }
 
 
@@ -276,8 +307,51 @@ def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey
     return (cost_model or CostModel.default()).compile_cost
 
 
-def _release(key: GraphKey, graph: CompiledGraph) -> None:
-    release_graph(graph)
+def _release(key: GraphKey, graph: CompiledGraph | FlexGraph) -> None:
+    inner = graph.graph if isinstance(graph, FlexGraph) else graph
+    if isinstance(inner, CompiledGraph):
+        release_graph(inner)
+
+
+_ONE_ROW = BatchLayout.from_lens([1])
+
+
+class _KernelChoice:
+    """Which registered implementation runs each call: the config's choice per family
+    (``kernels``, else ``attn_impl``), checked against the implementation's
+    capabilities; ``auto`` takes the fastest fit the cost model measured (``calibrate``),
+    else the first fit in registration order."""
+
+    def __init__(self, cfg: AttnPolicyConfig, cost_model: Any) -> None:
+        self._choice = {f: cfg.kernels.get(f, cfg.attn_impl or "sdpa") for f in FAMILIES}
+        self._compiled = cfg.backend != "none"
+        self._measured: dict[str, dict[str, float]] = getattr(cost_model, "kernel_seconds", None) or {}
+
+    def impl(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> str:
+        family = call.kind.value
+        if call.kind is MaskMode.MASK:
+            causal, context = layout.causal, layout.has_context
+        else:
+            causal, context = call.causal, call.kv_len > call.q_len
+        gqa = spec.heads != spec.kv_heads
+
+        def unfit(info: KernelInfo) -> str | None:
+            return why_unfit(info, causal=causal, context=context, dtype=spec.dtype, gqa=gqa,
+                             device=spec.device, compiled=self._compiled)
+
+        choice = self._choice[family]
+        if choice != "auto":
+            why = unfit(get_kernel(family, choice))
+            if why is not None:
+                raise ConfigError(f"kernel {choice!r} cannot serve this {family} call ({layout.describe()}): "
+                                  f"it does not support {why}")
+            return choice
+        measured = self._measured.get(family, {})
+        fits = [info.name for info in impls_for(family) if unfit(info) is None]
+        if not fits:
+            raise ConfigError(f"no registered {family} kernel can serve this call ({layout.describe()}, "
+                              f"{spec.dtype}, gqa={gqa}, device {spec.device})")
+        return min(fits, key=lambda name: measured.get(name, float("inf")))
 
 
 def _largest_bucket(cfg: AttnPolicyConfig, max_len: int) -> int:

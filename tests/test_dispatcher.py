@@ -13,7 +13,12 @@ from strategies import layouts, qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
+from attnpolicy.errors import (
+    BucketOverflowError,
+    ConfigError,
+    GraphCompileError,
+    StrictModeError,
+)
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.plugins.registry import get_plugin_manager
 
@@ -309,6 +314,37 @@ def test_compiled_graphs_are_called_directly(backend):
     d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=256))
     lay = BatchLayout.from_lens([5, 9], kv_lens=[7, 9])
     _check(d, lay, *_qkv(lay))
-    for key in d.cache.keys():
+    keys = d.cache.keys()
+    assert keys
+    for key in keys:
         assert d.cache.get_or_compile(key, None).direct
     assert d.stats()["direct_call_fallbacks"] == 0
+
+
+def test_auto_kernel_is_the_fastest_measured_one_that_fits():
+    from attnpolicy.graphs.costmodel import CostModel
+
+    measured = {"mask": {"flex": 0.001, "eager": 0.002, "sdpa": 0.5, "flash": 0.9}}
+    model = CostModel.default().model_copy(update={"kernel_seconds": measured})
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", kernels={"mask": "auto"}),
+                   cost_model=model)
+    lay = BatchLayout.from_lens([5, 9])
+    _check(d, lay, *_qkv(lay))
+    assert {key.impl for key in d.cache.keys()} == {"flex"}
+    _check(d, lay, *(t.double() for t in _qkv(lay)))  # flex has no float64: the next fastest
+    assert {key.impl for key in d.cache.keys()} == {"flex", "eager"}
+
+
+def test_kernel_configured_for_a_call_it_cannot_serve_names_it():
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", kernels={"mask": "flex"}))
+    lay = BatchLayout.from_lens([5, 9])
+    with pytest.raises(ConfigError, match="kernel 'flex' cannot serve this mask call .* dtype float64"):
+        d.attend(*(t.double() for t in _qkv(lay)), lay)
+    assert d.stats()["batches"] == 0 and len(d.cache) == 0
+
+
+def test_unknown_kernel_in_config_is_refused():
+    with pytest.raises(ValueError, match="kernels: 'flex' is not a registered varlen kernel"):
+        AttnPolicyConfig(kernels={"varlen": "flex"})
+    with pytest.raises(ValueError, match="kernels: family 'decode' is not one of"):
+        AttnPolicyConfig(kernels={"decode": "sdpa"})

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from reference import reference_for
-from strategies import layouts, qkv
+from strategies import layouts, poisons, qkv
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import IllegalModeError, LayoutError
 from attnpolicy.graphs.execute import attend
 from attnpolicy.kernels.attention import IMPLS, attention
+from attnpolicy.plugins.kernels import FAMILIES, get_kernel, impls_for, why_unfit
 
 # fp32 kernels against a float64 reference: rounding only.
 FP32_TOL = 1e-5
@@ -144,3 +145,69 @@ def test_gqa_never_repeats_k_or_v(impl):
                 for n in shape:
                     numel *= n
                 assert not shape or numel != hq * lk * d, (event.name, event.input_shapes)
+
+
+# Built-ins of every family run in the suite above; these are the other registered ones.
+EXTRA_KERNELS = [(f, info.name) for f in FAMILIES for info in impls_for(f) if info.name not in IMPLS]
+
+
+def _fits(family, impl, layout, q, k):
+    return why_unfit(get_kernel(family, impl), causal=layout.causal, context=layout.has_context,
+                     dtype=str(q.dtype).removeprefix("torch."), gqa=q.shape[1] != k.shape[1],
+                     device="cpu", compiled=False) is None
+
+
+@pytest.mark.parametrize("family, impl", EXTRA_KERNELS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_every_registered_kernel_matches_reference(family, impl, data):
+    layout = data.draw(layouts(single=family == "causal", max_seqs=3))
+    q, k, v = data.draw(qkv(layout, data.draw(st.sampled_from([torch.float32, torch.bfloat16]))))
+    assume(_fits(family, impl, layout, q, k))
+    _check(q, k, v, layout, MaskMode(family), impl, None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_flex_isolates_sequences_from_non_finite_kv(data):
+    """NaN/inf in one sequence's K or V never reaches another sequence's output (even
+    when they share a 128-row block); the poisoned sequence's rows that see it are NaN."""
+    layout = data.draw(layouts(max_seqs=4))
+    q, k, v = data.draw(qkv(layout))
+    seq, which, row, value = data.draw(poisons(layout))
+    clean = attend(q, k, v, layout, MaskMode.MASK, "flex")
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_k if which == "k" else bad_v)[row] = value
+    out = attend(q, bad_k, bad_v, layout, MaskMode.MASK, "flex")
+    for i, (qs, ql, ks, kl) in enumerate(zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens)):
+        if i != seq:
+            torch.testing.assert_close(out[qs:qs + ql], clean[qs:qs + ql])
+            continue
+        pos = row - ks  # query j sees key positions 0 .. kl - ql + j (all when bidirectional)
+        first = max(0, pos - (kl - ql)) if layout.causal else 0
+        assert out[qs + first:qs + ql].isnan().all()
+        torch.testing.assert_close(out[qs:qs + first], clean[qs:qs + first])
+    padding = torch.ones(layout.q_tokens, dtype=torch.bool)
+    for qs, ql in zip(layout.q_starts, layout.q_lens):
+        padding[qs:qs + ql] = False
+    assert (out[padding] == 0).all()
+
+
+@pytest.mark.inductor
+def test_inductor_compiled_flex_matches_reference_and_isolates():
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="inductor", kernels={"mask": "flex"},
+                                    max_seq_len=256))
+    layout = BatchLayout.from_lens([30, 50, 20], [40, 50, 60], padded_to=110)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(110, 4, 16, generator=g)
+    k, v = (torch.randn(layout.kv_tokens, 2, 16, generator=g) for _ in range(2))
+    out = d.attend(q, k, v, layout)
+    torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=FP32_TOL, rtol=FP32_TOL)
+    v[layout.kv_starts[1] + 49] = float("inf")  # the last key of sequence 1: only its last query sees it
+    poisoned = d.attend(q, k, v, layout)
+    assert poisoned[layout.q_starts[1] + 49].isnan().all()
+    others = torch.ones(110, dtype=torch.bool)
+    others[layout.q_starts[1] + 49] = False
+    torch.testing.assert_close(poisoned[others], out[others])

@@ -32,6 +32,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write rows and environment as JSON")
     p.add_argument("--overhead", action="store_true",
                    help="instead: time Dispatcher.attend against the bare kernel per backend, policy, batch")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: every registered implementation per family against the SDPA loop")
     p.set_defaults(func=cmd_bench)
 
 
@@ -59,6 +61,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from attnpolicy.cli.overhead import cmd_overhead
 
         return cmd_overhead(args)
+    if args.kernels:
+        from attnpolicy.cli.kernels import cmd_kernels
+
+        return cmd_kernels(args)
     with progress(len(s.lengths) * len(s.seqs), "bench") as advance:
         rows = run_bench(s, advance)
     ratio = {(r["seq_len"], r["num_seqs"]): r for r in speedups(rows)}

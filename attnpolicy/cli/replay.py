@@ -42,6 +42,8 @@ def register(subparsers: Any) -> None:
     c.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads while measuring (default: %(default)s; stable on a shared machine)")
     c.add_argument("--quick", action="store_true", help="every other size only")
+    c.add_argument("--kernels", action="store_true",
+                   help="also time every registered kernel per family (for kernels 'auto')")
     c.set_defaults(func=cmd_calibrate)
 
     s = subparsers.add_parser("simulate", help="replay a workload with a cost model: policies × capacities × evictions")
@@ -74,7 +76,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                              f"got {getattr(args, name)}")
     settings = CalibrationSettings(args.heads, args.kv_heads, args.head_dim, args.dtype, args.impl,
                                    args.partition_len, args.backend, args.max_len, args.repeats,
-                                   args.quick, args.threads)
+                                   args.quick, args.threads, args.kernels)
     with progress(len(shapes(settings)) + settings.repeats, "calibrate") as advance:
         model = calibrate(settings, advance)
     path = model.save(args.out)

@@ -240,7 +240,7 @@ def compile_graph(
             if _verified(direct, compiled, example_inputs):
                 graph.call, graph.direct = direct, True  # type: ignore[assignment]
             else:
-                log.warning("could not capture the %s graph of %s for direct calls; "
+                log.info("could not capture the %s graph of %s for direct calls; "
                             "calling it through Dynamo", backend, graph)
     return graph
 

@@ -12,12 +12,14 @@ import torch
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import LayoutError
+from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call
 from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.attention import IMPLS, attention
+from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.masks import bounded_mask, mask_for, real_rows
 
-GraphFn = Callable[..., torch.Tensor]
+GraphFn = Callable[..., torch.Tensor] | FlexGraph
 
 
 def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | None) -> GraphFn:
@@ -25,7 +27,9 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
 
     - CAUSAL: ``f(q, k, v)``, mask-free, ``is_causal``;
     - MASK: ``f(q, k, v, mask)`` with a dense boolean mask built on the host;
-    - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds arrive as a tensor.
+    - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds arrive as a tensor;
+    - MASK with impl ``flex``: a :class:`FlexGraph` (block mask instead of a dense one;
+      here with a one-entry block-mask cache, the dispatcher passes its own).
     Each family's functions are closures over one code object; ``compile.py`` gives
     every compiled graph a fresh code object of its own.
     """
@@ -33,6 +37,8 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
         def causal_graph(q, k, v):
             return attention(q, k, v, impl=impl, causal=True, scale=scale, partition_len=partition_len)
         return causal_graph
+    if call.kind is MaskMode.MASK and impl == "flex":
+        return FlexGraph(flex_graph(scale), BlockMaskCache(1))
     if call.kind is MaskMode.MASK:
         def mask_graph(q, k, v, mask):
             return attention(q, k, v, impl=impl, mask=mask, scale=scale, partition_len=partition_len)
@@ -101,7 +107,10 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
 
 def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
              graphs: Sequence[tuple[Call, GraphFn]]) -> torch.Tensor:
-    call, fn = graphs[0]
+    call, first = graphs[0]
+    if isinstance(first, FlexGraph):
+        return first.run(q, k, v, layout, call)
+    fn: Callable[..., torch.Tensor] = first
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind is not MaskMode.VARLEN:
         out = fn(*graph_inputs(q, k, v, layout, call))
         if call.q_bucket != call.q_len:
@@ -113,8 +122,8 @@ def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLay
         return out
     # every real row is written by exactly one call: only padding rows need zeros
     out = q.new_zeros(q.shape) if layout.q_tokens != layout.total_tokens else torch.empty_like(q)
-    for call, fn in graphs:
-        o = fn(*graph_inputs(q, k, v, layout, call))
+    for call, each in graphs:
+        o = each(*graph_inputs(q, k, v, layout, call))  # type: ignore[operator]  # FlexGraph: MASK, one call
         n = call.q_len
         out[call.q_start:call.q_start + n].copy_((o if call.q_bucket == n else o[:, :n]).transpose(0, 1))
     return out
@@ -163,8 +172,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayou
     :class:`~attnpolicy.errors.IllegalModeError` if ``mode`` is illegal for the layout.
     """
     mode = MaskMode(mode)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in IMPLS and not (impl == "flex" and mode is MaskMode.MASK):
+        raise ValueError(f"impl must be one of {IMPLS} (or 'flex' in mode mask), got {impl!r}")
     if partition_len is not None and partition_len < 1:
         raise ValueError(f"partition_len must be >= 1, got {partition_len}")
     check_inputs(q, k, v, layout)

@@ -15,6 +15,7 @@ Implementations (RBLN's names in brackets):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,13 @@ def _flash(q, k, v, causal, mask, scale, partition_len):
     return (acc / run_sum).reshape(hq, lq, d).to(q.dtype)
 
 
-_IMPL_FNS = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
+_IMPL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
+
+
+def register_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Make ``fn`` (signature of ``_sdpa``) available as ``attention(..., impl=name)``;
+    kernel plugins register through :mod:`attnpolicy.plugins.kernels`."""
+    _IMPL_FNS[name] = fn
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
@@ -102,7 +109,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = 
     """One attention call on ``[H, L, D]`` tensors (see the module docstring)."""
     fn = _IMPL_FNS.get(impl)
     if fn is None:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"impl must be one of {tuple(_IMPL_FNS)}, got {impl!r}")
     if impl == "flash":
         partition_len = k.shape[-2] if partition_len is None else partition_len
         if partition_len < 1:

@@ -86,8 +86,8 @@ def measure_overhead(backend: str, policy: str, num_seqs: int, seq_len: int, *, 
     g = torch.Generator().manual_seed(0)
     n = layout.q_tokens
     q, k, v = (torch.randn(n, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
-    cfg = AttnPolicyConfig(policy=policy, backend=backend, max_seq_len=max(seq_len, 16),
-                           max_batch_tokens=max(n, 16))
+    cfg = AttnPolicyConfig.model_validate({"policy": policy, "backend": backend, "max_seq_len": max(seq_len, 16),
+                                           "max_batch_tokens": max(n, 16)})
     d = Dispatcher(cfg)
     with torch.inference_mode():
         d.attend(q, k, v, layout)  # compile

@@ -26,7 +26,8 @@ from attnpolicy.errors import PluginError, PolicyError
 from attnpolicy.plugins import hookspecs
 from attnpolicy.policies.base import Policy
 
-BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware")
+BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware",
+                   "attnpolicy.plugins.kernels")
 ENTRY_POINT_GROUP = "attnpolicy"
 LOAD_PLUGINS_ENV = "ATTNPOLICY_LOAD_PLUGINS"
 
