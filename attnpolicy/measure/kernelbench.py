@@ -61,14 +61,17 @@ def _build_ms(layout: BatchLayout, impl: str) -> float:
 
 
 def bench_kernels(total: int, num_seqs: int, *, heads: int = 8, kv_heads: int = 8, head_dim: int = 64,
-                  repeats: int = 5, backend: str = "none", skip: Iterable[str] = ()) -> list[KernelRow]:
-    """Rows for one batch: the SDPA loop, then every registered (family, impl) not in ``skip``."""
+                  repeats: int = 5, backend: str = "none", skip: Iterable[str] = (),
+                  families: Iterable[str] = ("varlen", "mask")) -> list[KernelRow]:
+    """Rows for one batch: the SDPA loop, then every registered (family, impl) of
+    ``families`` whose impl is not in ``skip``."""
     layout = BatchLayout.from_lens(split_lengths(total, num_seqs))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(total, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
     runs: dict[tuple[str, str, str], Callable[[], object]] = {
         ("loop", "sdpa", "none"): lambda: bare_kernel(layout, MaskMode.VARLEN)(q, k, v)}
-    for family in ("varlen", "mask"):
+    skip = set(skip)
+    for family in families:
         for info in impls_for(family):
             if info.name in skip:
                 continue
