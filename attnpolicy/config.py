@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from attnpolicy.core import jsonfile
+from attnpolicy.core.modes import GraphFamily
 from attnpolicy.core.names import (
     DEFAULT_MAX_MASK_BYTES,
     Backend,
@@ -73,6 +74,9 @@ class AttnPolicyConfig(BaseModel):
     backend: Backend = "inductor"
     attn_impl: Impl | None = None
     partition_len: PositiveInt | None = None
+    #: implementation per graph family ("causal", "mask", "varlen"): a registered kernel
+    #: name or "auto"; a family not listed uses attn_impl
+    kernels: dict[str, str] = Field(default_factory=dict)
     max_seq_len: PositiveInt = 8192
     max_batch_tokens: PositiveInt = 65536
     max_mask_bytes: PositiveInt = DEFAULT_MAX_MASK_BYTES
@@ -97,6 +101,17 @@ class AttnPolicyConfig(BaseModel):
             raise ValueError("eviction 'belady' is simulation-only: it needs an oracle of future "
                              "requests (next_use), which a live runtime does not have")
         return name
+
+    @field_validator("kernels")
+    @classmethod
+    def _kernel_families(cls, kernels: dict[str, str]) -> dict[str, str]:
+        families = tuple(f.value for f in GraphFamily)
+        for family, name in kernels.items():
+            if family not in families:
+                raise ValueError(f"kernels: family {family!r} is not one of {', '.join(families)}")
+            if not name.strip():
+                raise ValueError(f"kernels: {family} must name a registered kernel or 'auto', got {name!r}")
+        return kernels
 
     @model_validator(mode="after")
     def _rules(self) -> AttnPolicyConfig:
@@ -161,6 +176,7 @@ class AttnPolicyConfig(BaseModel):
         known ones). Imports the registry (and so the installed plugins)."""
         from attnpolicy.cache.graph_cache import make_eviction
         from attnpolicy.errors import PolicyError
+        from attnpolicy.plugins.kernels import check_kernel_names
         from attnpolicy.plugins.registry import make_policy
 
         try:
@@ -168,6 +184,7 @@ class AttnPolicyConfig(BaseModel):
         except PolicyError as exc:
             raise ConfigError(str(exc)) from exc
         make_eviction(self.eviction)
+        check_kernel_names(self.kernels)
         return policy
 
     def bucket(self, n: int) -> int:

@@ -16,19 +16,35 @@ from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
-from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
+from attnpolicy.errors import (
+    BucketOverflowError,
+    ConfigError,
+    GraphCompileError,
+    StrictModeError,
+)
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.execute import GraphFn, check_inputs, execute, graph_fn
+from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.graphs.plan import plan_calls
+from attnpolicy.kernels.flex import BlockMaskCache, build_block_mask, flex_graph
 from attnpolicy.kernels.masks import MaskCache, MaskCacheStats
+from attnpolicy.plugins.kernels import (
+    FAMILIES,
+    KernelInfo,
+    check_kernel_names,
+    get_kernel,
+    impls_for,
+    why_unfit,
+)
 from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
-#: Planned (call, key) tuples remembered per (layout, mode, spec).
+#: Planned (call, key) tuples remembered per (layout, mode, spec); also the bound of
+#: the prepared-batch memo (cleared when full).
 PLAN_CACHE_SIZE = 4096
 
 Planned = tuple[tuple[Call, GraphKey], ...]
@@ -47,6 +63,16 @@ class PaddingStats:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockMaskStats:
+    """The FlexAttention block masks a dispatcher keeps (one per layout, bounded)."""
+
+    entries: int
+    bytes: int
+    max_entries: int
+    builds: int
+
+
+@dataclass(frozen=True, slots=True)
 class DispatcherStats:
     """A snapshot of a :class:`Dispatcher`: its counters, its graph cache's and its
     mask cache's (see docs/cache.md). ``to_json()`` gives the dict of the JSON outputs."""
@@ -59,10 +85,12 @@ class DispatcherStats:
     mask_fallbacks: int
     compile_error_fallbacks: int
     strict_violations: int
+    direct_call_fallbacks: int
     observer_errors: dict[str, int]
     padding: PaddingStats
     plans: int
     masks: MaskCacheStats
+    block_masks: BlockMaskStats
     cache: CacheStats
 
     def to_json(self) -> dict[str, Any]:
@@ -116,16 +144,21 @@ class Dispatcher:
         self._contexts: dict[TensorSpec, PolicyContext] = {}
         self.masks = MaskCache(cfg.max_mask_bytes)
         self._pinned: list[GraphKey] = []
+        self._batches: dict[tuple[BatchLayout, TensorSpec], _Prepared] = {}
+        self._specs: dict[tuple[Any, ...], TensorSpec] = {}
         self._warm = False
         self._modes: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
+        self._kernels = _KernelChoice(cfg, cost_model)
+        #: FlexAttention block masks per layout (bounded; see kernels/flex.py)
+        self.block_masks = BlockMaskCache()
 
     # -- the hot path ------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
                scale: float | None = None) -> torch.Tensor:
         """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
         check_inputs(q, k, v, layout, scale)
-        graphs = self.prepare(layout, TensorSpec.of(q, k, scale))
+        graphs = self.prepare(layout, self._spec_of(q, k, scale))
         try:
             return execute(q, k, v, layout, graphs, self.masks)
         finally:
@@ -142,43 +175,72 @@ class Dispatcher:
         """:meth:`prepare`, also returning the decision that runs: the policy's, or
         VARLEN when its MASK call's mask is over ``max_mask_bytes`` (``on_overflow='eager'``)."""
         self.release_batch()
-        self._check_lengths(layout)
-        decision = self.decide(layout, spec)
-        return self._fetch(layout, decision, spec)
+        return self._fetch(layout, self._prepared(layout, spec), spec)
 
     def graphs_for(self, layout: BatchLayout, decision: Decision,
                    spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """Plan ``layout`` in an already taken ``decision`` (e.g. a layer with another
         tensor spec in the same step) and fetch its graphs, pinned with the batch's;
         counted as one batch."""
-        return self._fetch(layout, decision, spec)[1]
+        return self._fetch(layout, _Prepared(decision, *self._planned(layout, decision.mode, spec), layout),
+                           spec)[1]
 
-    def _fetch(self, layout: BatchLayout, decision: Decision,
+    def _fetch(self, layout: BatchLayout, batch: _Prepared,
                spec: TensorSpec) -> tuple[Decision, list[tuple[Call, GraphFn]]]:
-        mode, planned = self._planned(layout, decision.mode, spec)
         try:
-            out = [(call, self._graph(call, key, spec, pin=True)) for call, key in planned]
+            out = [(call, self._graph(call, key, spec, layout, pin=True)) for call, key in batch.planned]
         except BaseException:
             self.release_batch()
             raise
         # counted once every graph is at hand: a batch that raised is not counted
-        self._modes[mode.value] += 1
+        self._modes[batch.mode.value] += 1
         c = self._counts
-        if mode is not decision.mode:
+        if batch.mode is not batch.decision.mode:
             c["mask_fallbacks"] += 1
         c["batches"] += 1
-        c["calls"] += len(planned)
+        c["calls"] += batch.calls
         c["real_tokens"] += layout.total_tokens
-        c["padded_tokens"] += sum(call.q_bucket for call, _ in planned) - layout.total_tokens
-        if mode is not decision.mode:
-            decision = Decision(mode, f"{decision.reason}; its mask exceeds max_mask_bytes: ran {mode.value}")
-        return decision, out
+        c["padded_tokens"] += batch.padded_tokens
+        return batch.ran, out
 
     def release_batch(self) -> None:
         """Unpin the graphs of the batch last prepared (it has run)."""
         if self._pinned:
             pinned, self._pinned = self._pinned, []
             self.cache.unpin(pinned)
+
+    # -- prepared batches: the per-layout memo of the hot path ---------------------------
+    def _prepared(self, layout: BatchLayout, spec: TensorSpec) -> _Prepared:
+        """The decision and plan for ``layout`` (lengths checked first). A stateless
+        policy's decision (see :attr:`Guard.stateless`) is reused per (layout, spec) and
+        replayed to the decision hook; any other policy is asked every time, as is a
+        decision the guard overrode (its fallback is counted per batch). Graphs are not
+        memoised: ``_graph`` fetches them from the cache for every call, so hits,
+        recency, pins and evictions stay exact."""
+        memo_key = (layout, spec)
+        batch = self._batches.get(memo_key)
+        if batch is not None:
+            self.guard.replay(layout, batch.decision)
+            return batch
+        self._check_lengths(layout)
+        fallbacks = self.guard.fallbacks
+        decision = self.decide(layout, spec)
+        batch = _Prepared(decision, *self._planned(layout, decision.mode, spec), layout)
+        if self.guard.stateless and self.guard.fallbacks == fallbacks:
+            if len(self._batches) >= PLAN_CACHE_SIZE:
+                self._batches.clear()
+            self._batches[memo_key] = batch
+        return batch
+
+    def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> TensorSpec:
+        """``TensorSpec.of(q, k, scale)``, reused per distinct tensor properties."""
+        key = (q.dtype, q.shape[1], q.shape[2], k.shape[1], scale, q.device)
+        spec = self._specs.get(key)
+        if spec is None:
+            if len(self._specs) >= PLAN_CACHE_SIZE:
+                self._specs.clear()
+            spec = self._specs[key] = TensorSpec.of(q, k, scale)
+        return spec
 
     def decide(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
         """The decision that runs for ``layout`` on tensors of ``spec`` (after the guard).
@@ -257,7 +319,8 @@ class Dispatcher:
             mode = MaskMode.VARLEN
             calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
         planned = tuple(
-            (call, GraphKey.for_call(call, spec, cast(str, cfg.attn_impl), cfg.partition_len, cfg.backend))
+            (call, GraphKey.for_call(call, spec, self._kernels.impl(call, layout, spec), cfg.partition_len,
+                                     cfg.backend))
             for call in map(self._fits, calls))
         self._plans[plan_key] = (mode, planned)
         return mode, planned
@@ -274,30 +337,44 @@ class Dispatcher:
         return self.context_for(spec).keys_for(layout, self.preview(layout, spec).mode)
 
     # -- graphs ------------------------------------------------------------------------
-    def _uncompiled(self, call: Call, spec: TensorSpec) -> GraphFn:
-        cfg = self.config
-        return graph_fn(call, cast(str, cfg.attn_impl), spec.scale, cfg.partition_len)
+    def _uncompiled(self, call: Call, spec: TensorSpec, impl: str) -> GraphFn:
+        if impl == "flex":
+            return FlexGraph(flex_graph(spec.scale), self.block_masks)
+        return graph_fn(call, impl, spec.scale, self.config.partition_len)
 
-    def _graph(self, call: Call, key: GraphKey, spec: TensorSpec, pin: bool = False) -> GraphFn:
+    def _graph(self, call: Call, key: GraphKey, spec: TensorSpec, layout: BatchLayout | None = None,
+               pin: bool = False) -> GraphFn:
         if not call.compiled:  # longer than the largest bucket, on_overflow="eager"
             self._counts["overflow"] += 1
-            return self._uncompiled(call, spec)
+            return self._uncompiled(call, spec, key.impl)
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
-            graph = cast(GraphFn, self.cache.get_or_compile(key, lambda: self._builder(call, key, spec), pin=pin))
+            graph = self.cache.get_or_compile(key, lambda: self._builder(call, key, spec), pin=pin)
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise
             self._counts["compile_error_fallbacks"] += 1
-            return self._uncompiled(call, spec)
+            return self._uncompiled(call, spec, key.impl)
         if pin:
             self._pinned.append(key)
-        return graph
+        # a compiled graph runs through the callable its backend produced (guard-free)
+        return cast(GraphFn, graph.call if type(graph) is CompiledGraph else graph)
 
-    def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
-        return compile_graph(self._uncompiled(call, spec), key.backend, counter=self._compile_counter,
-                             example_inputs=example_inputs(call, spec))
+    def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
+        if key.impl == "flex":
+            ins = (*(t[None] for t in example_inputs(call, spec)[:3]),
+                   build_block_mask(_ONE_ROW, call.q_bucket, call.kv_bucket, spec.device))
+            graph = compile_graph(flex_graph(spec.scale), key.backend, counter=self._compile_counter,
+                                  example_inputs=ins)
+            return FlexGraph(graph, self.block_masks)  # flex graphs take a BlockMask: called through Dynamo
+        fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len)
+        assert not isinstance(fn, FlexGraph)  # flex is compiled above
+        graph = compile_graph(fn, key.backend, counter=self._compile_counter,
+                              example_inputs=example_inputs(call, spec))
+        if not graph.direct:
+            self._counts["direct_call_fallbacks"] += 1
+        return graph
 
     def _strict(self, key: GraphKey) -> None:
         self._counts["strict_violations"] += 1
@@ -334,12 +411,31 @@ class Dispatcher:
             mask_fallbacks=c["mask_fallbacks"],
             compile_error_fallbacks=c["compile_error_fallbacks"],
             strict_violations=c["strict_violations"],
+            direct_call_fallbacks=c["direct_call_fallbacks"],
             observer_errors=dict(self.observers.errors),
             padding=PaddingStats(real, padded, padded / real if real else 0.0),
             plans=len(self._plans),
             masks=self.masks.stats(),
+            block_masks=BlockMaskStats(len(self.block_masks), self.block_masks.nbytes,
+                                       self.block_masks.max_entries, self.block_masks.builds),
             cache=self.cache.stats(),
         )
+
+
+class _Prepared:
+    """A batch's decision, the mode that runs (VARLEN for a MASK call over
+    ``max_mask_bytes``) and its planned (call, key) pairs, with its per-batch counts."""
+
+    __slots__ = ("calls", "decision", "mode", "padded_tokens", "planned", "ran")
+
+    def __init__(self, decision: Decision, mode: MaskMode, planned: Planned, layout: BatchLayout) -> None:
+        self.decision = decision
+        self.mode = mode
+        self.planned = planned
+        self.calls = len(planned)
+        self.padded_tokens = sum(call.q_bucket for call, _ in planned) - layout.total_tokens
+        self.ran = decision if mode is decision.mode else Decision(
+            mode, f"{decision.reason}; its mask exceeds max_mask_bytes: ran {mode.value}")
 
 
 def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey, float], float] | None:
@@ -352,8 +448,52 @@ def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey
     return (cost_model or CostModel.default()).compile_cost
 
 
-def _release(key: GraphKey, graph: CompiledGraph) -> None:
-    release_graph(graph)
+def _release(key: GraphKey, graph: CompiledGraph | FlexGraph) -> None:
+    inner = graph.graph if isinstance(graph, FlexGraph) else graph
+    if isinstance(inner, CompiledGraph):
+        release_graph(inner)
+
+
+_ONE_ROW = BatchLayout.from_lens([1])
+
+
+class _KernelChoice:
+    """Which registered implementation runs each call: the config's choice per family
+    (``kernels``, else ``attn_impl``), checked against the implementation's
+    capabilities; ``auto`` takes the fastest fit the cost model measured (``calibrate``),
+    else the first fit in registration order."""
+
+    def __init__(self, cfg: AttnPolicyConfig, cost_model: Any) -> None:
+        check_kernel_names(cfg.kernels)
+        self._choice = {f: cfg.kernels.get(f, cfg.attn_impl or "sdpa") for f in FAMILIES}
+        self._compiled = cfg.backend != "none"
+        self._measured: dict[str, dict[str, float]] = getattr(cost_model, "kernel_seconds", None) or {}
+
+    def impl(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> str:
+        family = call.family.value
+        if call.family is GraphFamily.MASK:
+            causal, context = layout.causal, layout.has_context
+        else:
+            causal, context = call.causal, call.kv_len > call.q_len
+        gqa = spec.heads != spec.kv_heads
+
+        def unfit(info: KernelInfo) -> str | None:
+            return why_unfit(info, causal=causal, context=context, dtype=spec.dtype, gqa=gqa,
+                             device=spec.device, compiled=self._compiled)
+
+        choice = self._choice[family]
+        if choice != "auto":
+            why = unfit(get_kernel(family, choice))
+            if why is not None:
+                raise ConfigError(f"kernel {choice!r} cannot serve this {family} call ({layout.describe()}): "
+                                  f"it does not support {why}")
+            return choice
+        measured = self._measured.get(family, {})
+        fits = [info.name for info in impls_for(family) if unfit(info) is None]
+        if not fits:
+            raise ConfigError(f"no registered {family} kernel can serve this call ({layout.describe()}, "
+                              f"{spec.dtype}, gqa={gqa}, device {spec.device})")
+        return min(fits, key=lambda name: measured.get(name, float("inf")))
 
 
 def _largest_bucket(cfg: AttnPolicyConfig, max_len: int) -> int:

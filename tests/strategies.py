@@ -51,3 +51,13 @@ def qkv(draw, layout: BatchLayout, dtype: torch.dtype = torch.float32):
     k = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
     return q, k, v
+
+
+@st.composite
+def poisons(draw, layout: BatchLayout):
+    """A non-finite value for one kv row of one sequence: ``(seq, tensor, row, value)``
+    with tensor ``"k"`` or ``"v"`` and ``row`` a packed kv row of that sequence."""
+    seq = draw(st.integers(0, layout.num_seqs - 1))
+    row = layout.kv_starts[seq] + draw(st.integers(0, layout.kv_lens[seq] - 1))
+    return seq, draw(st.sampled_from(["k", "v"])), row, draw(st.sampled_from([float("nan"), float("inf"),
+                                                                             float("-inf")]))

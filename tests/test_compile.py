@@ -128,3 +128,41 @@ def test_inductor_graph_matches_the_plain_function():
     graph = compile_graph(attention, "inductor", counter=compiles, example_inputs=(q, k, v))
     assert len(compiles) == 1
     torch.testing.assert_close(graph(q, k, v), attention(q, k, v))
+
+
+def _attention_v_last(q, k, mask, v):
+    """Touches ``v`` after ``mask``: Dynamo's placeholders come out [q, k, mask, v]."""
+    s = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_graph_is_called_directly_and_matches_dynamo(backend):
+    q, k, v = qkv(6)
+    mask = torch.rand(6, 6) > 0.3
+    mask[:, 0] = True
+    compiles = Compiles()
+    graph = compile_graph(_attention_v_last, backend, counter=compiles, example_inputs=(q, k, mask, v))
+    assert graph.direct and graph.call is not graph._dynamo
+    q2, k2, v2 = qkv(6)  # other values, same shapes: no recompile through the direct call
+    torch.testing.assert_close(graph(q2, k2, mask, v2), _attention_v_last(q2, k2, mask, v2))
+    assert len(compiles) == 1
+    release_graph(graph)
+    assert not graph.direct and graph._capture.gm is None  # the captured graph is dropped
+    torch.testing.assert_close(graph(q2, k2, mask, v2), _attention_v_last(q2, k2, mask, v2))
+    assert len(compiles) == 2  # after release the call goes through Dynamo again
+
+
+def test_graph_compiled_lazily_is_not_direct():
+    graph = compile_graph(attention, "eager")
+    assert not graph.direct
+    torch.testing.assert_close(graph(*qkv(5)), attention(*qkv(5)))
+
+
+@pytest.mark.inductor
+def test_inductor_graph_is_called_directly_and_matches():
+    q, k, mask, v = *qkv(6)[:2], torch.ones(6, 6, dtype=torch.bool), qkv(6)[2]
+    graph = compile_graph(_attention_v_last, "inductor", example_inputs=(q, k, mask, v))
+    assert graph.direct
+    q2, k2, v2 = qkv(6)
+    torch.testing.assert_close(graph(q2, k2, mask, v2), _attention_v_last(q2, k2, mask, v2))

@@ -13,8 +13,13 @@ from reference import reference_for
 from strategies import layouts, qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
-from attnpolicy.core.modes import GraphFamily
-from attnpolicy.errors import BucketOverflowError, GraphCompileError, StrictModeError
+from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.errors import (
+    BucketOverflowError,
+    ConfigError,
+    GraphCompileError,
+    StrictModeError,
+)
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.plugins.registry import get_plugin_manager
 
@@ -252,3 +257,100 @@ def test_cost_eviction_ranks_by_modelled_compile_seconds():
     expected = sum(model.compile_seconds(k) for k in d.cache.keys())
     # measured build time is ~0 here: the recorded seconds are the model's, the same on every rank
     assert d.cache.stats().compile_seconds == pytest.approx(expected)
+
+
+class _Counting:
+    """A policy plugin that counts how often it is asked (stateless or not)."""
+
+    def __init__(self, stateless):
+        self.asked = 0
+        self.stateless = stateless
+
+    name = "counting"
+    description = "varlen, counting decisions"
+
+    def decide(self, layout, ctx):
+        from attnpolicy.core.modes import Decision
+        self.asked += 1
+        return Decision(MaskMode.VARLEN, "counted")
+
+
+@pytest.mark.parametrize("stateless", [True, False])
+def test_stateless_decisions_are_reused_per_layout_and_still_reported(stateless):
+    decisions = []
+
+    class Recorder:
+        @hookimpl
+        def attnpolicy_on_decision(self, layout, decision, policy, fell_back):
+            decisions.append(decision.mode)
+
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_seq_len=256))
+    d.guard.policy = policy = _Counting(stateless)
+    pm = get_plugin_manager()
+    recorder = Recorder()
+    pm.register(recorder)
+    try:
+        lay = BatchLayout.from_lens([5, 9])
+        for seed in range(3):
+            _check(d, lay, *_qkv(lay, seed=seed))
+    finally:
+        pm.unregister(recorder)
+    assert policy.asked == (1 if stateless else 3)
+    assert decisions == [MaskMode.VARLEN] * 3
+    stats = d.stats()
+    assert stats.batches == 3 and stats.calls == 6 and stats.modes["varlen"] == 3
+    assert stats.cache.hits + stats.cache.misses == 6  # fetched for every call
+
+
+def test_guard_fallbacks_are_counted_per_batch_not_memoised():
+    d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend="none", max_seq_len=256))
+    lay = BatchLayout.from_lens([5, 9])
+    for seed in range(3):
+        _check(d, lay, *_qkv(lay, seed=seed))
+    assert d.stats().guard_fallbacks == 3
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_graphs_are_called_directly(backend):
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=256))
+    lay = BatchLayout.from_lens([5, 9], kv_lens=[7, 9])
+    _check(d, lay, *_qkv(lay))
+    keys = d.cache.keys()
+    assert keys
+    for key in keys:
+        assert d.cache.get_or_compile(key, None).direct
+    assert d.stats().direct_call_fallbacks == 0
+
+
+def test_auto_kernel_is_the_fastest_measured_one_that_fits():
+    from attnpolicy.graphs.costmodel import CostModel
+
+    measured = {"mask": {"flex": 0.001, "eager": 0.002, "sdpa": 0.5, "flash": 0.9}}
+    model = CostModel.default().model_copy(update={"kernel_seconds": measured})
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", kernels={"mask": "auto"}),
+                   cost_model=model)
+    lay = BatchLayout.from_lens([5, 9])
+    _check(d, lay, *_qkv(lay))
+    impls = {key.impl for key in d.cache.keys()}
+    assert impls == {"flex"}
+    _check(d, lay, *(t.double() for t in _qkv(lay)))  # flex has no float64: the next fastest
+    impls = {key.impl for key in d.cache.keys()}
+    assert impls == {"flex", "eager"}
+
+
+def test_kernel_configured_for_a_call_it_cannot_serve_names_it():
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", kernels={"mask": "flex"}))
+    lay = BatchLayout.from_lens([5, 9])
+    with pytest.raises(ConfigError, match="kernel 'flex' cannot serve this mask call .* dtype float64"):
+        d.attend(*(t.double() for t in _qkv(lay)), lay)
+    assert d.stats().batches == 0 and len(d.cache) == 0
+
+
+def test_unknown_kernel_in_config_is_refused():
+    config = AttnPolicyConfig(kernels={"varlen": "flex"})  # plain data: the name is resolved where used
+    with pytest.raises(ConfigError, match="kernels: 'flex' is not a registered varlen kernel"):
+        Dispatcher(config)
+    with pytest.raises(ConfigError, match="kernels: 'flex' is not a registered varlen kernel"):
+        config.validate_names()
+    with pytest.raises(ValueError, match="kernels: family 'decode' is not one of"):
+        AttnPolicyConfig(kernels={"decode": "sdpa"})

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
+from attnpolicy.core.names import IMPLS
 from attnpolicy.graphs.compile import release_graph
 from attnpolicy.graphs.footprint import graph_bytes
-from attnpolicy.kernels.attention import IMPLS
 from attnpolicy.plugins.registry import policy_registry
 
 BACKENDS = ("none", "eager", "aot_eager")

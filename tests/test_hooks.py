@@ -5,6 +5,7 @@ from __future__ import annotations
 import cachetools
 import pluggy
 import pytest
+import torch
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
@@ -110,7 +111,43 @@ def exercise_on_evict():
     assert [o.seen for o in obs] == [[("evict", "mask/q64", 1024)]] * 2
 
 
+def exercise_register_kernels():
+    from reference import reference_for
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import ConfigError
+    from attnpolicy.plugins.kernels import KernelInfo, get_kernel
+
+    calls = []
+
+    def plain(q, k, v, causal, mask, scale, partition_len):  # no GQA, any mask
+        calls.append(q.shape)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=causal and mask is None, scale=scale)[0]
+
+    class Plugin:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            register(KernelInfo("plain", "varlen", plain, gqa=False, context=False))
+
+    get_plugin_manager().register(Plugin(), name="plain-plugin")
+    assert get_kernel("varlen", "plain").plugin == "plain-plugin"
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", kernels={"varlen": "plain"}))
+    layout = BatchLayout.from_lens([3, 5], causal=False)  # bidirectional: VARLEN graphs
+    q = torch.randn(8, 2, 8)
+    torch.testing.assert_close(d.attend(q, q, q, layout).double(), reference_for(q, q, q, layout),
+                               atol=1e-5, rtol=1e-5)
+    assert len(calls) >= 2  # the plugin kernel computed both sequences
+    with pytest.raises(ConfigError, match="kernel 'plain' cannot serve this varlen call.*GQA"):
+        d.attend(q, q[:, :1], q[:, :1], layout)
+    context = BatchLayout.from_lens([3, 5], [4, 5], causal=False)
+    kv = torch.randn(9, 2, 8)
+    with pytest.raises(ConfigError, match="kernel 'plain' cannot serve this varlen call.*cached context"):
+        d.attend(q, kv, kv, context)
+
+
 EXERCISED = {
+    "attnpolicy_register_kernels": exercise_register_kernels,
     "attnpolicy_register_policies": exercise_register_policies,
     "attnpolicy_register_evictions": exercise_register_evictions,
     "attnpolicy_on_decision": exercise_on_decision,

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from reference import reference_for
-from strategies import layouts, qkv
+from strategies import layouts, poisons, qkv
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import IllegalModeError, LayoutError
 from attnpolicy.graphs.execute import attend
-from attnpolicy.kernels.attention import IMPLS, attention
+from attnpolicy.kernels.attention import attention
+from attnpolicy.plugins.kernels import FAMILIES, get_kernel, impls_for, why_unfit
 
 # fp32 kernels against a float64 reference: rounding only.
 FP32_TOL = 1e-5
@@ -115,3 +117,98 @@ def test_garbage_in_padding_rows_never_reaches_real_rows(mode):
     assert out[pad].abs().max() == 0
     torch.testing.assert_close(out.double(), reference_for(q.nan_to_num(), k.nan_to_num(), v.nan_to_num(),
                                                            layout), atol=FP32_TOL, rtol=FP32_TOL)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", [MaskMode.MASK, MaskMode.VARLEN])
+def test_gqa_matches_reference(mode, impl, kv_heads):
+    layout = BatchLayout.from_lens([3, 17, 5], [9, 17, 30], padded_to=33)
+    g = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(33, 8, 16, generator=g)
+    k, v = (torch.randn(layout.kv_tokens, kv_heads, 16, generator=g) for _ in range(2))
+    _check(q, k, v, layout, mode, impl, 7 if impl == "flash" else None)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gqa_never_repeats_k_or_v(impl):
+    """No op copies K/V once per query head: no repeat/index_select, and no copy
+    the size of K broadcast to every query head."""
+    hq, hkv, lq, lk, d = 8, 2, 3, 40, 16
+    q, k, v = torch.randn(hq, lq, d), torch.randn(hkv, lk, d), torch.randn(hkv, lk, d)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        attention(q, k, v, impl=impl, causal=True, partition_len=lk)
+    for event in prof.events():
+        assert "repeat" not in event.name and "index_select" not in event.name, event.name
+        if event.name in ("aten::clone", "aten::copy_", "aten::contiguous", "aten::_unsafe_view"):
+            for shape in event.input_shapes:
+                numel = 1
+                for n in shape:
+                    numel *= n
+                assert not shape or numel != hq * lk * d, (event.name, event.input_shapes)
+
+
+# Built-ins of every family run in the suite above; these are the other registered ones.
+EXTRA_KERNELS = [(f, info.name) for f in FAMILIES for info in impls_for(f) if info.name not in IMPLS]
+
+
+def _fits(family, impl, layout, q, k):
+    return why_unfit(get_kernel(family, impl), causal=layout.causal, context=layout.has_context,
+                     dtype=str(q.dtype).removeprefix("torch."), gqa=q.shape[1] != k.shape[1],
+                     device="cpu", compiled=False) is None
+
+
+@pytest.mark.parametrize("family, impl", EXTRA_KERNELS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_every_registered_kernel_matches_reference(family, impl, data):
+    layout = data.draw(layouts(single=family == "causal", max_seqs=3))
+    q, k, v = data.draw(qkv(layout, data.draw(st.sampled_from([torch.float32, torch.bfloat16]))))
+    assume(_fits(family, impl, layout, q, k))
+    _check(q, k, v, layout, MaskMode(family), impl, None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_flex_isolates_sequences_from_non_finite_kv(data):
+    """NaN/inf in one sequence's K or V never reaches another sequence's output (even
+    when they share a 128-row block); the poisoned sequence's rows that see it are NaN."""
+    layout = data.draw(layouts(max_seqs=4))
+    q, k, v = data.draw(qkv(layout))
+    seq, which, row, value = data.draw(poisons(layout))
+    clean = attend(q, k, v, layout, MaskMode.MASK, "flex")
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_k if which == "k" else bad_v)[row] = value
+    out = attend(q, bad_k, bad_v, layout, MaskMode.MASK, "flex")
+    for i, (qs, ql, ks, kl) in enumerate(zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens)):
+        if i != seq:
+            torch.testing.assert_close(out[qs:qs + ql], clean[qs:qs + ql])
+            continue
+        pos = row - ks  # query j sees key positions 0 .. kl - ql + j (all when bidirectional)
+        first = max(0, pos - (kl - ql)) if layout.causal else 0
+        assert out[qs + first:qs + ql].isnan().all()
+        torch.testing.assert_close(out[qs:qs + first], clean[qs:qs + first])
+    padding = torch.ones(layout.q_tokens, dtype=torch.bool)
+    for qs, ql in zip(layout.q_starts, layout.q_lens):
+        padding[qs:qs + ql] = False
+    assert (out[padding] == 0).all()
+
+
+@pytest.mark.inductor
+def test_inductor_compiled_flex_matches_reference_and_isolates():
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="inductor", kernels={"mask": "flex"},
+                                    max_seq_len=256))
+    layout = BatchLayout.from_lens([30, 50, 20], [40, 50, 60], padded_to=110)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(110, 4, 16, generator=g)
+    k, v = (torch.randn(layout.kv_tokens, 2, 16, generator=g) for _ in range(2))
+    out = d.attend(q, k, v, layout)
+    torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=FP32_TOL, rtol=FP32_TOL)
+    v[layout.kv_starts[1] + 49] = float("inf")  # the last key of sequence 1: only its last query sees it
+    poisoned = d.attend(q, k, v, layout)
+    assert poisoned[layout.q_starts[1] + 49].isnan().all()
+    others = torch.ones(110, dtype=torch.bool)
+    others[layout.q_starts[1] + 49] = False
+    torch.testing.assert_close(poisoned[others], out[others])

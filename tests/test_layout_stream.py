@@ -35,8 +35,8 @@ def _record(path, policy: str, max_graphs: int | None, eviction: str = "lru") ->
                                              max_model_len=4096).steps(synthetic_default(24))]
     for layout in layouts:
         decision, _ = dispatcher.prepare_step(layout, SPEC)
-        writer.write_step(layout, decision.mode, dispatcher.context.keys_for(layout, decision.mode),
-                          dispatcher.cache.stats())
+        writer.write_step(layout, decision.mode, dispatcher.context_for(SPEC).keys_for(layout, decision.mode),
+                          dispatcher.cache.stats().to_json())
     writer.close()
     return layouts
 
@@ -71,8 +71,8 @@ def test_stream_holds_several_runs_and_padded_layouts(tmp_path):
     second = LayoutStreamWriter(path, config.model_copy(update={"policy": "varlen"}), SPEC)
     padded = BatchLayout.from_lens([3, 5], padded_to=12)
     counters = {"hits": 0, "misses": 1, "evictions": 0, "graphs": 1}
-    first.write_step(padded, Dispatcher(config).decide(padded).mode, ["k"], counters)
-    second.write_step(BatchLayout.from_lens([1, 1], [9, 4]), Dispatcher(config).decide(padded).mode, [], counters)
+    first.write_step(padded, Dispatcher(config).preview(padded, SPEC).mode, ["k"], counters)
+    second.write_step(BatchLayout.from_lens([1, 1], [9, 4]), Dispatcher(config).preview(padded, SPEC).mode, [], counters)
     first.close()
     second.close()
     runs = read_layout_stream(path)

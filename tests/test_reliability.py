@@ -15,11 +15,12 @@ from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import BucketOverflowError, ConfigError, LayoutError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.kernels.attention import IMPLS, attention
+from attnpolicy.kernels.attention import attention
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.simulation import _replay, simulate
 from attnpolicy.measure.workload import Request

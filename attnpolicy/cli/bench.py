@@ -18,6 +18,7 @@ from attnpolicy.cli.common import (
     warn,
 )
 from attnpolicy.core.jsonfile import write_json
+from attnpolicy.core.names import IMPLS
 from attnpolicy.measure.timing import NOISY, BenchSettings, run_bench, speedups, to_json
 
 FLAGS = {"kv_heads": "--kv-heads", "seqs": "--seqs", "partition_len": "--partition-len"}
@@ -36,19 +37,33 @@ def register(subparsers: Any) -> None:
     p.add_argument("--warmup", type=natural_int, default=d.warmup, metavar="N",
                    help=f"untimed runs first (default: {d.warmup})")
     add_spec_args(p)
-    p.add_argument("--impl", choices=("sdpa", "eager", "flash"), default=d.impl,
+    p.add_argument("--impl", choices=IMPLS, default=d.impl,
                    help=f"attention implementation (default: {d.impl})")
     p.add_argument("--partition-len", type=positive_int, default=None, metavar="N",
                    help="tokens per KV partition for --impl flash (default: whole kv)")
     p.add_argument("--threads", type=positive_int, default=d.threads, metavar="N",
                    help=f"torch threads, as calibrate's default (default: {d.threads})")
     p.add_argument("--json", metavar="PATH", help="write rows and environment as JSON (default: none)")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead: time Dispatcher.attend against the bare kernel per backend, policy and "
+                        "batch (default: off)")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: every registered implementation per family against the SDPA loop "
+                        "(default: off)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     s = settings(BenchSettings, FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
                  warmup=args.warmup, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, threads=args.threads)
+    if args.overhead:
+        from attnpolicy.cli.overhead import cmd_overhead
+
+        return cmd_overhead(args)
+    if args.kernels:
+        from attnpolicy.cli.kernels import cmd_kernels
+
+        return cmd_kernels(args)
     with progress(len(s.lengths) * len(s.seqs), "bench") as advance:
         rows = run_bench(s, advance)
     ratio = {(sp.seq_len, sp.num_seqs): sp for sp in speedups(rows)}

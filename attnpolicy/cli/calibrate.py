@@ -44,12 +44,15 @@ def register(subparsers: Any) -> None:
                    help=f"torch threads while measuring; stable on a shared machine, and bench's "
                         f"default too (default: {d.threads})")
     c.add_argument("--quick", action="store_true", help="every other size only (default: off)")
+    c.add_argument("--kernels", action="store_true",
+                   help="also time every registered kernel per family, for kernels 'auto' (default: off)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
-                 max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads)
+                 max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads,
+                 kernels=args.kernels)
     with progress(len(shapes(s)) + s.repeats, "calibrate") as advance:
         model = calibrate(s, advance)
     path = model.save(args.out)

@@ -16,6 +16,8 @@ compiles, and :func:`release_graph` frees exactly one graph's compiled code with
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -25,25 +27,44 @@ import torch
 from attnpolicy.core.names import BACKENDS
 from attnpolicy.errors import ConfigError
 
+log = logging.getLogger("attnpolicy.graphs.compile")
+
 
 class CompiledGraph:
     """A callable graph: ``torch.compile`` of a private copy of a function (or the plain
     function for backend ``"none"``). ``code`` is the private code object (``None`` when
-    nothing is compiled)."""
+    nothing is compiled).
 
-    __slots__ = ("backend", "code", "_call", "__weakref__")
+    ``call`` is what to run: once :func:`compile_graph` compiled the graph with example
+    inputs it is the backend's own callable, captured at compile time and called
+    directly, without Dynamo's per-call frame evaluation and guards (``direct`` is then
+    True). That is sound because a graph key pins everything the guards check (shapes,
+    strides, dtype, device); graphs are compiled and called in no-grad mode. When the
+    capture fails, ``call`` is the Dynamo wrapper (``direct`` False): slower, as correct.
+    """
+
+    __slots__ = ("__weakref__", "_capture", "_dynamo", "backend", "call", "code", "direct")
 
     def __init__(self, call: Callable[..., Any], code: types.CodeType | None, backend: str) -> None:
-        self._call = call
+        self._dynamo = self.call = call
         self.code = code
         self.backend = backend
+        self.direct = backend == "none"
+        self._capture: _Capture | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
+    def __call__(self, *args: Any) -> Any:
+        return self.call(*args)
+
+    def _drop_direct(self) -> None:
+        """Forget the captured callable and graph: calls go through Dynamo again."""
+        self.call = self._dynamo
+        self.direct = self.backend == "none"
+        if self._capture is not None:
+            self._capture.gm = self._capture.fn = None
 
     def __repr__(self) -> str:
-        name = getattr(self.code, "co_name", getattr(self._call, "__name__", "?"))
-        return f"CompiledGraph({name}, backend={self.backend!r})"
+        name = getattr(self.code, "co_name", getattr(self._dynamo, "__name__", "?"))
+        return f"CompiledGraph({name}, backend={self.backend!r}, direct={self.direct})"
 
 
 def _fresh_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -63,15 +84,120 @@ def _code_of(fn: Callable[..., Any]) -> types.CodeType:
     return fn.__func__.__code__ if isinstance(fn, types.MethodType) else fn.__code__
 
 
-def _counting(backend: str, counter: Callable[[torch.fx.GraphModule], None]) -> Callable[..., Any]:
-    """The named Dynamo backend, calling ``counter(gm)`` before each compile."""
+class _Capture:
+    """What the backend produced on the last compile: Dynamo's graph module and the
+    backend's callable."""
+
+    __slots__ = ("fn", "gm")
+
+    def __init__(self) -> None:
+        self.gm: torch.fx.GraphModule | None = None
+        self.fn: Callable[..., Any] | None = None
+
+
+def _capturing(backend: str, counter: Callable[[torch.fx.GraphModule], None] | None,
+               box: _Capture) -> Callable[..., Any]:
+    """The named Dynamo backend, calling ``counter(gm)`` before each compile and
+    recording the graph module and the backend's result in ``box``."""
     inner = torch._dynamo.lookup_backend(backend)
 
     def compiler(gm: torch.fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
-        counter(gm)
-        return inner(gm, inputs)
+        if counter is not None:
+            counter(gm)
+        fn = inner(gm, inputs)
+        box.gm, box.fn = gm, fn
+        return fn
 
     return compiler
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    fn = getattr(fn, "__func__", fn)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, cells, strict=True):
+        with contextlib.suppress(ValueError):  # an empty cell
+            out[name] = cell.cell_contents
+    return out
+
+
+def _inductor_call(fn: Any, depth: int = 0, seen: set[int] | None = None) -> Callable[..., Any] | None:
+    """The generated ``call(args: list)`` of the inductor graph wrapped by ``fn``
+    (``CompiledFxGraph.current_callable``), found through the AOT wrappers' closures."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    seen = set() if seen is None else seen
+    if id(fn) in seen or depth > 8:
+        return None
+    seen.add(id(fn))
+    if isinstance(fn, CompiledFxGraph):
+        return fn.current_callable
+    inner = list(_closure(fn).values()) + [getattr(fn, a) for a in ("compiled_fn", "__wrapped__", "fn")
+                                           if hasattr(fn, a)]
+    for c in inner:
+        if callable(c) or hasattr(c, "current_callable"):
+            found = _inductor_call(c, depth + 1, seen)
+            if found is not None:
+                return found
+    return None
+
+
+def _direct(box: _Capture, backend: str, argnames: tuple[str, ...]) -> Callable[..., Any] | None:
+    """A guard-free callable ``f(*args) -> tensor`` equivalent to the compiled graph,
+    or None when the captured graph is not of the expected shape.
+
+    Dynamo orders the graph's placeholders by first use, not by argument order; the
+    placeholder names (``L_q_``) map them back. eager and aot_eager call Dynamo's graph
+    module (the same aten ops; AOT's wrappers cost ~10 µs per call); inductor calls
+    its generated code, which takes a list.
+    """
+    gm = box.gm
+    if gm is None or box.fn is None:
+        return None
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        order = tuple(argnames.index(name[2:-1]) for name in names)
+    except ValueError:
+        return None
+    if sorted(order) != list(range(len(argnames))):
+        return None
+    same = order == tuple(range(len(order)))
+    if backend in ("eager", "aot_eager"):
+        fwd = gm.forward
+        if same:
+            return lambda *a: fwd(*a)[0]
+        return lambda *a: fwd(*[a[i] for i in order])[0]
+    call = _inductor_call(box.fn)
+    if call is None:
+        return None
+    if same:
+        return lambda *a: call(list(a))[0]
+    return lambda *a: call([a[i] for i in order])[0]
+
+
+def _argnames(fn: Callable[..., Any]) -> tuple[str, ...]:
+    code = _code_of(fn)
+    names = code.co_varnames[:code.co_argcount]
+    return names[1:] if isinstance(fn, types.MethodType) else names
+
+
+def _verified(direct: Callable[..., Any] | None, dynamo: Callable[..., Any],
+              example_inputs: tuple[Any, ...]) -> bool:
+    """Whether ``direct`` computes what the Dynamo wrapper computes, on random values
+    in the example inputs' shapes and strides (boolean and integer inputs kept)."""
+    if direct is None:
+        return False
+    probe = tuple(torch.randn_like(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                  for t in example_inputs)
+    try:
+        got, want = direct(*probe), dynamo(*probe)
+    except Exception:
+        return False
+    return (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+            and got.shape == want.shape and got.dtype == want.dtype
+            and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)))
 
 
 def compile_graph(
@@ -84,8 +210,10 @@ def compile_graph(
     """Compile a private copy of ``fn`` with ``backend`` (``dynamic=False, fullgraph=True``).
 
     ``torch.compile`` compiles lazily, on the first call; with ``example_inputs``
-    the graph is called once here, so the compile happens now (inside a cache's
-    build, where its seconds are measured) rather than on the first real request.
+    the graph is called once here (in no-grad mode), so the compile happens now
+    (inside a cache's build, where its seconds are measured) rather than on the first
+    real request, and the backend's callable is captured for guard-free calls (see
+    :class:`CompiledGraph`; checked against the Dynamo wrapper before use).
     ``counter(graph_module)`` is called on every backend compile of this graph
     (a re-compile after :func:`release_graph` included). Backend ``"none"`` returns
     the plain function; nothing is compiled and ``counter`` is never called.
@@ -94,13 +222,24 @@ def compile_graph(
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "none":
         graph = CompiledGraph(fn, None, backend)
-    else:
-        fresh = _fresh_copy(fn)
-        compiler = backend if counter is None else _counting(backend, counter)
-        compiled = torch.compile(fresh, backend=compiler, dynamic=False, fullgraph=True)
-        graph = CompiledGraph(compiled, _code_of(fresh), backend)
+        if example_inputs is not None:
+            with torch.no_grad():
+                graph(*example_inputs)
+        return graph
+    fresh = _fresh_copy(fn)
+    box = _Capture()
+    compiled = torch.compile(fresh, backend=_capturing(backend, counter, box), dynamic=False, fullgraph=True)
+    graph = CompiledGraph(compiled, _code_of(fresh), backend)
+    graph._capture = box
     if example_inputs is not None:
-        graph(*example_inputs)
+        with torch.no_grad():
+            compiled(*example_inputs)
+            direct = _direct(box, backend, _argnames(fresh))
+            if _verified(direct, compiled, example_inputs):
+                graph.call, graph.direct = direct, True  # type: ignore[assignment]
+            else:
+                log.info("could not capture the %s graph of %s for direct calls; "
+                            "calling it through Dynamo", backend, graph)
     return graph
 
 
@@ -111,5 +250,6 @@ def release_graph(graph: CompiledGraph) -> None:
     The object stays callable: a thread that fetched it just before eviction still
     gets correct results (Dynamo compiles it again, which ``counter`` sees).
     """
+    graph._drop_direct()
     if graph.code is not None:
         torch._dynamo.reset_code(graph.code)  # type: ignore[attr-defined]

@@ -126,6 +126,9 @@ class CostModel(BaseModel):
     mask_build: Fit
     call_overhead_seconds: NonNegative = 0.0
     samples: tuple[Sample, ...] = ()
+    #: seconds per graph family and kernel on a reference batch (``calibrate --kernels``);
+    #: the kernel ``auto`` picks the fastest that can serve a call
+    kernel_seconds: dict[str, dict[str, NonNegative]] = {}
 
     @model_validator(mode="after")
     def _every_family(self) -> CostModel:

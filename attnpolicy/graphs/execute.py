@@ -12,12 +12,14 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import LayoutError
+from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call
 from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.attention import attention, check_scale
+from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows
 
-GraphFn = Callable[..., torch.Tensor]
+GraphFn = Callable[..., torch.Tensor] | FlexGraph
 
 
 def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | None) -> GraphFn:
@@ -25,7 +27,9 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
 
     - CAUSAL: ``f(q, k, v)``, mask-free, ``is_causal``;
     - MASK: ``f(q, k, v, mask)`` with a dense boolean mask built on the host;
-    - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds arrive as a tensor.
+    - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds arrive as a tensor;
+    - MASK with impl ``flex``: a :class:`FlexGraph` (block mask instead of a dense one;
+      here with a one-entry block-mask cache, the dispatcher passes its own).
 
     Each family's functions are closures over one code object; ``compile.py`` gives
     every compiled graph a fresh code object of its own.
@@ -34,6 +38,8 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
         def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attention(q, k, v, impl=impl, causal=True, scale=scale, partition_len=partition_len)
         return causal_graph
+    if call.family is GraphFamily.MASK and impl == "flex":
+        return FlexGraph(flex_graph(scale), BlockMaskCache(1))
     if call.family is GraphFamily.MASK:
         def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return attention(q, k, v, impl=impl, mask=mask, scale=scale, partition_len=partition_len)
@@ -52,16 +58,11 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
 
     A MASK call takes the whole packed tensors, padding rows included: garbage there
     (an uninitialised buffer: NaN, inf) is isolated by the kernel like any key row the
-    mask hides. Masks and bounds come from ``masks`` (built fresh without one)."""
-    def rows(x: torch.Tensor, start: int, n: int, bucket: int) -> torch.Tensor:
-        x = x[start:start + n]
-        if bucket > n:
-            x = torch.cat([x, x.new_zeros(bucket - n, *x.shape[1:])])
-        return x.transpose(0, 1)
-
-    ins = (rows(q, call.q_start, call.q_len, call.q_bucket),
-           rows(k, call.kv_start, call.kv_len, call.kv_bucket),
-           rows(v, call.kv_start, call.kv_len, call.kv_bucket))
+    mask hides. Masks, bounds and zero padding blocks come from ``masks`` (built fresh
+    without one)."""
+    ins = (_rows(q, call.q_start, call.q_len, call.q_bucket, masks),
+           _rows(k, call.kv_start, call.kv_len, call.kv_bucket, masks),
+           _rows(v, call.kv_start, call.kv_len, call.kv_bucket, masks))
     device = str(q.device)
     if call.family is GraphFamily.MASK:
         return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device, masks))
@@ -73,23 +74,55 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
     return ins
 
 
+def _rows(x: torch.Tensor, start: int, n: int, bucket: int, masks: MaskCache | None) -> torch.Tensor:
+    """Rows ``[start, start + n)`` of packed ``x``, padded with zero rows to ``bucket``,
+    heads first. No copy unless padding is needed (then one ``cat`` with a zero block,
+    kept in ``masks``: never written, ``cat`` copies it)."""
+    if n != x.shape[0]:
+        x = x[start:start + n]
+    if bucket > n:
+        shape = (bucket - n, x.shape[1], x.shape[2])
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(shape, dtype=x.dtype, device=x.device)
+        pad = zeros() if masks is None else masks.small(("zeros", *shape, x.dtype, x.device), zeros)
+        x = torch.cat([x, pad])
+    return x.transpose(0, 1)
+
+
 def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
             graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None = None) -> torch.Tensor:
     """Run each planned call through its graph and scatter the outputs into a packed
-    ``[q_tokens, Hq, D]`` tensor (padding rows zero). Inputs are made contiguous so
-    every graph sees the strides it was compiled for; masks come from ``masks``."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    call, fn = graphs[0]
+    ``[q_tokens, Hq, D]`` tensor (padding rows zero), in no-grad mode (graphs are
+    compiled for inference). Inputs are made contiguous so every graph sees the
+    strides it was compiled for; masks come from ``masks``."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks)
+    return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks)
+
+
+def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+             graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None) -> torch.Tensor:
+    call, first = graphs[0]
+    if isinstance(first, FlexGraph):
+        return first.run(q, k, v, layout, call)
+    fn: Callable[..., torch.Tensor] = first
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.family is not GraphFamily.VARLEN:
-        out = fn(*graph_inputs(q, k, v, layout, call, masks))[:, :call.q_len].transpose(0, 1)
+        out = fn(*graph_inputs(q, k, v, layout, call, masks))
+        if call.q_bucket != call.q_len:
+            out = out[:, :call.q_len]
+        out = out.transpose(0, 1)
         if call.family is GraphFamily.MASK and layout.is_padded:
             real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device), masks)
             out = out.masked_fill(~real[:, None, None], 0)
         return out
-    out = q.new_zeros(q.shape)
-    for call, fn in graphs:
-        o = fn(*graph_inputs(q, k, v, layout, call, masks))
-        out[call.q_start:call.q_start + call.q_len] = o[:, :call.q_len].transpose(0, 1)
+    # every real row is written by exactly one call: only padding rows need zeros
+    out = q.new_zeros(q.shape) if layout.q_tokens != layout.total_tokens else torch.empty_like(q)
+    for call, each in graphs:
+        o = each(*graph_inputs(q, k, v, layout, call, masks))  # type: ignore[operator]  # FlexGraph: MASK, one call
+        n = call.q_len
+        out[call.q_start:call.q_start + n].copy_((o if call.q_bucket == n else o[:, :n]).transpose(0, 1))
     return out
 
 
@@ -97,10 +130,25 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout) -> bool:
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T)):
+        return False
+    qs, ks = q.shape, k.shape
+    return (len(qs) == 3 and len(ks) == 3 and ks == v.shape and qs[0] == layout.q_tokens
+            and ks[0] == layout.kv_tokens and qs[2] == ks[2] and ks[1] > 0 and qs[2] > 0
+            and qs[1] % ks[1] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
+            and q.device == k.device == v.device)
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
                  scale: object = None) -> None:
     """Raise :class:`LayoutError` naming the field if the tensors do not fit the layout
     (or ``ValueError`` for a ``scale`` that is not None or a finite number > 0)."""
+    if scale is not None:
+        check_scale(scale)
+    if _fits(q, k, v, layout):  # the common case in one expression; the checks below say what is wrong
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -124,7 +172,6 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
         raise LayoutError(f"dtype differs: q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise LayoutError(f"device differs: q {q.device}, k {k.device}, v {v.device}")
-    check_scale(scale)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -136,8 +183,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayou
     :class:`~attnpolicy.errors.IllegalModeError` if ``mode`` is illegal for the layout.
     """
     mode = MaskMode(mode)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in IMPLS and not (impl == "flex" and mode is MaskMode.MASK):
+        raise ValueError(f"impl must be one of {IMPLS} (or 'flex' in mode mask), got {impl!r}")
     if partition_len is not None and partition_len < 1:
         raise ValueError(f"partition_len must be >= 1, got {partition_len}")
     check_inputs(q, k, v, layout, scale)

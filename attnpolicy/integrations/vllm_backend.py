@@ -41,8 +41,10 @@ from attnpolicy.config import AttnPolicyConfig, from_env
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.dispatcher import Dispatcher, example_inputs
+from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph
 from attnpolicy.graphs.execute import GraphFn, execute, graph_fn
+from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.integrations.runtime import (
     RuntimeLimits,
@@ -78,6 +80,8 @@ def deferred_build(call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph
     nothing. CAUSAL and MASK graphs compile now, as the dispatcher's own builder
     does, so compile time and errors stay inside the cache's build."""
     fn = graph_fn(call, key.impl, spec.scale, key.partition_len)
+    if isinstance(fn, FlexGraph):
+        raise ConfigError("kernel 'flex' does not run inside vLLM yet: configure sdpa, eager or flash for mask")
     if call.family is GraphFamily.VARLEN:
         return compile_graph(fn, key.backend)
     return compile_graph(fn, key.backend, example_inputs=example_inputs(call, spec))

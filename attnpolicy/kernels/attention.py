@@ -25,11 +25,10 @@ and never another's. It stays one in-graph computation, without a host synchroni
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from attnpolicy.core.names import IMPLS
 
 
 def _causal_allowed(lq: int, lk: int, device: torch.device) -> torch.Tensor:
@@ -66,39 +65,41 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask:
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """View q as ``[Hkv, G, Lq, D]`` in the compute dtype so each kv head serves its G
-    query heads."""
+    """q as ``[Hkv, G·Lq, D]`` in the compute dtype: each kv head's G query heads
+    stacked along the rows, so one batched matmul per kv head serves them all and K/V
+    are never repeated or broadcast-copied (GQA without materialising K/V per query head)."""
     hq, lq, d = q.shape
-    return q.to(_compute_dtype(q.dtype)).reshape(k.shape[0], hq // k.shape[0], lq, d)
+    return q.to(_compute_dtype(q.dtype)).reshape(k.shape[0], hq // k.shape[0] * lq, d)
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
            partition_len: int | None) -> torch.Tensor:
     hq, lq, d = q.shape
-    lk = k.shape[-2]
+    hkv, lk = k.shape[0], k.shape[-2]
     qg = _grouped(q, k)
-    scores = qg @ k.to(qg.dtype)[:, None].transpose(-1, -2) * scale
+    scores = (qg @ k.to(qg.dtype).transpose(-1, -2) * scale).reshape(hkv, hq // hkv, lq, lk)
     allowed = _allowed(lq, lk, causal, mask, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v.to(qg.dtype)[:, None]
-    return out.reshape(hq, lq, d).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1).reshape(hkv, -1, lk)
+    return (probs @ v.to(qg.dtype)).reshape(hq, lq, d).to(q.dtype)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
            partition_len: int | None) -> torch.Tensor:
     hq, lq, d = q.shape
-    lk = k.shape[-2]
+    hkv, lk = k.shape[0], k.shape[-2]
+    g = hq // hkv
     qg = _grouped(q, k)
-    kf, vf = k.to(qg.dtype)[:, None], v.to(qg.dtype)[:, None]
+    kf, vf = k.to(qg.dtype), v.to(qg.dtype)
     allowed = _allowed(lq, lk, causal, mask, q.device)
-    run_max = torch.full((*qg.shape[:-1], 1), float("-inf"), dtype=qg.dtype, device=q.device)
+    run_max = torch.full((hkv, g, lq, 1), float("-inf"), dtype=qg.dtype, device=q.device)
     run_sum = torch.zeros_like(run_max)
-    acc = torch.zeros_like(qg)
+    acc = torch.zeros(hkv, g, lq, d, dtype=qg.dtype, device=q.device)
     assert partition_len is not None  # attention() resolves it
     for start in range(0, lk, partition_len):
         end = min(start + partition_len, lk)
-        s = qg @ kf[..., start:end, :].transpose(-1, -2) * scale
+        s = (qg @ kf[:, start:end].transpose(-1, -2) * scale).reshape(hkv, g, lq, end - start)
         if allowed is not None:
             s = s.masked_fill(~allowed[:, start:end], float("-inf"))
         new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True))
@@ -106,12 +107,18 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask
         p = torch.exp(s - safe_max)
         alpha = torch.exp(run_max - safe_max)
         run_sum = run_sum * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + p @ vf[..., start:end, :]
+        acc = acc * alpha + (p.reshape(hkv, g * lq, end - start) @ vf[:, start:end]).reshape(hkv, g, lq, d)
         run_max = new_max
     return (acc / run_sum).reshape(hq, lq, d).to(q.dtype)
 
 
-_IMPL_FNS = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
+_IMPL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
+
+
+def register_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Make ``fn`` (signature of ``_sdpa``) available as ``attention(..., impl=name)``;
+    kernel plugins register through :mod:`attnpolicy.plugins.kernels`."""
+    _IMPL_FNS[name] = fn
 
 
 def _finite_rows(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
@@ -142,7 +149,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = 
     """One attention call on ``[H, L, D]`` tensors (see the module docstring)."""
     fn = _IMPL_FNS.get(impl)
     if fn is None:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"impl must be one of {tuple(_IMPL_FNS)}, got {impl!r}")
     if impl == "flash":
         partition_len = k.shape[-2] if partition_len is None else partition_len
         if partition_len < 1:

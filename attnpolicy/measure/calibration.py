@@ -57,6 +57,7 @@ class CalibrationSettings:
     repeats: Annotated[int, Field(ge=1)] = 3
     quick: bool = False
     threads: Annotated[int | None, Field(ge=1)] = DEFAULT_THREADS
+    kernels: bool = False  # also time every registered kernel per family (KERNEL_BATCH)
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrationSettings:
@@ -191,6 +192,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         if build is not None:
             samples.append(Sample(what="mask_build", rows=key.q_len, cols=key.kv_len, seconds=build_s))
     return CostModel(
+        kernel_seconds=_kernel_seconds(s) if s.kernels else {},
         dtype=s.dtype, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, impl=s.impl,
         partition_len=s.partition_len if s.impl == "flash" else None, backend=s.backend,
         threads=torch.get_num_threads(), torch_version=torch.__version__,
@@ -198,6 +200,23 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         compile={kind: _fit(samples, "compile", kind) for kind in GraphFamily},
         mask_build=_fit(samples, "mask_build", None),
         call_overhead_seconds=overhead, samples=tuple(samples))
+
+
+#: (total tokens, sequences) of the batch ``calibrate --kernels`` times each kernel on
+KERNEL_BATCH = (1024, 4)
+
+
+def _kernel_seconds(s: CalibrationSettings) -> dict[str, dict[str, float]]:
+    """Median seconds of every registered kernel per family on :data:`KERNEL_BATCH`."""
+    from attnpolicy.measure.kernelbench import bench_kernels
+
+    rows = bench_kernels(*KERNEL_BATCH, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                         repeats=s.repeats, backend=s.backend)
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r.family != "loop":
+            out.setdefault(r.family, {})[r.impl] = r.median_ms / 1e3
+    return out
 
 
 def _fit(samples: list[Sample], what: str, kind: GraphFamily | None) -> Fit:

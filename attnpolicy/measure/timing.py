@@ -22,6 +22,7 @@ from pydantic.dataclasses import dataclass as validated
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.graphs.execute import attend, graph_fn
+from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.masks import mask_for
 
@@ -109,6 +110,7 @@ def _time_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchL
     """Total and mask-build seconds of one MASK call that builds its mask afresh."""
     (call,) = plan_calls(layout, MaskMode.MASK)
     fn = graph_fn(call, s.impl, None, s.partition_len)
+    assert not isinstance(fn, FlexGraph)  # the dense-mask implementations only
     t0 = time.perf_counter()
     mask = mask_for(layout).materialize()
     t1 = time.perf_counter()

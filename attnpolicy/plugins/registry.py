@@ -38,7 +38,8 @@ from attnpolicy.plugins import hookspecs
 if TYPE_CHECKING:
     from attnpolicy.policies.base import Policy
 
-BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware")
+BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware",
+                   "attnpolicy.plugins.kernels")
 ENTRY_POINT_GROUP = "attnpolicy"
 LOAD_PLUGINS_ENV = "ATTNPOLICY_LOAD_PLUGINS"
 

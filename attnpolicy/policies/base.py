@@ -29,6 +29,10 @@ class Policy(Protocol):
     ``decide`` would give now, without changing any state.
     :meth:`~attnpolicy.dispatcher.Dispatcher.graph_keys_for` and ``warmup`` call
     ``preview`` when the policy has one, ``decide`` otherwise.
+
+    A policy whose decision depends on the layout and the config alone may set the
+    class attribute ``stateless = True``: the dispatcher then asks it once per layout
+    and reuses the decision.
     """
 
     name: str

@@ -26,6 +26,8 @@ def cached_decision(mode: MaskMode, reason: str) -> Decision:
 class AlwaysMask:
     """Every batch runs one call with a dense mask (the behaviour of runtimes without a policy)."""
 
+    stateless = True  # the decision is a function of the layout: dispatchers reuse it
+
     name = "always-mask"
     description = "MASK for every batch: one call with a dense mask (always legal)"
 
@@ -41,6 +43,8 @@ class AlwaysCausal:
     padded, bidirectional or context batch CAUSAL is illegal: the guard raises, or
     falls back to its safe mode and counts the fallback."""
 
+    stateless = True  # the decision is a function of the layout: dispatchers reuse it
+
     name = "always-causal"
     description = ("CAUSAL for every batch (max_num_seqs=1 runtimes); on any other "
                    "batch the guard raises or falls back to its safe mode")
@@ -53,6 +57,8 @@ class AlwaysCausal:
 
 class _CausalWhenLegal:
     """CAUSAL when it is legal, ``otherwise`` when it is not."""
+
+    stateless = True  # the decision is a function of the layout: dispatchers reuse it
 
     otherwise: MaskMode
 

@@ -123,6 +123,17 @@ class Guard:
             raise PolicyError(what) from cause
         return Decision(self.fallback, f"guard: {what}; fell back to {self.fallback.value}")
 
+    @property
+    def stateless(self) -> bool:
+        """Whether the policy declares (class attribute ``stateless = True``) that its
+        decision depends on the layout and the config only, so it may be reused."""
+        return getattr(self.policy, "stateless", False) is True
+
+    def replay(self, layout: BatchLayout, decision: Decision) -> None:
+        """Report a reused decision of a stateless policy, as :meth:`decide` would
+        (the observers call nothing when no plugin implements the hook)."""
+        self._on_decision(layout=layout, decision=decision, policy=self.policy_name, fell_back=False)
+
     def _failed(self, category: str, what: str, layout: BatchLayout,
                 cause: BaseException | None) -> Decision:
         if self.on_illegal == "raise":

@@ -1,0 +1,35 @@
+"""``attnpolicy bench --overhead``: ``Dispatcher.attend`` against its bare kernel."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from dataclasses import asdict
+
+import torch
+
+from attnpolicy.cli.common import print_table, progress
+from attnpolicy.core.jsonfile import write_json
+from attnpolicy.measure.overhead import BACKENDS, POLICIES, SHAPES, run_overhead
+
+
+def cmd_overhead(args: argparse.Namespace) -> int:
+    """Print (and with ``--json`` write) the overhead table; 1 torch thread unless ``--threads``."""
+    threads = args.threads or 1
+    repeats = max(args.repeats, 3)
+    n = len(BACKENDS) * len(POLICIES) * len(SHAPES)
+    with progress(n, "overhead") as advance:
+        rows = run_overhead(threads=threads, advance=lambda: advance(""), heads=args.heads,
+                            kv_heads=args.kv_heads, head_dim=args.head_dim, repeats=repeats)
+    table = [(r.backend, r.policy, f"{r.num_seqs}x{r.seq_len}", r.mode, r.graph_calls,
+              f"{r.bare_us:.1f}", f"{r.attend_us:.1f}", f"{r.overhead_us:+.1f}") for r in rows]
+    print_table(f"attend overhead over the bare kernel, µs (median of {repeats} interleaved repeats, "
+                f"{threads} thread(s), H={args.heads}/{args.kv_heads} D={args.head_dim}, float32)",
+                ("backend", "policy", "batch", "mode", "calls", "bare µs", "attend µs", "overhead µs"),
+                table)
+    if args.json:
+        write_json(args.json, {"machine": platform.processor() or platform.machine(),
+                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                               "threads": threads, "rows": [asdict(r) for r in rows]})
+    return 0

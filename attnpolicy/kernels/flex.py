@@ -1,0 +1,165 @@
+"""FlexAttention for the MASK family: one call over the packed batch that computes
+only the blocks a block mask built from the layout allows (block-sparse MASK).
+
+Each row gets a document id and a position: sequence ``i`` owns its rows, query
+``j`` of a sequence with ``c`` cached-context keys sits at position ``c + j`` and
+sees its own keys at positions ``0 .. c + j`` (bottom-right causal; every key of
+its sequence when the layout is bidirectional). Padding rows get documents -1 (q)
+and -2 (kv), so they match nothing; fully masked rows come out 0.
+
+Isolation: FlexAttention computes a 128-row block whole, so a sequence sharing a
+block with another would see the other's non-finite values (0 · inf is NaN).
+:func:`flex_attend` therefore sanitises first and re-poisons after: non-finite
+K/V rows are zeroed, the call runs, then the output rows that attend such a row
+are set to NaN (the faithful result of their own bad input). The finiteness check
+runs outside any compiled graph (inductor's CPU build assumes finite math).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
+
+from attnpolicy.core.layout import BatchLayout
+
+#: Block masks kept per dispatcher (one per (layout, buckets, device)); least recently
+#: used first out. At 4096² one takes ~0.3 MB (block indices plus row vectors).
+BLOCK_MASK_CACHE_SIZE = 64
+
+FlexFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockMask], torch.Tensor]
+
+
+def row_vectors(layout: BatchLayout, q_rows: int, kv_rows: int,
+                device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """``(q_doc, q_pos, kv_doc, kv_pos)`` int32 of ``q_rows`` / ``kv_rows`` (≥ the
+    layout's tokens; the extra rows are padding)."""
+    q_doc = torch.full((q_rows,), -1, dtype=torch.int32)
+    kv_doc = torch.full((kv_rows,), -2, dtype=torch.int32)
+    q_pos = torch.zeros(q_rows, dtype=torch.int32)
+    kv_pos = torch.zeros(kv_rows, dtype=torch.int32)
+    for i, (qs, ql, ks, kl) in enumerate(zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens)):
+        q_doc[qs:qs + ql] = i
+        kv_doc[ks:ks + kl] = i
+        if layout.causal:
+            q_pos[qs:qs + ql] = torch.arange(kl - ql, kl, dtype=torch.int32)
+            kv_pos[ks:ks + kl] = torch.arange(kl, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q_doc, q_pos, kv_doc, kv_pos))
+
+
+def build_block_mask(layout: BatchLayout, q_rows: int, kv_rows: int, device: str = "cpu") -> BlockMask:
+    """The layout's document (and causal, context-offset) block mask."""
+    q_doc, q_pos, kv_doc, kv_pos = row_vectors(layout, q_rows, kv_rows, device)
+
+    def mask_mod(b, h, qi, ki):  # type: ignore[no-untyped-def]
+        return (q_doc[qi] == kv_doc[ki]) & (kv_pos[ki] <= q_pos[qi])
+
+    return create_block_mask(mask_mod, None, None, q_rows, kv_rows, device=device)
+
+
+def block_mask_bytes(mask: BlockMask) -> int:
+    """Bytes held by a block mask: its block tables and the row vectors its mask reads."""
+    tensors = [t for t in mask.as_tuple(flatten=True) if isinstance(t, torch.Tensor)]
+    mod = mask.mask_mod
+    for cell in getattr(mod, "__closure__", None) or ():
+        if isinstance(cell.cell_contents, torch.Tensor):
+            tensors.append(cell.cell_contents)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class BlockMaskCache:
+    """Block masks per (layout, q rows, kv rows, device), at most ``max_entries``
+    (least recently used evicted); ``nbytes`` is what they hold. Thread-safe."""
+
+    def __init__(self, max_entries: int = BLOCK_MASK_CACHE_SIZE) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._masks: OrderedDict[tuple[BatchLayout, int, int, str], tuple[BlockMask, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.builds = 0
+
+    def get(self, layout: BatchLayout, q_rows: int, kv_rows: int, device: str = "cpu") -> BlockMask:
+        key = (layout, q_rows, kv_rows, device)
+        with self._lock:
+            hit = self._masks.get(key)
+            if hit is not None:
+                self._masks.move_to_end(key)
+                return hit[0]
+        mask = build_block_mask(layout, q_rows, kv_rows, device)
+        size = block_mask_bytes(mask)
+        with self._lock:
+            if key not in self._masks:
+                self.builds += 1
+                self._masks[key] = (mask, size)
+                self.nbytes += size
+                while len(self._masks) > self.max_entries:
+                    self.nbytes -= self._masks.popitem(last=False)[1][1]
+        return mask
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._masks.clear()
+            self.nbytes = 0
+
+
+def flex_graph(scale: float | None) -> FlexFn:
+    """``f(q, k, v, block_mask)`` on ``[1, H, L, D]`` tensors: what gets compiled (per
+    bucket, static shapes: FlexAttention's dynamic-shape recompile fails on CPU; the
+    batch dimension is added outside, inductor's CPU template needs 4-D inputs)."""
+    def flex_mask_graph(q, k, v, block_mask):  # type: ignore[no-untyped-def]
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return flex_mask_graph
+
+
+def _bad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[T]`` True where a row of ``x[T, H, D]`` holds a non-finite value."""
+    return ~torch.isfinite(x).flatten(1).all(1)
+
+
+def flex_attend(fn: FlexFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+                block_mask: BlockMask, q_rows: int, kv_rows: int) -> torch.Tensor:
+    """Packed ``q[q_tokens, Hq, D]``, ``k, v[kv_tokens, Hkv, D]`` through ``fn`` (a
+    :func:`flex_graph`, maybe compiled) padded to ``q_rows`` / ``kv_rows``; returns
+    ``[q_tokens, Hq, D]`` with padding rows 0, sanitised and re-poisoned (module doc)."""
+    bad = None
+    if not bool(torch.isfinite(k.sum() + v.sum())):  # one cheap gate; exact check only when it fails
+        bad = _bad_rows(k) | _bad_rows(v)
+        keep = ~bad[:, None, None]
+        k, v = k.where(keep, 0), v.where(keep, 0)
+    out = fn(_padded(q, q_rows), _padded(k, kv_rows), _padded(v, kv_rows), block_mask)
+    out = out[0, :, :layout.q_tokens].transpose(0, 1)
+    if bad is not None and bool(bad.any()):
+        out = out.masked_fill(_poisoned(layout, bad)[:, None, None], float("nan"))
+    return out
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows > x.shape[0]:
+        x = torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+    return x.transpose(0, 1)[None]
+
+
+def _poisoned(layout: BatchLayout, bad: torch.Tensor) -> torch.Tensor:
+    """``[q_tokens]`` True for query rows that attend a bad key row (rare path: Python)."""
+    rows = torch.zeros(layout.q_tokens, dtype=torch.bool)
+    bad_rows = bad.nonzero().flatten().tolist()
+    for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
+        first = min((r - ks for r in bad_rows if ks <= r < ks + kl), default=None)
+        if first is None:
+            continue
+        # query j sees key positions 0 .. (kl - ql) + j when causal, all keys otherwise
+        j = max(0, first - (kl - ql)) if layout.causal else 0
+        rows[qs + j:qs + ql] = True
+    return rows.to(bad.device)

@@ -1,0 +1,148 @@
+"""Kernel implementations as plugins: who can compute which graph family, and on what.
+
+A plugin implements ``attnpolicy_register_kernels(register)`` and calls
+``register(KernelInfo(...))`` once per (family, implementation). An implementation
+of the ``causal``, ``mask`` or ``varlen`` family supplies ``fn``, the math of one
+call (``fn(q, k, v, causal, mask, scale, partition_len)`` on heads-first
+``[H, L, D]`` tensors, as :mod:`attnpolicy.kernels.attention` documents); the
+built-in ``flex`` (MASK only) runs FlexAttention with a block mask instead of a
+dense one. Each declares its capabilities; :func:`why_unfit` says why an
+implementation cannot serve a batch, and the dispatcher never runs one that cannot.
+Built-ins register through the same hook (this module's own hook implementation).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from attnpolicy.errors import ConfigError, PluginError
+from attnpolicy.kernels.attention import _IMPL_FNS, register_impl
+from attnpolicy.plugins.hookspecs import hookimpl
+
+FAMILIES = ("causal", "mask", "varlen")
+ALL_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """One implementation of one graph family and what it can serve."""
+
+    name: str
+    family: str
+    fn: Callable[..., Any] | None = None  # None only for built-ins with their own path (flex)
+    dtypes: frozenset[str] = ALL_DTYPES
+    gqa: bool = True
+    causal: bool = True
+    bidirectional: bool = True
+    context: bool = True
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    compilable: bool = True
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+
+def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa: bool, device: str,
+              compiled: bool) -> str | None:
+    """The capability ``info`` lacks for a call (causal or not, with cached context or
+    not, ...), or None if it can serve it."""
+    if dtype not in info.dtypes:
+        return f"dtype {dtype} (supports {', '.join(sorted(info.dtypes))})"
+    if gqa and not info.gqa:
+        return "GQA (kv heads fewer than q heads)"
+    if causal and not info.causal:
+        return "causal attention"
+    if not causal and not info.bidirectional:
+        return "bidirectional attention"
+    if context and not info.context:
+        return "cached context"
+    if device.split(":")[0] not in info.devices:
+        return f"device {device}"
+    if compiled and not info.compilable:
+        return "compilation (use backend 'none')"
+    return None
+
+
+_lock = threading.RLock()
+_kernels: tuple[tuple[object, ...], dict[tuple[str, str], KernelInfo]] | None = None
+
+
+def _kernel_adder(plugin: str, registry: dict[Any, Any],
+                  staged: dict[Any, Any]) -> Callable[[KernelInfo], None]:
+    def register(info: KernelInfo) -> None:
+        if not isinstance(info, KernelInfo):
+            raise PluginError(f"plugin {plugin!r} registered {info!r}, not a KernelInfo")
+        if info.family not in FAMILIES:
+            raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has family {info.family!r}; "
+                              f"families: {', '.join(FAMILIES)}")
+        key = (info.family, info.name)
+        holder = registry.get(key) or staged.get(key)
+        if holder is not None:
+            raise PluginError(f"kernel {info.name!r} of family {info.family!r} is registered by two "
+                              f"plugins: {holder.plugin!r} and {plugin!r}")
+        if info.fn is None and info.name != "flex":
+            raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} needs fn")
+        others = [i for (_, n), i in (*registry.items(), *staged.items()) if n == info.name]
+        builtin = _IMPL_FNS.get(info.name)
+        if any(i.fn is not info.fn for i in others) or (builtin is not None and not others
+                                                         and info.fn is not builtin and info.fn is not None):
+            raise PluginError(f"plugin {plugin!r}: kernel name {info.name!r} is taken by another "
+                              "implementation")
+        staged[key] = KernelInfo(**{**info.__dict__, "plugin": plugin})
+    return register
+
+
+def kernel_registry() -> dict[tuple[str, str], KernelInfo]:
+    """Every registered implementation by (family, name), cached until the plugins
+    change. Built like the policy registry: plugin by plugin, a failing third-party
+    plugin rejected alone."""
+    global _kernels
+    from attnpolicy.plugins.registry import _collect, _impls, _signature, get_plugin_manager
+
+    with _lock:
+        pm = get_plugin_manager()
+        hook = "attnpolicy_register_kernels"
+        if _kernels is not None and _kernels[0] == _signature(_impls(pm, hook)):
+            return dict(_kernels[1])
+        registry = cast(dict[tuple[str, str], KernelInfo], _collect(pm, hook, "kernels", _kernel_adder))
+        for info in registry.values():
+            if info.fn is not None and info.fn is not _IMPL_FNS.get(info.name):
+                register_impl(info.name, info.fn)
+        _kernels = (_signature(_impls(pm, hook)), registry)
+        return dict(registry)
+
+
+def check_kernel_names(kernels: dict[str, str]) -> None:
+    """Raise :class:`~attnpolicy.errors.ConfigError` naming the field unless every
+    ``kernels`` entry (family -> name) is ``auto`` or a registered kernel of its family."""
+    known = kernel_registry()
+    for family, name in kernels.items():
+        if name != "auto" and (family, name) not in known:
+            names = ", ".join(n for f, n in known if f == family)
+            raise ConfigError(f"kernels: {name!r} is not a registered {family} kernel; known: auto, {names}")
+
+
+def impls_for(family: str) -> list[KernelInfo]:
+    """The implementations registered for ``family``, in registration order."""
+    return [info for (fam, _), info in kernel_registry().items() if fam == family]
+
+
+def get_kernel(family: str, name: str) -> KernelInfo:
+    """The implementation ``name`` of ``family``, or :class:`PluginError` naming the known ones."""
+    registry = kernel_registry()
+    try:
+        return registry[(family, name)]
+    except KeyError:
+        known = ", ".join(n for f, n in registry if f == family) or "(none)"
+        raise PluginError(f"no kernel {name!r} for the {family} family; registered: {known}") from None
+
+
+@hookimpl
+def attnpolicy_register_kernels(register: Callable[[KernelInfo], None]) -> None:
+    for name in ("sdpa", "eager", "flash"):
+        for family in FAMILIES:
+            register(KernelInfo(name, family, _IMPL_FNS[name], description=f"built-in {name}"))
+    register(KernelInfo("flex", "mask", None, dtypes=frozenset({"float32", "bfloat16", "float16"}),
+                        description="FlexAttention with a block mask from the layout (block-sparse MASK)"))
