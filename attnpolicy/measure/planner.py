@@ -1,0 +1,269 @@
+"""Bucket planning: the compiled sizes that minimise a workload's modelled time.
+
+A workload under one policy is a multiset of exact call shapes
+(:class:`CallShapes`: graph family, query rows, key rows). A bucket list ``S``
+rounds every length up to the next size in ``S``; the modelled time of the
+workload is then
+
+    Σ_calls count · run_f(S(q), S(kv))  +  Σ_distinct keys compile_f(S(q), S(kv))
+
+(every graph compiled once: the cache holds the whole plan). :func:`plan_sizes`
+finds, for every number of buckets ``k`` up to a limit, the best list whose sizes
+are multiples of ``align`` (plus the largest length):
+
+- *square* shapes (``q == kv``: prefills without context, packed MASK rows) are
+  padded on both sides by the same bucket, so a bucket's cost depends only on its
+  own boundary and the shapes it serves. Dynamic programming over the sorted
+  candidate boundaries is then exact: ``best[k][j] = min_i best[k-1][i] +
+  cost(i, j]``, O(k · m²) for m candidates;
+- *rectangular* shapes (``q < kv``: decodes, chunked prefills) also pad ``q`` by
+  the bucket list, which couples buckets. The program prices them with ``q``
+  unpadded (a lower bound on their run cost), and a local search on the exact
+  objective then moves each boundary while that lowers the true modelled time.
+  For workloads of square shapes alone the result is the optimum; otherwise the
+  program's value is a lower bound and the reported gap says how near the
+  result is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.plan import plan_calls
+
+#: Graph families in the order of :attr:`CallShapes.family` codes.
+FAMILIES: tuple[MaskMode, ...] = (MaskMode.CAUSAL, MaskMode.MASK, MaskMode.VARLEN)
+_CODE = {family: code for code, family in enumerate(FAMILIES)}
+
+
+@dataclass(frozen=True)
+class CallShapes:
+    """Exact (unbucketed) call shapes with their counts, one entry per distinct shape."""
+
+    family: np.ndarray  # int codes into FAMILIES
+    q: np.ndarray
+    kv: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def of(cls, shapes: Counter[tuple[MaskMode, int, int]]) -> CallShapes:
+        if not shapes:
+            raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
+        rows = sorted((_CODE[f], q, kv, n) for (f, q, kv), n in shapes.items())
+        fam, q, kv, count = (np.array(col, dtype=np.int64) for col in zip(*rows))
+        return cls(fam, q, kv, count)
+
+    @classmethod
+    def from_layouts(cls, decided: Iterable[tuple[BatchLayout, MaskMode]]) -> CallShapes:
+        """The shapes of each ``(layout, mode)``'s planned calls (exact lengths)."""
+        shapes: Counter[tuple[MaskMode, int, int]] = Counter()
+        for layout, mode in decided:
+            for call in plan_calls(layout, mode):
+                shapes[call.kind, call.q_len, call.kv_len] += 1
+        return cls.of(shapes)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.kv.max())
+
+    @property
+    def calls(self) -> int:
+        return int(self.count.sum())
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """The modelled time of a workload under one bucket list (every graph compiled once)."""
+
+    sizes: tuple[int, ...]
+    run_seconds: float
+    compile_seconds: float
+    graphs: int
+    padded_tokens: int
+
+    @property
+    def total_seconds(self) -> float:
+        return self.run_seconds + self.compile_seconds
+
+
+def _fits(model: CostModel, which: str) -> list[tuple[float, float, float]]:
+    fits = getattr(model, which)
+    return [(fits[f.value].base, fits[f.value].per_cell, fits[f.value].per_token) for f in FAMILIES]
+
+
+def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> PlanCost:
+    """The exact modelled time of ``shapes`` bucketed by ``sizes`` (ascending, the last
+    at least the longest length)."""
+    s = np.asarray(sorted(sizes), dtype=np.int64)
+    if s.size == 0 or s[-1] < shapes.max_len:
+        raise ConfigError(f"sizes must cover the longest length {shapes.max_len}, got {list(sizes)}")
+    bq = s[np.searchsorted(s, shapes.q)]
+    bkv = s[np.searchsorted(s, shapes.kv)]
+    run = _fits(model, "run")
+    comp = _fits(model, "compile")
+    run_total = 0.0
+    compile_total = 0.0
+    graphs = 0
+    for code in range(len(FAMILIES)):
+        sel = shapes.family == code
+        if not sel.any():
+            continue
+        base, cell, token = run[code]
+        q, kv, n = bq[sel].astype(float), bkv[sel].astype(float), shapes.count[sel]
+        run_total += float((n * (base + cell * q * kv + token * (q + kv))).sum())
+        keys = np.unique(np.stack([bq[sel], bkv[sel]]), axis=1)
+        cb, cc, ct = comp[code]
+        kq, kk = keys.astype(float)
+        compile_total += float((cb + cc * kq * kk + ct * (kq + kk)).sum()) if model.backend != "none" else 0.0
+        graphs += keys.shape[1]
+    run_total += model.call_overhead_seconds * shapes.calls
+    padded = int((shapes.count * (bq - shapes.q)).sum())
+    return PlanCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)
+
+
+def candidates(shapes: CallShapes, align: int) -> np.ndarray:
+    """Candidate boundaries: every multiple of ``align`` that rounds up some length,
+    and the longest length itself."""
+    if align < 1:
+        raise ConfigError(f"align must be >= 1, got {align}")
+    lengths = np.concatenate([shapes.q, shapes.kv])
+    up = -(-lengths // align) * align
+    return np.unique(np.minimum(up, shapes.max_len))
+
+
+def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """``best[k, j]``: a lower bound of the modelled time of serving every length
+    <= cand[j-1] with k buckets, the largest at cand[j-1] (exact for square shapes);
+    ``arg[k, j]``: the previous boundary index of the plan attaining it.
+
+    Costs are split into parts that each depend on one bucket. A square shape
+    ``(n, n)`` costs ``run(b, b)`` in the bucket ``b`` of ``n``. A rectangular shape
+    ``(q, kv)`` costs ``per_cell·b_q·kv + per_token·b_q`` in the bucket ``b_q`` of
+    ``q`` and ``base + per_token·b_kv`` in the bucket ``b_kv`` of ``kv``: its cell
+    term counts ``kv`` unpadded, so the sum never exceeds the true cost. Compiles:
+    one key per family and bucket of square shapes, and one rectangular key
+    (``q`` bucket at least 1) per family and kv bucket with no square key."""
+    m, nf = cand.size, len(FAMILIES)
+    slot_q = np.searchsorted(cand, shapes.q) + 1
+    slot_kv = np.searchsorted(cand, shapes.kv) + 1
+    square = shapes.q == shapes.kv
+    rect = ~square
+    count = shapes.count.astype(float)
+
+    def prefix(sel: np.ndarray, slot: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        out = np.zeros((nf, m + 1))
+        np.add.at(out, (shapes.family[sel], slot[sel]), weights[sel])
+        return out.cumsum(-1)
+
+    sq = prefix(square, slot_kv, count)
+    rq_n = prefix(rect, slot_q, count)  # rectangular shapes by their q bucket
+    rq_kv = prefix(rect, slot_q, count * shapes.kv)
+    rkv_n = prefix(rect, slot_kv, count)  # ... and by their kv bucket
+    run, comp = _fits(model, "run"), _fits(model, "compile")
+    compiles = model.backend != "none"
+    lengths = cand.astype(float)
+    best = np.full((max_buckets + 1, m + 1), np.inf)
+    arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for j in range(1, m + 1):
+        b = lengths[j - 1]
+        i = np.arange(j)
+        seg = np.zeros(j)  # cost of one bucket at cand[j-1] serving candidates i..j-1
+        for code in range(nf):
+            base, cell, token = run[code]
+            n_sq = sq[code, j] - sq[code, i]
+            n_kv = rkv_n[code, j] - rkv_n[code, i]
+            seg += n_sq * (base + cell * b * b + 2 * token * b)
+            seg += (rq_n[code, j] - rq_n[code, i]) * token * b + (rq_kv[code, j] - rq_kv[code, i]) * cell * b
+            seg += n_kv * (base + token * b)
+            if compiles:
+                cb, cc, ct = comp[code]
+                seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
+                seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
+        for k in range(1, max_buckets + 1):
+            total = best[k - 1, :j] + seg
+            at = int(np.argmin(total))
+            best[k, j], arg[k, j] = total[at], at
+    return best, arg
+
+
+def _boundaries(arg: np.ndarray, cand: np.ndarray, k: int) -> tuple[int, ...]:
+    out = []
+    j = cand.size
+    while k > 0 and j > 0:
+        out.append(int(cand[j - 1]))
+        j = int(arg[k, j])
+        k -= 1
+    return tuple(sorted(out))
+
+
+def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,
+             window: int = 4) -> tuple[int, ...]:
+    """Move each boundary (but the largest) to a nearby candidate (``window`` steps either
+    way) while that lowers the exact modelled time. Only rectangular shapes need it:
+    on square shapes the program is already exact."""
+    if bool((shapes.q == shapes.kv).all()):
+        return sizes
+    current = evaluate(shapes, sizes, model).total_seconds
+    improved = True
+    while improved:
+        improved = False
+        for pos in range(len(sizes) - 1):
+            lo = sizes[pos - 1] if pos else 0
+            at = int(np.searchsorted(cand, sizes[pos]))
+            for c in cand[max(at - window, 0):at + window + 1]:
+                if not lo < c < sizes[pos + 1] or c == sizes[pos]:
+                    continue
+                trial = (*sizes[:pos], int(c), *sizes[pos + 1:])
+                total = evaluate(shapes, trial, model).total_seconds
+                if total < current - 1e-12:
+                    sizes, current, improved = trial, total, True
+    return sizes
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    """The best bucket list found for one number of buckets, and the program's lower bound."""
+
+    buckets: int
+    cost: PlanCost
+    lower_bound: float
+
+    @property
+    def gap(self) -> float:
+        """How far the result may be from the optimum, as a fraction of the bound."""
+        return self.cost.total_seconds / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
+
+
+def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align: int = 16
+               ) -> list[SizePlan]:
+    """The best list of ``k`` bucket sizes found for each ``k`` in ``1..max_buckets``
+    (fewer when there are fewer candidate boundaries), with the program's lower bound:
+    the program's plan, improved locally on the exact objective when the workload
+    has rectangular shapes (on square shapes alone it is already optimal)."""
+    if max_buckets < 1:
+        raise ConfigError(f"max_buckets must be >= 1, got {max_buckets}")
+    cand = candidates(shapes, align)
+    kmax = min(max_buckets, cand.size)
+    overhead = model.call_overhead_seconds * shapes.calls  # the same for every plan
+    bound, arg = _program(shapes, cand, model, kmax)
+    plans = []
+    for k in range(1, kmax + 1):
+        sizes = _improve(shapes, _boundaries(arg, cand, k), cand, model)
+        plans.append(SizePlan(k, evaluate(shapes, sizes, model), float(bound[k, cand.size]) + overhead))
+    return plans
+
+
+def sizes_of(rule: Callable[[int], int], max_len: int) -> tuple[int, ...]:
+    """The bucket list a rounding rule produces up to ``max_len`` (for baselines)."""
+    out = sorted({rule(n) for n in range(1, max_len + 1)})
+    return tuple(out)
