@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.measure.planner import CallShapes, candidates, evaluate, plan_sizes
@@ -33,7 +33,7 @@ def brute_force(shapes: CallShapes, cand, k: int, m: CostModel) -> float:
 
 
 square_shapes = st.dictionaries(
-    st.tuples(st.sampled_from([MaskMode.CAUSAL, MaskMode.MASK]), st.integers(1, 200)).map(lambda t: (t[0], t[1], t[1])),
+    st.tuples(st.sampled_from([GraphFamily.CAUSAL, GraphFamily.MASK]), st.integers(1, 200)).map(lambda t: (t[0], t[1], t[1])),
     st.integers(1, 50), min_size=1, max_size=8)
 
 
@@ -54,7 +54,7 @@ def test_program_is_exact_on_square_shapes(raw, k, backend):
 
 
 rect_shapes = st.dictionaries(
-    st.tuples(st.sampled_from(list(MaskMode)), st.integers(1, 100), st.integers(0, 150)).map(
+    st.tuples(st.sampled_from(list(GraphFamily)), st.integers(1, 100), st.integers(0, 150)).map(
         lambda t: (t[0], t[1], t[1] + t[2])),
     st.integers(1, 20), min_size=1, max_size=8)
 
@@ -75,7 +75,7 @@ def test_bound_and_result_bracket_the_optimum(raw, k):
 
 def test_evaluate_counts_padding_graphs_and_seconds():
     m = model()
-    shapes = CallShapes.of(Counter({(MaskMode.CAUSAL, 10, 10): 3, (MaskMode.VARLEN, 1, 40): 2}))
+    shapes = CallShapes.of(Counter({(GraphFamily.CAUSAL, 10, 10): 3, (GraphFamily.VARLEN, 1, 40): 2}))
     cost = evaluate(shapes, (16, 64), m)
     run_c = m.run["causal"](16, 16) * 3
     run_v = m.run["varlen"](16, 64) * 2
@@ -89,14 +89,14 @@ def test_shapes_from_layouts_follow_the_plan():
     packed = BatchLayout.from_lens([5, 7])
     decode = BatchLayout.from_lens([1, 1], [9, 30])
     shapes = CallShapes.from_layouts([(packed, MaskMode.VARLEN), (packed, MaskMode.MASK), (decode, MaskMode.VARLEN)])
-    got = Counter({(int(f), int(q), int(kv)): int(n) for f, q, kv, n in zip(shapes.family, shapes.q, shapes.kv, shapes.count)})
+    got = Counter({(int(f), int(q), int(kv)): int(n) for f, q, kv, n in zip(shapes.family, shapes.q, shapes.kv, shapes.count, strict=True)})
     assert got == Counter({(0, 5, 5): 1, (0, 7, 7): 1, (1, 12, 12): 1, (2, 1, 9): 1, (2, 1, 30): 1})
 
 
 def test_errors_name_the_value():
     with pytest.raises(ConfigError, match="empty workload"):
         CallShapes.of(Counter())
-    shapes = CallShapes.of(Counter({(MaskMode.CAUSAL, 100, 100): 1}))
+    shapes = CallShapes.of(Counter({(GraphFamily.CAUSAL, 100, 100): 1}))
     with pytest.raises(ConfigError, match="longest length 100"):
         evaluate(shapes, (64,), model())
     with pytest.raises(ConfigError, match="max_buckets must be >= 1, got 0"):

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.plan import plan_calls
 
 #: Graph families in the order of :attr:`CallShapes.family` codes.
-FAMILIES: tuple[MaskMode, ...] = (MaskMode.CAUSAL, MaskMode.MASK, MaskMode.VARLEN)
+FAMILIES: tuple[GraphFamily, ...] = (GraphFamily.CAUSAL, GraphFamily.MASK, GraphFamily.VARLEN)
 _CODE = {family: code for code, family in enumerate(FAMILIES)}
 
 
@@ -54,20 +54,20 @@ class CallShapes:
     count: np.ndarray
 
     @classmethod
-    def of(cls, shapes: Counter[tuple[MaskMode, int, int]]) -> CallShapes:
+    def of(cls, shapes: Counter[tuple[GraphFamily, int, int]]) -> CallShapes:
         if not shapes:
             raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
         rows = sorted((_CODE[f], q, kv, n) for (f, q, kv), n in shapes.items())
-        fam, q, kv, count = (np.array(col, dtype=np.int64) for col in zip(*rows))
+        fam, q, kv, count = (np.array(col, dtype=np.int64) for col in zip(*rows, strict=True))
         return cls(fam, q, kv, count)
 
     @classmethod
     def from_layouts(cls, decided: Iterable[tuple[BatchLayout, MaskMode]]) -> CallShapes:
         """The shapes of each ``(layout, mode)``'s planned calls (exact lengths)."""
-        shapes: Counter[tuple[MaskMode, int, int]] = Counter()
+        shapes: Counter[tuple[GraphFamily, int, int]] = Counter()
         for layout, mode in decided:
             for call in plan_calls(layout, mode):
-                shapes[call.kind, call.q_len, call.kv_len] += 1
+                shapes[call.family, call.q_len, call.kv_len] += 1
         return cls.of(shapes)
 
     @property
