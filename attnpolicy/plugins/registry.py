@@ -1,4 +1,5 @@
-"""The plugin manager and the registries of policies and eviction strategies.
+"""The plugin manager and the registries of policies and eviction strategies
+(:func:`cached_registry` builds those and the kernel registry alike).
 
 Built-in plugins (:data:`BUILTIN_PLUGINS`) register through the same hooks as
 third-party plugins, which are found through the ``attnpolicy`` entry-point group
@@ -95,9 +96,12 @@ def failed_plugins() -> Mapping[str, str]:
     """Plugins that were rejected (failed to load, raised in a register hook, or
     clashed with another plugin's name): plugin name -> what went wrong. Builds the
     registries first, so every rejection is listed."""
+    from attnpolicy.plugins.kernels import kernel_registry
+
     with _lock:
         policy_registry()
         eviction_registry()
+        kernel_registry()
         return MappingProxyType(dict(_failed))
 
 
