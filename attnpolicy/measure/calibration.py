@@ -65,7 +65,7 @@ def _real(bucket: int) -> int:
 
 
 def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
-    """The (kind, q bucket, kv bucket) grid: pow2 sizes from 16 to ``max_len`` (every
+    """The (graph family, q bucket, kv bucket) grid: pow2 sizes from 16 to ``max_len`` (every
     other size with ``quick``); square shapes for CAUSAL and MASK, decode-like
     (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
     sizes = []
@@ -88,7 +88,7 @@ def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
 
 
 def _layout(kind: GraphFamily, q_bucket: int, kv_bucket: int) -> BatchLayout:
-    """A layout whose single planned call has this kind and buckets (pow2, min 16)."""
+    """A layout whose single planned call has this graph family and buckets (pow2, min 16)."""
     rq, rkv = (1 if q_bucket == 16 and kv_bucket > 16 else _real(q_bucket)), _real(kv_bucket)
     if kind is GraphFamily.CAUSAL:
         return BatchLayout.from_lens([rq])
