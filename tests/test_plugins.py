@@ -177,6 +177,16 @@ def test_bad_eviction_factory_rejects_the_plugin(caplog):
     assert "bad" not in eviction_registry()
 
 
+def test_kernel_hook_that_raises_is_listed_without_building_the_kernel_registry_first(caplog):
+    class Exploding:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            raise RuntimeError("kaput")
+
+    get_plugin_manager().register(Exploding(), name="exploding-kernels")
+    assert_rejected("exploding-kernels", ["'exploding-kernels'", "RuntimeError: kaput"], caplog)
+
+
 def test_builtin_plugin_that_fails_to_import_is_an_error(monkeypatch):
     monkeypatch.setattr(plugins, "BUILTIN_PLUGINS", (*plugins.BUILTIN_PLUGINS, "attnpolicy.no_such_module"))
     reset_plugin_manager()

@@ -22,7 +22,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from attnpolicy.errors import AttnPolicyError
 from attnpolicy.measure.timing import DTYPES
 
 console = Console(stderr=True)
@@ -40,10 +39,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         fail(message)
-
-
-class UsageError(AttnPolicyError):
-    """A command-line value is wrong (reported before any work starts)."""
 
 
 def fail(message: str) -> NoReturn:

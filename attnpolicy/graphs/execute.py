@@ -1,6 +1,8 @@
 """Graph functions and their execution: what a compiled graph of each family
-computes, how packed tensors become its inputs, and how outputs are scattered back.
-``attend`` runs a layout in a mode uncompiled (the reference path)."""
+computes (:func:`graph_fn`; a :class:`~attnpolicy.graphs.flexgraph.FlexGraph` runs a
+whole MASK batch itself), how packed tensors become its inputs, and how outputs are
+scattered back (:func:`execute`). :func:`check_inputs` validates the tensors against
+the layout; :func:`attend` runs a layout in a mode uncompiled (the reference path)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from attnpolicy.graphs.execute import execute
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.measure.timing import DEFAULT_THREADS, DTYPES, split_lengths
+from attnpolicy.measure.timing import DTYPES, SpecSettings, split_lengths
 
 #: The policy that plans each graph family for the calibration layouts below.
 _POLICY: dict[GraphFamily, str] = {GraphFamily.CAUSAL: "dynamic", GraphFamily.MASK: "always-mask",
@@ -43,33 +43,21 @@ MIN_TIMED_SECONDS = 0.02
 
 
 @validated(frozen=True)
-class CalibrationSettings:
-    """What ``attnpolicy calibrate`` measures; validated like the config."""
+class CalibrationSettings(SpecSettings):
+    """What ``attnpolicy calibrate`` measures: :class:`SpecSettings` and the grid;
+    validated like the config."""
 
-    heads: Annotated[int, Field(ge=1)] = 8
-    kv_heads: Annotated[int, Field(ge=1)] = 8
-    head_dim: Annotated[int, Field(ge=1)] = 64
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
-    partition_len: Annotated[int | None, Field(ge=1)] = None
     backend: Literal["aot_eager", "inductor", "eager", "none"] = "aot_eager"
     max_len: Annotated[int, Field(ge=16)] = 4096
     repeats: Annotated[int, Field(ge=1)] = 3
     quick: bool = False
-    threads: Annotated[int | None, Field(ge=1)] = DEFAULT_THREADS
     kernels: bool = False  # also time every registered kernel per family (KERNEL_BATCH)
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrationSettings:
-        if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
         if self.impl == "flash" and self.partition_len is None:
             raise ValueError("impl 'flash' needs partition_len")
         return self
-
-    @property
-    def spec(self) -> TensorSpec:
-        return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
 
 
 def _real(bucket: int) -> int:
@@ -77,7 +65,7 @@ def _real(bucket: int) -> int:
 
 
 def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
-    """The (kind, q bucket, kv bucket) grid: pow2 sizes from 16 to ``max_len`` (every
+    """The (graph family, q bucket, kv bucket) grid: pow2 sizes from 16 to ``max_len`` (every
     other size with ``quick``); square shapes for CAUSAL and MASK, decode-like
     (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
     sizes = []
@@ -100,7 +88,7 @@ def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
 
 
 def _layout(kind: GraphFamily, q_bucket: int, kv_bucket: int) -> BatchLayout:
-    """A layout whose single planned call has this kind and buckets (pow2, min 16)."""
+    """A layout whose single planned call has this graph family and buckets (pow2, min 16)."""
     rq, rkv = (1 if q_bucket == 16 and kv_bucket > 16 else _real(q_bucket)), _real(kv_bucket)
     if kind is GraphFamily.CAUSAL:
         return BatchLayout.from_lens([rq])

@@ -28,7 +28,7 @@ are multiples of ``align`` (plus the largest length):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -262,8 +262,3 @@ def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align:
         plans.append(SizePlan(k, evaluate(shapes, sizes, model), float(bound[k, cand.size]) + overhead))
     return plans
 
-
-def sizes_of(rule: Callable[[int], int], max_len: int) -> tuple[int, ...]:
-    """The bucket list a rounding rule produces up to ``max_len`` (for baselines)."""
-    out = sorted({rule(n) for n in range(1, max_len + 1)})
-    return tuple(out)

@@ -23,6 +23,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.graphs.execute import attend, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
+from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.masks import mask_for
 
@@ -51,28 +52,43 @@ Positive = Field(ge=1)
 
 
 @validated(frozen=True)
-class BenchSettings:
-    """What ``attnpolicy bench`` times; validated (every count >= 1, ``kv_heads``
-    divides ``heads``, no more sequences than tokens)."""
+class SpecSettings:
+    """The attention shape and kernel that ``bench`` and ``calibrate`` time; validated
+    (every count >= 1, ``kv_heads`` divides ``heads``)."""
+
+    heads: Annotated[int, Positive] = 8
+    kv_heads: Annotated[int, Positive] = 8
+    head_dim: Annotated[int, Positive] = 64
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
+    partition_len: Annotated[int | None, Positive] = None
+    threads: Annotated[int | None, Positive] = DEFAULT_THREADS
+
+    @model_validator(mode="after")
+    def _kv_heads_divide(self) -> SpecSettings:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        return self
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
+
+
+@validated(frozen=True)
+class BenchSettings(SpecSettings):
+    """What ``attnpolicy bench`` times: :class:`SpecSettings` and the batches; validated
+    (every count >= 1, no more sequences than tokens)."""
 
     lengths: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (
         128, 256, 512, 1024, 2048, 4096)
     seqs: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (1, 4)
-    repeats: Annotated[int, Field(ge=1)] = 5
+    repeats: Annotated[int, Positive] = 5
     warmup: Annotated[int, Field(ge=0)] = 1
-    heads: Annotated[int, Field(ge=1)] = 8
-    kv_heads: Annotated[int, Field(ge=1)] = 8
-    head_dim: Annotated[int, Field(ge=1)] = 64
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
-    partition_len: Annotated[int | None, Field(ge=1)] = None
-    threads: Annotated[int | None, Field(ge=1)] = DEFAULT_THREADS
     seed: int = 0
 
     @model_validator(mode="after")
     def _consistent(self) -> BenchSettings:
-        if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
         if max(self.seqs) > min(self.lengths):
             raise ValueError(f"seqs {max(self.seqs)} exceeds lengths {min(self.lengths)}: "
                              "every sequence needs a token")

@@ -13,10 +13,9 @@ Built-ins register through the same hook (this module's own hook implementation)
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from attnpolicy.errors import ConfigError, PluginError
 from attnpolicy.kernels.attention import _IMPL_FNS, register_impl
@@ -65,10 +64,6 @@ def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa:
     return None
 
 
-_lock = threading.RLock()
-_kernels: tuple[tuple[object, ...], dict[tuple[str, str], KernelInfo]] | None = None
-
-
 def _kernel_adder(plugin: str, registry: dict[Any, Any],
                   staged: dict[Any, Any]) -> Callable[[KernelInfo], None]:
     def register(info: KernelInfo) -> None:
@@ -94,24 +89,20 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
     return register
 
 
+def _register_impls(registry: dict[tuple[str, str], KernelInfo]) -> None:
+    """Make each plugin kernel's ``fn`` callable as ``attention(..., impl=name)``."""
+    for info in registry.values():
+        if info.fn is not None and info.fn is not _IMPL_FNS.get(info.name):
+            register_impl(info.name, info.fn)
+
+
 def kernel_registry() -> dict[tuple[str, str], KernelInfo]:
     """Every registered implementation by (family, name), cached until the plugins
     change. Built like the policy registry: plugin by plugin, a failing third-party
     plugin rejected alone."""
-    global _kernels
-    from attnpolicy.plugins.registry import _collect, _impls, _signature, get_plugin_manager
+    from attnpolicy.plugins.registry import cached_registry
 
-    with _lock:
-        pm = get_plugin_manager()
-        hook = "attnpolicy_register_kernels"
-        if _kernels is not None and _kernels[0] == _signature(_impls(pm, hook)):
-            return dict(_kernels[1])
-        registry = cast(dict[tuple[str, str], KernelInfo], _collect(pm, hook, "kernels", _kernel_adder))
-        for info in registry.values():
-            if info.fn is not None and info.fn is not _IMPL_FNS.get(info.name):
-                register_impl(info.name, info.fn)
-        _kernels = (_signature(_impls(pm, hook)), registry)
-        return dict(registry)
+    return cached_registry("attnpolicy_register_kernels", "kernels", _kernel_adder, _register_impls)
 
 
 def check_kernel_names(kernels: dict[str, str]) -> None:

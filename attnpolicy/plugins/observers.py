@@ -45,13 +45,6 @@ class Observers:
         self._callers[hook_name] = (impls, callers)
         return callers
 
-    def notify(self, hook_name: str, **kwargs: Any) -> None:
-        """Call every plugin's ``hook_name`` with ``kwargs``; never raises an
-        :class:`Exception` from a plugin."""
-        impls = getattr(self._pm.hook, hook_name).get_hookimpls()
-        if impls:
-            self._notify(hook_name, impls, kwargs)
-
     def _notify(self, hook_name: str, impls: list[Any], kwargs: dict[str, Any]) -> None:
         for plugin, call in self._per_plugin(hook_name, impls):
             try:

@@ -1,4 +1,5 @@
-"""The plugin manager and the registries of policies and eviction strategies.
+"""The plugin manager and the registries of policies and eviction strategies
+(:func:`cached_registry` builds those and the kernel registry alike).
 
 Built-in plugins (:data:`BUILTIN_PLUGINS`) register through the same hooks as
 third-party plugins, which are found through the ``attnpolicy`` entry-point group
@@ -68,9 +69,8 @@ class EvictionInfo:
 _lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
 _failed: dict[str, str] = {}
-# Registries, each cached with the hook implementations it was built from.
-_policies: tuple[tuple[object, ...], dict[str, PolicyInfo]] | None = None
-_evictions: tuple[tuple[object, ...], dict[str, EvictionInfo]] | None = None
+# Registries by hook name, each cached with the hook implementations it was built from.
+_registries: dict[str, tuple[tuple[object, ...], dict[Any, Any]]] = {}
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -85,11 +85,10 @@ def get_plugin_manager() -> pluggy.PluginManager:
 def reset_plugin_manager() -> None:
     """Forget the manager, its registries and failures; the next use rebuilds them
     from scratch (re-reading ``ATTNPOLICY_LOAD_PLUGINS``). Meant for tests."""
-    global _pm, _policies, _evictions
+    global _pm
     with _lock:
         _pm = None
-        _policies = None
-        _evictions = None
+        _registries.clear()
         _failed.clear()
 
 
@@ -97,9 +96,12 @@ def failed_plugins() -> Mapping[str, str]:
     """Plugins that were rejected (failed to load, raised in a register hook, or
     clashed with another plugin's name): plugin name -> what went wrong. Builds the
     registries first, so every rejection is listed."""
+    from attnpolicy.plugins.kernels import kernel_registry
+
     with _lock:
         policy_registry()
         eviction_registry()
+        kernel_registry()
         return MappingProxyType(dict(_failed))
 
 
@@ -234,30 +236,33 @@ def _eviction_adder(plugin: str, registry: dict[str, Any],
     return register
 
 
-def policy_registry() -> dict[str, PolicyInfo]:
-    """Every registered policy by name (cached until the set of plugins changes)."""
-    global _policies
+def cached_registry(hook_name: str, what: str, add: Callable[[str, dict[Any, Any], dict[Any, Any]],
+                                                               Callable[..., None]],
+                    on_build: Callable[[dict[Any, Any]], None] | None = None) -> dict[Any, Any]:
+    """The registry :func:`_collect` builds from ``hook_name``, cached until the set of
+    implementations of that hook changes; ``on_build(registry)`` runs once per build.
+    Returns a copy."""
     with _lock:
         pm = get_plugin_manager()
-        hook = "attnpolicy_register_policies"
-        if _policies is not None and _policies[0] == _signature(_impls(pm, hook)):
-            return dict(_policies[1])
-        registry = _collect(pm, hook, "policies", _policy_adder)
-        _policies = (_signature(_impls(pm, hook)), registry)
+        signature = _signature(_impls(pm, hook_name))
+        cached = _registries.get(hook_name)
+        if cached is not None and cached[0] == signature:
+            return dict(cached[1])
+        registry = _collect(pm, hook_name, what, add)
+        if on_build is not None:
+            on_build(registry)
+        _registries[hook_name] = (signature, registry)
         return dict(registry)
+
+
+def policy_registry() -> dict[str, PolicyInfo]:
+    """Every registered policy by name (cached until the set of plugins changes)."""
+    return cached_registry("attnpolicy_register_policies", "policies", _policy_adder)
 
 
 def eviction_registry() -> dict[str, EvictionInfo]:
     """Every registered eviction strategy by name (cached until the set of plugins changes)."""
-    global _evictions
-    with _lock:
-        pm = get_plugin_manager()
-        hook = "attnpolicy_register_evictions"
-        if _evictions is not None and _evictions[0] == _signature(_impls(pm, hook)):
-            return dict(_evictions[1])
-        registry = _collect(pm, hook, "evictions", _eviction_adder)
-        _evictions = (_signature(_impls(pm, hook)), registry)
-        return dict(registry)
+    return cached_registry("attnpolicy_register_evictions", "evictions", _eviction_adder)
 
 
 def get_policy_info(name: str) -> PolicyInfo:
