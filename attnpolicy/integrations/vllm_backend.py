@@ -17,6 +17,8 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
   stock); CAUSAL (one context-free sequence) runs attnpolicy's graph on the step's
   keys as they are; MASK runs attnpolicy's graph on keys gathered from the paged
   cache (once per step per layer, only when some sequence has cached context).
+  The mode is the one that runs (``Dispatcher.prepare_step``): a MASK decision whose
+  mask would exceed ``max_mask_bytes`` runs as VARLEN under ``on_overflow='eager'``.
 - VARLEN-family keys (which the paged kernel runs) enter the graph cache and its
   statistics without compiling; CAUSAL and MASK graphs compile when first planned.
 - Layers the backend cannot run (ALiBi, sliding window, soft-capping, sinks, KV
