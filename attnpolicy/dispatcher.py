@@ -146,6 +146,7 @@ class Dispatcher:
         self._pinned: list[GraphKey] = []
         self._batches: dict[tuple[BatchLayout, TensorSpec], _Prepared] = {}
         self._specs: dict[tuple[Any, ...], TensorSpec] = {}
+        self._keys: dict[tuple[Any, ...], GraphKey] = {}
         self._warm = False
         self._modes: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
@@ -313,17 +314,31 @@ class Dispatcher:
         hit = self._plans.get(plan_key)
         if hit is not None:
             return cast(tuple[MaskMode, Planned], hit)
-        cfg = self.config
         calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
         if mode is MaskMode.MASK and not self._mask_fits(calls[0], layout):
             mode = MaskMode.VARLEN
             calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
-        planned = tuple(
-            (call, GraphKey.for_call(call, spec, self._kernels.impl(call, layout, spec), cfg.partition_len,
-                                     cfg.backend))
-            for call in map(self._fits, calls))
+        planned = tuple((call, self._key_for(call, layout, spec)) for call in map(self._fits, calls))
         self._plans[plan_key] = (mode, planned)
         return mode, planned
+
+    def _key_for(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> GraphKey:
+        """The graph key of ``call``: one instance per distinct key, remembered per call
+        shape (bounded like the plans), so that planning a new layout builds no key
+        twice and cache lookups of equal keys succeed on identity."""
+        if call.family is GraphFamily.MASK:
+            causal, context = layout.causal, layout.has_context
+        else:
+            causal, context = call.causal, call.kv_len > call.q_len
+        memo = (call.family, call.q_bucket, call.kv_bucket, causal, context, spec)
+        key = self._keys.get(memo)
+        if key is None:
+            if len(self._keys) >= PLAN_CACHE_SIZE:
+                self._keys.clear()
+            cfg = self.config
+            key = self._keys[memo] = GraphKey.for_call(call, spec, self._kernels.impl(call, layout, spec),
+                                                       cfg.partition_len, cfg.backend)
+        return key
 
     def preview(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
         """The decision a batch of ``layout`` on tensors of ``spec`` would get now, with
@@ -468,13 +483,22 @@ class _KernelChoice:
         self._choice = {f: cfg.kernels.get(f, cfg.attn_impl or "sdpa") for f in FAMILIES}
         self._compiled = cfg.backend != "none"
         self._measured: dict[str, dict[str, float]] = getattr(cost_model, "kernel_seconds", None) or {}
+        self._chosen: dict[tuple[GraphFamily, bool, bool, TensorSpec], str] = {}
 
     def impl(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> str:
-        family = call.family.value
+        """The implementation for ``call`` (remembered per family, causality, context
+        and spec: the capabilities it depends on)."""
         if call.family is GraphFamily.MASK:
             causal, context = layout.causal, layout.has_context
         else:
             causal, context = call.causal, call.kv_len > call.q_len
+        memo_key = (call.family, causal, context, spec)
+        name = self._chosen.get(memo_key)
+        if name is None:
+            name = self._chosen[memo_key] = self._choose(call.family.value, causal, context, layout, spec)
+        return name
+
+    def _choose(self, family: str, causal: bool, context: bool, layout: BatchLayout, spec: TensorSpec) -> str:
         gqa = spec.heads != spec.kv_heads
 
         def unfit(info: KernelInfo) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from attnpolicy.core.modes import GraphFamily
@@ -20,6 +20,15 @@ class TensorSpec:
     head_dim: int
     scale: float | None = None  # None: 1/sqrt(head_dim)
     device: str = "cpu"
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # hashed once: specs key every plan and graph lookup on the hot path
+        object.__setattr__(self, "_hash", hash((self.dtype, self.heads, self.kv_heads, self.head_dim,
+                                                self.scale, self.device)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def itemsize(self) -> int:
@@ -66,6 +75,15 @@ class GraphKey:
     impl: str
     partition_len: int | None
     backend: str
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # hashed once: a key is looked up in the graph cache on every call
+        object.__setattr__(self, "_hash", hash((self.family, self.q_len, self.kv_len, self.causal, self.spec,
+                                                self.impl, self.partition_len, self.backend)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def for_call(cls, call: Call, spec: TensorSpec, impl: str,
