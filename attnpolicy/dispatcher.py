@@ -18,7 +18,6 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.errors import (
     BucketOverflowError,
-    ConfigError,
     GraphCompileError,
     StrictModeError,
 )
@@ -26,18 +25,11 @@ from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_grap
 from attnpolicy.graphs.execute import GraphFn, check_inputs, execute, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.footprint import graph_bytes
+from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.flex import BlockMaskCache, build_block_mask, flex_graph
 from attnpolicy.kernels.masks import MaskCache, MaskCacheStats
-from attnpolicy.plugins.kernels import (
-    FAMILIES,
-    KernelInfo,
-    check_kernel_names,
-    get_kernel,
-    impls_for,
-    why_unfit,
-)
 from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
@@ -150,7 +142,8 @@ class Dispatcher:
         self._warm = False
         self._modes: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
-        self._kernels = _KernelChoice(cfg, cost_model)
+        self._kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
+                                     measured=getattr(cost_model, "kernel_seconds", None))
         #: FlexAttention block masks per layout (bounded; see kernels/flex.py)
         self.block_masks = BlockMaskCache()
 
@@ -470,54 +463,6 @@ def _release(key: GraphKey, graph: CompiledGraph | FlexGraph) -> None:
 
 
 _ONE_ROW = BatchLayout.from_lens([1])
-
-
-class _KernelChoice:
-    """Which registered implementation runs each call: the config's choice per family
-    (``kernels``, else ``attn_impl``), checked against the implementation's
-    capabilities; ``auto`` takes the fastest fit the cost model measured (``calibrate``),
-    else the first fit in registration order."""
-
-    def __init__(self, cfg: AttnPolicyConfig, cost_model: Any) -> None:
-        check_kernel_names(cfg.kernels)
-        self._choice = {f: cfg.kernels.get(f, cfg.attn_impl or "sdpa") for f in FAMILIES}
-        self._compiled = cfg.backend != "none"
-        self._measured: dict[str, dict[str, float]] = getattr(cost_model, "kernel_seconds", None) or {}
-        self._chosen: dict[tuple[GraphFamily, bool, bool, TensorSpec], str] = {}
-
-    def impl(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> str:
-        """The implementation for ``call`` (remembered per family, causality, context
-        and spec: the capabilities it depends on)."""
-        if call.family is GraphFamily.MASK:
-            causal, context = layout.causal, layout.has_context
-        else:
-            causal, context = call.causal, call.kv_len > call.q_len
-        memo_key = (call.family, causal, context, spec)
-        name = self._chosen.get(memo_key)
-        if name is None:
-            name = self._chosen[memo_key] = self._choose(call.family.value, causal, context, layout, spec)
-        return name
-
-    def _choose(self, family: str, causal: bool, context: bool, layout: BatchLayout, spec: TensorSpec) -> str:
-        gqa = spec.heads != spec.kv_heads
-
-        def unfit(info: KernelInfo) -> str | None:
-            return why_unfit(info, causal=causal, context=context, dtype=spec.dtype, gqa=gqa,
-                             device=spec.device, compiled=self._compiled)
-
-        choice = self._choice[family]
-        if choice != "auto":
-            why = unfit(get_kernel(family, choice))
-            if why is not None:
-                raise ConfigError(f"kernel {choice!r} cannot serve this {family} call ({layout.describe()}): "
-                                  f"it does not support {why}")
-            return choice
-        measured = self._measured.get(family, {})
-        fits = [info.name for info in impls_for(family) if unfit(info) is None]
-        if not fits:
-            raise ConfigError(f"no registered {family} kernel can serve this call ({layout.describe()}, "
-                              f"{spec.dtype}, gqa={gqa}, device {spec.device})")
-        return min(fits, key=lambda name: measured.get(name, float("inf")))
 
 
 def _largest_bucket(cfg: AttnPolicyConfig, max_len: int) -> int:
