@@ -34,6 +34,7 @@ from attnpolicy.core.modes import GraphFamily
 from attnpolicy.core.names import (
     DEFAULT_MAX_MASK_BYTES,
     Backend,
+    CompileMode,
     FallbackMode,
     Impl,
     OnCompileError,
@@ -86,6 +87,10 @@ class AttnPolicyConfig(BaseModel):
     on_compile_error: OnCompileError = "raise"
     oversize: Oversize = "raise"
     strict: Strict = "off"
+    #: "background": a miss runs on a resident larger bucket (pad-up) while the exact
+    #: graph compiles in a worker thread; it enters the cache switch_after batches later
+    compile_mode: CompileMode = "sync"
+    switch_after: PositiveInt = 8
 
     @field_validator("policy", "eviction")
     @classmethod

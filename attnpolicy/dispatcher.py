@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from time import perf_counter
 from typing import Any, cast
 
 import cachetools
@@ -65,6 +69,40 @@ class BlockMaskStats:
 
 
 @dataclass(frozen=True, slots=True)
+class StallStats:
+    """Wall seconds batches spent inside :meth:`Dispatcher.prepare` waiting for a
+    graph: compiling it synchronously, or waiting for a background compile at its
+    switch point. Percentiles (nearest rank) over every batch counted in ``batches``,
+    stall-free ones included; warm-up is no batch."""
+
+    batches: int
+    stalled: int
+    seconds: float
+    p50: float
+    p99: float
+    max: float
+
+
+@dataclass(frozen=True, slots=True)
+class BackgroundStats:
+    """Background compiles (``compile_mode="background"``) and the pad-up calls that
+    served their keys meanwhile: ``requested`` compiles, ``switched`` into the cache at
+    their switch point, ``failed`` there, ``pending`` now; ``compile_seconds`` measured
+    in the worker; ``pad_up_calls`` ran on a larger resident bucket, adding
+    ``pad_up_tokens`` query rows of padding (also in ``padding``)."""
+
+    compile_mode: str
+    switch_after: int
+    requested: int
+    switched: int
+    failed: int
+    pending: int
+    compile_seconds: float
+    pad_up_calls: int
+    pad_up_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class DispatcherStats:
     """A snapshot of a :class:`Dispatcher`: its counters, its graph cache's and its
     mask cache's (see docs/cache.md). ``to_json()`` gives the dict of the JSON outputs."""
@@ -84,6 +122,8 @@ class DispatcherStats:
     masks: MaskCacheStats
     block_masks: BlockMaskStats
     cache: CacheStats
+    stalls: StallStats
+    background: BackgroundStats
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +151,15 @@ class Dispatcher:
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile; ``builder`` replaces compilation (simulation).
+
+    ``compile_mode="background"`` serves a miss without compiling in the batch when
+    it can: the call runs on the smallest resident graph of the same kind with larger
+    buckets (pad-up) when the cost model says the padding until the switch costs less
+    than the compile, while the exact graph compiles in a worker thread (one, owned
+    by the dispatcher: :meth:`close` shuts it down). The graph enters the cache
+    exactly ``switch_after`` batches after it was requested, waiting for the compile
+    if it is not done (a stall): decisions never depend on when a compile finishes.
+    See docs/cache.md.
 
     The policy is built once, here: an unknown policy or eviction name, or
     ``policy_options`` the policy rejects, raise a clear error naming the field.
@@ -148,6 +197,16 @@ class Dispatcher:
                                      measured=getattr(cost_model, "kernel_seconds", None))
         #: FlexAttention block masks per layout (bounded; see kernels/flex.py)
         self.block_masks = BlockMaskCache()
+        # background compiles (compile_mode="background")
+        self._background = cfg.compile_mode == "background"
+        self._custom_builder = builder
+        self._step = 0
+        self._pending: dict[GraphKey, _Pending] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._stall = 0.0
+        self._stalls: list[float] = []
+        self._background_seconds = 0.0
+        self._pad_model: Any = None
 
     # -- the hot path ------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -183,11 +242,20 @@ class Dispatcher:
 
     def _fetch(self, layout: BatchLayout, batch: _Prepared,
                spec: TensorSpec) -> tuple[Decision, list[tuple[Call, GraphFn]]]:
+        self._step += 1
+        self._stall = 0.0
         try:
-            out = [(call, self._graph(call, key, spec, layout, pin=True)) for call, key in batch.planned]
+            if self._background:
+                if self._pending:
+                    self._switch()
+                out = [self._serve(call, key, spec, layout) for call, key in batch.planned]
+            else:
+                out = [(call, self._graph(call, key, spec, layout, pin=True)) for call, key in batch.planned]
         except BaseException:
             self.release_batch()
             raise
+        if self._stall:
+            self._stalls.append(self._stall)
         # counted once every graph is at hand: a batch that raised is not counted
         self._modes[batch.mode.value] += 1
         c = self._counts
@@ -360,7 +428,7 @@ class Dispatcher:
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
-            graph = self.cache.get_or_compile(key, lambda: self._builder(call, key, spec), pin=pin)
+            graph = self.cache.get_or_compile(key, lambda: self._timed_build(call, key, spec), pin=pin)
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise
@@ -371,7 +439,23 @@ class Dispatcher:
         # a compiled graph runs through the callable its backend produced (guard-free)
         return cast(GraphFn, graph.call if type(graph) is CompiledGraph else graph)
 
+    def _timed_build(self, call: Call, key: GraphKey, spec: TensorSpec) -> Any:
+        """A synchronous build: its wall seconds stall the batch being prepared."""
+        start = perf_counter()
+        try:
+            return self._builder(call, key, spec)
+        finally:
+            self._stall += perf_counter() - start
+
     def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
+        graph = self._build(call, key, spec)
+        if isinstance(graph, CompiledGraph) and not graph.direct:
+            self._counts["direct_call_fallbacks"] += 1
+        return graph
+
+    def _build(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
+        """Compile the graph of ``key`` (no dispatcher state touched: also runs in the
+        background worker)."""
         if key.impl == "flex":
             ins = (*(t[None] for t in example_inputs(call, spec)[:3]),
                    build_block_mask(_ONE_ROW, call.q_bucket, call.kv_bucket, spec.device))
@@ -380,11 +464,145 @@ class Dispatcher:
             return FlexGraph(graph, self.block_masks)  # flex graphs take a BlockMask: called through Dynamo
         fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len)
         assert not isinstance(fn, FlexGraph)  # flex is compiled above
-        graph = compile_graph(fn, key.backend, counter=self._compile_counter,
-                              example_inputs=example_inputs(call, spec))
-        if not graph.direct:
+        return compile_graph(fn, key.backend, counter=self._compile_counter,
+                             example_inputs=example_inputs(call, spec))
+
+    # -- background compiles and pad-up --------------------------------------------------
+    def _serve(self, call: Call, key: GraphKey, spec: TensorSpec,
+               layout: BatchLayout) -> tuple[Call, GraphFn]:
+        """The call and graph that run ``call`` under ``compile_mode="background"``: the
+        exact graph when resident; else a larger resident one (pad-up) while the exact
+        one compiles in the background; else the exact one, compiled now (a stall)."""
+        if not call.compiled or key in self.cache:
+            return call, self._graph(call, key, spec, layout, pin=True)
+        pending = self._pending.get(key)
+        larger = self._pad_up(call, key)
+        if larger is not None:
+            if pending is None:
+                if self._warm and self.config.strict != "off":
+                    self._strict(key)
+                self._request(call, key, spec)
+            big = dataclasses.replace(call, q_bucket=larger.q_len, kv_bucket=larger.kv_len)
+            graph = self._graph(big, larger, spec, layout, pin=True)
+            self._counts["pad_up_calls"] += 1
+            self._counts["pad_up_tokens"] += big.q_bucket - call.q_bucket
+            self._counts["padded_tokens"] += big.q_bucket - call.q_bucket
+            return big, graph
+        if pending is not None and not self._switch_in(key, pending):
+            return call, self._uncompiled(call, spec, key.impl)  # failed, on_compile_error="eager"
+        return call, self._graph(call, key, spec, layout, pin=True)
+
+    def _pad_up(self, call: Call, key: GraphKey) -> GraphKey | None:
+        """The resident graph ``call`` may pad up to: of ``key``'s kind (family,
+        causality, spec, impl, partition, backend) with buckets at least ``call``'s, the
+        one the cost model runs fastest (ties: the smaller buckets), when its extra run
+        seconds over ``switch_after`` calls are less than compiling ``key``. A pure
+        function of the cache contents, the config and the cost model. FlexAttention
+        graphs and MASK graphs whose mask would exceed ``max_mask_bytes`` never serve."""
+        if key.impl == "flex":
+            return None
+        best: tuple[float, int, int] | None = None
+        found: GraphKey | None = None
+        resident = self.cache.keys()  # a snapshot (the cache is not iterable)
+        for other in resident:
+            if (not isinstance(other, GraphKey) or other.family is not key.family or other.causal != key.causal
+                    or other.q_len < key.q_len or other.kv_len < key.kv_len or other.spec != key.spec
+                    or other.impl != key.impl or other.partition_len != key.partition_len
+                    or other.backend != key.backend or other == key):
+                continue
+            if key.family is GraphFamily.MASK and other.q_len * other.kv_len > self.config.max_mask_bytes:
+                continue
+            rank = (self._model().run_seconds(other), other.q_len, other.kv_len)
+            if best is None or rank < best:
+                best, found = rank, other
+        if found is None or best is None:
+            return None
+        model = self._model()
+        extra = (best[0] - model.run_seconds(key)) * self.config.switch_after
+        return found if extra < model.compile_seconds(key) else None
+
+    def _model(self) -> Any:
+        """The cost model of pad-up decisions: the dispatcher's, else the built-in one."""
+        if self._pad_model is None:
+            from attnpolicy.graphs.costmodel import CostModel
+
+            self._pad_model = self._cost_model or CostModel.default()
+        return self._pad_model
+
+    def _request(self, call: Call, key: GraphKey, spec: TensorSpec) -> None:
+        """Start compiling ``key`` in the worker; it switches in ``switch_after`` batches."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnpolicy-compile")
+            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
+        builder = self._custom_builder or self._build
+        future = self._executor.submit(_timed, builder, call, key, spec)
+        self._pending[key] = _Pending(future, self._step + self.config.switch_after)
+        self._counts["background_requested"] += 1
+
+    def _switch(self) -> None:
+        """Switch in every background graph due at this batch, in request order."""
+        step = self._step
+        for key, pending in list(self._pending.items()):
+            if pending.due <= step:
+                self._switch_in(key, pending)
+
+    def _switch_in(self, key: GraphKey, pending: _Pending) -> bool:
+        """Insert ``key``'s background graph into the cache, waiting for it if needed
+        (the wait stalls this batch). A failed compile follows ``on_compile_error``:
+        raises, or returns False (counted)."""
+        del self._pending[key]
+        start = perf_counter()
+        error = pending.future.exception()  # blocks until the worker is done with it
+        self._stall += perf_counter() - start
+        if error is not None:
+            self._counts["background_failed"] += 1
+
+            def fail() -> Any:
+                raise error
+            try:
+                self.cache.get_or_compile(key, fail, seconds=0.0)
+            except GraphCompileError:
+                if self.config.on_compile_error == "raise":
+                    raise
+                self._counts["compile_error_fallbacks"] += 1
+                return False
+        value, seconds = pending.future.result()
+        self._background_seconds += seconds
+        self._counts["background_switched"] += 1
+        if isinstance(value, CompiledGraph) and not value.direct:
             self._counts["direct_call_fallbacks"] += 1
-        return graph
+        try:
+            kept = self.cache.get_or_compile(key, lambda: value, seconds=seconds)
+        except BaseException:
+            _release_any(key, value)
+            raise
+        if kept is not value:  # cached meanwhile by another user of a shared cache
+            _release_any(key, value)
+        return True
+
+    def close(self) -> None:
+        """Stop the background worker (waiting for the compile it runs) and drop the
+        pending compiles. The dispatcher keeps working, compiling synchronously until a
+        new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        for key, pending in self._pending.items():
+            f = pending.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                _release_any(key, f.result()[0])
+        self._pending.clear()
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pending(self) -> tuple[tuple[GraphKey, int], ...]:
+        """Background compiles not switched in yet: ``(key, batch it switches at)``,
+        in request order (batches are numbered from 1 by :meth:`prepare`)."""
+        return tuple((key, p.due) for key, p in self._pending.items())
 
     def _strict(self, key: GraphKey) -> None:
         self._counts["strict_violations"] += 1
@@ -429,6 +647,11 @@ class Dispatcher:
             block_masks=BlockMaskStats(len(self.block_masks), self.block_masks.nbytes,
                                        self.block_masks.max_entries, self.block_masks.builds),
             cache=self.cache.stats(),
+            stalls=_stall_stats(c["batches"], self._stalls),
+            background=BackgroundStats(
+                self.config.compile_mode, self.config.switch_after, c["background_requested"],
+                c["background_switched"], c["background_failed"], len(self._pending),
+                self._background_seconds, c["pad_up_calls"], c["pad_up_tokens"]),
         )
 
 
@@ -446,6 +669,43 @@ class _Prepared:
         self.padded_tokens = sum(call.q_bucket for call, _ in planned) - layout.total_tokens
         self.ran = decision if mode is decision.mode else Decision(
             mode, f"{decision.reason}; its mask exceeds max_mask_bytes: ran {mode.value}")
+
+
+class _Pending:
+    """A background compile: its future ``(graph, seconds)`` and the batch it switches at."""
+
+    __slots__ = ("due", "future")
+
+    def __init__(self, future: Future[tuple[Any, float]], due: int) -> None:
+        self.future = future
+        self.due = due
+
+
+def _timed(builder: Builder, call: Call, key: GraphKey, spec: TensorSpec) -> tuple[Any, float]:
+    start = perf_counter()
+    graph = builder(call, key, spec)
+    return graph, perf_counter() - start
+
+
+def percentile(values: list[float], total: int, p: float) -> float:
+    """The nearest-rank ``p`` percentile of ``total`` values: ``values`` (sorted) and
+    ``total - len(values)`` zeros."""
+    if total <= 0:
+        return 0.0
+    rank = max(1, math.ceil(p * total))
+    zeros = total - len(values)
+    return 0.0 if rank <= zeros else values[rank - zeros - 1]
+
+
+def _stall_stats(batches: int, stalls: list[float]) -> StallStats:
+    ordered = sorted(stalls)
+    return StallStats(batches, len(stalls), sum(stalls), percentile(ordered, batches, 0.5),
+                      percentile(ordered, batches, 0.99), ordered[-1] if ordered else 0.0)
+
+
+def _release_any(key: GraphKey, graph: Any) -> None:
+    if isinstance(graph, CompiledGraph | FlexGraph):
+        _release(key, graph)
 
 
 def _modelled_cost(cfg: AttnPolicyConfig, cost_model: Any) -> Callable[[GraphKey, float], float] | None:

@@ -224,9 +224,12 @@ class GraphCache(Generic[V]):
 
     # -- the hot path ---------------------------------------------------------------
 
-    def get_or_compile(self, key: Hashable, build: Callable[[], V], *, pin: bool = False) -> V:
+    def get_or_compile(self, key: Hashable, build: Callable[[], V], *, pin: bool = False,
+                       seconds: float | None = None) -> V:
         """The graph for ``key``, calling ``build()`` (once, whatever the threads) on a
-        miss. ``pin``: keep the returned graph unreleased until :meth:`unpin`."""
+        miss. ``pin``: keep the returned graph unreleased until :meth:`unpin`.
+        ``seconds``: the build's measured seconds when it ran elsewhere (``build``
+        returns a graph compiled in the background); default: timed around ``build()``."""
         with self._lock:
             try:
                 entry = self._order[key]
@@ -238,7 +241,7 @@ class GraphCache(Generic[V]):
                 if pin:
                     self._pins[key] += 1
                 return entry.value
-        return self._miss(key, build, pin)
+        return self._miss(key, build, pin, seconds)
 
     def unpin(self, keys: Iterable[Hashable]) -> None:
         """Drop one pin of each key (as pinned by ``get_or_compile``); graphs evicted
@@ -256,7 +259,7 @@ class GraphCache(Generic[V]):
 
     # -- misses ---------------------------------------------------------------------
 
-    def _miss(self, key: Hashable, build: Callable[[], V], pin: bool) -> V:
+    def _miss(self, key: Hashable, build: Callable[[], V], pin: bool, measured: float | None = None) -> V:
         with self._lock:
             if key in self._order:  # built by another thread since the hot path looked
                 entry = self._order[key]
@@ -285,7 +288,7 @@ class GraphCache(Generic[V]):
                 stats.hits += 1
         assert future is not None
         if inflight is None:
-            return self._compile(key, build, future, stats, pin)
+            return self._compile(key, build, future, stats, pin, measured)
         value = self._wait(key, future)
         if pin:
             with self._lock:
@@ -328,7 +331,7 @@ class GraphCache(Generic[V]):
         future.set_exception(exc)
 
     def _compile(self, key: Hashable, build: Callable[[], V], future: Future[V], stats: _KeyCounters,
-                 pin: bool) -> V:
+                 pin: bool, measured: float | None = None) -> V:
         try:
             nbytes, cached = self._size(key)
         except BaseException as exc:
@@ -349,7 +352,7 @@ class GraphCache(Generic[V]):
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         inserted = False
         try:
-            seconds = perf_counter() - start
+            seconds = perf_counter() - start if measured is None else measured
             if self._compile_cost is not None:
                 seconds = self._compile_cost(key, seconds)
             with self._lock:

@@ -46,6 +46,11 @@ OVERSIZE: tuple[Oversize, ...] = get_args(Oversize)
 Strict = Literal["off", "warn", "raise"]
 STRICT: tuple[Strict, ...] = get_args(Strict)
 
+#: Where a graph that is not resident compiles: in the batch that needs it, or in a
+#: background thread while the batch runs on a resident larger bucket (pad-up).
+CompileMode = Literal["sync", "background"]
+COMPILE_MODES: tuple[CompileMode, ...] = get_args(CompileMode)
+
 #: The default bound of a Dispatcher's dense-mask cache and of one MASK call's mask:
 #: 256 MiB, a 16k × 16k boolean mask (config field ``max_mask_bytes``).
 DEFAULT_MAX_MASK_BYTES = 256 * 2**20

@@ -1,0 +1,225 @@
+"""Background compiles with pad-up: correct outputs, deterministic switches, stalls, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_for
+from strategies import layouts, qkv
+
+from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.errors import ConfigError, GraphCompileError, StrictModeError
+from attnpolicy.graphs.costmodel import CostModel, Fit
+from attnpolicy.graphs.execute import graph_fn
+from attnpolicy.graphs.keys import TensorSpec
+
+SPEC = TensorSpec("float32", 4, 2, 16)
+#: compiles cost far more than any padding: every miss with a larger resident graph pads up
+PRICEY = CostModel.default().model_copy(update={"compile": {f: Fit(base=1e6) for f in CostModel.default().compile}})
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("attnpolicy-compile")]
+
+
+def _uncompiled(call, key, spec):
+    return graph_fn(call, key.impl, spec.scale, None)
+
+
+def _slow(seconds):
+    def build(call, key, spec):
+        time.sleep(seconds)
+        return _uncompiled(call, key, spec)
+    return build
+
+
+# the largest graph of each kind the hypothesis layouts need (lengths ≤ 300, context ≤ 100)
+WARM = {
+    "varlen": [BatchLayout.from_lens([512]), BatchLayout.from_lens([512], [1024]),
+               BatchLayout.from_lens([512], [1024], causal=False)],
+    "always-mask": [BatchLayout.from_lens([1024, 1024], [1024, 1024])],
+    "always-causal": [BatchLayout.from_lens([512])],
+}
+
+
+def _warm_dispatcher(policy: str, spec: TensorSpec) -> Dispatcher:
+    cfg = AttnPolicyConfig(policy=policy, backend="eager", max_seq_len=1024, max_batch_tokens=2048,
+                           compile_mode="background", switch_after=10**6, on_illegal="fallback",
+                           fallback_mode="varlen" if policy != "always-mask" else "mask")
+    d = Dispatcher(cfg, cost_model=PRICEY, builder=_uncompiled)  # aot_eager graphs: see the last tests
+    d.warmup(WARM[policy], spec)
+    return d
+
+
+@pytest.mark.parametrize("policy", ["varlen", "always-mask", "always-causal"])
+@settings(max_examples=25)
+@given(data=st.data())
+def test_pad_up_outputs_match_the_reference(policy, data):
+    """Every call whose exact graph is not resident runs on a warm larger bucket
+    (CAUSAL rows padded after the real ones, VARLEN bounds, MASK masks built for the
+    larger bucket) and the output is still the per-sequence reference."""
+    layout = data.draw(layouts(max_seqs=4, single=policy == "always-causal"))
+    q, k, v = data.draw(qkv(layout))
+    spec = TensorSpec.of(q, k)
+    with _warm_dispatcher(policy, spec) as d:
+        warm = set(d.cache.keys())
+        planned = d.graph_keys_for(layout, spec)
+        out = d.attend(q, k, v, layout)
+        stats = d.stats()
+        exact = sum(key in warm for key in planned)
+        assert stats.background.pad_up_calls == len(planned) - exact
+        assert stats.background.requested == len(set(planned) - warm)
+        assert set(d.cache.keys()) == warm  # nothing compiled in the batch
+        assert stats.stalls.stalled == 0
+    torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+
+
+STREAM = [BatchLayout.from_lens(lens) for lens in
+          ([200], [20, 30], [20], [100, 9], [20, 31], [60], [5, 6, 7], [200, 20], [30], [70], [20], [9])]
+
+
+def _trace(builder, switch_after=2, rounds=2):
+    """What each batch ran (buckets), the cache contents and the pending switches."""
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background",
+                           switch_after=switch_after, max_graphs=4)
+    out = []
+    with Dispatcher(cfg, builder=builder) as d:
+        d.warmup([BatchLayout.from_lens([256])], SPEC)
+        for layout in STREAM * rounds:
+            graphs = d.prepare(layout, SPEC)
+            out.append(([(c.family, c.q_bucket, c.kv_bucket) for c, _ in graphs],
+                        sorted(map(str, d.cache.keys())), [(str(k), due) for k, due in d.pending()]))
+        return out, d.stats()
+
+
+def test_switches_are_deterministic_whatever_the_compile_speed():
+    fast, fast_stats = _trace(_uncompiled)
+    slow, slow_stats = _trace(_slow(0.05))
+    assert fast == slow
+    assert fast_stats.background.pad_up_calls > 0 and fast_stats.background.switched > 0
+    assert slow_stats.background.switched == fast_stats.background.switched
+    # a graph enters the cache exactly switch_after batches after it was requested
+    requested = {}
+    for i, (_, _, pending) in enumerate(fast):
+        for key, due in pending:
+            requested.setdefault(key, (i + 1, due))
+    for key, (batch, due) in requested.items():
+        assert due == batch + 2
+    # the slow compiles were waited for at their switch points: stalls
+    assert slow_stats.stalls.stalled > 0 and slow_stats.stalls.max > 0.01
+    assert slow_stats.background.compile_seconds >= 0.05 * slow_stats.background.switched
+
+
+def test_sync_compiles_stall_their_batch():
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256)
+    d = Dispatcher(cfg, builder=_slow(0.02))
+    for layout in [BatchLayout.from_lens([20]), BatchLayout.from_lens([20]), BatchLayout.from_lens([20, 100]),
+                   BatchLayout.from_lens([30])]:
+        d.prepare(layout, SPEC)
+    stalls = d.stats().stalls
+    assert (stalls.batches, stalls.stalled) == (4, 2)  # batches 1 and 3 compiled
+    assert stalls.max >= 0.02 and stalls.seconds >= 0.04
+    assert stalls.p99 == stalls.max and stalls.p50 == 0.0
+    assert d.stats().background.requested == 0 and not _workers()
+
+
+def test_no_resident_larger_graph_compiles_now():
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background")
+    with Dispatcher(cfg, builder=_uncompiled) as d:
+        d.prepare(BatchLayout.from_lens([100]), SPEC)
+        assert d.stats().stalls.stalled == 1 and d.stats().background.requested == 0
+        d.prepare(BatchLayout.from_lens([100]), SPEC)  # hit
+        d.prepare(BatchLayout.from_lens([20]), SPEC)  # pads up to 128
+        b = d.stats().background
+        assert (b.requested, b.pad_up_calls, b.pad_up_tokens) == (1, 1, 128 - 32)
+        assert d.stats().padding.padded_tokens == (128 - 100) * 2 + (128 - 20)
+
+
+def test_padding_dearer_than_compiling_compiles_now():
+    cheap = CostModel.default().model_copy(update={"compile": {f: Fit() for f in CostModel.default().compile}})
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background")
+    with Dispatcher(cfg, builder=_uncompiled, cost_model=cheap) as d:
+        d.warmup([BatchLayout.from_lens([256])], SPEC)
+        d.prepare(BatchLayout.from_lens([20]), SPEC)
+        assert d.stats().background.pad_up_calls == 0 and len(d.cache) == 2
+
+
+@pytest.mark.parametrize("on_error", ["raise", "eager"])
+def test_background_compile_error_follows_on_compile_error(on_error):
+    def broken(call, key, spec):
+        if key.q_len == 32:
+            raise RuntimeError("backend broke")
+        return _uncompiled(call, key, spec)
+
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", switch_after=2,
+                           on_compile_error=on_error)
+    small, other = BatchLayout.from_lens([20]), BatchLayout.from_lens([200])
+    with Dispatcher(cfg, builder=broken) as d:
+        d.warmup([BatchLayout.from_lens([256])], SPEC)
+        d.prepare(small, SPEC)  # batch 1: pads up, requests q32 (switch at batch 3)
+        d.prepare(other, SPEC)  # batch 2
+        if on_error == "raise":
+            with pytest.raises(GraphCompileError, match="q32.*backend broke"):
+                d.prepare(other, SPEC)  # batch 3: the switch point
+            assert d.stats().batches == 2
+        else:
+            d.prepare(other, SPEC)
+            assert d.stats().compile_error_fallbacks == 1
+        stats = d.stats()
+        assert stats.background.failed == 1 and stats.background.switched == 0
+        assert stats.cache.compile_failures == 1 and not d.pending()
+        d.prepare(small, SPEC)  # asks again: pads up and compiles in the background again
+        assert d.stats().background.requested == 2
+
+
+def test_strict_mode_counts_a_background_compile_after_warmup():
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", strict="raise")
+    with Dispatcher(cfg, builder=_uncompiled) as d:
+        d.warmup([BatchLayout.from_lens([256])], SPEC)
+        with pytest.raises(StrictModeError, match="q32"):
+            d.prepare(BatchLayout.from_lens([20]), SPEC)
+        assert d.stats().strict_violations == 1 and not d.pending()
+
+
+def test_close_shuts_the_worker_down_and_drops_pending_compiles():
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", switch_after=50)
+    d = Dispatcher(cfg, builder=_slow(0.05), cost_model=PRICEY)
+    d.warmup([BatchLayout.from_lens([256])], SPEC)
+    for n in (20, 40, 70):
+        d.prepare(BatchLayout.from_lens([n]), SPEC)
+    assert len(d.pending()) == 3 and len(_workers()) == 1
+    d.close()
+    assert not d.pending() and not _workers()
+    assert d.stats().background.pending == 0
+
+
+def test_background_compile_really_compiles_and_switches():
+    """aot_eager graphs compiled in the worker thread serve after their switch."""
+    cfg = AttnPolicyConfig(backend="aot_eager", max_seq_len=128, compile_mode="background", switch_after=1,
+                           policy="varlen")
+    lay = BatchLayout.from_lens([20, 50], causal=False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(70, 4, 16, generator=g), torch.randn(70, 2, 16, generator=g), torch.randn(70, 2, 16,
+                                                                                                    generator=g)
+    with Dispatcher(cfg) as d:
+        d.warmup([BatchLayout.from_lens([128], causal=False)], TensorSpec.of(q, k))
+        for _ in range(3):
+            out = d.attend(q, k, v, lay)
+            torch.testing.assert_close(out.double(), reference_for(q, k, v, lay), atol=1e-5, rtol=1e-5)
+        stats = d.stats()
+    assert stats.background.switched == 2 and stats.background.pad_up_calls == 2  # q32, q64: 1 batch each
+    assert stats.cache.compiles == 3 and stats.background.compile_seconds > 0
+    assert not _workers()
+
+
+def test_config_names_bad_compile_mode_and_switch_after():
+    with pytest.raises((ConfigError, ValueError), match="compile_mode"):
+        AttnPolicyConfig.model_validate({"compile_mode": "lazy"})
+    with pytest.raises((ConfigError, ValueError), match="switch_after"):
+        AttnPolicyConfig.model_validate({"switch_after": 0})
+
