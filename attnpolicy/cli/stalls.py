@@ -1,0 +1,93 @@
+"""``attnpolicy stalls``: compile stalls per batch, synchronous against background
+compiles with pad-up, on the cost model's clock."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from attnpolicy.cli.common import (
+    add_workload_args,
+    capacity_list,
+    fail,
+    former_options,
+    positive_int,
+    print_table,
+    progress,
+    shown,
+    str_list,
+)
+from attnpolicy.cli.simulate import cost_model, former_from, workload
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.jsonfile import write_json
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.simulation import check_model, simulation_config
+from attnpolicy.measure.stalls import StallRow, compare_stalls, warm_layouts
+
+POLICIES = ("varlen",)
+CAPACITIES = (8, 16, None)
+WARM = ("none", "prefix:20", "all")
+
+
+def register(subparsers: Any) -> None:
+    from attnpolicy.cli.common import command
+
+    f = BatchFormer()
+    s = command(subparsers, "stalls",
+                "model compile stalls per batch: synchronous compiles against background compiles with pad-up",
+                "attnpolicy stalls --limit 100 --capacities 8,inf --warm prefix:20", cmd_stalls)
+    add_workload_args(s, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
+    s.add_argument("--policies", type=str_list, default=POLICIES, metavar="P[,P...]",
+                   help=f"registered policies, see 'attnpolicy policies' (default: {shown(POLICIES)})")
+    s.add_argument("--capacities", type=capacity_list, default=CAPACITIES, metavar="K[,K...]",
+                   help=f"graph-cache capacities (max_graphs); 'inf' for unbounded (default: {shown(CAPACITIES)})")
+    s.add_argument("--warm", type=str_list, default=WARM, metavar="W[,W...]",
+                   help="warm-up sets: 'none', 'all' (every key the workload uses) or 'prefix:N' (the keys "
+                        f"of its first N batches) (default: {shown(WARM)})")
+    s.add_argument("--switch-after", type=positive_int, default=None, metavar="N",
+                   help="batches from a background compile's request to its switch into the cache "
+                        "(default: the config's switch_after)")
+    s.add_argument("--cost-model", metavar="PATH",
+                   help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+    s.add_argument("--config", metavar="PATH",
+                   help="base attnpolicy config (default: derived from the cost model and the batch former)")
+    s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
+
+
+def cmd_stalls(args: argparse.Namespace) -> int:
+    model = cost_model(args) or CostModel.default()
+    former = former_from(args)
+    base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
+    check_model(base, model)
+    for warm in args.warm:
+        try:
+            warm_layouts([], warm)
+        except ConfigError as exc:
+            fail(f"argument --warm: {exc}")
+    requests = workload(args, former)
+    steps = list(former.steps(requests))
+    total = len(args.policies) * len(args.capacities) * len(args.warm) * 2
+    with progress(total, "stalls") as advance:
+        rows = compare_stalls(steps, base, args.policies, args.capacities, args.warm, args.switch_after, model,
+                              progress=advance)
+    print_stalls(f"modelled {len(requests)} requests of {args.trace} ({len(steps)} batches), cost model "
+                 f"{model.impl}/{model.backend}, switch_after={rows[0].switch_after if rows else '-'}", rows)
+    if args.json:
+        write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
+                               "config": base.model_dump(mode="json"), "rows": [r.to_json() for r in rows]})
+    return 0
+
+
+def print_stalls(title: str, rows: list[StallRow]) -> None:
+    sync = {(r.policy, r.capacity, r.warm): r.total_seconds for r in rows if r.compile_mode == "sync"}
+    print_table(title, ("policy", "capacity", "warm", "compiles", "mode", "pad-ups", "stalled", "stall p50 s",
+                        "stall p99 s", "stall max s", "stall s", "total s", "vs sync"),
+                [(r.policy, "∞" if r.capacity is None else r.capacity, r.warm,
+                  f"{r.warm_keys}+{r.compiles}", r.compile_mode, r.pad_up_calls,
+                  f"{r.stalled_batches}/{r.batches}", r.stall_p50, r.stall_p99, r.stall_max, r.stall_seconds,
+                  r.total_seconds, f"{r.total_seconds / sync[r.policy, r.capacity, r.warm]:.3f}×")
+                 for r in rows],
+                caption="compiles: warm-up keys + compiles after warm-up; total: run seconds (padding "
+                        "included) + stalls, modelled; warm-up compiles are not in it")

@@ -1,0 +1,194 @@
+"""Compile stalls per batch, modelled: synchronous compiles against background
+compiles with pad-up (``compile_mode``), on a modelled clock.
+
+The batches go through a real :class:`~attnpolicy.dispatcher.Dispatcher` with the
+simulation's builder (nothing compiles; see :mod:`attnpolicy.measure.simulation`),
+so decisions, pad-ups, switch points, hits and evictions are those of a real run.
+Time is the cost model's: a batch runs for its calls' run seconds (plus dispatch
+overhead and host mask builds); a synchronous compile stalls its batch for the
+key's compile seconds; a background compile requested at modelled time ``t`` runs
+on one worker (compiles queue) and finishes at ``max(t, worker free) + compile
+seconds``; at its switch point the batch stalls for ``max(0, finish − now)``. The
+worker is assumed to run beside the batches without slowing them. Warm-up compiles
+before the first batch and is reported apart (``warmup_seconds``), not as a stall.
+See docs/simulate.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import GraphFamily
+from attnpolicy.dispatcher import Dispatcher, percentile
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels.masks import MaskCache, mask_for
+from attnpolicy.measure.batching import Step
+from attnpolicy.measure.simulation import SimulatedGraph
+
+#: ``warm`` values besides ``prefix:N``.
+WARM_NONE, WARM_ALL = "none", "all"
+
+
+@dataclass(frozen=True)
+class StallRow:
+    """One modelled run. ``total_seconds`` is the modelled wall time of the batches:
+    ``attention_seconds`` (run seconds of the calls as they ran, pad-ups included,
+    overheads and mask builds) plus ``stall_seconds`` (synchronous compiles and waits
+    at switch points). ``compiles``/``compile_seconds`` count every compile after
+    warm-up (synchronous and background); ``warm_keys``/``warmup_seconds`` are the
+    warm-up's. Stall percentiles are nearest-rank over all ``batches``."""
+
+    policy: str
+    capacity: int | None
+    eviction: str
+    compile_mode: str
+    switch_after: int
+    warm: str
+    warm_keys: int
+    warmup_seconds: float
+    batches: int
+    attention_seconds: float
+    stall_seconds: float
+    total_seconds: float
+    stall_p50: float
+    stall_p99: float
+    stall_max: float
+    stalled_batches: int
+    compiles: int
+    compile_seconds: float
+    background_compiles: int
+    background_compile_seconds: float
+    pad_up_calls: int
+    pad_up_tokens: int
+    distinct_keys: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _simulated(call: Call, key: GraphKey, spec: TensorSpec) -> SimulatedGraph:
+    return SimulatedGraph(key)
+
+
+def warm_layouts(layouts: Sequence[BatchLayout], warm: str) -> list[BatchLayout]:
+    """The layouts to warm up with: ``none``, ``all`` (every layout: the keys the
+    whole workload uses) or ``prefix:N`` (the first ``N``)."""
+    if warm == WARM_NONE:
+        return []
+    if warm == WARM_ALL:
+        return list(layouts)
+    head, _, count = warm.partition(":")
+    if head == "prefix" and count.isdigit():
+        return list(layouts[:int(count)])
+    raise ConfigError(f"warm must be 'none', 'all' or 'prefix:N' (N ≥ 0 batches), got {warm!r}")
+
+
+def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel | None = None,
+                 spec: TensorSpec | None = None, warm: str = WARM_NONE) -> StallRow:
+    """Replay ``steps`` under ``config`` (its ``compile_mode`` and ``switch_after``)
+    on the modelled clock, after warming up as ``warm`` says (see :func:`warm_layouts`)."""
+    model = model or CostModel.default()
+    spec = spec or model.spec
+    layouts = [s.layout if isinstance(s, Step) else s for s in steps]
+    warm_set = warm_layouts(layouts, warm)
+    inserted: list[GraphKey] = []
+    cache: GraphCache[SimulatedGraph] = GraphCache.from_config(
+        config, sizeof=model.graph_bytes, compile_cost=model.compile_cost,
+        on_compile=lambda key, seconds, nbytes: inserted.append(key))
+    masks = MaskCache(config.max_mask_bytes)
+    overhead = model.call_overhead_seconds
+    with Dispatcher(config, builder=_simulated, cost_model=model, cache=cache) as dispatcher:
+        warm_keys = dispatcher.warmup(warm_set, spec)
+        warmup_seconds = cache.stats().compile_seconds
+        now = worker_free = 0.0
+        finish: dict[GraphKey, float] = {}
+        stalls: list[float] = []
+        attention = compile_seconds = background_seconds = 0.0
+        compiles = background = 0
+        keys: set[GraphKey] = set()
+        for layout in layouts:
+            before = dict(dispatcher.pending())
+            inserted.clear()
+            graphs = dispatcher.prepare(layout, spec)
+            t = now
+            sync = []
+            for key in inserted:  # switch points first (at the batch's start), then sync compiles
+                if key in before and key in finish:  # its first insertion: the switch
+                    t = max(t, finish.pop(key))
+                else:  # compiled in the batch (again, if evicted since its switch)
+                    sync.append(key)
+            for key in sync:
+                seconds = model.compile_seconds(key)
+                t += seconds
+                compiles += 1
+                compile_seconds += seconds
+            for key, _ in dispatcher.pending():
+                if key not in before:  # requested in this batch: queued on the one worker
+                    seconds = model.compile_seconds(key)
+                    worker_free = finish[key] = max(t, worker_free) + seconds
+                    compiles += 1
+                    background += 1
+                    compile_seconds += seconds
+                    background_seconds += seconds
+            if t > now:
+                stalls.append(t - now)
+            run = 0.0
+            for call, graph in graphs:
+                if isinstance(graph, SimulatedGraph):
+                    keys.add(graph.key)
+                    run += model.run_seconds(graph.key) + overhead
+                else:  # longer than the largest bucket: runs uncompiled
+                    run += model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + overhead
+                if call.family is GraphFamily.MASK:
+                    mask_key = (mask_for(layout), call.q_bucket, call.kv_bucket, spec.device)
+                    if mask_key not in masks:
+                        run += model.mask_build_seconds(call.q_bucket, call.kv_bucket)
+                    masks.lookup(mask_key, call.q_bucket * call.kv_bucket, bool)
+            attention += run
+            now = t + run
+        stats = dispatcher.stats()
+    stalls.sort()
+    n = len(layouts)
+    stall_total = sum(stalls)
+    return StallRow(
+        policy=config.policy, capacity=config.max_graphs, eviction=config.eviction,
+        compile_mode=config.compile_mode, switch_after=config.switch_after, warm=warm,
+        warm_keys=len(warm_keys), warmup_seconds=warmup_seconds, batches=n,
+        attention_seconds=attention, stall_seconds=stall_total, total_seconds=attention + stall_total,
+        stall_p50=percentile(stalls, n, 0.5), stall_p99=percentile(stalls, n, 0.99),
+        stall_max=stalls[-1] if stalls else 0.0, stalled_batches=len(stalls),
+        compiles=compiles, compile_seconds=compile_seconds,
+        background_compiles=background, background_compile_seconds=background_seconds,
+        pad_up_calls=stats.background.pad_up_calls, pad_up_tokens=stats.background.pad_up_tokens,
+        distinct_keys=len(keys))
+
+
+def compare_stalls(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, policies: Sequence[str],
+                   capacities: Sequence[int | None], warm: Sequence[str], switch_after: int | None = None,
+                   model: CostModel | None = None, spec: TensorSpec | None = None,
+                   progress: Callable[[str], None] | None = None) -> list[StallRow]:
+    """For each policy × capacity × warm set, the ``sync`` row then the
+    ``background`` row (``switch_after``: default the base config's);
+    ``progress(label)`` after each row."""
+    fields = base.model_dump(mode="json")
+    rows = []
+    for policy in policies:
+        for capacity in capacities:
+            for warm_set in warm:
+                for mode in ("sync", "background"):
+                    cfg = AttnPolicyConfig.model_validate(
+                        {**fields, "policy": policy, "policy_options": fields["policy_options"]
+                         if policy == base.policy else {}, "max_graphs": capacity, "compile_mode": mode,
+                         "switch_after": switch_after or base.switch_after})
+                    rows.append(model_stalls(steps, cfg, model, spec, warm_set))
+                    if progress:
+                        progress(f"{policy} capacity={capacity} warm={warm_set} {mode}")
+    return rows
+
