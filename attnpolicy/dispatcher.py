@@ -205,6 +205,8 @@ class Dispatcher:
         self._executor: ThreadPoolExecutor | None = None
         self._stall = 0.0
         self._stalls: list[float] = []
+        #: wall seconds batches stalled on compiles so far (``stats().stalls.seconds``)
+        self.stall_seconds = 0.0
         self._background_seconds = 0.0
         self._pad_model: Any = None
 
@@ -256,6 +258,7 @@ class Dispatcher:
             raise
         if self._stall:
             self._stalls.append(self._stall)
+            self.stall_seconds += self._stall
         # counted once every graph is at hand: a batch that raised is not counted
         self._modes[batch.mode.value] += 1
         c = self._counts
@@ -699,7 +702,7 @@ def percentile(values: list[float], total: int, p: float) -> float:
 
 def _stall_stats(batches: int, stalls: list[float]) -> StallStats:
     ordered = sorted(stalls)
-    return StallStats(batches, len(stalls), sum(stalls), percentile(ordered, batches, 0.5),
+    return StallStats(batches, len(stalls), math.fsum(stalls), percentile(ordered, batches, 0.5),
                       percentile(ordered, batches, 0.99), ordered[-1] if ordered else 0.0)
 
 

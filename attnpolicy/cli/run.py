@@ -100,7 +100,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]),
         ("evictions", c["evictions"]), ("peak graph MiB", c["peak_bytes"] / MIB),
         ("attention s", result.attention_seconds), ("compile s", result.compile_seconds),
-        ("total s", result.total_seconds)]
+        ("total s", result.total_seconds),
+        ("stall s p50 / p99 / max", " / ".join(f"{result.stalls[p]:.4g}" for p in ("p50", "p99", "max")))]
+    b = result.background
+    if b["compile_mode"] == "background":
+        done = f"{b['switched']} switched, {b['pending']} pending ({b['compile_seconds']:.4g} s)"
+        rows += [("background compiles", done),
+                 ("pad-up calls / tokens", f"{b['pad_up_calls']} / {b['pad_up_tokens']}")]
     if result.max_abs_err is not None:
         rows += [("max abs err", result.max_abs_err),
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]

@@ -1,9 +1,10 @@
 """Replay a workload through a real Dispatcher: real tensors, real compiles, real time.
 
 Each step of the batch former becomes one ``Dispatcher.attend`` call on random
-tensors of the step's layout (one attention layer). Time spent compiling during a
-call is taken from the graph cache's measured compile seconds; the rest of the
-call is attention time. With ``check`` every output is compared with a float64
+tensors of the step's layout (one attention layer). Time a call stalled on a
+compile (compiling synchronously, or waiting for a background compile at its
+switch point: the dispatcher's stall seconds) is compile time; the rest of the call
+is attention time. With ``check`` every output is compared with a float64
 per-sequence reference (uncompiled VARLEN through the ``eager`` kernel).
 """
 
@@ -31,7 +32,9 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 @dataclass(frozen=True)
 class RunResult:
     """What a real replay measured. ``cache`` is the graph cache's stats, ``modes``
-    counts batches per mode; ``max_abs_err``, ``tolerance`` and ``passed`` are
+    counts batches per mode; ``compile_seconds`` are the seconds batches stalled on
+    compiles, ``stalls`` and ``background`` the dispatcher's figures (see
+    docs/cache.md); ``max_abs_err``, ``tolerance`` and ``passed`` are
     ``None`` unless outputs were checked against the reference."""
 
     cache: dict[str, Any]
@@ -49,6 +52,8 @@ class RunResult:
     passed: bool | None
     config: dict[str, Any]
     spec: dict[str, Any]
+    stalls: dict[str, Any]
+    background: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON: one key per field."""
@@ -67,7 +72,12 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
     with ``check``, compare every output with the float64 reference."""
     if steps is None:
         steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
-    dispatcher = Dispatcher(config)
+    with Dispatcher(config) as dispatcher:
+        return _run(dispatcher, steps, config, spec, check, seed, progress)
+
+
+def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig, spec: TensorSpec,
+         check: bool, seed: int, progress: Callable[[str], None] | None) -> RunResult:
     gen = torch.Generator().manual_seed(seed)
     max_q = max((s.layout.q_tokens for s in steps), default=1)
     max_kv = max((s.layout.kv_tokens for s in steps), default=1)
@@ -79,11 +89,11 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
         for step in steps:
             lay = step.layout
             q, k, v = q_pool[:lay.q_tokens], k_pool[:lay.kv_tokens], v_pool[:lay.kv_tokens]
-            compiled_before = dispatcher.cache.stats().compile_seconds
+            stalled_before = dispatcher.stall_seconds
             t0 = time.perf_counter()
             out = dispatcher.attend(q, k, v, lay, spec.scale)
             total += time.perf_counter() - t0
-            compile_total += dispatcher.cache.stats().compile_seconds - compiled_before
+            compile_total += dispatcher.stall_seconds - stalled_before
             if check:
                 ref = attend(q.double(), k.double(), v.double(), lay, MaskMode.VARLEN, "eager",
                              scale=spec.scale)
@@ -109,4 +119,6 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
         config=config.model_dump(mode="json"),
         spec={"dtype": spec.dtype, "heads": spec.heads, "kv_heads": spec.kv_heads,
               "head_dim": spec.head_dim},
+        stalls=dict(stats["stalls"]),
+        background=dict(stats["background"]),
     )
