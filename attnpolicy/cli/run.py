@@ -53,6 +53,11 @@ def register(subparsers: Any) -> None:
                    help="compile backend (default: the config's, inductor)")
     p.add_argument("--impl", choices=("sdpa", "eager", "flash"), default=None,
                    help="attention implementation, attn_impl (default: the config's, sdpa)")
+    p.add_argument("--compile-mode", choices=("sync", "background"), default=None,
+                   help="compile a missing graph in its batch, or in the background while the call runs on a "
+                        "resident larger bucket (default: the config's, sync)")
+    p.add_argument("--switch-after", type=positive_int, default=None, metavar="N",
+                   help="batches until a background graph switches into the cache (default: the config's, 8)")
     p.add_argument("--check", action="store_true",
                    help="compare every output with the float64 reference and print pass or fail against "
                         f"the dtype's tolerance ({', '.join(f'{d} {t:g}' for d, t in TOLERANCE.items())}) "
@@ -70,7 +75,7 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
         check_evictions("--eviction", [args.eviction], simulation=False)
     overrides = {"policy": policy, "policy_options": options, "max_graphs": args.max_graphs,
                  "max_bytes": args.max_bytes, "eviction": args.eviction, "backend": args.backend,
-                 "attn_impl": args.impl}
+                 "attn_impl": args.impl, "compile_mode": args.compile_mode, "switch_after": args.switch_after}
     base.update({k: v for k, v in overrides.items() if v is not None})
     base.setdefault("max_seq_len", args.max_seq_len)
     # a packed MASK call's keys are every running sequence's context: as in `simulate`
