@@ -101,6 +101,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("evictions", c["evictions"]), ("peak graph MiB", c["peak_bytes"] / MIB),
         ("attention s", result.attention_seconds), ("compile s", result.compile_seconds),
         ("total s", result.total_seconds)]
+    if config.warmup:
+        rows += [("warm-up graphs", result.warmup_graphs), ("warm-up compile s", result.warmup_seconds),
+                 ("compiles after warm-up", result.compiles_after_warmup),
+                 ("strict violations", result.strict_violations)]
     if result.max_abs_err is not None:
         rows += [("max abs err", result.max_abs_err),
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]
