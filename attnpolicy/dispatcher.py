@@ -407,8 +407,11 @@ class Dispatcher:
 
         :meth:`attend` warms the config's warm set itself the first time it sees a
         spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
+        batches: Iterable[BatchLayout] = ()
         if isinstance(layouts, TensorSpec):
-            layouts, spec = (), layouts
+            spec = layouts
+        else:
+            batches = layouts
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
         keys: dict[GraphKey, None] = {}
@@ -421,7 +424,7 @@ class Dispatcher:
                     self._graph(call, key, spec)
                     keys[key] = None
                 self._warmed.add(spec)
-            for layout in layouts:
+            for layout in batches:
                 self._check_lengths(layout)
                 for call, key in self._planned(layout, self.preview(layout, spec).mode, spec)[1]:
                     self._graph(call, key, spec)  # with the same overflow and compile-error rules

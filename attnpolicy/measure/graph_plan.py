@@ -210,8 +210,20 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
     return PolicyPlan(policy, covering(sizes, base), eviction, row.evictions == 0, row, baselines, candidates)
 
 
-def _stub(call: Call, key: GraphKey, spec: TensorSpec) -> GraphKey:
-    return key
+class _Counted:
+    """What the dispatcher of :func:`graph_uses` caches for a key: the key (never called)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: GraphKey) -> None:
+        self.key = key
+
+    def __call__(self, *args: Any) -> Any:
+        raise TypeError(f"graph {self.key} is only counted")
+
+
+def _counted(call: Call, key: GraphKey, spec: TensorSpec) -> _Counted:
+    return _Counted(key)
 
 
 def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
@@ -220,17 +232,18 @@ def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, mo
     calls it serves, most used first (ties: cheaper to compile first)."""
     spec = spec or model.spec
     unbounded = with_fields(config, max_graphs=None, max_bytes=None, eviction="lru", warmup=[])
-    dispatcher = Dispatcher(unbounded, builder=_stub, cost_model=model)
+    dispatcher = Dispatcher(unbounded, builder=_counted, cost_model=model)
     uses: dict[GraphKey, int] = {}
     shapes: dict[GraphKey, WarmShape] = {}
     for layout in layouts_of(steps):
         for call, graph in dispatcher.prepare(layout, spec):
-            if not isinstance(graph, GraphKey):  # longer than the largest bucket: uncompiled
+            if not isinstance(graph, _Counted):  # longer than the largest bucket: uncompiled
                 continue
-            uses[graph] = uses.get(graph, 0) + 1
-            if graph not in shapes:
+            key = graph.key
+            uses[key] = uses.get(key, 0) + 1
+            if key not in shapes:
                 mask = call.family is GraphFamily.MASK
-                shapes[graph] = WarmShape(
+                shapes[key] = WarmShape(
                     family=call.family, q_bucket=call.q_bucket, kv_bucket=call.kv_bucket,
                     causal=layout.causal if mask else call.causal,
                     context=layout.has_context if mask else call.kv_len > call.q_len)
@@ -293,14 +306,17 @@ def plan_markdown(plan: GraphPlan, source: str) -> str:
     cap = "∞" if plan.max_graphs is None else str(plan.max_graphs)
     nbytes = "∞" if plan.max_bytes is None else str(plan.max_bytes)
     chosen = plan.chosen
+    fits = " (every graph fits: nothing is evicted)" if chosen.fits else ""
+    base = plan.base_buckets
+    budget = "none (the capacity)" if plan.warmup_seconds is None else f"{_seconds(plan.warmup_seconds)} s"
+    served = sum(w.uses for w in plan.warm)
     lines = [
         f"# Graph plan: {source}", "",
-        f"Capacity: max_graphs {cap}, max_bytes {nbytes}. Chosen policy **{plan.policy}**, buckets "
-        f"{list(chosen.buckets)}, eviction **{chosen.eviction}**"
-        + (" (every graph fits: nothing is evicted)." if chosen.fits else "."), "",
+        (f"Capacity: max_graphs {cap}, max_bytes {nbytes}. Chosen policy **{plan.policy}**, buckets "
+        f"{list(chosen.buckets)}, eviction **{chosen.eviction}**{fits}."), "",
         "## Predicted totals (modelled seconds, compile + run)", "",
-        f"| policy | planned buckets | eviction | graphs used | plan total | {plan.base_buckets} + lru "
-        f"| {plan.base_buckets} + belady | vs lru | vs belady |",
+        (f"| policy | planned buckets | eviction | graphs used | plan total | {base} + lru | {base} + belady "
+        "| vs lru | vs belady |"),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in plan.policies:
@@ -308,15 +324,19 @@ def plan_markdown(plan: GraphPlan, source: str) -> str:
         total = p.row.total_seconds
         lines.append(f"| {p.policy} | {list(p.buckets)} | {p.eviction} | {p.row.distinct_keys} | {_seconds(total)} "
                      f"| {_seconds(lru)} | {_seconds(bel)} | {lru / total:.2f}× | {bel / total:.2f}× |")
-    lines += ["", "vs lru, vs belady: the baseline's total over the plan's (above 1: the plan is faster). "
-              "Belady is the offline optimum of eviction for the baseline buckets.", "",
-              f"## Warm-up set: {len(plan.warm)} graphs, {_seconds(plan.warm_compile_seconds)} modelled "
-              "compile seconds", "",
-              f"Budget: {'none (the capacity)' if plan.warmup_seconds is None else _seconds(plan.warmup_seconds) + ' s'}."
-              f" Served calls: {sum(w.uses for w in plan.warm)} of {chosen.row.calls}. After warm-up, strict "
-              f"mode is `{plan.config.strict}`: a compile the plan did not foresee is counted and warned about, "
-              "never refused.", "",
-              "| family | q bucket | kv bucket | causal | context | uses | compile s |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        ("vs lru, vs belady: the baseline's total over the plan's (above 1: the plan is faster). Belady is "
+        "the offline optimum of eviction for the baseline buckets."),
+        "",
+        f"## Warm-up set: {len(plan.warm)} graphs, {_seconds(plan.warm_compile_seconds)} modelled compile seconds",
+        "",
+        (f"Budget: {budget}. Calls served: {served} of {chosen.row.calls}. After warm-up, strict mode is "
+        f"`{plan.config.strict}`: a compile the plan did not foresee is counted and warned about, never refused."),
+        "",
+        "| family | q bucket | kv bucket | causal | context | uses | compile s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     lines += [f"| {w.shape.family.value} | {w.shape.q_bucket} | {w.shape.kv_bucket} | {w.shape.causal} "
               f"| {w.shape.context} | {w.uses} | {_seconds(w.compile_seconds)} |" for w in plan.warm]
     lines += ["", f"## Candidates of {plan.policy}", "",
