@@ -131,3 +131,22 @@ def test_plan_then_run_checks_and_compiles_nothing_after_warmup(tmp_path, capsys
     assert ran["passed"] and ran["warmup_graphs"] == len(config.warmup)
     assert ran["compiles_after_warmup"] == 0 and ran["strict_violations"] == 0
     assert "compiles after warm-up" in capsys.readouterr().out
+
+
+def test_attend_warms_the_config_set_at_a_specs_first_use():
+    """What the transformers integration relies on: the first attend of a spec warms."""
+    import torch
+    from reference import reference_for
+
+    model, base = _base()
+    fields = {**with_list(base, [16, 32, 64, 128]).model_dump(mode="json"), "backend": "none", "strict": "raise"}
+    used = graph_uses(_steps(), AttnPolicyConfig.model_validate(fields), model, SPEC)
+    config = AttnPolicyConfig.model_validate({**fields, "warmup": [g.shape.model_dump(mode="json") for g in used]})
+    d = Dispatcher(config)
+    layout = _steps()[0].layout
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(layout.q_tokens, 2, 16, generator=g)
+    k, v = (torch.randn(layout.kv_tokens, 2, 16, generator=g) for _ in range(2))
+    out = d.attend(q, k, v, layout)
+    torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+    assert d.stats().cache.compiles == len(used) and d.stats().strict_violations == 0
