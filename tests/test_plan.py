@@ -150,3 +150,21 @@ def test_attend_warms_the_config_set_at_a_specs_first_use():
     out = d.attend(q, k, v, layout)
     torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
     assert d.stats().cache.compiles == len(used) and d.stats().strict_violations == 0
+
+
+def test_plan_a_recorded_layout_stream_keeps_its_config_and_spec(tmp_path):
+    from attnpolicy.measure.layout_stream import LayoutStreamWriter
+
+    recorded = AttnPolicyConfig(max_seq_len=128, max_batch_tokens=512, backend="aot_eager")
+    path = tmp_path / "layouts.jsonl"
+    writer = LayoutStreamWriter(path, recorded, SPEC)
+    counters = {"hits": 0, "misses": 0, "evictions": 0, "graphs": 0}
+    for step in _steps():
+        writer.write_step(step.layout, Dispatcher(recorded).preview(step.layout, SPEC).mode, [], counters)
+    writer.close()
+    out = tmp_path / "plan"
+    assert main(["plan", "--layouts", str(path), "--policies", "varlen", "--max-graphs", "4", "--max-buckets", "3",
+                 "--out", str(out)]) == 0
+    config = AttnPolicyConfig.load(out)
+    assert (config.max_seq_len, config.max_batch_tokens, config.max_graphs) == (128, 512, 4)
+    assert 0 < len(config.warmup) <= 4 and config.buckets.sizes[-2:] == (128, 512)
