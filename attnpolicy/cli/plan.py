@@ -13,6 +13,7 @@ from attnpolicy.cli.common import (
     fail,
     positive_int,
     print_table,
+    progress,
     shown,
     str_list,
 )
@@ -111,8 +112,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         steps = list(former.steps(workload(args, former)))
         spec, source = None, args.trace + (f" (first {args.limit} requests)" if args.limit else "")
     try:
-        plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
-                           args.max_buckets, spec)
+        with progress(None, "plan") as advance:
+            plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
+                               args.max_buckets, spec, advance)
     except ConfigError as exc:
         fail(f"argument --policies: {exc}" if "stateless" in str(exc) else str(exc))
     out = Path(args.out)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -175,17 +175,21 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
 
 
 def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
-                evictions: Sequence[str], max_buckets: int = 16,
-                spec: TensorSpec | None = None) -> PolicyPlan:
+                evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
+                progress: Callable[[str], None] | None = None) -> PolicyPlan:
     """The best bucket list and eviction for ``policy`` at ``base``'s capacity
-    (``max_graphs``, ``max_bytes``), searched as the module docstring says."""
+    (``max_graphs``, ``max_bytes``), searched as the module docstring says;
+    ``progress(label)`` is called after each simulation."""
     capacity = base.max_graphs
     shapes = decided_shapes(layouts_of(steps), policy, base, model)
     plans = candidate_lists(shapes, base, model, max_buckets)
 
     def simulate(sizes: tuple[int, ...], names: Sequence[str]) -> list[SimRow]:
         cfg = with_fields(base, buckets={"kind": "list", "sizes": list(covering(sizes, base))})
-        return simulate_layouts(steps, [policy], [capacity], names, cfg, model, spec)
+        rows = simulate_layouts(steps, [policy], [capacity], names, cfg, model, spec)
+        if progress:
+            progress(f"{policy} {len(sizes)} buckets {','.join(names)}")
+        return rows
 
     rows: dict[tuple[int, ...], dict[str, SimRow]] = {}
     best = math.inf
@@ -274,7 +278,7 @@ def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int
 def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, model: CostModel,
                 policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
                 warmup_seconds: float | None = None, max_buckets: int = 16,
-                spec: TensorSpec | None = None) -> GraphPlan:
+                spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
     best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
     ``None``: as many as the capacity holds), and the config applying it (strict mode
@@ -284,7 +288,8 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
     if warmup_seconds is not None and warmup_seconds < 0:
         raise ConfigError(f"warmup_seconds must be >= 0, got {warmup_seconds}")
     base = with_fields(base, warmup=[])  # a previous plan's warm set may not fit the new buckets
-    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec) for p in policies)
+    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress)
+                       for p in policies)
     chosen = min(per_policy, key=lambda p: p.row.total_seconds)
     config = with_fields(base, policy=chosen.policy,
                          policy_options=base.policy_options if chosen.policy == base.policy else {},
