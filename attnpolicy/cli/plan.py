@@ -21,10 +21,10 @@ from attnpolicy.cli.simulate import cost_model, former_from, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.graph_plan import POLICIES, GraphPlan, plan_graphs, plan_markdown
+from attnpolicy.measure.graph_plan import POLICIES, GraphPlan, plan_graphs, plan_markdown, plannable
 from attnpolicy.measure.layout_stream import read_layout_stream, select_run
 from attnpolicy.measure.simulation import BELADY, check_model, simulation_config
 
@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run", metavar="RUN",
                    help="with --layouts: the run to plan when FILE holds several (default: the only one)")
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="where to write attnpolicy_config.json, plan.md and plan.json")
+                   help="where to write attnpolicy_config.json, plan.md and plan.json (required)")
     p.add_argument("--max-graphs", type=positive_int, default=None, metavar="N",
                    help="graph-cache capacity the plan must live in (default: unbounded)")
     p.add_argument("--max-bytes", type=positive_int, default=None, metavar="B",
@@ -111,12 +111,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
             fail(f"argument --config: {exc}")
         steps = list(former.steps(workload(args, former)))
         spec, source = None, args.trace + (f" (first {args.limit} requests)" if args.limit else "")
+    for name in args.policies:
+        try:
+            plannable(name, base)
+        except (ConfigError, PolicyError) as exc:
+            fail(f"argument --policies: {exc}")
     try:
         with progress(None, "plan") as advance:
             plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
                                args.max_buckets, spec, advance)
     except ConfigError as exc:
-        fail(f"argument --policies: {exc}" if "stateless" in str(exc) else str(exc))
+        fail(str(exc))
     out = Path(args.out)
     plan.config.save(out)
     write_json(out / "plan.json", {"source": source, **plan.to_json()})

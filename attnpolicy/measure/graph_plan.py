@@ -131,15 +131,23 @@ def layouts_of(steps: Sequence[Step | BatchLayout]) -> list[BatchLayout]:
     return [s.layout if isinstance(s, Step) else s for s in steps]
 
 
-def decided_shapes(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig,
-                   model: CostModel) -> CallShapes:
-    """The exact call shapes of ``layouts`` in the modes ``policy`` (guarded like a
-    dispatcher under ``base``) decides."""
+def plannable(policy: str, base: AttnPolicyConfig) -> Guard:
+    """The guarded ``policy`` as ``base`` configures it; :class:`ConfigError` unless its
+    decisions depend on the layout alone (``stateless``): only then is its graph set a
+    function of the trace."""
     options = base.policy_options if policy == base.policy else {}
     guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal, fallback=MaskMode(base.fallback_mode))
     if not guard.stateless:
         raise ConfigError(f"policy {policy!r} decides from the cache state: its graph set cannot be planned "
                           f"from the trace; plan a stateless policy ({', '.join(POLICIES)})")
+    return guard
+
+
+def decided_shapes(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig,
+                   model: CostModel) -> CallShapes:
+    """The exact call shapes of ``layouts`` in the modes ``policy`` (guarded like a
+    dispatcher under ``base``) decides."""
+    guard = plannable(policy, base)
     ctx = PolicyContext(config=base, spec=model.spec, cost_model=model)
     return CallShapes.from_layouts((layout, guard.decide(layout, ctx).mode) for layout in layouts)
 
