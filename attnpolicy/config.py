@@ -43,7 +43,7 @@ from attnpolicy.core.names import (
     Oversize,
     Strict,
 )
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import AttnPolicyError, ConfigError
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
 
 CONFIG_FILENAME = "attnpolicy_config.json"
@@ -52,6 +52,38 @@ POLICY_ENV = "ATTNPOLICY_POLICY"
 FORMAT_VERSION: Literal[1] = 1
 
 logger = logging.getLogger("attnpolicy.config")
+
+
+class WarmShape(BaseModel):
+    """One graph to compile at warm-up, without its tensor spec (known only at run
+    time): the graph family, its query and key buckets, causality and whether keys
+    include cached context (``attnpolicy plan`` writes these)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: GraphFamily
+    q_bucket: PositiveInt
+    kv_bucket: PositiveInt
+    causal: bool = True
+    context: bool = False
+
+    @model_validator(mode="after")
+    def _a_planned_call(self) -> WarmShape:
+        q, kv = self.q_bucket, self.kv_bucket
+        if q > kv:
+            raise ValueError(f"q_bucket {q} must be <= kv_bucket {kv}")
+        if self.family is GraphFamily.CAUSAL and (q != kv or not self.causal or self.context):
+            raise ValueError(f"a causal graph has q_bucket == kv_bucket, causal true and context false, got "
+                             f"q_bucket {q}, kv_bucket {kv}, causal {self.causal}, context {self.context}")
+        if self.family is GraphFamily.VARLEN and self.causal and not self.context:
+            raise ValueError("a causal sequence without context runs the causal graph: a varlen graph "
+                             "needs causal false or context true")
+        if not self.context and q != kv:
+            raise ValueError(f"kv_bucket {kv} > q_bucket {q} needs context true (keys beyond the "
+                             "queries are cached context)")
+        if self.context and kv < 2:
+            raise ValueError(f"context true needs kv_bucket >= 2 (more keys than queries), got {kv}")
+        return self
 
 
 class AttnPolicyConfig(BaseModel):
@@ -91,6 +123,8 @@ class AttnPolicyConfig(BaseModel):
     #: graph compiles in a worker thread; it enters the cache switch_after batches later
     compile_mode: CompileMode = "sync"
     switch_after: PositiveInt = 8
+    #: graphs to compile at warm-up (``Dispatcher.warmup(spec)``, integrations at first use)
+    warmup: tuple[WarmShape, ...] = ()
 
     @field_validator("policy", "eviction")
     @classmethod
@@ -124,6 +158,7 @@ class AttnPolicyConfig(BaseModel):
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= max_seq_len "
                              f"{self.max_seq_len}")
         self._check_buckets()
+        self._check_warmup()
         object.__setattr__(self, "attn_impl", self._resolve_attn_impl())
         return self
 
@@ -173,6 +208,23 @@ class AttnPolicyConfig(BaseModel):
             if b.sizes[-1] > self.max_batch_tokens:
                 raise ValueError(f"buckets.sizes has bucket {b.sizes[-1]} > max_batch_tokens "
                                  f"{self.max_batch_tokens}")
+
+    def _check_warmup(self) -> None:
+        """Every warm-up shape's buckets are buckets of this config (MASK rows: of
+        ``max_batch_tokens``, others: of ``max_seq_len``)."""
+        for i, shape in enumerate(self.warmup):
+            mask = shape.family is GraphFamily.MASK
+            limit = self.max_batch_tokens if mask else self.max_seq_len
+            for name in ("q_bucket", "kv_bucket"):
+                n = getattr(shape, name)
+                try:
+                    b = self.buckets.bucket(n, limit)
+                except AttnPolicyError:
+                    b = None
+                if b != n:
+                    rounds = f"it rounds up to {b}" if b else f"above the largest bucket of {limit}"
+                    raise ValueError(f"warmup.{i}.{name}: {n} is not a bucket of {self.buckets.describe()} "
+                                     f"for {'max_batch_tokens' if mask else 'max_seq_len'} {limit} ({rounds})")
 
     def validate_names(self) -> Any:
         """Resolve ``policy`` and ``eviction`` against the plugin registry and build the

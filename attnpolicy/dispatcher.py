@@ -17,7 +17,7 @@ import cachetools
 import torch
 
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
-from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.errors import (
@@ -192,6 +192,7 @@ class Dispatcher:
         self._specs: dict[tuple[Any, ...], TensorSpec] = {}
         self._keys: dict[tuple[Any, ...], GraphKey] = {}
         self._warm = False
+        self._warmed: set[TensorSpec] = set()  # specs the config's warm set was compiled for
         self._modes: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
         self._kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
@@ -308,6 +309,8 @@ class Dispatcher:
             if len(self._specs) >= PLAN_CACHE_SIZE:
                 self._specs.clear()
             spec = self._specs[key] = TensorSpec.of(q, k, scale)
+            if self.config.warmup and spec not in self._warmed:
+                self.warmup(spec)
         return spec
 
     def decide(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
@@ -615,17 +618,43 @@ class Dispatcher:
             raise StrictModeError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def warmup(self, layouts: Iterable[BatchLayout], spec: TensorSpec) -> list[GraphKey]:
-        """Compile the graphs the policy would use for ``layouts`` (as :meth:`preview`
-        decides them: no attention runs, no decision is counted), then count any later
-        compile as a strict-mode violation. Returns the keys."""
+    def warmup(self, layouts: Iterable[BatchLayout] | TensorSpec,
+               spec: TensorSpec | None = None) -> list[GraphKey]:
+        """``warmup(spec)``: compile the config's warm set (``warmup``, e.g. from
+        ``attnpolicy plan``) for tensors of ``spec``, once per spec.
+        ``warmup(layouts, spec)``: that, and the graphs the policy would use for
+        ``layouts`` (as :meth:`preview` decides them: no attention runs, no decision is
+        counted). Either way any later compile then counts as a strict-mode violation
+        (``strict``). Returns the keys warmed by this call.
+
+        :meth:`attend` warms the config's warm set itself the first time it sees a
+        spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
+        batches: Iterable[BatchLayout] = ()
+        if isinstance(layouts, TensorSpec):
+            spec = layouts
+        else:
+            batches = layouts
+        if spec is None:
+            raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
         keys: dict[GraphKey, None] = {}
-        for layout in layouts:
-            self._check_lengths(layout)
-            for call, key in self._planned(layout, self.preview(layout, spec).mode, spec)[1]:
-                self._graph(call, key, spec)  # with the same overflow and compile-error rules
-                if call.compiled:
+        warm, self._warm = self._warm, False  # the warm-up's own compiles are no violations
+        try:
+            if spec not in self._warmed:
+                for shape in self.config.warmup:
+                    call, layout = _warm_call(shape)
+                    key = self._key_for(call, layout, spec)
+                    self._graph(call, key, spec)
                     keys[key] = None
+                self._warmed.add(spec)
+            for layout in batches:
+                self._check_lengths(layout)
+                for call, key in self._planned(layout, self.preview(layout, spec).mode, spec)[1]:
+                    self._graph(call, key, spec)  # with the same overflow and compile-error rules
+                    if call.compiled:
+                        keys[key] = None
+        except BaseException:
+            self._warm = warm
+            raise
         self._warm = True
         return list(keys)
 
@@ -729,6 +758,16 @@ def _release(key: GraphKey, graph: CompiledGraph | FlexGraph) -> None:
 
 
 _ONE_ROW = BatchLayout.from_lens([1])
+
+
+def _warm_call(shape: WarmShape) -> tuple[Call, BatchLayout]:
+    """A call of a warm-up shape, and a one-sequence layout of its causality and
+    context (what a MASK key and the kernel choice read from the layout)."""
+    q, kv = shape.q_bucket, shape.kv_bucket
+    q_len = q - 1 if shape.context and q == kv else q  # context: more keys than queries
+    call = Call(shape.family, 0, q_len, 0, kv, q, kv, shape.causal)
+    layout = BatchLayout.from_lens([1], [2] if shape.context else None, causal=shape.causal)
+    return call, layout
 
 
 def _largest_bucket(cfg: AttnPolicyConfig, max_len: int) -> int:

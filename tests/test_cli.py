@@ -53,6 +53,11 @@ MISTAKES = [
     (["simulate", "--max-num-seqs", "32", "--max-num-batched-tokens", "16"], ["--max-num-batched-tokens", "16"]),
     (["simulate", "--cost-model", "/nonexistent/model.json"], ["--cost-model", "/nonexistent/model.json"]),
     (["simulate", "--trace", "/nonexistent/trace.csv"], ["--trace", "/nonexistent/trace.csv"]),
+    (["plan", "--policies", "varln"], ["--policies", "'varln'"]),
+    (["plan", "--policies", "cost-aware"], ["--policies", "'cost-aware'", "stateless"]),
+    (["plan", "--evictions", "belady"], ["--evictions", "'belady'"]),
+    (["plan", "--warmup-seconds", "-1"], ["--warmup-seconds", "'-1'"]),
+    (["plan", "--max-graphs", "0"], ["--max-graphs", "'0'"]),
     (["run", "--policy", "varln"], ["--policy", "'varln'"]),
     (["run", "--eviction", "belady"], ["--eviction", "'belady'", "simulation-only"]),
     (["run", "--eviction", "mru"], ["--eviction", "'mru'"]),
@@ -82,7 +87,7 @@ MISTAKES = [
 def test_mistakes_exit_2_with_one_line_before_any_work(capsys, tmp_path, argv, named):
     out = tmp_path / "out"
     extra = {"report": ["--out", str(out)], "simulate": ["--json", str(out)], "run": ["--json", str(out)],
-             "bench": ["--json", str(out)], "calibrate": ["--out", str(out)]}.get(argv[0], [])
+             "bench": ["--json", str(out)], "calibrate": ["--out", str(out)], "plan": ["--out", str(out)]}.get(argv[0], [])
     line = one_error_line(capsys, [*argv, *extra])
     for word in named:
         assert word in line, line

@@ -142,7 +142,7 @@ def _child(scenario: str, model: str, out: str) -> None:
     pooling = scenario.endswith("embed")
     run = _embed if pooling else _scenarios
     result: dict[str, object] = {"pid": os.getpid()}
-    if scenario.startswith("inproc"):
+    if scenario == "inproc-generate":
         from attnpolicy.integrations import vllm as integration
 
         counter = _StepCounter()
@@ -158,6 +158,10 @@ def _child(scenario: str, model: str, out: str) -> None:
             steps[policy] = counter.count - before
         result["steps"] = steps
     else:
+        if scenario == "inproc-planned":  # ATTNPOLICY_CONFIG: a planned config
+            from attnpolicy.integrations import vllm as integration
+
+            integration.register()
         llm = _engine(model, pooling)
         result["attnpolicy"] = _scenarios(llm, only_packed=True)
         _shutdown(llm)
@@ -401,3 +405,23 @@ def test_vllm_entry_point_reaches_engine_process(llama_dir, generated, tmp_path)
     decisions = _decisions(tmp_path / "decisions.jsonl")
     assert decisions, "no decision reached the log: the backend did not run in the engine process"
     assert {d["pid"] for d in decisions} - {result["pid"]}, "decisions came only from the front-end process"
+
+
+def test_vllm_warms_a_planned_config_then_compiles_nothing(llama_dir, generated, tmp_path):
+    """Plan a recorded run, serve its packed prompts again under the plan: the backend
+    warms the planned set at its first step and every step after hits."""
+    from attnpolicy.cli import main
+    from attnpolicy.config import AttnPolicyConfig
+    from attnpolicy.measure.layout_stream import read_layout_stream
+
+    stock = generated[0]["stock"]["packed"]
+    recorded = _stream_runs(generated[1])["varlen"]
+    out = tmp_path / "plan"
+    assert main(["plan", "--layouts", str(generated[1] / "layouts.jsonl"), "--run", recorded.run,
+                 "--policies", "varlen", "--max-buckets", "4", "--out", str(out)]) == 0
+    planned = AttnPolicyConfig.load(out)
+    result = _run_child("inproc-planned", llama_dir, tmp_path, {**INPROC, "ATTNPOLICY_CONFIG": str(out)})
+    assert [r["tokens"] for r in result["attnpolicy"]["packed"]] == [r["tokens"] for r in stock]
+    [run] = read_layout_stream(tmp_path / "layouts.jsonl")
+    assert run.config.warmup == planned.warmup and run.config.strict == "warn"
+    assert {s.misses for s in run.steps} == {len(planned.warmup)}  # the warm-up's misses, then none

@@ -245,8 +245,8 @@ def describe_options(options: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 @contextmanager
-def progress(total: int, what: str) -> Iterator[Callable[[str], None]]:
-    """A progress bar on stderr; yields ``advance(label)``."""
+def progress(total: int | None, what: str) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr (``total`` None: steps counted, no end known); yields ``advance(label)``."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
         task = bar.add_task(what, total=total)

@@ -112,6 +112,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         done = f"{b['switched']} switched, {b['pending']} pending ({b['compile_seconds']:.4g} s)"
         rows += [("background compiles", done),
                  ("pad-up calls / tokens", f"{b['pad_up_calls']} / {b['pad_up_tokens']}")]
+    if config.warmup:
+        rows += [("warm-up graphs", result.warmup_graphs), ("warm-up compile s", result.warmup_seconds),
+                 ("compiles after warm-up", result.compiles_after_warmup),
+                 ("strict violations", result.strict_violations)]
     if result.max_abs_err is not None:
         rows += [("max abs err", result.max_abs_err),
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]

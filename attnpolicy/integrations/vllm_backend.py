@@ -176,6 +176,8 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
         spec = self._spec
         if spec is None or spec.dtype != str(query.dtype).removeprefix("torch."):
             spec = self._spec = TensorSpec.of(query, key, self.scale)
+            if self.config.warmup:  # first use: the planned warm set (once per spec), then strict
+                self.dispatcher.warmup(spec)
         step = self._step_for(md, spec)
         if step.decision.mode is MaskMode.VARLEN:
             return self.varlen(layer, query, key, value, kv_cache, md, output)

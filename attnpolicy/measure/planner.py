@@ -105,8 +105,9 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
     s = np.asarray(sorted(sizes), dtype=np.int64)
     if s.size == 0 or s[-1] < shapes.max_len:
         raise ConfigError(f"sizes must cover the longest length {shapes.max_len}, got {list(sizes)}")
-    bq = s[np.searchsorted(s, shapes.q)]
-    bkv = s[np.searchsorted(s, shapes.kv)]
+    iq, ikv = np.searchsorted(s, shapes.q), np.searchsorted(s, shapes.kv)
+    bq, bkv = s[iq], s[ikv]
+    pair = iq * s.size + ikv  # one code per (q bucket, kv bucket)
     run = _fits(model, "run")
     comp = _fits(model, "compile")
     run_total = 0.0
@@ -119,11 +120,11 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
         base, cell, token = run[code]
         q, kv, n = bq[sel].astype(float), bkv[sel].astype(float), shapes.count[sel]
         run_total += float((n * (base + cell * q * kv + token * (q + kv))).sum())
-        keys = np.unique(np.stack([bq[sel], bkv[sel]]), axis=1)
+        used = np.flatnonzero(np.bincount(pair[sel], minlength=s.size * s.size))
         cb, cc, ct = comp[code]
-        kq, kk = keys.astype(float)
+        kq, kk = s[used // s.size].astype(float), s[used % s.size].astype(float)
         compile_total += float((cb + cc * kq * kk + ct * (kq + kk)).sum()) if model.backend != "none" else 0.0
-        graphs += keys.shape[1]
+        graphs += used.size
     run_total += model.call_overhead_seconds * shapes.calls
     padded = int((shapes.count * (bq - shapes.q)).sum())
     return PlanCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)

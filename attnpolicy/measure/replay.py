@@ -54,6 +54,10 @@ class RunResult:
     spec: dict[str, Any]
     stalls: dict[str, Any]
     background: dict[str, Any]
+    warmup_graphs: int = 0
+    warmup_seconds: float = 0.0
+    compiles_after_warmup: int = 0
+    strict_violations: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON: one key per field."""
@@ -69,7 +73,10 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
                  progress: Callable[[str], None] | None = None,
                  steps: Sequence[Step] | None = None) -> RunResult:
     """Run every step of ``requests`` (or the given ``steps``) through a Dispatcher;
-    with ``check``, compare every output with the float64 reference."""
+    with ``check``, compare every output with the float64 reference. A config with a
+    warm set (``warmup``) is warmed first: its compile seconds are
+    ``warmup_seconds``, not part of the replay's, and ``compiles_after_warmup`` counts
+    the replay's compiles."""
     if steps is None:
         steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
     with Dispatcher(config) as dispatcher:
@@ -78,6 +85,8 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
 
 def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig, spec: TensorSpec,
          check: bool, seed: int, progress: Callable[[str], None] | None) -> RunResult:
+    warm_keys = dispatcher.warmup(spec) if config.warmup else []
+    warm = dispatcher.cache.stats()
     gen = torch.Generator().manual_seed(seed)
     max_q = max((s.layout.q_tokens for s in steps), default=1)
     max_kv = max((s.layout.kv_tokens for s in steps), default=1)
@@ -121,4 +130,8 @@ def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig
               "head_dim": spec.head_dim},
         stalls=dict(stats["stalls"]),
         background=dict(stats["background"]),
+        warmup_graphs=len(warm_keys),
+        warmup_seconds=warm.compile_seconds,
+        compiles_after_warmup=stats["cache"]["compiles"] - warm.compiles,
+        strict_violations=stats["strict_violations"],
     )

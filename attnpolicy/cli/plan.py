@@ -1,0 +1,146 @@
+"""``attnpolicy plan``: choose buckets, policy, eviction and warm-up set from a workload."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from attnpolicy.cli.common import (
+    add_workload_args,
+    check_evictions,
+    command,
+    fail,
+    positive_int,
+    print_table,
+    progress,
+    shown,
+    str_list,
+)
+from attnpolicy.cli.simulate import cost_model, former_from, workload
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core import jsonfile
+from attnpolicy.core.jsonfile import write_json, write_text_atomic
+from attnpolicy.errors import ConfigError, PolicyError
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.graph_plan import POLICIES, GraphPlan, plan_graphs, plan_markdown, plannable
+from attnpolicy.measure.layout_stream import read_layout_stream, select_run
+from attnpolicy.measure.simulation import BELADY, check_model, simulation_config
+
+EVICTIONS = ("lru", "lfu", "fifo", "cost")
+
+
+def seconds(text: str) -> float:
+    """argparse type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    f = BatchFormer()
+    p = command(subparsers, "plan", "plan buckets, policy, eviction and warm-up set from a workload",
+                "attnpolicy plan --limit 100 --max-graphs 8 --out plan", cmd_plan)
+    add_workload_args(p, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
+    p.add_argument("--layouts", metavar="FILE",
+                   help="plan a recorded layout stream (ATTNPOLICY_LAYOUT_LOG) instead of --trace (default: none)")
+    p.add_argument("--run", metavar="RUN",
+                   help="with --layouts: the run to plan when FILE holds several (default: the only one)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where to write attnpolicy_config.json, plan.md and plan.json (required)")
+    p.add_argument("--max-graphs", type=positive_int, default=None, metavar="N",
+                   help="graph-cache capacity the plan must live in (default: unbounded)")
+    p.add_argument("--max-bytes", type=positive_int, default=None, metavar="B",
+                   help="graph-cache byte budget (the cost model's graph bytes) (default: unbounded)")
+    p.add_argument("--warmup-seconds", type=seconds, default=None, metavar="S",
+                   help="warm-up budget in modelled compile seconds (default: as many graphs as the capacity holds)")
+    p.add_argument("--policies", type=str_list, default=POLICIES, metavar="P[,P...]",
+                   help=f"stateless policies to plan, the best is chosen (default: {shown(POLICIES)})")
+    p.add_argument("--evictions", type=str_list, default=EVICTIONS, metavar="E[,E...]",
+                   help=f"live eviction strategies to try (default: {shown(EVICTIONS)})")
+    p.add_argument("--max-buckets", type=positive_int, default=16, metavar="K",
+                   help="most bucket sizes per candidate list (default: 16)")
+    p.add_argument("--cost-model", metavar="PATH",
+                   help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+    p.add_argument("--config", metavar="PATH",
+                   help="base attnpolicy config (backend, impl, limits); the plan replaces its policy, buckets, "
+                        "capacity, eviction, strict and warmup (default: derived from the cost model and the "
+                        "batch former, or the recorded config with --layouts)")
+
+
+def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConfig:
+    try:
+        base = AttnPolicyConfig.load(args.config) if args.config else default
+    except ConfigError as exc:
+        fail(f"argument --config: {exc}")
+    data = {**base.model_dump(mode="json"), "max_graphs": args.max_graphs, "max_bytes": args.max_bytes}
+    try:
+        return jsonfile.validate(AttnPolicyConfig, data, "--config and flags", "config", 1)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from attnpolicy.plugins.registry import policy_registry
+
+    model = cost_model(args) or CostModel.default()
+    check_evictions("--evictions", args.evictions, simulation=False)
+    known = policy_registry()
+    for name in args.policies:
+        if name not in known:
+            fail(f"argument --policies: {name!r} is not a registered policy; known policies: "
+                 f"{', '.join(sorted(known))}")
+    if args.layouts:
+        try:
+            run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
+        except ConfigError as exc:
+            fail(f"argument --layouts: {exc}")
+        steps: list[Any] = run.layouts
+        base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
+    else:
+        former = former_from(args)
+        base = _base(args, simulation_config(model, former))
+        try:
+            check_model(base, model)
+        except ConfigError as exc:
+            fail(f"argument --config: {exc}")
+        steps = list(former.steps(workload(args, former)))
+        spec, source = None, args.trace + (f" (first {args.limit} requests)" if args.limit else "")
+    for name in args.policies:
+        try:
+            plannable(name, base)
+        except (ConfigError, PolicyError) as exc:
+            fail(f"argument --policies: {exc}")
+    try:
+        with progress(None, "plan") as advance:
+            plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
+                               args.max_buckets, spec, advance)
+    except ConfigError as exc:
+        fail(str(exc))
+    out = Path(args.out)
+    plan.config.save(out)
+    write_json(out / "plan.json", {"source": source, **plan.to_json()})
+    write_text_atomic(out / "plan.md", plan_markdown(plan, source))
+    print_plan(plan, source)
+    print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}")
+    return 0
+
+
+def print_plan(plan: GraphPlan, source: str) -> None:
+    cap = "∞" if plan.max_graphs is None else plan.max_graphs
+    rows = []
+    for p in plan.policies:
+        lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
+        rows.append((p.policy + (" *" if p.policy == plan.policy else ""), ",".join(map(str, p.buckets)),
+                     p.eviction, p.row.total_seconds, lru, bel, lru / p.row.total_seconds,
+                     bel / p.row.total_seconds))
+    print_table(f"attnpolicy plan: {source}, max_graphs {cap}",
+                ("policy", "buckets", "eviction", "plan s", f"{plan.base_buckets} lru s",
+                 f"{plan.base_buckets} belady s", "× lru", "× belady"), rows,
+                caption=f"* chosen; warm-up set: {len(plan.warm)} graphs, "
+                        f"{plan.warm_compile_seconds:.3g} modelled compile s")

@@ -1,0 +1,360 @@
+"""Plan the graph set of a workload: buckets, policy, eviction and warm-up set.
+
+For each policy whose decisions depend only on the layout (``stateless``), the
+workload's exact call shapes give candidate bucket lists, one per number of buckets
+(:func:`~attnpolicy.measure.planner.plan_sizes`: exact or near-optimal for the
+modelled time with every graph compiled once). Each candidate is then simulated at
+the given capacity (``max_graphs``, ``max_bytes``; :func:`simulate_layouts`) and the
+best bucket list and eviction strategy are kept:
+
+1. candidates in order of their capacity-free modelled time, which no eviction can
+   beat (compiles only add up): a candidate whose modelled time is already above the
+   best simulated total is skipped;
+2. each remaining candidate is simulated with LRU; the best :data:`FINALISTS` are
+   simulated with every live eviction strategy. When every graph fits, eviction
+   never runs and LRU is kept.
+
+The policy with the lowest simulated total wins. Its warm-up set is the graphs the
+planned traffic uses most, within the capacity and the warm-up budget (modelled
+compile seconds): a knapsack solved greedily by uses per compile second, whose
+value is the calls served without a compile stall. The plan is compared with the
+base config's buckets under LRU and under Belady's offline optimum at the same
+capacity.
+
+Everything is a pure function of the steps, the base config and the cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from attnpolicy.config import AttnPolicyConfig, WarmShape
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import CostModel, Fit
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.measure.batching import Step
+from attnpolicy.measure.planner import CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.measure.simulation import BELADY, SimRow, simulate_layouts
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
+
+#: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
+POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
+#: Candidates simulated with every eviction strategy (after LRU ranked them).
+FINALISTS = 3
+#: Compile-cost weights of the planner's candidate lists (see :func:`candidate_lists`).
+COMPILE_WEIGHTS = (1, 8, 64)
+#: After warm-up a compile is a strict-mode *warning*: traffic the trace did not hold
+#: (or a warm set smaller than the plan) compiles and is counted, never refused.
+STRICT = "warn"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One bucket list tried: its capacity-free modelled seconds (every graph compiled
+    once: no eviction does better), its graph count, and the simulated total per
+    eviction strategy tried (none: skipped by the bound)."""
+
+    buckets: tuple[int, ...]
+    graphs: int
+    bound_seconds: float
+    totals: dict[str, float]
+
+
+@dataclass(frozen=True)
+class WarmGraph:
+    """A graph of the warm-up set: its shape, the planned calls it serves, and its
+    modelled compile seconds and bytes."""
+
+    shape: WarmShape
+    uses: int
+    compile_seconds: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """The best bucket list and eviction found for one policy, the simulated row of
+    that plan, the baselines (the base buckets with LRU and with Belady at the same
+    capacity) and every candidate tried. ``fits``: the plan never evicts."""
+
+    policy: str
+    buckets: tuple[int, ...]
+    eviction: str
+    fits: bool
+    row: SimRow
+    baselines: tuple[SimRow, ...]
+    candidates: tuple[Candidate, ...]
+
+    def baseline(self, eviction: str) -> SimRow:
+        return next(r for r in self.baselines if r.eviction == eviction)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What ``attnpolicy plan`` chose: per policy its :class:`PolicyPlan`, the chosen
+    policy, its warm-up set and the config that applies it."""
+
+    policy: str
+    max_graphs: int | None
+    max_bytes: int | None
+    warmup_seconds: float | None
+    base_buckets: str
+    policies: tuple[PolicyPlan, ...]
+    warm: tuple[WarmGraph, ...]
+    config: AttnPolicyConfig
+
+    @property
+    def chosen(self) -> PolicyPlan:
+        return next(p for p in self.policies if p.policy == self.policy)
+
+    @property
+    def warm_compile_seconds(self) -> float:
+        return sum(w.compile_seconds for w in self.warm)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON (the config as saved)."""
+        out = asdict(self)
+        out["config"] = self.config.model_dump(mode="json")
+        out["warm"] = [{**asdict(w), "shape": w.shape.model_dump(mode="json")} for w in self.warm]
+        return out
+
+
+def layouts_of(steps: Sequence[Step | BatchLayout]) -> list[BatchLayout]:
+    return [s.layout if isinstance(s, Step) else s for s in steps]
+
+
+def plannable(policy: str, base: AttnPolicyConfig) -> Guard:
+    """The guarded ``policy`` as ``base`` configures it; :class:`ConfigError` unless its
+    decisions depend on the layout alone (``stateless``): only then is its graph set a
+    function of the trace."""
+    options = base.policy_options if policy == base.policy else {}
+    guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal, fallback=MaskMode(base.fallback_mode))
+    if not guard.stateless:
+        raise ConfigError(f"policy {policy!r} decides from the cache state: its graph set cannot be planned "
+                          f"from the trace; plan a stateless policy ({', '.join(POLICIES)})")
+    return guard
+
+
+def decided_shapes(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig,
+                   model: CostModel) -> CallShapes:
+    """The exact call shapes of ``layouts`` in the modes ``policy`` (guarded like a
+    dispatcher under ``base``) decides."""
+    guard = plannable(policy, base)
+    ctx = PolicyContext(config=base, spec=model.spec, cost_model=model)
+    return CallShapes.from_layouts((layout, guard.decide(layout, ctx).mode) for layout in layouts)
+
+
+def covering(sizes: Sequence[int], config: AttnPolicyConfig) -> tuple[int, ...]:
+    """``sizes`` plus ``max_seq_len`` and ``max_batch_tokens``: traffic longer than the
+    trace's still has a bucket (it compiles on demand, a strict-mode warning)."""
+    return tuple(sorted({*sizes, config.max_seq_len, config.max_batch_tokens}))
+
+
+def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
+    return AttnPolicyConfig.model_validate({**base.model_dump(mode="json"), **fields})
+
+
+def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel,
+                    max_buckets: int) -> list[PlanCost]:
+    """The bucket lists to simulate, each with its capacity-free modelled time: for
+    every number of buckets up to ``max_buckets``, the planner's best list under the
+    model, and under the model with compiles :data:`COMPILE_WEIGHTS` times dearer
+    (a bounded cache compiles a graph more than once: fewer, wider buckets); and the
+    base config's own buckets, so that the plan is never worse than them under the
+    same evictions."""
+    lists: dict[tuple[int, ...], None] = {}
+    for weight in COMPILE_WEIGHTS:
+        weighted = model if weight == 1 else model.model_copy(update={"compile": {
+            f: Fit(base=fit.base * weight, per_cell=fit.per_cell * weight, per_token=fit.per_token * weight)
+            for f, fit in model.compile.items()}})
+        lists.update((p.cost.sizes, None) for p in plan_sizes(shapes, weighted, max_buckets))
+    if base.buckets.kind != "exact":
+        own = base.buckets.sizes_up_to(base.max_batch_tokens)
+        lists[own[:bisect_left(own, shapes.max_len) + 1]] = None
+    return sorted((evaluate(shapes, sizes, model) for sizes in lists), key=lambda c: (len(c.sizes), c.sizes))
+
+
+def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
+                evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
+                progress: Callable[[str], None] | None = None) -> PolicyPlan:
+    """The best bucket list and eviction for ``policy`` at ``base``'s capacity
+    (``max_graphs``, ``max_bytes``), searched as the module docstring says;
+    ``progress(label)`` is called after each simulation."""
+    capacity = base.max_graphs
+    shapes = decided_shapes(layouts_of(steps), policy, base, model)
+    plans = candidate_lists(shapes, base, model, max_buckets)
+
+    def simulate(sizes: tuple[int, ...], names: Sequence[str]) -> list[SimRow]:
+        cfg = with_fields(base, buckets={"kind": "list", "sizes": list(covering(sizes, base))})
+        rows = simulate_layouts(steps, [policy], [capacity], names, cfg, model, spec)
+        if progress:
+            progress(f"{policy} {len(sizes)} buckets {','.join(names)}")
+        return rows
+
+    rows: dict[tuple[int, ...], dict[str, SimRow]] = {}
+    best = math.inf
+    for p in sorted(plans, key=lambda p: p.total_seconds):
+        if p.total_seconds >= best:
+            continue
+        row = simulate(p.sizes, ["lru"])[0]
+        rows[p.sizes] = {"lru": row}
+        best = min(best, row.total_seconds)
+    others = [e for e in evictions if e != "lru"]
+    ranked = sorted(rows, key=lambda s: rows[s]["lru"].total_seconds)[:FINALISTS]
+    for sizes in ranked:
+        if rows[sizes]["lru"].evictions and others:
+            rows[sizes].update((r.eviction, r) for r in simulate(sizes, others))
+    sizes, eviction = min(((s, e) for s in rows for e in rows[s]),
+                          key=lambda se: (rows[se[0]][se[1]].total_seconds, se[1] != "lru"))
+    row = rows[sizes][eviction]
+    baselines = tuple(simulate_layouts(steps, [policy], [capacity], ["lru", BELADY], base, model, spec))
+    candidates = tuple(Candidate(p.sizes, p.graphs, p.total_seconds,
+                                 {e: r.total_seconds for e, r in rows.get(p.sizes, {}).items()})
+                       for p in plans)
+    return PolicyPlan(policy, covering(sizes, base), eviction, row.evictions == 0, row, baselines, candidates)
+
+
+class _Counted:
+    """What the dispatcher of :func:`graph_uses` caches for a key: the key (never called)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: GraphKey) -> None:
+        self.key = key
+
+    def __call__(self, *args: Any) -> Any:
+        raise TypeError(f"graph {self.key} is only counted")
+
+
+def _counted(call: Call, key: GraphKey, spec: TensorSpec) -> _Counted:
+    return _Counted(key)
+
+
+def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+               spec: TensorSpec | None = None) -> list[WarmGraph]:
+    """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
+    calls it serves, most used first (ties: cheaper to compile first)."""
+    spec = spec or model.spec
+    unbounded = with_fields(config, max_graphs=None, max_bytes=None, eviction="lru", warmup=[])
+    dispatcher = Dispatcher(unbounded, builder=_counted, cost_model=model)
+    uses: dict[GraphKey, int] = {}
+    shapes: dict[GraphKey, WarmShape] = {}
+    for layout in layouts_of(steps):
+        for call, graph in dispatcher.prepare(layout, spec):
+            if not isinstance(graph, _Counted):  # longer than the largest bucket: uncompiled
+                continue
+            key = graph.key
+            uses[key] = uses.get(key, 0) + 1
+            if key not in shapes:
+                mask = call.family is GraphFamily.MASK
+                shapes[key] = WarmShape(
+                    family=call.family, q_bucket=call.q_bucket, kv_bucket=call.kv_bucket,
+                    causal=layout.causal if mask else call.causal,
+                    context=layout.has_context if mask else call.kv_len > call.q_len)
+    graphs = [WarmGraph(shapes[k], n, model.compile_seconds(k), model.graph_bytes(k)) for k, n in uses.items()]
+    return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
+
+
+def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int | None,
+             budget_seconds: float | None) -> tuple[WarmGraph, ...]:
+    """The graphs to compile at start: most uses per compile second first, skipping one
+    that does not fit what is left of the budget, the capacity or the byte bound."""
+    chosen: list[WarmGraph] = []
+    seconds = 0.0
+    nbytes = 0
+    for g in sorted(graphs, key=lambda g: (-g.uses / max(g.compile_seconds, 1e-12), -g.uses)):
+        if max_graphs is not None and len(chosen) >= max_graphs:
+            break
+        if budget_seconds is not None and seconds + g.compile_seconds > budget_seconds:
+            continue
+        if max_bytes is not None and nbytes + g.bytes > max_bytes:
+            continue
+        chosen.append(g)
+        seconds += g.compile_seconds
+        nbytes += g.bytes
+    return tuple(chosen)
+
+
+def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, model: CostModel,
+                policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
+                warmup_seconds: float | None = None, max_buckets: int = 16,
+                spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None) -> GraphPlan:
+    """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
+    best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
+    ``None``: as many as the capacity holds), and the config applying it (strict mode
+    :data:`STRICT` after warm-up)."""
+    if not steps:
+        raise ConfigError("a plan needs at least one step, got none (empty workload)")
+    if warmup_seconds is not None and warmup_seconds < 0:
+        raise ConfigError(f"warmup_seconds must be >= 0, got {warmup_seconds}")
+    base = with_fields(base, warmup=[])  # a previous plan's warm set may not fit the new buckets
+    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress)
+                       for p in policies)
+    chosen = min(per_policy, key=lambda p: p.row.total_seconds)
+    config = with_fields(base, policy=chosen.policy,
+                         policy_options=base.policy_options if chosen.policy == base.policy else {},
+                         buckets={"kind": "list", "sizes": list(chosen.buckets)}, eviction=chosen.eviction,
+                         strict=STRICT)
+    warm = warm_set(graph_uses(steps, config, model, spec), base.max_graphs, base.max_bytes, warmup_seconds)
+    config = with_fields(config, warmup=[w.shape.model_dump(mode="json") for w in warm])
+    return GraphPlan(chosen.policy, base.max_graphs, base.max_bytes, warmup_seconds, base.buckets.describe(),
+                     per_policy, warm, config)
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def plan_markdown(plan: GraphPlan, source: str) -> str:
+    """The plan report (``plan.md``): what was chosen and the predicted totals against
+    the base buckets with LRU and with Belady at the same capacity."""
+    cap = "∞" if plan.max_graphs is None else str(plan.max_graphs)
+    nbytes = "∞" if plan.max_bytes is None else str(plan.max_bytes)
+    chosen = plan.chosen
+    fits = " (every graph fits: nothing is evicted)" if chosen.fits else ""
+    base = plan.base_buckets
+    budget = "none (the capacity)" if plan.warmup_seconds is None else f"{_seconds(plan.warmup_seconds)} s"
+    served = sum(w.uses for w in plan.warm)
+    lines = [
+        f"# Graph plan: {source}", "",
+        (f"Capacity: max_graphs {cap}, max_bytes {nbytes}. Chosen policy **{plan.policy}**, buckets "
+        f"{list(chosen.buckets)}, eviction **{chosen.eviction}**{fits}."), "",
+        "## Predicted totals (modelled seconds, compile + run)", "",
+        (f"| policy | planned buckets | eviction | graphs used | plan total | {base} + lru | {base} + belady "
+        "| vs lru | vs belady |"),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in plan.policies:
+        lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
+        total = p.row.total_seconds
+        lines.append(f"| {p.policy} | {list(p.buckets)} | {p.eviction} | {p.row.distinct_keys} | {_seconds(total)} "
+                     f"| {_seconds(lru)} | {_seconds(bel)} | {lru / total:.2f}× | {bel / total:.2f}× |")
+    lines += [
+        "",
+        ("vs lru, vs belady: the baseline's total over the plan's (above 1: the plan is faster). Belady is "
+        "the offline optimum of eviction for the baseline buckets."),
+        "",
+        f"## Warm-up set: {len(plan.warm)} graphs, {_seconds(plan.warm_compile_seconds)} modelled compile seconds",
+        "",
+        (f"Budget: {budget}. Calls served: {served} of {chosen.row.calls}. After warm-up, strict mode is "
+        f"`{plan.config.strict}`: a compile the plan did not foresee is counted and warned about, never refused."),
+        "",
+        "| family | q bucket | kv bucket | causal | context | uses | compile s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {w.shape.family.value} | {w.shape.q_bucket} | {w.shape.kv_bucket} | {w.shape.causal} "
+              f"| {w.shape.context} | {w.uses} | {_seconds(w.compile_seconds)} |" for w in plan.warm]
+    lines += ["", f"## Candidates of {plan.policy}", "",
+              "| buckets | graphs (all kept) | modelled s (all kept) | simulated s per eviction |", "|---|---|---|---|"]
+    lines += [f"| {list(c.buckets)} | {c.graphs} | {_seconds(c.bound_seconds)} | "
+              f"{', '.join(f'{e} {_seconds(s)}' for e, s in c.totals.items()) or 'skipped (bound)'} |"
+              for c in chosen.candidates]
+    return "\n".join(lines) + "\n"
