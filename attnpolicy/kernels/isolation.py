@@ -4,10 +4,10 @@ A call that packs several sequences (MASK, flex) or masks part of one (VARLEN)
 lets hidden keys into its arithmetic: a probability of 0 times an infinite value
 is NaN, and an additive ``-inf`` on a NaN score stays NaN. Only non-finite K/V
 values can leak (a finite one gets weight exactly 0), so the common case costs one
-cheap check per batch (:func:`all_finite`), and only a batch that fails it takes the
-isolating path: non-finite key rows are zeroed before the call (:func:`sanitised`),
-and the output rows that attend one of them are set to NaN after it
-(:func:`poisoned_rows`), the faithful result of their own bad input.
+cheap check per batch (:func:`all_finite`, one dot product), and only a batch that
+fails it takes the isolating path: non-finite key rows are zeroed before the call
+(:func:`sanitised`), and the output rows that attend one of them are set to NaN
+after it (:func:`repoisoned`), the faithful result of their own bad input.
 
 The checks run in eager code: inductor compiles CPU code with
 ``-ffinite-math-only``, so an in-graph finiteness test cannot be relied on.
@@ -23,11 +23,14 @@ from attnpolicy.core.layout import BatchLayout
 
 
 def all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``k`` and ``v`` hold only finite values, from their sums (two reductions
-    and one host synchronisation). A sum that overflows reads as non-finite: that
-    only sends a batch down the isolating path, which is as exact."""
-    dtype = torch.promote_types(k.dtype, torch.float32)  # fp16 sums overflow early
-    return math.isfinite(float(k.sum(dtype=dtype)) + float(v.sum(dtype=dtype)))
+    """Whether ``k`` and ``v`` (same shape) hold only finite values, in one reduction
+    and one host synchronisation: ``k · v`` (flattened) is finite iff every product is
+    (``inf · 0`` is NaN, ``inf · x`` infinite, a NaN stays NaN), unless the sum
+    overflows. An overflow only sends the batch down the isolating path, which is as
+    exact; fp16, whose products overflow early, sums each tensor in fp32 instead."""
+    if k.dtype is torch.float16:
+        return math.isfinite(float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32)))
+    return math.isfinite(float(torch.dot(k.reshape(-1), v.reshape(-1))))
 
 
 def bad_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
