@@ -115,6 +115,11 @@ class _Static:
                            for k in keys) if mode is MaskMode.MASK else ()
 
 
+#: How a shadow's batch that finds all its graphs cached touches them, per eviction
+#: strategy whose state that leaves as replaying every use would: "last" (each key
+#: once, at its last use) or "none" (hits change nothing). Others replay every use.
+HIT_TOUCH = {"lru": "last", "fifo": "none"}
+
 #: (layout, mode) pricings a CostAware remembers per tensor spec (cleared when full).
 STATIC_MEMO_SIZE = 4096
 
@@ -182,10 +187,8 @@ class _Shadow:
         self._decide = decide
         self._pricer = pricer
         self._using: GraphKey | None = None  # the key step() is fetching
-        #: how a batch whose graphs are all cached may touch them: every use in order
-        #: (any eviction), each key once at its last use (lru: the same recency order)
-        #: or not at all (fifo: hits change nothing). Hits never evict.
-        self._hits = {"lru": "last", "fifo": "none"}.get(config.eviction, "every")
+        # how a batch whose graphs are all cached touches them (HIT_TOUCH; hits never evict)
+        self._hits = HIT_TOUCH.get(config.eviction, "every")
 
     def step(self, layout: BatchLayout, ctx: PolicyContext) -> tuple[MaskMode, str]:
         """Decide ``layout`` as this rule would, charge it, and return (mode, reason)."""
