@@ -71,7 +71,9 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
            _rows(v, call.kv_start, call.kv_len, call.kv_bucket, masks))
     device = str(q.device)
     if call.family is GraphFamily.MASK:
-        return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device, masks))
+        if masks is None:
+            return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device))
+        return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, device))
     if call.family is GraphFamily.VARLEN:
         def bounds() -> torch.Tensor:  # kept per device: no transfer per call
             return torch.tensor([call.q_len, call.kv_len], device=device)
