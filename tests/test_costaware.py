@@ -161,3 +161,31 @@ def test_when_compiles_dominate_it_pays_at_most_two_extra_compiles(compile_s, mo
         fixed = sorted(t[p, capacity] for p in FIXED)
         assert t["cost-aware", capacity] <= fixed[0] + 2 * compile_s, (capacity, t)
         assert t["cost-aware", capacity] < fixed[-1] / 2, (capacity, t)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+def test_a_shadow_batch_that_hits_every_graph_skips_repeated_uses_without_changing_a_decision(monkeypatch,
+                                                                                             eviction):
+    """HIT_TOUCH: touching each key once at its last use (lru), or not at all (fifo),
+    leaves the shadow caches as replaying every use does: the same decisions and
+    reasons (modelled totals included) on a stream of multi-sequence batches."""
+    from attnpolicy.measure.batching import BatchFormer
+    from attnpolicy.policies import costaware
+
+    model = CostModel.default()
+    steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=512).steps(synthetic_default(40))]
+
+    def decisions():
+        config = AttnPolicyConfig(policy="cost-aware", backend=model.backend, max_graphs=4, eviction=eviction,
+                                  max_seq_len=8192, max_batch_tokens=32768)
+        d = Dispatcher(config, builder=lambda call, key, spec: SimulatedGraph(key), cost_model=model)
+        out = []
+        for layout in steps:
+            decision, _ = d.prepare_step(layout, model.spec)
+            out.append((decision.mode.value, decision.reason))
+        return out
+
+    fast = decisions()
+    monkeypatch.setattr(costaware, "HIT_TOUCH", {})  # every shadow replays every use
+    assert decisions() == fast
+    assert len({mode for mode, _ in fast}) > 1  # the stream makes it switch modes

@@ -51,7 +51,8 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
     out = tmp_path / "report"
     assert main(["report", "--out", str(out), "--limit", "12", "--policies", "dynamic,varlen,cost-aware",
                  "--capacities", "2,inf", "--evictions", "lru,belady", "--bench-lengths", "64,128",
-                 "--bench-repeats", "1", "--validate-requests", "2"]) == 0
+                 "--bench-repeats", "1", "--validate-requests", "2", "--kernel-lengths", "64",
+                 "--kernel-skip", "flex"]) == 0
     data = json.loads((out / "report.json").read_text())
     rows = {(r["policy"], r["capacity"], r["eviction"]): r for r in data["sweep"]}
     assert len(rows) == 3 * 2 * 2
@@ -65,3 +66,47 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
     for section in ("## 1. Mask vs mask-free", "## 2. Policies", "## 3. Simulator vs real compute"):
         assert section in text
     assert (out / "frontier.png").stat().st_size > 1000 and (out / "bench.png").stat().st_size > 1000
+
+
+def test_report_kernel_table_has_a_row_for_a_plugin_kernel(tmp_path, fresh_plugins):
+    """A third-party kernel registered through ``attnpolicy_register_kernels`` is timed
+    in the report's kernel table (``bench --kernels``) in every family it serves."""
+    import torch
+
+    from attnpolicy.plugins.hookspecs import hookimpl
+    from attnpolicy.plugins.kernels import KernelInfo
+    from attnpolicy.plugins.registry import get_plugin_manager
+
+    calls = []
+
+    def plain(q, k, v, causal, mask, scale, partition_len):
+        calls.append(q.shape)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=causal and mask is None, scale=scale)[0]
+
+    class Plugin:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            for family in ("causal", "varlen", "mask"):
+                register(KernelInfo("plain", family, plain, gqa=False))
+
+    get_plugin_manager().register(Plugin(), name="plain-plugin")
+    out = tmp_path / "report"
+    assert main(["report", "--out", str(out), "--limit", "3", "--policies", "varlen", "--capacities", "2",
+                 "--evictions", "lru", "--bench-lengths", "32", "--bench-repeats", "1", "--validate-requests", "1",
+                 "--kernel-lengths", "32", "--kernel-skip", "flex"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    rows = {(r["family"], r["impl"]): r for r in data["kernels"]["rows"]}
+    assert {("varlen", "plain"), ("mask", "plain"), ("loop", "sdpa")} <= set(rows)
+    assert not any(impl == "flex" for _, impl in rows)
+    assert rows[("mask", "plain")]["build_ms"] is not None and rows[("varlen", "plain")]["build_ms"] is None
+    assert calls  # the rows timed the plugin's kernel
+    section = (out / "report.md").read_text().split("### Implementations per family")[1]
+    for family in ("varlen", "mask"):
+        assert f"| 4x8 | {family} | plain | none |" in section
+
+
+def test_report_kernel_skip_must_name_a_registered_kernel(tmp_path, capsys):
+    assert main(["report", "--out", str(tmp_path), "--kernel-skip", "nosuch"]) != 0
+    err = capsys.readouterr().err
+    assert "--kernel-skip" in err and "nosuch" in err

@@ -11,11 +11,12 @@ import torch
 
 from attnpolicy.cli.common import print_table, progress
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.measure.overhead import BACKENDS, POLICIES, SHAPES, run_overhead
+from attnpolicy.measure.overhead import BACKENDS, POLICIES, SHAPES, measure_decisions, run_overhead
 
 
 def cmd_overhead(args: argparse.Namespace) -> int:
-    """Print (and with ``--json`` write) the overhead table; 1 torch thread unless ``--threads``."""
+    """Print (and with ``--json`` write) the overhead table, then each policy's time
+    per decision on the built-in workload; 1 torch thread unless ``--threads``."""
     threads = args.threads or 1
     repeats = max(args.repeats, 3)
     n = len(BACKENDS) * len(POLICIES) * len(SHAPES)
@@ -28,8 +29,14 @@ def cmd_overhead(args: argparse.Namespace) -> int:
                 f"{threads} thread(s), H={args.heads}/{args.kv_heads} D={args.head_dim}, float32)",
                 ("backend", "policy", "batch", "mode", "calls", "bare µs", "attend µs", "overhead µs"),
                 table)
+    decisions = [measure_decisions(policy) for policy in POLICIES]
+    print_table(f"time per decision, µs (median over the {decisions[0].decisions} batches of the built-in "
+                "workload; cold: new layouts planned inside the decision, warm: planned before)",
+                ("policy", "cold µs", "warm µs"),
+                [(r.policy, f"{r.cold_us:.1f}", f"{r.warm_us:.1f}") for r in decisions])
     if args.json:
         write_json(args.json, {"machine": platform.processor() or platform.machine(),
                                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                               "threads": threads, "rows": [asdict(r) for r in rows]})
+                               "threads": threads, "rows": [asdict(r) for r in rows],
+                               "decisions": [asdict(r) for r in decisions]})
     return 0

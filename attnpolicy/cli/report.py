@@ -21,6 +21,7 @@ from attnpolicy.cli.common import (
     progress,
     settings,
     shown,
+    str_list,
     warn,
 )
 from attnpolicy.cli.simulate import add_sweep_args, cost_model, former_from, workload
@@ -29,6 +30,7 @@ from attnpolicy.measure.simulation import extrapolation
 from attnpolicy.measure.timing import BenchSettings
 
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
+         "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
          "validate_requests": "--validate-requests"}
 
 
@@ -50,6 +52,11 @@ def register(subparsers: Any) -> None:
                    help=f"total lengths of the bench table (default: {shown(d.bench.lengths)})")
     p.add_argument("--bench-repeats", type=positive_int, default=d.bench.repeats, metavar="N",
                    help=f"timed runs per bench mode (default: {d.bench.repeats})")
+    p.add_argument("--kernel-lengths", type=int_list, default=d.kernel_lengths, metavar="L[,L...]",
+                   help=f"total tokens of the kernel table's batches, {d.kernel_seqs} sequences each "
+                        f"(default: {shown(d.kernel_lengths)})")
+    p.add_argument("--kernel-skip", type=str_list, default=d.kernel_skip, metavar="IMPL[,IMPL...]",
+                   help="implementations left out of the kernel table, e.g. flex (default: none)")
     p.add_argument("--validate-requests", type=positive_int, default=d.validate_requests, metavar="N",
                    help="first N requests replayed with real compute to check the simulator "
                         f"(default: {d.validate_requests})")
@@ -67,9 +74,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     s = settings(ReportSettings, FLAGS, out=Path(args.out), trace=args.trace, limit=args.limit,
                  policies=tuple(args.policies), capacities=tuple(args.capacities), evictions=tuple(args.evictions),
                  cost_model=args.cost_model, calibrate=args.calibrate, validate_requests=args.validate_requests,
+                 kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  bench=bench, former=former_options(args), policy_options=options)
-    total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.policies) * len(s.capacities) * len(s.evictions)
-             + len(s.validated_policies) + int(s.calibrate))
+    total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths)
+             + len(s.policies) * len(s.capacities) * len(s.evictions) + len(s.validated_policies) + int(s.calibrate))
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance:
         data = make_report(s, command_line, advance, requests)

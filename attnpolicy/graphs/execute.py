@@ -19,6 +19,7 @@ from attnpolicy.graphs.keys import Call
 from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.attention import attention, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
+from attnpolicy.kernels.isolation import all_finite, bad_rows, repoisoned, sanitised
 from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows
 
 GraphFn = Callable[..., torch.Tensor] | FlexGraph
@@ -33,8 +34,10 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     - MASK with impl ``flex``: a :class:`FlexGraph` (block mask instead of a dense one;
       here with a one-entry block-mask cache, the dispatcher passes its own).
 
-    Each family's functions are closures over one code object; ``compile.py`` gives
-    every compiled graph a fresh code object of its own.
+    MASK and VARLEN graphs do not isolate sequences themselves: :func:`execute`
+    does, around them (see :mod:`attnpolicy.kernels.isolation`). Each family's
+    functions are closures over one code object; ``compile.py`` gives every compiled
+    graph a fresh code object of its own.
     """
     if call.family is GraphFamily.CAUSAL:
         def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -44,13 +47,14 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
         return FlexGraph(flex_graph(scale), BlockMaskCache(1))
     if call.family is GraphFamily.MASK:
         def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return attention(q, k, v, impl=impl, mask=mask, scale=scale, partition_len=partition_len)
+            return attention(q, k, v, impl=impl, mask=mask, scale=scale, partition_len=partition_len,
+                             isolate=False)
         return mask_graph
     rows, cols, causal = call.q_bucket, call.kv_bucket, call.causal
 
     def varlen_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         m = bounded_mask(rows, cols, lens, causal)
-        return attention(q, k, v, impl=impl, mask=m, scale=scale, partition_len=partition_len)
+        return attention(q, k, v, impl=impl, mask=m, scale=scale, partition_len=partition_len, isolate=False)
     return varlen_graph
 
 
@@ -59,15 +63,17 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
     """Slice, pad to the call's buckets and transpose packed tensors into graph inputs.
 
     A MASK call takes the whole packed tensors, padding rows included: garbage there
-    (an uninitialised buffer: NaN, inf) is isolated by the kernel like any key row the
-    mask hides. Masks, bounds and zero padding blocks come from ``masks`` (built fresh
+    (an uninitialised buffer: NaN, inf) is isolated by :func:`execute` like any key
+    row the mask hides. Masks, bounds and zero padding blocks come from ``masks`` (built fresh
     without one)."""
     ins = (_rows(q, call.q_start, call.q_len, call.q_bucket, masks),
            _rows(k, call.kv_start, call.kv_len, call.kv_bucket, masks),
            _rows(v, call.kv_start, call.kv_len, call.kv_bucket, masks))
     device = str(q.device)
     if call.family is GraphFamily.MASK:
-        return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device, masks))
+        if masks is None:
+            return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device))
+        return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, device))
     if call.family is GraphFamily.VARLEN:
         def bounds() -> torch.Tensor:  # kept per device: no transfer per call
             return torch.tensor([call.q_len, call.kv_len], device=device)
@@ -97,7 +103,12 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     """Run each planned call through its graph and scatter the outputs into a packed
     ``[q_tokens, Hq, D]`` tensor (padding rows zero), in no-grad mode (graphs are
     compiled for inference). Inputs are made contiguous so every graph sees the
-    strides it was compiled for; masks come from ``masks``."""
+    strides it was compiled for; masks come from ``masks``.
+
+    Isolation: a batch with a masked call (MASK, VARLEN) whose K/V hold a non-finite
+    value runs on sanitised K/V, and the rows that attend such a key are set to NaN
+    (:mod:`attnpolicy.kernels.isolation`); one cheap check per batch decides, so a
+    finite batch pays only that check. Flex graphs isolate themselves the same way."""
     if torch.is_grad_enabled():
         with torch.no_grad():
             return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks)
@@ -109,7 +120,21 @@ def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLay
     call, first = graphs[0]
     if isinstance(first, FlexGraph):
         return first.run(q, k, v, layout, call)
-    fn: Callable[..., torch.Tensor] = first
+    if (call.family is not GraphFamily.CAUSAL or _masked(graphs)) and not all_finite(k, v):
+        bad = bad_rows(k, v)
+        out = _run(q, sanitised(k, bad), sanitised(v, bad), layout, graphs, masks)
+        return repoisoned(out, layout, bad)
+    return _run(q, k, v, layout, graphs, masks)
+
+
+def _masked(graphs: Sequence[tuple[Call, GraphFn]]) -> bool:
+    return len(graphs) > 1 and any(call.family is not GraphFamily.CAUSAL for call, _ in graphs)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+         graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None) -> torch.Tensor:
+    call, first = graphs[0]
+    fn: Callable[..., torch.Tensor] = first  # type: ignore[assignment]  # a FlexGraph runs in _execute
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.family is not GraphFamily.VARLEN:
         out = fn(*graph_inputs(q, k, v, layout, call, masks))
         if call.q_bucket != call.q_len:

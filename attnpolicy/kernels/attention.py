@@ -13,13 +13,16 @@ Implementations (RBLN's names in brackets):
 - ``flash`` ["flash_attn"]: keys in partitions of ``partition_len`` tokens combined
   with an exact online softmax (running max and sum), in fp32 (fp64 for fp64 inputs).
 
-Isolation: with a ``mask``, a query row depends only on the key/value rows it
-attends. A masked-out key whose k or v row holds NaN or ±inf would otherwise leak
-into every row (a zero probability times inf is NaN; an additive -inf on a NaN
-score stays NaN), so non-finite key/value rows are zeroed before the product and
-every query row that *attends* one of them (in any head) is set to NaN afterwards:
-a sequence's own non-finite values still poison its own rows, as in torch's SDPA,
-and never another's. It stays one in-graph computation, without a host synchronisation.
+Isolation: with a ``mask`` (and ``isolate``, the default), a query row depends only
+on the key/value rows it attends. A masked-out key whose k or v row holds NaN or
+±inf would otherwise leak into every row (a zero probability times inf is NaN; an
+additive -inf on a NaN score stays NaN), so non-finite key/value rows are zeroed
+before the product and every query row that *attends* one of them (in any head) is
+set to NaN afterwards: a sequence's own non-finite values still poison its own rows,
+as in torch's SDPA, and never another's. It is one branch-free computation, without
+a host synchronisation, and costs ~10 small ops per call. Compiled graphs pass
+``isolate=False``: the dispatcher isolates around them once per batch, in eager code,
+and only when K/V hold a non-finite value (:mod:`attnpolicy.kernels.isolation`).
 """
 
 from __future__ import annotations
@@ -145,8 +148,10 @@ def check_scale(scale: object) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
               causal: bool = False, mask: torch.Tensor | None = None,
-              scale: float | None = None, partition_len: int | None = None) -> torch.Tensor:
-    """One attention call on ``[H, L, D]`` tensors (see the module docstring)."""
+              scale: float | None = None, partition_len: int | None = None,
+              isolate: bool = True) -> torch.Tensor:
+    """One attention call on ``[H, L, D]`` tensors (see the module docstring; with
+    ``isolate=False`` a masked call leaves isolation to the caller)."""
     fn = _IMPL_FNS.get(impl)
     if fn is None:
         raise ValueError(f"impl must be one of {tuple(_IMPL_FNS)}, got {impl!r}")
@@ -156,7 +161,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = 
             raise ValueError(f"partition_len must be >= 1, got {partition_len}")
     check_scale(scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if mask is None:
+    if mask is None or not isolate:
         return fn(q, k, v, causal, mask, scale, partition_len)
     allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
     assert allowed is not None  # a mask was given

@@ -29,6 +29,7 @@ from torch.nn.attention.flex_attention import (
 )
 
 from attnpolicy.core.layout import BatchLayout
+from attnpolicy.kernels.isolation import all_finite, bad_rows, repoisoned, sanitised
 
 #: Block masks kept per dispatcher (one per (layout, buckets, device)); least recently
 #: used first out. At 4096² one takes ~0.3 MB (block indices plus row vectors).
@@ -123,43 +124,21 @@ def flex_graph(scale: float | None) -> FlexFn:
     return flex_mask_graph
 
 
-def _bad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[T]`` True where a row of ``x[T, H, D]`` holds a non-finite value."""
-    return ~torch.isfinite(x).flatten(1).all(1)
-
-
 def flex_attend(fn: FlexFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
                 block_mask: BlockMask, q_rows: int, kv_rows: int) -> torch.Tensor:
     """Packed ``q[q_tokens, Hq, D]``, ``k, v[kv_tokens, Hkv, D]`` through ``fn`` (a
     :func:`flex_graph`, maybe compiled) padded to ``q_rows`` / ``kv_rows``; returns
     ``[q_tokens, Hq, D]`` with padding rows 0, sanitised and re-poisoned (module doc)."""
     bad = None
-    if not bool(torch.isfinite(k.sum() + v.sum())):  # one cheap gate; exact check only when it fails
-        bad = _bad_rows(k) | _bad_rows(v)
-        keep = ~bad[:, None, None]
-        k, v = k.where(keep, 0), v.where(keep, 0)
+    if not all_finite(k, v):  # one cheap gate; exact check only when it fails
+        bad = bad_rows(k, v)
+        k, v = sanitised(k, bad), sanitised(v, bad)
     out = fn(_padded(q, q_rows), _padded(k, kv_rows), _padded(v, kv_rows), block_mask)
     out = out[0, :, :layout.q_tokens].transpose(0, 1)
-    if bad is not None and bool(bad.any()):
-        out = out.masked_fill(_poisoned(layout, bad)[:, None, None], float("nan"))
-    return out
+    return out if bad is None else repoisoned(out, layout, bad)
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     if rows > x.shape[0]:
         x = torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
     return x.transpose(0, 1)[None]
-
-
-def _poisoned(layout: BatchLayout, bad: torch.Tensor) -> torch.Tensor:
-    """``[q_tokens]`` True for query rows that attend a bad key row (rare path: Python)."""
-    rows = torch.zeros(layout.q_tokens, dtype=torch.bool)
-    bad_rows = bad.nonzero().flatten().tolist()
-    for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
-        first = min((r - ks for r in bad_rows if ks <= r < ks + kl), default=None)
-        if first is None:
-            continue
-        # query j sees key positions 0 .. (kl - ql) + j when causal, all keys otherwise
-        j = max(0, first - (kl - ql)) if layout.causal else 0
-        rows[qs + j:qs + ql] = True
-    return rows.to(bad.device)

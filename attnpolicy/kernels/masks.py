@@ -81,6 +81,14 @@ class MaskCache:
         self._peak = max(self._peak, self._bytes)
         return value
 
+    def layout_mask(self, layout: BatchLayout, rows: int, cols: int, device: str) -> torch.Tensor:
+        """:func:`mask_for` ``(layout)``'s dense ``rows × cols`` mask on ``device``, kept
+        per (layout, shape, device): the hot path of a MASK call (no mask object built
+        on a hit). Do not modify it."""
+        dense: torch.Tensor = self.lookup((layout, rows, cols, device), rows * cols,
+                                          lambda: mask_for(layout).materialize(rows, cols).to(device))
+        return dense
+
     def __contains__(self, key: Hashable) -> bool:
         """Whether a dense entry for ``key`` is cached (no recency side effect)."""
         return key in self._dense

@@ -191,14 +191,17 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
 
 
 #: (total tokens, sequences) of the batch ``calibrate --kernels`` times each kernel on
+#: (fewer tokens when ``max_len`` is smaller)
 KERNEL_BATCH = (1024, 4)
 
 
 def _kernel_seconds(s: CalibrationSettings) -> dict[str, dict[str, float]]:
-    """Median seconds of every registered kernel per family on :data:`KERNEL_BATCH`."""
+    """Median seconds of every registered kernel per family on :data:`KERNEL_BATCH`,
+    at most ``max_len`` tokens."""
     from attnpolicy.measure.kernelbench import bench_kernels
 
-    rows = bench_kernels(*KERNEL_BATCH, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+    total, seqs = KERNEL_BATCH
+    rows = bench_kernels(min(total, s.max_len), seqs, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
                          repeats=s.repeats, backend=s.backend)
     out: dict[str, dict[str, float]] = {}
     for r in rows:

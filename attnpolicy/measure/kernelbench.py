@@ -8,7 +8,13 @@ Graphs are compiled and masks cached before timing (steady state); the mask buil
 (dense mask for MASK, block mask for ``flex``) is timed apart, uncached.
 Implementations are interleaved within each repeat; figures are medians.
 ``flex`` runs compiled with inductor (uncompiled FlexAttention materialises every
-score); the others with the ``backend`` given.
+score); the others with the ``backend`` given. Plugins' kernels get their rows like
+the built-ins, except where they cannot run: a kernel that cannot serve the batch
+(dtype, GQA, causal, device, compilation: its declared capabilities) is not timed,
+nor is a ``varlen`` kernel not also registered for ``causal`` (the ``varlen``
+policy runs these causal batches, which have no cached context, through CAUSAL
+graphs, with the implementation of the same name; a ``mask`` kernel without one
+leaves them to ``sdpa``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from attnpolicy.kernels.flex import build_block_mask
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.measure.overhead import bare_kernel
 from attnpolicy.measure.timing import split_lengths
-from attnpolicy.plugins.kernels import impls_for
+from attnpolicy.plugins.kernels import KernelInfo, impls_for, kernel_registry, why_unfit
 
 POLICY = {"varlen": "varlen", "mask": "always-mask"}
 
@@ -61,6 +67,18 @@ def _build_ms(layout: BatchLayout, impl: str, repeats: int = 3) -> float:
     return min(_ms(lambda: mask_for(layout).materialize(layout.q_tokens, layout.kv_tokens)) for _ in range(repeats))
 
 
+def _runs(family: str, info: KernelInfo, gqa: bool, backend: str) -> bool:
+    """Whether ``info`` computes the causal batches of :func:`bench_kernels` (see the module doc)."""
+    if info.name == "flex":
+        return True  # MASK only, compiled by inductor
+
+    def fits(k: KernelInfo) -> bool:
+        return why_unfit(k, causal=True, context=False, dtype="float32", gqa=gqa, device="cpu",
+                         compiled=backend != "none") is None
+    causal = kernel_registry().get(("causal", info.name))
+    return fits(info) and (family != "varlen" or (causal is not None and fits(causal)))
+
+
 def bench_kernels(total: int, num_seqs: int, *, heads: int = 8, kv_heads: int = 8, head_dim: int = 64,
                   repeats: int = 5, backend: str = "none", skip: Iterable[str] = (),
                   families: Iterable[str] = ("varlen", "mask")) -> list[KernelRow]:
@@ -74,10 +92,11 @@ def bench_kernels(total: int, num_seqs: int, *, heads: int = 8, kv_heads: int = 
     skip = set(skip)
     for family in families:
         for info in impls_for(family):
-            if info.name in skip:
+            if info.name in skip or not _runs(family, info, heads != kv_heads, backend):
                 continue
             be = "inductor" if info.name == "flex" else backend
-            kernels = {family: info.name, "causal": "sdpa" if info.name == "flex" else info.name}
+            causal = info.name if ("causal", info.name) in kernel_registry() else "sdpa"
+            kernels = {family: info.name, "causal": causal}
             cfg = AttnPolicyConfig.model_validate({
                 "policy": POLICY[family], "backend": be, "kernels": kernels, "max_seq_len": max(total, 16),
                 "max_batch_tokens": max(total, 16), "buckets": {"kind": "exact"}})

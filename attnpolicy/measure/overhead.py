@@ -7,6 +7,9 @@ MASK. Each repeat times the bare kernel, then ``attend``, then the bare kernel
 again; the overhead of the repeat is ``attend`` minus the mean of the two bare
 times, and the reported figure is the median over repeats (drift on a shared
 machine cancels). Graphs are compiled before timing; only cached calls are timed.
+
+:func:`measure_decisions` times the policy's decisions alone (``Dispatcher.decide``)
+over the layout stream of the built-in workload, priced with the built-in cost model.
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ import torch.nn.functional as F
 
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import MaskMode, legal_modes
 from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.masks import mask_for
+from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.simulation import SimulatedGraph, simulation_config
+from attnpolicy.measure.workload import synthetic_default
 
 #: (sequences, tokens per sequence) of the overhead table.
 SHAPES = ((1, 16), (1, 128), (4, 256), (16, 64))
@@ -125,3 +132,42 @@ def run_overhead(backends: Iterable[str] = BACKENDS, policies: Iterable[str] = P
                 rows.append(measure_overhead(backend, policy, num_seqs, seq_len, **options))  # type: ignore[arg-type]
                 advance()
     return rows
+
+
+@dataclass(frozen=True)
+class DecisionRow:
+    """Per-decision medians in µs of one policy over a layout stream: ``cold`` as the
+    stream comes (a new layout's plans are built inside its decision when the policy
+    prices them), ``warm`` with every legal mode planned beforehand (the decision alone)."""
+
+    policy: str
+    decisions: int
+    cold_us: float
+    warm_us: float
+
+
+def measure_decisions(policy: str, requests: int = 200, *, max_graphs: int | None = 16) -> DecisionRow:
+    """Time ``Dispatcher.decide`` per batch of the built-in workload (``requests``
+    requests, the default batch former), each batch's graphs then fetched from a cache
+    of ``max_graphs`` holding stand-ins (nothing compiles), as a simulation runs."""
+    model = CostModel.default()
+    former = BatchFormer()
+    layouts = [step.layout for step in former.steps(synthetic_default(requests))]
+    spec = model.spec
+    medians = []
+    for warm in (False, True):
+        cfg = simulation_config(model, former, policy=policy, max_graphs=max_graphs)
+        d = Dispatcher(cfg, cost_model=model, builder=lambda call, key, spec: SimulatedGraph(key))
+        ctx = d.context_for(spec)
+        times = []
+        for layout in layouts:
+            if warm:
+                for mode in legal_modes(layout):
+                    ctx.keys_for(layout, mode)
+            start = time.perf_counter()
+            decision = d.decide(layout, spec)
+            times.append(time.perf_counter() - start)
+            d.graphs_for(layout, decision, spec)
+            d.release_batch()
+        medians.append(statistics.median(times) * 1e6)
+    return DecisionRow(policy, len(layouts), medians[0], medians[1])

@@ -33,6 +33,13 @@ and the cost model: no clock, no measurement, so tensor-parallel ranks agree.
 without stepping any shadow or regret: the next real decision differs only when
 that batch makes another rule overtake the followed one.
 
+**Cost of a decision.** Each (layout, mode, tensor spec) is priced once whatever
+the caches hold (keys, run seconds, mask builds; remembered), and each shadow adds
+what its own caches change. A shadow whose batch finds every graph cached touches
+each key once at its last use under ``lru`` and not at all under ``fifo`` (the same
+cache state as replaying every use, since hits never evict); other evictions
+replay every use. Time decisions with :func:`attnpolicy.measure.overhead.measure_decisions`.
+
 Outside a dispatcher (a context without keys to price) every option costs nothing,
 so no rule ever gets ahead and the policy answers as ``varlen``.
 """
@@ -91,27 +98,85 @@ class _Option:
         return text
 
 
-def _price(layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], model: CostModel,
-           is_cached: Callable[[GraphKey], bool], masks: MaskCache) -> _Option:
-    run = sum(model.run_seconds(k) for k in keys) + model.call_overhead_seconds * len(keys)
-    if mode is MaskMode.MASK:
-        run += sum(model.mask_build_seconds(k.q_len, k.kv_len) for k in keys
-                   if (layout, k.q_len, k.kv_len) not in masks)
-    missing = tuple(k for k in dict.fromkeys(keys) if not is_cached(k))
-    return _Option(mode, keys, run, missing, sum(model.compile_seconds(k) for k in missing))
+class _Static:
+    """What one (layout, mode) costs whatever the cache holds: its keys (in call order,
+    distinct, and distinct by last use), run seconds with the dispatch overhead, and
+    for a MASK call the mask-cache key and build seconds of each mask it would build."""
+
+    __slots__ = ("distinct", "keys", "last_used", "masks", "run")
+
+    def __init__(self, layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], model: CostModel,
+                 run_seconds: Callable[[GraphKey], float]) -> None:
+        self.keys = keys
+        self.distinct = tuple(dict.fromkeys(keys))
+        self.last_used = tuple(dict.fromkeys(keys[::-1]))[::-1]
+        self.run = sum(map(run_seconds, keys)) + model.call_overhead_seconds * len(keys)
+        self.masks = tuple(((layout, k.q_len, k.kv_len), model.mask_build_seconds(k.q_len, k.kv_len))
+                           for k in keys) if mode is MaskMode.MASK else ()
 
 
-def _same(key: GraphKey) -> GraphKey:
-    return key
+#: How a shadow's batch that finds all its graphs cached touches them, per eviction
+#: strategy whose state that leaves as replaying every use would: "last" (each key
+#: once, at its last use) or "none" (hits change nothing). Others replay every use.
+HIT_TOUCH = {"lru": "last", "fifo": "none"}
+
+#: (layout, mode) pricings a CostAware remembers per tensor spec (cleared when full).
+STATIC_MEMO_SIZE = 4096
+
+
+class _Pricer:
+    """Prices options for the shadows of one CostAware: the cache-independent part
+    of each (layout, mode, spec) once (:class:`_Static`, remembered), then what the
+    asking shadow's caches change (mask builds, missing graphs' compiles)."""
+
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+        self._statics: dict[tuple[BatchLayout, MaskMode, object], _Static] = {}
+        self._compile: dict[GraphKey, float] = {}
+        self._run: dict[GraphKey, float] = {}
+
+    def static(self, layout: BatchLayout, mode: MaskMode, ctx: PolicyContext) -> _Static:
+        memo = (layout, mode, ctx.spec)
+        static = self._statics.get(memo)
+        if static is None:
+            if len(self._statics) >= STATIC_MEMO_SIZE:
+                self._statics.clear()
+            static = self._statics[memo] = _Static(layout, mode, ctx.keys_for(layout, mode), self.model,
+                                                   self.run_seconds)
+        return static
+
+    def run_seconds(self, key: GraphKey) -> float:
+        seconds = self._run.get(key)
+        if seconds is None:
+            if len(self._run) >= STATIC_MEMO_SIZE:
+                self._run.clear()
+            seconds = self._run[key] = self.model.run_seconds(key)
+        return seconds
+
+    def compile_seconds(self, key: GraphKey) -> float:
+        seconds = self._compile.get(key)
+        if seconds is None:
+            if len(self._compile) >= STATIC_MEMO_SIZE:
+                self._compile.clear()
+            seconds = self._compile[key] = self.model.compile_seconds(key)
+        return seconds
+
+    def price(self, static: _Static, mode: MaskMode, cache: GraphCache[GraphKey], masks: MaskCache) -> _Option:
+        run = static.run
+        if static.masks:
+            run += sum(seconds for key, seconds in static.masks if key not in masks)
+        cached = cache.__contains__
+        missing = tuple(k for k in static.distinct if not cached(k))
+        return _Option(mode, static.keys, run, missing, sum(self.compile_seconds(k) for k in missing))
 
 
 class _Shadow:
     """One rule replayed on a private copy of the graph cache: what it would have
     cost so far (modelled seconds) had it decided every batch."""
 
-    def __init__(self, name: str, config: AttnPolicyConfig, model: CostModel,
-                 decide: _Rule) -> None:
+    def __init__(self, name: str, config: AttnPolicyConfig, pricer: _Pricer, decide: _Rule) -> None:
         self.name = name
+        model = pricer.model
         self.cache: GraphCache[GraphKey] = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
                                                         compile_cost=model.compile_cost)
         # imported here: it imports torch, and the registry imports this module
@@ -120,21 +185,35 @@ class _Shadow:
         self.masks = MaskCache(config.max_mask_bytes)  # mirrors the dispatcher's
         self.seconds = 0.0
         self._decide = decide
+        self._pricer = pricer
+        self._using: GraphKey | None = None  # the key step() is fetching
+        # how a batch whose graphs are all cached touches them (HIT_TOUCH; hits never evict)
+        self._hits = HIT_TOUCH.get(config.eviction, "every")
 
-    def step(self, layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> tuple[MaskMode, str]:
+    def step(self, layout: BatchLayout, ctx: PolicyContext) -> tuple[MaskMode, str]:
         """Decide ``layout`` as this rule would, charge it, and return (mode, reason)."""
         mode, reason = self._decide(layout, ctx, self, True)
-        keys = ctx.keys_for(layout, mode)
-        option = _price(layout, mode, keys, model, self.cache.__contains__, self.masks)
+        static = self._pricer.static(layout, mode, ctx)
+        option = self._pricer.price(static, mode, self.cache, self.masks)
         self.seconds += option.run
-        for key in keys:  # misses counted one by one: a key may be evicted within the batch
-            if key not in self.cache:
-                self.seconds += model.compile_seconds(key)
-            self.cache.get_or_compile(key, _stand_in(key))
-        if mode is MaskMode.MASK:
-            for k in keys:
-                self.masks.lookup((layout, k.q_len, k.kv_len), k.q_len * k.kv_len, bool)
+        uses = static.keys
+        if not option.missing and self._hits != "every":
+            uses = static.last_used if self._hits == "last" else ()
+        get, bought = self.cache.get_or_compile, self._bought
+        for key in uses:  # misses charged one by one (in _bought): a key may be evicted within the batch
+            self._using = key
+            get(key, bought)
+        for mask_key, _ in static.masks:
+            self.masks.lookup(mask_key, mask_key[1] * mask_key[2], bool)
         return mode, reason
+
+    def _bought(self) -> GraphKey:
+        """A shadow cache's build of the key in use: charge the modelled compile; the
+        entry is the key itself."""
+        key = self._using
+        assert key is not None  # set by step() before each fetch
+        self.seconds += self._pricer.compile_seconds(key)
+        return key
 
     def preview(self, layout: BatchLayout, ctx: PolicyContext) -> tuple[MaskMode, str]:
         """What this rule would decide for ``layout`` now; changes nothing."""
@@ -161,18 +240,19 @@ def _fixed(policy: Policy) -> _Rule:
 class _RentOrBuy:
     """The rent-or-buy rule (see the module docstring); keeps the regret per graph."""
 
-    def __init__(self, model: CostModel) -> None:
-        self._model = model
+    def __init__(self, pricer: _Pricer) -> None:
+        self._pricer = pricer
         self._regret: dict[GraphKey, float] = {}
 
     def __call__(self, layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow,
                  commit: bool) -> tuple[MaskMode, str]:
         options: list[_Option] = []
+        pricer = self._pricer
         for mode in legal_modes(layout):
-            keys = ctx.keys_for(layout, mode)
-            if any(o.keys == keys for o in options):
+            static = pricer.static(layout, mode, ctx)
+            if any(o.keys == static.keys for o in options):
                 continue  # VARLEN of a lone causal sequence plans CAUSAL's very graph
-            options.append(_price(layout, mode, keys, self._model, shadow.cache.__contains__, shadow.masks))
+            options.append(pricer.price(static, mode, shadow.cache, shadow.masks))
         cheap = min(options, key=lambda o: o.now)
         fast = min(options, key=lambda o: o.run)
         if fast is cheap:
@@ -187,7 +267,7 @@ class _RentOrBuy:
                 gain = cheap.run - fast.run
                 for k in fast.missing if commit else ():
                     self._regret[k] = self._regret.get(k, 0.0) + gain * (
-                        self._model.compile_seconds(k) / fast.compile if fast.compile > 0
+                        pricer.compile_seconds(k) / fast.compile if fast.compile > 0
                         else 1 / len(fast.missing))
                 note = f"renting: regret {(regret + gain) * 1e3:.3g} ms < extra {premium * 1e3:.3g} ms"
         for k in chosen.missing if commit else ():
@@ -222,8 +302,9 @@ class CostAware:
         """The shadows, each holding the graphs of ``layout``'s options that are
         already cached (a warmed-up cache), at no charge."""
         cfg = ctx.config or AttnPolicyConfig()  # no config: an unbounded LRU cache
-        shadows = [_Shadow(RENT_OR_BUY, cfg, model, _RentOrBuy(model))]
-        shadows += [_Shadow(cls.name, cfg, model, _fixed(cls())) for cls in (Varlen, Dynamic, AlwaysMask)]
+        pricer = _Pricer(model)
+        shadows = [_Shadow(RENT_OR_BUY, cfg, pricer, _RentOrBuy(pricer))]
+        shadows += [_Shadow(cls.name, cfg, pricer, _fixed(cls())) for cls in (Varlen, Dynamic, AlwaysMask)]
         warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
         for shadow in shadows:
             for key in warm:
@@ -247,7 +328,7 @@ class CostAware:
             self._hedge = self._start(layout, ctx, model)
         h = self._hedge
         rent_or_buy, *fixed = h.shadows
-        modes = {s.name: s.step(layout, ctx, model) for s in h.shadows}
+        modes = {s.name: s.step(layout, ctx) for s in h.shadows}
         best = min(fixed, key=lambda s: s.seconds)
         if self._ahead(best, h.fixed_leader, ctx, model):
             if h.following is h.fixed_leader:

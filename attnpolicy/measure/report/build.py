@@ -1,6 +1,8 @@
 """Run the report's measurements and write report.json, report.md and the plots.
 
-1. the mask-vs-mask-free table on this machine (``attnpolicy bench``);
+1. the mask-vs-mask-free table on this machine (``attnpolicy bench``), and every
+   registered implementation per family against the per-sequence SDPA loop
+   (``attnpolicy bench --kernels``; plugins' kernels included);
 2. a cost model (the built-in one, a given file, or calibrated now);
 3. the policy × capacity × eviction sweep on the workload, Belady's bound included
    (``attnpolicy simulate``);
@@ -27,12 +29,14 @@ from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.calibration import CalibrationSettings, calibrate
+from attnpolicy.measure.kernelbench import KernelRow, bench_kernels
 from attnpolicy.measure.replay import run_workload
 from attnpolicy.measure.report.markdown import markdown
 from attnpolicy.measure.report.plots import plot_bench, plot_sweep
 from attnpolicy.measure.simulation import SimRow, simulate, simulation_config
 from attnpolicy.measure.timing import BenchSettings, run_bench, speedups
 from attnpolicy.measure.workload import Request, load_trace
+from attnpolicy.plugins.kernels import kernel_registry
 
 #: The fixed policies cost-aware is compared with in the summary.
 FIXED = ("always-mask", "dynamic", "varlen")
@@ -51,6 +55,11 @@ class ReportSettings:
         2, 4, 8, 16, 32, None)
     evictions: Annotated[tuple[str, ...], Field(min_length=1)] = ("lru", "lfu", "cost", "belady")
     bench: BenchSettings = BenchSettings(repeats=3)
+    #: Total tokens of the kernel table's batches (``kernel_seqs`` sequences each);
+    #: ``kernel_skip``: implementations left out (e.g. ``flex``, compiled for seconds).
+    kernel_lengths: tuple[Annotated[int, Field(ge=1)], ...] = (1024,)
+    kernel_seqs: Annotated[int, Field(ge=1)] = 4
+    kernel_skip: tuple[str, ...] = ()
     cost_model: str | None = None
     calibrate: bool = False
     validate_requests: Annotated[int, Field(ge=1)] = 6
@@ -65,6 +74,14 @@ class ReportSettings:
     @model_validator(mode="after")
     def _former(self) -> ReportSettings:
         BatchFormer(**self.former)
+        if any(n < self.kernel_seqs for n in self.kernel_lengths):
+            raise ValueError(f"kernel_lengths {list(self.kernel_lengths)} must each be >= kernel_seqs "
+                             f"{self.kernel_seqs} (one token per sequence at least)")
+        known = {info.name for info in kernel_registry().values()}
+        unknown = [name for name in self.kernel_skip if name not in known]
+        if unknown:
+            raise ValueError(f"kernel_skip names no registered implementation: {', '.join(unknown)} "
+                             f"(registered: {', '.join(sorted(known))})")
         return self
 
     @property
@@ -108,6 +125,17 @@ def _model(s: ReportSettings, progress: Callable[[str], None]) -> tuple[CostMode
         progress("calibrating")
         return calibrate(CalibrationSettings(quick=True)), "calibrated now (attnpolicy calibrate --quick)"
     return CostModel.default(), "built-in (attnpolicy/data/default_costmodel.json)"
+
+
+def kernel_table(s: ReportSettings, progress: Callable[[str], None]) -> list[KernelRow]:
+    """Every registered implementation per family (plugins' included) against the
+    per-sequence SDPA loop, on each of ``s.kernel_lengths`` (``bench --kernels``)."""
+    rows = []
+    for total in s.kernel_lengths:
+        rows += bench_kernels(total, s.kernel_seqs, heads=s.bench.heads, kv_heads=s.bench.kv_heads,
+                              head_dim=s.bench.head_dim, repeats=s.bench.repeats, skip=s.kernel_skip)
+        progress(f"kernels {s.kernel_seqs}x{total // s.kernel_seqs}")
+    return rows
 
 
 def validate(model: CostModel, requests: Sequence[Request], s: ReportSettings,
@@ -174,6 +202,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
     bench_rows = run_bench(s.bench, progress)
+    kernel_rows = kernel_table(s, progress)
     model, source = _model(s, progress)
     former = BatchFormer(**s.former)
     sweep = simulate(requests, s.policies, s.capacities, s.evictions, simulation_config(model, former),
@@ -189,6 +218,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
                   "env": {"dtype": s.bench.dtype, "heads": s.bench.heads, "kv_heads": s.bench.kv_heads,
                           "head_dim": s.bench.head_dim, "impl": s.bench.impl, "repeats": s.bench.repeats,
                           "threads": s.bench.threads}},
+        "kernels": {"rows": [asdict(r) for r in kernel_rows], "seqs": s.kernel_seqs, "skip": list(s.kernel_skip)},
         "cost_model_source": source,
         "cost_model": model.model_dump(mode="json", exclude={"samples"}),
         "workload": {"requests": len(requests), "batches": sweep[0].batches if sweep else 0},

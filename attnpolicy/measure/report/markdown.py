@@ -59,6 +59,14 @@ def markdown(data: dict[str, Any]) -> str:
         "tt-xla (Tenstorrent's compiler, tenstorrent/tt-xla#1784, their accelerator, 1 sequence, "
         "mask / causal): " + ", ".join(f"{v}× @ {k}" for k, v in TT_XLA.items()) + ".", "",
         "![bench](bench.png)", "",
+        "### Implementations per family (measured)", "",
+        (f"`attnpolicy bench --kernels`: every registered implementation (plugins' included) per family, "
+         f"{data['kernels']['seqs']} sequences per batch, against the per-sequence SDPA loop; flex runs "
+         "compiled with inductor, the others uncompiled; a MASK call's mask build is shown apart"
+         + (f"; left out: {', '.join(data['kernels']['skip'])}" if data['kernels']['skip'] else "") + "."), "",
+        table(("batch", "family", "impl", "backend", "median ms", "vs loop", "mask build ms"),
+              [(f"{r['num_seqs']}x{r['total_tokens'] // r['num_seqs']}", r["family"], r["impl"], r["backend"],
+                r["median_ms"], f"{r['vs_loop']:.2f}x", r["build_ms"]) for r in data["kernels"]["rows"]]), "",
         "## 2. Policies × graph-cache capacity × eviction (simulated)", "",
         f"Workload: `{s['trace']}`{limit}, "
         f"{data['workload']['requests']} requests → {data['workload']['batches']} batches "
