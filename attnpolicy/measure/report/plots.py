@@ -26,17 +26,20 @@ def _pyplot() -> Any:
 
 def plot_sweep(rows: Sequence[SimRow], path: str | Path) -> Path:
     """Peak graph MiB (x) vs total seconds (y) of every row: one panel per eviction,
-    one line per policy, each point labelled with its capacity (∞: unbounded)."""
+    one line per policy (and bucket scheme, when there are several), each point
+    labelled with its capacity (∞: unbounded)."""
     plt = _pyplot()
     evictions = list(dict.fromkeys(r.eviction for r in rows))
-    policies = list(dict.fromkeys(r.policy for r in rows))
+    several = len({r.buckets for r in rows}) > 1
+    lines = list(dict.fromkeys((r.policy, r.buckets) for r in rows))
     fig, axes = plt.subplots(1, len(evictions), figsize=(5.5 * len(evictions), 4.5), squeeze=False)
     for ax, eviction in zip(axes[0], evictions):
-        for policy in policies:
+        for policy, buckets in lines:
             pts = sorted(((r.peak_bytes / 2**20, r.total_seconds, r.capacity)
-                          for r in rows if r.policy == policy and r.eviction == eviction),
+                          for r in rows if (r.policy, r.buckets, r.eviction) == (policy, buckets, eviction)),
                          key=lambda p: (p[0], p[1]))  # capacities tie when the bound is never reached
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"{policy} / {buckets}" if several else policy)
             for x, y, cap in pts:
                 ax.annotate("∞" if cap is None else str(cap), (x, y), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
