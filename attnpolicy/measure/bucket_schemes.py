@@ -2,7 +2,7 @@
 
 - ``pow2``: powers of two from 16 (tt-xla's padding; attnpolicy's default);
 - ``vllm``: vLLM's default CUDA-graph capture sizes, ``[1, 2, 4] + range(8, 256, 8)
-  + range(256, …, 16)`` (``vllm/config/vllm.py``, ``VllmConfig._set_cudagraph_sizes``,
+  + range(256, …, 16)`` (``vllm.config.VllmConfig._set_cudagraph_sizes``,
   vLLM 0.32), continued in steps of 16 up to ``max_seq_len`` (vLLM itself stops at 512
   and runs larger batches without a graph);
 - ``exact``: every length its own graph (no padding);

@@ -401,10 +401,11 @@ def simulate_layouts(
         for p, policy in enumerate(policies):
             options = {**(base.policy_options if policy == base.policy else {}),
                        **(policy_options or {}).get(policy, {})}
+            stateless = Guard.for_policy(policy, options).stateless
             job = partial(_Job, s, scheme.name, p, policy,
                           {**fields, "policy": policy, "policy_options": options,
-                           "buckets": scheme.buckets.model_dump(mode="json")})
-            if Guard.for_policy(policy, options).stateless:
+                           "buckets": scheme.buckets.model_dump(mode="json")}, stateless)
+            if stateless:
                 jobs.append(job(*bounds, list(enumerate(evictions))))
                 continue
             for bound in ((c, b) for c in bounds[0] for b in bounds[1]):
@@ -448,6 +449,7 @@ class _Job:
     policy_index: int
     policy: str
     fields: dict[str, Any]
+    stateless: bool
     capacities: Indexed
     max_bytes: Indexed
     evictions: list[tuple[int, str]]
@@ -457,37 +459,40 @@ class _Job:
                                                 "eviction": "lru" if eviction == BELADY else eviction})
 
     def run(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
-        out: list[tuple[Position, SimRow]] = []
-        if Guard.for_policy(self.policy, self.fields["policy_options"]).stateless:
-            recording = _replay(sweep.steps, self.config(None, None, "lru"), sweep.model, sweep.spec)
-            stream = _Stream.of(recording.keys, sweep.model)
-            for (c, capacity), (b, nbytes), (e, eviction) in product(self.capacities, self.max_bytes,
-                                                                      self.evictions):
-                config = self.config(capacity, nbytes, eviction)
-                out.append(((self.scheme, self.policy_index, c, b, e),
-                            self._row(config, eviction, recording, stream.replay(config, eviction),
-                                      stream.compulsory, sweep)))
-            return out
-        ((c, capacity),), ((b, nbytes),) = self.capacities, self.max_bytes
-        lru = None
-        for e, eviction in self.evictions:
-            if eviction == BELADY:
-                continue
+        return self._replayed(sweep) if self.stateless else self._dispatched(sweep)
+
+    def _replayed(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
+        """One unbounded dispatcher run records the key stream; each bound × eviction
+        replays it."""
+        recording = _replay(sweep.steps, self.config(None, None, "lru"), sweep.model, sweep.spec)
+        stream = _Stream.of(recording.keys, sweep.model)
+        out = []
+        for (c, capacity), (b, nbytes), (e, eviction) in product(self.capacities, self.max_bytes, self.evictions):
             config = self.config(capacity, nbytes, eviction)
-            replay = _replay(sweep.steps, config, sweep.model, sweep.spec)
-            lru = replay if eviction == "lru" else lru
-            assert replay.cache is not None
             out.append(((self.scheme, self.policy_index, c, b, e),
-                        self._row(config, eviction, replay, replay.cache,
-                                  _compulsory_seconds(replay.keys, sweep.model), sweep)))
-        for e, eviction in self.evictions:
+                        self._row(config, eviction, recording, stream.replay(config, eviction), stream.compulsory,
+                                  sweep)))
+        return out
+
+    def _dispatched(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
+        """A dispatcher run per eviction at the job's one bound; ``belady`` replays the
+        ``lru`` run's keys (run here if ``lru`` is not swept)."""
+        ((c, capacity),), ((b, nbytes),) = self.capacities, self.max_bytes
+        out = []
+        lru = None
+        for e, eviction in sorted(self.evictions, key=lambda item: item[1] == BELADY):
+            config = self.config(capacity, nbytes, eviction)
             if eviction == BELADY:
-                config = self.config(capacity, nbytes, eviction)
                 lru = lru or _replay(sweep.steps, config, sweep.model, sweep.spec)
                 stream = _Stream.of(lru.keys, sweep.model)
-                out.append(((self.scheme, self.policy_index, c, b, e),
-                            self._row(config, eviction, lru, stream.replay(config, eviction),
-                                      stream.compulsory, sweep)))
+                row = self._row(config, eviction, lru, stream.replay(config, eviction), stream.compulsory, sweep)
+            else:
+                replay = _replay(sweep.steps, config, sweep.model, sweep.spec)
+                lru = replay if eviction == "lru" else lru
+                assert replay.cache is not None
+                row = self._row(config, eviction, replay, replay.cache,
+                                _compulsory_seconds(replay.keys, sweep.model), sweep)
+            out.append(((self.scheme, self.policy_index, c, b, e), row))
         return out
 
     def _row(self, config: AttnPolicyConfig, eviction: str, replay: _Replay, cache: StreamStats,
