@@ -50,20 +50,24 @@ def test_run_command_writes_json(tmp_path, capsys):
 def test_report_writes_markdown_json_and_plots(tmp_path):
     out = tmp_path / "report"
     assert main(["report", "--out", str(out), "--limit", "12", "--policies", "dynamic,varlen,cost-aware",
-                 "--capacities", "2,inf", "--evictions", "lru,belady", "--bench-lengths", "64,128",
-                 "--bench-repeats", "1", "--validate-requests", "2", "--kernel-lengths", "64",
-                 "--kernel-skip", "flex"]) == 0
+                 "--capacities", "2,inf", "--evictions", "lru,belady", "--buckets", "pow2,vllm",
+                 "--bench-lengths", "64,128", "--bench-repeats", "1", "--validate-requests", "2",
+                 "--kernel-lengths", "64", "--kernel-skip", "flex"]) == 0
     data = json.loads((out / "report.json").read_text())
-    rows = {(r["policy"], r["capacity"], r["eviction"]): r for r in data["sweep"]}
-    assert len(rows) == 3 * 2 * 2
-    for (policy, capacity, eviction), row in rows.items():
+    rows = {(r["buckets"], r["policy"], r["capacity"], r["eviction"]): r for r in data["sweep"]}
+    assert len(rows) == 2 * 3 * 2 * 2
+    for (buckets, policy, capacity, eviction), row in rows.items():
+        assert row["total_seconds"] >= row["bound_seconds"] - 1e-9
         if eviction == "belady":
-            assert row["misses"] <= rows[(policy, capacity, "lru")]["misses"]
+            assert row["misses"] <= rows[(buckets, policy, capacity, "lru")]["misses"]
+    assert {(b["buckets"], b["policy"]) for b in data["bounds"]} == {
+        (s, p) for s in ("pow2", "vllm") for p in ("dynamic", "varlen", "cost-aware")}
     assert {r["seq_len"] for r in data["bench"]["rows"]} == {64, 128}
     for v in data["validation"]:
         assert v["predicted_misses"] == v["measured_misses"] and v["max_abs_err"] < 1e-4
     text = (out / "report.md").read_text()
-    for section in ("## 1. Mask vs mask-free", "## 2. Policies", "## 3. Simulator vs real compute"):
+    for section in ("## 1. Mask vs mask-free", "## 2. Bucket schemes", "### How far from optimal",
+                    "### Bucket schemes side by side", "## 3. Simulator vs real compute"):
         assert section in text
     assert (out / "frontier.png").stat().st_size > 1000 and (out / "bench.png").stat().st_size > 1000
 

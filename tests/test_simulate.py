@@ -1,4 +1,5 @@
-"""simulate: the real dispatcher path with a cost model, Belady's bound, rows, CLI."""
+"""simulate: the real dispatcher path with a cost model, the recorded-stream fast path, Belady's bound,
+the lower bound, bucket schemes, rows, CLI."""
 
 from __future__ import annotations
 
@@ -11,23 +12,28 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatcher import Dispatcher
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
 from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.bucket_schemes import bucket_scheme, complete, vllm_sizes
 from attnpolicy.measure.simulation import (
     ROW_FIELDS,
     SimulatedGraph,
     belady_cache,
+    lower_bounds,
     next_uses,
     simulate,
     simulation_config,
 )
 from attnpolicy.measure.workload import Request, synthetic_default
+from attnpolicy.policies.guard import Guard
 
 MODEL = CostModel.default()
 FIXED = ("always-mask", "dynamic", "varlen")
@@ -205,3 +211,115 @@ def test_simulate_cli_writes_json_and_plot(tmp_path, capsys):
     assert data["config"]["max_seq_len"] == 8192 and data["former"]["max_num_seqs"] == 4
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "cost-aware" in capsys.readouterr().out
+
+
+# -- the fast path: one recording per stateless policy, replayed per bound and eviction ----
+
+EVICTIONS = ("lru", "lfu", "fifo", "cost", "belady")
+
+
+def test_replayed_streams_equal_the_dispatcher_path(monkeypatch):
+    """Every fixed policy × capacities × byte bounds × every eviction: the rows of the
+    recorded-stream replay are those of a dispatcher run per configuration (the path a
+    policy not declared stateless takes), field for field."""
+    fixed = ["always-mask", "always-causal", "dynamic", "varlen"]
+    args = (requests(30), fixed, [1, 2, 3, None], list(EVICTIONS))
+    kwargs = {"former_options": SMALL, "max_bytes": [None, 6 << 20]}
+    fast = simulate(*args, **kwargs)
+    monkeypatch.setattr(Guard, "stateless", property(lambda self: False))
+    slow = simulate(*args, **kwargs)
+    assert fast == slow
+    assert len(fast) == 4 * 4 * 2 * 5
+    assert {r.eviction for r in fast if r.evictions} == set(EVICTIONS)
+    assert any(r.evictions for r in fast if r.capacity is None and r.max_bytes)  # evicted for bytes alone
+
+
+def test_worker_processes_give_the_same_rows():
+    args = (requests(20), ["varlen", "cost-aware"], [2, None], ["lru", "fifo", "belady"])
+    assert simulate(*args, former_options=SMALL, workers=2) == simulate(*args, former_options=SMALL)
+
+
+@given(st.lists(st.integers(0, 7), max_size=40), st.sampled_from(EVICTIONS), st.sampled_from([None, 1, 2, 3]),
+       st.sampled_from([None, 3, 5, 8]), st.lists(st.integers(1, 6), min_size=8, max_size=8))
+def test_replay_stream_counts_what_a_graph_cache_counts(stream, eviction, max_graphs, max_bytes, sizes):
+    costs = [0.5 + i for i in range(8)]
+    upcoming: dict[int, float] = {}
+    options = {"next_use": upcoming.__getitem__} if eviction == "belady" else None
+    cache = GraphCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize="uncached",
+                       eviction_options=options, sizeof=sizes.__getitem__,
+                       compile_cost=lambda key, seconds: costs[key])
+    for key, nxt in zip(stream, next_uses(stream)):
+        upcoming[key] = nxt
+        cache.get_or_compile(key, lambda: None)
+    want = cache.stats()
+    got = replay_stream(stream, sizes, costs, max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction,
+                        oversize="uncached")
+    assert got == StreamStats(want.hits, want.misses, want.compiles, want.compile_seconds, want.evictions,
+                              want.uncached, want.peak_graphs, want.peak_bytes)
+
+
+def test_replay_stream_refuses_an_oversize_graph_like_the_cache():
+    with pytest.raises(GraphTooLargeError, match="key 0 needs 9 bytes, more than max_bytes=8"):
+        replay_stream([0], [9], [1.0], max_bytes=8)
+
+
+# -- bounds ------------------------------------------------------------------------------
+
+def test_every_row_is_at_or_above_its_lower_bound():
+    rows = simulate(requests(), [*FIXED, "cost-aware"], [2, 4, None], ["lru", "fifo", "belady"],
+                    former_options=SMALL)
+    for r in rows:
+        compulsory = r.bound_seconds - r.attention_seconds
+        assert r.total_seconds >= r.bound_seconds - 1e-9
+        assert r.bound_gap == pytest.approx(r.total_seconds / r.bound_seconds - 1)
+        assert compulsory <= r.compile_seconds + 1e-9
+        if r.capacity is None:  # each graph compiled once: the bound is reached
+            assert r.bound_gap == pytest.approx(0.0, abs=1e-12)
+    for r in rows:  # a fixed policy's bound is one figure whatever the cache
+        if r.policy in FIXED:
+            assert r.bound_seconds == next(x.bound_seconds for x in rows if x.policy == r.policy)
+    bounds = {b.policy: b for b in lower_bounds(rows)}
+    for policy, b in bounds.items():
+        mine = [r for r in rows if r.policy == policy]
+        assert b.bound_seconds == min(r.bound_seconds for r in mine)
+        assert b.best_belady == min(r.total_seconds for r in mine if r.eviction == "belady")
+        assert b.best_online == min(r.total_seconds for r in mine if r.eviction != "belady")
+
+
+# -- bucket schemes ------------------------------------------------------------------------
+
+def test_vllm_sizes_follow_vllms_default_capture_pattern():
+    sizes = vllm_sizes(8192)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and 248 in sizes and 252 not in sizes
+    assert sizes[sizes.index(256):sizes.index(256) + 3] == (256, 272, 288)
+    assert sizes[-1] == 8192 and vllm_sizes(1000)[-1] == 1000
+    assert complete((16, 48), 100, 1000) == (16, 48, 100, 200, 400, 800, 1000)
+
+
+def test_schemes_are_simulated_side_by_side(tmp_path):
+    AttnPolicyConfig(max_seq_len=1024, max_batch_tokens=4096,
+                     buckets={"kind": "list", "sizes": [64, 300, 1024]}).save(tmp_path)
+    schemes = [bucket_scheme(s, 1024, 4096) for s in ("pow2", "vllm", "exact", str(tmp_path))]
+    assert schemes[3].buckets.sizes == (64, 300, 1024, 2048, 4096)  # completed up to max_batch_tokens
+    rows = simulate(requests(), ["varlen"], [4, None], ["lru"], former_options=SMALL, buckets=schemes)
+    assert [(r.buckets, r.capacity) for r in rows] == [(s.name, c) for s in schemes for c in (4, None)]
+    keys = {r.buckets: r.distinct_keys for r in rows if r.capacity is None}
+    assert keys["exact"] > keys["vllm"] > keys["pow2"]  # finer buckets, more graphs
+    with pytest.raises(ConfigError, match="nope"):
+        bucket_scheme("nope", 1024, 4096)
+
+
+def test_simulate_cli_compares_schemes_at_equal_bytes(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["simulate", "--limit", "10", "--policies", "varlen", "--capacities", "inf",
+                 "--max-bytes", "64MiB,inf", "--buckets", "pow2,vllm", "--evictions", "lru,belady",
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["buckets"], r["max_bytes"], r["eviction"]) for r in rows] == [
+        (s, b, e) for s in ("pow2", "vllm") for b in (64 << 20, None) for e in ("lru", "belady")]
+    printed = capsys.readouterr().out
+    assert "total seconds per bucket scheme" in printed and "lower bounds" in printed
+    for flag, value, message in (("--buckets", "nope", "argument --buckets: unknown bucket scheme 'nope'"),
+                                 ("--max-bytes", "12XB", "argument --max-bytes: expected comma-separated sizes")):
+        assert main(["simulate", "--limit", "2", flag, value]) == 2
+        assert message in capsys.readouterr().err

@@ -113,6 +113,27 @@ def capacity_list(text: str) -> tuple[int | None, ...]:
             f"expected comma-separated integers >= 1 or 'inf', got {text!r}") from None
 
 
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def byte_list(text: str) -> tuple[int | None, ...]:
+    """argparse type: byte sizes, e.g. ``512MiB,1GiB,inf`` (a plain number is bytes;
+    units KiB, MiB, GiB; ``inf``: unbounded)."""
+    out: list[int | None] = []
+    for part in str_list(text):
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", part)
+        unit = _UNITS.get(match.group(2).lower()) if match else None
+        value = int(float(match.group(1)) * unit) if match and unit else 0
+        if part == "inf":
+            out.append(None)
+        elif value < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated sizes >= 1 byte (e.g. 512MiB, 1GiB, 1048576) or 'inf', got {text!r}")
+        else:
+            out.append(value)
+    return tuple(out)
+
+
 def option(text: str) -> tuple[str, str, Any]:
     """argparse type: ``POLICY:KEY=VALUE`` (VALUE parsed as JSON when it can be)."""
     head, sep, raw = text.partition("=")

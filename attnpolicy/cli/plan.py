@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
@@ -26,7 +27,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.measure.batching import BatchFormer
 from attnpolicy.measure.graph_plan import POLICIES, GraphPlan, plan_graphs, plan_markdown, plannable
 from attnpolicy.measure.layout_stream import read_layout_stream, select_run
-from attnpolicy.measure.simulation import BELADY, check_model, simulation_config
+from attnpolicy.measure.simulation import check_model, simulation_config
 
 EVICTIONS = ("lru", "lfu", "fifo", "cost")
 

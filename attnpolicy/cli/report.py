@@ -24,7 +24,7 @@ from attnpolicy.cli.common import (
     str_list,
     warn,
 )
-from attnpolicy.cli.simulate import add_sweep_args, cost_model, former_from, workload
+from attnpolicy.cli.simulate import add_sweep_args, cost_model, former_from, sweep_size, workload
 from attnpolicy.measure.report import ReportSettings, make_report
 from attnpolicy.measure.simulation import extrapolation
 from attnpolicy.measure.timing import BenchSettings
@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", default=str(d.out), metavar="DIR",
                    help=f"output directory: report.md, report.json, PNGs (default: {d.out})")
     add_workload_args(p, d.former["max_num_seqs"], d.former["max_num_batched_tokens"], 8192)
-    add_sweep_args(p, d.policies, d.capacities, d.evictions)
+    add_sweep_args(p, d.policies, d.capacities, d.evictions, d.buckets)
     p.add_argument("--cost-model", default=None, metavar="PATH",
                    help="a cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
     p.add_argument("--calibrate", action="store_true",
@@ -73,11 +73,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     bench = settings(BenchSettings, FLAGS, lengths=tuple(args.bench_lengths), repeats=args.bench_repeats)
     s = settings(ReportSettings, FLAGS, out=Path(args.out), trace=args.trace, limit=args.limit,
                  policies=tuple(args.policies), capacities=tuple(args.capacities), evictions=tuple(args.evictions),
+                 buckets=tuple(args.buckets) or ("pow2",), max_bytes=tuple(args.max_bytes or (None,)),
+                 workers=args.workers,
                  cost_model=args.cost_model, calibrate=args.calibrate, validate_requests=args.validate_requests,
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  bench=bench, former=former_options(args), policy_options=options)
-    total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths)
-             + len(s.policies) * len(s.capacities) * len(s.evictions) + len(s.validated_policies) + int(s.calibrate))
+    total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
+             + len(s.validated_policies) + int(s.calibrate))
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance:
         data = make_report(s, command_line, advance, requests)

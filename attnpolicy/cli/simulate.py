@@ -9,12 +9,14 @@ from attnpolicy.cli.common import (
     MIB,
     add_option_arg,
     add_workload_args,
+    byte_list,
     capacity_list,
     check_evictions,
     describe_options,
     fail,
     former_options,
     policy_options,
+    positive_int,
     print_table,
     progress,
     shown,
@@ -26,12 +28,14 @@ from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.bucket_schemes import BucketScheme, bucket_scheme
 from attnpolicy.measure.layout_stream import read_layout_stream, select_run
 from attnpolicy.measure.report.plots import plot_sweep
 from attnpolicy.measure.simulation import (
     SimRow,
     check_model,
     extrapolation,
+    lower_bounds,
     simulate,
     simulate_run,
     simulation_config,
@@ -41,6 +45,8 @@ from attnpolicy.measure.workload import Request, TraceError, load_trace
 POLICIES = ("always-mask", "dynamic", "varlen", "cost-aware")
 CAPACITIES = (2, 4, 8, 16)
 EVICTIONS = ("lru", "belady")
+#: Worker processes of a sweep (this machine has 2 cores).
+WORKERS = 2
 #: BatchFormer argument → the flag that sets it.
 FORMER_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                 "max_model_len": "--max-seq-len", "chunked_prefill": "--no-chunked-prefill"}
@@ -54,7 +60,7 @@ def register(subparsers: Any) -> None:
                 "attnpolicy simulate --limit 20 --policies dynamic,varlen --capacities 4,inf",
                 cmd_simulate)
     add_workload_args(s, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
-    add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS)
+    add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS, ())
     s.add_argument("--cost-model", metavar="PATH",
                    help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
     s.add_argument("--config", metavar="PATH",
@@ -71,16 +77,36 @@ def register(subparsers: Any) -> None:
 
 
 def add_sweep_args(p: argparse.ArgumentParser, policies: tuple[str, ...], capacities: tuple[int | None, ...],
-                   evictions: tuple[str, ...]) -> None:
-    """--policies, --capacities, --evictions and --option (simulate and report)."""
+                   evictions: tuple[str, ...], buckets: tuple[str, ...]) -> None:
+    """--policies, --buckets, --capacities, --max-bytes, --evictions, --option and
+    --workers (simulate and report); ``buckets`` empty: the base config's."""
     p.add_argument("--policies", type=str_list, default=policies, metavar="P[,P...]",
                    help=f"registered policies, see 'attnpolicy policies' (default: {shown(policies)})")
+    p.add_argument("--buckets", type=str_list, default=buckets, metavar="S[,S...]",
+                   help="bucket schemes side by side: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
+                        "exact, or the path of an attnpolicy config (its buckets) "
+                        f"(default: {shown(buckets) if buckets else 'the base config’s, pow2'})")
     p.add_argument("--capacities", type=capacity_list, default=capacities, metavar="K[,K...]",
                    help=f"graph-cache capacities (max_graphs); 'inf' for unbounded (default: {shown(capacities)})")
+    p.add_argument("--max-bytes", type=byte_list, default=None, metavar="B[,B...]",
+                   help="graph-cache byte bounds (max_bytes), e.g. 256MiB,1GiB,inf; every capacity × bound "
+                        "is a row (default: the base config's, unbounded)")
     p.add_argument("--evictions", type=str_list, default=evictions, metavar="E[,E...]",
                    help="eviction strategies; 'belady' is the offline optimum (the fewest misses any "
                         f"eviction could achieve) (default: {shown(evictions)})")
     add_option_arg(p)
+    p.add_argument("--workers", type=positive_int, default=WORKERS, metavar="N",
+                   help=f"processes for the dispatcher runs of cache-aware policies (default: {WORKERS})")
+
+
+def schemes(args: argparse.Namespace, base: AttnPolicyConfig) -> list[BucketScheme] | None:
+    """The schemes of --buckets (``None`` without it); an error names the flag."""
+    if not args.buckets:
+        return None
+    try:
+        return [bucket_scheme(spec, base.max_seq_len, base.max_batch_tokens) for spec in args.buckets]
+    except ConfigError as exc:
+        fail(f"argument --buckets: {exc}")
 
 
 def former_from(args: argparse.Namespace) -> BatchFormer:
@@ -129,10 +155,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     requests = workload(args, former)
     if (warning := extrapolation(model, requests, former)) is not None:
         warn(warning)
-    total = len(args.policies) * len(args.capacities) * len(args.evictions)
-    with progress(total, "simulate") as advance:
+    buckets = schemes(args, base)
+    with progress(sweep_size(args), "simulate") as advance:
         rows = simulate(requests, args.policies, args.capacities, args.evictions, base, model,
-                        former_options(args), advance, options)
+                        former_options(args), advance, options, buckets=buckets, max_bytes=args.max_bytes,
+                        workers=args.workers)
     ran = describe_options(options)
     print_sweep(f"simulated {len(requests)} requests of {args.trace} ({rows[0].batches} batches), "
                 f"cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
@@ -154,9 +181,9 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
     base = AttnPolicyConfig.load(args.config) if args.config else run.config
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
-    total = len(args.policies) * len(args.capacities) * len(args.evictions)
-    with progress(total, "simulate") as advance:
-        rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance, options)
+    with progress(sweep_size(args), "simulate") as advance:
+        rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance, options,
+                            buckets=schemes(args, base), max_bytes=args.max_bytes, workers=args.workers)
     rec = run.config
     print_sweep(f"replayed run {run.run} of {args.layouts}: {len(run.steps)} steps, recorded {rec.policy} "
                 f"capacity={rec.max_graphs or '∞'} {rec.eviction}: {run.misses} misses", rows)
@@ -167,10 +194,43 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
     return 0
 
 
+def sweep_size(args: argparse.Namespace) -> int:
+    """The rows of the sweep the flags ask for."""
+    return (max(len(args.buckets), 1) * len(args.policies) * len(args.capacities)
+            * len(args.max_bytes or (None,)) * len(args.evictions))
+
+
+def bound_text(capacity: int | None, max_bytes: int | None) -> str:
+    """A row's cache bounds: ``8``, ``∞``, ``8, 512 MiB``, ``∞, 512 MiB``."""
+    graphs = "∞" if capacity is None else str(capacity)
+    return graphs if max_bytes is None else f"{graphs}, {max_bytes / MIB:.4g} MiB"
+
+
 def print_sweep(title: str, rows: list[SimRow]) -> None:
-    print_table(title, ("policy", "capacity", "eviction", "hits", "misses", "hit rate", "compile s",
-                        "attention s", "total s", "peak MiB", "batches c/m/v"),
-                [(r.policy, "∞" if r.capacity is None else r.capacity, r.eviction, r.hits, r.misses, r.hit_rate,
-                  r.compile_seconds, r.attention_seconds, r.total_seconds, r.peak_bytes / MIB,
-                  "/".join(str(r.modes[m]) for m in ("causal", "mask", "varlen"))) for r in rows],
-                caption="batches c/m/v: batches run causal / mask / varlen; capacity ∞: unbounded")
+    """The rows; then each (buckets, policy)'s lower bound, and with several bucket
+    schemes their totals side by side."""
+    print_table(title, ("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s",
+                        "attention s", "total s", "over lower bound", "peak MiB", "batches c/m/v"),
+                [(r.buckets, r.policy, bound_text(r.capacity, r.max_bytes), r.eviction, r.misses, r.hit_rate,
+                  r.compile_seconds, r.attention_seconds, r.total_seconds, f"{r.bound_gap:+.1%}",
+                  r.peak_bytes / MIB, "/".join(str(r.modes[m]) for m in ("causal", "mask", "varlen")))
+                 for r in rows],
+                caption="bound: max graphs (∞: unbounded), max bytes; batches c/m/v: batches run causal / mask / "
+                        "varlen; over lower bound: total over attention + every distinct graph compiled once")
+    bounds = lower_bounds(rows)
+    print_table("lower bounds: attention + every distinct graph compiled once (no eviction or bound does better "
+                "for these decisions)",
+                ("buckets", "policy", "distinct graphs", "attention s", "lower bound s", "best online s",
+                 "best belady s"),
+                [(b.buckets, b.policy, b.distinct_keys, b.attention_seconds, b.bound_seconds, b.best_online,
+                  b.best_belady) for b in bounds],
+                caption="best: the lowest total over the sweep's bounds (online: every eviction but belady); "
+                        "cost-aware's decisions change with the cache: its bound is the lowest of its rows'")
+    names = list(dict.fromkeys(r.buckets for r in rows))
+    if len(names) > 1:
+        cells = {(r.policy, r.capacity, r.max_bytes, r.eviction, r.buckets): r.total_seconds for r in rows}
+        lines = list(dict.fromkeys((r.policy, r.capacity, r.max_bytes, r.eviction) for r in rows))
+        print_table("total seconds per bucket scheme (same policy, bound and eviction)",
+                    ("policy", "bound", "eviction", *names),
+                    [(p, bound_text(c, b), e, *(cells.get((p, c, b, e, n)) for n in names))
+                     for p, c, b, e in lines])

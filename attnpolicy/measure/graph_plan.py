@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
@@ -41,7 +42,7 @@ from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.measure.batching import Step
 from attnpolicy.measure.planner import CallShapes, PlanCost, evaluate, plan_sizes
-from attnpolicy.measure.simulation import BELADY, SimRow, simulate_layouts
+from attnpolicy.measure.simulation import SimRow, simulate_layouts
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 

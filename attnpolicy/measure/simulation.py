@@ -1,7 +1,7 @@
 """Replay a workload with a cost model instead of compute: fast enough to sweep
-policies × cache capacities × evictions.
+bucket schemes × policies × cache bounds × evictions.
 
-Each configuration runs a real :class:`~attnpolicy.dispatcher.Dispatcher` (decision,
+A configuration runs a real :class:`~attnpolicy.dispatcher.Dispatcher` (decision,
 guard, plan, graph cache) over the batches of a
 :class:`~attnpolicy.measure.batching.BatchFormer`, with a builder that compiles nothing:
 a miss is charged the model's compile seconds, every call the model's run seconds
@@ -10,24 +10,39 @@ mask cache (mirrored: a :class:`~attnpolicy.kernels.masks.MaskCache` bounded by
 ``max_mask_bytes``, keyed like the dispatcher's) a host mask build. Hits, misses and evictions are
 therefore exactly those of a real run of the same batches and config.
 
+A policy whose decisions do not depend on the cache (``stateless``: every fixed
+policy) requests the same graphs under any bound and eviction, and its attention
+seconds, mask builds and overflows do not depend on them either: its dispatcher
+runs once, unbounded, recording the key stream, and each bound × eviction replays
+that stream through the eviction alone (:func:`~attnpolicy.cache.key_stream.replay_stream`),
+with the counters the dispatcher's cache would report. A cache-aware policy
+(``cost-aware``) runs its dispatcher per configuration; those runs go to worker
+processes (``workers``).
+
 ``belady`` is the offline optimum: the key sequence of the policy's LRU run at the
-same capacity is replayed through Belady's strategy (evict the graph needed
-farthest in the future). For a policy whose decisions do not depend on the cache
-(every fixed policy) that sequence is the one it always requests, so the row is
-the fewest misses any eviction could achieve. A cache-aware policy (``cost-aware``)
-chooses differently under another cache; its belady row is the bound for the
-sequence it chose under LRU. See ``docs/simulate.md``.
+same bounds is replayed through Belady's strategy (evict the graph needed
+farthest in the future). For a stateless policy that sequence is the one it always
+requests, so the row is the fewest misses any eviction could achieve (with a
+``max_graphs`` bound; with ``max_bytes`` and unequal sizes it is a heuristic). A
+cache-aware policy chooses differently under another cache; its belady row is the
+bound for the sequence it chose under LRU. Every row also carries
+``bound_seconds``: its attention seconds plus each distinct graph compiled once,
+a lower bound on the total of any eviction and bound for the same decisions. See
+``docs/simulate.md``.
 """
 
 from __future__ import annotations
 
-import math
+import multiprocessing
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from itertools import product
 from typing import Any
 
-from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.cache.graph_cache import CacheStats, GraphCache
+from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily
@@ -37,28 +52,37 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels.masks import MaskCache, mask_for
 from attnpolicy.measure.batching import BatchFormer, Step
+from attnpolicy.measure.bucket_schemes import BucketScheme, base_scheme
 from attnpolicy.measure.layout_stream import LayoutRun
 from attnpolicy.measure.workload import Request
 from attnpolicy.plugins.registry import eviction_registry
+from attnpolicy.policies.guard import Guard
 
-BELADY = "belady"
 #: The JSON form of every row holds at least these keys (the stable contract).
-ROW_FIELDS = ("policy", "capacity", "eviction", "hits", "misses", "hit_rate", "compiles",
-              "compile_seconds", "attention_seconds", "total_seconds", "peak_bytes")
+ROW_FIELDS = ("policy", "buckets", "capacity", "max_bytes", "eviction", "hits", "misses", "hit_rate",
+              "compiles", "compile_seconds", "attention_seconds", "total_seconds", "peak_bytes",
+              "bound_seconds", "bound_gap")
 
 
 @dataclass(frozen=True)
 class SimRow:
-    """One simulated (policy, capacity, eviction): cache counters and modelled seconds.
+    """One simulated (bucket scheme, policy, bounds, eviction): cache counters and
+    modelled seconds.
 
-    ``attention_seconds`` includes dispatch overheads and mask builds (also given
-    alone as ``mask_build_seconds``); ``total_seconds`` is attention plus compile
-    seconds; ``capacity`` is ``max_graphs`` (``None``: unbounded); ``modes`` counts
-    batches per mode; ``policy_options`` are the options the policy ran with;
-    ``rejected`` counts the requests the batch former left out (too long)."""
+    ``buckets`` names the bucket scheme; ``capacity`` is ``max_graphs`` and
+    ``max_bytes`` the byte bound (``None``: unbounded); ``attention_seconds``
+    includes dispatch overheads and mask builds (also given alone as
+    ``mask_build_seconds``); ``total_seconds`` is attention plus compile seconds;
+    ``bound_seconds`` is attention plus each distinct graph's compile once (no
+    eviction or bound does better for these decisions) and ``bound_gap`` is
+    ``total / bound - 1``; ``modes`` counts batches per mode; ``policy_options`` are
+    the options the policy ran with; ``rejected`` counts the requests the batch
+    former left out (too long)."""
 
     policy: str
+    buckets: str
     capacity: int | None
+    max_bytes: int | None
     eviction: str
     hits: int
     misses: int
@@ -78,6 +102,8 @@ class SimRow:
     overflow_calls: int
     mask_builds: int
     mask_build_seconds: float
+    bound_seconds: float
+    bound_gap: float
     policy_options: dict[str, Any] = field(default_factory=dict)
     rejected: int = 0
 
@@ -108,9 +134,11 @@ def simulation_config(model: CostModel, former: BatchFormer, **fields: Any) -> A
     backend, ``attn_impl`` and ``partition_len``, ``max_seq_len`` = the former's
     ``max_model_len`` and ``max_batch_tokens`` at least ``max_num_seqs × max_model_len``,
     so that no packed MASK call (whose kv length is the sum of its sequences'
-    contexts) overflows the buckets. ``fields`` override any of these."""
+    contexts) overflows the buckets, and ``oversize="uncached"``: under a ``max_bytes``
+    bound a graph larger than the bound is compiled for each use, not refused.
+    ``fields`` override any of these."""
     packed = former.max_num_seqs * former.max_model_len
-    base: dict[str, Any] = {"backend": model.backend, "attn_impl": model.impl,
+    base: dict[str, Any] = {"backend": model.backend, "attn_impl": model.impl, "oversize": "uncached",
                             "partition_len": model.partition_len, "max_seq_len": former.max_model_len,
                             "max_batch_tokens": max(packed, AttnPolicyConfig.model_fields["max_batch_tokens"].default)}
     return AttnPolicyConfig.model_validate({**base, **fields})
@@ -126,6 +154,7 @@ class _Replay:
     mask_build_seconds: float = 0.0
     overflow_calls: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    cache: StreamStats | None = None
 
 
 def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
@@ -156,16 +185,7 @@ def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model
                 masks.lookup(mask_key, call.q_bucket * call.kv_bucket, bool)
     out.attention_seconds = seconds + out.mask_build_seconds
     out.stats = dispatcher.stats().to_json()
-    return out
-
-
-def next_uses(keys: Sequence[GraphKey]) -> list[float]:
-    """For each position, the position of the same key's next request (``inf``: none)."""
-    out = [math.inf] * len(keys)
-    last: dict[GraphKey, float] = {}
-    for i in range(len(keys) - 1, -1, -1):
-        out[i] = last.get(keys[i], math.inf)
-        last[keys[i]] = i
+    out.cache = _counts(cache.stats())
     return out
 
 
@@ -183,24 +203,38 @@ def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig,
     return cache
 
 
-def _row(policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
-         cache_stats: Mapping[str, Any], rejected: int) -> SimRow:
-    hits, misses = cache_stats["hits"], cache_stats["misses"]
+def _counts(stats: CacheStats) -> StreamStats:
+    return StreamStats(stats.hits, stats.misses, stats.compiles, stats.compile_seconds, stats.evictions,
+                       stats.uncached, stats.peak_graphs, stats.peak_bytes)
+
+
+def _compulsory_seconds(keys: Sequence[GraphKey], model: CostModel) -> float:
+    """Each distinct key's compile seconds once, summed in first-request order."""
+    return sum(model.compile_cost(key, 0.0) for key in dict.fromkeys(keys))
+
+
+def _row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
+         cache: StreamStats, compulsory: float, rejected: int) -> SimRow:
+    hits, misses = cache.hits, cache.misses
     stats = replay.stats
+    total = replay.attention_seconds + cache.compile_seconds
+    bound = replay.attention_seconds + compulsory
     return SimRow(
         policy=policy,
+        buckets=scheme,
         capacity=config.max_graphs,
+        max_bytes=config.max_bytes,
         eviction=eviction,
         hits=hits,
         misses=misses,
         hit_rate=hits / (hits + misses) if hits + misses else 0.0,
-        compiles=cache_stats["compiles"],
-        compile_seconds=cache_stats["compile_seconds"],
+        compiles=cache.compiles,
+        compile_seconds=cache.compile_seconds,
         attention_seconds=replay.attention_seconds,
-        total_seconds=replay.attention_seconds + cache_stats["compile_seconds"],
-        peak_bytes=cache_stats["peak_bytes"],
-        peak_graphs=cache_stats["peak_graphs"],
-        evictions=cache_stats["evictions"],
+        total_seconds=total,
+        peak_bytes=cache.peak_bytes,
+        peak_graphs=cache.peak_graphs,
+        evictions=cache.evictions,
         distinct_keys=len(set(replay.keys)),
         batches=stats["batches"],
         calls=stats["calls"],
@@ -209,9 +243,42 @@ def _row(policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
         overflow_calls=replay.overflow_calls,
         mask_builds=replay.mask_builds,
         mask_build_seconds=replay.mask_build_seconds,
+        bound_seconds=bound,
+        bound_gap=total / bound - 1 if bound else 0.0,
         policy_options=dict(config.policy_options),
         rejected=rejected,
     )
+
+
+@dataclass(frozen=True)
+class PolicyBound:
+    """How near a (bucket scheme, policy)'s rows come to optimal: ``bound_seconds``
+    (attention + every distinct graph compiled once; for a cache-aware policy the
+    lowest of its rows', whose decisions differ) against the best total of an online
+    eviction and of Belady over the sweep's bounds (``None``: none swept)."""
+
+    buckets: str
+    policy: str
+    distinct_keys: int
+    attention_seconds: float
+    bound_seconds: float
+    best_online: float | None
+    best_belady: float | None
+
+
+def lower_bounds(rows: Sequence[SimRow]) -> list[PolicyBound]:
+    """One :class:`PolicyBound` per (bucket scheme, policy) of ``rows``, in row order."""
+    groups: dict[tuple[str, str], list[SimRow]] = {}
+    for row in rows:
+        groups.setdefault((row.buckets, row.policy), []).append(row)
+    out = []
+    for (buckets, policy), group in groups.items():
+        low = min(group, key=lambda r: r.bound_seconds)
+        online = [r.total_seconds for r in group if r.eviction != BELADY]
+        belady = [r.total_seconds for r in group if r.eviction == BELADY]
+        out.append(PolicyBound(buckets, policy, low.distinct_keys, low.attention_seconds, low.bound_seconds,
+                               min(online, default=None), min(belady, default=None)))
+    return out
 
 
 def extrapolation(model: CostModel, requests: Sequence[Request], former: BatchFormer) -> str | None:
@@ -261,20 +328,27 @@ def simulate(
     former_options: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    buckets: Sequence[BucketScheme] | None = None,
+    max_bytes: Sequence[int | None] | None = None,
+    workers: int = 1,
 ) -> list[SimRow]:
-    """One row per (policy, capacity, eviction), in that nesting order.
+    """One row per (bucket scheme, policy, capacity, max_bytes, eviction), in that
+    nesting order.
 
-    ``capacity`` is ``max_graphs`` (``None``: unbounded); every other config field
-    comes from ``config_base`` (default: :func:`simulation_config`); ``model``
-    defaults to :meth:`CostModel.default`; ``former_options`` are
-    :class:`BatchFormer` keyword arguments. ``progress(label)`` is called after each
-    row. ``policy_options[name]`` are the options of policy ``name``; the base
-    config's ``policy_options`` apply to its own policy only. A trace whose every
-    request is rejected (longer than ``max_model_len``) raises :class:`ConfigError`
-    saying why; ``rejected`` in each row counts the requests left out. Rows hold
-    :data:`ROW_FIELDS` and more: ``attention_seconds`` includes dispatch overheads and
-    mask builds (also given alone as ``mask_build_seconds``); ``total_seconds`` is
-    attention plus compile seconds.
+    ``capacity`` is ``max_graphs`` (``None``: unbounded); ``buckets`` (default: the
+    base config's own) are the schemes compared, see
+    :mod:`attnpolicy.measure.bucket_schemes`; ``max_bytes`` (default: the base
+    config's) are the byte bounds; every other config field comes from
+    ``config_base`` (default: :func:`simulation_config`); ``model`` defaults to
+    :meth:`CostModel.default`; ``former_options`` are :class:`BatchFormer` keyword
+    arguments. ``progress(label)`` is called after each row. ``policy_options[name]``
+    are the options of policy ``name``; the base config's ``policy_options`` apply to
+    its own policy only. ``workers`` > 1 runs the dispatchers in that many processes
+    (the rows are the same). A trace whose every request is rejected (longer than
+    ``max_model_len``) raises :class:`ConfigError` saying why; ``rejected`` in each
+    row counts the requests left out. Rows hold :data:`ROW_FIELDS` and more (see
+    :class:`SimRow`).
     """
     model = model or CostModel.default()
     former = BatchFormer(**dict(former_options or {}))
@@ -286,7 +360,8 @@ def simulate(
         raise ConfigError(f"every request ({len(requests)}) was rejected: {_rejections(former)}; "
                           "nothing to simulate (raise max_model_len or check the trace)")
     return simulate_layouts(steps, policies, capacities, evictions, base, model, progress=progress,
-                            policy_options=policy_options, rejected=len(rejected))
+                            policy_options=policy_options, rejected=len(rejected), buckets=buckets,
+                            max_bytes=max_bytes, workers=workers)
 
 
 def simulate_layouts(
@@ -300,6 +375,10 @@ def simulate_layouts(
     progress: Callable[[str], None] | None = None,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
     rejected: int = 0,
+    *,
+    buckets: Sequence[BucketScheme] | None = None,
+    max_bytes: Sequence[int | None] | None = None,
+    workers: int = 1,
 ) -> list[SimRow]:
     """:func:`simulate` over given steps (or layouts, e.g. a recorded layout stream,
     see :mod:`attnpolicy.measure.layout_stream`) instead of a batch former's.
@@ -311,47 +390,193 @@ def simulate_layouts(
     """
     model = model or CostModel.default()
     _check_evictions(evictions)
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {workers}")
     base = config_base
     fields = base.model_dump(mode="json")
-    lru_runs: dict[tuple[str, int | None], _Replay] = {}
-    rows = []
-    for policy in policies:
-        options = {**(base.policy_options if policy == base.policy else {}),
-                   **(policy_options or {}).get(policy, {})}
-        for capacity in capacities:
-            def config(eviction: str, policy: str = policy, capacity: int | None = capacity,
-                       options: dict[str, Any] = options) -> AttnPolicyConfig:
-                return AttnPolicyConfig.model_validate(
-                    {**fields, "policy": policy, "policy_options": options, "max_graphs": capacity,
-                     "eviction": eviction})
+    schemes = list(buckets) if buckets else [base_scheme(base)]
+    bounds = list(enumerate(capacities)), list(enumerate([base.max_bytes] if max_bytes is None else max_bytes))
+    jobs: list[_Job] = []
+    for s, scheme in enumerate(schemes):
+        for p, policy in enumerate(policies):
+            options = {**(base.policy_options if policy == base.policy else {}),
+                       **(policy_options or {}).get(policy, {})}
+            stateless = Guard.for_policy(policy, options).stateless
+            job = partial(_Job, s, scheme.name, p, policy,
+                          {**fields, "policy": policy, "policy_options": options,
+                           "buckets": scheme.buckets.model_dump(mode="json")}, stateless)
+            if stateless:
+                jobs.append(job(*bounds, list(enumerate(evictions))))
+                continue
+            for bound in ((c, b) for c in bounds[0] for b in bounds[1]):
+                groups = _eviction_groups(list(enumerate(evictions)))
+                jobs += [job([bound[0]], [bound[1]], group) for group in groups]
+    sweep = _Sweep(steps, model, spec, rejected)
+    return _run(jobs, sweep, workers, progress)
 
-            for eviction in evictions:
-                if eviction == BELADY:
-                    if (policy, capacity) not in lru_runs:
-                        lru_runs[policy, capacity] = _replay(steps, config("lru"), model, spec)
-                    replay = lru_runs[policy, capacity]
-                    cfg = config("lru")
-                    stats = belady_cache(replay.keys, cfg, model).stats().to_json()
-                else:
-                    cfg = config(eviction)
-                    replay = _replay(steps, cfg, model, spec)
-                    if eviction == "lru":
-                        lru_runs[policy, capacity] = replay
-                    stats = replay.stats["cache"]
-                rows.append(_row(policy, cfg, eviction, replay, stats, rejected))
-                if progress:
-                    progress(f"{policy} capacity={capacity} {eviction}")
-    return rows
 
+Indexed = list[tuple[int, Any]]
+#: A row's place in the sweep: (scheme, policy, capacity, max_bytes, eviction) indices.
+Position = tuple[int, int, int, int, int]
+
+
+def _eviction_groups(evictions: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """One dispatcher run per eviction; ``belady`` replays the ``lru`` run's keys, so it
+    goes with ``lru`` (alone when ``lru`` is not swept)."""
+    groups = [[e] for e in evictions if e[1] not in ("lru", BELADY)]
+    paired = [e for e in evictions if e[1] in ("lru", BELADY)]
+    return ([paired] if paired else []) + groups
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """What every job of a sweep shares (sent once to each worker process)."""
+
+    steps: Sequence[Step | BatchLayout]
+    model: CostModel
+    spec: TensorSpec | None
+    rejected: int
+
+
+@dataclass(frozen=True)
+class _Job:
+    """The rows of one policy under one bucket scheme: every bound × eviction for a
+    stateless policy (one recording, then stream replays), one bound and one dispatcher
+    run (``belady`` with ``lru``) for a cache-aware one. Indices order the rows."""
+
+    scheme: int
+    scheme_name: str
+    policy_index: int
+    policy: str
+    fields: dict[str, Any]
+    stateless: bool
+    capacities: Indexed
+    max_bytes: Indexed
+    evictions: list[tuple[int, str]]
+
+    def config(self, capacity: int | None, max_bytes: int | None, eviction: str) -> AttnPolicyConfig:
+        return AttnPolicyConfig.model_validate({**self.fields, "max_graphs": capacity, "max_bytes": max_bytes,
+                                                "eviction": "lru" if eviction == BELADY else eviction})
+
+    def run(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
+        return self._replayed(sweep) if self.stateless else self._dispatched(sweep)
+
+    def _replayed(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
+        """One unbounded dispatcher run records the key stream; each bound × eviction
+        replays it."""
+        recording = _replay(sweep.steps, self.config(None, None, "lru"), sweep.model, sweep.spec)
+        stream = _Stream.of(recording.keys, sweep.model)
+        out = []
+        for (c, capacity), (b, nbytes), (e, eviction) in product(self.capacities, self.max_bytes, self.evictions):
+            config = self.config(capacity, nbytes, eviction)
+            out.append(((self.scheme, self.policy_index, c, b, e),
+                        self._row(config, eviction, recording, stream.replay(config, eviction), stream.compulsory,
+                                  sweep)))
+        return out
+
+    def _dispatched(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
+        """A dispatcher run per eviction at the job's one bound; ``belady`` replays the
+        ``lru`` run's keys (run here if ``lru`` is not swept)."""
+        ((c, capacity),), ((b, nbytes),) = self.capacities, self.max_bytes
+        out = []
+        lru = None
+        for e, eviction in sorted(self.evictions, key=lambda item: item[1] == BELADY):
+            config = self.config(capacity, nbytes, eviction)
+            if eviction == BELADY:
+                lru = lru or _replay(sweep.steps, config, sweep.model, sweep.spec)
+                stream = _Stream.of(lru.keys, sweep.model)
+                row = self._row(config, eviction, lru, stream.replay(config, eviction), stream.compulsory, sweep)
+            else:
+                replay = _replay(sweep.steps, config, sweep.model, sweep.spec)
+                lru = replay if eviction == "lru" else lru
+                assert replay.cache is not None
+                row = self._row(config, eviction, replay, replay.cache,
+                                _compulsory_seconds(replay.keys, sweep.model), sweep)
+            out.append(((self.scheme, self.policy_index, c, b, e), row))
+        return out
+
+    def _row(self, config: AttnPolicyConfig, eviction: str, replay: _Replay, cache: StreamStats,
+             compulsory: float, sweep: _Sweep) -> SimRow:
+        return _row(self.scheme_name, self.policy, config, eviction, replay, cache, compulsory, sweep.rejected)
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """A recorded key stream as ids (first request order) with each key's bytes and
+    compile seconds; ``compulsory`` is every distinct key compiled once."""
+
+    ids: list[int]
+    keys: list[GraphKey]
+    sizes: list[int]
+    costs: list[float]
+    compulsory: float
+
+    @classmethod
+    def of(cls, keys: Sequence[GraphKey], model: CostModel) -> _Stream:
+        index: dict[GraphKey, int] = {}
+        ids = [index.setdefault(key, len(index)) for key in keys]
+        distinct = list(index)
+        costs = [model.compile_cost(key, 0.0) for key in distinct]
+        return cls(ids, distinct, [model.graph_bytes(key) for key in distinct], costs, sum(costs))
+
+    def replay(self, config: AttnPolicyConfig, eviction: str) -> StreamStats:
+        """The counters of a graph cache bounded like ``config`` with ``eviction``."""
+        return replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
+                             max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
+                             name=self.keys.__getitem__)
+
+
+_SHARED: list[_Sweep] = []
+
+
+def _share(sweep: _Sweep) -> None:
+    _SHARED[:] = [sweep]
+
+
+def _run_shared(job: _Job) -> list[tuple[Position, SimRow]]:
+    return job.run(_SHARED[0])
+
+
+def _run(jobs: Sequence[_Job], sweep: _Sweep, workers: int,
+         progress: Callable[[str], None] | None) -> list[SimRow]:
+    """Every job's rows in index order; in ``workers`` processes when there are several jobs."""
+    rows: dict[Position, SimRow] = {}
+
+    def done(part: list[tuple[Position, SimRow]]) -> None:
+        for index, row in part:
+            rows[index] = row
+            if progress:
+                progress(f"{row.buckets} {row.policy} capacity={row.capacity}"
+                         + (f" max_bytes={row.max_bytes}" if row.max_bytes else "") + f" {row.eviction}")
+
+    if workers == 1 or len(jobs) < 2:
+        for job in jobs:
+            done(job.run(sweep))
+    else:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, initializer=_share,
+                                 initargs=(sweep,)) as pool:
+            futures = [pool.submit(_run_shared, job) for job in jobs]
+            try:
+                for future in as_completed(futures):
+                    done(future.result())
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+    return [rows[index] for index in sorted(rows)]
 
 
 def simulate_run(run: LayoutRun, policies: Sequence[str], capacities: Sequence[int | None],
                  evictions: Sequence[str], model: CostModel | None = None,
                  config_base: AttnPolicyConfig | None = None,
                  progress: Callable[[str], None] | None = None,
-                 policy_options: Mapping[str, Mapping[str, Any]] | None = None) -> list[SimRow]:
+                 policy_options: Mapping[str, Mapping[str, Any]] | None = None, *,
+                 buckets: Sequence[BucketScheme] | None = None, max_bytes: Sequence[int | None] | None = None,
+                 workers: int = 1) -> list[SimRow]:
     """:func:`simulate_layouts` over a recorded run's layouts, with its tensor spec and
     (unless ``config_base`` is given) the config it ran with: the row for the recorded
     policy, ``max_graphs`` and eviction reproduces the run's misses."""
     return simulate_layouts(run.layouts, policies, capacities, evictions, config_base or run.config,
-                            model, run.spec, progress, policy_options)
+                            model, run.spec, progress, policy_options, buckets=buckets, max_bytes=max_bytes,
+                            workers=workers)

@@ -4,8 +4,8 @@
    registered implementation per family against the per-sequence SDPA loop
    (``attnpolicy bench --kernels``; plugins' kernels included);
 2. a cost model (the built-in one, a given file, or calibrated now);
-3. the policy × capacity × eviction sweep on the workload, Belady's bound included
-   (``attnpolicy simulate``);
+3. the bucket scheme × policy × capacity × eviction sweep on the workload, with
+   Belady's bound and the lower bound on total seconds (``attnpolicy simulate``);
 4. the simulator checked against real compute on a prefix of the workload:
    predicted vs measured misses and seconds, side by side (``attnpolicy run``).
 """
@@ -28,12 +28,13 @@ from pydantic.dataclasses import dataclass as validated
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.measure.batching import BatchFormer
+from attnpolicy.measure.bucket_schemes import bucket_scheme
 from attnpolicy.measure.calibration import CalibrationSettings, calibrate
 from attnpolicy.measure.kernelbench import KernelRow, bench_kernels
 from attnpolicy.measure.replay import run_workload
 from attnpolicy.measure.report.markdown import markdown
 from attnpolicy.measure.report.plots import plot_bench, plot_sweep
-from attnpolicy.measure.simulation import SimRow, simulate, simulation_config
+from attnpolicy.measure.simulation import SimRow, lower_bounds, simulate, simulation_config
 from attnpolicy.measure.timing import BenchSettings, run_bench, speedups
 from attnpolicy.measure.workload import Request, load_trace
 from attnpolicy.plugins.kernels import kernel_registry
@@ -54,6 +55,10 @@ class ReportSettings:
     capacities: Annotated[tuple[Annotated[int, Field(ge=1)] | None, ...], Field(min_length=1)] = (
         2, 4, 8, 16, 32, None)
     evictions: Annotated[tuple[str, ...], Field(min_length=1)] = ("lru", "lfu", "cost", "belady")
+    #: Bucket schemes side by side (see attnpolicy.measure.bucket_schemes).
+    buckets: Annotated[tuple[str, ...], Field(min_length=1)] = ("pow2", "vllm", "exact")
+    max_bytes: Annotated[tuple[Annotated[int, Field(ge=1)] | None, ...], Field(min_length=1)] = (None,)
+    workers: Annotated[int, Field(ge=1)] = 2
     bench: BenchSettings = BenchSettings(repeats=3)
     #: Total tokens of the kernel table's batches (``kernel_seqs`` sequences each);
     #: ``kernel_skip``: implementations left out (e.g. ``flex``, compiled for seconds).
@@ -165,10 +170,12 @@ def validate(model: CostModel, requests: Sequence[Request], s: ReportSettings,
 
 
 def best_by_policy(rows: Sequence[SimRow]) -> dict[tuple[str, int | None], SimRow]:
-    """Per (policy, capacity): the row of the best online eviction (not belady)."""
+    """Per (policy, capacity): the row of the best online eviction (not belady), over
+    the first bucket scheme's rows without a byte bound."""
     best: dict[tuple[str, int | None], SimRow] = {}
+    first = rows[0].buckets if rows else None
     for row in rows:
-        if row.eviction == "belady":
+        if row.eviction == "belady" or row.buckets != first or row.max_bytes is not None:
             continue
         k = (row.policy, row.capacity)
         if k not in best or row.total_seconds < best[k].total_seconds:
@@ -205,8 +212,10 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     kernel_rows = kernel_table(s, progress)
     model, source = _model(s, progress)
     former = BatchFormer(**s.former)
-    sweep = simulate(requests, s.policies, s.capacities, s.evictions, simulation_config(model, former),
-                     model, s.former, progress, s.policy_options)
+    base = simulation_config(model, former)
+    schemes = [bucket_scheme(b, base.max_seq_len, base.max_batch_tokens) for b in s.buckets]
+    sweep = simulate(requests, s.policies, s.capacities, s.evictions, base, model, s.former, progress,
+                     s.policy_options, buckets=schemes, max_bytes=s.max_bytes, workers=s.workers)
     validation = validate(model, requests[:s.validate_requests], s, progress)
     bench_speedups = speedups(bench_rows)
     s.out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +233,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
         "workload": {"requests": len(requests), "batches": sweep[0].batches if sweep else 0},
         "sweep": [r.to_json() for r in sweep],
         "summary": [asdict(r) for r in summarize(sweep)],
+        "bounds": [asdict(b) for b in lower_bounds(sweep)],
         "validation": [asdict(v) for v in validation],
     }
     plots = [plot_sweep(sweep, s.out / "frontier.png"), plot_bench(bench_speedups, s.out / "bench.png")]

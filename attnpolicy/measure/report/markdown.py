@@ -22,6 +22,38 @@ def _cap(capacity: int | None) -> str:
     return "∞" if capacity is None else str(capacity)
 
 
+def _bound(row: dict[str, Any]) -> str:
+    nbytes = row.get("max_bytes")
+    return _cap(row["capacity"]) + ("" if nbytes is None else f", {nbytes / MIB:.4g} MiB")
+
+
+def _bounds(data: dict[str, Any]) -> list[str]:
+    """How far the sweep is from optimal, per bucket scheme and policy."""
+    return [
+        "### How far from optimal", "",
+        ("Lower bound = attention seconds + every distinct graph compiled once: no eviction and no "
+         "cache bound does better for the same decisions (cost-aware decides differently under each "
+         "cache: its bound is the lowest of its rows'). Belady gives the fewest misses for a row's key "
+         "stream, not the fewest compile seconds when compile costs differ."), "",
+        table(("buckets", "policy", "distinct graphs", "attention s", "lower bound s", "best online s",
+               "best belady s"),
+              [(b["buckets"], b["policy"], b["distinct_keys"], b["attention_seconds"], b["bound_seconds"],
+                b["best_online"], b["best_belady"]) for b in data.get("bounds", [])]),
+    ]
+
+
+def _baselines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Total seconds per bucket scheme, side by side (nothing with one scheme)."""
+    names = list(dict.fromkeys(r["buckets"] for r in rows))
+    if len(names) < 2:
+        return []
+    cells = {(r["policy"], _bound(r), r["eviction"], r["buckets"]): r["total_seconds"] for r in rows}
+    lines = list(dict.fromkeys((r["policy"], _bound(r), r["eviction"]) for r in rows))
+    return ["### Bucket schemes side by side (total s, same policy, bound and eviction)", "",
+            table(("policy", "bound", "eviction", *names), [(*line, *(cells.get((*line, n)) for n in names))
+                                                           for line in lines]), ""]
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table; floats to 4 significant digits."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -67,22 +99,26 @@ def markdown(data: dict[str, Any]) -> str:
         table(("batch", "family", "impl", "backend", "median ms", "vs loop", "mask build ms"),
               [(f"{r['num_seqs']}x{r['total_tokens'] // r['num_seqs']}", r["family"], r["impl"], r["backend"],
                 r["median_ms"], f"{r['vs_loop']:.2f}x", r["build_ms"]) for r in data["kernels"]["rows"]]), "",
-        "## 2. Policies × graph-cache capacity × eviction (simulated)", "",
+        "## 2. Bucket schemes × policies × graph-cache bounds × eviction (simulated)", "",
         f"Workload: `{s['trace']}`{limit}, "
         f"{data['workload']['requests']} requests → {data['workload']['batches']} batches "
         f"(batch former {s['former']}). Cost model: {data['cost_model_source']} "
         f"({model['backend']}, {model['impl']}, H={model['heads']}/{model['kv_heads']} D={model['head_dim']}, "
-        f"{model['threads']} thread(s)). Capacity = max graphs (∞: unbounded). "
+        f"{model['threads']} thread(s)). Buckets: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
+        "exact (one graph per length) or a config's. Bound = max graphs (∞: unbounded), max bytes. "
         "Total = attention (incl. dispatch overhead and mask builds) + compiles. "
         "Modes c/m/v: batches run causal / mask / varlen." + _options(data["sweep"]), "",
-        table(("policy", "capacity", "eviction", "hits", "misses", "hit rate", "compile s", "attention s",
-               "total s", "peak MiB", "modes c/m/v"),
-              [(r["policy"], _cap(r["capacity"]), r["eviction"], r["hits"], r["misses"], r["hit_rate"],
-                r["compile_seconds"], r["attention_seconds"], r["total_seconds"], r["peak_bytes"] / MIB,
-                "/".join(str(r["modes"][m]) for m in ("causal", "mask", "varlen")))
+        table(("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s", "attention s",
+               "total s", "over lower bound", "peak MiB", "modes c/m/v"),
+              [(r["buckets"], r["policy"], _bound(r), r["eviction"], r["misses"], r["hit_rate"],
+                r["compile_seconds"], r["attention_seconds"], r["total_seconds"], f"{r['bound_gap']:+.1%}",
+                r["peak_bytes"] / MIB, "/".join(str(r["modes"][m]) for m in ("causal", "mask", "varlen")))
                for r in data["sweep"]]), "",
+        *_bounds(data), "",
+        *_baselines(data["sweep"]),
         "![frontier](frontier.png)", "",
-        "### Best policy per capacity (best online eviction; belady = offline bound on misses)", "",
+        ("### Best policy per capacity (first bucket scheme, best online eviction; belady = offline bound "
+         "on misses)"), "",
         table(("capacity", "best policy", "total s", "cost-aware vs best fixed policy"),
               [(_cap(c["capacity"]), c["best_policy"], c["total_seconds"], c["vs_best_fixed"])
                for c in data["summary"]]), "",

@@ -26,28 +26,36 @@ def _pyplot() -> Any:
 
 def plot_sweep(rows: Sequence[SimRow], path: str | Path) -> Path:
     """Peak graph MiB (x) vs total seconds (y) of every row: one panel per eviction,
-    one line per policy, each point labelled with its capacity (∞: unbounded)."""
+    one line per policy (and bucket scheme, when there are several), each point
+    labelled with its capacity (∞: unbounded) and byte bound."""
     plt = _pyplot()
     evictions = list(dict.fromkeys(r.eviction for r in rows))
-    policies = list(dict.fromkeys(r.policy for r in rows))
+    several = len({r.buckets for r in rows}) > 1
+    lines = list(dict.fromkeys((r.policy, r.buckets) for r in rows))
     fig, axes = plt.subplots(1, len(evictions), figsize=(5.5 * len(evictions), 4.5), squeeze=False)
     for ax, eviction in zip(axes[0], evictions):
-        for policy in policies:
-            pts = sorted(((r.peak_bytes / 2**20, r.total_seconds, r.capacity)
-                          for r in rows if r.policy == policy and r.eviction == eviction),
+        for policy, buckets in lines:
+            pts = sorted(((r.peak_bytes / 2**20, r.total_seconds, _bound(r))
+                          for r in rows if (r.policy, r.buckets, r.eviction) == (policy, buckets, eviction)),
                          key=lambda p: (p[0], p[1]))  # capacities tie when the bound is never reached
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-            for x, y, cap in pts:
-                ax.annotate("∞" if cap is None else str(cap), (x, y), fontsize=7, xytext=(3, 3),
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"{policy} / {buckets}" if several else policy)
+            for x, y, label in pts:
+                ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_title(f"eviction: {eviction} (labels: max graphs)", fontsize=10)
+        ax.set_title(f"eviction: {eviction} (labels: max graphs/max MiB)", fontsize=10)
         ax.set_xlabel("peak graph MiB (computed from static shapes)")
         ax.set_ylabel("total seconds (attention + compiles)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     return _save(fig, plt, path)
+
+
+def _bound(row: SimRow) -> str:
+    graphs = "∞" if row.capacity is None else str(row.capacity)
+    return graphs if row.max_bytes is None else f"{graphs}/{row.max_bytes / 2**20:.0f}M"
 
 
 def plot_bench(speedups: Sequence[Speedup], path: str | Path) -> Path:

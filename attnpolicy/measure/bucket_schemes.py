@@ -1,0 +1,99 @@
+"""Bucket schemes a simulation compares side by side: named :class:`Buckets`.
+
+- ``pow2``: powers of two from 16 (tt-xla's padding; attnpolicy's default);
+- ``vllm``: vLLM's default CUDA-graph capture sizes, ``[1, 2, 4] + range(8, 256, 8)
+  + range(256, …, 16)`` (``vllm.config.VllmConfig._set_cudagraph_sizes``,
+  vLLM 0.32), continued in steps of 16 up to ``max_seq_len`` (vLLM itself stops at 512
+  and runs larger batches without a graph);
+- ``exact``: every length its own graph (no padding);
+- a path: the buckets of an attnpolicy config (a JSON file, or a directory holding
+  ``attnpolicy_config.json``, such as ``attnpolicy plan`` writes).
+
+A ``list`` scheme must serve every length up to ``max_seq_len`` (one sequence) and
+``max_batch_tokens`` (the packed rows of a MASK call), or calls would overflow:
+:func:`complete` adds ``max_seq_len`` when the list stops below it, then doubles the
+last size (``last·2, last·4, …``) up to ``max_batch_tokens``, which ends the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.buckets import Buckets
+
+NAMED = ("pow2", "vllm", "exact")
+
+
+@dataclass(frozen=True)
+class BucketScheme:
+    """Buckets with the name a sweep's rows and tables show."""
+
+    name: str
+    buckets: Buckets
+
+
+def vllm_sizes(max_len: int) -> tuple[int, ...]:
+    """vLLM's default capture-size pattern up to ``max_len`` (which ends the list)."""
+    sizes = [s for s in (1, 2, 4, *range(8, 256, 8), *range(256, max_len + 1, 16)) if s <= max_len]
+    if sizes[-1] < max_len:
+        sizes.append(max_len)
+    return tuple(sizes)
+
+
+def complete(sizes: Sequence[int], max_seq_len: int, max_batch_tokens: int) -> tuple[int, ...]:
+    """``sizes`` extended to serve every length up to ``max_batch_tokens`` (module docstring)."""
+    out = [s for s in sizes if s <= max_batch_tokens]
+    if not out or out[-1] < max_seq_len:
+        out.append(max_seq_len)
+    while out[-1] < max_batch_tokens:
+        out.append(min(out[-1] * 2, max_batch_tokens))
+    return tuple(out)
+
+
+def _completed(buckets: Buckets, max_seq_len: int, max_batch_tokens: int) -> Buckets:
+    if buckets.kind != "list" or buckets.sizes is None:
+        return buckets
+    return Buckets(kind="list", sizes=complete(buckets.sizes, max_seq_len, max_batch_tokens))
+
+
+def scheme_name(buckets: Buckets, max_seq_len: int, max_batch_tokens: int) -> str:
+    """``pow2``, ``vllm`` or ``exact`` for those schemes, else the buckets' description
+    (a long list is shortened to its size count and ends)."""
+    for name in NAMED:
+        if buckets == named_buckets(name, max_seq_len, max_batch_tokens):
+            return name
+    if buckets.kind == "list" and buckets.sizes is not None and len(buckets.sizes) > 6:
+        s = buckets.sizes
+        return f"list({len(s)} sizes: {s[0]}, {s[1]}, … {s[-1]})"
+    return buckets.describe()
+
+
+def named_buckets(name: str, max_seq_len: int, max_batch_tokens: int) -> Buckets:
+    """The buckets of ``pow2``, ``vllm`` or ``exact``."""
+    if name == "pow2":
+        return Buckets()
+    if name == "exact":
+        return Buckets(kind="exact")
+    if name == "vllm":
+        return Buckets(kind="list", sizes=complete(vllm_sizes(max_seq_len), max_seq_len, max_batch_tokens))
+    raise ConfigError(f"unknown bucket scheme {name!r}: give {', '.join(NAMED)} or the path of an attnpolicy config")
+
+
+def bucket_scheme(spec: str, max_seq_len: int, max_batch_tokens: int) -> BucketScheme:
+    """The scheme ``spec`` names: ``pow2``, ``vllm``, ``exact`` or a config path (its
+    buckets, a list completed as the module docstring says). A missing or invalid
+    config raises :class:`ConfigError` naming the file."""
+    if spec in NAMED or not Path(spec).exists():
+        return BucketScheme(spec, named_buckets(spec, max_seq_len, max_batch_tokens))
+    buckets = AttnPolicyConfig.load(spec).buckets
+    return BucketScheme(spec, _completed(buckets, max_seq_len, max_batch_tokens))
+
+
+def base_scheme(config: AttnPolicyConfig) -> BucketScheme:
+    """The scheme of ``config``'s own buckets, as they are (a recorded run's config
+    replays its own overflows), named by :func:`scheme_name`."""
+    return BucketScheme(scheme_name(config.buckets, config.max_seq_len, config.max_batch_tokens), config.buckets)
