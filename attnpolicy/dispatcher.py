@@ -107,8 +107,8 @@ class Dispatcher:
     ``max_bytes``), dense masks (``max_mask_bytes``), small mask tensors and plans
     (:data:`~attnpolicy.kernels.masks.SMALL_CACHE_SIZE`, :data:`PLAN_CACHE_SIZE`
     entries), all in :meth:`stats`; the hot path's memos of prepared batches, graph
-    keys and tensor specs hold references to those (at most :data:`PLAN_CACHE_SIZE`
-    entries each, cleared when full). Everything goes with the dispatcher. The graphs a
+    keys, tensor specs, bucket sizes and per-sequence VARLEN plans hold references to
+    those (at most :data:`PLAN_CACHE_SIZE` entries each, cleared when full). Everything goes with the dispatcher. The graphs a
     batch uses are pinned from :meth:`prepare` until the batch has run (the end of
     :meth:`attend`, or the next :meth:`prepare`): evicting one then does not free it,
     so it never compiles again behind the cache's back.
