@@ -108,10 +108,11 @@ class Dispatcher:
     (:data:`~attnpolicy.kernels.masks.SMALL_CACHE_SIZE`, :data:`PLAN_CACHE_SIZE`
     entries), all in :meth:`stats`; the hot path's memos of prepared batches, graph
     keys, tensor specs, bucket sizes and per-sequence VARLEN plans hold references to
-    those (at most :data:`PLAN_CACHE_SIZE` entries each, cleared when full). Everything goes with the dispatcher. The graphs a
-    batch uses are pinned from :meth:`prepare` until the batch has run (the end of
-    :meth:`attend`, or the next :meth:`prepare`): evicting one then does not free it,
-    so it never compiles again behind the cache's back.
+    those (at most :data:`PLAN_CACHE_SIZE` entries each, cleared when full). Everything
+    goes with the dispatcher. The graphs a batch uses are pinned from :meth:`prepare`
+    until the batch has run (the end of :meth:`attend`, or the next :meth:`prepare`):
+    evicting one then does not free it, so it never compiles again behind the cache's
+    back.
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile; ``builder`` replaces compilation (simulation).
@@ -180,8 +181,9 @@ class Dispatcher:
 
         ``runs_varlen``: the caller runs a VARLEN decision on a kernel of its own (vLLM's
         paged kernel). Such a step is decided, counted and its graph keys fetched from
-        the cache (hits, misses, recency, pins) exactly as without it, but from a plan
-        remembered per sequence shape, and no graph is returned (the list is empty)."""
+        the cache (hits, misses, recency, evictions) exactly as without it, but from a
+        plan remembered per sequence shape; no graph is returned (the list is empty),
+        so none is pinned."""
         self.release_batch()
         if runs_varlen and (layout, spec) not in self._batches:
             decision, reusable = self._decided(layout, spec)
@@ -221,24 +223,16 @@ class Dispatcher:
     def _fetch_varlen(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
         """``_fetch`` of ``layout``'s VARLEN plan for a caller that runs it on its own
         kernel: the same cache requests in the same order (hits under one lock, each
-        miss through ``_graph``), the same counts; no graph is returned."""
+        miss through ``_graph``), the same counts; no graph is returned or pinned."""
         plans = self._varlen_plans(layout, spec)
         keys = list(map(itemgetter(0), plans))
         cache, n, i = self.cache, len(keys), 0
-        try:
-            while True:
-                j = cache.hit_many(keys, i, pin=True)
-                self._pinned.extend(keys[i:j])  # hits: never None
-                if j == n:
-                    break
-                # a miss, or a call over the largest bucket: the call plan_calls makes, as _fetch does
-                call = dataclasses.replace(plans[j][1], q_start=layout.q_starts[j], q_len=layout.q_lens[j],
-                                           kv_start=layout.kv_starts[j], kv_len=layout.kv_lens[j])
-                self._graph(call, self._key_for(call, layout, spec), spec, layout, pin=True)
-                i = j + 1
-        except BaseException:
-            self.release_batch()
-            raise
+        while (j := cache.hit_many(keys, i)) < n:
+            # a miss, or a call over the largest bucket: the call plan_calls makes, as _fetch does
+            call = dataclasses.replace(plans[j][1], q_start=layout.q_starts[j], q_len=layout.q_lens[j],
+                                       kv_start=layout.kv_starts[j], kv_len=layout.kv_lens[j])
+            self._graph(call, self._key_for(call, layout, spec), spec, layout)
+            i = j + 1
         self._modes[MaskMode.VARLEN.value] += 1
         c = self._counts
         c["batches"] += 1

@@ -369,18 +369,20 @@ def _decode_steps():
 
 
 def _untimed(stats):
-    """Dispatcher stats without measured seconds, and without the count of full plans."""
+    """Dispatcher stats without measured seconds, the count of full plans and graphs
+    held by pins."""
     cache = stats["cache"]
     per_key = {k: {**v, "compile_seconds": None} for k, v in cache["per_key"].items()}
-    return {**stats, "plans": None, "cache": {**cache, "compile_seconds": None, "per_key": per_key}}
+    held = dict.fromkeys(("held_graphs", "held_bytes", "peak_held_graphs", "peak_held_bytes"))
+    return {**stats, "plans": None, "cache": {**cache, **held, "compile_seconds": None, "per_key": per_key}}
 
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("policy", ["varlen", "dynamic"])
 def test_runs_varlen_fetches_and_counts_as_a_planned_step(policy, eviction):
     """prepare_step(runs_varlen=True) — a runtime running VARLEN on its own kernel —
-    takes the same decisions and leaves the same statistics, cache and pins as
-    planning every call; it returns graphs only for the other modes."""
+    takes the same decisions and leaves the same statistics and cache as planning
+    every call; it returns (and pins) graphs only for the other modes."""
     cfg = AttnPolicyConfig(policy=policy, backend="aot_eager", max_seq_len=256, max_graphs=3,
                            eviction=eviction, on_overflow="eager")
     built = [[], []]
@@ -392,7 +394,8 @@ def test_runs_varlen_fetches_and_counts_as_a_planned_step(policy, eviction):
         assert fast[0] == full[0]
         calls = [call for call, _ in full[1]]
         assert [call for call, _ in fast[1]] == ([] if full[0].mode is MaskMode.VARLEN else calls)
-        assert ds[1]._pinned == ds[0]._pinned  # the batch's graphs stay pinned until it has run
+        # the batch's graphs stay pinned until it has run; a VARLEN step run elsewhere uses none
+        assert ds[1]._pinned == ([] if full[0].mode is MaskMode.VARLEN else ds[0]._pinned)
         for mode in (MaskMode.VARLEN, full[0].mode):
             keys = ds[1].context_for(SPEC).keys_for(layout, mode)
             assert keys == tuple(k for c, k in ds[0]._planned(layout, mode, SPEC)[1] if c.compiled)
