@@ -13,7 +13,8 @@ Workloads (a tiny random Llama written locally: fp32, hidden 256, 4 query heads 
 
 tokens/s = (prompt + generated tokens) / wall seconds of the whole workload; the
 same tokens per CPU second of this process (``time.process_time``) are reported
-beside it: on a shared machine they depend much less on the other jobs' load. For each
+beside it (they exclude time spent waiting for a core, not a core shared with other
+jobs' work, so on a busy machine they swing too). For each
 policy one engine runs with attnpolicy's backend; its runs alternate with *stock* runs
 in the same engine (the implementation's ``forward`` swapped for vLLM's own
 ``CPUAttentionBackendImpl.forward``), so both see the same machine load. Reported:
