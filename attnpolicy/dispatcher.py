@@ -7,7 +7,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from operator import itemgetter
+from operator import eq, itemgetter
 from typing import Any, cast
 
 import cachetools
@@ -146,8 +146,7 @@ class Dispatcher:
         self._batches: dict[tuple[BatchLayout, TensorSpec], _Prepared] = {}
         self._specs: dict[tuple[Any, ...], TensorSpec] = {}
         self._keys: dict[tuple[Any, ...], GraphKey] = {}
-        self._seq_plans: dict[tuple[bool, TensorSpec], dict[tuple[int, int], SeqPlan]] = {}
-        self._bucket_plans: dict[tuple[Any, ...], SeqPlan] = {}
+        self._seq_plans: dict[tuple[bool, TensorSpec], dict[tuple[bool, int, int], SeqPlan]] = {}
         self._buckets: dict[int, int] = {}
         self._warm = False
         self._modes: Counter[str] = Counter()
@@ -370,38 +369,35 @@ class Dispatcher:
 
     def _varlen_plans(self, layout: BatchLayout, spec: TensorSpec) -> list[SeqPlan]:
         """``layout``'s VARLEN plan, sequence by sequence: a VARLEN call depends only on
-        its sequence, so plans are remembered per (q_len, kv_len) and per buckets (decode
-        steps, whose layouts never repeat, build no call); bounded like the plans."""
+        its sequence's family (``q_len == kv_len``) and buckets, so plans are remembered
+        per (family, q bucket, kv bucket) and bucket sizes per length (decode steps,
+        whose layouts never repeat, build no call); bounded like the plans."""
         memo = self._seq_plans.get((layout.causal, spec))
         if memo is None:
             memo = self._seq_plans[(layout.causal, spec)] = {}
-        shapes = list(zip(layout.q_lens, layout.kv_lens))
+        buckets = self._buckets
+        q_buckets = list(map(buckets.get, layout.q_lens))
+        kv_buckets = list(map(buckets.get, layout.kv_lens))
+        if None in q_buckets or None in kv_buckets:
+            if len(buckets) >= PLAN_CACHE_SIZE:
+                buckets.clear()
+            q_buckets = [buckets.get(n) or buckets.setdefault(n, self._bucket(n)) for n in layout.q_lens]
+            kv_buckets = [buckets.get(n) or buckets.setdefault(n, self._bucket(n)) for n in layout.kv_lens]
+        shapes = cast(list[tuple[bool, int, int]],  # no None left in the buckets
+                      list(zip(map(eq, layout.q_lens, layout.kv_lens), q_buckets, kv_buckets)))
         plans = list(map(memo.get, shapes))
         if None in plans:
             for i, shape in enumerate(shapes):
                 if plans[i] is None:
                     if len(memo) >= PLAN_CACHE_SIZE:
                         memo.clear()
-                    plans[i] = memo[shape] = self._seq_plan(*shape, layout.causal, spec)
+                    plans[i] = memo[shape] = self._seq_plan(layout.q_lens[i], layout.kv_lens[i], layout.causal, spec)
         return plans  # type: ignore[return-value]  # no None left
 
     def _seq_plan(self, q_len: int, kv_len: int, causal: bool, spec: TensorSpec) -> SeqPlan:
-        # plan_calls: family from (causal, q_len == kv_len), buckets of both lengths
-        buckets = self._buckets
-        if q_len not in buckets or kv_len not in buckets:
-            if len(buckets) >= PLAN_CACHE_SIZE:
-                buckets.clear()
-            buckets[q_len], buckets[kv_len] = self._bucket(q_len), self._bucket(kv_len)
-        memo_key = (q_len == kv_len, buckets[q_len], buckets[kv_len], causal, spec)
-        plan = self._bucket_plans.get(memo_key)
-        if plan is None:
-            one = BatchLayout.from_lens([q_len], [kv_len], causal=causal)
-            (call,) = map(self._fits, plan_calls(one, MaskMode.VARLEN, self._bucket, self._batch_bucket))
-            if len(self._bucket_plans) >= PLAN_CACHE_SIZE:
-                self._bucket_plans.clear()
-            plan = self._bucket_plans[memo_key] = (
-                (self._key_for(call, one, spec) if call.compiled else None), call, call.q_bucket)
-        return plan
+        one = BatchLayout.from_lens([q_len], [kv_len], causal=causal)
+        (call,) = map(self._fits, plan_calls(one, MaskMode.VARLEN, self._bucket, self._batch_bucket))
+        return (self._key_for(call, one, spec) if call.compiled else None), call, call.q_bucket
 
     def _key_for(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> GraphKey:
         """The graph key of ``call``: one instance per distinct key, remembered per call
