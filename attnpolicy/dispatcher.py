@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from operator import eq, itemgetter
 from time import perf_counter
 from typing import Any, cast
 
@@ -44,6 +45,9 @@ from attnpolicy.policies.guard import Guard
 PLAN_CACHE_SIZE = 4096
 
 Planned = tuple[tuple[Call, GraphKey], ...]
+#: One sequence's VARLEN-mode plan: its graph key (``None`` when the call runs
+#: uncompiled), a call of the same key and its query bucket.
+SeqPlan = tuple[GraphKey | None, Call, int]
 #: Builds the graph of a key: ``builder(call, key, spec) -> callable``. The default
 #: compiles with ``torch.compile``; the simulator substitutes a cost-model stub.
 Builder = Callable[[Call, GraphKey, TensorSpec], GraphFn]
@@ -143,12 +147,13 @@ class Dispatcher:
     ``max_bytes``), dense masks (``max_mask_bytes``), small mask tensors and plans
     (:data:`~attnpolicy.kernels.masks.SMALL_CACHE_SIZE`, :data:`PLAN_CACHE_SIZE`
     entries), all in :meth:`stats`; the hot path's memos of prepared batches, graph
-    keys and tensor specs hold references to those (at most :data:`PLAN_CACHE_SIZE`
-    entries each, cleared when full); the stall statistics keep one float per batch
-    that stalled (at most one per compile). Everything goes with the dispatcher. The graphs a
-    batch uses are pinned from :meth:`prepare` until the batch has run (the end of
-    :meth:`attend`, or the next :meth:`prepare`): evicting one then does not free it,
-    so it never compiles again behind the cache's back.
+    keys, tensor specs, bucket sizes and per-sequence VARLEN plans hold references to
+    those (at most :data:`PLAN_CACHE_SIZE` entries each, cleared when full); the stall
+    statistics keep one float per batch that stalled (at most one per compile).
+    Everything goes with the dispatcher. The graphs a batch uses are pinned from
+    :meth:`prepare` until the batch has run (the end of :meth:`attend`, or the next
+    :meth:`prepare`): evicting one then does not free it, so it never compiles again
+    behind the cache's back.
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile; ``builder`` replaces compilation (simulation).
@@ -191,6 +196,8 @@ class Dispatcher:
         self._batches: dict[tuple[BatchLayout, TensorSpec], _Prepared] = {}
         self._specs: dict[tuple[Any, ...], TensorSpec] = {}
         self._keys: dict[tuple[Any, ...], GraphKey] = {}
+        self._seq_plans: dict[tuple[bool, TensorSpec], dict[tuple[bool, int, int], SeqPlan]] = {}
+        self._buckets: dict[int, int] = {}
         self._warm = False
         self._warmed: set[TensorSpec] = set()  # specs the config's warm set was compiled for
         self._modes: Counter[str] = Counter()
@@ -229,18 +236,32 @@ class Dispatcher:
         graphs stay pinned until :meth:`release_batch` or the next ``prepare``."""
         return self.prepare_step(layout, spec)[1]
 
-    def prepare_step(self, layout: BatchLayout,
-                     spec: TensorSpec) -> tuple[Decision, list[tuple[Call, GraphFn]]]:
+    def prepare_step(self, layout: BatchLayout, spec: TensorSpec, *,
+                     runs_varlen: bool = False) -> tuple[Decision, list[tuple[Call, GraphFn]]]:
         """:meth:`prepare`, also returning the decision that runs: the policy's, or
-        VARLEN when its MASK call's mask is over ``max_mask_bytes`` (``on_overflow='eager'``)."""
+        VARLEN when its MASK call's mask is over ``max_mask_bytes`` (``on_overflow='eager'``).
+
+        ``runs_varlen``: the caller runs a VARLEN decision on a kernel of its own (vLLM's
+        paged kernel). Such a step is decided, counted and its graph keys fetched from
+        the cache (hits, misses, recency, evictions) exactly as without it, but from a
+        plan remembered per sequence shape; no graph is returned (the list is empty),
+        so none is pinned. Under ``compile_mode="background"`` it takes the full path
+        (misses are served by pad-up and background compiles, which need the calls)."""
         self.release_batch()
+        if runs_varlen and not self._background and (layout, spec) not in self._batches:
+            decision, reusable = self._decided(layout, spec)
+            if decision.mode is MaskMode.VARLEN:
+                return decision, self._fetch_varlen(layout, spec)
+            return self._fetch(layout, self._new_batch(layout, spec, decision, reusable), spec)
         return self._fetch(layout, self._prepared(layout, spec), spec)
 
-    def graphs_for(self, layout: BatchLayout, decision: Decision,
-                   spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
+    def graphs_for(self, layout: BatchLayout, decision: Decision, spec: TensorSpec, *,
+                   runs_varlen: bool = False) -> list[tuple[Call, GraphFn]]:
         """Plan ``layout`` in an already taken ``decision`` (e.g. a layer with another
         tensor spec in the same step) and fetch its graphs, pinned with the batch's;
-        counted as one batch."""
+        counted as one batch. ``runs_varlen`` as for :meth:`prepare_step`."""
+        if runs_varlen and not self._background and decision.mode is MaskMode.VARLEN:
+            return self._fetch_varlen(layout, spec)
         return self._fetch(layout, _Prepared(decision, *self._planned(layout, decision.mode, spec), layout),
                            spec)[1]
 
@@ -258,9 +279,7 @@ class Dispatcher:
         except BaseException:
             self.release_batch()
             raise
-        if self._stall:
-            self._stalls.append(self._stall)
-            self.stall_seconds += self._stall
+        self._end_stall()
         # counted once every graph is at hand: a batch that raised is not counted
         self._modes[batch.mode.value] += 1
         c = self._counts
@@ -271,6 +290,36 @@ class Dispatcher:
         c["real_tokens"] += layout.total_tokens
         c["padded_tokens"] += batch.padded_tokens
         return batch.ran, out
+
+    def _fetch_varlen(self, layout: BatchLayout, spec: TensorSpec) -> list[tuple[Call, GraphFn]]:
+        """``_fetch`` of ``layout``'s VARLEN plan for a caller that runs it on its own
+        kernel: the same cache requests in the same order (hits under one lock, each
+        miss through ``_graph``), the same counts; no graph is returned or pinned."""
+        self._step += 1
+        self._stall = 0.0
+        plans = self._varlen_plans(layout, spec)
+        keys = list(map(itemgetter(0), plans))
+        cache, n, i = self.cache, len(keys), 0
+        while (j := cache.hit_many(keys, i)) < n:
+            # a miss, or a call over the largest bucket: the call plan_calls makes, as _fetch does
+            call = dataclasses.replace(plans[j][1], q_start=layout.q_starts[j], q_len=layout.q_lens[j],
+                                       kv_start=layout.kv_starts[j], kv_len=layout.kv_lens[j])
+            self._graph(call, self._key_for(call, layout, spec), spec, layout)
+            i = j + 1
+        self._end_stall()
+        self._modes[MaskMode.VARLEN.value] += 1
+        c = self._counts
+        c["batches"] += 1
+        c["calls"] += n
+        c["real_tokens"] += layout.total_tokens
+        c["padded_tokens"] += sum(map(itemgetter(2), plans)) - layout.total_tokens
+        return []
+
+    def _end_stall(self) -> None:
+        """Record the stall of the batch just fetched, if it stalled."""
+        if self._stall:
+            self._stalls.append(self._stall)
+            self.stall_seconds += self._stall
 
     def release_batch(self) -> None:
         """Unpin the graphs of the batch last prepared (it has run)."""
@@ -286,19 +335,26 @@ class Dispatcher:
         decision the guard overrode (its fallback is counted per batch). Graphs are not
         memoised: ``_graph`` fetches them from the cache for every call, so hits,
         recency, pins and evictions stay exact."""
-        memo_key = (layout, spec)
-        batch = self._batches.get(memo_key)
+        batch = self._batches.get((layout, spec))
         if batch is not None:
             self.guard.replay(layout, batch.decision)
             return batch
+        return self._new_batch(layout, spec, *self._decided(layout, spec))
+
+    def _decided(self, layout: BatchLayout, spec: TensorSpec) -> tuple[Decision, bool]:
+        """A fresh decision for ``layout`` (lengths checked first), and whether it may be
+        reused: a stateless policy's, not overridden by the guard."""
         self._check_lengths(layout)
         fallbacks = self.guard.fallbacks
         decision = self.decide(layout, spec)
+        return decision, self.guard.stateless and self.guard.fallbacks == fallbacks
+
+    def _new_batch(self, layout: BatchLayout, spec: TensorSpec, decision: Decision, reusable: bool) -> _Prepared:
         batch = _Prepared(decision, *self._planned(layout, decision.mode, spec), layout)
-        if self.guard.stateless and self.guard.fallbacks == fallbacks:
+        if reusable:
             if len(self._batches) >= PLAN_CACHE_SIZE:
                 self._batches.clear()
-            self._batches[memo_key] = batch
+            self._batches[(layout, spec)] = batch
         return batch
 
     def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> TensorSpec:
@@ -324,6 +380,8 @@ class Dispatcher:
         ctx = self._contexts.get(spec)
         if ctx is None:
             def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+                if mode is MaskMode.VARLEN:  # the per-sequence plans: no call is built
+                    return tuple(key for key, _, _ in self._varlen_plans(layout, spec) if key is not None)
                 return tuple(key for call, key in self._planned(layout, mode, spec)[1] if call.compiled)
 
             ctx = self._contexts[spec] = PolicyContext(
@@ -391,6 +449,38 @@ class Dispatcher:
         planned = tuple((call, self._key_for(call, layout, spec)) for call in map(self._fits, calls))
         self._plans[plan_key] = (mode, planned)
         return mode, planned
+
+    def _varlen_plans(self, layout: BatchLayout, spec: TensorSpec) -> list[SeqPlan]:
+        """``layout``'s VARLEN plan, sequence by sequence: a VARLEN call depends only on
+        its sequence's family (``q_len == kv_len``) and buckets, so plans are remembered
+        per (family, q bucket, kv bucket) and bucket sizes per length (decode steps,
+        whose layouts never repeat, build no call); bounded like the plans."""
+        memo = self._seq_plans.get((layout.causal, spec))
+        if memo is None:
+            memo = self._seq_plans[(layout.causal, spec)] = {}
+        buckets = self._buckets
+        q_buckets = list(map(buckets.get, layout.q_lens))
+        kv_buckets = list(map(buckets.get, layout.kv_lens))
+        if None in q_buckets or None in kv_buckets:
+            if len(buckets) >= PLAN_CACHE_SIZE:
+                buckets.clear()
+            q_buckets = [buckets.get(n) or buckets.setdefault(n, self._bucket(n)) for n in layout.q_lens]
+            kv_buckets = [buckets.get(n) or buckets.setdefault(n, self._bucket(n)) for n in layout.kv_lens]
+        shapes = cast(list[tuple[bool, int, int]],  # no None left in the buckets
+                      list(zip(map(eq, layout.q_lens, layout.kv_lens), q_buckets, kv_buckets)))
+        plans = list(map(memo.get, shapes))
+        if None in plans:
+            for i, shape in enumerate(shapes):
+                if plans[i] is None:
+                    if len(memo) >= PLAN_CACHE_SIZE:
+                        memo.clear()
+                    plans[i] = memo[shape] = self._seq_plan(layout.q_lens[i], layout.kv_lens[i], layout.causal, spec)
+        return plans  # type: ignore[return-value]  # no None left
+
+    def _seq_plan(self, q_len: int, kv_len: int, causal: bool, spec: TensorSpec) -> SeqPlan:
+        one = BatchLayout.from_lens([q_len], [kv_len], causal=causal)
+        (call,) = map(self._fits, plan_calls(one, MaskMode.VARLEN, self._bucket, self._batch_bucket))
+        return (self._key_for(call, one, spec) if call.compiled else None), call, call.q_bucket
 
     def _key_for(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> GraphKey:
         """The graph key of ``call``: one instance per distinct key, remembered per call

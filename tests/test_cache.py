@@ -9,7 +9,7 @@ import time
 
 import cachetools
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attnpolicy.cache.graph_cache as cache_module
@@ -207,6 +207,48 @@ def test_bounds_and_accounting_hold_for_random_sequences(requests, sizes, max_gr
         assert s.graphs == len(cache) <= (max_graphs or math.inf)
         assert s.bytes == sum(sizes[k] for k in cache.keys()) <= max_bytes
         assert s.compiles == s.misses == s.evictions + s.graphs
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    before=st.lists(st.integers(0, 7), max_size=12),
+    batches=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=10), min_size=1, max_size=4),
+    max_graphs=st.integers(1, 5),
+    eviction=st.sampled_from(["lru", "lfu", "fifo", "cost", "belady"]),
+)
+@example(before=[0, 1], batches=[[0, 1, 0]], max_graphs=2, eviction="lru")  # the last touch ranks
+@example(before=[0, 1], batches=[[0, 0, 1]], max_graphs=2, eviction="lfu")  # every touch counts
+def test_hit_many_is_get_or_compile_key_by_key(before, batches, max_graphs, eviction):
+    """A batch fetched with hit_many (misses through get_or_compile) leaves the cache
+    exactly as fetching every key with get_or_compile: counters, per-key figures,
+    pins, and which keys later requests evict."""
+    after = list(range(8, 16))  # new keys: each evicts one, in the order the state ranks them
+    caches = []
+    for bulk in (False, True):
+        oracle = Oracle([*before, *(k for b in batches for k in b), *after])
+        options = {"next_use": oracle} if eviction == "belady" else None
+        cache = GraphCache(max_graphs=max_graphs, eviction=eviction, eviction_options=options,
+                           compile_cost=lambda key, seconds: 1.0 + key)
+        evicted = []
+        for oracle.pos, key in enumerate(before):
+            cache.get_or_compile(key, lambda key=key: key)
+        for batch in batches:
+            if bulk:
+                i = 0
+                while (j := cache.hit_many(batch, i, pin=True)) < len(batch):
+                    cache.get_or_compile(batch[j], lambda key=batch[j]: key, pin=True)
+                    i = j + 1
+            else:
+                for key in batch:
+                    cache.get_or_compile(key, lambda key=key: key, pin=True)
+            oracle.pos += len(batch)
+            cache.unpin(batch)
+        for key in after:
+            oracle.pos += 1
+            cache.get_or_compile(key, lambda key=key: key)
+            evicted.append(sorted(cache.keys()))
+        caches.append((cache.stats(), evicted))
+    assert caches[0] == caches[1]
 
 
 # -- oversize --------------------------------------------------------------------------

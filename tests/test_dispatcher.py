@@ -354,3 +354,56 @@ def test_unknown_kernel_in_config_is_refused():
         config.validate_names()
     with pytest.raises(ValueError, match="kernels: family 'decode' is not one of"):
         AttnPolicyConfig(kernels={"decode": "sdpa"})
+
+
+def _decode_steps():
+    """A generation's steps: prefills, decodes whose keys grow by one per step (their
+    layouts never repeat), a chunk with cached context, one sequence over the largest bucket."""
+    lens = [20, 70, 130, 33]
+    steps = [BatchLayout.from_lens(lens), BatchLayout.from_lens([1, 1, 5], [21, 71, 40])]
+    for i in range(6):
+        steps.append(BatchLayout.from_lens([1] * 4, [n + 1 + i for n in lens]))
+    steps.append(BatchLayout.from_lens([1, 1, 300], [30, 40, 300]))  # 300 > max_seq_len 256: eager
+    steps.append(BatchLayout.from_lens([1, 9, 9], [27, 9, 9]))
+    return steps
+
+
+def _untimed(stats):
+    """Dispatcher stats without measured seconds, the count of full plans and graphs
+    held by pins (batches that stalled are counted, not timed)."""
+    cache = stats["cache"]
+    per_key = {k: {**v, "compile_seconds": None} for k, v in cache["per_key"].items()}
+    held = dict.fromkeys(("held_graphs", "held_bytes", "peak_held_graphs", "peak_held_bytes"))
+    stalls = {k: stats["stalls"][k] for k in ("batches", "stalled")}
+    return {**stats, "plans": None, "stalls": stalls,
+            "cache": {**cache, **held, "compile_seconds": None, "per_key": per_key}}
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["varlen", "dynamic"])
+def test_runs_varlen_fetches_and_counts_as_a_planned_step(policy, eviction):
+    """prepare_step(runs_varlen=True) — a runtime running VARLEN on its own kernel —
+    takes the same decisions and leaves the same statistics and cache as planning
+    every call; it returns (and pins) graphs only for the other modes."""
+    cfg = AttnPolicyConfig(policy=policy, backend="aot_eager", max_seq_len=256, max_graphs=3,
+                           eviction=eviction, on_overflow="eager")
+    built = [[], []]
+    ds = [Dispatcher(cfg, builder=lambda call, key, spec, out=out: out.append(key) or (lambda *a: None))
+          for out in built]
+    for layout in _decode_steps():
+        full = ds[0].prepare_step(layout, SPEC)
+        fast = ds[1].prepare_step(layout, SPEC, runs_varlen=True)
+        assert fast[0] == full[0]
+        calls = [call for call, _ in full[1]]
+        assert [call for call, _ in fast[1]] == ([] if full[0].mode is MaskMode.VARLEN else calls)
+        # the batch's graphs stay pinned until it has run; a VARLEN step run elsewhere uses none
+        assert ds[1]._pinned == ([] if full[0].mode is MaskMode.VARLEN else ds[0]._pinned)
+        for mode in (MaskMode.VARLEN, full[0].mode):
+            keys = ds[1].context_for(SPEC).keys_for(layout, mode)
+            assert keys == tuple(k for c, k in ds[0]._planned(layout, mode, SPEC)[1] if c.compiled)
+        stats = [_untimed(d.stats().to_json()) for d in ds]
+        assert stats[1] == stats[0]
+    assert built[1] == built[0]
+    assert stats[0]["cache"]["evictions"] > 0 and stats[0]["cache"]["hits"] > 0
+    assert stats[0]["modes"][policy if policy == "varlen" else "mask"] > 0
+    assert stats[0]["overflow"] > 0 or policy != "varlen"

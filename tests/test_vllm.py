@@ -142,7 +142,7 @@ def _child(scenario: str, model: str, out: str) -> None:
     pooling = scenario.endswith("embed")
     run = _embed if pooling else _scenarios
     result: dict[str, object] = {"pid": os.getpid()}
-    if scenario == "inproc-generate":
+    if scenario in ("inproc-generate", "inproc-embed"):
         from attnpolicy.integrations import vllm as integration
 
         counter = _StepCounter()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from time import perf_counter
@@ -109,6 +109,11 @@ class _Bounds(BaseModel):
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])} {e['msg'].lower()}, got {e['input']!r}"
                                  for e in exc.errors())
             raise ConfigError(f"invalid GraphCache bounds: {problems}") from None
+
+
+#: Eviction orders for which touching a run of keys equals touching each distinct key
+#: once, in the order of its last touch (see ``GraphCache.hit_many``).
+_TOUCH_ONCE = (cachetools.LRUCache, cachetools.FIFOCache)
 
 
 def _zero_bytes(key: Hashable) -> int:
@@ -243,19 +248,49 @@ class GraphCache(Generic[V]):
                 return entry.value
         return self._miss(key, build, pin, seconds)
 
+    def hit_many(self, keys: Sequence[Hashable], start: int = 0, *, pin: bool = False) -> int:
+        """``get_or_compile`` for ``keys[start:]``, in order, while they are cached, under
+        one lock: each counts a hit, refreshes its recency and takes a pin (``pin``)
+        exactly as ``get_or_compile(key, build, pin=pin)`` would. Returns the index of
+        the first key not cached (``len(keys)`` when all were), for the caller to fetch
+        with ``get_or_compile``."""
+        order = self._order
+        with self._lock:
+            stop = len(keys)
+            for key in dict.fromkeys(keys[start:stop]):
+                if key not in order:
+                    stop = keys.index(key, start)
+                    break
+            hits = keys[start:stop]
+            # LRU: a key's place depends only on its last touch; FIFO: touches change nothing
+            touched = reversed(dict.fromkeys(reversed(hits))) if type(order) in _TOUCH_ONCE else hits
+            entries = {key: order[key] for key in touched}  # each touch as get_or_compile's
+            for key, n in Counter(hits).items():
+                entries[key].stats.hits += n
+            self._hits += len(hits)
+            if pin:
+                self._pins.update(hits)
+        return stop
+
     def unpin(self, keys: Iterable[Hashable]) -> None:
         """Drop one pin of each key (as pinned by ``get_or_compile``); graphs evicted
         while pinned are released when their last pin goes."""
+        free: list[tuple[Hashable, _Entry[V]]] = []
         with self._lock:
-            for key in keys:
-                self._pins[key] -= 1
-                if self._pins[key] <= 0:
-                    del self._pins[key]
-            free = [(k, e) for k, e in self._held if k not in self._pins]
-            if free:
-                self._held = [(k, e) for k, e in self._held if k in self._pins]
-                self._held_bytes = sum(e.nbytes for _, e in self._held)
-        self._released(free, evicted=False)
+            pins = self._pins
+            for key, n in Counter(keys).items():
+                left = pins[key] - n
+                if left > 0:
+                    pins[key] = left
+                else:
+                    del pins[key]
+            if self._held:
+                free = [(k, e) for k, e in self._held if k not in pins]
+                if free:
+                    self._held = [(k, e) for k, e in self._held if k in pins]
+                    self._held_bytes = sum(e.nbytes for _, e in self._held)
+        if free:
+            self._released(free, evicted=False)
 
     # -- misses ---------------------------------------------------------------------
 
@@ -479,6 +514,13 @@ class GraphCache(Generic[V]):
         """A snapshot of the cached keys."""
         with self._lock:
             return list(self._order)
+
+    def counters(self) -> dict[str, int]:
+        """``hits``, ``misses``, ``evictions`` and ``graphs`` now: the figures of
+        :meth:`stats` a per-step record needs, without building the per-key ones."""
+        with self._lock:
+            return {"hits": self._hits, "misses": self._misses, "evictions": self._evictions,
+                    "graphs": len(self._order)}
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, the contents and per-key figures (see docs/cache.md)."""

@@ -16,13 +16,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
+from operator import add, lt, sub
 
 from attnpolicy.errors import LayoutError
 
 
 def _ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    if type(values) is tuple and set(map(type, values)) == {int}:  # already checked: the common case
+        return values
     if hasattr(values, "tolist"):  # torch / numpy
         values = values.tolist()
+    if type(values) is list and set(map(type, values)) == {int}:
+        return tuple(values)
     try:
         out = tuple(int(v) for v in values)
     except (TypeError, ValueError) as exc:
@@ -58,22 +63,14 @@ class BatchLayout:
         for name in ("q_lens", "kv_lens", "q_starts", "kv_starts"):
             object.__setattr__(self, name, _ints(name, getattr(self, name)))
         n = len(self.q_lens)
-        if n == 0:
-            raise LayoutError("q_lens must hold at least one sequence, got ()")
         for name in ("kv_lens", "q_starts", "kv_starts"):
             if len(getattr(self, name)) != n:
                 raise LayoutError(
                     f"{name} must have one entry per sequence ({n}), got {getattr(self, name)!r}"
                 )
-        for i, (ql, kl) in enumerate(zip(self.q_lens, self.kv_lens)):
-            if ql < 1:
-                raise LayoutError(f"q_lens[{i}] must be >= 1, got {ql}")
-            if kl < ql:
-                raise LayoutError(f"kv_lens[{i}] must be >= q_lens[{i}] ({ql}), got {kl}")
+        self._check_lens(self.q_lens, self.kv_lens, self.causal)
         self._check_rows("q", self.q_starts, self.q_lens, self.q_tokens)
         self._check_rows("kv", self.kv_starts, self.kv_lens, self.kv_tokens)
-        if not isinstance(self.causal, bool):
-            raise LayoutError(f"causal must be a bool, got {self.causal!r}")
         object.__setattr__(
             self,
             "_hash",
@@ -82,17 +79,49 @@ class BatchLayout:
         )
 
     @staticmethod
+    def _check_lens(q_lens: tuple[int, ...], kv_lens: tuple[int, ...], causal: bool) -> None:
+        if not q_lens:
+            raise LayoutError("q_lens must hold at least one sequence, got ()")
+        if min(q_lens) < 1 or any(map(lt, kv_lens, q_lens)):
+            for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+                if ql < 1:
+                    raise LayoutError(f"q_lens[{i}] must be >= 1, got {ql}")
+                if kl < ql:
+                    raise LayoutError(f"kv_lens[{i}] must be >= q_lens[{i}] ({ql}), got {kl}")
+        if not isinstance(causal, bool):
+            raise LayoutError(f"causal must be a bool, got {causal!r}")
+
+    @classmethod
+    def _packed(cls, q_lens: tuple[int, ...], kv_lens: tuple[int, ...], q_tokens: int, kv_tokens: int,
+                causal: bool) -> BatchLayout:
+        """Sequences packed back to back from row 0 (starts are the running sums of the
+        lengths, so the rows are right by construction): the lengths are checked as
+        ``__post_init__`` checks them, the rows are not checked again."""
+        if len(kv_lens) != len(q_lens):
+            raise LayoutError(f"kv_lens must have one entry per sequence ({len(q_lens)}), got {kv_lens!r}")
+        cls._check_lens(q_lens, kv_lens, causal)
+        q_starts, kv_starts = _offsets(q_lens), _offsets(kv_lens)
+        self = object.__new__(cls)
+        self.__dict__.update(q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_starts=kv_starts,
+                             q_tokens=q_tokens, kv_tokens=kv_tokens, causal=causal,
+                             _hash=hash((q_lens, kv_lens, q_starts, kv_starts, q_tokens, kv_tokens, causal)))
+        return self
+
+    @staticmethod
     def _check_rows(side: str, starts: tuple[int, ...], lens: tuple[int, ...], tokens: int) -> None:
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             raise LayoutError(f"{side}_tokens must be an int, got {tokens!r}")
-        end = 0
-        for i, (s, n) in enumerate(zip(starts, lens)):
-            if s < end:
-                raise LayoutError(
-                    f"{side}_starts must be increasing without overlap: "
-                    f"{side}_starts[{i}]={s} < end of previous sequence {end}"
-                )
-            end = s + n
+        ends = tuple(map(add, starts, lens))
+        if starts[0] < 0 or any(map(lt, starts[1:], ends)):
+            end = 0
+            for i, (s, n) in enumerate(zip(starts, lens)):
+                if s < end:
+                    raise LayoutError(
+                        f"{side}_starts must be increasing without overlap: "
+                        f"{side}_starts[{i}]={s} < end of previous sequence {end}"
+                    )
+                end = s + n
+        end = ends[-1]
         if end > tokens:
             raise LayoutError(f"{side}_tokens={tokens} is smaller than the rows the sequences use ({end})")
 
@@ -117,10 +146,10 @@ class BatchLayout:
         q = _ints("q_lens", q_lens)
         kv = q if kv_lens is None else _ints("kv_lens", kv_lens)
         q_tokens = sum(q) if padded_to is None else padded_to
-        if padded_to is not None and (not isinstance(padded_to, int) or padded_to < sum(q)):
+        if padded_to is not None and (type(padded_to) is not int or padded_to < sum(q)):
             raise LayoutError(f"padded_to must be an int >= sum(q_lens)={sum(q)}, got {padded_to!r}")
         kv_tokens = q_tokens if kv == q else sum(kv)
-        return cls(q, kv, _offsets(q), _offsets(kv), q_tokens, kv_tokens, causal)
+        return cls._packed(q, kv, q_tokens, kv_tokens, causal)
 
     @classmethod
     def from_cu_seqlens(
@@ -229,10 +258,11 @@ class BatchLayout:
 
 
 def _diffs(name: str, offsets: Sequence[int]) -> tuple[int, ...]:
-    cu = _ints(name, list(offsets))
+    cu = _ints(name, offsets)
     if len(cu) < 2 or cu[0] != 0:
         raise LayoutError(f"{name} must start at 0 and hold at least two offsets, got {list(cu)!r}")
-    for i in range(1, len(cu)):
-        if cu[i] <= cu[i - 1]:
-            raise LayoutError(f"{name} must be strictly increasing: {name}[{i}]={cu[i]} <= {cu[i - 1]}")
-    return tuple(b - a for a, b in zip(cu, cu[1:]))
+    diffs = tuple(map(sub, cu[1:], cu))
+    if min(diffs) <= 0:
+        i = next(i for i, d in enumerate(diffs, 1) if d <= 0)
+        raise LayoutError(f"{name} must be strictly increasing: {name}[{i}]={cu[i]} <= {cu[i - 1]}")
+    return diffs

@@ -28,7 +28,7 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -59,6 +59,7 @@ from attnpolicy.integrations.vllm_paged import (
     PagedGather,
     PagedVarlenKernel,
 )
+from attnpolicy.measure.layout_stream import LayoutStreamWriter
 
 _SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
@@ -131,7 +132,9 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
         self.config: AttnPolicyConfig = fit_to_runtime(from_env(), self.limits, "ATTNPOLICY_CONFIG")
         self.dispatcher: Dispatcher = dispatcher_for(self.config, builder=deferred_build)
         self.varlen = PagedVarlenKernel(self.scale, self.kv_cache_dtype, self.attn_type)
-        self._spec: TensorSpec | None = None
+        self._spec: TensorSpec | None = None  # of this layer's tensors, for dtype self._dtype
+        self._dtype: torch.dtype | None = None
+        self._stream: LayoutStreamWriter | Literal[False] | None = False  # False: not looked up yet
         self.handles_layer = (
             self.attn_type in _SUPPORTED_ATTN_TYPES
             and self.alibi_slopes is None
@@ -142,27 +145,24 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             and self.kv_cache_dtype == "auto"
         )
 
-    def _handles(self, layer: Any, key: torch.Tensor | None, value: torch.Tensor | None,
-                 md: CPUAttentionMetadata, output_scale: torch.Tensor | None,
-                 output_block_scale: torch.Tensor | None) -> bool:
-        return (self.handles_layer and md.dynamic_causal is None
-                and getattr(layer, "isa", None) in GATHER_ISAS
-                and key is not None and value is not None and key.shape == value.shape
-                and output_scale is None and output_block_scale is None)
-
     def _step_for(self, md: CPUAttentionMetadata, spec: TensorSpec) -> _Step:
+        """The step of ``md``: decided, planned and fetched by its first layer, reused by
+        every other layer (a layer of another spec plans its graphs in the same decision)."""
         step = AttnPolicyCPUImpl._step
-        if step is None or step.metadata is not md:
-            layout = layout_for(md)
-            decision, graphs = self.dispatcher.prepare_step(layout, spec)
-            step = AttnPolicyCPUImpl._step = _Step(md, layout, decision, spec, graphs)
-            stream = layout_stream(self.dispatcher, spec, self.limits)
-            if stream is not None:
-                cache = self.dispatcher.cache.stats().to_json()
-                stream.write_step(layout, decision.mode,
-                                  self.dispatcher.context_for(spec).keys_for(layout, decision.mode), cache)
-        elif spec not in step.graphs:  # a layer with other head counts or dtype: same decision
-            step.graphs[spec] = self.dispatcher.graphs_for(step.layout, step.decision, spec)
+        if step is not None and step.metadata is md:
+            if spec not in step.graphs:  # a layer with other head counts or dtype: same decision
+                step.graphs[spec] = self.dispatcher.graphs_for(step.layout, step.decision, spec, runs_varlen=True)
+            return step
+        dispatcher = self.dispatcher
+        layout = layout_for(md)
+        decision, graphs = dispatcher.prepare_step(layout, spec, runs_varlen=True)
+        step = AttnPolicyCPUImpl._step = _Step(md, layout, decision, spec, graphs)
+        stream = self._stream
+        if stream is False:
+            stream = self._stream = layout_stream(dispatcher, spec, self.limits)
+        if stream is not None:
+            stream.write_step(layout, decision.mode, dispatcher.context_for(spec).keys_for(layout, decision.mode),
+                              dispatcher.cache.counters())
         return step
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -170,15 +170,21 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
                 output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         md = attn_metadata
-        if md is None or not self._handles(layer, key, value, md, output_scale, output_block_scale):
+        if (md is None or not self.handles_layer or md.dynamic_causal is not None
+                or output_scale is not None or output_block_scale is not None
+                or key is None or value is None or key.shape != value.shape
+                or getattr(layer, "isa", None) not in GATHER_ISAS):
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale, output_block_scale)
         spec = self._spec
-        if spec is None or spec.dtype != str(query.dtype).removeprefix("torch."):
+        if spec is None or query.dtype is not self._dtype:
             spec = self._spec = TensorSpec.of(query, key, self.scale)
+            self._dtype = query.dtype
             if self.config.warmup:  # first use: the planned warm set (once per spec), then strict
                 self.dispatcher.warmup(spec)
-        step = self._step_for(md, spec)
+        step = AttnPolicyCPUImpl._step
+        if step is None or step.metadata is not md or spec not in step.graphs:
+            step = self._step_for(md, spec)
         if step.decision.mode is MaskMode.VARLEN:
             return self.varlen(layer, query, key, value, kv_cache, md, output)
         layout = step.layout

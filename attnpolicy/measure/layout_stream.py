@@ -83,6 +83,7 @@ class LayoutStreamWriter:
         self.run = f"{os.getpid()}-{next(self._runs)}"
         self._lock = threading.Lock()
         self._steps = 0
+        self._names: dict[GraphKey | str, str] = {}  # str(key) per key: keys repeat every step
         self._file: TextIO = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
         self._write({"event": "header", "config": config.model_dump(mode="json"),
                      "spec": _spec_fields(spec), "runtime": dict(runtime or {})})
@@ -100,7 +101,8 @@ class LayoutStreamWriter:
             if layout.is_padded:
                 record["q_tokens"] = layout.q_tokens
             record["mode"] = mode.value
-            record["keys"] = [str(k) for k in keys]
+            names = self._names
+            record["keys"] = [names.get(k) or names.setdefault(k, str(k)) for k in keys]
             record.update({name: cache[name] for name in CACHE_COUNTERS})
             self._write(record)
             self._steps += 1
