@@ -10,7 +10,9 @@ per-key statistics and callbacks. Pins do not change these counters (a pinned gr
 is evicted like any other; pins only delay its release), so the stream needs none.
 A simulation replays one recorded stream through many bounds and evictions with it.
 
-Keys are ints ``0..n-1`` (positions in ``sizes`` and ``costs``), so lookups hash ints.
+:class:`StreamCache` is that bookkeeping for one request at a time (cost-aware's
+shadow caches use it too). :func:`replay_stream`'s keys are ints ``0..n-1``
+(positions in ``sizes`` and ``costs``), so lookups hash ints.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from attnpolicy.cache.graph_cache import make_eviction
 from attnpolicy.core.names import Oversize
@@ -53,6 +55,69 @@ def next_uses(stream: Sequence[Hashable]) -> list[float]:
     return out
 
 
+class StreamCache:
+    """The bookkeeping of a bounded graph cache without graphs: the eviction structure
+    (:func:`~attnpolicy.cache.graph_cache.make_eviction`) with the keys it holds, their
+    bytes, and the counters of its misses. A hit is ``cache.order[key]`` (read by the
+    caller, which counts it); :meth:`miss` evicts with ``popitem()`` until the graph
+    fits, then ``note``\\s and inserts it, exactly as the graph cache does. No lock:
+    for one thread (a simulation, a policy's shadow of the cache)."""
+
+    __slots__ = ("_cap", "_limit", "_name", "_note", "_oversize", "_sizes", "compile_seconds", "compiles",
+                 "evictions", "max_bytes", "misses", "nbytes", "order", "peak_bytes", "peak_graphs", "uncached")
+
+    def __init__(self, *, max_graphs: int | None = None, max_bytes: int | None = None, eviction: str = "lru",
+                 oversize: Oversize = "raise", eviction_options: dict[str, Any] | None = None,
+                 name: Callable[[Any], object] = str) -> None:
+        self.order = make_eviction(eviction, eviction_options)
+        self._note = getattr(self.order, "note", None)
+        self._cap = math.inf if max_graphs is None else max_graphs
+        self._limit = math.inf if max_bytes is None else max_bytes
+        self.max_bytes = max_bytes
+        self._oversize = oversize
+        self._name = name
+        self._sizes: dict[Hashable, int] = {}
+        self.misses = self.compiles = self.evictions = self.uncached = 0
+        self.compile_seconds = 0.0
+        self.nbytes = self.peak_graphs = self.peak_bytes = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.order
+
+    def keys(self) -> list[Hashable]:
+        """The keys held now (a snapshot)."""
+        return list(self._sizes)
+
+    def miss(self, key: Hashable, size: int, cost: float) -> None:
+        """Serve a request for ``key`` (not held) whose graph has ``size`` bytes and
+        costs ``cost`` compile seconds. A graph over ``max_bytes`` raises
+        :class:`GraphTooLargeError` (naming ``name(key)``) under ``oversize="raise"``,
+        and is built but not kept under ``"uncached"``, as in the graph cache."""
+        self.misses += 1
+        if size > self._limit and self._oversize == "raise":
+            raise GraphTooLargeError(
+                f"the graph for key {self._name(key)} needs {size} bytes, more than max_bytes={self.max_bytes}")
+        self.compiles += 1
+        self.compile_seconds += cost
+        if size > self._limit:
+            self.uncached += 1
+            return
+        order, sizes = self.order, self._sizes
+        while len(order) >= self._cap or self.nbytes + size > self._limit:
+            victim, _ = order.popitem()
+            self.evictions += 1
+            self.nbytes -= sizes.pop(victim)
+        if self._note is not None:
+            self._note(key, cost=cost, size=size)
+        order[key] = key
+        sizes[key] = size
+        self.nbytes += size
+        if len(order) > self.peak_graphs:
+            self.peak_graphs = len(order)
+        if self.nbytes > self.peak_bytes:
+            self.peak_bytes = self.nbytes
+
+
 def replay_stream(
     stream: Sequence[int],
     sizes: Sequence[int],
@@ -65,21 +130,16 @@ def replay_stream(
     eviction_options: dict[str, Any] | None = None,
     name: Callable[[int], object] = str,
 ) -> StreamStats:
-    """Serve ``stream`` (key ids) in order; key ``i`` has ``sizes[i]`` bytes and costs
-    ``costs[i]`` compile seconds. ``belady`` gets its ``next_use`` oracle from the
-    stream itself. A graph over ``max_bytes`` raises :class:`GraphTooLargeError`
-    (naming ``name(i)``) under ``oversize="raise"``, and is built but not kept under
-    ``"uncached"``, as in the graph cache."""
+    """Serve ``stream`` (key ids) in order through a :class:`StreamCache`; key ``i`` has
+    ``sizes[i]`` bytes and costs ``costs[i]`` compile seconds. ``belady`` gets its
+    ``next_use`` oracle from the stream itself."""
     upcoming: list[float] = [math.inf] * len(sizes)
     if eviction == BELADY:
         eviction_options = {"next_use": upcoming.__getitem__}
-    order = make_eviction(eviction, eviction_options)
-    note = getattr(order, "note", None)
-    hits = misses = compiles = evictions = uncached = 0
-    seconds = 0.0
-    nbytes = peak_graphs = peak_bytes = 0
-    cap = math.inf if max_graphs is None else max_graphs
-    limit = math.inf if max_bytes is None else max_bytes
+    cache = StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize=oversize,
+                        eviction_options=eviction_options, name=name)
+    order, miss = cache.order, cache.miss
+    hits = 0
     futures = next_uses(stream) if eviction == BELADY else None
     for i, key in enumerate(stream):
         if futures is not None:
@@ -87,33 +147,8 @@ def replay_stream(
         try:
             order[key]
         except KeyError:
-            pass
+            miss(key, sizes[key], costs[key])
         else:
             hits += 1
-            continue
-        misses += 1
-        size = sizes[key]
-        if size > limit:
-            if oversize == "raise":
-                raise GraphTooLargeError(
-                    f"the graph for key {name(key)} needs {size} bytes, more than max_bytes={max_bytes}")
-            compiles += 1
-            seconds += costs[key]
-            uncached += 1
-            continue
-        compiles += 1
-        cost = costs[key]
-        seconds += cost
-        while len(order) >= cap or nbytes + size > limit:
-            victim, _ = order.popitem()
-            evictions += 1
-            nbytes -= sizes[cast(int, victim)]
-        if note is not None:
-            note(key, cost=cost, size=size)
-        order[key] = key
-        nbytes += size
-        if len(order) > peak_graphs:
-            peak_graphs = len(order)
-        if nbytes > peak_bytes:
-            peak_bytes = nbytes
-    return StreamStats(hits, misses, compiles, seconds, evictions, uncached, peak_graphs, peak_bytes)
+    return StreamStats(hits, cache.misses, cache.compiles, cache.compile_seconds, cache.evictions,
+                       cache.uncached, cache.peak_graphs, cache.peak_bytes)

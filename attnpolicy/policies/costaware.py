@@ -47,9 +47,9 @@ so no rule ever gets ahead and the policy answers as ``varlen``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, legal_modes
@@ -134,6 +134,7 @@ class _Pricer:
         self._statics: dict[tuple[BatchLayout, MaskMode, object], _Static] = {}
         self._compile: dict[GraphKey, float] = {}
         self._run: dict[GraphKey, float] = {}
+        self._bytes: dict[GraphKey, int] = {}
 
     def static(self, layout: BatchLayout, mode: MaskMode, ctx: PolicyContext) -> _Static:
         memo = (layout, mode, ctx.spec)
@@ -161,7 +162,15 @@ class _Pricer:
             seconds = self._compile[key] = self.model.compile_seconds(key)
         return seconds
 
-    def price(self, static: _Static, mode: MaskMode, cache: GraphCache[GraphKey], masks: MaskCache) -> _Option:
+    def graph_bytes(self, key: GraphKey) -> int:
+        nbytes = self._bytes.get(key)
+        if nbytes is None:
+            if len(self._bytes) >= STATIC_MEMO_SIZE:
+                self._bytes.clear()
+            nbytes = self._bytes[key] = self.model.graph_bytes(key)
+        return nbytes
+
+    def price(self, static: _Static, mode: MaskMode, cache: StreamCache, masks: MaskCache) -> _Option:
         run = static.run
         if static.masks:
             run += sum(seconds for key, seconds in static.masks if key not in masks)
@@ -176,9 +185,9 @@ class _Shadow:
 
     def __init__(self, name: str, config: AttnPolicyConfig, pricer: _Pricer, decide: _Rule) -> None:
         self.name = name
-        model = pricer.model
-        self.cache: GraphCache[GraphKey] = GraphCache.from_config(config, oversize="uncached", sizeof=model.graph_bytes,
-                                                        compile_cost=model.compile_cost)
+        # the graph cache's bookkeeping without graphs: same bounds and eviction
+        self.cache = StreamCache(max_graphs=config.max_graphs, max_bytes=config.max_bytes,
+                                 eviction=config.eviction, oversize="uncached")
         # imported here: it imports torch, and the registry imports this module
         from attnpolicy.kernels.masks import MaskCache
 
@@ -186,7 +195,6 @@ class _Shadow:
         self.seconds = 0.0
         self._decide = decide
         self._pricer = pricer
-        self._using: GraphKey | None = None  # the key step() is fetching
         # how a batch whose graphs are all cached touches them (HIT_TOUCH; hits never evict)
         self._hits = HIT_TOUCH.get(config.eviction, "every")
 
@@ -199,21 +207,25 @@ class _Shadow:
         uses = static.keys
         if not option.missing and self._hits != "every":
             uses = static.last_used if self._hits == "last" else ()
-        get, bought = self.cache.get_or_compile, self._bought
-        for key in uses:  # misses charged one by one (in _bought): a key may be evicted within the batch
-            self._using = key
-            get(key, bought)
+        order, request = self.cache.order, self.request
+        for key in uses:  # misses charged one by one: a key may be evicted within the batch
+            try:
+                order[key]  # a hit: touched as the graph cache touches it
+            except KeyError:
+                self.seconds += request(key)
         for mask_key, _ in static.masks:
             self.masks.lookup(mask_key, mask_key[1] * mask_key[2], bool)
         return mode, reason
 
-    def _bought(self) -> GraphKey:
-        """A shadow cache's build of the key in use: charge the modelled compile; the
-        entry is the key itself."""
-        key = self._using
-        assert key is not None  # set by step() before each fetch
-        self.seconds += self._pricer.compile_seconds(key)
-        return key
+    def request(self, key: GraphKey) -> float:
+        """Request ``key`` from the shadow cache; the modelled compile seconds of a miss
+        (0 on a hit)."""
+        if key in self.cache.order:
+            self.cache.order[key]
+            return 0.0
+        seconds = self._pricer.compile_seconds(key)
+        self.cache.miss(key, self._pricer.graph_bytes(key), seconds)
+        return seconds
 
     def preview(self, layout: BatchLayout, ctx: PolicyContext) -> tuple[MaskMode, str]:
         """What this rule would decide for ``layout`` now; changes nothing."""
@@ -223,11 +235,6 @@ class _Shadow:
 #: A rule: ``rule(layout, ctx, shadow, commit) -> (mode, reason)``; with ``commit``
 #: false it must not change any state.
 _Rule = Callable[[BatchLayout, PolicyContext, "_Shadow", bool], tuple[MaskMode, str]]
-
-
-def _stand_in(key: GraphKey) -> Callable[[], GraphKey]:
-    """What a shadow cache holds for a key: the key itself (nothing is compiled)."""
-    return lambda: key
 
 
 def _fixed(policy: Policy) -> _Rule:
@@ -308,7 +315,7 @@ class CostAware:
         warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
         for shadow in shadows:
             for key in warm:
-                shadow.cache.get_or_compile(key, _stand_in(key))
+                shadow.request(key)
         return _Hedge(shadows)
 
     @staticmethod
@@ -318,7 +325,7 @@ class CostAware:
         of switching) are below ``(1 - MARGIN)`` times the leader's."""
         if candidate is leader or candidate.seconds >= (1 - MARGIN) * leader.seconds:
             return False
-        held: list[GraphKey] = candidate.cache.keys()  # type: ignore[assignment]  # a shadow holds GraphKeys
+        held = cast(list[GraphKey], candidate.cache.keys())  # a shadow holds GraphKeys
         switch = sum(model.compile_seconds(k) for k in held if not ctx.is_cached(k))
         return candidate.seconds + switch < (1 - MARGIN) * leader.seconds
 
