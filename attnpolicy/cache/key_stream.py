@@ -18,9 +18,13 @@ shadow caches use it too). :func:`replay_stream`'s keys are ints ``0..n-1``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+import cachetools
 
 from attnpolicy.cache.graph_cache import make_eviction
 from attnpolicy.core.names import Oversize
@@ -56,21 +60,40 @@ def next_uses(stream: Sequence[Hashable]) -> list[float]:
 
 
 class StreamCache:
-    """The bookkeeping of a bounded graph cache without graphs: the eviction structure
-    (:func:`~attnpolicy.cache.graph_cache.make_eviction`) with the keys it holds, their
-    bytes, and the counters of its misses. A hit is ``cache.order[key]`` (read by the
-    caller, which counts it); :meth:`miss` evicts with ``popitem()`` until the graph
-    fits, then ``note``\\s and inserts it, exactly as the graph cache does. No lock:
-    for one thread (a simulation, a policy's shadow of the cache)."""
+    """The bookkeeping of a bounded graph cache without graphs: the eviction order of
+    the keys it holds, their bytes, and the counters of its misses. A request is
+    ``cache.touch(key)``, which raises ``KeyError`` on a miss (the caller counts hits);
+    :meth:`miss` then evicts until the graph fits and inserts it. No lock: for one
+    thread (a simulation, a policy's shadow of the cache).
 
-    __slots__ = ("_cap", "_limit", "_name", "_note", "_oversize", "_sizes", "compile_seconds", "compiles",
-                 "evictions", "max_bytes", "misses", "nbytes", "order", "peak_bytes", "peak_graphs", "uncached")
+    The order is the registered strategy's structure
+    (:func:`~attnpolicy.cache.graph_cache.make_eviction`), touched as the graph cache
+    touches it (a hit reads ``order[key]``, a miss ``popitem()``\\s then ``note``\\s and
+    inserts). cachetools' ``LRUCache`` and ``FIFOCache`` (the ``lru`` and ``fifo``
+    strategies) are kept as the ``OrderedDict`` they are inside, in C: a hit moves
+    the key to the end (LRU) or changes nothing (FIFO), eviction pops the front."""
+
+    __slots__ = ("_cap", "_limit", "_name", "_note", "_oversize", "_pop", "_sizes", "compile_seconds",
+                 "compiles", "evictions", "max_bytes", "misses", "nbytes", "order", "peak_bytes", "peak_graphs",
+                 "touch", "uncached")
 
     def __init__(self, *, max_graphs: int | None = None, max_bytes: int | None = None, eviction: str = "lru",
                  oversize: Oversize = "raise", eviction_options: dict[str, Any] | None = None,
                  name: Callable[[Any], object] = str) -> None:
-        self.order = make_eviction(eviction, eviction_options)
-        self._note = getattr(self.order, "note", None)
+        structure = make_eviction(eviction, eviction_options)
+        self.order: MutableMapping[Hashable, Any]
+        if type(structure) in (cachetools.LRUCache, cachetools.FIFOCache):
+            order: OrderedDict[Hashable, Any] = OrderedDict()
+            lru = type(structure) is cachetools.LRUCache
+            self.order = order
+            self.touch: Callable[[Hashable], object] = order.move_to_end if lru else order.__getitem__
+            self._pop: Callable[[], tuple[Hashable, Any]] = partial(order.popitem, last=False)
+            self._note = None
+        else:
+            self.order = structure
+            self.touch = structure.__getitem__
+            self._pop = structure.popitem
+            self._note = getattr(structure, "note", None)
         self._cap = math.inf if max_graphs is None else max_graphs
         self._limit = math.inf if max_bytes is None else max_bytes
         self.max_bytes = max_bytes
@@ -82,7 +105,12 @@ class StreamCache:
         self.nbytes = self.peak_graphs = self.peak_bytes = 0
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self.order
+        return key in self._sizes
+
+    @property
+    def held(self) -> Mapping[Hashable, int]:
+        """The keys held now, with their bytes (a live view: do not change it)."""
+        return self._sizes
 
     def keys(self) -> list[Hashable]:
         """The keys held now (a snapshot)."""
@@ -102,9 +130,9 @@ class StreamCache:
         if size > self._limit:
             self.uncached += 1
             return
-        order, sizes = self.order, self._sizes
+        order, sizes, pop = self.order, self._sizes, self._pop
         while len(order) >= self._cap or self.nbytes + size > self._limit:
-            victim, _ = order.popitem()
+            victim, _ = pop()
             self.evictions += 1
             self.nbytes -= sizes.pop(victim)
         if self._note is not None:
@@ -138,14 +166,14 @@ def replay_stream(
         eviction_options = {"next_use": upcoming.__getitem__}
     cache = StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize=oversize,
                         eviction_options=eviction_options, name=name)
-    order, miss = cache.order, cache.miss
+    touch, miss = cache.touch, cache.miss
     hits = 0
     futures = next_uses(stream) if eviction == BELADY else None
     for i, key in enumerate(stream):
         if futures is not None:
             upcoming[key] = futures[i]
         try:
-            order[key]
+            touch(key)
         except KeyError:
             miss(key, sizes[key], costs[key])
         else:

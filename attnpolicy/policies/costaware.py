@@ -103,12 +103,13 @@ class _Static:
     distinct, and distinct by last use), run seconds with the dispatch overhead, and
     for a MASK call the mask-cache key and build seconds of each mask it would build."""
 
-    __slots__ = ("distinct", "keys", "last_used", "masks", "run")
+    __slots__ = ("distinct", "distinct_set", "keys", "last_used", "masks", "run")
 
     def __init__(self, layout: BatchLayout, mode: MaskMode, keys: tuple[GraphKey, ...], model: CostModel,
                  run_seconds: Callable[[GraphKey], float]) -> None:
         self.keys = keys
         self.distinct = tuple(dict.fromkeys(keys))
+        self.distinct_set = frozenset(keys)
         self.last_used = tuple(dict.fromkeys(keys[::-1]))[::-1]
         self.run = sum(map(run_seconds, keys)) + model.call_overhead_seconds * len(keys)
         self.masks = tuple(((layout, k.q_len, k.kv_len), model.mask_build_seconds(k.q_len, k.kv_len))
@@ -132,6 +133,7 @@ class _Pricer:
     def __init__(self, model: CostModel) -> None:
         self.model = model
         self._statics: dict[tuple[BatchLayout, MaskMode, object], _Static] = {}
+        self._by_keys: dict[tuple[GraphKey, ...], _Static] = {}  # mask-free pricings, shared by layouts
         self._compile: dict[GraphKey, float] = {}
         self._run: dict[GraphKey, float] = {}
         self._bytes: dict[GraphKey, int] = {}
@@ -142,8 +144,15 @@ class _Pricer:
         if static is None:
             if len(self._statics) >= STATIC_MEMO_SIZE:
                 self._statics.clear()
-            static = self._statics[memo] = _Static(layout, mode, ctx.keys_for(layout, mode), self.model,
-                                                   self.run_seconds)
+                self._by_keys.clear()
+            keys = ctx.keys_for(layout, mode)
+            if mode is MaskMode.MASK:  # its masks are the layout's own
+                static = _Static(layout, mode, keys, self.model, self.run_seconds)
+            else:  # the same keys cost the same: e.g. consecutive decode steps in one set of buckets
+                static = self._by_keys.get(keys)
+                if static is None:
+                    static = self._by_keys[keys] = _Static(layout, mode, keys, self.model, self.run_seconds)
+            self._statics[memo] = static
         return static
 
     def run_seconds(self, key: GraphKey) -> float:
@@ -174,8 +183,8 @@ class _Pricer:
         run = static.run
         if static.masks:
             run += sum(seconds for key, seconds in static.masks if key not in masks)
-        cached = cache.__contains__
-        missing = tuple(k for k in static.distinct if not cached(k))
+        held = cache.held
+        missing = () if held.keys() >= static.distinct_set else tuple(k for k in static.distinct if k not in held)
         return _Option(mode, static.keys, run, missing, sum(self.compile_seconds(k) for k in missing))
 
 
@@ -207,10 +216,10 @@ class _Shadow:
         uses = static.keys
         if not option.missing and self._hits != "every":
             uses = static.last_used if self._hits == "last" else ()
-        order, request = self.cache.order, self.request
+        touch, request = self.cache.touch, self.request
         for key in uses:  # misses charged one by one: a key may be evicted within the batch
             try:
-                order[key]  # a hit: touched as the graph cache touches it
+                touch(key)  # a hit: touched as the graph cache touches it
             except KeyError:
                 self.seconds += request(key)
         for mask_key, _ in static.masks:
@@ -220,9 +229,11 @@ class _Shadow:
     def request(self, key: GraphKey) -> float:
         """Request ``key`` from the shadow cache; the modelled compile seconds of a miss
         (0 on a hit)."""
-        if key in self.cache.order:
-            self.cache.order[key]
+        try:
+            self.cache.touch(key)
             return 0.0
+        except KeyError:
+            pass
         seconds = self._pricer.compile_seconds(key)
         self.cache.miss(key, self._pricer.graph_bytes(key), seconds)
         return seconds
