@@ -278,8 +278,8 @@ class GraphCache(Generic[V]):
         free: list[tuple[Hashable, _Entry[V]]] = []
         with self._lock:
             pins = self._pins
-            for key, n in Counter(keys).items():
-                left = pins[key] - n
+            for key in keys:
+                left = pins[key] - 1
                 if left > 0:
                     pins[key] = left
                 else:

@@ -69,17 +69,18 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
     ins = (_rows(q, call.q_start, call.q_len, call.q_bucket, masks),
            _rows(k, call.kv_start, call.kv_len, call.kv_bucket, masks),
            _rows(v, call.kv_start, call.kv_len, call.kv_bucket, masks))
+    if call.family is GraphFamily.CAUSAL:
+        return ins
     device = str(q.device)
     if call.family is GraphFamily.MASK:
         if masks is None:
             return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device))
         return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, device))
-    if call.family is GraphFamily.VARLEN:
-        def bounds() -> torch.Tensor:  # kept per device: no transfer per call
-            return torch.tensor([call.q_len, call.kv_len], device=device)
-        lens = bounds() if masks is None else masks.small(("lens", call.q_len, call.kv_len, device), bounds)
-        return (*ins, lens)
-    return ins
+
+    def bounds() -> torch.Tensor:  # VARLEN; kept per device: no transfer per call
+        return torch.tensor([call.q_len, call.kv_len], device=device)
+    lens = bounds() if masks is None else masks.small(("lens", call.q_len, call.kv_len, device), bounds)
+    return (*ins, lens)
 
 
 def _rows(x: torch.Tensor, start: int, n: int, bucket: int, masks: MaskCache | None) -> torch.Tensor:
