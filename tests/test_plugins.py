@@ -446,3 +446,30 @@ def test_example_plugin_imports_only_the_top_level_package():
     imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
     assert [i for i in imports if "attnpolicy" in i] == [
         "from attnpolicy import BatchLayout, Decision, MaskMode, PolicyContext, hookimpl, is_legal"]
+
+
+def test_a_gone_plugins_kernel_name_is_free_again(fresh_plugins):
+    """A kernel name held by a plugin that is gone (a rebuilt plugin manager) can be
+    registered by another plugin with another function; a built-in's name cannot."""
+    from attnpolicy.plugins.kernels import KernelInfo, get_kernel
+
+    def kernel_plugin(fn, name="plain"):
+        class Plugin:
+            @hookimpl
+            def attnpolicy_register_kernels(self, register):
+                register(KernelInfo(name, "varlen", fn, gqa=False))
+        return Plugin()
+
+    def first(q, k, v, causal, mask, scale, partition_len):
+        return q
+
+    def second(q, k, v, causal, mask, scale, partition_len):
+        return k
+
+    get_plugin_manager().register(kernel_plugin(first), name="first")
+    assert get_kernel("varlen", "plain").fn is first
+    plugins.reset_plugin_manager()
+    get_plugin_manager().register(kernel_plugin(second), name="second")
+    assert get_kernel("varlen", "plain").fn is second
+    get_plugin_manager().register(kernel_plugin(second, "sdpa"), name="third")
+    assert "is registered by two plugins" in plugins.failed_plugins()["third"]

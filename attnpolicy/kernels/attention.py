@@ -116,6 +116,8 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask
 
 
 _IMPL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
+#: The implementations defined here; plugin kernels are added to ``_IMPL_FNS`` by name.
+BUILTIN_IMPLS = frozenset(_IMPL_FNS)
 
 
 def register_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attnpolicy.errors import ConfigError, PluginError
-from attnpolicy.kernels.attention import _IMPL_FNS, register_impl
+from attnpolicy.kernels.attention import _IMPL_FNS, BUILTIN_IMPLS, register_impl
 from attnpolicy.plugins.hookspecs import hookimpl
 
 FAMILIES = ("causal", "mask", "varlen")
@@ -80,7 +80,7 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
         if info.fn is None and info.name != "flex":
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} needs fn")
         others = [i for (_, n), i in (*registry.items(), *staged.items()) if n == info.name]
-        builtin = _IMPL_FNS.get(info.name)
+        builtin = _IMPL_FNS[info.name] if info.name in BUILTIN_IMPLS else None  # not a gone plugin's
         if any(i.fn is not info.fn for i in others) or (builtin is not None and not others
                                                          and info.fn is not builtin and info.fn is not None):
             raise PluginError(f"plugin {plugin!r}: kernel name {info.name!r} is taken by another "
