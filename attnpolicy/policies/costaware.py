@@ -47,7 +47,7 @@ so no rule ever gets ahead and the policy answers as ``varlen``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.config import AttnPolicyConfig
@@ -71,6 +71,7 @@ from attnpolicy.policies.builtin import (
 #: rule's modelled seconds (plus the price of switching).
 MARGIN = 0.1
 RENT_OR_BUY = "rent-or-buy"
+_T = TypeVar("_T")
 
 
 class _Option:
@@ -125,6 +126,17 @@ HIT_TOUCH = {"lru": "last", "fifo": "none"}
 STATIC_MEMO_SIZE = 4096
 
 
+def _remembered(table: dict[GraphKey, _T], key: GraphKey, compute: Callable[[GraphKey], _T]) -> _T:
+    """``compute(key)``, remembered in ``table`` (cleared when it holds
+    :data:`STATIC_MEMO_SIZE` entries)."""
+    value = table.get(key)
+    if value is None:
+        if len(table) >= STATIC_MEMO_SIZE:
+            table.clear()
+        value = table[key] = compute(key)
+    return value
+
+
 class _Pricer:
     """Prices options for the shadows of one CostAware: the cache-independent part
     of each (layout, mode, spec) once (:class:`_Static`, remembered), then what the
@@ -156,28 +168,13 @@ class _Pricer:
         return static
 
     def run_seconds(self, key: GraphKey) -> float:
-        seconds = self._run.get(key)
-        if seconds is None:
-            if len(self._run) >= STATIC_MEMO_SIZE:
-                self._run.clear()
-            seconds = self._run[key] = self.model.run_seconds(key)
-        return seconds
+        return _remembered(self._run, key, self.model.run_seconds)
 
     def compile_seconds(self, key: GraphKey) -> float:
-        seconds = self._compile.get(key)
-        if seconds is None:
-            if len(self._compile) >= STATIC_MEMO_SIZE:
-                self._compile.clear()
-            seconds = self._compile[key] = self.model.compile_seconds(key)
-        return seconds
+        return _remembered(self._compile, key, self.model.compile_seconds)
 
     def graph_bytes(self, key: GraphKey) -> int:
-        nbytes = self._bytes.get(key)
-        if nbytes is None:
-            if len(self._bytes) >= STATIC_MEMO_SIZE:
-                self._bytes.clear()
-            nbytes = self._bytes[key] = self.model.graph_bytes(key)
-        return nbytes
+        return _remembered(self._bytes, key, self.model.graph_bytes)
 
     def price(self, static: _Static, mode: MaskMode, cache: StreamCache, masks: MaskCache) -> _Option:
         run = static.run
