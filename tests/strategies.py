@@ -11,21 +11,23 @@ MAX_LEN = 300
 
 
 @st.composite
-def layouts(draw, single: bool = False, max_seqs: int = 8) -> BatchLayout:
-    """1–8 sequences of 1–300 tokens; causal or bidirectional; with or without cached
-    context; unpadded, trailing-padded, or HF-style per-row padded."""
+def layouts(draw, single: bool = False, max_seqs: int = 8, *, min_seqs: int = 1, max_len: int = MAX_LEN,
+            max_context: int = 100, max_pad: int = 64) -> BatchLayout:
+    """``min_seqs``–``max_seqs`` sequences of 1–``max_len`` tokens; causal or
+    bidirectional; with or without cached context (up to ``max_context`` tokens each);
+    unpadded, trailing-padded (up to ``max_pad`` rows), or HF-style per-row padded."""
     if single:
-        n = draw(st.integers(1, MAX_LEN))
+        n = draw(st.integers(1, max_len))
         return BatchLayout.from_lens([n])
-    k = draw(st.integers(1, max_seqs))
-    q_lens = draw(st.lists(st.integers(1, MAX_LEN), min_size=k, max_size=k))
+    k = draw(st.integers(min_seqs, max_seqs))
+    q_lens = draw(st.lists(st.integers(1, max_len), min_size=k, max_size=k))
     causal = draw(st.booleans())
     shape = draw(st.sampled_from(["packed", "context", "trailing-pad", "hf-pad"]))
     if shape == "context":
-        extra = draw(st.lists(st.integers(0, 100), min_size=k, max_size=k))
+        extra = draw(st.lists(st.integers(0, max_context), min_size=k, max_size=k))
         return BatchLayout.from_lens(q_lens, [q + e for q, e in zip(q_lens, extra)], causal=causal)
     if shape == "trailing-pad":
-        pad = draw(st.integers(1, 64))
+        pad = draw(st.integers(1, max_pad))
         return BatchLayout.from_lens(q_lens, causal=causal, padded_to=sum(q_lens) + pad)
     if shape == "hf-pad":
         width = max(q_lens) + draw(st.integers(0, 8))

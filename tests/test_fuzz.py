@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_for
+from strategies import layouts
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.names import IMPLS
@@ -52,29 +53,9 @@ def _run(d: Dispatcher, qkv, layout: BatchLayout) -> tuple[torch.Tensor, str]:
     return out, mode
 
 
-@st.composite
-def _layouts(draw) -> BatchLayout:
+def _layouts():
     """2–4 sequences of at most 64 tokens (context included)."""
-    n = draw(st.integers(2, 4))
-    q_lens = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
-    causal = draw(st.booleans())
-    shape = draw(st.sampled_from(["packed", "context", "trailing-pad", "hf-pad"]))
-    if shape == "context":
-        extra = draw(st.lists(st.integers(0, 24), min_size=n, max_size=n))
-        return BatchLayout.from_lens(q_lens, [q + e for q, e in zip(q_lens, extra)], causal=causal)
-    if shape == "trailing-pad":
-        return BatchLayout.from_lens(q_lens, causal=causal, padded_to=sum(q_lens) + draw(st.integers(1, 16)))
-    if shape == "hf-pad":
-        width = max(q_lens) + draw(st.integers(0, 8))
-        left = draw(st.booleans())
-        mask = torch.zeros(n, width, dtype=torch.int64)
-        for row, length in enumerate(q_lens):
-            if left:
-                mask[row, width - length:] = 1
-            else:
-                mask[row, :length] = 1
-        return BatchLayout.from_padding_mask(mask, causal=causal)
-    return BatchLayout.from_lens(q_lens, causal=causal)
+    return layouts(min_seqs=2, max_seqs=4, max_len=40, max_context=24, max_pad=16)
 
 
 def _padding(starts, lens, tokens):

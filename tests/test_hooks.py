@@ -112,18 +112,14 @@ def exercise_on_evict():
 
 
 def exercise_register_kernels():
+    from plugin_kernels import recording_sdpa
     from reference import reference_for
 
     from attnpolicy import AttnPolicyConfig, Dispatcher
     from attnpolicy.errors import ConfigError
     from attnpolicy.plugins.kernels import KernelInfo, get_kernel
 
-    calls = []
-
-    def plain(q, k, v, causal, mask, scale, partition_len):  # no GQA, any mask
-        calls.append(q.shape)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, is_causal=causal and mask is None, scale=scale)[0]
+    plain, calls = recording_sdpa()
 
     class Plugin:
         @hookimpl

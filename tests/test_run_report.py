@@ -75,18 +75,13 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
 def test_report_kernel_table_has_a_row_for_a_plugin_kernel(tmp_path, fresh_plugins):
     """A third-party kernel registered through ``attnpolicy_register_kernels`` is timed
     in the report's kernel table (``bench --kernels``) in every family it serves."""
-    import torch
+    from plugin_kernels import recording_sdpa
 
     from attnpolicy.plugins.hookspecs import hookimpl
     from attnpolicy.plugins.kernels import KernelInfo
     from attnpolicy.plugins.registry import get_plugin_manager
 
-    calls = []
-
-    def plain(q, k, v, causal, mask, scale, partition_len):
-        calls.append(q.shape)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, is_causal=causal and mask is None, scale=scale)[0]
+    plain, calls = recording_sdpa()
 
     class Plugin:
         @hookimpl
