@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from operator import eq, itemgetter
 from time import perf_counter
 from typing import Any, cast
@@ -224,7 +225,7 @@ class Dispatcher:
                scale: float | None = None) -> torch.Tensor:
         """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
         check_inputs(q, k, v, layout, scale)
-        graphs = self.prepare(layout, self._spec_of(q, k, scale))
+        graphs = self.prepare_step(layout, self._spec_of(q, k, scale))[1]
         try:
             return execute(q, k, v, layout, graphs, self.masks)
         finally:
@@ -247,13 +248,19 @@ class Dispatcher:
         plan remembered per sequence shape; no graph is returned (the list is empty),
         so none is pinned. Under ``compile_mode="background"`` it takes the full path
         (misses are served by pad-up and background compiles, which need the calls)."""
-        self.release_batch()
-        if runs_varlen and not self._background and (layout, spec) not in self._batches:
+        if self._pinned:
+            self.release_batch()
+        batch = self._batches.get((layout, spec))
+        if batch is not None:  # _prepared's hit, inlined: the hot path
+            self.guard.replay(layout, batch.decision)
+        elif runs_varlen and not self._background:
             decision, reusable = self._decided(layout, spec)
             if decision.mode is MaskMode.VARLEN:
                 return decision, self._fetch_varlen(layout, spec)
-            return self._fetch(layout, self._new_batch(layout, spec, decision, reusable), spec)
-        return self._fetch(layout, self._prepared(layout, spec), spec)
+            batch = self._new_batch(layout, spec, decision, reusable)
+        else:
+            batch = self._new_batch(layout, spec, *self._decided(layout, spec))
+        return self._fetch(layout, batch, spec)
 
     def graphs_for(self, layout: BatchLayout, decision: Decision, spec: TensorSpec, *,
                    runs_varlen: bool = False) -> list[tuple[Call, GraphFn]]:
@@ -275,15 +282,17 @@ class Dispatcher:
                     self._switch()
                 out = [self._serve(call, key, spec, layout) for call, key in batch.planned]
             else:
-                out = [(call, self._graph(call, key, spec, layout, pin=True)) for call, key in batch.planned]
+                graph = self._graph
+                out = [(call, graph(call, key, spec, layout, True)) for call, key in batch.planned]
         except BaseException:
             self.release_batch()
             raise
-        self._end_stall()
+        if self._stall:
+            self._end_stall()
         # counted once every graph is at hand: a batch that raised is not counted
-        self._modes[batch.mode.value] += 1
+        self._modes[batch.mode_name] += 1
         c = self._counts
-        if batch.mode is not batch.decision.mode:
+        if batch.ran is not batch.decision:
             c["mask_fallbacks"] += 1
         c["batches"] += 1
         c["calls"] += batch.calls
@@ -328,19 +337,6 @@ class Dispatcher:
             self.cache.unpin(pinned)
 
     # -- prepared batches: the per-layout memo of the hot path ---------------------------
-    def _prepared(self, layout: BatchLayout, spec: TensorSpec) -> _Prepared:
-        """The decision and plan for ``layout`` (lengths checked first). A stateless
-        policy's decision (see :attr:`Guard.stateless`) is reused per (layout, spec) and
-        replayed to the decision hook; any other policy is asked every time, as is a
-        decision the guard overrode (its fallback is counted per batch). Graphs are not
-        memoised: ``_graph`` fetches them from the cache for every call, so hits,
-        recency, pins and evictions stay exact."""
-        batch = self._batches.get((layout, spec))
-        if batch is not None:
-            self.guard.replay(layout, batch.decision)
-            return batch
-        return self._new_batch(layout, spec, *self._decided(layout, spec))
-
     def _decided(self, layout: BatchLayout, spec: TensorSpec) -> tuple[Decision, bool]:
         """A fresh decision for ``layout`` (lengths checked first), and whether it may be
         reused: a stateless policy's, not overridden by the guard."""
@@ -350,6 +346,12 @@ class Dispatcher:
         return decision, self.guard.stateless and self.guard.fallbacks == fallbacks
 
     def _new_batch(self, layout: BatchLayout, spec: TensorSpec, decision: Decision, reusable: bool) -> _Prepared:
+        """The plan of ``decision`` for ``layout``, remembered per (layout, spec) when
+        ``reusable``: a stateless policy's decision (see :attr:`Guard.stateless`) is then
+        reused (:meth:`prepare_step` replays it to the decision hook); any other policy
+        is asked every time, as is a decision the guard overrode (its fallback is counted
+        per batch). Graphs are not memoised: ``_graph`` fetches them from the cache for
+        every call, so hits, recency, pins and evictions stay exact."""
         batch = _Prepared(decision, *self._planned(layout, decision.mode, spec), layout)
         if reusable:
             if len(self._batches) >= PLAN_CACHE_SIZE:
@@ -525,7 +527,7 @@ class Dispatcher:
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
         try:
-            graph = self.cache.get_or_compile(key, lambda: self._timed_build(call, key, spec), pin=pin)
+            graph = self.cache.get_or_compile(key, partial(self._timed_build, call, key, spec), pin=pin)
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise
@@ -782,11 +784,12 @@ class _Prepared:
     """A batch's decision, the mode that runs (VARLEN for a MASK call over
     ``max_mask_bytes``) and its planned (call, key) pairs, with its per-batch counts."""
 
-    __slots__ = ("calls", "decision", "mode", "padded_tokens", "planned", "ran")
+    __slots__ = ("calls", "decision", "mode", "mode_name", "padded_tokens", "planned", "ran")
 
     def __init__(self, decision: Decision, mode: MaskMode, planned: Planned, layout: BatchLayout) -> None:
         self.decision = decision
         self.mode = mode
+        self.mode_name = mode.value  # the stats key (an Enum's value is a Python property)
         self.planned = planned
         self.calls = len(planned)
         self.padded_tokens = sum(call.q_bucket for call, _ in planned) - layout.total_tokens

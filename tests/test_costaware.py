@@ -4,6 +4,8 @@ acceptance on synthetic cost models (independent of the shipped default model)."
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -189,3 +191,62 @@ def test_a_shadow_batch_that_hits_every_graph_skips_repeated_uses_without_changi
     monkeypatch.setattr(costaware, "HIT_TOUCH", {})  # every shadow replays every use
     assert decisions() == fast
     assert len({mode for mode, _ in fast}) > 1  # the stream makes it switch modes
+
+
+@settings(max_examples=15, deadline=None)
+@given(picks=st.lists(st.integers(0, 5), min_size=5, max_size=40),
+       eviction=st.sampled_from(["lru", "fifo", "lfu"]), capacity=st.sampled_from([1, 2, 4, None]),
+       mask_bytes=st.sampled_from([64, 1 << 20]))
+def test_a_repeated_batch_is_replayed_exactly(picks, eviction, capacity, mask_bytes):
+    """A batch repeating the last one's layout, when that one changed no shadow cache
+    and no regret, is replayed: the same decisions and reasons (modelled totals
+    included) as stepping every shadow again, on streams with repeats, evictions and
+    mask-cache evictions."""
+    from attnpolicy.policies import costaware
+
+    pool = [BatchLayout.from_lens([16]), BatchLayout.from_lens([5, 7]), BatchLayout.from_lens([3], [40]),
+            BatchLayout.from_lens([30, 2], padded_to=40), BatchLayout.from_lens([8, 8, 8], causal=False),
+            BatchLayout.from_lens([64])]
+    stream = [pool[i] for i in picks for _ in range(1 + i % 3)]  # runs of repeats
+
+    def decisions() -> list[tuple[str, str]]:
+        config = AttnPolicyConfig(policy="cost-aware", backend="aot_eager", max_graphs=capacity,
+                                  eviction=eviction, max_mask_bytes=mask_bytes, on_overflow="eager")
+        d = Dispatcher(config, builder=lambda call, key, spec: SimulatedGraph(key), cost_model=MODEL)
+        return [(decision.mode.value, decision.reason)
+                for decision in (d.prepare_step(layout, SPEC)[0] for layout in stream)]
+
+    steps = []
+    real_step = costaware._Shadow.step
+
+    def counted(self, layout, ctx):
+        steps.append(1)
+        return real_step(self, layout, ctx)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(costaware._Shadow, "step", counted)
+        replayed = decisions()
+        with_replay = len(steps)
+        mp.setattr(costaware, "_Repeat", lambda *args: None)  # never replay
+        steps.clear()
+        stepped = decisions()
+    assert replayed == stepped
+    assert with_replay <= len(steps)
+
+
+def test_a_steady_repeat_steps_no_shadow(monkeypatch):
+    """From the second batch of a layout whose graphs and masks are all cached on, the
+    shadows are charged without being stepped (lfu excepted: its touches count)."""
+    from attnpolicy.policies import costaware
+
+    steps = []
+    real_step = costaware._Shadow.step
+    monkeypatch.setattr(costaware._Shadow, "step", lambda self, layout, ctx: steps.append(1) or real_step(
+        self, layout, ctx))
+    for eviction, stepped in (("lru", 8), ("fifo", 8), ("lfu", 40)):
+        steps.clear()
+        d = Dispatcher(AttnPolicyConfig(policy="cost-aware", backend="aot_eager", eviction=eviction),
+                       builder=lambda call, key, spec: SimulatedGraph(key), cost_model=MODEL)
+        for _ in range(10):
+            d.prepare_step(BatchLayout.from_lens([5, 7]), SPEC)
+        assert len(steps) == stepped, eviction  # 4 shadows: the first batch, the first repeat

@@ -127,3 +127,26 @@ def test_a_causal_only_batch_pays_no_gate(monkeypatch):
     assert not calls
     attend(q, k, v, layout, MaskMode.MASK)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("mode", [MaskMode.MASK, MaskMode.VARLEN])
+@pytest.mark.parametrize("impl", [*IMPLS, "flex"])
+def test_one_unpadded_sequence_has_no_neighbour_and_pays_no_gate(monkeypatch, mode, impl):
+    """No other sequence and no padding rows: nothing to isolate, no check; a bad
+    value still reaches the rows that attend it (as in the sequence's CAUSAL call)."""
+    if impl == "flex" and mode is MaskMode.VARLEN:
+        pytest.skip("flex is a MASK implementation")
+    calls = []
+    for module in (execute_module, flex_module):
+        monkeypatch.setattr(module, "all_finite", lambda k, v: calls.append(1) or True)
+    single = BatchLayout.from_lens([5], [9])  # cached context: a VARLEN call, a MASK with hidden keys
+    q, k, v = _qkv(single)
+    torch.testing.assert_close(attend(q, k, v, single, mode, impl, partition_len=4).double(),
+                               reference_for(q, k, v, single), atol=TOL, rtol=TOL)
+    v[7, 1, 2] = float("nan")  # key 7 (kv head 1): attended by query rows 3 and 4 (bottom-right causal)
+    out = attend(q, k, v, single, mode, impl, partition_len=4)
+    assert out[3:, 2:, 2].isnan().all()  # query heads 2, 3 read kv head 1
+    assert not calls
+    padded = BatchLayout.from_lens([5], [9], padded_to=6)  # a padding row: checked
+    attend(torch.randn(6, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8), padded, mode, impl, partition_len=4)
+    assert calls == [1]

@@ -204,7 +204,7 @@ class GraphCache(Generic[V]):
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, tuple[Future[V], int]] = {}
         self._per_key: dict[Hashable, _KeyCounters] = {}
-        self._pins: Counter[Hashable] = Counter()
+        self._pins: dict[Hashable, int] = {}  # key -> pins (a plain dict: the hot path)
         self._held: list[tuple[Hashable, _Entry[V]]] = []
         self._bytes = self._held_bytes = 0
         self._zero_counters()
@@ -244,7 +244,8 @@ class GraphCache(Generic[V]):
                 self._hits += 1
                 entry.stats.hits += 1
                 if pin:
-                    self._pins[key] += 1
+                    pins = self._pins
+                    pins[key] = pins.get(key, 0) + 1
                 return entry.value
         return self._miss(key, build, pin, seconds)
 
@@ -269,8 +270,13 @@ class GraphCache(Generic[V]):
                 entries[key].stats.hits += n
             self._hits += len(hits)
             if pin:
-                self._pins.update(hits)
+                for key in hits:
+                    self._pin(key)
         return stop
+
+    def _pin(self, key: Hashable) -> None:
+        pins = self._pins
+        pins[key] = pins.get(key, 0) + 1
 
     def unpin(self, keys: Iterable[Hashable]) -> None:
         """Drop one pin of each key (as pinned by ``get_or_compile``); graphs evicted
@@ -301,7 +307,7 @@ class GraphCache(Generic[V]):
                 self._hits += 1
                 entry.stats.hits += 1
                 if pin:
-                    self._pins[key] += 1
+                    self._pin(key)
                 return entry.value
             inflight = self._inflight.get(key)
             if inflight is not None and inflight[1] == threading.get_ident():
@@ -327,7 +333,7 @@ class GraphCache(Generic[V]):
         value = self._wait(key, future)
         if pin:
             with self._lock:
-                self._pins[key] += 1
+                self._pin(key)
         return value
 
     def _wait(self, key: Hashable, future: Future[V]) -> V:
@@ -403,7 +409,7 @@ class GraphCache(Generic[V]):
                 else:
                     self._uncached += 1
                 if pin:
-                    self._pins[key] += 1
+                    self._pin(key)
         except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
             with self._lock:
                 if self._inflight.get(key, (None, 0))[0] is future:  # compile_cost raised

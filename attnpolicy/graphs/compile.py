@@ -150,8 +150,8 @@ def _direct(box: _Capture, backend: str, argnames: tuple[str, ...]) -> Callable[
 
     Dynamo orders the graph's placeholders by first use, not by argument order; the
     placeholder names (``L_q_``) map them back. eager and aot_eager call Dynamo's graph
-    module (the same aten ops; AOT's wrappers cost ~10 µs per call); inductor calls
-    its generated code, which takes a list.
+    module (the same aten ops; AOT's wrappers cost ~10 µs per call), its code
+    generated first; inductor calls its generated code, which takes a list.
     """
     gm = box.gm
     if gm is None or box.fn is None:
@@ -165,6 +165,11 @@ def _direct(box: _Capture, backend: str, argnames: tuple[str, ...]) -> Callable[
         return None
     same = order == tuple(range(len(order)))
     if backend in ("eager", "aot_eager"):
+        # a lazy graph module (AOT leaves one) generates its code on first call; until
+        # then ``forward`` is a stub that checks for that on every call (~3 µs)
+        recompile = getattr(gm, "real_recompile", None)
+        if recompile is not None:
+            recompile()
         fwd = gm.forward
         if same:
             return lambda *a: fwd(*a)[0]

@@ -17,7 +17,7 @@ from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call
 from attnpolicy.graphs.plan import plan_calls
-from attnpolicy.kernels.attention import attention, check_scale
+from attnpolicy.kernels.attention import bind, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.isolation import all_finite, bad_rows, repoisoned, sanitised
 from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows
@@ -39,22 +39,21 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     functions are closures over one code object; ``compile.py`` gives every compiled
     graph a fresh code object of its own.
     """
-    if call.family is GraphFamily.CAUSAL:
-        def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attention(q, k, v, impl=impl, causal=True, scale=scale, partition_len=partition_len)
-        return causal_graph
     if call.family is GraphFamily.MASK and impl == "flex":
         return FlexGraph(flex_graph(scale), BlockMaskCache(1))
+    run = bind(impl, scale=scale, partition_len=partition_len)
+    if call.family is GraphFamily.CAUSAL:
+        def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return run(q, k, v, True, None)
+        return causal_graph
     if call.family is GraphFamily.MASK:
         def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return attention(q, k, v, impl=impl, mask=mask, scale=scale, partition_len=partition_len,
-                             isolate=False)
+            return run(q, k, v, False, mask)
         return mask_graph
     rows, cols, causal = call.q_bucket, call.kv_bucket, call.causal
 
     def varlen_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        m = bounded_mask(rows, cols, lens, causal)
-        return attention(q, k, v, impl=impl, mask=m, scale=scale, partition_len=partition_len, isolate=False)
+        return run(q, k, v, False, bounded_mask(rows, cols, lens, causal))
     return varlen_graph
 
 
@@ -66,16 +65,20 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
     (an uninitialised buffer: NaN, inf) is isolated by :func:`execute` like any key
     row the mask hides. Masks, bounds and zero padding blocks come from ``masks`` (built fresh
     without one)."""
-    ins = (_rows(q, call.q_start, call.q_len, call.q_bucket, masks),
-           _rows(k, call.kv_start, call.kv_len, call.kv_bucket, masks),
-           _rows(v, call.kv_start, call.kv_len, call.kv_bucket, masks))
-    if call.family is GraphFamily.CAUSAL:
+    if call.q_bucket == call.q_len == q.shape[0] and call.kv_bucket == call.kv_len == k.shape[0]:
+        ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # whole tensors, unpadded
+    else:
+        ins = (_rows(q, call.q_start, call.q_len, call.q_bucket, masks),
+               _rows(k, call.kv_start, call.kv_len, call.kv_bucket, masks),
+               _rows(v, call.kv_start, call.kv_len, call.kv_bucket, masks))
+    family = call.family
+    if family is GraphFamily.CAUSAL:
         return ins
-    device = str(q.device)
-    if call.family is GraphFamily.MASK:
+    if family is GraphFamily.MASK:
         if masks is None:
-            return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, device))
-        return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, device))
+            return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, str(q.device)))
+        return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, q.device))
+    device = str(q.device)
 
     def bounds() -> torch.Tensor:  # VARLEN; kept per device: no transfer per call
         return torch.tensor([call.q_len, call.kv_len], device=device)
@@ -109,7 +112,9 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     Isolation: a batch with a masked call (MASK, VARLEN) whose K/V hold a non-finite
     value runs on sanitised K/V, and the rows that attend such a key are set to NaN
     (:mod:`attnpolicy.kernels.isolation`); one cheap check per batch decides, so a
-    finite batch pays only that check. Flex graphs isolate themselves the same way."""
+    finite batch pays only that check. A batch of one unpadded sequence has no
+    neighbour to protect and is not checked: a bad value in it propagates as in
+    torch's SDPA, as in a CAUSAL call. Flex graphs isolate themselves the same way."""
     if torch.is_grad_enabled():
         with torch.no_grad():
             return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks)
@@ -119,32 +124,31 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
 def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
              graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None) -> torch.Tensor:
     call, first = graphs[0]
-    if isinstance(first, FlexGraph):
-        return first.run(q, k, v, layout, call)
-    if (call.family is not GraphFamily.CAUSAL or _masked(graphs)) and not all_finite(k, v):
+    if len(graphs) == 1:
+        if isinstance(first, FlexGraph):
+            return first.run(q, k, v, layout, call)
+        masked = call.family is not GraphFamily.CAUSAL
+    else:
+        masked = any(call.family is not GraphFamily.CAUSAL for call, _ in graphs)
+    if masked and not layout.is_single and not all_finite(k, v):
         bad = bad_rows(k, v)
         out = _run(q, sanitised(k, bad), sanitised(v, bad), layout, graphs, masks)
         return repoisoned(out, layout, bad)
     return _run(q, k, v, layout, graphs, masks)
 
 
-def _masked(graphs: Sequence[tuple[Call, GraphFn]]) -> bool:
-    return len(graphs) > 1 and any(call.family is not GraphFamily.CAUSAL for call, _ in graphs)
-
-
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
          graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None) -> torch.Tensor:
     call, first = graphs[0]
-    fn: Callable[..., torch.Tensor] = first  # type: ignore[assignment]  # a FlexGraph runs in _execute
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.family is not GraphFamily.VARLEN:
-        out = fn(*graph_inputs(q, k, v, layout, call, masks))
+        # one call over every query row (MASK, or CAUSAL of one unpadded sequence)
+        out = first(*graph_inputs(q, k, v, layout, call, masks))  # type: ignore[operator]  # not a FlexGraph
         if call.q_bucket != call.q_len:
             out = out[:, :call.q_len]
-        out = out.transpose(0, 1)
         if call.family is GraphFamily.MASK and layout.is_padded:
             real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device), masks)
-            out = out.masked_fill(~real[:, None, None], 0)
-        return out
+            return out.transpose(0, 1).masked_fill(~real[:, None, None], 0)
+        return out.transpose(0, 1)
     # every real row is written by exactly one call: only padding rows need zeros
     out = q.new_zeros(q.shape) if layout.q_tokens != layout.total_tokens else torch.empty_like(q)
     for call, each in graphs:

@@ -58,13 +58,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask:
           partition_len: int | None) -> torch.Tensor:
     # SDPA's fused CPU/CUDA kernels take [batch, heads, L, D]; 3-D input falls back
     # to the (several times slower) math path, so add a batch dimension.
-    lq, lk = q.shape[-2], k.shape[-2]
     gqa = q.shape[-3] != k.shape[-3]
-    q, k, v = q[None], k[None], v[None]
-    if causal and mask is None and lq == lk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[0]
-    allowed = _allowed(lq, lk, causal, mask, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)[0]
+    if mask is None and causal and q.shape[-2] == k.shape[-2]:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                              enable_gqa=gqa)[0]
+    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device) if causal else mask
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale,
+                                          enable_gqa=gqa)[0]
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -148,24 +148,41 @@ def check_scale(scale: object) -> None:
         raise ValueError(f"scale must be a finite number > 0 (or None for 1/sqrt(head_dim)), got {scale!r}")
 
 
+#: A kernel bound to its implementation, scale and partition length:
+#: ``run(q, k, v, causal, mask)`` (no isolation).
+BoundKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, "torch.Tensor | None"], torch.Tensor]
+
+
+def bind(impl: str = "sdpa", *, scale: float | None = None, partition_len: int | None = None) -> BoundKernel:
+    """``impl`` with its arguments checked once (what a graph calls: no per-call
+    lookups or checks). ``scale`` None is ``1/sqrt(head_dim)``; ``flash`` without a
+    ``partition_len`` takes all keys in one partition."""
+    fn = _IMPL_FNS.get(impl)
+    if fn is None:
+        raise ValueError(f"impl must be one of {tuple(_IMPL_FNS)}, got {impl!r}")
+    if partition_len is not None and partition_len < 1:
+        raise ValueError(f"partition_len must be >= 1, got {partition_len}")
+    check_scale(scale)
+    fixed = None if scale is None else float(scale)
+    whole = impl == "flash" and partition_len is None
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            mask: torch.Tensor | None) -> torch.Tensor:
+        s = 1.0 / math.sqrt(q.shape[-1]) if fixed is None else fixed
+        return fn(q, k, v, causal, mask, s, k.shape[-2] if whole else partition_len)
+    return run
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
               causal: bool = False, mask: torch.Tensor | None = None,
               scale: float | None = None, partition_len: int | None = None,
               isolate: bool = True) -> torch.Tensor:
     """One attention call on ``[H, L, D]`` tensors (see the module docstring; with
     ``isolate=False`` a masked call leaves isolation to the caller)."""
-    fn = _IMPL_FNS.get(impl)
-    if fn is None:
-        raise ValueError(f"impl must be one of {tuple(_IMPL_FNS)}, got {impl!r}")
-    if impl == "flash":
-        partition_len = k.shape[-2] if partition_len is None else partition_len
-        if partition_len < 1:
-            raise ValueError(f"partition_len must be >= 1, got {partition_len}")
-    check_scale(scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    run = bind(impl, scale=scale, partition_len=partition_len)
     if mask is None or not isolate:
-        return fn(q, k, v, causal, mask, scale, partition_len)
+        return run(q, k, v, causal, mask)
     allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
     assert allowed is not None  # a mask was given
     k, v, poisoned = _finite_rows(k, v, allowed)
-    return fn(q, k, v, causal, mask, scale, partition_len).masked_fill(poisoned[:, None], float("nan"))
+    return run(q, k, v, causal, mask).masked_fill(poisoned[:, None], float("nan"))

@@ -130,7 +130,7 @@ def flex_attend(fn: FlexFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     :func:`flex_graph`, maybe compiled) padded to ``q_rows`` / ``kv_rows``; returns
     ``[q_tokens, Hq, D]`` with padding rows 0, sanitised and re-poisoned (module doc)."""
     bad = None
-    if not all_finite(k, v):  # one cheap gate; exact check only when it fails
+    if not layout.is_single and not all_finite(k, v):  # one cheap gate (no neighbour: none)
         bad = bad_rows(k, v)
         k, v = sanitised(k, bad), sanitised(v, bad)
     out = fn(_padded(q, q_rows), _padded(k, kv_rows), _padded(v, kv_rows), block_mask)

@@ -9,6 +9,11 @@ fails it takes the isolating path: non-finite key rows are zeroed before the cal
 (:func:`sanitised`), and the output rows that attend one of them are set to NaN
 after it (:func:`repoisoned`), the faithful result of their own bad input.
 
+A batch of one sequence without padding rows (``BatchLayout.is_single``) has no
+neighbour to protect and is not checked: a bad value in it propagates as torch's
+SDPA propagates it, as in a CAUSAL call (every row that attends it is NaN, and
+possibly earlier rows of the same kernel block).
+
 The checks run in eager code: inductor compiles CPU code with
 ``-ffinite-math-only``, so an in-graph finiteness test cannot be relied on.
 """
@@ -30,7 +35,7 @@ def all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
     exact; fp16, whose products overflow early, sums each tensor in fp32 instead."""
     if k.dtype is torch.float16:
         return math.isfinite(float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32)))
-    return math.isfinite(float(torch.dot(k.reshape(-1), v.reshape(-1))))
+    return math.isfinite(float(k.ravel().dot(v.ravel())))
 
 
 def bad_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -199,18 +199,31 @@ class _Shadow:
 
         self.masks = MaskCache(config.max_mask_bytes)  # mirrors the dispatcher's
         self.seconds = 0.0
+        self.run = 0.0  # charged by the last step
+        self.quiet = False  # the last step left every cache as it found it (see step)
         self._decide = decide
         self._pricer = pricer
         # how a batch whose graphs are all cached touches them (HIT_TOUCH; hits never evict)
         self._hits = HIT_TOUCH.get(config.eviction, "every")
 
     def step(self, layout: BatchLayout, ctx: PolicyContext) -> tuple[MaskMode, str]:
-        """Decide ``layout`` as this rule would, charge it, and return (mode, reason)."""
+        """Decide ``layout`` as this rule would, charge it, and return (mode, reason).
+        Sets :attr:`run` (the seconds charged) and :attr:`quiet`: whether a repeat of
+        this step would find its caches as this one left them (see :class:`CostAware`)."""
         mode, reason = self._decide(layout, ctx, self, True)
         static = self._pricer.static(layout, mode, ctx)
         option = self._pricer.price(static, mode, self.cache, self.masks)
         self.seconds += option.run
+        self.run = option.run
         uses = static.keys
+        masks = self.masks
+        # all hits, touched idempotently (each key once at its last use, or not at all),
+        # every mask cached or too large to cache: repeating the step changes nothing
+        # but the seconds
+        largest = masks.max_bytes
+        self.quiet = (not option.missing and self._hits != "every"
+                      and all(key in masks or (largest is not None and key[1] * key[2] > largest)
+                              for key, _ in static.masks))
         if not option.missing and self._hits != "every":
             uses = static.last_used if self._hits == "last" else ()
         touch, request = self.cache.touch, self.request
@@ -258,6 +271,7 @@ class _RentOrBuy:
     def __init__(self, pricer: _Pricer) -> None:
         self._pricer = pricer
         self._regret: dict[GraphKey, float] = {}
+        self.regret_changed = False  # by the last committed call
 
     def __call__(self, layout: BatchLayout, ctx: PolicyContext, shadow: _Shadow,
                  commit: bool) -> tuple[MaskMode, str]:
@@ -270,6 +284,8 @@ class _RentOrBuy:
             options.append(pricer.price(static, mode, shadow.cache, shadow.masks))
         cheap = min(options, key=lambda o: o.now)
         fast = min(options, key=lambda o: o.run)
+        if commit:
+            self.regret_changed = fast is not cheap or bool(cheap.missing)
         if fast is cheap:
             chosen, note = cheap, "cheapest"
         else:
@@ -300,9 +316,28 @@ class _Hedge:
         self.fixed_leader = self.following = shadows[1]
 
 
+class _Repeat:
+    """A batch whose every shadow step left its caches (and rent-or-buy its regret) as
+    it found them: the same layout next time decides the same in every shadow and
+    charges the same seconds, so it is replayed instead of re-priced."""
+
+    __slots__ = ("layout", "modes", "spec")
+
+    def __init__(self, layout: BatchLayout, spec: object, modes: dict[str, tuple[MaskMode, str]]) -> None:
+        self.layout = layout
+        self.spec = spec
+        self.modes = modes
+
+
 class CostAware:
     """Rent-or-buy between modes, priced by the cost model, hedged against the fixed
-    rules on shadow caches (see the module docstring)."""
+    rules on shadow caches (see the module docstring).
+
+    A batch that repeats the previous one's layout (and tensor spec), when that one
+    changed no shadow cache and no regret, is replayed: each shadow is charged the
+    same seconds and decides the same, exactly as stepping it again would (a repeat
+    of an all-hit step under ``lru`` or ``fifo`` touches nothing that is not already
+    in place). Only the comparison of the rules runs again."""
 
     name = "cost-aware"
     description = ("the legal mode with the least expected time: run cost vs compile cost of "
@@ -311,6 +346,7 @@ class CostAware:
     def __init__(self) -> None:
         self._hedge: _Hedge | None = None  # built on the first batch
         self._first = Varlen()  # the rule followed before any batch
+        self._repeat: _Repeat | None = None  # the last batch, if a repeat of it replays
 
     @staticmethod
     def _start(layout: BatchLayout, ctx: PolicyContext, model: CostModel) -> _Hedge:
@@ -343,7 +379,16 @@ class CostAware:
             self._hedge = self._start(layout, ctx, model)
         h = self._hedge
         rent_or_buy, *fixed = h.shadows
-        modes = {s.name: s.step(layout, ctx) for s in h.shadows}
+        repeat = self._repeat
+        if repeat is not None and repeat.spec == ctx.spec and (repeat.layout is layout or repeat.layout == layout):
+            modes = repeat.modes
+            for shadow in h.shadows:
+                shadow.seconds += shadow.run
+        else:
+            modes = {s.name: s.step(layout, ctx) for s in h.shadows}
+            rule = cast(_RentOrBuy, rent_or_buy._decide)
+            quiet = not rule.regret_changed and all(s.quiet for s in h.shadows)
+            self._repeat = _Repeat(layout, ctx.spec, modes) if quiet else None
         best = min(fixed, key=lambda s: s.seconds)
         if self._ahead(best, h.fixed_leader, ctx, model):
             if h.following is h.fixed_leader:
