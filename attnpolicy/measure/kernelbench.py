@@ -6,7 +6,8 @@ a :class:`~attnpolicy.dispatcher.Dispatcher` whose policy forces the family
 (``varlen`` or ``always-mask``) and whose ``kernels`` pick the implementation.
 Graphs are compiled and masks cached before timing (steady state); the mask build
 (dense mask for MASK, block mask for ``flex``) is timed apart, uncached.
-Implementations are interleaved within each repeat; figures are medians.
+Implementations are interleaved within each repeat, every other repeat in reverse
+order; times are medians, ``vs_loop`` the median of the per-repeat ratios.
 ``flex`` runs compiled with inductor (uncompiled FlexAttention materialises every
 score); the others with the ``backend`` given. Plugins' kernels get their rows like
 the built-ins, except where they cannot run: a kernel that cannot serve the batch
@@ -50,7 +51,7 @@ class KernelRow:
     impl: str
     backend: str
     median_ms: float
-    vs_loop: float  # loop time / this time (> 1: faster than the loop)
+    vs_loop: float  # median over repeats of loop time / this time (> 1: faster than the loop)
     build_ms: float | None = None  # dense mask or block mask, built uncached
 
 
@@ -108,14 +109,15 @@ def bench_kernels(total: int, num_seqs: int, *, heads: int = 8, kv_heads: int = 
                 return d.attend(q, k, v, layout)
             runs[(family, info.name, be)] = run
     times: dict[tuple[str, str, str], list[float]] = {name: [] for name in runs}
+    order = list(runs.items())
     with torch.inference_mode():
-        for _ in range(repeats):
-            for name, fn in runs.items():
+        for i in range(repeats):  # every other repeat in reverse order: no implementation always runs first
+            for name, fn in order if i % 2 == 0 else order[::-1]:
                 times[name].append(_ms(fn))
-    loop = statistics.median(times[("loop", "sdpa", "none")])
+    loops = times[("loop", "sdpa", "none")]
     rows = []
     for (family, impl, be), ts in times.items():
-        med = statistics.median(ts)
         build = _build_ms(layout, impl) if family == "mask" else None
-        rows.append(KernelRow(total, num_seqs, kv_heads, family, impl, be, med, loop / med, build))
+        vs_loop = statistics.median(a / b for a, b in zip(loops, ts))  # per repeat: drift cancels
+        rows.append(KernelRow(total, num_seqs, kv_heads, family, impl, be, statistics.median(ts), vs_loop, build))
     return rows
