@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.measure.overhead import (
     BACKENDS,
     POLICIES,
@@ -61,7 +62,7 @@ def test_bare_kernel(benchmark, policy, shape):
     num_seqs, seq_len = shape
     d, layout, q, k, v = _case(policy, "none", num_seqs, seq_len)
     benchmark.group = f"overhead {num_seqs}x{seq_len}"
-    bare = bare_kernel(layout, d.decide(layout).mode)
+    bare = bare_kernel(layout, d.preview(layout, TensorSpec.of(q, k)).mode)
     with torch.inference_mode():
         benchmark(bare, q, k, v)
 
@@ -71,7 +72,7 @@ def test_bare_kernel(benchmark, policy, shape):
 def test_gqa_16x512(benchmark, impl, kv_heads):
     d, layout, q, k, v = _case("varlen", "none", 16, 512, kv_heads)
     benchmark.group = "gqa 16x512"
-    fn = bare_kernel(layout, d.decide(layout).mode) if impl == "loop" else (
+    fn = bare_kernel(layout, d.preview(layout, TensorSpec.of(q, k)).mode) if impl == "loop" else (
         lambda q, k, v: d.attend(q, k, v, layout))
     with torch.inference_mode():
         benchmark.pedantic(fn, args=(q, k, v), rounds=5, warmup_rounds=1)
