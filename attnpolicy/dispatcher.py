@@ -282,8 +282,14 @@ class Dispatcher:
                     self._switch()
                 out = [self._serve(call, key, spec, layout) for call, key in batch.planned]
             else:
-                graph = self._graph
-                out = [(call, graph(call, key, spec, layout, True)) for call, key in batch.planned]
+                planned, graph = batch.planned, self._graph
+                i, out = 0, []
+                if batch.keys:  # several compiled calls: their hits under one lock
+                    graphs: list[Any] = []
+                    i = self.cache.hit_many(batch.keys, pin=True, values=graphs)
+                    self._pinned.extend(batch.keys[:i])
+                    out = [(call, _runnable(g)) for (call, _), g in zip(planned, graphs)]
+                out += [(call, graph(call, key, spec, layout, True)) for call, key in planned[i:]]
         except BaseException:
             self.release_batch()
             raise
@@ -535,8 +541,7 @@ class Dispatcher:
             return self._uncompiled(call, spec, key.impl)
         if pin:
             self._pinned.append(key)
-        # a compiled graph runs through the callable its backend produced (guard-free)
-        return cast(GraphFn, graph.call if type(graph) is CompiledGraph else graph)
+        return _runnable(graph)
 
     def _timed_build(self, call: Call, key: GraphKey, spec: TensorSpec) -> Any:
         """A synchronous build: its wall seconds stall the batch being prepared."""
@@ -780,11 +785,18 @@ class Dispatcher:
         )
 
 
+def _runnable(graph: Any) -> GraphFn:
+    """What runs a cached graph: a compiled graph's backend callable (guard-free)."""
+    return cast(GraphFn, graph.call if type(graph) is CompiledGraph else graph)
+
+
 class _Prepared:
     """A batch's decision, the mode that runs (VARLEN for a MASK call over
-    ``max_mask_bytes``) and its planned (call, key) pairs, with its per-batch counts."""
+    ``max_mask_bytes``) and its planned (call, key) pairs, with its per-batch counts.
+    ``keys``: the calls' graph keys when there are several and all are compiled
+    (fetched together), else empty."""
 
-    __slots__ = ("calls", "decision", "mode", "mode_name", "padded_tokens", "planned", "ran")
+    __slots__ = ("calls", "decision", "keys", "mode", "mode_name", "padded_tokens", "planned", "ran")
 
     def __init__(self, decision: Decision, mode: MaskMode, planned: Planned, layout: BatchLayout) -> None:
         self.decision = decision
@@ -792,6 +804,8 @@ class _Prepared:
         self.mode_name = mode.value  # the stats key (an Enum's value is a Python property)
         self.planned = planned
         self.calls = len(planned)
+        several = len(planned) > 1 and all(call.compiled for call, _ in planned)
+        self.keys = tuple(key for _, key in planned) if several else ()
         self.padded_tokens = sum(call.q_bucket for call, _ in planned) - layout.total_tokens
         self.ran = decision if mode is decision.mode else Decision(
             mode, f"{decision.reason}; its mask exceeds max_mask_bytes: ran {mode.value}")

@@ -407,3 +407,34 @@ def test_runs_varlen_fetches_and_counts_as_a_planned_step(policy, eviction):
     assert stats[0]["cache"]["evictions"] > 0 and stats[0]["cache"]["hits"] > 0
     assert stats[0]["modes"][policy if policy == "varlen" else "mask"] > 0
     assert stats[0]["overflow"] > 0 or policy != "varlen"
+
+
+@settings(max_examples=20, deadline=None)
+@given(picks=st.lists(st.integers(0, 4), min_size=1, max_size=12), max_graphs=st.sampled_from([1, 2, 3, None]),
+       eviction=st.sampled_from(["lru", "lfu", "fifo"]))
+def test_a_batch_fetches_its_hits_together_exactly_as_one_by_one(picks, max_graphs, eviction):
+    """Several compiled calls take their cached graphs under one lock: the cache ends
+    in the same state (hits, misses, evictions, per-key figures, what it holds) as
+    fetching every call's graph on its own, and the outputs are the same."""
+    from attnpolicy.measure.simulation import SimulatedGraph
+
+    pool = [BatchLayout.from_lens([3, 5, 3]), BatchLayout.from_lens([8, 2], [9, 2]), BatchLayout.from_lens([16, 16]),
+            BatchLayout.from_lens([4, 4, 4, 4], causal=False), BatchLayout.from_lens([30, 1], padded_to=40)]
+    spec = TensorSpec("float32", 4, 2, 8)
+
+    def run() -> tuple[object, ...]:
+        config = AttnPolicyConfig(policy="varlen", backend="eager", max_graphs=max_graphs, eviction=eviction,
+                                  max_seq_len=64)
+        d = Dispatcher(config, builder=lambda call, key, spec: SimulatedGraph(key))
+        fetched = []
+        for i in picks:
+            graphs = d.prepare(pool[i], spec)
+            fetched.append([(call, graph.key) for call, graph in graphs])  # type: ignore[union-attr]
+        d.release_batch()
+        return _untimed(d.stats().to_json()), sorted(map(str, d.cache.keys())), fetched
+
+    together = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GraphCache, "hit_many", lambda self, keys, start=0, **kw: start)  # one by one
+        assert run() == together
+

@@ -6,7 +6,6 @@ See ``docs/cache.md`` for what each statistic means and how eviction works.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -249,12 +248,13 @@ class GraphCache(Generic[V]):
                 return entry.value
         return self._miss(key, build, pin, seconds)
 
-    def hit_many(self, keys: Sequence[Hashable], start: int = 0, *, pin: bool = False) -> int:
+    def hit_many(self, keys: Sequence[Hashable], start: int = 0, *, pin: bool = False,
+                 values: list[V] | None = None) -> int:
         """``get_or_compile`` for ``keys[start:]``, in order, while they are cached, under
         one lock: each counts a hit, refreshes its recency and takes a pin (``pin``)
-        exactly as ``get_or_compile(key, build, pin=pin)`` would. Returns the index of
-        the first key not cached (``len(keys)`` when all were), for the caller to fetch
-        with ``get_or_compile``."""
+        exactly as ``get_or_compile(key, build, pin=pin)`` would, and its graph is
+        appended to ``values`` (if given). Returns the index of the first key not cached
+        (``len(keys)`` when all were), for the caller to fetch with ``get_or_compile``."""
         order = self._order
         with self._lock:
             stop = len(keys)
@@ -266,12 +266,14 @@ class GraphCache(Generic[V]):
             # LRU: a key's place depends only on its last touch; FIFO: touches change nothing
             touched = reversed(dict.fromkeys(reversed(hits))) if type(order) in _TOUCH_ONCE else hits
             entries = {key: order[key] for key in touched}  # each touch as get_or_compile's
-            for key, n in Counter(hits).items():
-                entries[key].stats.hits += n
+            for key in hits:
+                entries[key].stats.hits += 1
             self._hits += len(hits)
             if pin:
                 for key in hits:
                     self._pin(key)
+            if values is not None:
+                values.extend(entries[key].value for key in hits)
         return stop
 
     def _pin(self, key: Hashable) -> None:
