@@ -166,3 +166,17 @@ def test_inductor_graph_is_called_directly_and_matches():
     assert graph.direct
     q2, k2, v2 = qkv(6)
     torch.testing.assert_close(graph(q2, k2, mask, v2), _attention_v_last(q2, k2, mask, v2))
+
+
+@pytest.mark.inductor
+def test_inductor_code_called_directly_has_no_per_call_size_assertions():
+    """The key pins shapes and strides: the generated code is compiled without
+    inductor's size and stride assertions (the default for other compiles is kept)."""
+    import inspect
+
+    import torch._inductor.config as inductor_config
+
+    graph = compile_graph(attention, "inductor", example_inputs=qkv(7))
+    assert graph.direct and inductor_config.size_asserts
+    code = inspect.getsource(inspect.getmodule(graph.call.__closure__[0].cell_contents))  # type: ignore[union-attr]
+    assert "def call(" in code and "assert_size_stride(" not in code
