@@ -243,8 +243,7 @@ class GraphCache(Generic[V]):
                 self._hits += 1
                 entry.stats.hits += 1
                 if pin:
-                    pins = self._pins
-                    pins[key] = pins.get(key, 0) + 1
+                    self._pin(key)
                 return entry.value
         return self._miss(key, build, pin, seconds)
 

@@ -113,8 +113,9 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     value runs on sanitised K/V, and the rows that attend such a key are set to NaN
     (:mod:`attnpolicy.kernels.isolation`); one cheap check per batch decides, so a
     finite batch pays only that check. A batch of one unpadded sequence has no
-    neighbour to protect and is not checked: a bad value in it propagates as in
-    torch's SDPA, as in a CAUSAL call. Flex graphs isolate themselves the same way."""
+    neighbour to protect and is not checked: what a bad value in it does is the
+    kernel's own answer, as in a CAUSAL call. Flex graphs isolate themselves the
+    same way."""
     if torch.is_grad_enabled():
         with torch.no_grad():
             return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks)

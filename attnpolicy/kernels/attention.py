@@ -62,7 +62,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask:
     if mask is None and causal and q.shape[-2] == k.shape[-2]:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                               enable_gqa=gqa)[0]
-    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device) if causal else mask
+    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale,
                                           enable_gqa=gqa)[0]
 

@@ -10,9 +10,9 @@ fails it takes the isolating path: non-finite key rows are zeroed before the cal
 after it (:func:`repoisoned`), the faithful result of their own bad input.
 
 A batch of one sequence without padding rows (``BatchLayout.is_single``) has no
-neighbour to protect and is not checked: a bad value in it propagates as torch's
-SDPA propagates it, as in a CAUSAL call (every row that attends it is NaN, and
-possibly earlier rows of the same kernel block).
+neighbour to protect and is not checked: what a bad value in it does is the
+kernel's own answer, as in a CAUSAL call (with torch's SDPA, every row that
+attends it is non-finite, and possibly earlier rows of the same kernel block).
 
 The checks run in eager code: inductor compiles CPU code with
 ``-ffinite-math-only``, so an in-graph finiteness test cannot be relied on.

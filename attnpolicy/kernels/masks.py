@@ -85,15 +85,9 @@ class MaskCache:
         """:func:`mask_for` ``(layout)``'s dense ``rows × cols`` mask on ``device``, kept
         per (layout, shape, device): the hot path of a MASK call (no mask object built
         on a hit). Do not modify it."""
-        key = (layout, rows, cols, device)
-        hit = self._dense.get(key)
-        if hit is not None:  # lookup()'s hit, inlined
-            self._dense.move_to_end(key)
-            self._hits += 1
-            dense: torch.Tensor = hit[0]
-            return dense
-        built: torch.Tensor = self.lookup(key, rows * cols, lambda: mask_for(layout).materialize(rows, cols).to(device))
-        return built
+        dense: torch.Tensor = self.lookup((layout, rows, cols, device), rows * cols,
+                                          lambda: mask_for(layout).materialize(rows, cols).to(device))
+        return dense
 
     def __contains__(self, key: Hashable) -> bool:
         """Whether a dense entry for ``key`` is cached (no recency side effect)."""

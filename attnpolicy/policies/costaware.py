@@ -216,16 +216,15 @@ class _Shadow:
         self.seconds += option.run
         self.run = option.run
         uses = static.keys
-        masks = self.masks
+        all_hit = not option.missing and self._hits != "every"
+        if all_hit:
+            uses = static.last_used if self._hits == "last" else ()
         # all hits, touched idempotently (each key once at its last use, or not at all),
         # every mask cached or too large to cache: repeating the step changes nothing
         # but the seconds
-        largest = masks.max_bytes
-        self.quiet = (not option.missing and self._hits != "every"
-                      and all(key in masks or (largest is not None and key[1] * key[2] > largest)
-                              for key, _ in static.masks))
-        if not option.missing and self._hits != "every":
-            uses = static.last_used if self._hits == "last" else ()
+        masks, largest = self.masks, self.masks.max_bytes
+        self.quiet = all_hit and all(key in masks or (largest is not None and key[1] * key[2] > largest)
+                                     for key, _ in static.masks)
         touch, request = self.cache.touch, self.request
         for key in uses:  # misses charged one by one: a key may be evicted within the batch
             try:
@@ -308,11 +307,12 @@ class _RentOrBuy:
 
 
 class _Hedge:
-    """The shadows (rent-or-buy first, then the fixed rules), the best fixed rule so far
-    and the rule followed now (``varlen`` at first)."""
+    """The shadows (rent-or-buy first, then the fixed rules), rent-or-buy's rule, the
+    best fixed rule so far and the rule followed now (``varlen`` at first)."""
 
-    def __init__(self, shadows: list[_Shadow]) -> None:
+    def __init__(self, shadows: list[_Shadow], rent_or_buy: _RentOrBuy) -> None:
         self.shadows = shadows
+        self.rent_or_buy = rent_or_buy
         self.fixed_leader = self.following = shadows[1]
 
 
@@ -354,13 +354,14 @@ class CostAware:
         already cached (a warmed-up cache), at no charge."""
         cfg = ctx.config or AttnPolicyConfig()  # no config: an unbounded LRU cache
         pricer = _Pricer(model)
-        shadows = [_Shadow(RENT_OR_BUY, cfg, pricer, _RentOrBuy(pricer))]
+        rule = _RentOrBuy(pricer)
+        shadows = [_Shadow(RENT_OR_BUY, cfg, pricer, rule)]
         shadows += [_Shadow(cls.name, cfg, pricer, _fixed(cls())) for cls in (Varlen, Dynamic, AlwaysMask)]
         warm = [k for m in legal_modes(layout) for k in ctx.keys_for(layout, m) if ctx.is_cached(k)]
         for shadow in shadows:
             for key in warm:
                 shadow.request(key)
-        return _Hedge(shadows)
+        return _Hedge(shadows, rule)
 
     @staticmethod
     def _ahead(candidate: _Shadow, leader: _Shadow, ctx: PolicyContext, model: CostModel) -> bool:
@@ -386,8 +387,7 @@ class CostAware:
                 shadow.seconds += shadow.run
         else:
             modes = {s.name: s.step(layout, ctx) for s in h.shadows}
-            rule = cast(_RentOrBuy, rent_or_buy._decide)
-            quiet = not rule.regret_changed and all(s.quiet for s in h.shadows)
+            quiet = not h.rent_or_buy.regret_changed and all(s.quiet for s in h.shadows)
             self._repeat = _Repeat(layout, ctx.spec, modes) if quiet else None
         best = min(fixed, key=lambda s: s.seconds)
         if self._ahead(best, h.fixed_leader, ctx, model):
