@@ -192,6 +192,16 @@ def add_workload_args(p: argparse.ArgumentParser, max_num_seqs: int, max_num_bat
                    help="prefill each prompt in one step (default: chunked prefill on)")
 
 
+def add_policies_arg(p: argparse.ArgumentParser, policies: tuple[str, ...]) -> None:
+    p.add_argument("--policies", type=str_list, default=policies, metavar="P[,P...]",
+                   help=f"registered policies, see 'attnpolicy policies' (default: {shown(policies)})")
+
+
+def add_capacities_arg(p: argparse.ArgumentParser, capacities: tuple[int | None, ...]) -> None:
+    p.add_argument("--capacities", type=capacity_list, default=capacities, metavar="K[,K...]",
+                   help=f"graph-cache capacities (max_graphs); 'inf' for unbounded (default: {shown(capacities)})")
+
+
 def add_option_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", type=option, default=[], metavar="POLICY:KEY=VALUE",
                    help="an option of one policy, e.g. cost-aware:margin=0.9 (repeatable; VALUE is "

@@ -7,10 +7,11 @@ from typing import Any
 
 from attnpolicy.cli.common import (
     MIB,
+    add_capacities_arg,
     add_option_arg,
+    add_policies_arg,
     add_workload_args,
     byte_list,
-    capacity_list,
     check_evictions,
     describe_options,
     fail,
@@ -80,14 +81,12 @@ def add_sweep_args(p: argparse.ArgumentParser, policies: tuple[str, ...], capaci
                    evictions: tuple[str, ...], buckets: tuple[str, ...]) -> None:
     """--policies, --buckets, --capacities, --max-bytes, --evictions, --option and
     --workers (simulate and report); ``buckets`` empty: the base config's."""
-    p.add_argument("--policies", type=str_list, default=policies, metavar="P[,P...]",
-                   help=f"registered policies, see 'attnpolicy policies' (default: {shown(policies)})")
+    add_policies_arg(p, policies)
     p.add_argument("--buckets", type=str_list, default=buckets, metavar="S[,S...]",
                    help="bucket schemes side by side: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
                         "exact, or the path of an attnpolicy config (its buckets) "
                         f"(default: {shown(buckets) if buckets else 'the base config’s, pow2'})")
-    p.add_argument("--capacities", type=capacity_list, default=capacities, metavar="K[,K...]",
-                   help=f"graph-cache capacities (max_graphs); 'inf' for unbounded (default: {shown(capacities)})")
+    add_capacities_arg(p, capacities)
     p.add_argument("--max-bytes", type=byte_list, default=None, metavar="B[,B...]",
                    help="graph-cache byte bounds (max_bytes), e.g. 256MiB,1GiB,inf; every capacity × bound "
                         "is a row (default: the base config's, unbounded)")

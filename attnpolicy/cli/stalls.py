@@ -7,8 +7,9 @@ import argparse
 from typing import Any
 
 from attnpolicy.cli.common import (
+    add_capacities_arg,
+    add_policies_arg,
     add_workload_args,
-    capacity_list,
     fail,
     former_options,
     positive_int,
@@ -39,10 +40,8 @@ def register(subparsers: Any) -> None:
                 "model compile stalls per batch: synchronous compiles against background compiles with pad-up",
                 "attnpolicy stalls --limit 100 --capacities 8,inf --warm prefix:20", cmd_stalls)
     add_workload_args(s, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
-    s.add_argument("--policies", type=str_list, default=POLICIES, metavar="P[,P...]",
-                   help=f"registered policies, see 'attnpolicy policies' (default: {shown(POLICIES)})")
-    s.add_argument("--capacities", type=capacity_list, default=CAPACITIES, metavar="K[,K...]",
-                   help=f"graph-cache capacities (max_graphs); 'inf' for unbounded (default: {shown(CAPACITIES)})")
+    add_policies_arg(s, POLICIES)
+    add_capacities_arg(s, CAPACITIES)
     s.add_argument("--warm", type=str_list, default=WARM, metavar="W[,W...]",
                    help="warm-up sets: 'none', 'all' (every key the workload uses) or 'prefix:N' (the keys "
                         f"of its first N batches) (default: {shown(WARM)})")
