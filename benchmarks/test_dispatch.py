@@ -10,8 +10,8 @@ import pytest
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.workload import synthetic_default
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import synthetic_default
 
 SPEC = TensorSpec("float32", 8, 8, 64)
 LAYOUTS = {"single": BatchLayout.from_lens([1000]), "packed-4": BatchLayout.from_lens([250] * 4),

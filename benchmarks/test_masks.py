@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from attnpolicy.bench.mode_timing import split_lengths
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.measure.timing import split_lengths
 
 
 @pytest.mark.parametrize("num_seqs", [1, 4, 16])

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnpolicy.bench.mode_timing import BenchSettings, modes_for, split_lengths, time_mode
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.measure.timing import BenchSettings, modes_for, split_lengths, time_mode
 
 LENGTHS = (128, 512, 1024, 2048)
 SEQS = (1, 4)

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
-from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.overhead import (
+from attnpolicy.bench.overhead import (
     BACKENDS,
     POLICIES,
     SHAPES,
     bare_kernel,
     measure_overhead,
 )
+from attnpolicy.graphs.keys import TensorSpec
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnpolicy.errors import ConfigError
-from attnpolicy.measure.batching import BatchFormer, Step
-from attnpolicy.measure.workload import Request, load_azure_csv, synthetic_default
+from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.traces import Request, load_azure_csv, synthetic_default
 
 AZURE_CODE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
 

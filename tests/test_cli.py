@@ -11,15 +11,15 @@ import cachetools
 import pytest
 
 from attnpolicy import __version__
+from attnpolicy.bench.mode_timing import BenchRow, speedups
 from attnpolicy.cli import build_parser, main
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.simulation import extrapolation
-from attnpolicy.measure.timing import BenchRow, speedups
-from attnpolicy.measure.workload import Request
+from attnpolicy.modelling.simulation import extrapolation
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import Request
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

@@ -13,12 +13,12 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.graphs.costmodel import CostModel, Fit
-from attnpolicy.measure.simulation import SimulatedGraph, simulate
-from attnpolicy.measure.workload import Request, synthetic_default
+from attnpolicy.modelling.simulation import SimulatedGraph, simulate
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager, make_policy, policy_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.costaware import CostAware
+from attnpolicy.workloads.traces import Request, synthetic_default
 
 FIXED = ("always-mask", "dynamic", "varlen")
 
@@ -171,8 +171,8 @@ def test_a_shadow_batch_that_hits_every_graph_skips_repeated_uses_without_changi
     """HIT_TOUCH: touching each key once at its last use (lru), or not at all (fifo),
     leaves the shadow caches as replaying every use does: the same decisions and
     reasons (modelled totals included) on a stream of multi-sequence batches."""
-    from attnpolicy.measure.batching import BatchFormer
     from attnpolicy.policies import costaware
+    from attnpolicy.workloads.batching import BatchFormer
 
     model = CostModel.default()
     steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=512).steps(synthetic_default(40))]

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
+from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes
 from attnpolicy.cli import main
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import GraphKey
-from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
 
 
 def key(kind: str, q: int, kv: int, model: CostModel, backend: str = "aot_eager") -> GraphKey:

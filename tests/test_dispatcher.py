@@ -416,7 +416,7 @@ def test_a_batch_fetches_its_hits_together_exactly_as_one_by_one(picks, max_grap
     """Several compiled calls take their cached graphs under one lock: the cache ends
     in the same state (hits, misses, evictions, per-key figures, what it holds) as
     fetching every call's graph on its own, and the outputs are the same."""
-    from attnpolicy.measure.simulation import SimulatedGraph
+    from attnpolicy.modelling.simulation import SimulatedGraph
 
     pool = [BatchLayout.from_lens([3, 5, 3]), BatchLayout.from_lens([8, 2], [9, 2]), BatchLayout.from_lens([16, 16]),
             BatchLayout.from_lens([4, 4, 4, 4], causal=False), BatchLayout.from_lens([30, 1], padded_to=40)]

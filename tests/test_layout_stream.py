@@ -12,14 +12,14 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.layout_stream import (
+from attnpolicy.modelling.simulation import simulate_run
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.layout_stream import (
     LayoutStreamWriter,
     read_layout_stream,
     select_run,
 )
-from attnpolicy.measure.simulation import simulate_run
-from attnpolicy.measure.workload import synthetic_default
+from attnpolicy.workloads.traces import synthetic_default
 
 SPEC = TensorSpec("float32", 4, 2, 32, 0.125)
 

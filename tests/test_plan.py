@@ -12,8 +12,8 @@ from attnpolicy.core.modes import GraphFamily
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.graph_plan import (
+from attnpolicy.modelling.simulation import simulation_config
+from attnpolicy.planning.graph_set import (
     candidate_lists,
     covering,
     decided_shapes,
@@ -21,8 +21,8 @@ from attnpolicy.measure.graph_plan import (
     plan_graphs,
     warm_set,
 )
-from attnpolicy.measure.simulation import simulation_config
-from attnpolicy.measure.workload import Request
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import Request
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
@@ -153,7 +153,7 @@ def test_attend_warms_the_config_set_at_a_specs_first_use():
 
 
 def test_plan_a_recorded_layout_stream_keeps_its_config_and_spec(tmp_path):
-    from attnpolicy.measure.layout_stream import LayoutStreamWriter
+    from attnpolicy.workloads.layout_stream import LayoutStreamWriter
 
     recorded = AttnPolicyConfig(max_seq_len=128, max_batch_tokens=512, backend="aot_eager")
     path = tmp_path / "layouts.jsonl"

@@ -14,7 +14,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
-from attnpolicy.measure.planner import CallShapes, candidates, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import CallShapes, candidates, evaluate, plan_sizes
 
 
 def model(backend: str = "aot_eager") -> CostModel:

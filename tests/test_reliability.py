@@ -21,9 +21,9 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.attention import attention
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.simulation import _replay, simulate
-from attnpolicy.measure.workload import Request
+from attnpolicy.modelling.simulation import _replay, simulate
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import Request
 
 SPEC = TensorSpec("float32", 4, 2, 16)
 BAD = (float("nan"), float("inf"), float("-inf"))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
+from attnpolicy.bench.replay import run_workload
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.replay import run_workload
-from attnpolicy.measure.simulation import simulate
-from attnpolicy.measure.workload import Request
+from attnpolicy.modelling.simulation import simulate
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import Request
 
 REQUESTS = [Request(0.0, 40, 3), Request(0.1, 150, 2), Request(0.2, 7, 4), Request(0.3, 90, 1)]
 FORMER = {"max_num_seqs": 3, "max_num_batched_tokens": 128}

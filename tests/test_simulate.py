@@ -21,9 +21,8 @@ from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.bucket_schemes import bucket_scheme, complete, vllm_sizes
-from attnpolicy.measure.simulation import (
+from attnpolicy.modelling.bucket_schemes import bucket_scheme, complete, vllm_sizes
+from attnpolicy.modelling.simulation import (
     ROW_FIELDS,
     SimulatedGraph,
     belady_cache,
@@ -32,8 +31,9 @@ from attnpolicy.measure.simulation import (
     simulate,
     simulation_config,
 )
-from attnpolicy.measure.workload import Request, synthetic_default
 from attnpolicy.policies.guard import Guard
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import Request, synthetic_default
 
 MODEL = CostModel.default()
 FIXED = ("always-mask", "dynamic", "varlen")

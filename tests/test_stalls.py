@@ -10,10 +10,10 @@ from attnpolicy import AttnPolicyConfig, BatchLayout
 from attnpolicy.cli import main
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.simulation import simulate_layouts, simulation_config
-from attnpolicy.measure.stalls import compare_stalls, model_stalls, warm_layouts
-from attnpolicy.measure.workload import load_trace
+from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
+from attnpolicy.modelling.stalls import compare_stalls, model_stalls, warm_layouts
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import load_trace
 
 #: every call runs 1 s, every compile takes 10 s, nothing else costs
 FLAT = CostModel.default().model_copy(update={

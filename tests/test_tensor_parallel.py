@@ -22,9 +22,9 @@ import torch.multiprocessing as mp
 
 from attnpolicy import AttnPolicyConfig, Decision, Dispatcher, hookimpl
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.workload import synthetic_default
 from attnpolicy.plugins.registry import get_plugin_manager, policy_registry
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import synthetic_default
 
 WORLD = 2
 STEPS = 24

@@ -320,14 +320,14 @@ def test_vllm_every_attention_step_is_decided(generated, policy):
 
 
 def _stream_runs(tmp: Path):
-    from attnpolicy.measure.layout_stream import read_layout_stream
+    from attnpolicy.workloads.layout_stream import read_layout_stream
 
     return {r.config.policy: r for r in read_layout_stream(tmp / "layouts.jsonl")}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_vllm_layout_stream_replays_to_the_recorded_misses(generated, policy):
-    from attnpolicy.measure.simulation import simulate_run
+    from attnpolicy.modelling.simulation import simulate_run
 
     _, tmp = generated
     run = _stream_runs(tmp)[policy]
@@ -412,7 +412,7 @@ def test_vllm_warms_a_planned_config_then_compiles_nothing(llama_dir, generated,
     warms the planned set at its first step and every step after hits."""
     from attnpolicy.cli import main
     from attnpolicy.config import AttnPolicyConfig
-    from attnpolicy.measure.layout_stream import read_layout_stream
+    from attnpolicy.workloads.layout_stream import read_layout_stream
 
     stock = generated[0]["stock"]["packed"]
     recorded = _stream_runs(generated[1])["varlen"]

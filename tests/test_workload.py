@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from attnpolicy.errors import AttnPolicyError
-from attnpolicy.measure.workload import (
+from attnpolicy.workloads.traces import (
     OUTPUT_RANGE,
     PROMPT_RANGE,
     Request,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from attnpolicy.bench.mode_timing import NOISY, BenchSettings, run_bench, speedups, to_json
 from attnpolicy.cli.common import (
     add_spec_args,
     command,
@@ -19,7 +20,6 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.names import IMPLS
-from attnpolicy.measure.timing import NOISY, BenchSettings, run_bench, speedups, to_json
 
 FLAGS = {"kv_heads": "--kv-heads", "seqs": "--seqs", "partition_len": "--partition-len"}
 

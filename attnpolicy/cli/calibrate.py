@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes
 from attnpolicy.cli.common import (
     add_spec_args,
     command,
@@ -14,7 +15,6 @@ from attnpolicy.cli.common import (
     progress,
     settings,
 )
-from attnpolicy.measure.calibration import CalibrationSettings, calibrate, shapes
 
 DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
 FLAGS = {"max_len": "--max-len", "kv_heads": "--kv-heads", "head_dim": "--head-dim", "impl": "--impl",

@@ -22,7 +22,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from attnpolicy.measure.timing import DTYPES
+from attnpolicy.bench.mode_timing import DTYPES
 
 console = Console(stderr=True)
 T = TypeVar("T")

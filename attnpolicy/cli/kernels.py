@@ -9,9 +9,9 @@ from dataclasses import asdict
 
 import torch
 
+from attnpolicy.bench.kernel_timing import bench_kernels
 from attnpolicy.cli.common import print_table, progress
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.measure.kernelbench import bench_kernels
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:

@@ -9,9 +9,9 @@ from dataclasses import asdict
 
 import torch
 
+from attnpolicy.bench.overhead import BACKENDS, POLICIES, SHAPES, measure_decisions, run_overhead
 from attnpolicy.cli.common import print_table, progress
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.measure.overhead import BACKENDS, POLICIES, SHAPES, measure_decisions, run_overhead
 
 
 def cmd_overhead(args: argparse.Namespace) -> int:

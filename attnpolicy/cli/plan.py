@@ -24,10 +24,10 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.graph_plan import POLICIES, GraphPlan, plan_graphs, plan_markdown, plannable
-from attnpolicy.measure.layout_stream import read_layout_stream, select_run
-from attnpolicy.measure.simulation import check_model, simulation_config
+from attnpolicy.modelling.simulation import check_model, simulation_config
+from attnpolicy.planning.graph_set import POLICIES, GraphPlan, plan_graphs, plan_markdown, plannable
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
 
 EVICTIONS = ("lru", "lfu", "fifo", "cost")
 

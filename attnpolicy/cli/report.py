@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from attnpolicy.bench.mode_timing import BenchSettings
 from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
@@ -25,9 +26,8 @@ from attnpolicy.cli.common import (
     warn,
 )
 from attnpolicy.cli.simulate import add_sweep_args, cost_model, former_from, sweep_size, workload
-from attnpolicy.measure.report import ReportSettings, make_report
-from attnpolicy.measure.simulation import extrapolation
-from attnpolicy.measure.timing import BenchSettings
+from attnpolicy.modelling.simulation import extrapolation
+from attnpolicy.report import ReportSettings, make_report
 
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",

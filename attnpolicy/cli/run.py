@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from attnpolicy.bench.replay import TOLERANCE, run_workload
 from attnpolicy.cli.common import (
     MIB,
     add_option_arg,
@@ -27,7 +28,6 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.replay import TOLERANCE, run_workload
 
 DEFAULTS = AttnPolicyConfig.model_fields
 

@@ -28,11 +28,8 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.bucket_schemes import BucketScheme, bucket_scheme
-from attnpolicy.measure.layout_stream import read_layout_stream, select_run
-from attnpolicy.measure.report.plots import plot_sweep
-from attnpolicy.measure.simulation import (
+from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
+from attnpolicy.modelling.simulation import (
     SimRow,
     check_model,
     extrapolation,
@@ -41,7 +38,10 @@ from attnpolicy.measure.simulation import (
     simulate_run,
     simulation_config,
 )
-from attnpolicy.measure.workload import Request, TraceError, load_trace
+from attnpolicy.report.plots import plot_sweep
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
+from attnpolicy.workloads.traces import Request, TraceError, load_trace
 
 POLICIES = ("always-mask", "dynamic", "varlen", "cost-aware")
 CAPACITIES = (2, 4, 8, 16)

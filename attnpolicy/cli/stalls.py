@@ -23,9 +23,9 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.simulation import check_model, simulation_config
-from attnpolicy.measure.stalls import StallRow, compare_stalls, warm_layouts
+from attnpolicy.modelling.simulation import check_model, simulation_config
+from attnpolicy.modelling.stalls import StallRow, compare_stalls, warm_layouts
+from attnpolicy.workloads.batching import BatchFormer
 
 POLICIES = ("varlen",)
 CAPACITIES = (8, 16, None)

@@ -2,7 +2,7 @@
 
 A :class:`CostModel` holds, for the tensor spec, attention implementation and
 compile backend it was calibrated with (``attnpolicy calibrate``, see
-:mod:`attnpolicy.measure.calibration`), one :class:`Fit` per quantity:
+:mod:`attnpolicy.bench.calibration`), one :class:`Fit` per quantity:
 
 - ``run[family]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
   shape), input padding and output copy included, for each :class:`GraphFamily`

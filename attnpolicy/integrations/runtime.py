@@ -12,7 +12,7 @@ Environment variables (read when an integration builds its dispatcher):
   appending raises :class:`~attnpolicy.errors.ConfigError` naming the variable there,
   never later inside an attention call;
 - ``ATTNPOLICY_LAYOUT_LOG``: a layout-stream file (see
-  :mod:`attnpolicy.measure.layout_stream`) for integrations that record their steps.
+  :mod:`attnpolicy.workloads.layout_stream`) for integrations that record their steps.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from attnpolicy.core.modes import Decision
 from attnpolicy.dispatcher import Builder, Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.layout_stream import LAYOUT_LOG_ENV, LayoutStreamWriter
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.workloads.layout_stream import LAYOUT_LOG_ENV, LayoutStreamWriter
 
 DECISIONS_LOG_ENV = "ATTNPOLICY_DECISIONS_LOG"
 

@@ -59,7 +59,7 @@ from attnpolicy.integrations.vllm_paged import (
     PagedGather,
     PagedVarlenKernel,
 )
-from attnpolicy.measure.layout_stream import LayoutStreamWriter
+from attnpolicy.workloads.layout_stream import LayoutStreamWriter
 
 _SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 

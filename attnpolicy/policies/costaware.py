@@ -38,7 +38,7 @@ the caches hold (keys, run seconds, mask builds; remembered), and each shadow ad
 what its own caches change. A shadow whose batch finds every graph cached touches
 each key once at its last use under ``lru`` and not at all under ``fifo`` (the same
 cache state as replaying every use, since hits never evict); other evictions
-replay every use. Time decisions with :func:`attnpolicy.measure.overhead.measure_decisions`.
+replay every use. Time decisions with :func:`attnpolicy.bench.overhead.measure_decisions`.
 
 Outside a dispatcher (a context without keys to price) every option costs nothing,
 so no rule ever gets ahead and the policy answers as ``varlen``.

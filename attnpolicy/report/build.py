@@ -25,19 +25,19 @@ import torch
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as validated
 
+from attnpolicy.bench.calibration import CalibrationSettings, calibrate
+from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
+from attnpolicy.bench.mode_timing import BenchSettings, run_bench, speedups
+from attnpolicy.bench.replay import run_workload
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.bucket_schemes import bucket_scheme
-from attnpolicy.measure.calibration import CalibrationSettings, calibrate
-from attnpolicy.measure.kernelbench import KernelRow, bench_kernels
-from attnpolicy.measure.replay import run_workload
-from attnpolicy.measure.report.markdown import markdown
-from attnpolicy.measure.report.plots import plot_bench, plot_sweep
-from attnpolicy.measure.simulation import SimRow, lower_bounds, simulate, simulation_config
-from attnpolicy.measure.timing import BenchSettings, run_bench, speedups
-from attnpolicy.measure.workload import Request, load_trace
+from attnpolicy.modelling.bucket_schemes import bucket_scheme
+from attnpolicy.modelling.simulation import SimRow, lower_bounds, simulate, simulation_config
 from attnpolicy.plugins.kernels import kernel_registry
+from attnpolicy.report.markdown import markdown
+from attnpolicy.report.plots import plot_bench, plot_sweep
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import Request, load_trace
 
 #: The fixed policies cost-aware is compared with in the summary.
 FIXED = ("always-mask", "dynamic", "varlen")
@@ -55,7 +55,7 @@ class ReportSettings:
     capacities: Annotated[tuple[Annotated[int, Field(ge=1)] | None, ...], Field(min_length=1)] = (
         2, 4, 8, 16, 32, None)
     evictions: Annotated[tuple[str, ...], Field(min_length=1)] = ("lru", "lfu", "cost", "belady")
-    #: Bucket schemes side by side (see attnpolicy.measure.bucket_schemes).
+    #: Bucket schemes side by side (see attnpolicy.modelling.bucket_schemes).
     buckets: Annotated[tuple[str, ...], Field(min_length=1)] = ("pow2", "vllm", "exact")
     max_bytes: Annotated[tuple[Annotated[int, Field(ge=1)] | None, ...], Field(min_length=1)] = (None,)
     workers: Annotated[int, Field(ge=1)] = 2

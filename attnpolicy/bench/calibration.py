@@ -19,6 +19,7 @@ import torch
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as validated
 
+from attnpolicy.bench.mode_timing import DTYPES, SpecSettings, split_lengths
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
@@ -30,7 +31,6 @@ from attnpolicy.graphs.execute import execute
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.measure.timing import DTYPES, SpecSettings, split_lengths
 
 #: The policy that plans each graph family for the calibration layouts below.
 _POLICY: dict[GraphFamily, str] = {GraphFamily.CAUSAL: "dynamic", GraphFamily.MASK: "always-mask",
@@ -198,7 +198,7 @@ KERNEL_BATCH = (1024, 4)
 def _kernel_seconds(s: CalibrationSettings) -> dict[str, dict[str, float]]:
     """Median seconds of every registered kernel per family on :data:`KERNEL_BATCH`,
     at most ``max_len`` tokens."""
-    from attnpolicy.measure.kernelbench import bench_kernels
+    from attnpolicy.bench.kernel_timing import bench_kernels
 
     total, seqs = KERNEL_BATCH
     rows = bench_kernels(min(total, s.max_len), seqs, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from attnpolicy.measure.report.plots import TT_XLA
+from attnpolicy.report.plots import TT_XLA
 
 MIB = 2**20
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
-from attnpolicy.measure.workload import Request
+from attnpolicy.workloads.traces import Request
 
 
 @dataclass(frozen=True)

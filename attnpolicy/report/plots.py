@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.measure.simulation import SimRow
-from attnpolicy.measure.timing import Speedup
+from attnpolicy.bench.mode_timing import Speedup
+from attnpolicy.modelling.simulation import SimRow
 
 #: tt-xla (Tenstorrent's XLA compiler), 1 sequence: masked / mask-free time on their
 #: accelerator, as published in their issue tracker (tenstorrent/tt-xla#1784).

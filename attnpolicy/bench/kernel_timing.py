@@ -27,14 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from attnpolicy.bench.mode_timing import split_lengths
+from attnpolicy.bench.overhead import bare_kernel
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.kernels.flex import build_block_mask
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.measure.overhead import bare_kernel
-from attnpolicy.measure.timing import split_lengths
 from attnpolicy.plugins.kernels import KernelInfo, impls_for, kernel_registry, why_unfit
 
 POLICY = {"varlen": "varlen", "mask": "always-mask"}

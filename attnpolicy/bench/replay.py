@@ -22,8 +22,8 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.measure.batching import BatchFormer, Step
-from attnpolicy.measure.workload import Request
+from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.traces import Request
 
 #: Largest absolute error against the float64 reference that ``check`` accepts, per dtype.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}

@@ -2,7 +2,7 @@
 compiles with pad-up (``compile_mode``), on a modelled clock.
 
 The batches go through a real :class:`~attnpolicy.dispatcher.Dispatcher` with the
-simulation's builder (nothing compiles; see :mod:`attnpolicy.measure.simulation`),
+simulation's builder (nothing compiles; see :mod:`attnpolicy.modelling.simulation`),
 so decisions, pad-ups, switch points, hits and evictions are those of a real run.
 Time is the cost model's: a batch runs for its calls' run seconds (plus dispatch
 overhead and host mask builds); a synchronous compile stalls its batch for the
@@ -29,8 +29,8 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels.masks import MaskCache, mask_for
-from attnpolicy.measure.batching import Step
-from attnpolicy.measure.simulation import SimulatedGraph
+from attnpolicy.modelling.simulation import SimulatedGraph
+from attnpolicy.workloads.batching import Step
 
 #: ``warm`` values besides ``prefix:N``.
 WARM_NONE, WARM_ALL = "none", "all"

@@ -29,9 +29,9 @@ from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.measure.batching import BatchFormer
-from attnpolicy.measure.simulation import SimulatedGraph, simulation_config
-from attnpolicy.measure.workload import synthetic_default
+from attnpolicy.modelling.simulation import SimulatedGraph, simulation_config
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import synthetic_default
 
 #: (sequences, tokens per sequence) of the overhead table.
 SHAPES = ((1, 16), (1, 128), (4, 256), (16, 64))

@@ -3,7 +3,7 @@ bucket schemes × policies × cache bounds × evictions.
 
 A configuration runs a real :class:`~attnpolicy.dispatcher.Dispatcher` (decision,
 guard, plan, graph cache) over the batches of a
-:class:`~attnpolicy.measure.batching.BatchFormer`, with a builder that compiles nothing:
+:class:`~attnpolicy.workloads.batching.BatchFormer`, with a builder that compiles nothing:
 a miss is charged the model's compile seconds, every call the model's run seconds
 plus the dispatch overhead, and every MASK call whose dense mask is not in the
 mask cache (mirrored: a :class:`~attnpolicy.kernels.masks.MaskCache` bounded by
@@ -51,12 +51,12 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels.masks import MaskCache, mask_for
-from attnpolicy.measure.batching import BatchFormer, Step
-from attnpolicy.measure.bucket_schemes import BucketScheme, base_scheme
-from attnpolicy.measure.layout_stream import LayoutRun
-from attnpolicy.measure.workload import Request
+from attnpolicy.modelling.bucket_schemes import BucketScheme, base_scheme
 from attnpolicy.plugins.registry import eviction_registry
 from attnpolicy.policies.guard import Guard
+from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.layout_stream import LayoutRun
+from attnpolicy.workloads.traces import Request
 
 #: The JSON form of every row holds at least these keys (the stable contract).
 ROW_FIELDS = ("policy", "buckets", "capacity", "max_bytes", "eviction", "hits", "misses", "hit_rate",
@@ -338,7 +338,7 @@ def simulate(
 
     ``capacity`` is ``max_graphs`` (``None``: unbounded); ``buckets`` (default: the
     base config's own) are the schemes compared, see
-    :mod:`attnpolicy.measure.bucket_schemes`; ``max_bytes`` (default: the base
+    :mod:`attnpolicy.modelling.bucket_schemes`; ``max_bytes`` (default: the base
     config's) are the byte bounds; every other config field comes from
     ``config_base`` (default: :func:`simulation_config`); ``model`` defaults to
     :meth:`CostModel.default`; ``former_options`` are :class:`BatchFormer` keyword
@@ -381,7 +381,7 @@ def simulate_layouts(
     workers: int = 1,
 ) -> list[SimRow]:
     """:func:`simulate` over given steps (or layouts, e.g. a recorded layout stream,
-    see :mod:`attnpolicy.measure.layout_stream`) instead of a batch former's.
+    see :mod:`attnpolicy.workloads.layout_stream`) instead of a batch former's.
 
     ``spec`` (default: the model's) is the tensor spec of the graph keys: give the
     recorded one to reproduce a recorded run's keys, and with them its hits, misses

@@ -2,7 +2,7 @@
 
 For each policy whose decisions depend only on the layout (``stateless``), the
 workload's exact call shapes give candidate bucket lists, one per number of buckets
-(:func:`~attnpolicy.measure.planner.plan_sizes`: exact or near-optimal for the
+(:func:`~attnpolicy.planning.bucket_search.plan_sizes`: exact or near-optimal for the
 modelled time with every graph compiled once). Each candidate is then simulated at
 the given capacity (``max_graphs``, ``max_bytes``; :func:`simulate_layouts`) and the
 best bucket list and eviction strategy are kept:
@@ -40,11 +40,11 @@ from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.measure.batching import Step
-from attnpolicy.measure.planner import CallShapes, PlanCost, evaluate, plan_sizes
-from attnpolicy.measure.simulation import SimRow, simulate_layouts
+from attnpolicy.modelling.simulation import SimRow, simulate_layouts
+from attnpolicy.planning.bucket_search import CallShapes, PlanCost, evaluate, plan_sizes
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
+from attnpolicy.workloads.batching import Step
 
 #: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
 POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")

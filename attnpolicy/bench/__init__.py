@@ -1,0 +1,1 @@
+"""Benchmarks on this machine: mode and kernel timings, dispatcher overhead, calibration, real replays."""

@@ -1,0 +1,1 @@
+"""Modelling: replaying workloads on a cost model (simulation, compile stalls, the bucket schemes compared)."""

@@ -1,0 +1,1 @@
+"""Planning: the compiled sizes and the graph set a workload should run with."""
