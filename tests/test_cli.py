@@ -94,6 +94,53 @@ def test_mistakes_exit_2_with_one_line_before_any_work(capsys, tmp_path, argv, n
     assert not out.exists()  # nothing written, no folder left behind
 
 
+UNWRITABLE = [["simulate", "--json"], ["simulate", "--plot"], ["stalls", "--json"], ["plan", "--out"],
+              ["run", "--json"], ["report", "--out"], ["bench", "--json"], ["calibrate", "--out"]]
+
+
+@pytest.mark.parametrize("argv", UNWRITABLE, ids=" ".join)
+def test_an_unwritable_output_path_is_one_line_before_any_work(capsys, tmp_path, monkeypatch, argv):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    ran: list[str] = []
+    # any work at all (a trace read, a cost model loaded) would be recorded here
+    monkeypatch.setattr("attnpolicy.workloads.traces.synthetic_default", lambda *a: ran.append("trace") or [])
+    monkeypatch.setattr("attnpolicy.graphs.costmodel.CostModel.default", lambda: ran.append("model"))
+    line = one_error_line(capsys, [*argv, str(blocker / "sub" / "out.json")])
+    assert argv[1] in line and "a-file is not a directory" in line, line
+    assert ran == []
+    folder = argv in (["plan", "--out"], ["report", "--out"])
+    wrong_kind = blocker if folder else tmp_path  # a file where a folder goes, or the reverse
+    line = one_error_line(capsys, [*argv, str(wrong_kind)])
+    assert f"{argv[1]}: {wrong_kind} is {'not ' if folder else ''}a directory" in line, line
+    assert ran == []
+
+
+def test_plan_reports_the_requests_it_leaves_out(capsys, tmp_path):
+    trace = tmp_path / "mixed.csv"
+    trace.write_text(CSV_HEADER + "2023-11-16 18:17:03.9799600,100,3\n2023-11-16 18:17:04.9799600,9000,3\n"
+                     "2023-11-16 18:17:05.9799600,200,5\n")
+    out = tmp_path / "plan"
+    assert main(["plan", "--trace", str(trace), "--max-seq-len", "4096", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "1 of 3 requests need more than --max-seq-len 4096" in err
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["rejected"] == 1
+    assert {p["row"]["rejected"] for p in plan["policies"]} == {1}
+    assert main(["simulate", "--trace", str(trace), "--max-seq-len", "4096", "--json", str(tmp_path / "s.json"),
+                 "--policies", "varlen", "--capacities", "4", "--evictions", "lru"]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["rows"][0]["rejected"] == plan["rejected"]
+
+
+def test_plan_warns_when_its_byte_budget_holds_no_graph(capsys, tmp_path):
+    assert main(["plan", *SMALL, "--policies", "varlen", "--max-bytes", "1", "--out", str(tmp_path / "p")]) == 0
+    err = capsys.readouterr().err
+    assert "--max-bytes 1: no graph of this plan fits" in err
+    assert main(["plan", *SMALL, "--policies", "varlen", "--max-bytes", str(2**40), "--out",
+                 str(tmp_path / "q")]) == 0
+    assert "no graph of this plan fits" not in capsys.readouterr().err
+
+
 def test_report_on_an_empty_workload_writes_nothing(capsys, tmp_path):
     trace = tmp_path / "empty.csv"
     trace.write_text(CSV_HEADER)

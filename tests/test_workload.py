@@ -163,7 +163,10 @@ def test_load_trace_missing_file_names_the_path(tmp_path):
 def test_load_azure_csv_undecodable_or_badly_quoted(tmp_path):
     path = tmp_path / "trace.csv"
     path.write_bytes(HEADER.encode() + b"2023-11-16 18:17:03.97,5,1\n\xff\xfe,1,1\n")
-    with pytest.raises(TraceError, match="not UTF-8 text"):
+    with pytest.raises(TraceError, match=rf"{re.escape(str(path))}:3: not UTF-8 text"):
+        load_azure_csv(path)
+    path.write_bytes(HEADER.encode() + b"2023-11-16 18:17:03.97,1\xff0,1\n" + b"2023-11-16 18:17:04,5,1\n" * 5000)
+    with pytest.raises(TraceError, match=rf"{re.escape(str(path))}:2: not UTF-8 text"):
         load_azure_csv(path)
     path.write_bytes(HEADER.encode() + b"2023-11-16 18:17:03.97,5,1\n2023-11-16 18:17:04,\"5\"x,1\n")
     with pytest.raises(TraceError, match=rf"{re.escape(str(path))}:3: not a CSV line"):

@@ -8,6 +8,7 @@ from typing import Any
 from attnpolicy.bench.mode_timing import NOISY, BenchSettings, run_bench, speedups, to_json
 from attnpolicy.cli.common import (
     add_spec_args,
+    check_output,
     command,
     int_list,
     natural_int,
@@ -53,6 +54,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    check_output("--json", args.json)
     s = settings(BenchSettings, FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
                  warmup=args.warmup, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, threads=args.threads)

@@ -8,6 +8,7 @@ from typing import Any
 from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes
 from attnpolicy.cli.common import (
     add_spec_args,
+    check_output,
     command,
     console,
     positive_int,
@@ -49,6 +50,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    check_output("--out", args.out)
     s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
                  max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads,

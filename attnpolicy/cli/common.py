@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -60,6 +61,24 @@ def command(subparsers: Any, name: str, summary: str, example: str,
         epilog=f"example:\n  {example}")
     p.set_defaults(func=func)
     return p
+
+
+def check_output(flag: str, path: str | os.PathLike[str] | None, *, directory: bool = False) -> None:
+    """Fail (one line, exit 2) unless ``path`` can be written, before any work: an
+    existing ``path`` must be a file (a directory when ``directory``), and its nearest
+    existing parent a directory this process may write in. Nothing is created."""
+    if path is None:
+        return
+    target = os.path.abspath(os.fspath(path))
+    if os.path.exists(target) and os.path.isdir(target) != directory:
+        fail(f"argument {flag}: {os.fspath(path)} is {'not ' if directory else ''}a directory")
+    parent = target if directory and os.path.isdir(target) else os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"argument {flag}: cannot write {os.fspath(path)}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"argument {flag}: cannot write {os.fspath(path)}: {parent} is not writable")
 
 
 # -- argument types -------------------------------------------------------------------

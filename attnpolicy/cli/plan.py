@@ -10,6 +10,7 @@ from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
+    check_output,
     command,
     fail,
     positive_int,
@@ -17,6 +18,7 @@ from attnpolicy.cli.common import (
     progress,
     shown,
     str_list,
+    warn,
 )
 from attnpolicy.cli.simulate import cost_model, former_from, workload
 from attnpolicy.config import AttnPolicyConfig
@@ -25,7 +27,14 @@ from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import check_model, simulation_config
-from attnpolicy.planning.graph_set import POLICIES, GraphPlan, plan_graphs, plan_markdown, plannable
+from attnpolicy.planning.graph_set import (
+    POLICIES,
+    GraphPlan,
+    graph_uses,
+    plan_graphs,
+    plan_markdown,
+    plannable,
+)
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
 
@@ -89,6 +98,7 @@ def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConf
 def cmd_plan(args: argparse.Namespace) -> int:
     from attnpolicy.plugins.registry import policy_registry
 
+    check_output("--out", args.out, directory=True)
     model = cost_model(args) or CostModel.default()
     check_evictions("--evictions", args.evictions, simulation=False)
     known = policy_registry()
@@ -102,6 +112,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             fail(f"argument --layouts: {exc}")
         steps: list[Any] = run.layouts
+        rejected = 0
         base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
     else:
         former = former_from(args)
@@ -110,7 +121,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             check_model(base, model)
         except ConfigError as exc:
             fail(f"argument --config: {exc}")
-        steps = list(former.steps(workload(args, former)))
+        requests = workload(args, former)
+        steps = list(former.steps(requests))
+        rejected = len(former.rejected)
+        if rejected:
+            warn(f"{rejected} of {len(requests)} requests need more than --max-seq-len {args.max_seq_len} "
+                 "tokens: left out of the plan (counted in plan.json 'rejected')")
         spec, source = None, args.trace + (f" (first {args.limit} requests)" if args.limit else "")
     for name in args.policies:
         try:
@@ -120,12 +136,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         with progress(None, "plan") as advance:
             plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
-                               args.max_buckets, spec, advance)
+                               args.max_buckets, spec, advance, rejected)
     except ConfigError as exc:
         fail(str(exc))
+    if plan.max_bytes is not None and plan.chosen.row.peak_graphs == 0:
+        smallest = min(g.bytes for g in graph_uses(steps, plan.config, model, spec))
+        warn(f"--max-bytes {plan.max_bytes}: no graph of this plan fits (the smallest needs {smallest} bytes); "
+             "the config caches nothing and every call compiles")
     out = Path(args.out)
     plan.config.save(out)
-    write_json(out / "plan.json", {"source": source, **plan.to_json()})
+    write_json(out / "plan.json", {"source": source, "rejected": rejected, **plan.to_json()})
     write_text_atomic(out / "plan.md", plan_markdown(plan, source))
     print_plan(plan, source)
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}")

@@ -12,6 +12,7 @@ from attnpolicy.cli.common import (
     add_spec_args,
     add_workload_args,
     check_evictions,
+    check_output,
     check_spec_args,
     command,
     describe_options,
@@ -88,6 +89,7 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    check_output("--json", args.json)
     check_spec_args(args)
     config = config_from(args)
     former = former_from(args)

@@ -13,6 +13,7 @@ from attnpolicy.cli.common import (
     add_workload_args,
     byte_list,
     check_evictions,
+    check_output,
     describe_options,
     fail,
     former_options,
@@ -143,6 +144,8 @@ def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    check_output("--json", args.json)
+    check_output("--plot", args.plot)
     model = cost_model(args) or CostModel.default()
     if args.layouts:
         return simulate_recorded(args, model)

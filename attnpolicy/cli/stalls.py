@@ -10,6 +10,7 @@ from attnpolicy.cli.common import (
     add_capacities_arg,
     add_policies_arg,
     add_workload_args,
+    check_output,
     fail,
     former_options,
     positive_int,
@@ -56,6 +57,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_stalls(args: argparse.Namespace) -> int:
+    check_output("--json", args.json)
     model = cost_model(args) or CostModel.default()
     former = former_from(args)
     base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)

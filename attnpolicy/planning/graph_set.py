@@ -185,7 +185,7 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
 
 def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
                 evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
-                progress: Callable[[str], None] | None = None) -> PolicyPlan:
+                progress: Callable[[str], None] | None = None, rejected: int = 0) -> PolicyPlan:
     """The best bucket list and eviction for ``policy`` at ``base``'s capacity
     (``max_graphs``, ``max_bytes``), searched as the module docstring says;
     ``progress(label)`` is called after each simulation."""
@@ -195,7 +195,7 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
 
     def simulate(sizes: tuple[int, ...], names: Sequence[str]) -> list[SimRow]:
         cfg = with_fields(base, buckets={"kind": "list", "sizes": list(covering(sizes, base))})
-        rows = simulate_layouts(steps, [policy], [capacity], names, cfg, model, spec)
+        rows = simulate_layouts(steps, [policy], [capacity], names, cfg, model, spec, rejected=rejected)
         if progress:
             progress(f"{policy} {len(sizes)} buckets {','.join(names)}")
         return rows
@@ -216,7 +216,8 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
     sizes, eviction = min(((s, e) for s in rows for e in rows[s]),
                           key=lambda se: (rows[se[0]][se[1]].total_seconds, se[1] != "lru"))
     row = rows[sizes][eviction]
-    baselines = tuple(simulate_layouts(steps, [policy], [capacity], ["lru", BELADY], base, model, spec))
+    baselines = tuple(simulate_layouts(steps, [policy], [capacity], ["lru", BELADY], base, model, spec,
+                                       rejected=rejected))
     candidates = tuple(Candidate(p.sizes, p.graphs, p.total_seconds,
                                  {e: r.total_seconds for e, r in rows.get(p.sizes, {}).items()})
                        for p in plans)
@@ -287,17 +288,19 @@ def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int
 def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, model: CostModel,
                 policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
                 warmup_seconds: float | None = None, max_buckets: int = 16,
-                spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None) -> GraphPlan:
+                spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
+                rejected: int = 0) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
     best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
     ``None``: as many as the capacity holds), and the config applying it (strict mode
-    :data:`STRICT` after warm-up)."""
+    :data:`STRICT` after warm-up). ``rejected`` (requests the caller left out) is
+    reported in every row."""
     if not steps:
         raise ConfigError("a plan needs at least one step, got none (empty workload)")
     if warmup_seconds is not None and warmup_seconds < 0:
         raise ConfigError(f"warmup_seconds must be >= 0, got {warmup_seconds}")
     base = with_fields(base, warmup=[])  # a previous plan's warm set may not fit the new buckets
-    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress)
+    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress, rejected)
                        for p in policies)
     chosen = min(per_policy, key=lambda p: p.row.total_seconds)
     config = with_fields(base, policy=chosen.policy,

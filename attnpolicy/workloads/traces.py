@@ -186,9 +186,21 @@ def _read_rows(handle: TextIO, path: Path, limit: int | None) -> list[Request]:
             requests.append(Request((t - first) / 1e9, prompt, output))
         return requests
     except UnicodeDecodeError as exc:
-        raise TraceError(f"{path}: not UTF-8 text ({exc.reason}, after line {reader.line_num})") from exc
+        raise TraceError(f"{path}:{_undecodable_line(path)}: not UTF-8 text ({exc.reason})") from exc
     except csv.Error as exc:
         raise TraceError(f"{path}:{reader.line_num}: not a CSV line ({exc})") from exc
+
+
+def _undecodable_line(path: Path) -> int:
+    """The number of the first line of ``path`` that is not UTF-8 (the reader decodes
+    ahead in blocks, so its own line count is not where the bad byte is)."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return n
+    return 0
 
 
 def _field_int(where: str, name: str, text: str, *, low: int) -> int:
