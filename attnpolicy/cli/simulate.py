@@ -73,6 +73,9 @@ def register(subparsers: Any) -> None:
                         "under its recorded config unless --config is given (default: none)")
     s.add_argument("--run", metavar="RUN",
                    help="with --layouts: the run to replay when FILE holds several (default: the only one)")
+    s.add_argument("--strict", action="store_true",
+                   help="with --layouts: exit 1 unless the row under the recorded config reproduces the "
+                        "recorded hits, misses and evictions; that row must be in the sweep (default: off)")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
     s.add_argument("--plot", metavar="PATH.png",
                    help="plot peak graph MiB vs total seconds per policy and eviction (default: none)")
@@ -149,6 +152,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     model = cost_model(args) or CostModel.default()
     if args.layouts:
         return simulate_recorded(args, model)
+    if args.strict:
+        fail("argument --strict: compares a replay with its recording, it needs --layouts")
     former = former_from(args)
     base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
@@ -175,7 +180,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
-    """``simulate --layouts FILE``: replay one recorded run (see docs/vllm.md)."""
+    """``simulate --layouts FILE``: replay one recorded run (see docs/vllm.md) and say
+    whether the row under the recorded config reproduces the recorded counters."""
     try:
         run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
     except ConfigError as exc:
@@ -183,17 +189,55 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
     base = AttnPolicyConfig.load(args.config) if args.config else run.config
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
+    rec = run.config
+    recorded_row = (f"{rec.policy} capacity={rec.max_graphs or '∞'} {rec.eviction}"
+                    + (f" max_bytes={rec.max_bytes}" if rec.max_bytes is not None else ""))
+    why_not = _why_no_recorded_row(args, run.config, options)
+    if args.strict and why_not:
+        fail(f"argument --strict: the sweep has no row under the recorded config ({recorded_row}): {why_not}")
     with progress(sweep_size(args), "simulate") as advance:
         rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance, options,
                             buckets=schemes(args, base), max_bytes=args.max_bytes, workers=args.workers)
-    rec = run.config
-    print_sweep(f"replayed run {run.run} of {args.layouts}: {len(run.steps)} steps, recorded {rec.policy} "
-                f"capacity={rec.max_graphs or '∞'} {rec.eviction}: {run.misses} misses", rows)
+    print_sweep(f"replayed run {run.run} of {args.layouts}: {len(run.steps)} steps, recorded {recorded_row}: "
+                f"{run.misses} misses", rows)
+    reproduced: bool | None = None
+    recorded = ", ".join(f"{n} {c}" for c, n in run.recorded.items())
+    if why_not:
+        print(f"not compared with the recording: {why_not}")
+    else:
+        row = next(r for r in rows if (r.policy, r.capacity, r.max_bytes, r.eviction)
+                   == (rec.policy, rec.max_graphs, rec.max_bytes, rec.eviction))
+        got = {c: getattr(row, c) for c in run.recorded}
+        reproduced = got == run.recorded
+        if reproduced:
+            print(f"reproduced: the row {recorded_row} has the recorded {recorded}")
+        else:
+            warn(f"not reproduced: the row {recorded_row} has {', '.join(f'{n} {c}' for c, n in got.items())}, "
+                 f"the run recorded {recorded} (another attnpolicy version or plugin, or an edited stream)")
     if args.json:
         write_json(args.json, {"layouts": args.layouts, "run": run.run, "steps": len(run.steps),
-                               "recorded_misses": run.misses, "config": base.model_dump(mode="json"),
+                               "recorded_misses": run.misses, "recorded": run.recorded, "reproduced": reproduced,
+                               "config": base.model_dump(mode="json"),
                                "policy_options": options, "rows": [r.to_json() for r in rows]})
-    return 0
+    return 1 if args.strict and not reproduced else 0
+
+
+def _why_no_recorded_row(args: argparse.Namespace, rec: AttnPolicyConfig,
+                         options: dict[str, dict[str, Any]]) -> str | None:
+    """Why the sweep of ``args`` holds no row under the recorded config ``rec``, or ``None``."""
+    if args.config or args.buckets:
+        return "--config or --buckets replace the recorded config"
+    if rec.policy not in args.policies:
+        return f"add {rec.policy} to --policies"
+    if options[rec.policy] != rec.policy_options:
+        return f"--option changes the recorded options of {rec.policy}"
+    if rec.max_graphs not in args.capacities:
+        return f"add {rec.max_graphs or 'inf'} to --capacities"
+    if args.max_bytes is not None and rec.max_bytes not in args.max_bytes:
+        return f"add {rec.max_bytes or 'inf'} to --max-bytes"
+    if rec.eviction not in args.evictions:
+        return f"add {rec.eviction} to --evictions"
+    return None
 
 
 def sweep_size(args: argparse.Namespace) -> int:
