@@ -267,9 +267,12 @@ def test_saved_file_holds_every_field_resolved(tmp_path):
 
 
 def test_save_replaces_an_existing_file(tmp_path):
-    AttnPolicyConfig().save(tmp_path)
-    AttnPolicyConfig(policy="varlen").save(tmp_path)
-    assert AttnPolicyConfig.load(tmp_path).policy == "varlen"
+    first = AttnPolicyConfig(policy="dynamic", max_graphs=4)
+    second = AttnPolicyConfig(policy="always-mask", max_graphs=8, eviction="fifo")
+    first.save(tmp_path)
+    assert AttnPolicyConfig.load(tmp_path) == first
+    second.save(tmp_path)
+    assert AttnPolicyConfig.load(tmp_path) == second != first
 
 
 def test_save_leaves_no_temporary_file_when_writing_fails(tmp_path, monkeypatch):
@@ -327,16 +330,30 @@ def test_missing_file(tmp_path):
 
 
 def test_failed_load_changes_nothing(tmp_path):
-    good = AttnPolicyConfig(policy="varlen", max_graphs=4)
-    good.save(tmp_path)
-    loaded = AttnPolicyConfig.load(tmp_path)
+    """A load that fails leaves the file as it was (nothing rewritten, migrated or added
+    beside it); a save that fails half-way leaves the previous file whole."""
     data = valid_dict()
     data.update(max_graphs=8, max_seq_len=-1)  # one good edit, one bad
-    write(tmp_path, data)
-    with pytest.raises(ConfigError):
-        loaded = AttnPolicyConfig.load(tmp_path)
-    assert loaded == good
-    assert loaded.max_graphs == 4
+    path = write(tmp_path, data)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        AttnPolicyConfig.load(tmp_path)
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+    good = AttnPolicyConfig(policy="dynamic", max_graphs=4)
+    good.save(tmp_path)
+    saved = path.read_bytes()
+    calls = []
+
+    def crash(fd):  # the new text is written, not yet synced: the process dies here
+        calls.append(fd)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", crash)
+        with pytest.raises(KeyboardInterrupt):
+            AttnPolicyConfig(policy="always-mask", max_graphs=8).save(tmp_path)
+    assert calls and path.read_bytes() == saved and AttnPolicyConfig.load(tmp_path) == good
+    assert list(tmp_path.iterdir()) == [path]
 
 
 def test_file_may_leave_fields_out(tmp_path):

@@ -97,18 +97,38 @@ def exercise_on_decision():
     assert d2.mode is MaskMode.VARLEN
 
 
-# End-to-end firing of on_compile / on_evict from the GraphCache is tested in tests/test_cache.py;
-# here: every implementation receives the hook's arguments.
+def _drive_a_bounded_cache():
+    """A dispatcher with room for one graph over layouts that alternate two graphs:
+    three compiles, two evictions. Returns the dispatcher's cache keys in compile order."""
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.graphs.keys import TensorSpec
+
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_graphs=1))
+    spec, keys = TensorSpec("float32", 2, 2, 8), []
+    for n in (20, 40, 20):
+        layout = BatchLayout.from_lens([n])
+        q = torch.randn(n, 2, 8)
+        d.attend(q, q, q, layout)
+        keys += d.context_for(spec).keys_for(layout, MaskMode.VARLEN)
+    stats = d.cache.stats()
+    assert (stats.compiles, stats.evictions) == (3, 2)
+    return keys
+
+
 def exercise_on_compile():
-    pm, obs = observers()
-    pm.hook.attnpolicy_on_compile(key="causal/q128", seconds=0.25, nbytes=4096)
-    assert [o.seen for o in obs] == [[("compile", "causal/q128", 0.25, 4096)]] * 2
+    _, obs = observers()
+    keys = _drive_a_bounded_cache()
+    for o in obs:
+        assert [e[1] for e in o.seen if e[0] == "compile"] == keys  # every compile, in order
+        assert all(e[2] >= 0 and e[3] > 0 for e in o.seen if e[0] == "compile")
 
 
 def exercise_on_evict():
-    pm, obs = observers()
-    pm.hook.attnpolicy_on_evict(key="mask/q64", nbytes=1024)
-    assert [o.seen for o in obs] == [[("evict", "mask/q64", 1024)]] * 2
+    _, obs = observers()
+    keys = _drive_a_bounded_cache()
+    for o in obs:
+        assert [e[1] for e in o.seen if e[0] == "evict"] == keys[:2]  # max_graphs=1: the older one goes
+        assert all(e[2] > 0 for e in o.seen if e[0] == "evict")
 
 
 def exercise_register_kernels():
@@ -220,12 +240,25 @@ def test_a_raising_observer_is_isolated_logged_once_and_counted(caplog):
     assert len(warned) == 3 and all("'raising'" in m and "observer bug" in m for m in warned)  # once per hook
 
 
-def test_observers_cost_no_hook_call_when_none_is_registered(monkeypatch):
-    from attnpolicy.plugins.observers import Observers
+def test_observers_cost_no_hook_call_when_none_is_registered():
+    from attnpolicy import AttnPolicyConfig, Dispatcher
 
     pm = get_plugin_manager()
-    obs = Observers(pm)
-    monkeypatch.setattr(pm, "subset_hook_caller", lambda *a, **k: pytest.fail("built a hook caller"))
-    obs.on_decision(layout=None, decision=None, policy="p", fell_back=False)
-    obs.on_compile(key="k", seconds=0.0, nbytes=0)
-    assert obs.errors == {}
+    called: list[str] = []
+    undo = pm.add_hookcall_monitoring(lambda name, impls, kwargs: called.append(name), lambda *a: None)
+    try:
+        def batches(d):
+            for n in (20, 40, 20, 40):
+                q = torch.randn(n, 2, 8)
+                d.attend(q, q, q, BatchLayout.from_lens([n]))
+
+        batches(Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_graphs=1)))
+        observed = [n for n in called if n.startswith("attnpolicy_on_")]
+        assert observed == []  # no observer: not one hook call, whatever the batch did
+        pm.register(Observer(), name="observer")  # the control: one observer sees each event once
+        batches(Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_graphs=1)))
+        observed = [n for n in called if n.startswith("attnpolicy_on_")]
+        assert observed.count("attnpolicy_on_decision") == 4
+        assert observed.count("attnpolicy_on_compile") == 4 and observed.count("attnpolicy_on_evict") == 3
+    finally:
+        undo()

@@ -6,7 +6,7 @@ import argparse
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from attnpolicy.cli.policies import register
@@ -18,13 +18,23 @@ from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.builtin import why_not_causal
 
 CTX = PolicyContext()
-LAYOUTS = {
-    "single": BatchLayout.from_lens([512]),
-    "packed": BatchLayout.from_lens([100, 200, 300]),
-    "padded": BatchLayout.from_lens([500], padded_to=512),
-    "bidirectional": BatchLayout.from_lens([512], causal=False),
-    "context": BatchLayout.from_lens([16], [512]),
+#: name -> (q_lens, kv_lens, causal, q_tokens): the raw lengths each layout is built from
+RAW = {
+    "single": ([512], [512], True, 512),
+    "packed": ([100, 200, 300], [100, 200, 300], True, 600),
+    "padded": ([500], [500], True, 512),
+    "bidirectional": ([512], [512], False, 512),
+    "context": ([16], [512], True, 16),
 }
+LAYOUTS = {name: BatchLayout.from_lens(q, kv, causal=causal, padded_to=tokens)
+           for name, (q, kv, causal, tokens) in RAW.items()}
+
+
+def causal_is_correct(q_lens: list[int], kv_lens: list[int], causal: bool, q_tokens: int) -> bool:
+    """The legality rule from its definition, on the raw lengths (not through the
+    library): CAUSAL computes the right answer only for one causal sequence whose keys
+    are its queries (kv_len == q_len) with no padding row."""
+    return len(q_lens) == 1 and causal and kv_lens[0] == q_lens[0] and q_tokens == q_lens[0]
 REASONS = {
     "packed": "3 sequences packed",
     "padded": "padded",
@@ -72,8 +82,10 @@ def test_causal_when_legal_reasons(policy, layout_name):
 def test_dynamic_and_varlen_only_choose_legal_modes():
     for policy in ("dynamic", "varlen", "always-mask"):
         p = make_policy(policy)
-        for layout in LAYOUTS.values():
-            assert is_legal(p.decide(layout, CTX).mode, layout)
+        for name, layout in LAYOUTS.items():
+            mode = p.decide(layout, CTX).mode
+            assert mode is not C or causal_is_correct(*RAW[name]), (policy, name)
+            assert is_legal(mode, layout)
 
 
 def test_always_causal_is_illegal_on_a_packed_batch():
@@ -87,11 +99,19 @@ def test_always_causal_is_illegal_on_a_packed_batch():
     pad=st.integers(0, 8),
     causal=st.booleans(),
 )
+@example(lens=[5], extra_ctx=0, pad=3, causal=True)  # one padded sequence
+@example(lens=[5], extra_ctx=2, pad=0, causal=True)  # one sequence with cached context
+@example(lens=[5], extra_ctx=0, pad=0, causal=False)
+@example(lens=[5], extra_ctx=0, pad=0, causal=True)  # the one legal case
+@example(lens=[5, 5], extra_ctx=0, pad=0, causal=True)
 def test_why_not_causal_agrees_with_the_legality_rule(lens, extra_ctx, pad, causal):
     kv = [n + extra_ctx for n in lens]
+    tokens = sum(lens) + (0 if extra_ctx else pad)
     layout = (BatchLayout.from_lens(lens, kv, causal=causal) if extra_ctx
-              else BatchLayout.from_lens(lens, causal=causal, padded_to=sum(lens) + pad))
-    assert (why_not_causal(layout) is None) == is_legal(MaskMode.CAUSAL, layout)
+              else BatchLayout.from_lens(lens, causal=causal, padded_to=tokens))
+    legal = causal_is_correct(lens, kv, causal, tokens)
+    assert (why_not_causal(layout) is None) == legal
+    assert is_legal(MaskMode.CAUSAL, layout) == legal
 
 
 def test_unknown_policy_lists_known_names():
