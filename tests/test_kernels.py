@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from reference import reference_for
 from strategies import layouts, poisons, qkv
@@ -50,8 +50,12 @@ def test_every_legal_mode_and_impl_matches_reference(mode, impl, data):
 
 @settings(max_examples=100)
 @given(layout=layouts(), data=st.data())
+@example(layout=BatchLayout.from_lens([5], padded_to=8), data=None)  # one padded sequence: rarely drawn
+@example(layout=BatchLayout.from_lens([3], [6]), data=None)  # one sequence with cached context
+@example(layout=BatchLayout.from_lens([5], causal=False), data=None)
+@example(layout=BatchLayout.from_lens([5]), data=None)  # the legal case
 def test_causal_is_refused_unless_single_unpadded_causal(layout, data):
-    q, k, v = data.draw(qkv(layout))
+    q, k, v = data.draw(qkv(layout)) if data is not None else _tensors(layout.q_tokens, layout.kv_tokens)
     legal = layout.num_seqs == 1 and layout.causal and not layout.is_padded and not layout.has_context
     if legal:
         _check(q, k, v, layout, MaskMode.CAUSAL, "sdpa", None)

@@ -75,12 +75,27 @@ def test_a_masked_out_key_never_matters_but_an_attended_one_poisons_its_row():
 
 # -- fp64, bad values --------------------------------------------------------------------
 
+FP64_LAYOUTS = {  # mode -> a layout it runs: CAUSAL needs one unpadded causal sequence
+    MaskMode.MASK: BatchLayout.from_lens([7, 9], [10, 9], padded_to=20),
+    MaskMode.VARLEN: BatchLayout.from_lens([7, 9], [10, 9], padded_to=20),
+    MaskMode.CAUSAL: BatchLayout.from_lens([9]),
+}
+
+
+@pytest.mark.parametrize("mode", list(FP64_LAYOUTS), ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_fp64_is_computed_in_fp64(impl):
-    layout = BatchLayout.from_lens([7, 9])
+def test_fp64_is_computed_in_fp64(impl, mode):
+    layout = FP64_LAYOUTS[mode]
     q, k, v = _qkv(layout, dtype=torch.float64)
-    out = attend(q, k, v, layout, MaskMode.MASK, impl, partition_len=4)
+    out = attend(q, k, v, layout, mode, impl, partition_len=4)
     assert out.dtype == torch.float64
+    # a pass through fp32 anywhere would be ~1e-7 off
+    torch.testing.assert_close(out, reference_for(q, k, v, layout), atol=1e-12, rtol=1e-12)
+    d = Dispatcher(AttnPolicyConfig(policy={MaskMode.MASK: "always-mask", MaskMode.VARLEN: "varlen",
+                                            MaskMode.CAUSAL: "dynamic"}[mode], attn_impl=impl, backend="none",
+                                    partition_len=4 if impl == "flash" else None, max_seq_len=64))
+    out = d.attend(q, k, v, layout)
+    assert d.stats().modes[mode.value] == 1 and out.dtype == torch.float64
     torch.testing.assert_close(out, reference_for(q, k, v, layout), atol=1e-12, rtol=1e-12)
 
 
@@ -109,7 +124,7 @@ def test_bad_tensors_get_a_clear_error(change, message):
         d.attend(*change(*_qkv(layout)), layout)
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "dynamic", "varlen", "always-causal"])
+@pytest.mark.parametrize("policy", ["always-mask", "dynamic", "varlen", "always-causal", "cost-aware"])
 def test_one_rule_for_sequences_longer_than_max_seq_len(policy):
     layout = BatchLayout.from_lens([70, 10])
     strict = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_seq_len=64))
@@ -124,11 +139,14 @@ def test_one_rule_for_sequences_longer_than_max_seq_len(policy):
 
 # -- memory ------------------------------------------------------------------------------
 
-def test_the_default_config_refuses_a_multi_gib_mask_before_allocating():
-    layout = BatchLayout.from_lens([8192] * 8)  # 65536 packed rows: a 4 GiB dense mask
-    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none"))
-    with pytest.raises(BucketOverflowError, match=r"65536 x 65536 mask \(4294967296 bytes\), more than "
-                                                  r"max_mask_bytes=268435456"):
+def test_a_mask_over_max_mask_bytes_is_refused_before_allocating():
+    # the default bound (256 MiB) refuses a 4 GiB mask the same way; a small bound here keeps a
+    # regression from allocating gigabytes
+    assert AttnPolicyConfig().max_mask_bytes == 256 * 2**20
+    layout = BatchLayout.from_lens([40, 30])  # MASK rows bucket 128: a 16 KiB mask
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=64, max_mask_bytes=4096))
+    with pytest.raises(BucketOverflowError, match=r"128 x 128 mask \(16384 bytes\), more than "
+                                                  r"max_mask_bytes=4096"):
         d.prepare(layout, SPEC)
     assert d.stats().cache.misses == 0 and d.stats().masks.bytes == 0
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from attnpolicy.bench.replay import run_workload
 from attnpolicy.cli import main
@@ -109,3 +112,39 @@ def test_report_kernel_skip_must_name_a_registered_kernel(tmp_path, capsys):
     assert main(["report", "--out", str(tmp_path), "--kernel-skip", "nosuch"]) != 0
     err = capsys.readouterr().err
     assert "--kernel-skip" in err and "nosuch" in err
+
+
+def _crash_on_fsync(monkeypatch):
+    """The next fsync (an atomic write's text is written, not yet renamed) kills the process."""
+    def crash(fd):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "fsync", crash)
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--limit", "4", "--policies", "varlen", "--capacities", "2", "--evictions", "lru", "--json"],
+    ["stalls", "--limit", "4", "--capacities", "2", "--warm", "none", "--json"],
+    ["run", "--limit", "2", "--backend", "none", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--json"],
+], ids=lambda a: a[0])
+def test_a_crash_while_writing_cli_json_leaves_the_previous_file_whole(tmp_path, monkeypatch, argv):
+    path = tmp_path / "out.json"
+    path.write_text('{"previous": true}\n')
+    _crash_on_fsync(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, str(path)])
+    assert path.read_text() == '{"previous": true}\n' and list(tmp_path.iterdir()) == [path]
+
+
+def test_a_crash_while_writing_the_report_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+    out = tmp_path / "report"
+    out.mkdir()
+    old = {"report.json": '{"previous": true}\n', "report.md": "# previous\n"}
+    for name, text in old.items():
+        (out / name).write_text(text)
+    _crash_on_fsync(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        main(["report", "--out", str(out), "--limit", "3", "--policies", "varlen", "--capacities", "2",
+              "--evictions", "lru", "--bench-lengths", "32", "--bench-repeats", "1", "--validate-requests", "1",
+              "--kernel-lengths", "32", "--kernel-skip", "flex"])
+    assert {name: (out / name).read_text() for name in old} == old
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
