@@ -60,8 +60,14 @@ def test_identity_covers_every_field_and_graph_keys():
     assert ArtifactIdentity.from_json(json.loads(json.dumps(base.to_json()))) == base
     key = GraphKey(GraphFamily.CAUSAL, 64, 64, True, TensorSpec("bfloat16", 4, 2, 32), "sdpa", None, "inductor")
     g = ArtifactIdentity.for_graph(key, mechanism="aot_compile", code_hash="h", config={"b": 1, "a": 2})
-    assert (g.key, g.backend, g.device, g.dtype) == (str(key), "inductor", "cpu", "bfloat16")
+    assert (g.key, g.backend, g.device, g.dtype) == (repr(key), "inductor", "cpu", "bfloat16")
     assert g.config == (("a", "2"), ("b", "1"))
+    # scales that print alike are different graphs
+    a, b = (GraphKey(GraphFamily.CAUSAL, 64, 64, True, TensorSpec("float32", 4, 2, 32, s), "sdpa", None, "inductor")
+            for s in (0.125, 0.1250001))
+    assert str(a) == str(b)
+    assert (ArtifactIdentity.for_graph(a, mechanism="m", code_hash="h").digest()
+            != ArtifactIdentity.for_graph(b, mechanism="m", code_hash="h").digest())
 
 
 def test_source_hash_follows_the_code():
@@ -346,14 +352,17 @@ def test_graph_saved_by_one_process_loads_in_another(tmp_path):
     from reference import reference_attention
 
     from attnpolicy.dispatcher import example_inputs
+    from attnpolicy.graphs import execute
     from attnpolicy.graphs.aot import MECHANISM, SUFFIX, aot_compile_graph, save_graph
     from attnpolicy.graphs.execute import graph_fn
     from attnpolicy.graphs.keys import Call
+    from attnpolicy.kernels import attention, masks
 
     call = Call(GraphFamily.CAUSAL, 0, 64, 0, 64, 64, 64, True)
     spec = TensorSpec("float32", 4, 2, 32)
     key = GraphKey.for_call(call, spec, "sdpa", None, "aot_eager")
-    identity = ArtifactIdentity.for_graph(key, mechanism=MECHANISM, code_hash=source_hash(graph_fn))
+    code = source_hash(attention, masks, execute)
+    identity = ArtifactIdentity.for_graph(key, mechanism=MECHANISM, code_hash=code)
     fn = graph_fn(call, "sdpa", None, None)
     store = DiskStore(tmp_path / "store", 1 << 24)
     assert store.save(identity, lambda p: save_graph(aot_compile_graph(fn, "aot_eager", example_inputs(call, spec)),

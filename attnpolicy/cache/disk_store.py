@@ -51,8 +51,8 @@ def _torch_version() -> str:
 class ArtifactIdentity:
     """Everything that makes an artifact valid; equal identities may share one artifact.
 
-    ``key`` is the graph's stable name (``str(GraphKey)`` for attention graphs, the
-    model runner's own for model graphs); ``code_hash`` a hash of the model or kernel
+    ``key`` is the graph's stable name (``repr(GraphKey)`` for attention graphs: every
+    field, the scale to full precision; the model runner's own for model graphs); ``code_hash`` a hash of the model or kernel
     code (:func:`source_hash`); ``config`` the compiler settings that change the
     generated code. ``torch_version``, ``python`` and ``machine`` default to this
     process's.
@@ -74,7 +74,7 @@ class ArtifactIdentity:
     def for_graph(cls, key: GraphKey, *, mechanism: str, code_hash: str,
                   config: Mapping[str, object] | None = None) -> ArtifactIdentity:
         """The identity of an attention graph's artifact (backend, device, dtype from ``key``)."""
-        return cls(str(key), mechanism, key.backend, key.spec.device, key.spec.dtype, code_hash,
+        return cls(repr(key), mechanism, key.backend, key.spec.device, key.spec.dtype, code_hash,
                    _config_items(config))
 
     def to_json(self) -> dict[str, Any]:
