@@ -347,7 +347,18 @@ print(json.dumps({"stats": store.stats().to_json(), "dynamo_frames": sum(counter
 """
 
 
-def test_graph_saved_by_one_process_loads_in_another(tmp_path):
+def test_torch_refusing_a_verified_artifact_is_a_counted_miss(tmp_path):
+    from attnpolicy.graphs.aot import SUFFIX, load_graph
+
+    store = DiskStore(tmp_path, 10_000)
+    store.save(ident(), lambda p: p.write_bytes(b"not a compiled function"), suffix=SUFFIX)
+    assert store.load(ident(), load_graph) is None
+    s = store.stats()
+    assert (s.load_failures, s.corrupt, s.hits, s.entries) == (1, 0, 0, 0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_graph_saved_by_one_process_loads_in_another(tmp_path, monkeypatch, backend):
     import torch
     from reference import reference_attention
 
@@ -360,13 +371,14 @@ def test_graph_saved_by_one_process_loads_in_another(tmp_path):
 
     call = Call(GraphFamily.CAUSAL, 0, 64, 0, 64, 64, 64, True)
     spec = TensorSpec("float32", 4, 2, 32)
-    key = GraphKey.for_call(call, spec, "sdpa", None, "aot_eager")
+    key = GraphKey.for_call(call, spec, "sdpa", None, backend)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a restart on this machine
     code = source_hash(attention, masks, execute)
     identity = ArtifactIdentity.for_graph(key, mechanism=MECHANISM, code_hash=code)
     fn = graph_fn(call, "sdpa", None, None)
     store = DiskStore(tmp_path / "store", 1 << 24)
-    assert store.save(identity, lambda p: save_graph(aot_compile_graph(fn, "aot_eager", example_inputs(call, spec)),
-                                                     p), suffix=SUFFIX)
+    graph = aot_compile_graph(fn, backend, example_inputs(call, spec))
+    assert store.save(identity, lambda p: save_graph(graph, p), suffix=SUFFIX)
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(64, h, 32) for h in (4, 2, 2))
@@ -382,6 +394,6 @@ def test_graph_saved_by_one_process_loads_in_another(tmp_path):
     assert child["dynamo_frames"] == 0  # loaded, not traced or compiled
     got = torch.load(tmp_path / "out.pt")
     with torch.no_grad():
-        assert torch.equal(got, fn(*inputs))
+        assert torch.equal(got, graph(*inputs))  # the very graph that was saved
     want = reference_attention(q, k, v, [0], [64], [0], [64], True).transpose(0, 1)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

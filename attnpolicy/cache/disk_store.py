@@ -52,9 +52,9 @@ class ArtifactIdentity:
     """Everything that makes an artifact valid; equal identities may share one artifact.
 
     ``key`` is the graph's stable name (``repr(GraphKey)`` for attention graphs: every
-    field, the scale to full precision; the model runner's own for model graphs); ``code_hash`` a hash of the model or kernel
-    code (:func:`source_hash`); ``config`` the compiler settings that change the
-    generated code. ``torch_version``, ``python`` and ``machine`` default to this
+    field, the scale to full precision; the model runner's own for model graphs);
+    ``code_hash`` a hash of the model or kernel code (:func:`source_hash`); ``config``
+    the compiler settings that change the generated code. ``torch_version``, ``python`` and ``machine`` default to this
     process's.
     """
 
