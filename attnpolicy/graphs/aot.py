@@ -51,6 +51,9 @@ def save_graph(compiled: Any, path: Path) -> None:
 
 
 def load_graph(path: Path) -> Callable[..., Any]:
-    """The graph saved at ``path``, ready to call: a store reader."""
+    """The graph saved at ``path``, ready to call: a store reader. Its (empty) guard
+    check is switched off: nothing is checked per call, as when it was compiled."""
     with path.open("rb") as f:
-        return torch.compiler.load_compiled_function(f)
+        graph = torch.compiler.load_compiled_function(f)
+    graph.disable_guard_check()  # type: ignore[attr-defined]
+    return graph
