@@ -337,14 +337,35 @@ import torch
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore
 from attnpolicy.graphs.aot import load_graph
 from torch._dynamo.utils import counters
+from tiny_models import encoder_stack
 
 ident = ArtifactIdentity.from_json(json.loads(sys.argv[2]))
 store = DiskStore(sys.argv[1], 1 << 24)
 graph = store.load(ident, load_graph)
 inputs = torch.load(sys.argv[3])
-torch.save(graph(*inputs), sys.argv[4])
+if sys.argv[5] == "model":  # the model's weights are inputs: this process builds its own copy
+    inputs = (encoder_stack(), *inputs)
+with torch.no_grad():
+    torch.save(graph(*inputs), sys.argv[4])
 print(json.dumps({"stats": store.stats().to_json(), "dynamo_frames": sum(counters["frames"].values())}))
 """
+
+
+def _load_elsewhere(tmp_path: Path, identity: ArtifactIdentity, inputs: tuple[object, ...], kind: str) -> object:
+    """The output of the graph of ``identity`` loaded from the store in a new process,
+    after checking the child's stats show one load and no Dynamo frame."""
+    import torch
+
+    torch.save(inputs, tmp_path / "in.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "store"), json.dumps(identity.to_json()),
+                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), kind],
+                         env=env, capture_output=True, text=True, check=False, timeout=300)
+    assert out.returncode == 0, out.stderr
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (child["stats"]["hits"], child["stats"]["misses"], child["stats"]["load_failures"]) == (1, 0, 0)
+    assert child["dynamo_frames"] == 0  # loaded, not traced or compiled
+    return torch.load(tmp_path / "out.pt")
 
 
 def test_torch_refusing_a_verified_artifact_is_a_counted_miss(tmp_path):
@@ -383,17 +404,27 @@ def test_graph_saved_by_one_process_loads_in_another(tmp_path, monkeypatch, back
     torch.manual_seed(0)
     q, k, v = (torch.randn(64, h, 32) for h in (4, 2, 2))
     inputs = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # the strides graph_inputs makes
-    torch.save(inputs, tmp_path / "in.pt")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "store"), json.dumps(identity.to_json()),
-                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                         env=env, capture_output=True, text=True, check=False, timeout=300)
-    assert out.returncode == 0, out.stderr
-    child = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (child["stats"]["hits"], child["stats"]["misses"], child["stats"]["load_failures"]) == (1, 0, 0)
-    assert child["dynamo_frames"] == 0  # loaded, not traced or compiled
-    got = torch.load(tmp_path / "out.pt")
+    got = _load_elsewhere(tmp_path, identity, inputs, "attention")
     with torch.no_grad():
         assert torch.equal(got, graph(*inputs))  # the very graph that was saved
     want = reference_attention(q, k, v, [0], [64], [0], [64], True).transpose(0, 1)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_graph_saved_by_one_process_loads_in_another(tmp_path):
+    import torch
+    from tiny_models import encoder_stack
+
+    from attnpolicy.graphs.aot import MECHANISM, SUFFIX, aot_compile_graph, save_graph
+
+    model = encoder_stack()
+    x = torch.randn(1, 32, 64)
+    identity = ArtifactIdentity("encoder-stack/l2/h64/t32", MECHANISM, "aot_eager", "cpu", "float32",
+                                source_hash(torch.nn.TransformerEncoderLayer, encoder_stack))
+    graph = aot_compile_graph(type(model).forward, "aot_eager", (model, x))  # the module is an input
+    store = DiskStore(tmp_path / "store", 1 << 24)
+    assert store.save(identity, lambda p: save_graph(graph, p), suffix=SUFFIX)
+    got = _load_elsewhere(tmp_path, identity, (x,), "model")
+    with torch.no_grad():
+        assert torch.equal(got, graph(model, x))
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
