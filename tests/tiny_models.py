@@ -1,6 +1,7 @@
-"""Tiny random HF models (plus a word-level tokenizer) written to a directory.
+"""Tiny random HF models (plus a word-level tokenizer) written to a directory, and a
+plain torch encoder stack.
 
-Used by the vLLM and transformers integration tests: no downloads. Head dim is
+Used by the vLLM and transformers integration tests and the graph store's: no downloads. Head dim is
 32 (the smallest vLLM's CPU attention supports); weights are seeded.
 """
 
@@ -72,3 +73,14 @@ def bert(path: Path, *, seed: int = 0) -> Path:
                      num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=512,
                      pad_token_id=0, dtype="float32")
     return _save(BertModel(cfg).eval(), path)
+
+
+def encoder_stack(*, seed: int = 0, layers: int = 2, hidden: int = 64):
+    """A seeded stack of ``layers`` pre-norm ``torch.nn.TransformerEncoderLayer`` (4 heads,
+    batch first, no dropout), in eval mode: a whole-model graph built from torch alone."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.TransformerEncoderLayer(hidden, 4, 2 * hidden, dropout=0.0, batch_first=True,
+                                                      norm_first=True) for _ in range(layers))).eval()

@@ -1,0 +1,59 @@
+"""Graphs compiled ahead of time into a file: ``torch.compile(...).aot_compile``.
+
+The mechanism a :class:`~attnpolicy.cache.disk_store.DiskStore` keeps (measured
+against the compile-cache artifacts and AOTInductor in
+``benchmarks/store_mechanisms.py``; see ``docs/store.md``): the saved file holds
+Dynamo's bytecode and the backend's compiled graph, so a load in a new process pays
+neither tracing nor compiling.
+
+Guards are dropped when compiling (``torch.compiler.skip_all_guards_unsafe``, as vLLM
+does): Dynamo's ``ID_MATCH`` guards on globals cannot be serialized, and whatever
+the guards would check (shapes, strides, dtype, device) is pinned by the graph key
+the artifact is stored under. A loaded graph must therefore only be called with
+inputs of its key's shapes and strides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnpolicy.core.names import BACKENDS
+from attnpolicy.errors import ConfigError, GraphCompileError
+
+MECHANISM = "aot_compile"
+SUFFIX = ".aot"
+
+
+def aot_compile_graph(fn: Callable[..., Any], backend: str, example_inputs: tuple[Any, ...]) -> Any:
+    """``fn`` compiled now by ``backend`` for ``example_inputs`` (``fullgraph``, static
+    shapes, no guards, no-grad): a callable with ``save_compiled_function(path)``."""
+    if backend not in BACKENDS or backend == "none":
+        raise ConfigError(f"backend must be one of {', '.join(b for b in BACKENDS if b != 'none')} "
+                          f"to compile ahead of time, got {backend!r}")
+    try:
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
+                                     options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+        with torch.no_grad():
+            return compiled.aot_compile((example_inputs, {}))  # type: ignore[attr-defined]
+    except Exception as e:
+        raise GraphCompileError(f"aot_compile of {getattr(fn, '__qualname__', fn)!r} with backend "
+                                f"{backend!r} failed: {type(e).__name__}: {e}") from e
+
+
+def save_graph(compiled: Any, path: Path) -> None:
+    """Write ``compiled`` (from :func:`aot_compile_graph`) to ``path``: a store writer."""
+    compiled.save_compiled_function(str(path))
+
+
+def load_graph(path: Path) -> Callable[..., Any]:
+    """The graph saved at ``path``, ready to call: a store reader. Its (empty) guard
+    check is switched off: nothing is checked per call, as when it was compiled."""
+    with path.open("rb") as f:
+        graph = torch.compiler.load_compiled_function(f)
+    graph.disable_guard_check()  # type: ignore[attr-defined]
+    return graph
