@@ -58,10 +58,9 @@ class ModelSpec(BaseModel):
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
     def describe(self) -> str:
-        """The SPEC string of these sizes, e.g. ``qwen3:layers=4,hidden=256,...``."""
-        fields = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")
-        sizes = ",".join(f"{f}={getattr(self, f)}" for f in fields)
-        return f"{self.arch}:{sizes},head_dim={self.dim}"
+        """The SPEC string of exactly this spec, e.g. ``qwen3:layers=4,hidden=256,...``."""
+        sizes = ",".join(f"{f}={v}" for f, v in self.model_dump(exclude={"arch"}, exclude_none=True).items())
+        return f"{self.arch}:{sizes}"
 
     def build(self, attn_implementation: str = "sdpa") -> Any:
         """The causal LM of these sizes, random weights seeded by ``seed``, fp32, eval mode."""

@@ -225,6 +225,8 @@ class StaticModelRunner:
         check_legal(mode, layout)
         batch = self._place(token_ids.to(self.device), layout, mode)
         inputs = self._inputs(batch, layout)
+        if self._warm and self.config.strict != "off" and batch.key not in self.cache:
+            self._strict(batch.key)
         graph = self.cache.get_or_compile(batch.key, lambda: self._build(batch.key, inputs), pin=True)
         try:
             with torch.no_grad():
@@ -304,12 +306,6 @@ class StaticModelRunner:
         return unmasked
 
     def _build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
-        if self._warm and self.config.strict != "off":
-            self._strict_violations += 1
-            message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
-            if self.config.strict == "raise":
-                raise StrictModeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -324,6 +320,13 @@ class StaticModelRunner:
             _rss() - rss, torch.cuda.memory_allocated(self.device) - allocated if cuda else None,
             perf_counter() - t0))
         return graph
+
+    def _strict(self, key: ModelKey) -> None:
+        self._strict_violations += 1
+        message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
+        if self.config.strict == "raise":
+            raise StrictModeError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
         """Compile the graph of each ``(layout, mode)`` not cached yet (counted as
