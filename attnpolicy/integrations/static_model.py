@@ -107,15 +107,21 @@ class RunnerStats:
 
 
 @dataclass(frozen=True, slots=True)
-class _Batch:
-    """A batch placed in its graph: graph rows of the real tokens (layout order) and
-    the graph's inputs but the mask."""
+class Placed:
+    """A batch placed in its graph: the key, the graph row and the layout row of each
+    real token (in the layout's order), and the graph's inputs (ids, positions and,
+    for MASK, the mask)."""
 
     key: ModelKey
-    rows: torch.Tensor  # [real tokens]: graph row of each real token, in the layout's order
-    src: torch.Tensor  # [real tokens]: layout row of each real token
-    ids: torch.Tensor  # [key.tokens]
-    positions: torch.Tensor  # [key.tokens]
+    rows: torch.Tensor
+    src: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+
+    def scatter(self, out: torch.Tensor, q_tokens: int) -> torch.Tensor:
+        """The graph's output ``out`` back in the layout's ``q_tokens`` rows (padding zero)."""
+        logits = out.new_zeros(q_tokens, out.shape[-1])
+        logits[self.src] = out[self.rows]
+        return logits
 
 
 def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -221,21 +227,29 @@ class StaticModelRunner:
 
     def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> torch.Tensor:
         """As :meth:`logits` in a given ``mode`` (no policy; the mode must be legal)."""
-        self._check(token_ids, layout)
-        check_legal(mode, layout)
-        batch = self._place(token_ids.to(self.device), layout, mode)
-        inputs = self._inputs(batch, layout)
-        if self._warm and self.config.strict != "off" and batch.key not in self.cache:
-            self._strict(batch.key)
-        graph = self.cache.get_or_compile(batch.key, lambda: self._build(batch.key, inputs), pin=True)
+        batch = self.prepare(token_ids, layout, mode)
+        graph = self.graph_for(batch, pin=True)
         try:
             with torch.no_grad():
-                out = graph(*inputs)
+                out = graph(*batch.inputs)
         finally:
             self.cache.unpin([batch.key])
-        logits = out.new_zeros(layout.q_tokens, out.shape[-1])
-        logits[batch.src] = out[batch.rows]
-        return logits
+        return batch.scatter(out, layout.q_tokens)
+
+    def prepare(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> Placed:
+        """``layout``'s tokens placed in the graph of ``mode``: its key and inputs
+        (inputs checked, ``mode`` legal for ``layout``; nothing compiled)."""
+        self._check(token_ids, layout)
+        check_legal(mode, layout)
+        return self._place(token_ids.to(self.device), layout, mode)
+
+    def graph_for(self, batch: Placed, *, pin: bool = False) -> CompiledGraph:
+        """The compiled graph of ``batch.key`` from the cache, compiled on a miss
+        (``strict`` applies after :meth:`warmup`); ``pin`` as ``GraphCache.get_or_compile``."""
+        key = batch.key
+        if self._warm and self.config.strict != "off" and key not in self.cache:
+            self._strict(key)
+        return self.cache.get_or_compile(key, lambda: self._build(key, batch.inputs), pin=pin)
 
     def key_for(self, layout: BatchLayout, mode: MaskMode) -> ModelKey:
         """The graph key ``layout`` runs under in ``mode``."""
@@ -263,7 +277,7 @@ class StaticModelRunner:
             raise LayoutError(f"the runner serves prefill without cached context, got kv_lens "
                               f"{list(layout.kv_lens)} for q_lens {list(layout.q_lens)}")
 
-    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> _Batch:
+    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> Placed:
         key = self.key_for(layout, mode)
         order = range(layout.num_seqs)
         if mode is MaskMode.VARLEN:  # largest bucket first, as the key's segments
@@ -280,14 +294,12 @@ class StaticModelRunner:
         src_t, rows_t = torch.cat(src).to(self.device), torch.cat(rows).to(self.device)
         ids = torch.zeros(key.tokens, dtype=torch.long, device=self.device)
         ids[rows_t] = token_ids[src_t]
-        return _Batch(key, rows_t, src_t, ids, positions.to(self.device))
-
-    def _inputs(self, batch: _Batch, layout: BatchLayout) -> tuple[torch.Tensor, ...]:
-        if batch.key.mode is not MaskMode.MASK:
-            return batch.ids, batch.positions
-        packed = BatchLayout.from_lens(list(layout.q_lens), causal=True)
-        mask = mask_for(packed).materialize(batch.key.tokens, batch.key.tokens)
-        return batch.ids, batch.positions, mask.to(self.device)[None, None]
+        inputs: tuple[torch.Tensor, ...] = (ids, positions.to(self.device))
+        if mode is MaskMode.MASK:
+            packed = BatchLayout.from_lens(list(layout.q_lens), causal=True)
+            mask = mask_for(packed).materialize(key.tokens, key.tokens)
+            inputs += (mask.to(self.device)[None, None],)
+        return Placed(key, rows_t, src_t, inputs)
 
     # -- graphs --------------------------------------------------------------------
     def _forward(self, key: ModelKey) -> Callable[..., torch.Tensor]:
