@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import layouts
+from test_docs import ROOT, blocks
 
+from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode, legal_modes
@@ -16,6 +20,7 @@ from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.integrations.model_specs import ModelSpec, load_model, parse_spec
 from attnpolicy.integrations.static_model import MaskMode as RunnerMode
 from attnpolicy.integrations.static_model import ModelKey, StaticModelRunner, eager_logits
+from attnpolicy.report.plots import TT_XLA
 
 TINY = {"qwen3": "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
         "llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,vocab=64"}
@@ -221,3 +226,34 @@ def test_inductor_graphs_equal_the_eager_model(models):
     for mode in (MaskMode.MASK, MaskMode.VARLEN):
         torch.testing.assert_close(runner.run(ids, layout, mode), eager_logits(reference, ids, layout),
                                    rtol=0, atol=1e-5)
+
+
+def test_bench_model_reports_both_modes_per_length_beside_tt_xla(capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", TINY["qwen3"], "--lengths", "16,128", "--backend", "aot_eager",
+                 "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["seq_len"], r["mode"]) for r in report["rows"]] == [
+        (16, "causal"), (16, "mask"), (128, "causal"), (128, "mask")]
+    for row in report["rows"]:
+        assert row["compile_s"] > 0 and row["compiled_ms"] > 0 and row["eager_ms"] > 0
+        assert row["estimate_mib"] > 0 and row["cuda_mib"] is None
+    by = {(r["seq_len"], r["mode"]): r for r in report["rows"]}
+    _, r128 = report["ratios"]
+    assert r128["compiled"] == pytest.approx(by[(128, "mask")]["compiled_ms"] / by[(128, "causal")]["compiled_ms"])
+    table = capsys.readouterr().out
+    assert "tt-xla mask/causal" in table and f"{TT_XLA[128]:g}" in table
+
+
+def test_bench_model_refuses_a_bad_spec(capsys):
+    assert main(["bench", "--model", "qwen3:depth=2", "--lengths", "16"]) == 2
+    assert "attnpolicy: error: model spec 'qwen3:depth=2': unknown field 'depth'" in capsys.readouterr().err
+
+
+def test_the_docs_example_runs():
+    (code,) = [b for b in blocks(ROOT / "docs/models.md", "python") if "StaticModelRunner(" in b]
+    scope: dict = {}
+    exec(compile(code, "docs/models.md", "exec"), scope)
+    stats = scope["runner"].stats()
+    assert stats.modes == {"mask": 1} and stats.cache.compiles == 1
+    assert scope["logits"].shape == (14, 64)

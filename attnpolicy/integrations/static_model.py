@@ -180,7 +180,9 @@ class StaticModelRunner:
     eviction, and ``strict``. ``compile_counter(gm)`` sees every backend compile.
 
     ``logits(token_ids, layout)`` returns ``[layout.q_tokens, vocab]`` (padding rows
-    zero). The policy decides in a context holding the config and the attention
+    zero); ``run`` does the same in a given mode; ``prepare`` and ``graph_for`` are its
+    two halves (key and inputs, then the cached graph). The runner is not thread-safe
+    (its cache is). The policy decides in a context holding the config and the attention
     tensor spec; it sees no graph keys (no model-level cost model is given to it).
     """
 
@@ -201,7 +203,7 @@ class StaticModelRunner:
         self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
                                       fallback=MaskMode(cfg.fallback_mode))
         self._context = PolicyContext(config=cfg, spec=self.spec)
-        itemsize = param.element_size()
+        self._itemsize = itemsize = param.element_size()
         self.cache: GraphCache[CompiledGraph] = GraphCache.from_config(
             cfg, sizeof=lambda key: estimate_bytes(key, c, itemsize),
             release=lambda key, graph: release_graph(graph))
@@ -328,7 +330,7 @@ class StaticModelRunner:
         if cuda:
             torch.cuda.synchronize(self.device)
         self._memory.append(GraphMemory(
-            str(key), estimate_bytes(key, self.model.config, next(self.model.parameters()).element_size()),
+            str(key), estimate_bytes(key, self.model.config, self._itemsize),
             _rss() - rss, torch.cuda.memory_allocated(self.device) - allocated if cuda else None,
             perf_counter() - t0))
         return graph
