@@ -50,9 +50,9 @@ def register(subparsers: Any) -> None:
                    help="instead: time Dispatcher.attend against the bare kernel per backend, policy and "
                         "batch (default: off)")
     p.add_argument("--model", metavar="SPEC",
-                   help="instead: a whole model's forward, CAUSAL vs MASK, one sequence per length, compiled "
-                        "(SPEC: qwen3, llama, qwen3:layers=2,hidden=128,... or a local HF directory; "
-                        "default: off)")
+                   help="instead: a whole model's forward, CAUSAL vs MASK, one sequence per length, compiled; "
+                        "SPEC is qwen3, llama, qwen3:layers=2,hidden=128,... or a local HF directory "
+                        "(default: off)")
     p.add_argument("--backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
                    help="torch.compile backend of --model (default: inductor)")
     p.add_argument("--kernels", action="store_true",
