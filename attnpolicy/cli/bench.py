@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from attnpolicy.bench.mode_timing import NOISY, BenchSettings, run_bench, speedups, to_json
+from attnpolicy.bench.model_timing import MODEL_LENGTHS
 from attnpolicy.cli.common import (
     add_spec_args,
     check_output,
@@ -29,8 +30,9 @@ def register(subparsers: Any) -> None:
     d = BenchSettings()
     p = command(subparsers, "bench", "time CAUSAL vs MASK (1 sequence) and MASK vs VARLEN (packed)",
                 "attnpolicy bench --lengths 512,2048 --seqs 1,4 --repeats 5", cmd_bench)
-    p.add_argument("--lengths", type=int_list, default=d.lengths, metavar="L[,L...]",
-                   help=f"total tokens per call (default: {shown(d.lengths)})")
+    p.add_argument("--lengths", type=int_list, default=None, metavar="L[,L...]",
+                   help=f"total tokens per call (default: {shown(d.lengths)}; with --model: "
+                        f"{shown(MODEL_LENGTHS)})")
     p.add_argument("--seqs", type=int_list, default=d.seqs, metavar="N[,N...]",
                    help=f"sequences per call, of L/N tokens each (default: {shown(d.seqs)})")
     p.add_argument("--repeats", type=positive_int, default=d.repeats, metavar="N",
@@ -48,6 +50,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--overhead", action="store_true",
                    help="instead: time Dispatcher.attend against the bare kernel per backend, policy and "
                         "batch (default: off)")
+    p.add_argument("--model", metavar="SPEC",
+                   help="instead: a whole model's forward, CAUSAL vs MASK, one sequence per length, compiled; "
+                        "SPEC is qwen3, llama, qwen3:layers=2,hidden=128,... or a local HF directory "
+                        "(default: off)")
+    p.add_argument("--backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
+                   help="torch.compile backend of --model (default: inductor)")
     p.add_argument("--kernels", action="store_true",
                    help="instead: every registered implementation per family against the SDPA loop "
                         "(default: off)")
@@ -55,6 +63,9 @@ def register(subparsers: Any) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     check_output("--json", args.json)
+    if args.model:
+        return cmd_model_bench(args)
+    args.lengths = args.lengths or BenchSettings().lengths
     s = settings(BenchSettings, FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
                  warmup=args.warmup, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, threads=args.threads)
@@ -85,4 +96,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
              "the speedup is unreliable (rerun with more --repeats)")
     if args.json:
         write_json(args.json, to_json(s, rows))
+    return 0
+
+
+def cmd_model_bench(args: argparse.Namespace) -> int:
+    """``bench --model``: the whole-model table, beside tt-xla's published ratios."""
+    from attnpolicy.bench.model_timing import run_model_bench
+    from attnpolicy.report.plots import TT_XLA
+
+    lengths = tuple(args.lengths or MODEL_LENGTHS)
+    with progress(len(lengths), "bench --model") as advance:
+        bench = run_model_bench(args.model, lengths, backend=args.backend, repeats=args.repeats,
+                                warmup=args.warmup, threads=args.threads, advance=advance)
+    ratios = {r.seq_len: r for r in bench.ratios()}
+    table = [(r.seq_len, r.mode, r.compile_s, r.compiled_ms, r.eager_ms, r.rss_mib, r.estimate_mib,
+              ratios[r.seq_len].compiled if r.mode == "mask" else None,
+              TT_XLA.get(r.seq_len) if r.mode == "mask" else None) for r in bench.rows]
+    print_table(f"whole-model forward, 1 sequence, {bench.model}, {bench.backend}, {bench.threads} thread(s)",
+                ("L", "mode", "compile s", "compiled ms", "eager ms", "RSS per graph MiB", "estimate MiB",
+                 "mask/causal", "tt-xla mask/causal"), table,
+                caption="medians of --repeats runs; compile s and RSS: the graph's build (the first build "
+                        "in a process also pays the backend's start-up)")
+    if args.json:
+        write_json(args.json, bench.to_json())
     return 0

@@ -1,0 +1,259 @@
+"""The whole-model runner against the eager HF model, and the built-in model specs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import layouts
+from test_docs import ROOT, blocks
+
+from attnpolicy.cli import main
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode, legal_modes
+from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
+from attnpolicy.graphs.buckets import Buckets
+from attnpolicy.integrations.model_specs import ModelSpec, load_model, parse_spec
+from attnpolicy.integrations.static_model import MaskMode as RunnerMode
+from attnpolicy.integrations.static_model import ModelKey, StaticModelRunner, eager_logits
+from attnpolicy.report.plots import TT_XLA
+
+TINY = {"qwen3": "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
+        "llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,vocab=64"}
+BUCKETS = Buckets(kind="pow2", min=16)
+
+
+def config(policy: str = "varlen", **fields) -> AttnPolicyConfig:
+    return AttnPolicyConfig(policy=policy, backend="aot_eager", buckets=BUCKETS, max_seq_len=64,
+                            max_batch_tokens=128, **fields)
+
+
+class Counted:
+    """Counts backend compiles (the runner's ``compile_counter``)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, gm) -> None:
+        self.n += 1
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def models(request):
+    """(runner model, reference model): two builds of one spec, so equal weights."""
+    spec = parse_spec(TINY[request.param])
+    assert isinstance(spec, ModelSpec)
+    return spec.build(), spec.build()
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    model, reference = models
+    counted = Counted()
+    return StaticModelRunner(model, config(), compile_counter=counted), reference, counted
+
+
+def causal_prefill(layout: BatchLayout) -> bool:
+    return layout.causal and not layout.has_context
+
+
+def token_ids(layout: BatchLayout, seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (layout.q_tokens,), generator=torch.Generator().manual_seed(seed))
+
+
+def real(layout: BatchLayout) -> torch.Tensor:
+    rows = torch.zeros(layout.q_tokens, dtype=torch.bool)
+    for s, n in zip(layout.q_starts, layout.q_lens):
+        rows[s:s + n] = True
+    return rows
+
+
+@settings(max_examples=6)
+@given(layout=layouts(max_seqs=3, max_len=40, max_context=0, max_pad=8).filter(causal_prefill),
+       seed=st.integers(0, 2**16))
+def test_every_mode_equals_the_eager_model_per_sequence(served, layout, seed):
+    runner, reference, counted = served
+    ids = token_ids(layout, seed)
+    want = eager_logits(reference, ids, layout)
+    for mode in legal_modes(layout):
+        got = runner.run(ids, layout, mode)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{mode} on {layout.describe()}")
+        assert not got[~real(layout)].any()  # padding rows are zero
+    stats = runner.stats().cache
+    assert stats.compiles == counted.n == stats.misses
+
+
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", "dynamic", "always-causal"])
+@pytest.mark.parametrize("shape", ["single", "packed", "padded"])
+def test_fixed_policies_on_single_packed_and_padded_batches(models, policy, shape):
+    model, reference = models
+    runner = StaticModelRunner(model, config(policy))
+    lens = [21] if shape == "single" else [9, 30, 3]
+    layout = BatchLayout.from_lens(lens, padded_to=sum(lens) + 5 if shape == "padded" else None)
+    ids = token_ids(layout, 7)
+    got = runner.logits(ids, layout)
+    torch.testing.assert_close(got, eager_logits(reference, ids, layout), rtol=0, atol=1e-5)
+    # packed or padded: the guard falls back to varlen (the config's default) for always-causal
+    packed = {"always-mask": "mask", "varlen": "varlen", "dynamic": "mask", "always-causal": "varlen"}
+    ran = packed[policy] if shape != "single" else "mask" if policy == "always-mask" else "causal"
+    assert runner.stats().modes == {ran: 1}
+    assert runner.stats().guard_fallbacks == (1 if policy == "always-causal" and shape != "single" else 0)
+
+
+def test_keys_buckets_and_segments(models):
+    runner = StaticModelRunner(models[0], config())
+    layout = BatchLayout.from_lens([5, 40, 17])
+    assert runner.key_for(layout, MaskMode.MASK) == ModelKey(MaskMode.MASK, 64, (64,), "aot_eager")
+    # largest bucket first, whatever the order of the sequences
+    varlen = runner.key_for(layout, MaskMode.VARLEN)
+    assert varlen.segments == (64, 32, 16) and varlen.tokens == 112
+    assert runner.key_for(BatchLayout.from_lens([17, 5, 40]), MaskMode.VARLEN) == varlen
+    assert str(varlen) == "model/varlen/t64+32+16/aot_eager"
+    single = BatchLayout.from_lens([20])
+    assert runner.key_for(single, MaskMode.CAUSAL) == ModelKey(MaskMode.CAUSAL, 32, (32,), "aot_eager")
+
+
+def test_one_graph_per_key_and_the_mask_is_an_input(models):
+    model, reference = models
+    counted = Counted()
+    runner = StaticModelRunner(model, config(), compile_counter=counted)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for lens in ([3, 9], [10, 2], [1, 1, 1, 1]):  # all 12 rows or fewer: one MASK graph of 16 rows
+        layout = BatchLayout.from_lens(lens)
+        ids = token_ids(layout, sum(lens))
+        torch.testing.assert_close(runner.run(ids, layout, MaskMode.MASK), eager_logits(reference, ids, layout),
+                                   rtol=0, atol=1e-5)
+    stats = runner.stats()
+    assert (stats.cache.compiles, stats.cache.hits, stats.cache.graphs) == (1, 2, 1)
+    assert counted.n == 1 == torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    (memory,) = stats.memory
+    assert memory.key == "model/mask/t16/aot_eager" and memory.estimate_bytes == stats.cache.bytes > 0
+    assert memory.cuda_bytes is None and memory.compile_seconds > 0
+
+
+def test_eviction_releases_the_graph_and_a_return_compiles_again(models):
+    counted = Counted()
+    runner = StaticModelRunner(models[0], config(max_graphs=1), compile_counter=counted)
+    a, b = BatchLayout.from_lens([20]), BatchLayout.from_lens([40])
+    for layout in (a, b, a):
+        runner.run(token_ids(layout, 1), layout, MaskMode.CAUSAL)
+    stats = runner.stats().cache
+    assert (stats.compiles, stats.evictions, stats.graphs, counted.n) == (3, 2, 1, 3)
+    assert len(runner.stats().memory) == 3
+    runner.close()
+    assert len(runner.cache) == 0
+
+
+def test_strict_raise_after_warmup(models):
+    runner = StaticModelRunner(models[0], config("always-mask", strict="raise"))
+    warm = BatchLayout.from_lens([4, 4])
+    assert runner.warmup([(warm, MaskMode.MASK)]) == [runner.key_for(warm, MaskMode.MASK)]
+    hit, miss = BatchLayout.from_lens([8, 2, 3]), BatchLayout.from_lens([20])
+    runner.logits(token_ids(hit, 0), hit)  # the same 16-row graph
+    with pytest.raises(StrictModeError, match="model/mask/t32"):
+        runner.logits(token_ids(miss, 0), miss)
+    assert runner.stats().strict_violations == 1
+
+
+@pytest.mark.parametrize("layout,ids,match", [
+    (BatchLayout.from_lens([4], causal=False), torch.zeros(4, dtype=torch.long), "causal=False"),
+    (BatchLayout.from_lens([4], [6]), torch.zeros(4, dtype=torch.long), "cached context"),
+    (BatchLayout.from_lens([4]), torch.zeros(4, dtype=torch.int32), "int64"),
+    (BatchLayout.from_lens([4]), torch.zeros(5, dtype=torch.long), "5 rows"),
+])
+def test_bad_input_is_refused_before_any_work(models, layout, ids, match):
+    runner = StaticModelRunner(models[0], config())
+    with pytest.raises(LayoutError, match=match):
+        runner.logits(ids, layout)
+    assert runner.stats().cache.misses == 0 and runner.stats().batches == 0
+
+
+def test_an_illegal_mode_is_refused(models):
+    runner = StaticModelRunner(models[0], config())
+    with pytest.raises(IllegalModeError, match="2 sequences packed"):
+        runner.run(torch.zeros(4, dtype=torch.long), BatchLayout.from_lens([2, 2]), RunnerMode.CAUSAL)
+
+
+def test_specs_parse_with_defaults_and_sizes():
+    default = parse_spec("qwen3")
+    assert isinstance(default, ModelSpec)
+    assert (default.layers, default.hidden, default.heads, default.kv_heads, default.dim) == (4, 256, 8, 2, 32)
+    small = parse_spec("llama:layers=2,hidden=128,heads=4,kv_heads=2")
+    assert isinstance(small, ModelSpec) and (small.arch, small.layers, small.dim) == ("llama", 2, 32)
+    assert parse_spec(small.describe()) == small
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("gpt2", "architecture 'gpt2' is not built in"),
+    ("qwen3:depth=2", "unknown field 'depth'"),
+    ("qwen3:layers=two", "layers must be an integer, got 'two'"),
+    ("qwen3:layers=0", "layers .* got 0"),
+    ("qwen3:heads=8,kv_heads=3", r"kv_heads \(3\) must divide heads \(8\)"),
+    ("qwen3:layers=2,layers=3", "given twice"),
+    ("qwen3:layers", "field=value"),
+    ("", "model spec must be"),
+])
+def test_bad_specs_name_the_field_and_value(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_spec(spec)
+
+
+def test_a_spec_builds_seeded_weights_and_a_directory_loads(tmp_path):
+    a, _ = load_model(TINY["llama"])
+    b, _ = load_model(TINY["llama"])
+    c, _ = load_model(TINY["llama"] + ",seed=1")
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+    a.save_pretrained(tmp_path)
+    loaded, described = load_model(str(tmp_path))
+    assert described == str(tmp_path)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), loaded.parameters()))
+    with pytest.raises(ConfigError, match="no config.json"):
+        parse_spec(str(tmp_path / ".."))
+
+
+@pytest.mark.inductor
+def test_inductor_graphs_equal_the_eager_model(models):
+    model, reference = models
+    runner = StaticModelRunner(model, config().model_copy(update={"backend": "inductor"}))
+    layout = BatchLayout.from_lens([7, 12])
+    ids = token_ids(layout, 3)
+    for mode in (MaskMode.MASK, MaskMode.VARLEN):
+        torch.testing.assert_close(runner.run(ids, layout, mode), eager_logits(reference, ids, layout),
+                                   rtol=0, atol=1e-5)
+
+
+def test_bench_model_reports_both_modes_per_length_beside_tt_xla(capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", TINY["qwen3"], "--lengths", "16,128", "--backend", "aot_eager",
+                 "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["seq_len"], r["mode"]) for r in report["rows"]] == [
+        (16, "causal"), (16, "mask"), (128, "causal"), (128, "mask")]
+    for row in report["rows"]:
+        assert row["compile_s"] > 0 and row["compiled_ms"] > 0 and row["eager_ms"] > 0
+        assert row["estimate_mib"] > 0 and row["cuda_mib"] is None
+    by = {(r["seq_len"], r["mode"]): r for r in report["rows"]}
+    _, r128 = report["ratios"]
+    assert r128["compiled"] == pytest.approx(by[(128, "mask")]["compiled_ms"] / by[(128, "causal")]["compiled_ms"])
+    table = capsys.readouterr().out
+    assert "tt-xla mask/causal" in table and f"{TT_XLA[128]:g}" in table
+
+
+def test_bench_model_refuses_a_bad_spec(capsys):
+    assert main(["bench", "--model", "qwen3:depth=2", "--lengths", "16"]) == 2
+    assert "attnpolicy: error: model spec 'qwen3:depth=2': unknown field 'depth'" in capsys.readouterr().err
+
+
+def test_the_docs_example_runs():
+    (code,) = [b for b in blocks(ROOT / "docs/models.md", "python") if "StaticModelRunner(" in b]
+    scope: dict = {}
+    exec(compile(code, "docs/models.md", "exec"), scope)
+    stats = scope["runner"].stats()
+    assert stats.modes == {"mask": 1} and stats.cache.compiles == 1
+    assert scope["logits"].shape == (14, 64)
