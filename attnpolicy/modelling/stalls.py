@@ -135,10 +135,10 @@ def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, 
                 stalls.append(t - now)
             run = 0.0
             for call, graph in graphs:
-                key = graph.key if isinstance(graph, SimulatedGraph) else None  # None: runs uncompiled
-                if key is not None:
-                    keys.add(key)
-                run += costs.call_seconds(call, key)
+                graph_key = graph.key if isinstance(graph, SimulatedGraph) else None  # None: runs uncompiled
+                if graph_key is not None:
+                    keys.add(graph_key)
+                run += costs.call_seconds(call, graph_key)
                 build = costs.mask_seconds(layout, call, spec.device)
                 if build is not None:
                     run += build
