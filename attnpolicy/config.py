@@ -4,21 +4,20 @@ Validated once (RBLN-style rules between ``attn_impl``, ``partition_len`` and
 ``max_seq_len``), immutable, saved as ``attnpolicy_config.json`` next to compiled
 artefacts and read back at load. See ``docs/config.md``.
 
-The config is plain data: building one imports neither torch nor the plugin
-registry. The policy and eviction *names* (and ``policy_options``) are checked
-where they are resolved: when a :class:`~attnpolicy.dispatcher.Dispatcher` builds
-its policy and cache, or by :meth:`AttnPolicyConfig.validate_names`
-(``attnpolicy config validate``).
+The config is plain data: it imports neither torch, the plugin registry nor the
+cache. The policy and eviction *names* (and ``policy_options``) are checked where
+they are resolved: when a :class:`~attnpolicy.dispatcher.Dispatcher` builds its
+policy and cache, or by :func:`attnpolicy.plugins.resolve.validate_names`
+(``attnpolicy config validate``). The runtime integrations read theirs from the
+environment: :func:`attnpolicy.integrations.environment.from_env`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -43,12 +42,10 @@ from attnpolicy.core.names import (
     Oversize,
     Strict,
 )
-from attnpolicy.errors import AttnPolicyError, ConfigError
+from attnpolicy.errors import AttnPolicyError
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
 
 CONFIG_FILENAME = "attnpolicy_config.json"
-CONFIG_ENV = "ATTNPOLICY_CONFIG"
-POLICY_ENV = "ATTNPOLICY_POLICY"
 FORMAT_VERSION: Literal[1] = 1
 
 logger = logging.getLogger("attnpolicy.config")
@@ -226,24 +223,6 @@ class AttnPolicyConfig(BaseModel):
                     raise ValueError(f"warmup.{i}.{name}: {n} is not a bucket of {self.buckets.describe()} "
                                      f"for {'max_batch_tokens' if mask else 'max_seq_len'} {limit} ({rounds})")
 
-    def validate_names(self) -> Any:
-        """Resolve ``policy`` and ``eviction`` against the plugin registry and build the
-        policy with ``policy_options``; returns the built policy. Raises
-        :class:`ConfigError` naming the field and its value (an unknown name lists the
-        known ones). Imports the registry (and so the installed plugins)."""
-        from attnpolicy.cache.graph_cache import make_eviction
-        from attnpolicy.errors import PolicyError
-        from attnpolicy.plugins.kernels import check_kernel_names
-        from attnpolicy.plugins.registry import make_policy
-
-        try:
-            policy = make_policy(self.policy, **self.policy_options)
-        except PolicyError as exc:
-            raise ConfigError(str(exc)) from exc
-        make_eviction(self.eviction)
-        check_kernel_names(self.kernels)
-        return policy
-
     def bucket(self, n: int) -> int:
         """The compiled length of one sequence of ``n`` tokens (hot path; see
         :meth:`Buckets.bucket`); at most ``max_seq_len``."""
@@ -270,41 +249,3 @@ class AttnPolicyConfig(BaseModel):
         p = Path(path)
         file = p / CONFIG_FILENAME if p.is_dir() else p
         return jsonfile.parse(cls, jsonfile.read_text(file, "config"), str(file), "config", FORMAT_VERSION)
-
-
-def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
-    """The config named by the environment (``os.environ`` by default):
-    ``ATTNPOLICY_CONFIG`` (a directory or file) if set, else defaults; then
-    ``ATTNPOLICY_POLICY``, if set, replaces the policy and must be a registered one.
-    When it names another policy than the config's, the config's ``policy_options``
-    (meant for that policy) are dropped with one warning naming them. Errors:
-    :class:`ConfigError` naming the variable."""
-    env = os.environ if environ is None else environ
-    path = env.get(CONFIG_ENV)
-    config = AttnPolicyConfig()
-    if path:
-        try:
-            config = AttnPolicyConfig.load(path)
-        except ConfigError as exc:
-            raise ConfigError(f"{CONFIG_ENV}={path}: {exc}") from None
-    policy = env.get(POLICY_ENV)
-    if policy and policy != config.policy:
-        from attnpolicy.errors import PolicyError
-        from attnpolicy.plugins.registry import get_policy_info
-
-        try:
-            get_policy_info(policy)
-        except PolicyError as exc:
-            raise ConfigError(f"{POLICY_ENV}={policy}: {exc}") from None
-        if config.policy_options:
-            logger.warning("%s=%s replaces policy %r: its policy_options %s are dropped",
-                           POLICY_ENV, policy, config.policy, json.dumps(config.policy_options))
-        # only the fields the file set stay set: an integration fills the others from its runtime
-        config = _validate({**config.model_dump(mode="json", exclude_unset=True), "policy": policy,
-                            "policy_options": {}},
-                           f"{POLICY_ENV}={policy}")
-    return config
-
-
-def _validate(data: object, source: str) -> AttnPolicyConfig:
-    return jsonfile.validate(AttnPolicyConfig, data, source, "config", FORMAT_VERSION)

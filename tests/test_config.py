@@ -16,13 +16,15 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from attnpolicy.cli.config import register
-from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig, from_env
+from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import BucketOverflowError, ConfigError, PolicyError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.compile import BACKENDS
+from attnpolicy.integrations.environment import from_env
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.plugins.resolve import validate_names
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
@@ -132,7 +134,7 @@ def test_unknown_policy_is_an_error_where_it_is_resolved():
     with pytest.raises(PolicyError, match=match):
         Dispatcher(config)
     with pytest.raises(ConfigError, match=match):
-        config.validate_names()
+        validate_names(config)
 
 
 def test_unknown_eviction_is_an_error_where_it_is_resolved():
@@ -141,7 +143,7 @@ def test_unknown_eviction_is_an_error_where_it_is_resolved():
     with pytest.raises(ConfigError, match=match):
         Dispatcher(config)
     with pytest.raises(ConfigError, match=match):
-        config.validate_names()
+        validate_names(config)
 
 
 @pytest.mark.parametrize("name", ["", "  "])
@@ -186,7 +188,7 @@ def test_policy_options_are_checked_by_building_the_policy():
     with pytest.raises(PolicyError, match=match):
         Dispatcher(config)
     with pytest.raises(ConfigError, match=match):
-        config.validate_names()
+        validate_names(config)
     with pytest.raises(ValidationError, match="policy_options.x"):
         AttnPolicyConfig(policy_options={"x": {1, 2}})
 

@@ -22,6 +22,7 @@ from attnpolicy.errors import (
 )
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.plugins.resolve import validate_names
 
 POLICIES = ["always-mask", "always-causal", "dynamic", "varlen"]
 SPEC = TensorSpec("float32", 4, 2, 16)
@@ -351,7 +352,7 @@ def test_unknown_kernel_in_config_is_refused():
     with pytest.raises(ConfigError, match="kernels: 'flex' is not a registered varlen kernel"):
         Dispatcher(config)
     with pytest.raises(ConfigError, match="kernels: 'flex' is not a registered varlen kernel"):
-        config.validate_names()
+        validate_names(config)
     with pytest.raises(ValueError, match="kernels: family 'decode' is not one of"):
         AttnPolicyConfig(kernels={"decode": "sdpa"})
 

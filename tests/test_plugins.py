@@ -23,12 +23,12 @@ from attnpolicy.errors import PluginError, PolicyError
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import (
     eviction_registry,
-    failed_plugins,
     get_plugin_manager,
     make_policy,
     policy_registry,
     reset_plugin_manager,
 )
+from attnpolicy.plugins.resolve import failed_plugins
 from attnpolicy.policies.base import PolicyContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -304,7 +304,8 @@ def test_load_plugins_env_warns_about_unknown_names(fake_entry_points, monkeypat
 # -- (c) entry-point discovery in a subprocess ------------------------------------------
 
 LIST_POLICIES = (
-    "import json; from attnpolicy.plugins.registry import policy_registry, failed_plugins; "
+    "import json; from attnpolicy.plugins.registry import policy_registry; "
+    "from attnpolicy.plugins.resolve import failed_plugins; "
     "print(json.dumps({'policies': {n: i.plugin for n, i in policy_registry().items()}, "
     "'failed': sorted(failed_plugins())}))"
 )
@@ -472,4 +473,4 @@ def test_a_gone_plugins_kernel_name_is_free_again(fresh_plugins):
     get_plugin_manager().register(kernel_plugin(second), name="second")
     assert get_kernel("varlen", "plain").fn is second
     get_plugin_manager().register(kernel_plugin(second, "sdpa"), name="third")
-    assert "is registered by two plugins" in plugins.failed_plugins()["third"]
+    assert "is registered by two plugins" in failed_plugins()["third"]

@@ -223,8 +223,9 @@ def test_vllm_register_without_vllm_does_nothing(monkeypatch, caplog):
 
 
 def test_fit_to_runtime_takes_unset_limits_from_the_runtime():
-    from attnpolicy.config import AttnPolicyConfig, from_env
+    from attnpolicy.config import AttnPolicyConfig
     from attnpolicy.errors import ConfigError
+    from attnpolicy.integrations.environment import from_env
     from attnpolicy.integrations.runtime import RuntimeLimits, fit_to_runtime
 
     limits = RuntimeLimits(max_model_len=10000, max_num_batched_tokens=256, max_num_seqs=8, block_size=128)

@@ -21,9 +21,8 @@ from attnpolicy.errors import (
     ConfigError,
     GraphCompileError,
     GraphTooLargeError,
-    PluginError,
 )
-from attnpolicy.plugins import registry as plugins
+from attnpolicy.plugins.registry import make_eviction
 
 V = TypeVar("V")
 
@@ -117,27 +116,6 @@ _TOUCH_ONCE = (cachetools.LRUCache, cachetools.FIFOCache)
 
 def _zero_bytes(key: Hashable) -> int:
     return 0
-
-
-def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache[Hashable, Any]:
-    """An empty ordering structure for the registered eviction strategy ``name``."""
-    registry = plugins.eviction_registry()
-    info = registry.get(name)
-    if info is None:
-        raise ConfigError(f"unknown eviction {name!r}; known evictions: {', '.join(sorted(registry))}")
-    try:
-        structure = info.factory(**(options or {}))
-    except Exception as exc:
-        raise ConfigError(
-            f"eviction {name!r} (plugin {info.plugin!r}) rejected eviction_options {options!r}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if not isinstance(structure, cachetools.Cache) or len(structure):
-        raise PluginError(
-            f"eviction {name!r} (plugin {info.plugin!r}) factory returned {structure!r}, "
-            "not an empty cachetools.Cache"
-        )
-    return structure
 
 
 class GraphCache(Generic[V]):

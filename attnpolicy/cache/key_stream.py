@@ -3,7 +3,7 @@
 :func:`replay_stream` gives the counters a :class:`~attnpolicy.cache.graph_cache.GraphCache`
 with the same bounds, eviction, ``sizeof``, ``compile_cost`` and ``oversize`` would
 report after serving the same requests in order with builds that never fail: the
-same eviction structure (:func:`~attnpolicy.cache.graph_cache.make_eviction`) is
+same eviction structure (:func:`~attnpolicy.plugins.registry.make_eviction`) is
 touched the same way (a hit reads ``s[key]``, a miss evicts with ``popitem()`` until
 the graph fits, then ``note``\\s and inserts it), without the cache's locks, futures,
 per-key statistics and callbacks. Pins do not change these counters (a pinned graph
@@ -26,9 +26,9 @@ from typing import Any
 
 import cachetools
 
-from attnpolicy.cache.graph_cache import make_eviction
 from attnpolicy.core.names import Oversize
 from attnpolicy.errors import GraphTooLargeError
+from attnpolicy.plugins.registry import make_eviction
 
 BELADY = "belady"
 
@@ -67,7 +67,7 @@ class StreamCache:
     thread (a simulation, a policy's shadow of the cache).
 
     The order is the registered strategy's structure
-    (:func:`~attnpolicy.cache.graph_cache.make_eviction`), touched as the graph cache
+    (:func:`~attnpolicy.plugins.registry.make_eviction`), touched as the graph cache
     touches it (a hit reads ``order[key]``, a miss ``popitem()``\\s then ``note``\\s and
     inserts). cachetools' ``LRUCache`` and ``FIFOCache`` (the ``lru`` and ``fifo``
     strategies) are kept as the ``OrderedDict`` they are inside, in C: a hit moves

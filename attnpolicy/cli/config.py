@@ -11,6 +11,7 @@ from typing import Any
 from attnpolicy.cli.common import command, fail
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.errors import ConfigError
+from attnpolicy.plugins.resolve import validate_names
 
 
 def register(subparsers: Any) -> None:
@@ -40,7 +41,7 @@ def _load(path: str | None) -> AttnPolicyConfig:
     against the installed plugins and its policy_options checked by building the policy."""
     config = AttnPolicyConfig() if path is None else AttnPolicyConfig.load(path)
     try:
-        config.validate_names()
+        validate_names(config)
     except ConfigError as exc:
         raise ConfigError(f"{path or 'defaults'}: {exc}") from None
     return config

@@ -4,7 +4,7 @@ JSON-lines log of decisions and cache stats.
 Environment variables (read when an integration builds its dispatcher):
 
 - ``ATTNPOLICY_CONFIG`` and ``ATTNPOLICY_POLICY``: the config, see
-  :func:`attnpolicy.config.from_env`;
+  :func:`attnpolicy.integrations.environment.from_env`;
 - ``ATTNPOLICY_DECISIONS_LOG``: a file that gets one JSON line per decision
   (``"event": "decision"``) and, at process exit, one line of cache stats per
   dispatcher (``"event": "stats"``). Several processes may append to one file.

@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from attnpolicy.config import AttnPolicyConfig, from_env
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import LayoutError
+from attnpolicy.integrations.environment import from_env
 from attnpolicy.integrations.hf_layout import layout_from_mask, layout_without_mask
 from attnpolicy.integrations.runtime import dispatcher_for, install_decision_log
 
@@ -44,7 +45,7 @@ _fallbacks: Counter[str] = Counter()
 def register(config: AttnPolicyConfig | None = None) -> Dispatcher:
     """Register ``"attnpolicy"`` with transformers and return the dispatcher it uses.
 
-    ``config`` defaults to the environment (:func:`attnpolicy.config.from_env`);
+    ``config`` defaults to the environment (:func:`attnpolicy.integrations.environment.from_env`);
     ``ATTNPOLICY_DECISIONS_LOG`` is honoured as in the vLLM integration.
     """
     from transformers import AttentionInterface

@@ -39,7 +39,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from attnpolicy.config import AttnPolicyConfig, from_env
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.dispatcher import Dispatcher, example_inputs
@@ -48,6 +48,7 @@ from attnpolicy.graphs.compile import CompiledGraph, compile_graph
 from attnpolicy.graphs.execute import GraphFn, execute, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.integrations.environment import from_env
 from attnpolicy.integrations.runtime import (
     RuntimeLimits,
     dispatcher_for,

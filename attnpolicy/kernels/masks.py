@@ -46,6 +46,12 @@ class MaskCacheStats:
         return asdict(self)
 
 
+def mask_key(layout: BatchLayout, rows: int, cols: int, device: object) -> Hashable:
+    """The :class:`MaskCache` key of ``layout``'s dense ``rows × cols`` mask on ``device``:
+    the one rule by which the dispatcher keeps masks and the cost models mirror it."""
+    return (layout, rows, cols, device)
+
+
 class MaskCache:
     """The masks one owner (a Dispatcher) keeps: dense boolean masks, least recently
     used first out, at most ``max_bytes`` bytes together (a mask larger than that is
@@ -85,7 +91,7 @@ class MaskCache:
         """:func:`mask_for` ``(layout)``'s dense ``rows × cols`` mask on ``device``, kept
         per (layout, shape, device): the hot path of a MASK call (no mask object built
         on a hit). Do not modify it."""
-        dense: torch.Tensor = self.lookup((layout, rows, cols, device), rows * cols,
+        dense: torch.Tensor = self.lookup(mask_key(layout, rows, cols, device), rows * cols,
                                           lambda: mask_for(layout).materialize(rows, cols).to(device))
         return dense
 

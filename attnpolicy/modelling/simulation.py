@@ -4,11 +4,11 @@ bucket schemes × policies × cache bounds × evictions.
 A configuration runs a real :class:`~attnpolicy.dispatcher.Dispatcher` (decision,
 guard, plan, graph cache) over the batches of a
 :class:`~attnpolicy.workloads.batching.BatchFormer`, with a builder that compiles nothing:
-a miss is charged the model's compile seconds, every call the model's run seconds
-plus the dispatch overhead, and every MASK call whose dense mask is not in the
-mask cache (mirrored: a :class:`~attnpolicy.kernels.masks.MaskCache` bounded by
-``max_mask_bytes``, keyed like the dispatcher's) a host mask build. Hits, misses and evictions are
-therefore exactly those of a real run of the same batches and config.
+a miss is charged the model's compile seconds, and every call its modelled cost
+(:class:`~attnpolicy.graphs.batch_cost.BatchCost`: run seconds plus the dispatch
+overhead, and a host mask build for a MASK call whose mask the dispatcher's mask
+cache would not hold). Hits, misses and evictions are therefore exactly those of
+a real run of the same batches and config.
 
 A policy whose decisions do not depend on the cache (``stateless``: every fixed
 policy) requests the same graphs under any bound and eviction, and its attention
@@ -45,12 +45,11 @@ from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatcher import Dispatcher
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.kernels.masks import MaskCache, mask_for
 from attnpolicy.modelling.bucket_schemes import BucketScheme, base_scheme
 from attnpolicy.plugins.registry import eviction_registry
 from attnpolicy.policies.guard import Guard
@@ -125,7 +124,8 @@ class SimulatedGraph:
         raise TypeError(f"the simulated graph for key {self.key} has no computation")
 
 
-def _simulated(call: Call, key: GraphKey, spec: TensorSpec) -> SimulatedGraph:
+def simulated(call: Call, key: GraphKey, spec: TensorSpec) -> SimulatedGraph:
+    """The builder of a modelled run: a :class:`SimulatedGraph` of ``key``."""
     return SimulatedGraph(key)
 
 
@@ -162,27 +162,24 @@ def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model
     spec = spec or model.spec
     cache: GraphCache[SimulatedGraph] = GraphCache.from_config(config, sizeof=model.graph_bytes,
                                                                compile_cost=model.compile_cost)
-    dispatcher = Dispatcher(config, builder=_simulated, cost_model=model, cache=cache)
-    masks = MaskCache(config.max_mask_bytes)
+    dispatcher = Dispatcher(config, builder=simulated, cost_model=model, cache=cache)
+    costs = BatchCost(model, config.max_mask_bytes)
     out = _Replay()
     keys = out.keys
     seconds = 0.0
-    overhead = model.call_overhead_seconds
     for step in steps:
         layout = step.layout if isinstance(step, Step) else step
         for call, graph in dispatcher.prepare(layout, spec):
-            if isinstance(graph, SimulatedGraph):
-                keys.append(graph.key)
-                seconds += model.run_seconds(graph.key) + overhead
+            key = graph.key if isinstance(graph, SimulatedGraph) else None
+            if key is not None:
+                keys.append(key)
             else:  # longer than the largest bucket: runs uncompiled (on_overflow="eager")
                 out.overflow_calls += 1
-                seconds += model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + overhead
-            if call.family is GraphFamily.MASK:
-                mask_key = (mask_for(layout), call.q_bucket, call.kv_bucket, spec.device)
-                if mask_key not in masks:
-                    out.mask_builds += 1
-                    out.mask_build_seconds += model.mask_build_seconds(call.q_bucket, call.kv_bucket)
-                masks.lookup(mask_key, call.q_bucket * call.kv_bucket, bool)
+            seconds += costs.call_seconds(call, key)
+            build = costs.mask_seconds(layout, call, spec.device)
+            if build is not None:
+                out.mask_builds += 1
+                out.mask_build_seconds += build
     out.attention_seconds = seconds + out.mask_build_seconds
     out.stats = dispatcher.stats().to_json()
     out.cache = _counts(cache.stats())

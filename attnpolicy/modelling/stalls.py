@@ -23,13 +23,12 @@ from typing import Any
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatcher import Dispatcher, percentile
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.kernels.masks import MaskCache, mask_for
-from attnpolicy.modelling.simulation import SimulatedGraph
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
+from attnpolicy.modelling.simulation import SimulatedGraph, simulated
 from attnpolicy.workloads.batching import Step
 
 #: ``warm`` values besides ``prefix:N``.
@@ -73,10 +72,6 @@ class StallRow:
         return asdict(self)
 
 
-def _simulated(call: Call, key: GraphKey, spec: TensorSpec) -> SimulatedGraph:
-    return SimulatedGraph(key)
-
-
 def warm_layouts(layouts: Sequence[BatchLayout], warm: str) -> list[BatchLayout]:
     """The layouts to warm up with: ``none``, ``all`` (every layout: the keys the
     whole workload uses) or ``prefix:N`` (the first ``N``)."""
@@ -102,9 +97,8 @@ def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, 
     cache: GraphCache[SimulatedGraph] = GraphCache.from_config(
         config, sizeof=model.graph_bytes, compile_cost=model.compile_cost,
         on_compile=lambda key, seconds, nbytes: inserted.append(key))
-    masks = MaskCache(config.max_mask_bytes)
-    overhead = model.call_overhead_seconds
-    with Dispatcher(config, builder=_simulated, cost_model=model, cache=cache) as dispatcher:
+    costs = BatchCost(model, config.max_mask_bytes)
+    with Dispatcher(config, builder=simulated, cost_model=model, cache=cache) as dispatcher:
         warm_keys = dispatcher.warmup(warm_set, spec)
         warmup_seconds = cache.stats().compile_seconds
         now = worker_free = 0.0
@@ -141,16 +135,13 @@ def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, 
                 stalls.append(t - now)
             run = 0.0
             for call, graph in graphs:
-                if isinstance(graph, SimulatedGraph):
-                    keys.add(graph.key)
-                    run += model.run_seconds(graph.key) + overhead
-                else:  # longer than the largest bucket: runs uncompiled
-                    run += model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + overhead
-                if call.family is GraphFamily.MASK:
-                    mask_key = (mask_for(layout), call.q_bucket, call.kv_bucket, spec.device)
-                    if mask_key not in masks:
-                        run += model.mask_build_seconds(call.q_bucket, call.kv_bucket)
-                    masks.lookup(mask_key, call.q_bucket * call.kv_bucket, bool)
+                graph_key = graph.key if isinstance(graph, SimulatedGraph) else None  # None: runs uncompiled
+                if graph_key is not None:
+                    keys.add(graph_key)
+                run += costs.call_seconds(call, graph_key)
+                build = costs.mask_seconds(layout, call, spec.device)
+                if build is not None:
+                    run += build
             attention += run
             now = t + run
         stats = dispatcher.stats()

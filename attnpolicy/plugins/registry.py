@@ -11,7 +11,7 @@ One bad plugin never disables the others. A third-party plugin that fails to loa
 whose register hook raises, or that registers a name another plugin (a built-in
 first) already holds is rejected alone: it is unregistered, logged once as a
 one-line warning on the ``attnpolicy.plugins`` logger, and listed by
-:func:`failed_plugins`; every other plugin stays usable. A *built-in* plugin that
+:func:`~attnpolicy.plugins.resolve.failed_plugins`; every other plugin stays usable. A *built-in* plugin that
 fails is a bug in attnpolicy: :class:`PluginError`.
 
 The register hooks are called through ``pm.hook`` (one plugin at a time, with
@@ -25,19 +25,17 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import cachetools
 import pluggy
 
-from attnpolicy.errors import PluginError, PolicyError
+from attnpolicy.errors import ConfigError, PluginError, PolicyError
 from attnpolicy.plugins import hookspecs
-
-if TYPE_CHECKING:
-    from attnpolicy.policies.base import Policy
 
 BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware",
                    "attnpolicy.plugins.kernels")
@@ -92,16 +90,10 @@ def reset_plugin_manager() -> None:
         _failed.clear()
 
 
-def failed_plugins() -> Mapping[str, str]:
-    """Plugins that were rejected (failed to load, raised in a register hook, or
-    clashed with another plugin's name): plugin name -> what went wrong. Builds the
-    registries first, so every rejection is listed."""
-    from attnpolicy.plugins.kernels import kernel_registry
-
+def rejected_plugins() -> Mapping[str, str]:
+    """The plugins rejected so far, by the registries built so far: plugin name -> what
+    went wrong (:func:`attnpolicy.plugins.resolve.failed_plugins` builds every registry first)."""
     with _lock:
-        policy_registry()
-        eviction_registry()
-        kernel_registry()
         return MappingProxyType(dict(_failed))
 
 
@@ -279,15 +271,36 @@ def get_policy_info(name: str) -> PolicyInfo:
         ) from None
 
 
-def make_policy(name: str, **options: Any) -> Policy:
+def make_policy(name: str, **options: Any) -> Any:
     """Build the registered policy ``name`` with keyword ``options`` (the config's
-    ``policy_options``); errors are :class:`PolicyError` naming the field and value."""
+    ``policy_options``): an instance of its class, which implements the policies
+    layer's ``Policy`` protocol. Errors are :class:`PolicyError` naming the field and value."""
     info = get_policy_info(name)
     try:
-        policy: Policy = info.cls(**options)
-        return policy
+        return info.cls(**options)
     except Exception as exc:
         raise PolicyError(
             f"policy {name!r} (plugin {info.plugin!r}) rejected policy_options {options!r}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+
+
+def make_eviction(name: str, options: dict[str, Any] | None = None) -> cachetools.Cache[Hashable, Any]:
+    """An empty ordering structure for the registered eviction strategy ``name``."""
+    registry = eviction_registry()
+    info = registry.get(name)
+    if info is None:
+        raise ConfigError(f"unknown eviction {name!r}; known evictions: {', '.join(sorted(registry))}")
+    try:
+        structure = info.factory(**(options or {}))
+    except Exception as exc:
+        raise ConfigError(
+            f"eviction {name!r} (plugin {info.plugin!r}) rejected eviction_options {options!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(structure, cachetools.Cache) or len(structure):
+        raise PluginError(
+            f"eviction {name!r} (plugin {info.plugin!r}) factory returned {structure!r}, "
+            "not an empty cachetools.Cache"
+        )
+    return structure

@@ -47,25 +47,18 @@ so no rule ever gets ahead and the policy answers as ``varlen``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TypeVar, cast
 
 from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, legal_modes
+from attnpolicy.graphs.batch_cost import MaskMirror, MaskNeed
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.policies.base import Policy, PolicyContext
-
-if TYPE_CHECKING:
-    from attnpolicy.kernels.masks import MaskCache
-
-from attnpolicy.policies.builtin import (
-    AlwaysMask,
-    Dynamic,
-    Varlen,
-)
+from attnpolicy.policies.builtin import AlwaysMask, Dynamic, Varlen
 
 #: A rule is switched to only when it is ahead by this fraction of the followed
 #: rule's modelled seconds (plus the price of switching).
@@ -113,7 +106,7 @@ class _Static:
         self.distinct_set = frozenset(keys)
         self.last_used = tuple(dict.fromkeys(keys[::-1]))[::-1]
         self.run = sum(map(run_seconds, keys)) + model.call_overhead_seconds * len(keys)
-        self.masks = tuple(((layout, k.q_len, k.kv_len), model.mask_build_seconds(k.q_len, k.kv_len))
+        self.masks = tuple(MaskNeed(layout, k.q_len, k.kv_len, k.spec.device, model)
                            for k in keys) if mode is MaskMode.MASK else ()
 
 
@@ -176,10 +169,10 @@ class _Pricer:
     def graph_bytes(self, key: GraphKey) -> int:
         return _remembered(self._bytes, key, self.model.graph_bytes)
 
-    def price(self, static: _Static, mode: MaskMode, cache: StreamCache, masks: MaskCache) -> _Option:
+    def price(self, static: _Static, mode: MaskMode, cache: StreamCache, masks: MaskMirror) -> _Option:
         run = static.run
         if static.masks:
-            run += sum(seconds for key, seconds in static.masks if key not in masks)
+            run += sum(need.seconds for need in static.masks if not masks.held(need.key))
         held = cache.held
         missing = () if held.keys() >= static.distinct_set else tuple(k for k in static.distinct if k not in held)
         return _Option(mode, static.keys, run, missing, sum(self.compile_seconds(k) for k in missing))
@@ -194,10 +187,7 @@ class _Shadow:
         # the graph cache's bookkeeping without graphs: same bounds and eviction
         self.cache = StreamCache(max_graphs=config.max_graphs, max_bytes=config.max_bytes,
                                  eviction=config.eviction, oversize="uncached")
-        # imported here: it imports torch, and the registry imports this module
-        from attnpolicy.kernels.masks import MaskCache
-
-        self.masks = MaskCache(config.max_mask_bytes)  # mirrors the dispatcher's
+        self.masks = MaskMirror(config.max_mask_bytes)  # the dispatcher's mask cache, mirrored
         self.seconds = 0.0
         self.run = 0.0  # charged by the last step
         self.quiet = False  # the last step left every cache as it found it (see step)
@@ -222,17 +212,15 @@ class _Shadow:
         # all hits, touched idempotently (each key once at its last use, or not at all),
         # every mask cached or too large to cache: repeating the step changes nothing
         # but the seconds
-        masks, largest = self.masks, self.masks.max_bytes
-        self.quiet = all_hit and all(key in masks or (largest is not None and key[1] * key[2] > largest)
-                                     for key, _ in static.masks)
+        self.quiet = all_hit and all(map(self.masks.settled, static.masks))
         touch, request = self.cache.touch, self.request
         for key in uses:  # misses charged one by one: a key may be evicted within the batch
             try:
                 touch(key)  # a hit: touched as the graph cache touches it
             except KeyError:
                 self.seconds += request(key)
-        for mask_key, _ in static.masks:
-            self.masks.lookup(mask_key, mask_key[1] * mask_key[2], bool)
+        for need in static.masks:
+            self.masks.use(need.key, need.nbytes)
         return mode, reason
 
     def request(self, key: GraphKey) -> float:

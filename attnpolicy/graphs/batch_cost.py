@@ -1,0 +1,87 @@
+"""The modelled cost of a batch's calls on a :class:`~attnpolicy.graphs.costmodel.CostModel`.
+
+One call costs its graph's run seconds (or, run uncompiled past the largest bucket,
+its shape's) plus the dispatch overhead; a MASK call also costs the build of its
+dense mask when the dispatcher's mask cache does not hold it. :class:`MaskMirror`
+is that cache without the masks: the same byte bound and the same key
+(:func:`~attnpolicy.kernels.masks.mask_key`), so every model counts the builds the
+dispatcher makes. Simulation, stall modelling (and the planner through simulation)
+cost batches with :class:`BatchCost`; the cost-aware policy prices its options with
+a :class:`MaskMirror` per shadow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import GraphFamily
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.keys import Call, GraphKey
+from attnpolicy.kernels.masks import MaskCache, mask_key
+
+
+class MaskNeed:
+    """One dense mask a MASK call needs: its mask-cache key, its bytes and its modelled
+    build seconds."""
+
+    __slots__ = ("key", "nbytes", "seconds")
+
+    def __init__(self, layout: BatchLayout, rows: int, cols: int, device: object, model: CostModel) -> None:
+        self.key = mask_key(layout, rows, cols, device)
+        self.nbytes = rows * cols
+        self.seconds = model.mask_build_seconds(rows, cols)
+
+
+class MaskMirror:
+    """The dense masks a dispatcher's :class:`~attnpolicy.kernels.masks.MaskCache` would
+    hold, bounded by ``max_bytes`` (``max_mask_bytes``) and keyed as it keys them."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self._cache = MaskCache(max_bytes)
+
+    def held(self, key: Hashable) -> bool:
+        """Whether the mask of ``key`` is cached (no recency side effect)."""
+        return key in self._cache
+
+    def settled(self, need: MaskNeed) -> bool:
+        """Whether using ``need`` leaves the mirror as it is: cached, or too large to cache."""
+        largest = self._cache.max_bytes
+        return need.key in self._cache or (largest is not None and need.nbytes > largest)
+
+    def use(self, key: Hashable, nbytes: int) -> None:
+        """Record a use of the mask of ``key`` (``nbytes`` large), as the dispatcher's lookup does."""
+        self._cache.lookup(key, nbytes, bool)
+
+
+class BatchCost:
+    """Modelled seconds of the calls a dispatcher prepares, with its mask builds counted
+    against a :class:`MaskMirror` of ``max_mask_bytes``. Costs are per call, in call
+    order, so callers add them up in the order they run."""
+
+    __slots__ = ("masks", "model", "_overhead")
+
+    def __init__(self, model: CostModel, max_mask_bytes: int | None) -> None:
+        self.model = model
+        self.masks = MaskMirror(max_mask_bytes)
+        self._overhead = model.call_overhead_seconds
+
+    def call_seconds(self, call: Call, key: GraphKey | None) -> float:
+        """Run seconds of ``call`` with the dispatch overhead: its graph's (``key``) or,
+        with ``key`` None (uncompiled, longer than the largest bucket), its shape's."""
+        if key is not None:
+            return self.model.run_seconds(key) + self._overhead
+        return self.model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + self._overhead
+
+    def mask_seconds(self, layout: BatchLayout, call: Call, device: object) -> float | None:
+        """Build seconds of ``call``'s dense mask on ``device`` when it is a MASK call whose
+        mask the cache does not hold (None: nothing is built); records the use."""
+        if call.family is not GraphFamily.MASK:
+            return None
+        rows, cols = call.q_bucket, call.kv_bucket
+        key = mask_key(layout, rows, cols, device)
+        built = None if self.masks.held(key) else self.model.mask_build_seconds(rows, cols)
+        self.masks.use(key, rows * cols)
+        return built

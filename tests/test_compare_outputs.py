@@ -1,0 +1,33 @@
+"""tools/compare_outputs.py: it records simulate, stalls and plan, and finds a changed output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("compare_outputs", REPO / "tools" / "compare_outputs.py")
+assert _spec is not None and _spec.loader is not None
+compare_outputs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_outputs)
+
+
+def test_a_recording_equals_itself_and_a_changed_row_is_found(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    compare_outputs.record(REPO, a, ["--trace", "default", "--limit", "12"])
+    assert {"simulate.json", "stalls.json", "plan/plan.json", "plan/plan.md", "plan/attnpolicy_config.json"} <= {
+        str(p.relative_to(a)) for p in a.rglob("*") if p.is_file()}
+    shutil.copytree(a, b)
+    assert compare_outputs.compare(a, b) == []
+
+    data = json.loads((b / "simulate.json").read_text())
+    data["wall_seconds"] = 1.5  # timing only: ignored
+    (b / "simulate.json").write_text(json.dumps(data))
+    assert compare_outputs.compare(a, b) == []
+
+    data["rows"][0]["hits"] += 1
+    (b / "simulate.json").write_text(json.dumps(data))
+    (b / "plan" / "plan.md").write_text("changed")
+    assert compare_outputs.compare(a, b) == ["plan/plan.md", "simulate.json"]
