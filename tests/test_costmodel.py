@@ -210,7 +210,7 @@ def test_round_trip_keeps_the_warmup_and_older_files_load_without_it(tmp_path):
 def test_sizes_choose_the_grid():
     grid = shapes(CalibrationSettings(sizes=(256, 16)))
     assert {kv for _, _, kv in grid} == {16, 256} and {k for k, _, _ in grid} == set(GraphFamily)
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="sizes\n.*powers of two"):
         CalibrationSettings(sizes=(16, 100))
 
 
@@ -256,3 +256,15 @@ def test_validation_rows_carry_predictions_without_the_warmup_and_their_ratios()
         assert v.attention_ratio == pytest.approx(v.predicted_attention_seconds / v.measured_attention_seconds)
         assert v.total_ratio == pytest.approx(v.predicted_total_seconds / v.measured_total_seconds)
         assert v.max_abs_err is not None and v.max_abs_err < 1e-4
+
+
+def test_calibrate_cli_sizes_and_statistic(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    assert main(["calibrate", "--out", str(out), "--backend", "eager", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "8", "--sizes", "16,64", "--statistic", "mean", "--repeats", "1"]) == 0
+    model = CostModel.load(out)
+    grid = shapes(CalibrationSettings(sizes=(16, 64)))
+    assert [(s.kind, s.rows, s.cols) for s in model.samples if s.what == "compile"] == grid
+    assert model.samples[0].what == "compile" and {s.seconds > 0 for s in model.samples if s.what == "run"} == {True}
+    assert main(["calibrate", "--out", str(out), "--sizes", "16,100"]) == 2
+    assert "argument --sizes: must be one or more powers of two" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from functools import partial
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.bench.mode_timing import DTYPES, SpecSettings, split_lengths
@@ -63,9 +63,14 @@ class CalibrationSettings(SpecSettings):
     def _consistent(self) -> CalibrationSettings:
         if self.impl == "flash" and self.partition_len is None:
             raise ValueError("impl 'flash' needs partition_len")
-        if self.sizes is not None and (not self.sizes or any(n & (n - 1) for n in self.sizes)):
-            raise ValueError(f"sizes must be powers of two, got {list(self.sizes)}")
         return self
+
+    @field_validator("sizes")
+    @classmethod
+    def _pow2(cls, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if sizes is not None and (not sizes or any(n & (n - 1) for n in sizes)):
+            raise ValueError("must be one or more powers of two")
+        return sizes
 
 
 def _real(bucket: int) -> int:
