@@ -157,3 +157,114 @@ def test_calibrate_fits_each_family_to_its_own_samples():
             assert mine and getattr(model, what)[family] == Fit.to_samples(mine), (what, family)
     builds = [(x.rows, x.cols, max(x.seconds, 1e-9)) for x in model.samples if x.what == "mask_build"]
     assert model.mask_build == Fit.to_samples(builds)
+
+
+# -- the one-off backend start-up, call statistics, the report's validation ------------------
+
+def _model(warmup: float, backend: str = "aot_eager") -> CostModel:
+    return CostModel(run={f: Fit(base=1e-3) for f in GraphFamily}, compile={f: Fit(base=0.1) for f in GraphFamily},
+                     mask_build=Fit(per_cell=1e-9), warmup_seconds=warmup, backend=backend)
+
+
+def test_warmup_is_charged_once_per_compiling_backend():
+    model = _model(2.5)
+    keys = [key("causal", 16, 16, model), key("mask", 64, 64, model), key("causal", 16, 16, model)]
+    assert model.warmup_cost(keys) == 2.5
+    assert model.warmup_cost([*keys, key("mask", 16, 16, model, backend="inductor")]) == 5.0
+    assert model.warmup_cost([key("causal", 16, 16, model, backend="none")]) == 0.0
+    assert model.warmup_cost([]) == 0.0
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "cost-aware"])
+def test_simulator_charges_the_warmup_once_per_row(policy):
+    """Stream replays (a fixed policy) and dispatcher runs (cost-aware) alike: every row
+    that compiles pays the start-up once, in compile, total and bound seconds, however
+    many misses it has."""
+    from attnpolicy.modelling.simulation import simulate, simulation_config
+    from attnpolicy.workloads.batching import BatchFormer
+    from attnpolicy.workloads.traces import Request
+
+    requests = [Request(0.0, 40, 3), Request(0.1, 150, 2), Request(0.2, 7, 4), Request(0.3, 300, 2)]
+    former = {"max_num_seqs": 3, "max_num_batched_tokens": 256}
+    rows = {}
+    for warmup in (0.0, 7.0):
+        model = _model(warmup)
+        config = simulation_config(model, BatchFormer(**former))
+        rows[warmup] = simulate(requests, [policy], [1, None], ["lru", "belady"], config, model, former)
+    for cold, warm in zip(rows[0.0], rows[7.0]):
+        assert cold.misses == warm.misses > 1 and warm.warmup_seconds == 7.0 and cold.warmup_seconds == 0.0
+        assert warm.compile_seconds == pytest.approx(cold.compile_seconds + 7.0)
+        assert warm.total_seconds == pytest.approx(cold.total_seconds + 7.0)
+        assert warm.bound_seconds == pytest.approx(cold.bound_seconds + 7.0)
+
+
+def test_round_trip_keeps_the_warmup_and_older_files_load_without_it(tmp_path):
+    model = _model(1.25)
+    assert CostModel.load(model.save(tmp_path / "m.json")).warmup_seconds == 1.25
+    data = json.loads((tmp_path / "m.json").read_text())
+    del data["warmup_seconds"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert CostModel.load(tmp_path / "old.json").warmup_seconds == 0.0
+
+
+def test_sizes_choose_the_grid():
+    grid = shapes(CalibrationSettings(sizes=(256, 16)))
+    assert {kv for _, _, kv in grid} == {16, 256} and {k for k, _, _ in grid} == set(GraphFamily)
+    with pytest.raises(ValueError, match="sizes\n.*powers of two"):
+        CalibrationSettings(sizes=(16, 100))
+
+
+@pytest.mark.parametrize("statistic", ["min", "mean"])
+def test_calibration_statistic_and_warmup(monkeypatch, statistic):
+    """Each timed call reports 1 s then 3 s: ``min`` keeps 1, ``mean`` averages the runs
+    (the very first run of a shape, which caches its mask, left out); the warm-up is
+    the first compile's seconds over the fitted compile of its key."""
+    import attnpolicy.bench.calibration as calibration
+
+    monkeypatch.setattr(calibration, "_run_seconds", lambda fn: [1.0, 3.0])
+    monkeypatch.setattr(calibration, "warm_up", lambda backend: 9.0)
+    model = calibrate(CalibrationSettings(heads=2, kv_heads=2, head_dim=8, backend="eager", sizes=(16, 64),
+                                          repeats=2, statistic=statistic))
+    runs = {x.seconds for x in model.samples if x.what == "run"}
+    builds = {x.seconds for x in model.samples if x.what == "mask_build"}
+    assert (runs, builds) == (({1.0}, {1.0}) if statistic == "min" else ({7 / 3}, {2.0}))
+    assert model.warmup_seconds == pytest.approx(9.0 - model.compile[GraphFamily.CAUSAL](16, 16))
+
+
+def test_validation_rows_carry_predictions_without_the_warmup_and_their_ratios():
+    from attnpolicy.modelling.simulation import simulate, simulation_config
+    from attnpolicy.report.build import ReportSettings, validate
+    from attnpolicy.workloads.batching import BatchFormer
+    from attnpolicy.workloads.traces import Request
+
+    requests = [Request(0.0, 40, 3), Request(0.1, 90, 2)]
+    s = ReportSettings(former={"max_num_seqs": 2, "max_num_batched_tokens": 128}, validate_capacity=2,
+                       policies=("dynamic", "varlen"))
+    model = CostModel(run={f: Fit(base=1e-4) for f in GraphFamily}, compile={f: Fit(base=0.05) for f in GraphFamily},
+                      mask_build=Fit(per_cell=1e-9), warmup_seconds=3.0, heads=2, kv_heads=1, head_dim=8)
+    rows = validate(model, requests, s, lambda label: None)
+    assert [v.policy for v in rows] == ["dynamic", "varlen"]
+    former = BatchFormer(**s.former)
+    for v in rows:
+        config = simulation_config(model, former, policy=v.policy, max_graphs=2)
+        (sim,) = simulate(requests, [v.policy], [2], ["lru"], config, model, s.former)
+        assert v.predicted_misses == v.measured_misses == sim.misses > 0
+        assert v.predicted_warmup_seconds == 3.0
+        assert v.predicted_compile_seconds == pytest.approx(sim.compile_seconds - 3.0)
+        assert v.predicted_total_seconds == pytest.approx(sim.total_seconds - 3.0)
+        assert v.compile_ratio == pytest.approx(v.predicted_compile_seconds / v.measured_compile_seconds)
+        assert v.attention_ratio == pytest.approx(v.predicted_attention_seconds / v.measured_attention_seconds)
+        assert v.total_ratio == pytest.approx(v.predicted_total_seconds / v.measured_total_seconds)
+        assert v.max_abs_err is not None and v.max_abs_err < 1e-4
+
+
+def test_calibrate_cli_sizes_and_statistic(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    assert main(["calibrate", "--out", str(out), "--backend", "eager", "--heads", "2", "--kv-heads", "1",
+                 "--head-dim", "8", "--sizes", "16,64", "--statistic", "mean", "--repeats", "1"]) == 0
+    model = CostModel.load(out)
+    grid = shapes(CalibrationSettings(sizes=(16, 64)))
+    assert [(s.kind, s.rows, s.cols) for s in model.samples if s.what == "compile"] == grid
+    assert model.samples[0].what == "compile" and {s.seconds > 0 for s in model.samples if s.what == "run"} == {True}
+    assert main(["calibrate", "--out", str(out), "--sizes", "16,100"]) == 2
+    assert "argument --sizes: must be one or more powers of two" in capsys.readouterr().err

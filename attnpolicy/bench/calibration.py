@@ -4,19 +4,20 @@ Every sample runs through the real machinery: a :class:`~attnpolicy.dispatcher.D
 decides, plans and compiles the graph of one key (``compile_graph`` with the chosen
 backend, timed by the graph cache), then its call is timed through
 :func:`attnpolicy.graphs.execute.execute` on real tensors. Real lengths are three quarters of each bucket,
-so the timed calls pay a typical padding.
+so the timed calls pay a typical padding. The first compile in the process is timed
+too: what it pays over a later compile of its key is the model's ``warmup_seconds``.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 from collections.abc import Callable, Hashable
 from functools import partial
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.bench.mode_timing import DTYPES, SpecSettings, split_lengths
@@ -51,6 +52,11 @@ class CalibrationSettings(SpecSettings):
     max_len: Annotated[int, Field(ge=16)] = 4096
     repeats: Annotated[int, Field(ge=1)] = 3
     quick: bool = False
+    #: the pow2 bucket sizes of the grid (default: 16 up to ``max_len``)
+    sizes: tuple[Annotated[int, Field(ge=16)], ...] | None = None
+    #: a call's sample: its fastest run (``min``: the machine's own speed, stable on a
+    #: shared machine) or its mean run (``mean``: what a replay on this machine now pays)
+    statistic: Literal["min", "mean"] = "min"
     kernels: bool = False  # also time every registered kernel per family (KERNEL_BATCH)
 
     @model_validator(mode="after")
@@ -59,21 +65,28 @@ class CalibrationSettings(SpecSettings):
             raise ValueError("impl 'flash' needs partition_len")
         return self
 
+    @field_validator("sizes")
+    @classmethod
+    def _pow2(cls, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if sizes is not None and (not sizes or any(n & (n - 1) for n in sizes)):
+            raise ValueError("must be one or more powers of two")
+        return sizes
+
 
 def _real(bucket: int) -> int:
     return bucket - bucket // 4
 
 
 def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
-    """The (graph family, q bucket, kv bucket) grid: pow2 sizes from 16 to ``max_len`` (every
-    other size with ``quick``); square shapes for CAUSAL and MASK, decode-like
-    (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
-    sizes = []
+    """The (graph family, q bucket, kv bucket) grid: ``sizes``, or pow2 sizes from 16 to
+    ``max_len`` (every other size with ``quick``); square shapes for CAUSAL and MASK,
+    decode-like (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
+    sizes = sorted(s.sizes or ())
     n = 16
-    while n <= s.max_len:
+    while not s.sizes and n <= s.max_len:
         sizes.append(n)
         n *= 2
-    if s.quick:
+    if s.quick and not s.sizes:
         sizes = sorted({*sizes[::2], sizes[-1]})
     grid: list[tuple[GraphFamily, int, int]] = []
     for n in sizes:
@@ -99,25 +112,40 @@ def _layout(kind: GraphFamily, q_bucket: int, kv_bucket: int) -> BatchLayout:
     return BatchLayout.from_lens(q_lens, None if rq == rkv else split_lengths(rkv, n))
 
 
-def _fastest_seconds(fn: Callable[[], object]) -> float:
-    """The fastest of :data:`MIN_REPEATS` or more runs (up to :data:`MAX_REPEATS`
+def _run_seconds(fn: Callable[[], object]) -> list[float]:
+    """The seconds of :data:`MIN_REPEATS` or more runs (up to :data:`MAX_REPEATS`
     while they take under :data:`MIN_TIMED_SECONDS` together)."""
     times: list[float] = []
     while len(times) < MIN_REPEATS or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_REPEATS):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def warm_up(backend: str) -> float:
+    """Compile and call one tiny graph with ``backend`` (a fresh dispatcher, nothing
+    kept): the process's one-off compile start-up is paid now. Returns its seconds
+    (the full compile when this is the process's first with ``backend``)."""
+    layout = BatchLayout.from_lens([8])
+    q = torch.zeros(8, 1, 8)
+    with Dispatcher(AttnPolicyConfig(policy="dynamic", backend=backend, max_graphs=1)) as dispatcher:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            dispatcher.attend(q, q.clone(), q.clone(), layout)
+        return time.perf_counter() - start
 
 
 def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = None) -> CostModel:
     """Measure every shape of :func:`shapes` and fit a :class:`CostModel`.
 
-    First each shape's graph is compiled (one compile sample per key), then
-    ``repeats`` rounds time every shape; a call's sample is its fastest time over
-    all rounds (interference on a shared machine only ever adds time, and rounds
-    spread each shape's runs over the whole calibration). ``progress(label)`` is
-    called once per shape compiled and once per round: ``len(shapes(s)) + repeats``
+    First one tiny graph is compiled (:func:`warm_up`), then each shape's graph (one
+    compile sample per key), then ``repeats`` rounds time every shape; a call's
+    sample is its fastest or mean run over all rounds (``statistic``; rounds spread
+    each shape's runs over the whole calibration). ``warmup_seconds`` is what the
+    tiny graph's compile took over a later compile of its key (0 when the process
+    had compiled with this backend before: nothing left to pay). ``progress(label)``
+    is called once per shape compiled and once per round: ``len(shapes(s)) + repeats``
     times in all."""
     if s.threads is not None:
         torch.set_num_threads(s.threads)
@@ -134,9 +162,11 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
 
     cache: GraphCache[Any] = GraphCache(sizeof=sizeof, release=lambda key, graph: release_graph(graph),
                                         on_compile=on_compile)
+    grid = shapes(s)
+    max_seq_len = max(s.max_len, s.partition_len or 0, *(kv for _, _, kv in grid))
     dispatchers = {kind: Dispatcher(AttnPolicyConfig(
         policy=policy, backend=s.backend, attn_impl=s.impl, partition_len=s.partition_len,
-        max_seq_len=max(s.max_len, s.partition_len or 0)), cache=cache) for kind, policy in _POLICY.items()}
+        max_seq_len=max_seq_len), cache=cache) for kind, policy in _POLICY.items()}
     gen = torch.Generator().manual_seed(0)
     samples: list[Sample] = []
 
@@ -145,14 +175,11 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         k = torch.randn(layout.kv_tokens, s.kv_heads, s.head_dim, generator=gen).to(dtype)
         return q, k, torch.randn_like(k)
 
+    first = warm_up(s.backend) if s.backend != "none" else 0.0
     try:
         with torch.inference_mode():
-            warm = BatchLayout.from_lens([8])
-            dispatchers[GraphFamily.CAUSAL].attend(*tensors(warm), warm)  # Dynamo's one-off start-up cost
-            cache.clear()
-            compiled.clear()
             runs: list[tuple[GraphFamily, GraphKey, Callable[[], object], Callable[[], object] | None]] = []
-            for kind, qb, kvb in shapes(s):
+            for kind, qb, kvb in grid:
                 layout = _layout(kind, qb, kvb)
                 tensors_ = tensors(layout)
                 graphs = dispatchers[kind].prepare(layout, spec)
@@ -164,28 +191,30 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                 runs.append((kind, key, partial(execute, *tensors_, layout, graphs, dispatchers[kind].masks), build))
                 if progress:
                     progress(f"compiled {key}")
-            fastest = [[math.inf, math.inf] for _ in runs]
+            timed: list[tuple[list[float], list[float]]] = [([], []) for _ in runs]
             for r in range(s.repeats):
-                for best, (_, _, run, build) in zip(fastest, runs):
-                    best[0] = min(best[0], _fastest_seconds(run))  # the first run caches its mask
+                for (run_s, build_s), (_, _, run, build) in zip(timed, runs):
+                    run_s += _run_seconds(run)[r == 0:]  # the first run caches its mask
                     if build is not None:
-                        best[1] = min(best[1], _fastest_seconds(build))
+                        build_s += _run_seconds(build)
                 if progress:
                     progress(f"timing round {r + 1}/{s.repeats}")
             overhead = _call_overhead(dispatchers[GraphFamily.CAUSAL], spec)
     finally:
         cache.clear()
-    for (kind, key, _, build), (run_s, build_s) in zip(runs, fastest):
-        samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=run_s))
+    pick = min if s.statistic == "min" else statistics.fmean
+    for (kind, key, _, build), (run_s, build_s) in zip(runs, timed):
+        samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=pick(run_s)))
         if build is not None:
-            samples.append(Sample(what="mask_build", rows=key.q_len, cols=key.kv_len, seconds=build_s))
+            samples.append(Sample(what="mask_build", rows=key.q_len, cols=key.kv_len, seconds=pick(build_s)))
+    compile_fits = {kind: _fit(samples, "compile", kind) for kind in GraphFamily}
     return CostModel(
         kernel_seconds=_kernel_seconds(s) if s.kernels else {},
         dtype=s.dtype, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, impl=s.impl,
         partition_len=s.partition_len if s.impl == "flash" else None, backend=s.backend,
         threads=torch.get_num_threads(), torch_version=torch.__version__,
         run={kind: _fit(samples, "run", kind) for kind in GraphFamily},
-        compile={kind: _fit(samples, "compile", kind) for kind in GraphFamily},
+        compile=compile_fits, warmup_seconds=max(0.0, first - compile_fits[GraphFamily.CAUSAL](16, 16)),
         mask_build=_fit(samples, "mask_build", None),
         call_overhead_seconds=overhead, samples=tuple(samples))
 

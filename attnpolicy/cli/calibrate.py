@@ -11,6 +11,7 @@ from attnpolicy.cli.common import (
     check_output,
     command,
     console,
+    int_list,
     positive_int,
     print_table,
     progress,
@@ -19,7 +20,7 @@ from attnpolicy.cli.common import (
 
 DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
 FLAGS = {"max_len": "--max-len", "kv_heads": "--kv-heads", "head_dim": "--head-dim", "impl": "--impl",
-         "partition_len": "--partition-len"}
+         "partition_len": "--partition-len", "sizes": "--sizes"}
 
 
 def register(subparsers: Any) -> None:
@@ -45,6 +46,11 @@ def register(subparsers: Any) -> None:
                    help=f"torch threads while measuring; stable on a shared machine, and bench's "
                         f"default too (default: {d.threads})")
     c.add_argument("--quick", action="store_true", help="every other size only (default: off)")
+    c.add_argument("--sizes", type=int_list, default=None, metavar="N[,N...]",
+                   help="the pow2 bucket sizes of the grid instead of 16 up to --max-len (default: none)")
+    c.add_argument("--statistic", choices=("min", "mean"), default=d.statistic,
+                   help="a call's sample: its fastest run, or its mean run (what a replay on this machine "
+                        f"pays now, interference included) (default: {d.statistic})")
     c.add_argument("--kernels", action="store_true",
                    help="also time every registered kernel per family, for kernels 'auto' (default: off)")
 
@@ -54,7 +60,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
                  max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads,
-                 kernels=args.kernels)
+                 kernels=args.kernels, sizes=tuple(args.sizes) if args.sizes else None,
+                 statistic=args.statistic)
     with progress(len(shapes(s)) + s.repeats, "calibrate") as advance:
         model = calibrate(s, advance)
     path = model.save(args.out)
@@ -67,5 +74,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print_table(f"cost model, {model.impl}/{model.backend}, {model.dtype}, H={model.heads}/{model.kv_heads} "
                 f"D={model.head_dim}, {model.threads} thread(s)",
                 ("what", "kind", "rows", "cols", "measured ms", "model ms", "model/measured"), rows)
-    console.print(f"dispatch overhead per call: {model.call_overhead_seconds * 1e6:.1f} µs; wrote {path}")
+    console.print(f"dispatch overhead per call: {model.call_overhead_seconds * 1e6:.1f} µs; the first compile "
+                  f"in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); wrote {path}")
     return 0

@@ -47,8 +47,9 @@ def register(subparsers: Any) -> None:
     add_sweep_args(p, d.policies, d.capacities, d.evictions, d.buckets)
     p.add_argument("--cost-model", default=None, metavar="PATH",
                    help="a cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
-    p.add_argument("--calibrate", action="store_true",
-                   help="calibrate a cost model now, about a minute (default: off)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=d.calibrate,
+                   help="calibrate a cost model on this machine now, a small grid; --no-calibrate uses the "
+                        "built-in model; ignored with --cost-model (default: on)")
     p.add_argument("--bench-lengths", type=int_list, default=d.bench.lengths, metavar="L[,L...]",
                    help=f"total lengths of the bench table (default: {shown(d.bench.lengths)})")
     p.add_argument("--bench-repeats", type=positive_int, default=d.bench.repeats, metavar="N",
@@ -81,7 +82,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  bench=bench, former=former_options(args), policy_options=options)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
-             + len(s.validated_policies) + int(s.calibrate))
+             + len(s.validated_policies) + int(s.calibrates))
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance:
         data = make_report(s, command_line, advance, requests)

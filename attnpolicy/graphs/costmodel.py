@@ -9,6 +9,9 @@ compile backend it was calibrated with (``attnpolicy calibrate``, see
   (JSON keys ``causal``, ``mask``, ``varlen``);
 - ``compile[family]``: seconds to build one graph of a key (backend compile plus its
   first call on example inputs);
+- ``warmup_seconds``: what the first compile in a process pays on top of its key's
+  ``compile`` seconds (the backend's one-off start-up: Dynamo, AOTAutograd), charged
+  once per backend by :meth:`CostModel.warmup_cost`;
 - ``mask_build``: seconds to build a dense ``rows × cols`` mask on the host;
 - ``call_overhead_seconds``: the dispatcher's own cost per call (decision, plan,
   cache lookup) on a cache hit.
@@ -25,7 +28,7 @@ See ``docs/simulate.md``.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Final, Literal
@@ -124,6 +127,7 @@ class CostModel(BaseModel):
     run: dict[GraphFamily, Fit]
     compile: dict[GraphFamily, Fit]
     mask_build: Fit
+    warmup_seconds: NonNegative = 0.0
     call_overhead_seconds: NonNegative = 0.0
     samples: tuple[Sample, ...] = ()
     #: seconds per graph family and kernel on a reference batch (``calibrate --kernels``);
@@ -164,6 +168,12 @@ class CostModel(BaseModel):
         """A :class:`~attnpolicy.cache.graph_cache.GraphCache` ``compile_cost``: record the modelled
         compile seconds (deterministic on every rank) instead of the measured ones."""
         return self.compile_seconds(key)
+
+    def warmup_cost(self, compiled: Iterable[GraphKey]) -> float:
+        """The one-off start-up of a process that compiles the graphs of ``compiled``:
+        ``warmup_seconds`` once per backend among them (backend ``"none"`` compiles
+        nothing and pays none)."""
+        return self.warmup_seconds * len({key.backend for key in compiled} - {"none"})
 
     def mask_build_seconds(self, rows: int, cols: int) -> float:
         """Seconds to build a dense ``rows × cols`` mask on the host."""

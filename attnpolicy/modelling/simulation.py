@@ -76,7 +76,10 @@ class SimRow:
     eviction or bound does better for these decisions) and ``bound_gap`` is
     ``total / bound - 1``; ``modes`` counts batches per mode; ``policy_options`` are
     the options the policy ran with; ``rejected`` counts the requests the batch
-    former left out (too long)."""
+    former left out (too long); ``warmup_seconds`` is the cost model's one-off
+    backend start-up (:meth:`~attnpolicy.graphs.costmodel.CostModel.warmup_cost`),
+    included in ``compile_seconds``, ``total_seconds`` and ``bound_seconds`` when
+    the row compiles anything."""
 
     policy: str
     buckets: str
@@ -105,6 +108,7 @@ class SimRow:
     bound_gap: float
     policy_options: dict[str, Any] = field(default_factory=dict)
     rejected: int = 0
+    warmup_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The row as JSON: one key per field."""
@@ -211,11 +215,12 @@ def _compulsory_seconds(keys: Sequence[GraphKey], model: CostModel) -> float:
 
 
 def _row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
-         cache: StreamStats, compulsory: float, rejected: int) -> SimRow:
+         cache: StreamStats, compulsory: float, rejected: int, warmup: float = 0.0) -> SimRow:
     hits, misses = cache.hits, cache.misses
     stats = replay.stats
-    total = replay.attention_seconds + cache.compile_seconds
-    bound = replay.attention_seconds + compulsory
+    warmup = warmup if cache.compiles else 0.0
+    total = replay.attention_seconds + cache.compile_seconds + warmup
+    bound = replay.attention_seconds + compulsory + warmup
     return SimRow(
         policy=policy,
         buckets=scheme,
@@ -226,7 +231,7 @@ def _row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, repl
         misses=misses,
         hit_rate=hits / (hits + misses) if hits + misses else 0.0,
         compiles=cache.compiles,
-        compile_seconds=cache.compile_seconds,
+        compile_seconds=cache.compile_seconds + warmup,
         attention_seconds=replay.attention_seconds,
         total_seconds=total,
         peak_bytes=cache.peak_bytes,
@@ -244,6 +249,7 @@ def _row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, repl
         bound_gap=total / bound - 1 if bound else 0.0,
         policy_options=dict(config.policy_options),
         rejected=rejected,
+        warmup_seconds=warmup,
     )
 
 
@@ -494,7 +500,8 @@ class _Job:
 
     def _row(self, config: AttnPolicyConfig, eviction: str, replay: _Replay, cache: StreamStats,
              compulsory: float, sweep: _Sweep) -> SimRow:
-        return _row(self.scheme_name, self.policy, config, eviction, replay, cache, compulsory, sweep.rejected)
+        return _row(self.scheme_name, self.policy, config, eviction, replay, cache, compulsory, sweep.rejected,
+                    sweep.model.warmup_cost(replay.keys))
 
 
 @dataclass(frozen=True)

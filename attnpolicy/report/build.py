@@ -3,7 +3,8 @@
 1. the mask-vs-mask-free table on this machine (``attnpolicy bench``), and every
    registered implementation per family against the per-sequence SDPA loop
    (``attnpolicy bench --kernels``; plugins' kernels included);
-2. a cost model (the built-in one, a given file, or calibrated now);
+2. a cost model: calibrated now on this machine (a small grid, mean call seconds:
+   what the replays of step 4 pay here), a given file, or the built-in one;
 3. the bucket scheme × policy × capacity × eviction sweep on the workload, with
    Belady's bound and the lower bound on total seconds (``attnpolicy simulate``);
 4. the simulator checked against real compute on a prefix of the workload:
@@ -25,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as validated
 
-from attnpolicy.bench.calibration import CalibrationSettings, calibrate
+from attnpolicy.bench.calibration import CalibrationSettings, calibrate, warm_up
 from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
 from attnpolicy.bench.mode_timing import BenchSettings, run_bench, speedups
 from attnpolicy.bench.replay import run_workload
@@ -66,7 +67,11 @@ class ReportSettings:
     kernel_seqs: Annotated[int, Field(ge=1)] = 4
     kernel_skip: tuple[str, ...] = ()
     cost_model: str | None = None
-    calibrate: bool = False
+    #: calibrate a cost model now (unless ``cost_model`` is given) with ``calibration``;
+    #: off: the built-in model
+    calibrate: bool = True
+    calibration: CalibrationSettings = CalibrationSettings(sizes=(16, 256, 1024, 2048), repeats=2,
+                                                            statistic="mean")
     validate_requests: Annotated[int, Field(ge=1)] = 6
     validate_capacity: Annotated[int, Field(ge=1)] = 4
     #: Policies of the sweep also replayed with real compute (always-mask is left out:
@@ -93,10 +98,19 @@ class ReportSettings:
     def validated_policies(self) -> tuple[str, ...]:
         return tuple(p for p in self.policies if p in self.validate_policies)
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether the report calibrates a cost model (``calibrate`` and no ``cost_model``)."""
+        return self.calibrate and self.cost_model is None
+
 
 @dataclass(frozen=True)
 class ValidationRow:
-    """Predicted (simulate) vs measured (run) on the same prefix, config and batches."""
+    """Predicted (simulate) vs measured (run) on the same prefix, config and batches.
+
+    The replays run in a warm process (the backend's start-up paid before them), so
+    the predictions leave out the model's one-off start-up, ``predicted_warmup_seconds``.
+    ``*_ratio`` is predicted over measured seconds (``None`` when nothing was measured)."""
 
     policy: str
     capacity: int
@@ -110,6 +124,10 @@ class ValidationRow:
     predicted_total_seconds: float
     measured_total_seconds: float
     max_abs_err: float | None
+    predicted_warmup_seconds: float = 0.0
+    compile_ratio: float | None = None
+    attention_ratio: float | None = None
+    total_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,9 +144,13 @@ class SummaryRow:
 def _model(s: ReportSettings, progress: Callable[[str], None]) -> tuple[CostModel, str]:
     if s.cost_model:
         return CostModel.load(s.cost_model), f"loaded from {s.cost_model}"
-    if s.calibrate:
-        progress("calibrating")
-        return calibrate(CalibrationSettings(quick=True)), "calibrated now (attnpolicy calibrate --quick)"
+    if s.calibrates:
+        c = s.calibration
+        model = calibrate(c)
+        progress("calibrated")
+        sizes = ",".join(map(str, c.sizes)) if c.sizes else f"up to {c.max_len}"
+        return model, (f"calibrated now on this machine (sizes {sizes}, {c.repeats} rounds, "
+                       f"{c.statistic} call seconds, backend {c.backend})")
     return CostModel.default(), "built-in (attnpolicy/data/default_costmodel.json)"
 
 
@@ -145,28 +167,40 @@ def kernel_table(s: ReportSettings, progress: Callable[[str], None]) -> list[Ker
 
 def validate(model: CostModel, requests: Sequence[Request], s: ReportSettings,
              progress: Callable[[str], None]) -> list[ValidationRow]:
-    """Predicted (simulate) vs measured (run) on the same prefix, config and batches."""
+    """Predicted (simulate) vs measured (run) on the same prefix, config and batches,
+    in a warm process (:func:`~attnpolicy.bench.calibration.warm_up` first)."""
     former = BatchFormer(**s.former)
     steps = list(former.steps(requests))
     rows = []
     torch.set_num_threads(model.threads)
+    warm_up(model.backend)
     for policy in s.validated_policies:
         config = simulation_config(model, former, policy=policy, max_graphs=s.validate_capacity,
                                    policy_options=s.policy_options.get(policy, {}))
         (predicted,) = simulate(requests, [policy], [s.validate_capacity], ["lru"], config, model, s.former)
         measured = run_workload(requests, config, model.spec, steps=steps, check=True)
+        warm = predicted.warmup_seconds
+        compile_s, total_s = predicted.compile_seconds - warm, predicted.total_seconds - warm
         rows.append(ValidationRow(
             policy=policy, capacity=s.validate_capacity, batches=len(steps),
             predicted_misses=predicted.misses, measured_misses=measured.cache["misses"],
-            predicted_compile_seconds=predicted.compile_seconds,
+            predicted_compile_seconds=compile_s,
             measured_compile_seconds=measured.compile_seconds,
             predicted_attention_seconds=predicted.attention_seconds,
             measured_attention_seconds=measured.attention_seconds,
-            predicted_total_seconds=predicted.total_seconds,
+            predicted_total_seconds=total_s,
             measured_total_seconds=measured.total_seconds,
-            max_abs_err=measured.max_abs_err))
+            max_abs_err=measured.max_abs_err,
+            predicted_warmup_seconds=warm,
+            compile_ratio=_ratio(compile_s, measured.compile_seconds),
+            attention_ratio=_ratio(predicted.attention_seconds, measured.attention_seconds),
+            total_ratio=_ratio(total_s, measured.total_seconds)))
         progress(f"validated {policy}")
     return rows
+
+
+def _ratio(predicted: float, measured: float) -> float | None:
+    return predicted / measured if measured > 0 else None
 
 
 def best_by_policy(rows: Sequence[SimRow]) -> dict[tuple[str, int | None], SimRow]:
