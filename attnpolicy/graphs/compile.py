@@ -129,7 +129,7 @@ def _inductor_call(fn: Any, depth: int = 0, seen: set[int] | None = None) -> Cal
     try:
         from torch._inductor.output_code import CompiledFxGraph
     except ImportError:  # older torch keeps it in codecache
-        from torch._inductor.codecache import CompiledFxGraph  # type: ignore[attr-defined,no-redef]
+        from torch._inductor.codecache import CompiledFxGraph  # type: ignore[attr-defined]
 
     seen = set() if seen is None else seen
     if id(fn) in seen or depth > 8:
