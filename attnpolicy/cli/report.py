@@ -35,7 +35,7 @@ from attnpolicy.report.markdown import first_screen
 
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
-         "validate_requests": "--validate-requests"}
+         "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets"}
 
 
 def register(subparsers: Any) -> None:
@@ -65,6 +65,10 @@ def register(subparsers: Any) -> None:
                    help="first N requests replayed with real compute to check the simulator "
                         f"(default: {d.validate_requests})")
 
+    p.add_argument("--plan-max-buckets", type=positive_int, default=d.plan_max_buckets, metavar="K",
+                   help="most bucket sizes per candidate list of the plan step, as 'attnpolicy plan "
+                        f"--max-buckets' (default: {d.plan_max_buckets})")
+
 
 def cmd_report(args: argparse.Namespace) -> int:
     former = former_from(args)
@@ -80,6 +84,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                  buckets=tuple(args.buckets) or ("pow2",), max_bytes=tuple(args.max_bytes or (None,)),
                  workers=args.workers,
                  cost_model=args.cost_model, calibrate=args.calibrate, validate_requests=args.validate_requests,
+                 plan_max_buckets=args.plan_max_buckets,
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  bench=bench, former=former_options(args), policy_options=options)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)

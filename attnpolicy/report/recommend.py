@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig
@@ -34,6 +34,19 @@ TOLERANCE = 0.10
 TRUST_LIMIT = 0.20
 #: The config directory under the report's output directory.
 CONFIG_DIR = "config"
+
+
+class Checked(Protocol):
+    """A validation row: predicted and measured seconds of one replay."""
+
+    @property
+    def predicted_compile_seconds(self) -> float: ...
+    @property
+    def measured_compile_seconds(self) -> float: ...
+    @property
+    def predicted_total_seconds(self) -> float: ...
+    @property
+    def measured_total_seconds(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -116,14 +129,16 @@ def plan_bound(rows: Sequence[SimRow], policies: Sequence[str]) -> tuple[int | N
     return pick.capacity, pick.max_bytes
 
 
-def simulator_error(validation: Sequence[Any]) -> SimulatorError:
-    """Summed predicted over summed measured seconds, minus 1, of the validation rows."""
-    def err(kind: str) -> float | None:
-        measured = sum(getattr(v, f"measured_{kind}_seconds") for v in validation)
-        predicted = sum(getattr(v, f"predicted_{kind}_seconds") for v in validation)
-        return predicted / measured - 1 if measured > 0 else None
+def _relative(predicted: float, measured: float) -> float | None:
+    return predicted / measured - 1 if measured > 0 else None
 
-    compile_err, total_err = err("compile"), err("total")
+
+def simulator_error(validation: Sequence[Checked]) -> SimulatorError:
+    """Summed predicted over summed measured seconds, minus 1, of the validation rows."""
+    compile_err = _relative(sum(v.predicted_compile_seconds for v in validation),
+                            sum(v.measured_compile_seconds for v in validation))
+    total_err = _relative(sum(v.predicted_total_seconds for v in validation),
+                          sum(v.measured_total_seconds for v in validation))
     trusted = all(e is not None and abs(e) <= TRUST_LIMIT for e in (compile_err, total_err))
     return SimulatorError(compile_err, total_err, trusted)
 
@@ -135,7 +150,7 @@ def apply_commands(config_dir: Path) -> tuple[str, ...]:
 
 
 def recommend(steps: Sequence[Step], rows: Sequence[SimRow], base: AttnPolicyConfig, model: CostModel,
-              policies: Sequence[str], evictions: Sequence[str], validation: Sequence[Any], out: Path,
+              policies: Sequence[str], evictions: Sequence[str], validation: Sequence[Checked], out: Path,
               max_buckets: int, source: str) -> tuple[Recommendation, GraphPlan]:
     """Plan ``steps`` at the sweep's :func:`plan_bound`, save the config (and the plan's
     ``plan.md``, ``plan.json``) under ``out / CONFIG_DIR``, and compare it with the
