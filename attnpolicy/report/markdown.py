@@ -134,8 +134,8 @@ def _validation_takeaway(data: dict[str, Any]) -> str:
     err = data["recommendation"]["simulator_error"]
     rows = data["validation"]
     same = all(v["predicted_misses"] == v["measured_misses"] for v in rows)
-    verdict = "within" if err["trusted"] else "**more than**"
-    return (f"Misses {'agree exactly' if same else 'differ'}; predicted seconds are {verdict} 20 % of the "
+    verdict = "within 20 % of" if err["trusted"] else "**more than 20 % off**"
+    return (f"Misses {'agree exactly' if same else 'differ'}; predicted seconds are {verdict} the "
             f"measured ones (compile {_err(err['compile'])}, total {_err(err['total'])}).")
 
 
@@ -207,7 +207,7 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{v['predicted_total_seconds']:.3g} / {v['measured_total_seconds']:.3g}",
                 v["max_abs_err"]) for v in data["validation"]]), "",
         "## 4. The plan per policy (attnpolicy plan)", "",
-        (f"**Takeaway:** `{rec['policy']}` with planned buckets is {_pct(rec['saving_vs_pow2_lru'])} than "
+        (f"**Takeaway:** `{rec['policy']}` with planned buckets takes {_pct(rec['saving_vs_pow2_lru'])} time than "
          f"pow2 + LRU at {_cap(rec['max_graphs'])} graphs. The full plan (warm set, candidates) is "
          f"`{rec['config_dir']}/plan.md`."), "",
         table(("policy", "planned buckets", "eviction", "plan total s", "peak MiB", "pow2 + lru s",
