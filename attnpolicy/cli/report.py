@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.markdown import Markdown
+
 from attnpolicy.bench.mode_timing import BenchSettings
 from attnpolicy.cli.common import (
     add_workload_args,
@@ -29,10 +32,11 @@ from attnpolicy.cli.common import (
 from attnpolicy.cli.simulate import add_sweep_args, cost_model, former_from, sweep_size, workload
 from attnpolicy.modelling.simulation import extrapolation
 from attnpolicy.report import ReportSettings, make_report
+from attnpolicy.report.markdown import first_screen
 
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
-         "validate_requests": "--validate-requests"}
+         "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets"}
 
 
 def register(subparsers: Any) -> None:
@@ -63,6 +67,10 @@ def register(subparsers: Any) -> None:
                    help="first N requests replayed with real compute to check the simulator "
                         f"(default: {d.validate_requests})")
 
+    p.add_argument("--plan-max-buckets", type=positive_int, default=d.plan_max_buckets, metavar="K",
+                   help="most bucket sizes per candidate list of the plan step, as 'attnpolicy plan "
+                        f"--max-buckets' (default: {d.plan_max_buckets})")
+
 
 def cmd_report(args: argparse.Namespace) -> int:
     check_output("--out", args.out, directory=True)
@@ -79,19 +87,20 @@ def cmd_report(args: argparse.Namespace) -> int:
                  buckets=tuple(args.buckets) or ("pow2",), max_bytes=tuple(args.max_bytes or (None,)),
                  workers=args.workers,
                  cost_model=args.cost_model, calibrate=args.calibrate, validate_requests=args.validate_requests,
+                 plan_max_buckets=args.plan_max_buckets,
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  bench=bench, former=former_options(args), policy_options=options)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
-             + len(s.validated_policies) + int(s.calibrates))
+             + len(s.validated_policies) + int(s.calibrates) + 1)
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance:
         data = make_report(s, command_line, advance, requests)
-    console.print(f"wrote {s.out / 'report.md'}, {s.out / 'report.json'} and "
-                  f"{', '.join(str(s.out / p) for p in data['plots'])} in {data['seconds']:.0f} s")
+    console.print(f"wrote {s.out / 'report.md'}, {s.out / 'report.json'}, "
+                  f"{', '.join(str(s.out / p['file']) for p in data['plots'])} and the config "
+                  f"{data['recommendation']['config_dir']} in {data['seconds']:.0f} s "
+                  f"(the plan step {data['recommendation']['plan_seconds']:.0f} s)")
     ran = describe_options(options)
     if ran:
         console.print(f"policy options: {ran}")
-    for row in data["summary"]:
-        console.print(f"capacity {'∞' if row['capacity'] is None else row['capacity']}: best "
-                      f"{row['best_policy']} {row['total_seconds']:.3g} s")
+    Console().print(Markdown("\n".join(first_screen(data))))  # the answer, on stdout
     return 0

@@ -126,7 +126,10 @@ def _closure(fn: Any) -> dict[str, Any]:
 def _inductor_call(fn: Any, depth: int = 0, seen: set[int] | None = None) -> Callable[..., Any] | None:
     """The generated ``call(args: list)`` of the inductor graph wrapped by ``fn``
     (``CompiledFxGraph.current_callable``), found through the AOT wrappers' closures."""
-    from torch._inductor.output_code import CompiledFxGraph
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+    except ImportError:  # older torch keeps it in codecache
+        from torch._inductor.codecache import CompiledFxGraph  # type: ignore[attr-defined]
 
     seen = set() if seen is None else seen
     if id(fn) in seen or depth > 8:

@@ -8,7 +8,9 @@
 3. the bucket scheme × policy × capacity × eviction sweep on the workload, with
    Belady's bound and the lower bound on total seconds (``attnpolicy simulate``);
 4. the simulator checked against real compute on a prefix of the workload:
-   predicted vs measured misses and seconds, side by side (``attnpolicy run``).
+   predicted vs measured misses and seconds, side by side (``attnpolicy run``);
+5. the recommendation: ``attnpolicy plan`` at the sweep's leanest good bound, its
+   config saved under ``DIR/config`` (:mod:`~attnpolicy.report.recommend`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.simulation import SimRow, lower_bounds, simulate, simulation_config
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
-from attnpolicy.report.plots import plot_bench, plot_sweep
+from attnpolicy.report.plots import MIB, Marked, plot_bench, plot_hit_rate, plot_sweep
+from attnpolicy.report.recommend import Recommendation, recommend
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request, load_trace
 
@@ -73,6 +76,8 @@ class ReportSettings:
     calibration: CalibrationSettings = CalibrationSettings(sizes=(16, 256, 1024, 2048), repeats=2,
                                                             statistic="mean")
     validate_requests: Annotated[int, Field(ge=1)] = 6
+    #: Most bucket sizes per candidate list of the plan step (``attnpolicy plan --max-buckets``).
+    plan_max_buckets: Annotated[int, Field(ge=1)] = 8
     validate_capacity: Annotated[int, Field(ge=1)] = 4
     #: Policies of the sweep also replayed with real compute (always-mask is left out:
     #: its dense masks over every sequence's context make real decode batches slow).
@@ -232,6 +237,14 @@ def summarize(rows: Sequence[SimRow]) -> list[SummaryRow]:
     return out
 
 
+def marked(rec: Recommendation) -> Marked:
+    """The recommendation as the plots mark it."""
+    bound = ("∞" if rec.max_graphs is None else str(rec.max_graphs)) + " graphs" + (
+        "" if rec.max_bytes is None else f", {rec.max_bytes / MIB:.0f} MiB")
+    return Marked(rec.max_graphs, rec.max_bytes, rec.peak_bytes / MIB, rec.total_seconds, rec.hit_rate,
+                  f"{rec.policy}, {bound}, {rec.eviction}, planned buckets")
+
+
 def make_report(s: ReportSettings, command: str, progress: Callable[[str], None],
                 requests: Sequence[Request] | None = None) -> dict[str, Any]:
     """Measure, then write ``report.json``, ``report.md`` and the PNGs under ``s.out``;
@@ -251,6 +264,10 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     sweep = simulate(requests, s.policies, s.capacities, s.evictions, base, model, s.former, progress,
                      s.policy_options, buckets=schemes, max_bytes=s.max_bytes, workers=s.workers)
     validation = validate(model, requests[:s.validate_requests], s, progress)
+    source = s.trace + ("" if s.limit is None else f" (first {s.limit} requests)")
+    rec, plan = recommend(list(former.steps(requests)), sweep, base, model, s.policies, s.evictions, validation,
+                          s.out, s.plan_max_buckets, source)
+    progress(f"planned {rec.policy}")
     bench_speedups = speedups(bench_rows)
     s.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {
@@ -269,9 +286,16 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
         "summary": [asdict(r) for r in summarize(sweep)],
         "bounds": [asdict(b) for b in lower_bounds(sweep)],
         "validation": [asdict(v) for v in validation],
+        "recommendation": rec.to_json(),
+        "plan": [{"policy": p.policy, "buckets": list(p.buckets), "eviction": p.eviction,
+                  "total_seconds": p.row.total_seconds, "peak_bytes": p.row.peak_bytes,
+                  "pow2_lru_seconds": p.baseline("lru").total_seconds,
+                  "pow2_belady_seconds": p.baseline("belady").total_seconds} for p in plan.policies],
     }
-    plots = [plot_sweep(sweep, s.out / "frontier.png"), plot_bench(bench_speedups, s.out / "bench.png")]
-    data["plots"] = [p.name for p in plots]
+    mark = marked(rec)
+    plots = [plot_sweep(sweep, s.out / "frontier.png", mark), plot_hit_rate(sweep, s.out / "hit_rate.png", mark),
+             plot_bench(bench_speedups, s.out / "bench.png")]
+    data["plots"] = [asdict(p) for p in plots]
     data["seconds"] = time.perf_counter() - start
     write_json(s.out / "report.json", data)
     write_text_atomic(s.out / "report.md", markdown(data) + "\n")

@@ -1,4 +1,7 @@
-"""report.md, rendered from the report's JSON data alone."""
+"""report.md, rendered from the report's JSON data alone: first the answer (the
+recommended configuration, what it saves, how far to trust it, how to apply it),
+then the measurements, each section opening with its takeaway, then the full sweep
+as an appendix."""
 
 from __future__ import annotations
 
@@ -67,19 +70,93 @@ def _options(rows: Sequence[dict[str, Any]]) -> str:
     return (" Policy options: " + ", ".join(with_options) + ".") if with_options else ""
 
 
+def _pct(x: float) -> str:
+    return f"{abs(x):.0%} " + ("less" if x >= 0 else "more")
+
+
+def _err(x: float | None) -> str:
+    return "not measured" if x is None else f"{x:+.0%}"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:.0f} MiB"
+
+
+def first_screen(data: dict[str, Any]) -> list[str]:
+    """The answer: the recommended configuration, its predicted total against the
+    defaults and pow2 + LRU, peak graph memory, the simulator's error here and the
+    commands that apply it (also what ``attnpolicy report`` prints)."""
+    r = data["recommendation"]
+    err = r["simulator_error"]
+    bound = f"{_cap(r['max_graphs'])} graphs" + ("" if r["max_bytes"] is None else f", {_mib(r['max_bytes'])}")
+    lines = [
+        ("**Recommended for this workload on this machine** (`attnpolicy plan` at the leanest cache bound "
+        "within 10 % of the sweep's best total):"), "",
+        "| setting | value |", "|---|---|",
+        f"| policy | `{r['policy']}` |",
+        f"| buckets | {', '.join(map(str, r['buckets']))} |",
+        f"| capacity | {bound} |",
+        f"| eviction | `{r['eviction']}` |",
+        (f"| warm set | {r['warm_graphs']} graphs compiled at start ({r['warm_compile_seconds']:.3g} modelled "
+         f"compile s), serving {r['warm_calls']} of {r['calls']} calls |"), "",
+        (f"**Predicted total {r['total_seconds']:.4g} s**: {_pct(r['saving_vs_defaults'])} than the defaults "
+         f"({r['default_total_seconds']:.4g} s: varlen, pow2 buckets, unbounded, LRU) and "
+         f"{_pct(r['saving_vs_pow2_lru'])} than pow2 + LRU at the same capacity "
+         f"({r['pow2_lru_total_seconds']:.4g} s)."), "",
+        (f"**Peak graph memory {_mib(r['peak_bytes'])}** (defaults: {_mib(r['default_peak_bytes'])}; "
+         f"pow2 + LRU at the same capacity: {_mib(r['pow2_lru_peak_bytes'])})."), "",
+        (f"**Simulator error on this machine** (predicted / measured − 1, section 3): compile seconds "
+         f"{_err(err['compile'])}, total seconds {_err(err['total'])}."),
+    ]
+    if not err["trusted"]:
+        lines += ["", ("> **WARNING: the simulator is more than 20 % off on this machine.** The predicted "
+                       "seconds above are rough; the ranking may still hold. Calibrate a cost model "
+                       "(`attnpolicy calibrate --out model.json`) and rerun with `--cost-model model.json`.")]
+    lines += ["", f"**Apply it** (config written to `{r['config_dir']}`):", "", "```",
+              *r["apply"], "```"]
+    return lines
+
+
+def _kernel_takeaway(rows: Sequence[dict[str, Any]]) -> str:
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["family"] != "loop" and (r["family"] not in best or r["median_ms"] < best[r["family"]]["median_ms"]):
+            best[r["family"]] = r
+    return "Fastest per family: " + ", ".join(f"{f} `{r['impl']}` ({r['vs_loop']:.2f}× the loop)"
+                                               for f, r in best.items()) + "."
+
+
+def _plot_title(data: dict[str, Any], name: str) -> str:
+    return next((p["title"] for p in data["plots"] if p["file"] == name), "")
+
+
+def _validation_takeaway(data: dict[str, Any]) -> str:
+    err = data["recommendation"]["simulator_error"]
+    rows = data["validation"]
+    same = all(v["predicted_misses"] == v["measured_misses"] for v in rows)
+    verdict = "within 20 % of" if err["trusted"] else "**more than 20 % off**"
+    return (f"Misses {'agree exactly' if same else 'differ'}; predicted seconds are {verdict} the "
+            f"measured ones (compile {_err(err['compile'])}, total {_err(err['total'])}).")
+
+
 def markdown(data: dict[str, Any]) -> str:
-    """The report as Markdown (sections: bench, sweep, simulator vs real compute)."""
+    """The report as Markdown: the answer first, then bench, sweep, simulator check,
+    the plan in detail, and the full sweep as an appendix."""
     s = data["settings"]
     bench = data["bench"]
     env = data["env"]
     model = data["cost_model"]
+    rec = data["recommendation"]
     limit = "" if s["limit"] is None else f" (first {s['limit']} requests)"
     lines = [
         "# attnpolicy report", "",
-        f"Command: `{data['command']}`  ",
-        (f"Machine: {env['machine']}, torch {env['torch']}, {env['threads']} threads, "
-         f"{env.get('date', '')}. Took {data['seconds']:.0f} s."), "",
+        *first_screen(data), "",
+        (f"Command: `{data['command']}`; {env['machine']}, torch {env['torch']}, {env['threads']} threads, "
+         f"{env.get('date', '')}. Took {data['seconds']:.0f} s (the plan step {rec['plan_seconds']:.0f} s)."), "",
+        ("Details: 1. mask vs mask-free, 2. the sweep, 3. simulator vs real compute, 4. the plan per policy; "
+        "appendix: every sweep row (also in report.json)."), "",
         "## 1. Mask vs mask-free attention (measured)", "",
+        f"**Takeaway:** {_plot_title(data, 'bench.png')}.", "",
         (f"`attnpolicy bench` settings: {bench['env']}. Medians of {bench['env']['repeats']} runs, "
          "modes interleaved; MASK includes building its mask (also shown alone)."), "",
         table(("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms"),
@@ -92,6 +169,7 @@ def markdown(data: dict[str, Any]) -> str:
         "mask / causal): " + ", ".join(f"{v}× @ {k}" for k, v in TT_XLA.items()) + ".", "",
         "![bench](bench.png)", "",
         "### Implementations per family (measured)", "",
+        f"**Takeaway:** {_kernel_takeaway(data['kernels']['rows'])}", "",
         (f"`attnpolicy bench --kernels`: every registered implementation (plugins' included) per family, "
          f"{data['kernels']['seqs']} sequences per batch, against the per-sequence SDPA loop; flex runs "
          "compiled with inductor, the others uncompiled; a MASK call's mask build is shown apart"
@@ -100,29 +178,25 @@ def markdown(data: dict[str, Any]) -> str:
               [(f"{r['num_seqs']}x{r['total_tokens'] // r['num_seqs']}", r["family"], r["impl"], r["backend"],
                 r["median_ms"], f"{r['vs_loop']:.2f}x", r["build_ms"]) for r in data["kernels"]["rows"]]), "",
         "## 2. Bucket schemes × policies × graph-cache bounds × eviction (simulated)", "",
+        f"**Takeaway:** {_plot_title(data, 'frontier.png')}; {_plot_title(data, 'hit_rate.png')}.", "",
         f"Workload: `{s['trace']}`{limit}, "
         f"{data['workload']['requests']} requests → {data['workload']['batches']} batches "
         f"(batch former {s['former']}). Cost model: {data['cost_model_source']} "
         f"({model['backend']}, {model['impl']}, H={model['heads']}/{model['kv_heads']} D={model['head_dim']}, "
         f"{model['threads']} thread(s)). Buckets: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
-        "exact (one graph per length) or a config's. Bound = max graphs (∞: unbounded), max bytes. "
-        "Total = attention (incl. dispatch overhead and mask builds) + compiles. "
-        "Modes c/m/v: batches run causal / mask / varlen." + _options(data["sweep"]), "",
-        table(("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s", "attention s",
-               "total s", "over lower bound", "peak MiB", "modes c/m/v"),
-              [(r["buckets"], r["policy"], _bound(r), r["eviction"], r["misses"], r["hit_rate"],
-                r["compile_seconds"], r["attention_seconds"], r["total_seconds"], f"{r['bound_gap']:+.1%}",
-                r["peak_bytes"] / MIB, "/".join(str(r["modes"][m]) for m in ("causal", "mask", "varlen")))
-               for r in data["sweep"]]), "",
-        *_bounds(data), "",
-        *_baselines(data["sweep"]),
+        "exact (one graph per length) or a config's. Total = attention (incl. dispatch overhead and mask "
+        f"builds) + compiles. {len(data['sweep'])} rows: every one in the appendix and in report.json."
+        + _options(data["sweep"]), "",
         "![frontier](frontier.png)", "",
+        "![hit rate](hit_rate.png)", "",
         ("### Best policy per capacity (first bucket scheme, best online eviction; belady = offline bound "
          "on misses)"), "",
         table(("capacity", "best policy", "total s", "cost-aware vs best fixed policy"),
               [(_cap(c["capacity"]), c["best_policy"], c["total_seconds"], c["vs_best_fixed"])
                for c in data["summary"]]), "",
+        *_bounds(data), "",
         "## 3. Simulator vs real compute (same prefix, config and batches)", "",
+        f"**Takeaway:** {_validation_takeaway(data)}", "",
         (f"First {s['validate_requests']} requests, capacity {s['validate_capacity']}, LRU, "
          "real tensors and real compiles, every output checked against the float64 reference."), "",
         table(("policy", "batches", "misses pred/meas", "compile s pred/meas", "attention s pred/meas",
@@ -132,5 +206,22 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{v['predicted_attention_seconds']:.3g} / {v['measured_attention_seconds']:.3g}",
                 f"{v['predicted_total_seconds']:.3g} / {v['measured_total_seconds']:.3g}",
                 v["max_abs_err"]) for v in data["validation"]]), "",
+        "## 4. The plan per policy (attnpolicy plan)", "",
+        (f"**Takeaway:** `{rec['policy']}` with planned buckets takes {_pct(rec['saving_vs_pow2_lru'])} time than "
+         f"pow2 + LRU at {_cap(rec['max_graphs'])} graphs. The full plan (warm set, candidates) is "
+         f"`{rec['config_dir']}/plan.md`."), "",
+        table(("policy", "planned buckets", "eviction", "plan total s", "peak MiB", "pow2 + lru s",
+               "pow2 + belady s"),
+              [(p["policy"], ",".join(map(str, p["buckets"])), p["eviction"], p["total_seconds"],
+                p["peak_bytes"] / MIB, p["pow2_lru_seconds"], p["pow2_belady_seconds"]) for p in data["plan"]]), "",
+        "## Appendix: every sweep row", "",
+        ("Bound = max graphs (∞: unbounded), max bytes. Modes c/m/v: batches run causal / mask / varlen."), "",
+        table(("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s", "attention s",
+               "total s", "over lower bound", "peak MiB", "modes c/m/v"),
+              [(r["buckets"], r["policy"], _bound(r), r["eviction"], r["misses"], r["hit_rate"],
+                r["compile_seconds"], r["attention_seconds"], r["total_seconds"], f"{r['bound_gap']:+.1%}",
+                r["peak_bytes"] / MIB, "/".join(str(r["modes"][m]) for m in ("causal", "mask", "varlen")))
+               for r in data["sweep"]]), "",
+        *_baselines(data["sweep"]),
     ]
     return "\n".join(lines)
