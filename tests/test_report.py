@@ -136,10 +136,13 @@ def test_first_screen_warns_when_the_simulator_is_off():
            "apply": ["attnpolicy run --config r/config", "ATTNPOLICY_CONFIG=r/config vllm serve MODEL"],
            "saving_vs_defaults": 0.2, "saving_vs_pow2_lru": 1 - 8 / 9,
            "simulator_error": {"compile": -0.6, "total": 0.1, "trusted": False}}
-    text = "\n".join(first_screen({"recommendation": rec}))
+    text = "\n".join(first_screen({"recommendation": rec, "cost_model_source": "built-in"}))
     assert "WARNING" in text and "compile seconds -60%" in text and "20% less than the defaults" in text
+    assert "attnpolicy calibrate" in text
+    calibrated = "\n".join(first_screen({"recommendation": rec, "cost_model_source": "calibrated now"}))
+    assert "WARNING" in calibrated and "quieter machine" in calibrated
     rec["simulator_error"] = {"compile": 0.05, "total": -0.1, "trusted": True}
-    assert "WARNING" not in "\n".join(first_screen({"recommendation": rec}))
+    assert "WARNING" not in "\n".join(first_screen({"recommendation": rec, "cost_model_source": "built-in"}))
 
 
 def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path):

@@ -109,9 +109,13 @@ def first_screen(data: dict[str, Any]) -> list[str]:
          f"{_err(err['compile'])}, total seconds {_err(err['total'])}."),
     ]
     if not err["trusted"]:
+        advice = ("The cost model was calibrated in this run, so the machine's load changed between "
+                  "calibration and validation: rerun on a quieter machine."
+                  if data["cost_model_source"].startswith("calibrated") else
+                  "Calibrate a cost model (`attnpolicy calibrate --out model.json`) and rerun with "
+                  "`--cost-model model.json`, or drop `--no-calibrate`.")
         lines += ["", ("> **WARNING: the simulator is more than 20 % off on this machine.** The predicted "
-                       "seconds above are rough; the ranking may still hold. Calibrate a cost model "
-                       "(`attnpolicy calibrate --out model.json`) and rerun with `--cost-model model.json`.")]
+                       f"seconds above are rough; the ranking may still hold. {advice}")]
     lines += ["", f"**Apply it** (config written to `{r['config_dir']}`):", "", "```",
               *r["apply"], "```"]
     return lines
