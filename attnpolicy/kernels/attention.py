@@ -15,9 +15,9 @@ Implementations (RBLN's names in brackets):
 
 Isolation: with a ``mask`` (and ``isolate``, the default), a query row depends only
 on the key/value rows it attends. A masked-out key whose k or v row holds NaN or
-±inf would otherwise leak into every row (a zero probability times inf is NaN; an
-additive -inf on a NaN score stays NaN), so non-finite key/value rows are zeroed
-before the product and every query row that *attends* one of them (in any head) is
+±inf, or a key so large that ``q·k`` overflows, would otherwise leak into every row
+(a zero probability times inf is NaN; an additive -inf on a NaN or +inf score is
+NaN), so such key/value rows are zeroed before the product and every query row that *attends* one of them (in any head) is
 set to NaN afterwards: a sequence's own non-finite values still poison its own rows,
 as in torch's SDPA, and never another's. It is one branch-free computation, without
 a host synchronisation, and costs ~10 small ops per call. Compiled graphs pass
@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from attnpolicy.kernels.isolation import score_limit
 
 
 def _causal_allowed(lq: int, lk: int, device: torch.device) -> torch.Tensor:
@@ -128,11 +130,17 @@ def register_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:
 
 def _finite_rows(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k`` and ``v`` with their non-finite rows zeroed, and ``poisoned[Lq]``: the
-    query rows that attend at least one such row (in any head)."""
+    """``k`` and ``v`` with their bad rows zeroed, and ``poisoned[Lq]``: the query
+    rows that attend at least one such row (in any head). A row is bad if it holds a
+    non-finite value or a key large enough for ``q·k`` to near overflow (which an
+    additive mask would not hide: ``inf + -inf`` is NaN); the rows attending it get
+    NaN as for a non-finite key."""
     # a row's largest magnitude is finite iff the row is (NaN propagates through amax);
     # cheaper than isfinite(...).all(-1) over every element
-    ok = torch.isfinite(k.abs().amax(-1)) & torch.isfinite(v.abs().amax(-1))  # [Hkv, Lk]
+    # (a key row under sqrt(limit) in norm cannot overflow with a query row under it;
+    # a larger query row only spoils its own output)
+    k_max = k.abs().amax(-1).double()  # [Hkv, Lk]
+    ok = (k_max * math.sqrt(k.shape[-1]) < math.sqrt(score_limit(k.dtype))) & torch.isfinite(v.abs().amax(-1))
     k = k.masked_fill(~ok[..., None], 0)
     v = v.masked_fill(~ok[..., None], 0)
     # boolean [Lq, Lk] work only, no float copy of the mask
