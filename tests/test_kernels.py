@@ -215,3 +215,19 @@ def test_inductor_compiled_flex_matches_reference_and_isolates():
     others = torch.ones(110, dtype=torch.bool)
     others[layout.q_starts[1] + 49] = False
     torch.testing.assert_close(poisoned[others], out[others])
+
+
+def test_a_kernel_named_auto_is_rejected_at_registration(fresh_plugins):
+    """``auto`` is the config's "fastest fit": a kernel of that name could never be chosen."""
+    from attnpolicy.plugins.hookspecs import hookimpl
+    from attnpolicy.plugins.kernels import KernelInfo, kernel_registry
+    from attnpolicy.plugins.registry import failed_plugins, get_plugin_manager
+
+    class Auto:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            register(KernelInfo("auto", "mask", attention))
+
+    get_plugin_manager().register(Auto(), name="auto-kernel")
+    assert ("mask", "auto") not in kernel_registry()
+    assert "kernel name 'auto' is reserved" in failed_plugins()["auto-kernel"]

@@ -23,6 +23,8 @@ from attnpolicy.plugins.hookspecs import hookimpl
 
 FAMILIES = ("causal", "mask", "varlen")
 ALL_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
+#: The config's kernel choice "fastest fit" (``kernels: {family: auto}``): no kernel may take the name.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
         if info.family not in FAMILIES:
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has family {info.family!r}; "
                               f"families: {', '.join(FAMILIES)}")
+        if info.name == AUTO:
+            raise PluginError(f"plugin {plugin!r}: kernel name {AUTO!r} is reserved (the config's "
+                              "'choose for me'); register the kernel under another name")
         key = (info.family, info.name)
         holder = registry.get(key) or staged.get(key)
         if holder is not None:
@@ -110,7 +115,7 @@ def check_kernel_names(kernels: dict[str, str]) -> None:
     ``kernels`` entry (family -> name) is ``auto`` or a registered kernel of its family."""
     known = kernel_registry()
     for family, name in kernels.items():
-        if name != "auto" and (family, name) not in known:
+        if name != AUTO and (family, name) not in known:
             names = ", ".join(n for f, n in known if f == family)
             raise ConfigError(f"kernels: {name!r} is not a registered {family} kernel; known: auto, {names}")
 
