@@ -231,3 +231,75 @@ def test_a_kernel_named_auto_is_rejected_at_registration(fresh_plugins):
     get_plugin_manager().register(Auto(), name="auto-kernel")
     assert ("mask", "auto") not in kernel_registry()
     assert "kernel name 'auto' is reserved" in failed_plugins()["auto-kernel"]
+
+
+def test_small_mask_tensors_are_bounded_in_bytes():
+    from attnpolicy.kernels.masks import MaskCache
+
+    cache = MaskCache(max_bytes=10_000, max_small_bytes=4_000)
+    for n in range(1, 40):
+        block = cache.small(("zeros", n), lambda n=n: torch.zeros(n, 25))  # 100·n bytes
+        assert block.shape == (n, 25)
+        stats = cache.stats()
+        assert stats.small_bytes <= 4_000 and stats.max_small_bytes == 4_000
+        assert stats.small_bytes == sum(t.nbytes for t in cache._small.values())
+    assert cache.stats().small_bytes > 3_000  # the most recent ones stay
+    huge = cache.small("huge", lambda: torch.zeros(2_000))  # 8000 bytes: built, not kept
+    assert huge.shape == (2_000,) and "huge" not in cache._small
+    assert MaskCache(max_bytes=1_000).stats().max_small_bytes == 1_000  # never above max_bytes
+
+
+def test_block_masks_are_bounded_in_bytes():
+    from attnpolicy.kernels.flex import BlockMaskCache, block_mask_bytes, build_block_mask
+
+    one = block_mask_bytes(build_block_mask(BatchLayout.from_lens([3, 5]), 128, 128))
+    cache = BlockMaskCache(max_entries=64, max_bytes=3 * one)
+    for n in range(1, 10):
+        cache.get(BatchLayout.from_lens([n, 8]), 128, 128)
+        assert cache.nbytes <= 3 * one
+    assert len(cache) == 3 and cache.builds == 9
+    small = BlockMaskCache(max_bytes=one - 1)  # a mask above the bound runs, uncached
+    assert small.get(BatchLayout.from_lens([3, 5]), 128, 128) is not None
+    assert len(small) == 0 and small.nbytes == 0
+
+
+def _rss() -> int:
+    """Resident bytes, after handing freed heap memory back (glibc's malloc_trim)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+
+
+RSS_SLACK = 32 * 2**20
+
+
+def test_a_long_varied_mask_run_stays_within_the_mask_budgets():
+    """200 varied MASK decode batches (8 heads of 128): what the masks hold stays
+    within ``max_mask_bytes`` (dense) plus the small-tensor bound (at most
+    ``max_mask_bytes``), and RSS grows by no more than those plus a fixed slack of
+    32 MiB (plans, Python objects, allocator)."""
+    import random
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+
+    budget = 2**18
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=256, max_batch_tokens=1024,
+                                    max_mask_bytes=budget, max_bytes=100_000_000))
+    rnd = random.Random(0)
+
+    def batch() -> None:
+        kv = [rnd.randint(1, 200) for _ in range(rnd.randint(1, 4))]
+        k = torch.randn(sum(kv), 8, 128)
+        d.attend(torch.randn(len(kv), 8, 128), k, k, BatchLayout.from_lens([1] * len(kv), kv))
+
+    for _ in range(5):
+        batch()
+    before = _rss()
+    for _ in range(200):
+        batch()
+    grown = _rss() - before
+    assert grown <= 2 * budget + RSS_SLACK, f"RSS grew by {grown / 2**20:.0f} MiB"
+    masks = d.stats().masks
+    assert masks.bytes <= budget and masks.small_bytes <= masks.max_small_bytes <= budget
