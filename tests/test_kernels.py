@@ -303,3 +303,97 @@ def test_a_long_varied_mask_run_stays_within_the_mask_budgets():
     assert grown <= 2 * budget + RSS_SLACK, f"RSS grew by {grown / 2**20:.0f} MiB"
     masks = d.stats().masks
     assert masks.bytes <= budget and masks.small_bytes <= masks.max_small_bytes <= budget
+
+
+def _register_kernel(name, fn, family="varlen", **caps):
+    from attnpolicy.plugins.hookspecs import hookimpl
+    from attnpolicy.plugins.kernels import KernelInfo
+    from attnpolicy.plugins.registry import get_plugin_manager
+
+    class Plugin:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            register(KernelInfo(name, family, fn, **caps))
+    get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
+
+
+_SHAPE_BROKEN = ("one-head", "one-column", "float64", "int32", "extra-rows")
+
+
+@pytest.mark.parametrize("backend", ["none", "eager"])
+@pytest.mark.parametrize("broken", _SHAPE_BROKEN)
+def test_a_plugin_kernels_wrong_output_is_an_error_naming_plugin_and_kernel(fresh_plugins, broken, backend):
+    """Also when a batch runs several calls into one packed output: a wrong shape is
+    never broadcast by the copy into a right-shaped wrong answer."""
+    from plugin_kernels import BROKEN
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import GraphCompileError, KernelError
+
+    for family in FAMILIES:
+        _register_kernel(f"{broken}-{family}", BROKEN[broken], family)
+    layout = BatchLayout.from_lens([3, 5, 4], [6, 5, 4])  # three VARLEN calls (context)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(12, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g)
+    for family in FAMILIES:
+        d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=16,
+                                        kernels={f: f"{broken}-{f}" for f in FAMILIES}))
+        with pytest.raises((KernelError, GraphCompileError)) as raised:
+            d.attend(q, k, v, layout)
+        assert f"kernel '{broken}-" in str(raised.value) and f"plugin '{broken}-" in str(raised.value)
+
+
+@pytest.mark.parametrize(("broken", "caps", "case"), [
+    ("kv-head-0", {}, "GQA 4:2"),
+    ("no-mask", {}, "varlen family"),
+])
+def test_a_plugin_kernel_failing_a_declared_capability_is_rejected_with_the_case(fresh_plugins, broken, caps, case):
+    from plugin_kernels import BROKEN
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import KernelError
+
+    _register_kernel(broken, BROKEN[broken], "varlen", **caps)
+    layout = BatchLayout.from_lens([3, 5], [6, 5])  # cached context: VARLEN calls
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(8, 4, 8, generator=g), torch.randn(11, 2, 8, generator=g), torch.randn(11, 2, 8, generator=g)
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", max_seq_len=16, kernels={"varlen": broken}))
+    with pytest.raises(KernelError, match=f"kernel '{broken}' of plugin '{broken}-plugin' does not compute "
+                                          f"attention for .*{case}"):
+        d.attend(q, k, v, layout)
+
+
+def test_check_kernel_passes_a_correct_plugin_kernel_and_names_a_broken_ones_case(fresh_plugins):
+    from plugin_kernels import BROKEN, sdpa_kernel
+
+    from attnpolicy.errors import KernelError, PluginError
+    from attnpolicy.plugins.kernels import check_kernel
+
+    _register_kernel("good", sdpa_kernel, "mask")
+    cases = check_kernel("good")
+    assert any("GQA" in c for c in cases) and any("with cached context" in c for c in cases)
+    _register_kernel("maskless", BROKEN["no-mask"], "mask")
+    with pytest.raises(KernelError, match="'maskless' of plugin 'maskless-plugin' does not compute attention for "
+                                          "mask family"):
+        check_kernel("maskless")
+    with pytest.raises(PluginError, match="no kernel named 'nope'"):
+        check_kernel("nope")
+
+
+@pytest.mark.parametrize("name", ["sdpa", "eager", "flash", "flex"])
+def test_every_builtin_kernel_passes_the_public_check(name):
+    """Conformance: what plugin authors run on their kernels holds for the built-ins."""
+    from attnpolicy.plugins.kernels import check_kernel
+
+    cases = check_kernel(name)
+    assert len(cases) >= 8  # every dtype × causality × context × GQA it declares
+
+
+def test_the_kernels_check_command(capsys):
+    from attnpolicy.cli import main
+
+    assert main(["kernels", "check", "flash"]) == 0
+    out = capsys.readouterr().out
+    assert "ok  mask family, causal, with cached context, GQA 4:2, float32, cpu" in out
+    assert main(["kernels", "check", "nope"]) == 2
+    assert "no kernel named 'nope'" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from attnpolicy.kernels.conformance import check_output
 from attnpolicy.kernels.isolation import score_limit
 
 
@@ -120,12 +121,17 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask
 _IMPL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
 #: The implementations defined here; plugin kernels are added to ``_IMPL_FNS`` by name.
 BUILTIN_IMPLS = frozenset(_IMPL_FNS)
+_BUILTIN_FNS = dict(_IMPL_FNS)
+#: The plugin that registered each plugin kernel (named in its errors).
+_PLUGIN_OF: dict[str, str] = {}
 
 
-def register_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:
+def register_impl(name: str, fn: Callable[..., torch.Tensor], plugin: str = "") -> None:
     """Make ``fn`` (signature of ``_sdpa``) available as ``attention(..., impl=name)``;
-    kernel plugins register through :mod:`attnpolicy.plugins.kernels`."""
+    kernel plugins register through :mod:`attnpolicy.plugins.kernels`. Every call of a
+    plugin's kernel has its output checked (:func:`~attnpolicy.kernels.conformance.check_output`)."""
     _IMPL_FNS[name] = fn
+    _PLUGIN_OF[name] = plugin
 
 
 def _finite_rows(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
@@ -178,7 +184,18 @@ def bind(impl: str = "sdpa", *, scale: float | None = None, partition_len: int |
             mask: torch.Tensor | None) -> torch.Tensor:
         s = 1.0 / math.sqrt(q.shape[-1]) if fixed is None else fixed
         return fn(q, k, v, causal, mask, s, k.shape[-2] if whole else partition_len)
-    return run
+    if fn is _BUILTIN_FNS.get(impl):
+        return run  # built-ins are checked by the conformance test, not per call
+    plugin = _PLUGIN_OF.get(impl, "")
+
+    def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        # shapes, dtypes and devices are static in a compiled graph: there the check
+        # runs once, when the graph is traced, and a violation fails its compile
+        out = run(q, k, v, causal, mask)
+        check_output(out, q, impl, plugin)
+        return out
+    return checked
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
