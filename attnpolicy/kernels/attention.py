@@ -17,12 +17,13 @@ Isolation: with a ``mask`` (and ``isolate``, the default), a query row depends o
 on the key/value rows it attends. A masked-out key whose k or v row holds NaN or
 ±inf, or a key so large that ``q·k`` overflows, would otherwise leak into every row
 (a zero probability times inf is NaN; an additive -inf on a NaN or +inf score is
-NaN), so such key/value rows are zeroed before the product and every query row that *attends* one of them (in any head) is
-set to NaN afterwards: a sequence's own non-finite values still poison its own rows,
-as in torch's SDPA, and never another's. It is one branch-free computation, without
-a host synchronisation, and costs ~10 small ops per call. Compiled graphs pass
-``isolate=False``: the dispatcher isolates around them once per batch, in eager code,
-and only when K/V hold a non-finite value (:mod:`attnpolicy.kernels.isolation`).
+NaN), so such key/value rows are zeroed before the product and every query row
+that *attends* one of them (in any head) is set to NaN afterwards: a sequence's own
+bad values still poison its own rows, as in torch's SDPA, and never another's. It is
+one branch-free computation, without a host synchronisation, and costs ~10 small ops
+per call. Compiled graphs pass ``isolate=False``: the dispatcher isolates around
+them once per batch, in eager code, and only when its check fails
+(:mod:`attnpolicy.kernels.isolation`).
 """
 
 from __future__ import annotations

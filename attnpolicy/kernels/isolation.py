@@ -30,7 +30,6 @@ import torch
 
 from attnpolicy.core.layout import BatchLayout
 
-
 #: Headroom below the compute dtype's largest value that a q·k product must stay
 #: under for a batch to skip the isolating path: far below overflow, so scaling
 #: (a ``scale`` up to 2**30), the softmax's max subtraction and rounding cannot reach it.
@@ -56,10 +55,10 @@ def leak_free(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     limit = score_limit(q.dtype)
     if q.dtype in (torch.float32, torch.float64):
         qf, kf, vf = q.ravel(), k.ravel(), v.ravel()
-        qq, kk, kv = torch.stack([qf.dot(qf), kf.dot(kf), kf.dot(vf)]).tolist()
+        qq, kk, kv = (float(x) for x in torch.stack([qf.dot(qf), kf.dot(kf), kf.dot(vf)]).tolist())
         return math.isfinite(kv) and qq * kk < limit * limit
-    q_lo, q_hi, k_lo, k_hi, v_lo, v_hi = torch.stack(
-        [*torch.aminmax(q), *torch.aminmax(k), *torch.aminmax(v)]).float().tolist()
+    q_lo, q_hi, k_lo, k_hi, v_lo, v_hi = (float(x) for x in torch.stack(
+        [*torch.aminmax(q), *torch.aminmax(k), *torch.aminmax(v)]).float().tolist())
     if not all(map(math.isfinite, (q_lo, q_hi, k_lo, k_hi, v_lo, v_hi))):
         return False
     return max(-q_lo, q_hi) * max(-k_lo, k_hi) * q.shape[-1] < limit
@@ -114,7 +113,8 @@ def _huge_rows(x: torch.Tensor, limit: float) -> torch.Tensor:
     reaches ``sqrt(limit)`` (or overflows): only such a row can take part in a q·k
     product of ``limit`` or more (Cauchy–Schwarz)."""
     norms = torch.linalg.vector_norm(x.double(), dim=-1)  # fp64: no overflow below fp32's range
-    return (norms >= math.sqrt(limit)).any(-1)
+    huge: torch.Tensor = (norms >= math.sqrt(limit)).any(-1)
+    return huge
 
 
 def _own(starts: tuple[int, ...], lens: tuple[int, ...], tokens: int, seq: int, device: torch.device) -> torch.Tensor:

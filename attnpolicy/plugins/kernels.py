@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from attnpolicy.errors import ConfigError, KernelError, PluginError
+from attnpolicy.errors import ConfigError, PluginError
 from attnpolicy.kernels.attention import _BUILTIN_FNS, _IMPL_FNS, BUILTIN_IMPLS, bind, register_impl
 from attnpolicy.kernels.conformance import ProbeCase, probe, probe_layout
 from attnpolicy.plugins.hookspecs import hookimpl
