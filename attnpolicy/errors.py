@@ -41,3 +41,8 @@ class StrictModeError(AttnPolicyError):
 
 class ConfigError(AttnPolicyError, ValueError):
     """A configuration value or file is invalid, missing or corrupt."""
+
+
+class KernelError(AttnPolicyError):
+    """A kernel returned an output of the wrong shape, dtype or device, or failed the
+    verification of a capability it declares; the message names kernel, plugin and case."""

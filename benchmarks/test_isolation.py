@@ -1,6 +1,6 @@
 """What sequence isolation costs a MASK call, on one packed batch of 4 sequences of
 1024 tokens: the kernel alone (``none``), the kernel after the dispatcher's
-finiteness check of K/V (``gate``: what a finite batch pays), and the kernel with
+check of q, K, V (``gate``: what an ordinary batch pays), and the kernel with
 the branch-free in-graph isolation of ``attention(..., isolate=True)`` (``in-graph``).
 
 Run: ``pytest benchmarks/test_isolation.py --benchmark-group-by=group``.
@@ -13,7 +13,7 @@ import torch
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.kernels.attention import attention
-from attnpolicy.kernels.isolation import all_finite
+from attnpolicy.kernels.isolation import leak_free
 from attnpolicy.kernels.masks import mask_for
 
 
@@ -29,7 +29,7 @@ def test_mask_call_isolation_cost(benchmark, impl, isolation):
 
     def run():
         if isolation == "gate":
-            assert all_finite(k, v)
+            assert leak_free(q, k, v)
         return attention(q, k, v, impl=impl, mask=mask, isolate=isolation == "in-graph")
     with torch.inference_mode():
         benchmark.pedantic(run, rounds=5, warmup_rounds=1)

@@ -26,3 +26,16 @@ def test_inductor_mask_graph_keeps_a_neighbours_nan_and_inf_out(impl):
             assert torch.equal(out[5:], clean[5:]), (target, bad)
             assert not out[:5].isfinite().all(), (target, bad)  # its own rows see it
     assert d.stats().cache.compiles == 1
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_keeps_a_neighbours_overflowing_keys_out(dtype):
+    """3e38 keys are finite, but their q·k overflows to +inf: sequence 0 stays clean."""
+    torch.manual_seed(0)
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="inductor", max_seq_len=32))
+    lay = BatchLayout.from_lens([10, 20])
+    q, k, v = (torch.randn(30, 4, 16).to(dtype) for _ in range(3))
+    clean = d.attend(q, k, v, lay)
+    k[10:] = 3e38
+    assert torch.equal(d.attend(q, k, v, lay)[:10], clean[:10])

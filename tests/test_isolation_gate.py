@@ -1,6 +1,8 @@
 """The isolation gate: a batch with a masked call runs its graphs on the raw K/V when
-they are finite, and takes the isolating path (sanitise, run, re-poison) whenever any
-K/V row holds NaN or ±inf, with the rule's output (see kernels/isolation.py)."""
+they are finite and no q·k can overflow, and takes the isolating path (sanitise, run,
+re-run a sequence with huge values alone, re-poison) whenever any K/V row holds NaN or
+±inf or a value large enough to overflow a score, with the rule's output (see
+kernels/isolation.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import IMPLS
 from attnpolicy.graphs.execute import attend
-from attnpolicy.kernels.isolation import all_finite, sanitised
+from attnpolicy.kernels.isolation import all_finite, isolated, leak_free, sanitised
 
 BAD = (float("nan"), float("inf"), float("-inf"))
 LAYOUTS = {
@@ -44,15 +46,17 @@ def test_all_finite_has_no_fp16_overflow_on_ordinary_values():
 
 
 class _Spy:
-    """Counts calls of ``sanitised`` (the isolating path) in a module."""
+    """Counts calls of the isolating path in a module (``isolated`` of the dispatcher's
+    execution, ``sanitised`` of flex)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, module: object) -> None:
         self.calls = 0
+        name, original = ("sanitised", sanitised) if module is flex_module else ("isolated", isolated)
 
-        def counted(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        def counted(*args):
             self.calls += 1
-            return sanitised(x, bad)
-        monkeypatch.setattr(module, "sanitised", counted)
+            return original(*args)
+        monkeypatch.setattr(module, name, counted)
 
 
 def _qkv(layout: BatchLayout) -> tuple[torch.Tensor, ...]:
@@ -120,7 +124,7 @@ def test_compiled_graphs_are_gated_the_same_way(monkeypatch, backend, policy):
 def test_a_causal_only_batch_pays_no_gate(monkeypatch):
     """CAUSAL calls hold one sequence each and take no mask: nothing to gate."""
     calls = []
-    monkeypatch.setattr(execute_module, "all_finite", lambda k, v: calls.append(1) or True)
+    monkeypatch.setattr(execute_module, "leak_free", lambda q, k, v: calls.append(1) or True)
     layout = BatchLayout.from_lens([3, 4])
     q, k, v = _qkv(layout)
     attend(q, k, v, layout, MaskMode.VARLEN)
@@ -135,8 +139,8 @@ def test_one_unpadded_sequence_has_no_neighbour_and_pays_no_gate(monkeypatch, mo
     """No other sequence and no padding rows: nothing to isolate, no check; a bad
     value still reaches the rows that attend it (as in the sequence's CAUSAL call)."""
     calls = []
-    for module in (execute_module, flex_module):
-        monkeypatch.setattr(module, "all_finite", lambda k, v: calls.append(1) or True)
+    monkeypatch.setattr(execute_module, "leak_free", lambda q, k, v: calls.append(1) or True)
+    monkeypatch.setattr(flex_module, "all_finite", lambda k, v: calls.append(1) or True)
     single = BatchLayout.from_lens([5], [9])  # cached context: a VARLEN call, a MASK with hidden keys
     q, k, v = _qkv(single)
     torch.testing.assert_close(attend(q, k, v, single, mode, impl, partition_len=4).double(),
@@ -148,3 +152,79 @@ def test_one_unpadded_sequence_has_no_neighbour_and_pays_no_gate(monkeypatch, mo
     padded = BatchLayout.from_lens([5], [9], padded_to=6)  # a padding row: checked
     attend(torch.randn(6, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8), padded, mode, impl, partition_len=4)
     assert calls == [1]
+
+
+def _mask_dispatcher(impl: str, backend: str) -> Dispatcher:
+    kernels = {"mask": "flex"} if impl == "flex" else {}
+    return Dispatcher(AttnPolicyConfig(policy="always-mask", backend=backend, max_seq_len=32,
+                                       attn_impl="sdpa" if impl == "flex" else impl,
+                                       partition_len=8 if impl == "flash" else None, kernels=kernels))
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """An uninitialised buffer: every bit pattern of ``dtype`` (NaN, ±inf, huge, tiny)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=g) if dtype.itemsize == 2 else \
+        torch.randint(-2**31, 2**31, shape, dtype=torch.int32, generator=g)
+    return bits.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["none", "aot_eager"])
+@pytest.mark.parametrize("impl", [*IMPLS, "flex"])
+def test_large_finite_keys_of_a_neighbour_never_reach_a_sequence(impl, backend, dtype):
+    """The issue's example: q·k of a neighbour's 3e38 keys overflows to +inf, and an
+    additive -inf mask makes it NaN; it must not reach sequence 0, and a neighbour
+    whose keys are merely large (×1e15: no score of its own overflows) keeps its
+    own exact answer, as in a batch of its own."""
+    layout = BatchLayout.from_lens([10, 20])
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(30, 4, 16).to(dtype) for _ in range(3))
+    d = _mask_dispatcher(impl, backend)
+    clean = d.attend(q, k, v, layout)
+    tol = 1e-5 if dtype is torch.float32 else 2**-6
+    for big in (None, 1e15):
+        kk = k.clone()
+        kk[10:] = 3e38 if big is None else kk[10:] * big
+        out = d.attend(q, kk, v, layout)
+        assert torch.equal(out[:10], clean[:10]), big
+        if big is not None:
+            want = reference_for(q[10:], kk[10:], v[10:], BatchLayout.from_lens([20]))
+            torch.testing.assert_close(out[10:].double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", [*IMPLS, "flex"])
+def test_random_bits_in_padding_rows_never_reach_a_sequence(impl, dtype):
+    """Runtimes pad with uninitialised buffers: any bit pattern in a padding row of
+    q, k or v leaves every real row as it is with zero padding."""
+    layout = BatchLayout.from_lens([5, 7, 3], causal=False, padded_to=24)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(24, 8, 16).to(dtype) for _ in range(3))
+    pad = torch.zeros(24, dtype=torch.bool)
+    pad[15:] = True
+    clean = [t.masked_fill(pad[:, None, None], 0) for t in (q, k, v)]
+    d = _mask_dispatcher(impl, "none")
+    want = d.attend(*clean, layout)
+    assert want[:15].isfinite().all()
+    for seed in range(20):
+        dirty = [t.clone() for t in clean]
+        for i, t in enumerate(dirty):
+            t[15:] = _random_bits((9, 8, 16), dtype, 3 * seed + i)
+        assert torch.equal(d.attend(*dirty, layout)[:15], want[:15]), seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_leak_free_passes_ordinary_batches_and_fails_any_that_could_overflow(dtype):
+    q, k, v = (torch.randn(12, 4, 16).to(dtype) * 10 for _ in range(3))
+    assert leak_free(q, k, v)
+    for target in range(3):
+        for bad in (*BAD, torch.finfo(dtype).max, -torch.finfo(dtype).max / 2):
+            t = [q.clone(), k.clone(), v.clone()]
+            t[target][3, 1, 2] = bad
+            if dtype is torch.float16 and target < 2 and abs(bad) < float("inf"):
+                continue  # fp16's max times another fp16 cannot come near fp32's range: no overflow
+            if target == 2 and abs(bad) < float("inf"):
+                assert leak_free(*t) or dtype in (torch.float32, torch.float64)  # v·k may overflow: conservative
+                continue
+            assert not leak_free(*t), (target, bad)

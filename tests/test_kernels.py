@@ -219,3 +219,185 @@ def test_inductor_compiled_flex_matches_reference_and_isolates():
     others = torch.ones(110, dtype=torch.bool)
     others[layout.q_starts[1] + 49] = False
     torch.testing.assert_close(poisoned[others], out[others])
+
+
+def test_a_kernel_named_auto_is_rejected_at_registration(fresh_plugins):
+    """``auto`` is the config's "fastest fit": a kernel of that name could never be chosen."""
+    from attnpolicy.plugins.hookspecs import hookimpl
+    from attnpolicy.plugins.kernels import KernelInfo, kernel_registry
+    from attnpolicy.plugins.registry import failed_plugins, get_plugin_manager
+
+    class Auto:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            register(KernelInfo("auto", "mask", attention))
+
+    get_plugin_manager().register(Auto(), name="auto-kernel")
+    assert ("mask", "auto") not in kernel_registry()
+    assert "kernel name 'auto' is reserved" in failed_plugins()["auto-kernel"]
+
+
+def test_small_mask_tensors_are_bounded_in_bytes():
+    from attnpolicy.kernels.masks import MaskCache
+
+    cache = MaskCache(max_bytes=10_000, max_small_bytes=4_000)
+    for n in range(1, 40):
+        block = cache.small(("zeros", n), lambda n=n: torch.zeros(n, 25))  # 100·n bytes
+        assert block.shape == (n, 25)
+        stats = cache.stats()
+        assert stats.small_bytes <= 4_000 and stats.max_small_bytes == 4_000
+        assert stats.small_bytes == sum(t.nbytes for t in cache._small.values())
+    assert cache.stats().small_bytes > 3_000  # the most recent ones stay
+    huge = cache.small("huge", lambda: torch.zeros(2_000))  # 8000 bytes: built, not kept
+    assert huge.shape == (2_000,) and "huge" not in cache._small
+    assert MaskCache(max_bytes=1_000).stats().max_small_bytes == 1_000  # never above max_bytes
+
+
+def test_block_masks_are_bounded_in_bytes():
+    from attnpolicy.kernels.flex import BlockMaskCache, block_mask_bytes, build_block_mask
+
+    one = block_mask_bytes(build_block_mask(BatchLayout.from_lens([3, 5]), 128, 128))
+    cache = BlockMaskCache(max_entries=64, max_bytes=3 * one)
+    for n in range(1, 10):
+        cache.get(BatchLayout.from_lens([n, 8]), 128, 128)
+        assert cache.nbytes <= 3 * one
+    assert len(cache) == 3 and cache.builds == 9
+    small = BlockMaskCache(max_bytes=one - 1)  # a mask above the bound runs, uncached
+    assert small.get(BatchLayout.from_lens([3, 5]), 128, 128) is not None
+    assert len(small) == 0 and small.nbytes == 0
+
+
+def _rss() -> int:
+    """Resident bytes, after handing freed heap memory back (glibc's malloc_trim)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+
+
+RSS_SLACK = 32 * 2**20
+
+
+def test_a_long_varied_mask_run_stays_within_the_mask_budgets():
+    """200 varied MASK decode batches (8 heads of 128): what the masks hold stays
+    within ``max_mask_bytes`` (dense) plus the small-tensor bound (at most
+    ``max_mask_bytes``), and RSS grows by no more than those plus a fixed slack of
+    32 MiB (plans, Python objects, allocator)."""
+    import random
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+
+    budget = 2**18
+    d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=256, max_batch_tokens=1024,
+                                    max_mask_bytes=budget, max_bytes=100_000_000))
+    rnd = random.Random(0)
+
+    def batch() -> None:
+        kv = [rnd.randint(1, 200) for _ in range(rnd.randint(1, 4))]
+        k = torch.randn(sum(kv), 8, 128)
+        d.attend(torch.randn(len(kv), 8, 128), k, k, BatchLayout.from_lens([1] * len(kv), kv))
+
+    for _ in range(5):
+        batch()
+    before = _rss()
+    for _ in range(200):
+        batch()
+    grown = _rss() - before
+    assert grown <= 2 * budget + RSS_SLACK, f"RSS grew by {grown / 2**20:.0f} MiB"
+    masks = d.stats().masks
+    assert masks.bytes <= budget and masks.small_bytes <= masks.max_small_bytes <= budget
+
+
+def _register_kernel(name, fn, family="varlen", **caps):
+    from attnpolicy.plugins.hookspecs import hookimpl
+    from attnpolicy.plugins.kernels import KernelInfo
+    from attnpolicy.plugins.registry import get_plugin_manager
+
+    class Plugin:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            register(KernelInfo(name, family, fn, **caps))
+    get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
+
+
+_SHAPE_BROKEN = ("one-head", "one-column", "float64", "int32", "extra-rows")
+
+
+@pytest.mark.parametrize("backend", ["none", "eager"])
+@pytest.mark.parametrize("broken", _SHAPE_BROKEN)
+def test_a_plugin_kernels_wrong_output_is_an_error_naming_plugin_and_kernel(fresh_plugins, broken, backend):
+    """Also when a batch runs several calls into one packed output: a wrong shape is
+    never broadcast by the copy into a right-shaped wrong answer."""
+    from plugin_kernels import BROKEN
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import GraphCompileError, KernelError
+
+    for family in FAMILIES:
+        _register_kernel(f"{broken}-{family}", BROKEN[broken], family)
+    layout = BatchLayout.from_lens([3, 5, 4], [6, 5, 4])  # three VARLEN calls (context)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(12, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g)
+    for family in FAMILIES:
+        d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=16,
+                                        kernels={f: f"{broken}-{f}" for f in FAMILIES}))
+        with pytest.raises((KernelError, GraphCompileError)) as raised:
+            d.attend(q, k, v, layout)
+        assert f"kernel '{broken}-" in str(raised.value) and f"plugin '{broken}-" in str(raised.value)
+
+
+@pytest.mark.parametrize(("broken", "caps", "case"), [
+    ("kv-head-0", {}, "GQA 4:2"),
+    ("no-mask", {}, "varlen family"),
+])
+def test_a_plugin_kernel_failing_a_declared_capability_is_rejected_with_the_case(fresh_plugins, broken, caps, case):
+    from plugin_kernels import BROKEN
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import KernelError
+
+    _register_kernel(broken, BROKEN[broken], "varlen", **caps)
+    layout = BatchLayout.from_lens([3, 5], [6, 5])  # cached context: VARLEN calls
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(8, 4, 8, generator=g), torch.randn(11, 2, 8, generator=g), torch.randn(11, 2, 8, generator=g)
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", max_seq_len=16, kernels={"varlen": broken}))
+    with pytest.raises(KernelError, match=f"kernel '{broken}' of plugin '{broken}-plugin' does not compute "
+                                          f"attention for .*{case}"):
+        d.attend(q, k, v, layout)
+
+
+def test_check_kernel_passes_a_correct_plugin_kernel_and_names_a_broken_ones_case(fresh_plugins):
+    from plugin_kernels import BROKEN, sdpa_kernel
+
+    from attnpolicy.errors import KernelError, PluginError
+    from attnpolicy.plugins.kernels import check_kernel
+
+    _register_kernel("good", sdpa_kernel, "mask")
+    cases = check_kernel("good")
+    assert any("GQA" in c for c in cases) and any("with cached context" in c for c in cases)
+    _register_kernel("maskless", BROKEN["no-mask"], "mask")
+    with pytest.raises(KernelError, match="'maskless' of plugin 'maskless-plugin' does not compute attention for "
+                                          "mask family"):
+        check_kernel("maskless")
+    with pytest.raises(PluginError, match="no kernel named 'nope'"):
+        check_kernel("nope")
+
+
+@pytest.mark.parametrize("name", ["sdpa", "eager", "flash", "flex"])
+def test_every_builtin_kernel_passes_the_public_check(name):
+    """Conformance: what plugin authors run on their kernels holds for the built-ins."""
+    from attnpolicy.plugins.kernels import check_kernel
+
+    cases = check_kernel(name)
+    assert len(cases) >= 8  # every dtype × causality × context × GQA it declares
+
+
+def test_the_kernels_check_command(capsys):
+    from attnpolicy.cli import main
+
+    assert main(["kernels", "check", "flash"]) == 0
+    out = capsys.readouterr().out
+    assert "ok  mask family, causal, with cached context, GQA 4:2, float32, cpu" in out
+    assert main(["kernels", "check", "nope"]) == 2
+    assert "no kernel named 'nope'" in capsys.readouterr().err

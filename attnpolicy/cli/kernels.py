@@ -1,4 +1,6 @@
-"""``attnpolicy bench --kernels``: every registered implementation per family, side by side."""
+"""``attnpolicy bench --kernels`` (every registered implementation per family, side by
+side) and ``attnpolicy kernels check NAME`` (a kernel against the float64 reference in
+every case it declares)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,34 @@ import argparse
 import platform
 import time
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
 from attnpolicy.bench.kernel_timing import bench_kernels
-from attnpolicy.cli.common import print_table, progress
+from attnpolicy.cli.common import command, print_table, progress
 from attnpolicy.core.jsonfile import write_json
+from attnpolicy.plugins.kernels import check_kernel
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``kernels`` subcommand (``kernels check NAME``)."""
+    p = subparsers.add_parser("kernels", help="check registered attention kernels",
+                              description="Check registered attention kernels.",
+                              epilog="example:\n  attnpolicy kernels check sdpa")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", title="actions", required=True)
+    c = command(actions, "check", "verify a kernel against the float64 reference in every case it declares",
+                "attnpolicy kernels check sdpa", cmd_check)
+    c.add_argument("name", metavar="NAME", help="a registered kernel, see 'attnpolicy bench --kernels' (required)")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Print each case checked and ``ok``; a failing case is a one-line error (status 2)."""
+    cases = check_kernel(args.name)
+    for case in cases:
+        print(f"ok  {case}")
+    print(f"kernel {args.name!r}: {len(cases)} cases match the float64 reference")
+    return 0
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:

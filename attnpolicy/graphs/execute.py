@@ -19,7 +19,7 @@ from attnpolicy.graphs.keys import Call
 from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.attention import bind, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
-from attnpolicy.kernels.isolation import all_finite, bad_rows, repoisoned, sanitised
+from attnpolicy.kernels.isolation import isolated, leak_free
 from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows
 
 GraphFn = Callable[..., torch.Tensor] | FlexGraph
@@ -110,9 +110,9 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     strides it was compiled for; masks come from ``masks``.
 
     Isolation: a batch with a masked call (MASK, VARLEN) whose K/V hold a non-finite
-    value runs on sanitised K/V, and the rows that attend such a key are set to NaN
-    (:mod:`attnpolicy.kernels.isolation`); one cheap check per batch decides, so a
-    finite batch pays only that check. A batch of one unpadded sequence has no
+    value, or whose q·k could overflow, takes the isolating path of
+    :mod:`attnpolicy.kernels.isolation`; one cheap check per batch decides, so an
+    ordinary batch pays only that check. A batch of one unpadded sequence has no
     neighbour to protect and is not checked: what a bad value in it does is the
     kernel's own answer, as in a CAUSAL call. Flex graphs isolate themselves the
     same way."""
@@ -131,10 +131,8 @@ def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLay
         masked = call.family is not GraphFamily.CAUSAL
     else:
         masked = any(call.family is not GraphFamily.CAUSAL for call, _ in graphs)
-    if masked and not layout.is_single and not all_finite(k, v):
-        bad = bad_rows(k, v)
-        out = _run(q, sanitised(k, bad), sanitised(v, bad), layout, graphs, masks)
-        return repoisoned(out, layout, bad)
+    if masked and not layout.is_single and not leak_free(q, k, v):
+        return isolated(lambda q, k, v: _run(q, k, v, layout, graphs, masks), q, k, v, layout)
     return _run(q, k, v, layout, graphs, masks)
 
 

@@ -15,14 +15,15 @@ Implementations (RBLN's names in brackets):
 
 Isolation: with a ``mask`` (and ``isolate``, the default), a query row depends only
 on the key/value rows it attends. A masked-out key whose k or v row holds NaN or
-±inf would otherwise leak into every row (a zero probability times inf is NaN; an
-additive -inf on a NaN score stays NaN), so non-finite key/value rows are zeroed
-before the product and every query row that *attends* one of them (in any head) is
-set to NaN afterwards: a sequence's own non-finite values still poison its own rows,
-as in torch's SDPA, and never another's. It is one branch-free computation, without
-a host synchronisation, and costs ~10 small ops per call. Compiled graphs pass
-``isolate=False``: the dispatcher isolates around them once per batch, in eager code,
-and only when K/V hold a non-finite value (:mod:`attnpolicy.kernels.isolation`).
+±inf, or a key so large that ``q·k`` overflows, would otherwise leak into every row
+(a zero probability times inf is NaN; an additive -inf on a NaN or +inf score is
+NaN), so such key/value rows are zeroed before the product and every query row
+that *attends* one of them (in any head) is set to NaN afterwards: a sequence's own
+bad values still poison its own rows, as in torch's SDPA, and never another's. It is
+one branch-free computation, without a host synchronisation, and costs ~10 small ops
+per call. Compiled graphs pass ``isolate=False``: the dispatcher isolates around
+them once per batch, in eager code, and only when its check fails
+(:mod:`attnpolicy.kernels.isolation`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from attnpolicy.kernels.conformance import check_output
+from attnpolicy.kernels.isolation import score_limit
 
 
 def _causal_allowed(lq: int, lk: int, device: torch.device) -> torch.Tensor:
@@ -118,21 +122,32 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask
 _IMPL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}
 #: The implementations defined here; plugin kernels are added to ``_IMPL_FNS`` by name.
 BUILTIN_IMPLS = frozenset(_IMPL_FNS)
+_BUILTIN_FNS = dict(_IMPL_FNS)
+#: The plugin that registered each plugin kernel (named in its errors).
+_PLUGIN_OF: dict[str, str] = {}
 
 
-def register_impl(name: str, fn: Callable[..., torch.Tensor]) -> None:
+def register_impl(name: str, fn: Callable[..., torch.Tensor], plugin: str = "") -> None:
     """Make ``fn`` (signature of ``_sdpa``) available as ``attention(..., impl=name)``;
-    kernel plugins register through :mod:`attnpolicy.plugins.kernels`."""
+    kernel plugins register through :mod:`attnpolicy.plugins.kernels`. Every call of a
+    plugin's kernel has its output checked (:func:`~attnpolicy.kernels.conformance.check_output`)."""
     _IMPL_FNS[name] = fn
+    _PLUGIN_OF[name] = plugin
 
 
 def _finite_rows(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k`` and ``v`` with their non-finite rows zeroed, and ``poisoned[Lq]``: the
-    query rows that attend at least one such row (in any head)."""
+    """``k`` and ``v`` with their bad rows zeroed, and ``poisoned[Lq]``: the query
+    rows that attend at least one such row (in any head). A row is bad if it holds a
+    non-finite value or a key large enough for ``q·k`` to near overflow (which an
+    additive mask would not hide: ``inf + -inf`` is NaN); the rows attending it get
+    NaN as for a non-finite key."""
     # a row's largest magnitude is finite iff the row is (NaN propagates through amax);
     # cheaper than isfinite(...).all(-1) over every element
-    ok = torch.isfinite(k.abs().amax(-1)) & torch.isfinite(v.abs().amax(-1))  # [Hkv, Lk]
+    # (a key row under sqrt(limit) in norm cannot overflow with a query row under it;
+    # a larger query row only spoils its own output)
+    k_max = k.abs().amax(-1).double()  # [Hkv, Lk]
+    ok = (k_max * math.sqrt(k.shape[-1]) < math.sqrt(score_limit(k.dtype))) & torch.isfinite(v.abs().amax(-1))
     k = k.masked_fill(~ok[..., None], 0)
     v = v.masked_fill(~ok[..., None], 0)
     # boolean [Lq, Lk] work only, no float copy of the mask
@@ -170,7 +185,18 @@ def bind(impl: str = "sdpa", *, scale: float | None = None, partition_len: int |
             mask: torch.Tensor | None) -> torch.Tensor:
         s = 1.0 / math.sqrt(q.shape[-1]) if fixed is None else fixed
         return fn(q, k, v, causal, mask, s, k.shape[-2] if whole else partition_len)
-    return run
+    if fn is _BUILTIN_FNS.get(impl):
+        return run  # built-ins are checked by the conformance test, not per call
+    plugin = _PLUGIN_OF.get(impl, "")
+
+    def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        # shapes, dtypes and devices are static in a compiled graph: there the check
+        # runs once, when the graph is traced, and a violation fails its compile
+        out = run(q, k, v, causal, mask)
+        check_output(out, q, impl, plugin)
+        return out
+    return checked
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",

@@ -32,8 +32,11 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.kernels.isolation import all_finite, bad_rows, repoisoned, sanitised
 
 #: Block masks kept per dispatcher (one per (layout, buckets, device)); least recently
-#: used first out. At 4096² one takes ~0.3 MB (block indices plus row vectors).
+#: used first out, at most this many ... At 4096² one takes ~0.3 MB (block indices
+#: plus row vectors).
 BLOCK_MASK_CACHE_SIZE = 64
+#: ... and at most this many bytes together (a larger mask is built for its call, not kept).
+BLOCK_MASK_CACHE_BYTES = 64 * 2**20
 
 FlexFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockMask], torch.Tensor]
 
@@ -76,13 +79,17 @@ def block_mask_bytes(mask: BlockMask) -> int:
 
 
 class BlockMaskCache:
-    """Block masks per (layout, q rows, kv rows, device), at most ``max_entries``
-    (least recently used evicted); ``nbytes`` is what they hold. Thread-safe."""
+    """Block masks per (layout, q rows, kv rows, device), at most ``max_entries`` and
+    ``max_bytes`` bytes together (least recently used evicted; a mask larger than
+    ``max_bytes`` is not kept); ``nbytes`` is what they hold. Thread-safe."""
 
-    def __init__(self, max_entries: int = BLOCK_MASK_CACHE_SIZE) -> None:
+    def __init__(self, max_entries: int = BLOCK_MASK_CACHE_SIZE, max_bytes: int = BLOCK_MASK_CACHE_BYTES) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._masks: OrderedDict[tuple[BatchLayout, int, int, str], tuple[BlockMask, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.nbytes = 0
@@ -100,9 +107,10 @@ class BlockMaskCache:
         with self._lock:
             if key not in self._masks:
                 self.builds += 1
-                self._masks[key] = (mask, size)
-                self.nbytes += size
-                while len(self._masks) > self.max_entries:
+                if size <= self.max_bytes:
+                    self._masks[key] = (mask, size)
+                    self.nbytes += size
+                while len(self._masks) > self.max_entries or self.nbytes > self.max_bytes:
                     self.nbytes -= self._masks.popitem(last=False)[1][1]
         return mask
 

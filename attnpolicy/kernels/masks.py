@@ -5,8 +5,9 @@ tensor only when a MASK graph needs one. Construction is vectorised (one
 block write per sequence, no Python loop over tokens). Nothing is cached per
 process: a :class:`MaskCache` (each Dispatcher owns one) keeps dense masks by
 (mask, shape, device) within a byte bound, and the small per-layout tensors
-(real-row masks, VARLEN bounds) within an entry bound, so a repeated layout costs
-nothing to rebuild and everything is freed with its owner.
+(real-row masks, VARLEN bounds, zero padding blocks) within a byte and an entry
+bound, so a repeated layout costs nothing to rebuild and everything is freed with
+its owner.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import torch
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.names import DEFAULT_MAX_MASK_BYTES
 
-#: Default byte bound of one dense mask and of a MaskCache's dense masks together
-#: (``AttnPolicyConfig.max_mask_bytes``): 256 MiB, a 16384 × 16384 boolean mask.
-#: Small tensors (real-row masks, VARLEN bounds) a MaskCache keeps.
+#: Small tensors (real-row masks, VARLEN bounds, zero padding blocks) a MaskCache
+#: keeps at most, by count ...
 SMALL_CACHE_SIZE = 4096
+#: ... and by bytes: at most this many, and never more than the cache's ``max_bytes``
+#: (``AttnPolicyConfig.max_mask_bytes``, which bounds its dense masks). A small tensor
+#: larger than the bound is built for its call and not kept.
+SMALL_CACHE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,7 @@ class MaskCacheStats:
     uncached: int
     small: int
     small_bytes: int
+    max_small_bytes: int
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,12 +60,18 @@ def mask_key(layout: BatchLayout, rows: int, cols: int, device: object) -> Hasha
 class MaskCache:
     """The masks one owner (a Dispatcher) keeps: dense boolean masks, least recently
     used first out, at most ``max_bytes`` bytes together (a mask larger than that is
-    built and returned uncached); and up to ``max_small`` small tensors (real-row
-    masks, VARLEN bounds). Not thread-safe (nor is its owner)."""
+    built and returned uncached); and small tensors (real-row masks, VARLEN bounds,
+    zero padding blocks), least recently used first out, at most ``max_small`` of
+    them and ``max_small_bytes`` bytes together (default: :data:`SMALL_CACHE_BYTES`,
+    at most ``max_bytes``). Not thread-safe (nor is its owner)."""
 
-    def __init__(self, max_bytes: int | None = DEFAULT_MAX_MASK_BYTES, max_small: int = SMALL_CACHE_SIZE) -> None:
+    def __init__(self, max_bytes: int | None = DEFAULT_MAX_MASK_BYTES, max_small: int = SMALL_CACHE_SIZE,
+                 max_small_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
         self.max_small = max_small
+        if max_small_bytes is None:
+            max_small_bytes = SMALL_CACHE_BYTES if max_bytes is None else min(SMALL_CACHE_BYTES, max_bytes)
+        self.max_small_bytes = max_small_bytes
         self._dense: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._small: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
         self._bytes = self._peak = self._small_bytes = 0
@@ -100,14 +111,18 @@ class MaskCache:
         return key in self._dense
 
     def small(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The small tensor for ``key``, built by ``build()`` on a miss."""
+        """The small tensor for ``key``, built by ``build()`` on a miss (and not kept
+        if larger than ``max_small_bytes``)."""
         hit = self._small.get(key)
         if hit is not None:
             self._small.move_to_end(key)
             return hit
-        value = self._small[key] = build()
+        value = build()
+        if value.nbytes > self.max_small_bytes:
+            return value
+        self._small[key] = value
         self._small_bytes += value.nbytes
-        if len(self._small) > self.max_small:
+        while len(self._small) > self.max_small or self._small_bytes > self.max_small_bytes:
             _, gone = self._small.popitem(last=False)
             self._small_bytes -= gone.nbytes
         return value
@@ -121,7 +136,7 @@ class MaskCache:
     def stats(self) -> MaskCacheStats:
         return MaskCacheStats(len(self._dense), self._bytes, self._peak, self.max_bytes, self._hits,
                               self._misses, self._evictions, self._uncached, len(self._small),
-                              self._small_bytes)
+                              self._small_bytes, self.max_small_bytes)
 
 
 @dataclass(frozen=True)

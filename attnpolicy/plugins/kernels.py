@@ -9,6 +9,15 @@ built-in ``flex`` (MASK only) runs FlexAttention with a block mask instead of a
 dense one. Each declares its capabilities; :func:`why_unfit` says why an
 implementation cannot serve a batch, and the dispatcher never runs one that cannot.
 Built-ins register through the same hook (this module's own hook implementation).
+
+A plugin kernel is checked at the framework boundary: every call's output must have
+the query's shape, dtype and device (:class:`~attnpolicy.errors.KernelError`
+otherwise), and each capability a call needs (GQA, causal or bidirectional, cached
+context, the family's mask) is verified once per process, when the kernel is first
+chosen for it, against a float64 reference on a small probe
+(:mod:`attnpolicy.kernels.conformance`); a kernel that fails is rejected with the
+case that failed. :func:`check_kernel` runs every declared case at once (what
+``attnpolicy kernels check NAME`` runs, and what a plugin's own tests can call).
 """
 
 from __future__ import annotations
@@ -17,12 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from attnpolicy.errors import ConfigError, PluginError
-from attnpolicy.kernels.attention import _IMPL_FNS, BUILTIN_IMPLS, register_impl
+from attnpolicy.kernels.attention import _BUILTIN_FNS, _IMPL_FNS, BUILTIN_IMPLS, bind, register_impl
+from attnpolicy.kernels.conformance import ProbeCase, probe, probe_layout
 from attnpolicy.plugins.hookspecs import hookimpl
 
 FAMILIES = ("causal", "mask", "varlen")
 ALL_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
+#: The config's kernel choice "fastest fit" (``kernels: {family: auto}``): no kernel may take the name.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,73 @@ def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa:
         return f"device {device}"
     if compiled and not info.compilable:
         return "compilation (use backend 'none')"
+    if info.fn is not None and info.fn is not _BUILTIN_FNS.get(info.name):  # built-ins: the conformance test
+        verify(info, ProbeCase(info.family, causal, context, gqa, getattr(torch, dtype), device.split(":")[0]))
     return None
+
+
+#: Probe cases already verified, per kernel function (once per process).
+_verified: dict[tuple[Callable[..., Any] | None, str, ProbeCase], None] = {}
+
+
+def _runner(info: KernelInfo, case: ProbeCase) -> Callable[..., Any]:
+    """``run(q, k, v, causal, mask)`` of ``info`` as its family calls it."""
+    if info.fn is not None:
+        return bind(info.name, partition_len=4)
+    from attnpolicy.kernels.flex import build_block_mask, flex_attend, flex_graph
+
+    layout = probe_layout(case)
+
+    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Any) -> torch.Tensor:
+        rows, cols = q.shape[1], k.shape[1]
+        block = build_block_mask(layout, rows, cols, str(q.device))
+        out = flex_attend(flex_graph(None), q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), layout,
+                          block, rows, cols)
+        return out.transpose(0, 1)
+    return flex
+
+
+def verify(info: KernelInfo, case: ProbeCase) -> None:
+    """Probe ``info`` for ``case`` once (remembered per kernel function and case);
+    raise :class:`~attnpolicy.errors.KernelError` naming the case if it fails."""
+    key = (info.fn, info.name, case)
+    if key in _verified:
+        return
+    with torch.no_grad():
+        probe(case, _runner(info, case), info.name, info.plugin)
+    _verified[key] = None
+
+
+def declared_cases(info: KernelInfo) -> list[ProbeCase]:
+    """Every probe case ``info`` declares it serves (on CPU when it runs there, else
+    its first device): each dtype, causal and/or bidirectional (the causal family is
+    causal only), with and without cached context, with and without GQA."""
+    device = "cpu" if "cpu" in info.devices else sorted(info.devices)[0]
+    causals = [c for c in (True, False) if (info.causal if c else info.bidirectional)]
+    if info.family == "causal":
+        causals = [True] if info.causal else []
+    return [ProbeCase(info.family, c, ctx, g, getattr(torch, d), device)
+            for d in sorted(info.dtypes) for c in causals
+            for ctx in (False, True) if ctx is False or info.context
+            for g in (False, True) if g is False or info.gqa]
+
+
+def check_kernel(name: str) -> list[str]:
+    """Verify kernel ``name`` in every family it is registered for and every case it
+    declares (:func:`declared_cases`), against the float64 reference; raise
+    :class:`~attnpolicy.errors.KernelError` naming the first case that fails, or
+    :class:`~attnpolicy.errors.PluginError` if no kernel has that name. Returns the
+    cases checked, described. For a plugin's own tests and ``attnpolicy kernels check``."""
+    infos = [info for (_, n), info in kernel_registry().items() if n == name]
+    if not infos:
+        known = ", ".join(sorted({n for _, n in kernel_registry()}))
+        raise PluginError(f"no kernel named {name!r}; registered: {known}")
+    checked = []
+    for info in infos:
+        for case in declared_cases(info):
+            verify(info, case)
+            checked.append(case.describe())
+    return checked
 
 
 def _kernel_adder(plugin: str, registry: dict[Any, Any],
@@ -72,6 +152,9 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
         if info.family not in FAMILIES:
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has family {info.family!r}; "
                               f"families: {', '.join(FAMILIES)}")
+        if info.name == AUTO:
+            raise PluginError(f"plugin {plugin!r}: kernel name {AUTO!r} is reserved (the config's "
+                              "'choose for me'); register the kernel under another name")
         key = (info.family, info.name)
         holder = registry.get(key) or staged.get(key)
         if holder is not None:
@@ -93,7 +176,7 @@ def _register_impls(registry: dict[tuple[str, str], KernelInfo]) -> None:
     """Make each plugin kernel's ``fn`` callable as ``attention(..., impl=name)``."""
     for info in registry.values():
         if info.fn is not None and info.fn is not _IMPL_FNS.get(info.name):
-            register_impl(info.name, info.fn)
+            register_impl(info.name, info.fn, info.plugin)
 
 
 def kernel_registry() -> dict[tuple[str, str], KernelInfo]:
@@ -110,7 +193,7 @@ def check_kernel_names(kernels: dict[str, str]) -> None:
     ``kernels`` entry (family -> name) is ``auto`` or a registered kernel of its family."""
     known = kernel_registry()
     for family, name in kernels.items():
-        if name != "auto" and (family, name) not in known:
+        if name != AUTO and (family, name) not in known:
             names = ", ".join(n for f, n in known if f == family)
             raise ConfigError(f"kernels: {name!r} is not a registered {family} kernel; known: auto, {names}")
 

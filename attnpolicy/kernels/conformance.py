@@ -1,0 +1,120 @@
+"""Whether a kernel computes what it claims: its output's shape, dtype and device on
+every call (:func:`check_output`), and its math on a small probe per capability
+against a float64 reference (:func:`probe`).
+
+A probe case is one way a graph family calls a kernel: the ``causal`` family a
+mask-free causal call, the ``mask`` family two packed sequences under their
+block-diagonal mask (causal or bidirectional), the ``varlen`` family one sequence
+padded to a bucket under its bounds mask; with or without cached context (more keys
+than queries) and GQA (2 kv heads under 4 query heads, each kv head different, so a
+kernel that reads one head only fails). The reference is explicit float64 math, no
+kernel code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.errors import KernelError
+from attnpolicy.kernels.masks import bounded_mask, mask_for
+
+#: Probe tolerance per input dtype (max abs error against the float64 reference).
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+_HEADS, _HEAD_DIM = 4, 8
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeCase:
+    """One way a family calls a kernel, in the words an error names it by."""
+
+    family: str
+    causal: bool
+    context: bool
+    gqa: bool
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        return (f"{self.family} family, {'causal' if self.causal else 'bidirectional'}, "
+                f"{'with' if self.context else 'without'} cached context, "
+                f"{'GQA 4:2' if self.gqa else 'no GQA'}, {str(self.dtype).removeprefix('torch.')}, {self.device}")
+
+
+def check_output(out: object, q: torch.Tensor, kernel: str, plugin: str) -> None:
+    """Raise :class:`KernelError` naming ``kernel`` and ``plugin`` unless ``out`` is a
+    tensor of ``q``'s shape, dtype and device (what every call must return)."""
+    if isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype and out.device == q.device:
+        return
+    got = (f"shape {tuple(out.shape)}, {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+           else type(out).__name__)
+    raise KernelError(f"kernel {kernel!r} of plugin {plugin!r} returned {got}; expected shape {tuple(q.shape)}, "
+                      f"{q.dtype} on {q.device}")
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """Heads-first float64 attention under a boolean ``allowed[Lq, Lk]``."""
+    group = q.shape[0] // k.shape[0]
+    kk, vv = (t.double().repeat_interleave(group, dim=0) for t in (k, v))
+    s = (q.double() @ kk.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, dim=-1) @ vv
+
+
+def probe_layout(case: ProbeCase) -> BatchLayout:
+    """The layout ``case``'s probe packs (two sequences for the mask family, one otherwise)."""
+    q_lens = [3, 5] if case.family == "mask" else [5]
+    kv_lens = [n + 3 * case.context for n in q_lens]
+    return BatchLayout.from_lens(q_lens, kv_lens, causal=case.causal)
+
+
+def _inputs(case: ProbeCase, layout: BatchLayout, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    kv_heads = _HEADS // 2 if case.gqa else _HEADS
+    q = torch.randn(_HEADS, rows, _HEAD_DIM, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(kv_heads, cols, _HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    q[:, layout.q_tokens:] = 0  # bucket padding, as the dispatcher pads
+    k[:, layout.kv_tokens:] = 0
+    v[:, layout.kv_tokens:] = 0
+    return tuple(t.to(case.dtype).to(case.device) for t in (q, k, v))
+
+
+def probe(case: ProbeCase, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool,
+                                          torch.Tensor | None], torch.Tensor],
+          kernel: str, plugin: str) -> None:
+    """Call ``run(q, k, v, causal, mask)`` as ``case``'s family does and raise
+    :class:`KernelError` naming the kernel, its plugin and the case unless it matches
+    the float64 reference on every row the call defines."""
+    layout = probe_layout(case)
+    rows, cols = (layout.q_tokens, layout.kv_tokens) if case.family != "varlen" else (8, 11)
+    q, k, v = _inputs(case, layout, rows, cols)
+    scale = 1 / math.sqrt(_HEAD_DIM)
+    if case.family == "causal":
+        mask, allowed = None, mask_for(layout).materialize()
+        causal = True
+    elif case.family == "mask":
+        mask = allowed = mask_for(layout).materialize().to(case.device)
+        causal = False
+    else:
+        lens = torch.tensor([layout.q_tokens, layout.kv_tokens], device=case.device)
+        mask = allowed = bounded_mask(rows, cols, lens, case.causal)
+        causal = False
+    try:
+        out = run(q, k, v, causal, mask)
+    except KernelError:
+        raise
+    except Exception as exc:
+        raise KernelError(f"kernel {kernel!r} of plugin {plugin!r} failed on its probe ({case.describe()}): "
+                          f"{type(exc).__name__}: {exc}") from exc
+    check_output(out, q, kernel, plugin)
+    want = _reference(q, k, v, allowed.cpu(), scale)[:, :layout.q_tokens]
+    got = out[:, :layout.q_tokens].double().cpu()
+    err = float((got - want).abs().max()) if got.isfinite().all() else math.inf
+    if not err <= TOLERANCE[case.dtype]:
+        raise KernelError(f"kernel {kernel!r} of plugin {plugin!r} does not compute attention for "
+                          f"{case.describe()}: max error {err:.3g} against the float64 reference "
+                          f"(tolerance {TOLERANCE[case.dtype]:g})")
