@@ -29,9 +29,9 @@ _EXPORTS = {
     "MaskCache": "attnpolicy.kernels.masks",
     "Buckets": "attnpolicy.graphs.buckets",
     "AttnPolicyConfig": "attnpolicy.config",
-    "Dispatcher": "attnpolicy.dispatcher",
+    "Dispatcher": "attnpolicy.dispatch",
     "Policy": "attnpolicy.policies.base",
-    "DispatcherStats": "attnpolicy.dispatcher",
+    "DispatcherStats": "attnpolicy.dispatch",
     "PolicyContext": "attnpolicy.policies.base",
     "hookimpl": "attnpolicy.plugins.hookspecs",
 }

@@ -6,7 +6,7 @@ artefacts and read back at load. See ``docs/config.md``.
 
 The config is plain data: building one imports neither torch nor the plugin
 registry. The policy and eviction *names* (and ``policy_options``) are checked
-where they are resolved: when a :class:`~attnpolicy.dispatcher.Dispatcher` builds
+where they are resolved: when a :class:`~attnpolicy.dispatch.Dispatcher` builds
 its policy and cache, or by :meth:`AttnPolicyConfig.validate_names`
 (``attnpolicy config validate``).
 """

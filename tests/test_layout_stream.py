@@ -9,7 +9,7 @@ import pytest
 
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.simulation import simulate_run
@@ -34,7 +34,7 @@ def _record(path, policy: str, max_graphs: int | None, eviction: str = "lru") ->
     layouts = [s.layout for s in BatchFormer(max_num_seqs=6, max_num_batched_tokens=512,
                                              max_model_len=4096).steps(synthetic_default(24))]
     for layout in layouts:
-        decision, _ = dispatcher.prepare_step(layout, SPEC)
+        decision = dispatcher.prepare(layout, SPEC).decision
         writer.write_step(layout, decision.mode, dispatcher.context_for(SPEC).keys_for(layout, decision.mode),
                           dispatcher.cache.stats().to_json())
     writer.close()

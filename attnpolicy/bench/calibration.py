@@ -1,6 +1,6 @@
 """Calibrate a :class:`~attnpolicy.graphs.costmodel.CostModel` on this machine.
 
-Every sample runs through the real machinery: a :class:`~attnpolicy.dispatcher.Dispatcher`
+Every sample runs through the real machinery: a :class:`~attnpolicy.dispatch.Dispatcher`
 decides, plans and compiles the graph of one key (``compile_graph`` with the chosen
 backend, timed by the graph cache), then its call is timed through
 :func:`attnpolicy.graphs.execute.execute` on real tensors. Real lengths are three quarters of each bucket,
@@ -24,7 +24,7 @@ from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.compile import release_graph
 from attnpolicy.graphs.costmodel import CostModel, Fit, Sample
 from attnpolicy.graphs.execute import execute

@@ -16,7 +16,7 @@ from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call
-from attnpolicy.graphs.plan import plan_calls
+from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.kernels.attention import bind, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.isolation import all_finite, bad_rows, repoisoned, sanitised

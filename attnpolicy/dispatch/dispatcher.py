@@ -1,0 +1,310 @@
+"""The Dispatcher: layout → policy (guarded) → plan → cached graphs → Step → output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.dispatch.background import Background
+from attnpolicy.dispatch.batch_plan import BatchPlan, Planner, warm_call
+from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
+from attnpolicy.dispatch.memo import memo
+from attnpolicy.dispatch.stats import (
+    BackgroundStats,
+    BlockMaskStats,
+    Counters,
+    DispatcherStats,
+    PaddingStats,
+    stall_stats,
+)
+from attnpolicy.dispatch.step import HostStep, Step
+from attnpolicy.graphs.execute import check_inputs
+from attnpolicy.graphs.kernel_choice import KernelChoice
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels.flex import BlockMaskCache
+from attnpolicy.kernels.masks import MaskCache
+from attnpolicy.plugins.observers import Observers
+from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
+
+
+class Dispatcher:
+    """Runs attention the way ``config`` says, through a bounded graph cache.
+
+    ``attend(q, k, v, layout)`` takes packed ``q[q_tokens, Hq, D]`` and
+    ``k, v[kv_tokens, Hkv, D]`` (see :mod:`attnpolicy.core.layout`) and returns
+    ``[q_tokens, Hq, D]`` (padding rows zero); it is ``prepare(layout, spec).run(q, k, v)``.
+    Decisions and graph keys are a pure function of the layout, the config and the
+    sequence of earlier calls, so tensor-parallel ranks replaying the same batches
+    agree. A Dispatcher is not thread-safe (its graph cache is): use one per thread,
+    or lock around it.
+
+    Everything it keeps is its own and bounded: graphs (``max_graphs``,
+    ``max_bytes``), dense masks (``max_mask_bytes``), small mask tensors
+    (:data:`~attnpolicy.kernels.masks.SMALL_CACHE_SIZE`), and memos of plans, steps,
+    graph keys, tensor specs and buckets (:data:`~attnpolicy.dispatch.memo.MEMO_SIZE`
+    entries each, least recently used out), all in :meth:`stats`; the stall
+    statistics keep one float per batch that stalled (at most one per compile). The
+    graphs a batch uses are pinned from :meth:`prepare` until the batch has run (the
+    end of :meth:`attend`, or the next :meth:`prepare`): evicting one then does not
+    free it, so it never compiles again behind the cache's back.
+
+    ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
+    sees every backend compile; ``builder`` replaces compilation (simulation).
+    ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's
+    paged kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep`
+    for them, and VARLEN graphs compile only if ever called.
+
+    ``compile_mode="background"`` serves a miss without compiling in the batch when
+    it can (pad-up, then a switch ``switch_after`` batches later; see
+    :mod:`attnpolicy.dispatch.background` and docs/cache.md); :meth:`close` stops its
+    worker.
+
+    The policy is built once, here: an unknown policy or eviction name, or
+    ``policy_options`` the policy rejects, raise a clear error naming the field.
+    Observer hooks are isolated (see :mod:`attnpolicy.plugins.observers`); the
+    exceptions they raised are counted in ``stats().observer_errors``.
+    """
+
+    def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
+                 cache: GraphCache[Any] | None = None,
+                 compile_counter: Callable[[Any], None] | None = None,
+                 builder: Builder | None = None, host_varlen: bool = False) -> None:
+        self.config = cfg = config or AttnPolicyConfig()
+        self.observers = observers = Observers(get_plugin_manager())
+        self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
+                                      fallback=MaskMode(cfg.fallback_mode), observers=observers)
+        self.cache = cache if cache is not None else make_cache(cfg, cost_model, observers)
+        self.counters = Counters()
+        self.masks = MaskCache(cfg.max_mask_bytes)
+        #: FlexAttention block masks per layout (bounded; see kernels/flex.py)
+        self.block_masks = BlockMaskCache()
+        kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
+                               measured=getattr(cost_model, "kernel_seconds", None))
+        self.planner = Planner(cfg, kernels)
+        self.source = GraphSource(cfg, self.cache, self.counters, self.block_masks, builder=builder,
+                                  compile_counter=compile_counter, host_varlen=host_varlen)
+        self.background = Background(self.source, cost_model) if cfg.compile_mode == "background" else None
+        self.host_varlen = host_varlen
+        self._cost_model = cost_model
+        self._steps = memo()  # (layout, spec) -> Step of a stateless policy's decision
+        self._specs = memo()  # tensor properties -> TensorSpec
+        self._contexts = memo()  # spec -> PolicyContext
+        self._warmed: set[TensorSpec] = set()  # specs the config's warm set was compiled for
+
+    # -- the front door -----------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
+        check_inputs(q, k, v, layout, scale)
+        step = self.prepare(layout, self._spec_of(q, k, scale))
+        try:
+            return step.run(q, k, v)
+        finally:
+            self.source.release()
+
+    def prepare(self, layout: BatchLayout, spec: TensorSpec, decision: Decision | None = None) -> Step:
+        """Decide, plan and fetch (or compile) the graphs of ``layout``: everything
+        ``attend`` does except touching tensors, counted as one batch. The graphs stay
+        pinned until :meth:`release_batch` or the next ``prepare``.
+
+        ``decision``: plan ``layout`` in an already taken decision instead (e.g. a layer
+        with another tensor spec in the same step): no policy is asked, and the graphs
+        are pinned with those of the batch prepared before."""
+        if decision is not None:
+            return self._fetch(self._new_step(layout, spec, decision))
+        if self.source.pinned:
+            self.source.release()
+        try:
+            step: Step = self._steps[(layout, spec)]
+        except KeyError:
+            self.planner.check_lengths(layout)
+            guard = self.guard
+            fallbacks = guard.fallbacks
+            step = self._new_step(layout, spec, self.decide(layout, spec))
+            if guard.stateless and guard.fallbacks == fallbacks:  # reusable: see Guard.stateless
+                self._steps[(layout, spec)] = step
+        else:
+            self.guard.replay(layout, step.asked)
+        return self._fetch(step)
+
+    def release_batch(self) -> None:
+        """Unpin the graphs of the batch last prepared (it has run)."""
+        self.source.release()
+
+    def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
+        planner = self.planner
+        host = self.host_varlen and self.background is None
+        if host and asked.mode is MaskMode.VARLEN:  # planned per sequence: decode layouts never repeat
+            seqs = planner.seq_plans(layout, spec)
+            return HostStep(layout, spec, asked, BatchPlan.of_seqs(seqs, layout), self.masks,
+                            [key for key, _, _ in seqs], lambda i: planner.seq_call(layout, i, seqs[i]))
+        plan = planner.plan(layout, asked.mode, spec)
+        if self.host_varlen and plan.mode is MaskMode.VARLEN:
+            calls = plan.calls
+            return HostStep(layout, spec, asked, plan, self.masks,
+                            [key if call.compiled else None for call, key in calls], lambda i: calls[i][0])
+        return Step(layout, spec, asked, plan, self.masks)
+
+    def _fetch(self, step: Step) -> Step:
+        """Fetch ``step``'s graphs (or request its keys, for a host step), then count it:
+        a batch that raised is not counted."""
+        source, spec = self.source, step.spec
+        source.stall = 0.0
+        try:
+            if self.background is not None:
+                step.graphs, step.values = self.background.fetch(step.plan.calls, spec)
+            elif isinstance(step, HostStep):
+                source.touch(step.keys, step.call_of, spec)
+            else:
+                fetched = source.fetch(step.plan.calls, step.plan.keys, spec, step.values)
+                if fetched is not None:  # else every graph is the one the step holds
+                    step.graphs, step.values = fetched
+        except BaseException:
+            source.release()
+            raise
+        if source.stall:
+            source.end()
+        c = self.counters
+        c.modes[step.mode_name] += 1
+        if step.fell_back:
+            c.mask_fallbacks += 1
+        c.batches += 1
+        c.calls += step.n_calls
+        c.real_tokens += step.layout.total_tokens
+        c.padded_tokens += step.padded_tokens
+        return step
+
+    def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> TensorSpec:
+        """``TensorSpec.of(q, k, scale)``, reused per distinct tensor properties; the
+        config's warm set is compiled the first time a spec is seen."""
+        props = (q.dtype, q.shape[1], q.shape[2], k.shape[1], scale, q.device)
+        try:
+            spec: TensorSpec = self._specs[props]
+            return spec
+        except KeyError:
+            spec = self._specs[props] = TensorSpec.of(q, k, scale)
+            if self.config.warmup and spec not in self._warmed:
+                self.warmup(spec)
+            return spec
+
+    # -- decisions ----------------------------------------------------------------------
+    def decide(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
+        """The decision that runs for ``layout`` on tensors of ``spec`` (after the guard).
+        A real decision: a stateful policy advances and ``attnpolicy_on_decision`` fires
+        (``prepare`` calls it once per batch)."""
+        return self.guard.decide(layout, self.context_for(spec))
+
+    def preview(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
+        """The decision a batch of ``layout`` on tensors of ``spec`` would get now, with
+        no side effect: no policy state advances, no hook fires, nothing is counted
+        (:meth:`Guard.preview <attnpolicy.policies.guard.Guard.preview>`)."""
+        return self.guard.preview(layout, self.context_for(spec))
+
+    def context_for(self, spec: TensorSpec) -> PolicyContext:
+        """The policy context of calls on tensors of ``spec`` (one kept per spec)."""
+        try:
+            ctx: PolicyContext = self._contexts[spec]
+            return ctx
+        except KeyError:
+            planner = self.planner
+
+            def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+                return planner.keys_for(layout, mode, spec)
+
+            ctx = self._contexts[spec] = PolicyContext(
+                config=self.config, spec=spec, is_cached=self.cache.__contains__, keys_for=keys_for,
+                cost_model=self._cost_model)
+            return ctx
+
+    def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec) -> tuple[GraphKey, ...]:
+        """The graph keys a batch of ``layout`` would use now (from :meth:`preview`: no
+        side effect, so any rank may call it any number of times)."""
+        return self.context_for(spec).keys_for(layout, self.preview(layout, spec).mode)
+
+    # -- warm-up and background compiles ------------------------------------------------
+    def warmup(self, layouts: Iterable[BatchLayout] | TensorSpec,
+               spec: TensorSpec | None = None) -> list[GraphKey]:
+        """``warmup(spec)``: compile the config's warm set (``warmup``, e.g. from
+        ``attnpolicy plan``) for tensors of ``spec``, once per spec.
+        ``warmup(layouts, spec)``: that, and the graphs the policy would use for
+        ``layouts`` (as :meth:`preview` decides them: no attention runs, no decision is
+        counted). Either way any later compile then counts as a strict-mode violation
+        (``strict``). Returns the keys warmed by this call.
+
+        :meth:`attend` warms the config's warm set itself the first time it sees a
+        spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
+        batches: Iterable[BatchLayout] = ()
+        if isinstance(layouts, TensorSpec):
+            spec = layouts
+        else:
+            batches = layouts
+        if spec is None:
+            raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
+        return self.source.warm_up(self._warm_calls(batches, spec), spec)
+
+    def _warm_calls(self, layouts: Iterable[BatchLayout], spec: TensorSpec) -> Iterator[tuple[Call, GraphKey, bool]]:
+        """The calls of a warm-up, one at a time (a preview reads the cache as it fills)."""
+        planner = self.planner
+        if spec not in self._warmed:
+            for shape in self.config.warmup:
+                call, layout = warm_call(shape)
+                yield call, planner.key_for(call, layout, spec), True
+            self._warmed.add(spec)
+        for layout in layouts:
+            planner.check_lengths(layout)
+            for call, key in planner.plan(layout, self.preview(layout, spec).mode, spec).calls:
+                yield call, key, call.compiled  # with the same overflow and compile-error rules
+
+    def pending(self) -> tuple[tuple[GraphKey, int], ...]:
+        """Background compiles not switched in yet: ``(key, batch it switches at)``,
+        in request order (batches are numbered from 1 by :meth:`prepare`)."""
+        bg = self.background
+        return () if bg is None else tuple((key, p.due) for key, p in bg.pending.items())
+
+    def close(self) -> None:
+        """Stop the background worker (waiting for the compile it runs) and drop the
+        pending compiles. The dispatcher keeps working, compiling synchronously until a
+        new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
+        if self.background is not None:
+            self.background.close()
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- observation --------------------------------------------------------------------
+    @property
+    def stall_seconds(self) -> float:
+        """Wall seconds batches stalled on compiles so far (``stats().stalls.seconds``)."""
+        return self.source.stall_seconds
+
+    def stats(self) -> DispatcherStats:
+        """Counters of this dispatcher, its graph cache and its masks (see docs/cache.md)."""
+        c, cfg, bg, blocks = self.counters, self.config, self.background, self.block_masks
+        real, padded = c.real_tokens, c.padded_tokens
+        return DispatcherStats(
+            batches=c.batches, calls=c.calls, modes=dict(c.modes), guard_fallbacks=self.guard.fallbacks,
+            overflow=c.overflow, mask_fallbacks=c.mask_fallbacks, compile_error_fallbacks=c.compile_error_fallbacks,
+            strict_violations=c.strict_violations, direct_call_fallbacks=c.direct_call_fallbacks,
+            observer_errors=dict(self.observers.errors),
+            padding=PaddingStats(real, padded, padded / real if real else 0.0),
+            plans=len(self.planner.plans),
+            masks=self.masks.stats(),
+            block_masks=BlockMaskStats(len(blocks), blocks.nbytes, blocks.max_entries, blocks.builds),
+            cache=self.cache.stats(),
+            stalls=stall_stats(c.batches, self.source.stalls),
+            background=BackgroundStats(
+                cfg.compile_mode, cfg.switch_after, c.background_requested, c.background_switched,
+                c.background_failed, len(bg.pending) if bg else 0, bg.seconds if bg else 0.0,
+                c.pad_up_calls, c.pad_up_tokens),
+        )

@@ -1,0 +1,84 @@
+"""A prepared batch: what :meth:`Dispatcher.prepare` returns and ``run`` computes.
+
+A :class:`Step` holds everything one batch needs: its layout, the decision that
+runs, its plan, its graphs (fetched from the cache, pinned until the batch has
+run), the mask cache its MASK calls read, and the figures it adds to the
+dispatcher's counters. The step of a repeated layout is kept whole: preparing it
+again touches the graph cache once and reuses the rest. A :class:`HostStep` is a
+batch the host runs on a kernel of its own (vLLM's paged kernel runs VARLEN):
+decided, counted and requested from the cache like any other, with no graph of
+attnpolicy's to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision
+from attnpolicy.dispatch.batch_plan import BatchPlan
+from attnpolicy.graphs.execute import GraphFn, execute
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels.masks import MaskCache
+
+
+class Step:
+    """One batch, prepared: ``run(q, k, v)`` returns its attention (see
+    :meth:`Dispatcher.attend <attnpolicy.dispatch.dispatcher.Dispatcher.attend>` for
+    the tensors). ``decision`` is the one that runs (VARLEN for a MASK decision whose
+    mask is over ``max_mask_bytes``); iterating gives its ``(call, graph)`` pairs,
+    one per graph invocation."""
+
+    __slots__ = ("asked", "decision", "fell_back", "graphs", "layout", "masks", "mode_name", "n_calls",
+                 "padded_tokens", "plan", "spec", "values")
+
+    def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
+                 masks: MaskCache) -> None:
+        self.layout = layout
+        self.spec = spec
+        self.asked = asked  # the policy's decision (replayed when the step is reused)
+        self.plan = plan
+        self.fell_back = plan.mode is not asked.mode
+        self.decision = asked if not self.fell_back else Decision(
+            plan.mode, f"{asked.reason}; its mask exceeds max_mask_bytes: ran {plan.mode.value}")
+        self.mode_name = plan.mode.value  # the stats key (an Enum's value is a Python property)
+        self.n_calls = plan.n_calls
+        self.padded_tokens = plan.padded_tokens
+        self.masks = masks
+        self.graphs: list[tuple[Call, GraphFn]] = []
+        self.values: tuple[Any, ...] = ()  # the cache's values behind ``graphs``
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller)."""
+        return execute(q, k, v, self.layout, self.graphs, self.masks)
+
+    def __iter__(self) -> Iterator[tuple[Call, GraphFn]]:
+        return iter(self.graphs)
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+
+class HostStep(Step):
+    """A batch the host runs on its own kernel: decided, counted and its graph keys
+    requested from the cache (hits, misses, recency, evictions) exactly as a
+    :class:`Step`'s, without a graph to run or pin (under ``compile_mode="background"``
+    its graphs are fetched and pinned: pad-up and switches need them).
+
+    ``keys``: each call's key in order (``None``: runs uncompiled); ``call_of(i)``:
+    the call of ``keys[i]``, built only when it misses."""
+
+    __slots__ = ("call_of", "keys")
+
+    def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
+                 masks: MaskCache, keys: list[GraphKey | None], call_of: Callable[[int], Call]) -> None:
+        super().__init__(layout, spec, asked, plan, masks)
+        self.keys = keys
+        self.call_of = call_of
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"this {self.mode_name} step of {self.layout.describe()} runs on the host's own "
+                           "kernel (a dispatcher built with host_varlen=True): the host calls it")
