@@ -88,7 +88,8 @@ class Background:
         best: tuple[float, int, int] | None = None
         found: GraphKey | None = None
         model = self._model()
-        for other in self.source.cache.keys():  # a snapshot (the cache is not iterable)
+        resident = self.source.cache.keys()  # a snapshot (the cache is not iterable)
+        for other in resident:
             if (not isinstance(other, GraphKey) or other.family is not key.family or other.causal != key.causal
                     or other.q_len < key.q_len or other.kv_len < key.kv_len or other.spec != key.spec
                     or other.impl != key.impl or other.partition_len != key.partition_len

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from operator import eq
 
+from cachetools import LRUCache
+
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
@@ -64,10 +66,12 @@ class Planner:
         self.kernels = kernels
         self.largest = _largest_bucket(config, config.max_seq_len)
         self.largest_batch = _largest_bucket(config, config.max_batch_tokens)
-        self.plans = memo()  # (layout, mode, spec) -> BatchPlan
-        self._keys = memo()  # call shape -> GraphKey: one instance per distinct key
-        self._seqs = memo()  # (causal, spec, own keys, q bucket, kv bucket) -> SeqPlan
-        self._buckets = memo()  # length -> bucket
+        self.plans: LRUCache[tuple[BatchLayout, MaskMode, TensorSpec], BatchPlan] = memo()
+        #: call shape -> GraphKey: one instance per distinct key
+        self._keys: LRUCache[tuple[object, ...], GraphKey] = memo()
+        #: (causal, spec, own keys, q bucket, kv bucket) -> SeqPlan
+        self._seqs: LRUCache[tuple[object, ...], SeqPlan] = memo()
+        self._buckets: LRUCache[int, int] = memo()  # length -> bucket
 
     def plan(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> BatchPlan:
         """The plan of ``layout`` in ``mode`` on tensors of ``spec`` (raises

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from cachetools import LRUCache
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -94,9 +95,12 @@ class Dispatcher:
         self.background = Background(self.source, cost_model) if cfg.compile_mode == "background" else None
         self.host_varlen = host_varlen
         self._cost_model = cost_model
-        self._steps = memo()  # (layout, spec) -> Step of a stateless policy's decision
-        self._specs = memo()  # tensor properties -> TensorSpec
-        self._contexts = memo()  # spec -> PolicyContext
+        self._steps: LRUCache[tuple[BatchLayout, TensorSpec], Step] = memo()  # stateless policies' steps
+        self._specs: LRUCache[tuple[object, ...], TensorSpec] = memo()  # by tensor properties
+        self._contexts: LRUCache[TensorSpec, PolicyContext] = memo()
+        self._decided: LRUCache[tuple[BatchLayout, TensorSpec, MaskMode], Step] = memo()  # other policies'
+        self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
+        self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
         self._warmed: set[TensorSpec] = set()  # specs the config's warm set was compiled for
 
     # -- the front door -----------------------------------------------------------------
@@ -119,18 +123,24 @@ class Dispatcher:
         with another tensor spec in the same step): no policy is asked, and the graphs
         are pinned with those of the batch prepared before."""
         if decision is not None:
-            return self._fetch(self._new_step(layout, spec, decision))
+            return self._fetch(self._step_of(layout, spec, decision))
         if self.source.pinned:
             self.source.release()
+        last = self._last
         try:
-            step: Step = self._steps[(layout, spec)]
+            if last is not None and last.layout is layout and last.spec is spec:
+                step = last
+            else:
+                step = self._last = self._steps[(layout, spec)]
         except KeyError:
             self.planner.check_lengths(layout)
             guard = self.guard
             fallbacks = guard.fallbacks
-            step = self._new_step(layout, spec, self.decide(layout, spec))
+            decision = self.decide(layout, spec)
             if guard.stateless and guard.fallbacks == fallbacks:  # reusable: see Guard.stateless
-                self._steps[(layout, spec)] = step
+                step = self._steps[(layout, spec)] = self._last = self._new_step(layout, spec, decision)
+            else:  # asked every time: the step is reused while the answer is the same
+                step = self._step_of(layout, spec, decision)
         else:
             self.guard.replay(layout, step.asked)
         return self._fetch(step)
@@ -138,6 +148,19 @@ class Dispatcher:
     def release_batch(self) -> None:
         """Unpin the graphs of the batch last prepared (it has run)."""
         self.source.release()
+
+    def _step_of(self, layout: BatchLayout, spec: TensorSpec, decision: Decision) -> Step:
+        """The step of ``decision`` for ``layout``: the one kept for its mode if it was
+        taken for an equal decision, else a new one (kept)."""
+        key = (layout, spec, decision.mode)
+        try:
+            step = self._decided[key]
+            if step.asked == decision:
+                return step
+        except KeyError:
+            pass
+        step = self._decided[key] = self._new_step(layout, spec, decision)
+        return step
 
     def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
         planner = self.planner
@@ -160,13 +183,13 @@ class Dispatcher:
         source.stall = 0.0
         try:
             if self.background is not None:
-                step.graphs, step.values = self.background.fetch(step.plan.calls, spec)
+                step.use(*self.background.fetch(step.plan.calls, spec))
             elif isinstance(step, HostStep):
                 source.touch(step.keys, step.call_of, spec)
             else:
                 fetched = source.fetch(step.plan.calls, step.plan.keys, spec, step.values)
                 if fetched is not None:  # else every graph is the one the step holds
-                    step.graphs, step.values = fetched
+                    step.use(*fetched)
         except BaseException:
             source.release()
             raise
@@ -186,13 +209,18 @@ class Dispatcher:
         """``TensorSpec.of(q, k, scale)``, reused per distinct tensor properties; the
         config's warm set is compiled the first time a spec is seen."""
         props = (q.dtype, q.shape[1], q.shape[2], k.shape[1], scale, q.device)
+        last = self._last_spec
+        if last is not None and last[0] == props:
+            return last[1]
         try:
             spec: TensorSpec = self._specs[props]
+            self._last_spec = (props, spec)
             return spec
         except KeyError:
             spec = self._specs[props] = TensorSpec.of(q, k, scale)
             if self.config.warmup and spec not in self._warmed:
                 self.warmup(spec)
+            self._last_spec = (props, spec)
             return spec
 
     # -- decisions ----------------------------------------------------------------------

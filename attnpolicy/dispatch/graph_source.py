@@ -78,6 +78,12 @@ class GraphSource:
         """The graphs of ``calls``, pinned: the cached ones under one lock (``keys``:
         every call's, when all are compiled), each other call through :meth:`graph`.
         ``None`` when every graph is the cache's ``known`` one (the caller has them)."""
+        if len(calls) == 1:  # one call: straight from the cache, as any miss
+            call, key = calls[0]
+            graph, value = self.graph(call, key, spec, pin=True)
+            if known and value is known[0] and value is not None:
+                return None
+            return [(call, graph)], (value,)
         out: list[tuple[Call, GraphFn]] = []
         values: list[Any] = []
         i = 0

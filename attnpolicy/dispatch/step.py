@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision
+from attnpolicy.core.modes import Decision, GraphFamily
 from attnpolicy.dispatch.batch_plan import BatchPlan
 from attnpolicy.graphs.execute import GraphFn, execute
+from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels.masks import MaskCache
 
@@ -32,8 +33,8 @@ class Step:
     mask is over ``max_mask_bytes``); iterating gives its ``(call, graph)`` pairs,
     one per graph invocation."""
 
-    __slots__ = ("asked", "decision", "fell_back", "graphs", "layout", "masks", "mode_name", "n_calls",
-                 "padded_tokens", "plan", "spec", "values")
+    __slots__ = ("asked", "decision", "direct", "fell_back", "graphs", "layout", "masks", "mode_name", "n_calls",
+                 "padded_tokens", "plan", "spec", "values", "whole_mask")
 
     def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
                  masks: MaskCache) -> None:
@@ -50,10 +51,40 @@ class Step:
         self.masks = masks
         self.graphs: list[tuple[Call, GraphFn]] = []
         self.values: tuple[Any, ...] = ()  # the cache's values behind ``graphs``
+        self.direct: Callable[..., torch.Tensor] | None = None
+        self.whole_mask: tuple[int, int] | None = None
+
+    def use(self, graphs: list[tuple[Call, GraphFn]], values: tuple[Any, ...]) -> None:
+        """Run ``graphs`` from now on (``values``: the cache's values behind them).
+
+        A single call over every row, unpadded (CAUSAL of one sequence; MASK of one
+        sequence, which has no neighbour to isolate) is run directly by :meth:`run`:
+        exactly what :func:`~attnpolicy.graphs.execute.execute` does for it, without
+        the general path's branches."""
+        self.graphs, self.values = graphs, values
+        self.direct = self.whole_mask = None
+        layout = self.layout
+        if len(graphs) != 1 or not layout.is_single or layout.is_padded:
+            return
+        call, graph = graphs[0]
+        if (isinstance(graph, FlexGraph) or call.q_bucket != layout.q_tokens or call.kv_bucket != layout.kv_tokens
+                or call.family is GraphFamily.VARLEN):
+            return
+        self.direct = graph
+        if call.family is GraphFamily.MASK:
+            self.whole_mask = (call.q_bucket, call.kv_bucket)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller)."""
-        return execute(q, k, v, self.layout, self.graphs, self.masks)
+        direct = self.direct
+        if (direct is None or torch.is_grad_enabled() or not q.is_contiguous() or not k.is_contiguous()
+                or not v.is_contiguous()):
+            return execute(q, k, v, self.layout, self.graphs, self.masks)
+        ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        shape = self.whole_mask
+        if shape is not None:
+            return direct(*ins, self.masks.layout_mask(self.layout, *shape, q.device)).transpose(0, 1)
+        return direct(*ins).transpose(0, 1)
 
     def __iter__(self) -> Iterator[tuple[Call, GraphFn]]:
         return iter(self.graphs)
