@@ -1,7 +1,7 @@
 """attnpolicy: pluggable, measurable attention mask-mode policies and a bounded graph cache.
 
-Data flow of one call: BatchLayout → Policy (+ Guard) → Decision → plan_calls →
-GraphKey → GraphCache → compiled graph(q, k, v[, mask]) → output.
+Data flow of one call: BatchLayout → Policy (+ Guard) → Decision → BatchPlan
+(calls, GraphKeys) → GraphCache → Step → compiled graph(q, k, v[, mask]) → output.
 """
 
 from __future__ import annotations

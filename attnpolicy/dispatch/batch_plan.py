@@ -10,13 +10,14 @@ context of a key from :func:`~attnpolicy.graphs.kernel_choice.call_traits`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 from operator import eq
 
 from cachetools import LRUCache
 
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.errors import BucketOverflowError
 from attnpolicy.graphs.calls import plan_calls
@@ -72,6 +73,7 @@ class Planner:
         #: (causal, spec, own keys, q bucket, kv bucket) -> SeqPlan
         self._seqs: LRUCache[tuple[object, ...], SeqPlan] = memo()
         self._buckets: LRUCache[int, int] = memo()  # length -> bucket
+        self.warmed: set[TensorSpec] = set()  # specs whose warm set :meth:`warm_calls` gave
 
     def plan(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> BatchPlan:
         """The plan of ``layout`` in ``mode`` on tensors of ``spec`` (raises
@@ -137,6 +139,21 @@ class Planner:
             key = self._keys[shape] = GraphKey.for_call(call, spec, self.kernels.impl(call, layout, spec),
                                                         cfg.partition_len, cfg.backend)
             return key
+
+    def warm_calls(self, layouts: Iterable[BatchLayout], spec: TensorSpec,
+                   decide: Callable[[BatchLayout, TensorSpec], Decision]) -> Iterator[tuple[Call, GraphKey, bool]]:
+        """The calls of a warm-up, one at a time, each with whether its key is listed:
+        the config's warm set (once per spec), then the plan of each layout in the
+        mode ``decide`` (a preview, which reads the cache as it fills) gives it."""
+        if spec not in self.warmed:
+            for shape in self.config.warmup:
+                call, layout = warm_call(shape)
+                yield call, self.key_for(call, layout, spec), True
+            self.warmed.add(spec)
+        for layout in layouts:
+            self.check_lengths(layout)
+            for call, key in self.plan(layout, decide(layout, spec).mode, spec).calls:
+                yield call, key, call.compiled  # with the same overflow and compile-error rules
 
     def check_lengths(self, layout: BatchLayout) -> None:
         """One rule for every policy: a sequence (cached context included) longer than

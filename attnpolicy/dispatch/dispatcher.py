@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -13,21 +13,14 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background
-from attnpolicy.dispatch.batch_plan import BatchPlan, Planner, warm_call
+from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
 from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
 from attnpolicy.dispatch.memo import memo
-from attnpolicy.dispatch.stats import (
-    BackgroundStats,
-    BlockMaskStats,
-    Counters,
-    DispatcherStats,
-    PaddingStats,
-    stall_stats,
-)
+from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step
 from attnpolicy.graphs.execute import check_inputs
 from attnpolicy.graphs.kernel_choice import KernelChoice
-from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.flex import BlockMaskCache
 from attnpolicy.kernels.masks import MaskCache
 from attnpolicy.plugins.observers import Observers
@@ -41,37 +34,29 @@ class Dispatcher:
 
     ``attend(q, k, v, layout)`` takes packed ``q[q_tokens, Hq, D]`` and
     ``k, v[kv_tokens, Hkv, D]`` (see :mod:`attnpolicy.core.layout`) and returns
-    ``[q_tokens, Hq, D]`` (padding rows zero); it is ``prepare(layout, spec).run(q, k, v)``.
+    ``[q_tokens, Hq, D]`` (padding rows zero): it is ``prepare(layout, spec).run(q, k, v)``.
     Decisions and graph keys are a pure function of the layout, the config and the
     sequence of earlier calls, so tensor-parallel ranks replaying the same batches
-    agree. A Dispatcher is not thread-safe (its graph cache is): use one per thread,
-    or lock around it.
+    agree. Not thread-safe (its graph cache is): use one per thread, or lock around it.
 
-    Everything it keeps is its own and bounded: graphs (``max_graphs``,
-    ``max_bytes``), dense masks (``max_mask_bytes``), small mask tensors
-    (:data:`~attnpolicy.kernels.masks.SMALL_CACHE_SIZE`), and memos of plans, steps,
-    graph keys, tensor specs and buckets (:data:`~attnpolicy.dispatch.memo.MEMO_SIZE`
-    entries each, least recently used out), all in :meth:`stats`; the stall
-    statistics keep one float per batch that stalled (at most one per compile). The
-    graphs a batch uses are pinned from :meth:`prepare` until the batch has run (the
-    end of :meth:`attend`, or the next :meth:`prepare`): evicting one then does not
-    free it, so it never compiles again behind the cache's back.
+    Everything it keeps is its own and bounded: graphs (``max_graphs``, ``max_bytes``),
+    dense masks (``max_mask_bytes``), small mask tensors, and memos of plans, steps,
+    keys, specs and buckets (:data:`~attnpolicy.dispatch.memo.MEMO_SIZE` each), all in
+    :meth:`stats`; one float per batch that stalled. A batch's graphs are pinned from
+    :meth:`prepare` until it has run (the end of :meth:`attend`, or the next
+    :meth:`prepare`): evicting one then does not free it.
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile; ``builder`` replaces compilation (simulation).
-    ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's
-    paged kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep`
-    for them, and VARLEN graphs compile only if ever called.
+    ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's paged
+    kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for
+    them, and VARLEN graphs compile only if ever called. ``compile_mode="background"``
+    serves misses by pad-up while they compile in a worker
+    (:mod:`~attnpolicy.dispatch.background`); :meth:`close` stops it.
 
-    ``compile_mode="background"`` serves a miss without compiling in the batch when
-    it can (pad-up, then a switch ``switch_after`` batches later; see
-    :mod:`attnpolicy.dispatch.background` and docs/cache.md); :meth:`close` stops its
-    worker.
-
-    The policy is built once, here: an unknown policy or eviction name, or
-    ``policy_options`` the policy rejects, raise a clear error naming the field.
-    Observer hooks are isolated (see :mod:`attnpolicy.plugins.observers`); the
-    exceptions they raised are counted in ``stats().observer_errors``.
+    The policy is built here: an unknown policy or eviction name, or ``policy_options``
+    the policy rejects, raise a clear error naming the field. Observer hooks are
+    isolated; the exceptions they raised are counted in ``stats().observer_errors``.
     """
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
@@ -101,7 +86,6 @@ class Dispatcher:
         self._decided: LRUCache[tuple[BatchLayout, TensorSpec, MaskMode], Step] = memo()  # other policies'
         self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
         self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
-        self._warmed: set[TensorSpec] = set()  # specs the config's warm set was compiled for
 
     # -- the front door -----------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -218,7 +202,7 @@ class Dispatcher:
             return spec
         except KeyError:
             spec = self._specs[props] = TensorSpec.of(q, k, scale)
-            if self.config.warmup and spec not in self._warmed:
+            if self.config.warmup and spec not in self.planner.warmed:
                 self.warmup(spec)
             self._last_spec = (props, spec)
             return spec
@@ -276,20 +260,7 @@ class Dispatcher:
             batches = layouts
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
-        return self.source.warm_up(self._warm_calls(batches, spec), spec)
-
-    def _warm_calls(self, layouts: Iterable[BatchLayout], spec: TensorSpec) -> Iterator[tuple[Call, GraphKey, bool]]:
-        """The calls of a warm-up, one at a time (a preview reads the cache as it fills)."""
-        planner = self.planner
-        if spec not in self._warmed:
-            for shape in self.config.warmup:
-                call, layout = warm_call(shape)
-                yield call, planner.key_for(call, layout, spec), True
-            self._warmed.add(spec)
-        for layout in layouts:
-            planner.check_lengths(layout)
-            for call, key in planner.plan(layout, self.preview(layout, spec).mode, spec).calls:
-                yield call, key, call.compiled  # with the same overflow and compile-error rules
+        return self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``,
@@ -298,9 +269,8 @@ class Dispatcher:
         return () if bg is None else tuple((key, p.due) for key, p in bg.pending.items())
 
     def close(self) -> None:
-        """Stop the background worker (waiting for the compile it runs) and drop the
-        pending compiles. The dispatcher keeps working, compiling synchronously until a
-        new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
+        """Stop the background worker (waiting for its compile), drop pending compiles;
+        a new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
         if self.background is not None:
             self.background.close()
 
@@ -318,21 +288,10 @@ class Dispatcher:
 
     def stats(self) -> DispatcherStats:
         """Counters of this dispatcher, its graph cache and its masks (see docs/cache.md)."""
-        c, cfg, bg, blocks = self.counters, self.config, self.background, self.block_masks
-        real, padded = c.real_tokens, c.padded_tokens
-        return DispatcherStats(
-            batches=c.batches, calls=c.calls, modes=dict(c.modes), guard_fallbacks=self.guard.fallbacks,
-            overflow=c.overflow, mask_fallbacks=c.mask_fallbacks, compile_error_fallbacks=c.compile_error_fallbacks,
-            strict_violations=c.strict_violations, direct_call_fallbacks=c.direct_call_fallbacks,
-            observer_errors=dict(self.observers.errors),
-            padding=PaddingStats(real, padded, padded / real if real else 0.0),
-            plans=len(self.planner.plans),
-            masks=self.masks.stats(),
+        bg, blocks = self.background, self.block_masks
+        return self.counters.snapshot(
+            self.config, guard_fallbacks=self.guard.fallbacks, observer_errors=dict(self.observers.errors),
+            plans=len(self.planner.plans), masks=self.masks.stats(),
             block_masks=BlockMaskStats(len(blocks), blocks.nbytes, blocks.max_entries, blocks.builds),
-            cache=self.cache.stats(),
-            stalls=stall_stats(c.batches, self.source.stalls),
-            background=BackgroundStats(
-                cfg.compile_mode, cfg.switch_after, c.background_requested, c.background_switched,
-                c.background_failed, len(bg.pending) if bg else 0, bg.seconds if bg else 0.0,
-                c.pad_up_calls, c.pad_up_tokens),
-        )
+            cache=self.cache.stats(), stalls=self.source.stalls,
+            pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0)

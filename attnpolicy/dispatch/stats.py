@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from attnpolicy.cache.graph_cache import CacheStats
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.kernels.masks import MaskCacheStats
 
@@ -36,6 +37,22 @@ class Counters:
     pad_up_calls: int = 0
     pad_up_tokens: int = 0
     modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
+
+    def snapshot(self, config: AttnPolicyConfig, *, guard_fallbacks: int, observer_errors: dict[str, int],
+                 plans: int, masks: MaskCacheStats, block_masks: BlockMaskStats, cache: CacheStats,
+                 stalls: list[float], pending: int, compile_seconds: float) -> DispatcherStats:
+        """These counts with the figures kept elsewhere, as :class:`DispatcherStats`."""
+        real, padded = self.real_tokens, self.padded_tokens
+        return DispatcherStats(
+            batches=self.batches, calls=self.calls, modes=dict(self.modes), guard_fallbacks=guard_fallbacks,
+            overflow=self.overflow, mask_fallbacks=self.mask_fallbacks,
+            compile_error_fallbacks=self.compile_error_fallbacks, strict_violations=self.strict_violations,
+            direct_call_fallbacks=self.direct_call_fallbacks, observer_errors=observer_errors,
+            padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
+            block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
+            background=BackgroundStats(
+                config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
+                self.background_failed, pending, compile_seconds, self.pad_up_calls, self.pad_up_tokens))
 
 
 @dataclass(frozen=True, slots=True)
