@@ -32,6 +32,7 @@ _EXPORTS = {
     "Dispatcher": "attnpolicy.dispatch",
     "Policy": "attnpolicy.policies.base",
     "DispatcherStats": "attnpolicy.dispatch",
+    "Step": "attnpolicy.dispatch",
     "PolicyContext": "attnpolicy.policies.base",
     "hookimpl": "attnpolicy.plugins.hookspecs",
 }
@@ -52,6 +53,7 @@ __all__ = [
     "MaskMode",
     "Policy",
     "PolicyContext",
+    "Step",
     "TensorSpec",
     "attend",
     "hookimpl",

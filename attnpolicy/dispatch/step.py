@@ -31,7 +31,8 @@ class Step:
     :meth:`Dispatcher.attend <attnpolicy.dispatch.dispatcher.Dispatcher.attend>` for
     the tensors). ``decision`` is the one that runs (VARLEN for a MASK decision whose
     mask is over ``max_mask_bytes``); iterating gives its ``(call, graph)`` pairs,
-    one per graph invocation."""
+    one per graph invocation. A layout prepared again may return the same Step,
+    its graphs refreshed from the cache: run a Step before preparing the next."""
 
     __slots__ = ("asked", "decision", "direct", "fell_back", "graphs", "layout", "masks", "mode_name", "n_calls",
                  "padded_tokens", "plan", "spec", "values", "whole_mask")
