@@ -442,3 +442,33 @@ def test_a_batch_fetches_its_hits_together_exactly_as_one_by_one(picks, max_grap
         mp.setattr(GraphCache, "hit_many", lambda self, keys, start=0, **kw: start)  # one by one
         assert run() == together
 
+
+
+def test_a_kept_step_holds_no_graph_the_cache_evicted():
+    """The Step of a repeated layout is kept for reuse, but not its graphs once another
+    batch is prepared: a graph the cache evicted is freed, and the kept step fetches
+    its graph from the cache again (a miss, compiled again)."""
+    import gc
+    import weakref
+
+    class Graph:
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self, *args):
+            raise AssertionError("not run")
+
+    cfg = AttnPolicyConfig(policy="varlen", backend="eager", max_graphs=1, max_seq_len=64)
+    d = Dispatcher(cfg, builder=lambda call, key, spec: Graph(key))
+    short, long = BatchLayout.from_lens([3]), BatchLayout.from_lens([40])
+    first = d.prepare(short, SPEC)
+    (call, graph), = first
+    freed = weakref.ref(graph)
+    del graph
+    d.prepare(long, SPEC)  # evicts the short layout's graph (max_graphs=1)
+    d.release_batch()
+    gc.collect()
+    assert freed() is None and len(first) == 0
+    again = d.prepare(short, SPEC)
+    assert again is first and [c for c, _ in again] == [call]
+    assert d.stats().cache.misses == 3 and d.stats().batches == 3

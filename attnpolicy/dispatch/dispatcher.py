@@ -13,11 +13,11 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background
-from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
+from attnpolicy.dispatch.batch_plan import Planner
 from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
-from attnpolicy.dispatch.step import HostStep, Step
+from attnpolicy.dispatch.step import HostStep, Step, new_step
 from attnpolicy.graphs.execute import check_inputs
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -86,6 +86,7 @@ class Dispatcher:
         self._decided: LRUCache[tuple[BatchLayout, TensorSpec, MaskMode], Step] = memo()  # other policies'
         self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
         self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
+        self._batch: list[Step] = []  # the steps prepared since the last prepare without a decision
 
     # -- the front door -----------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -107,7 +108,9 @@ class Dispatcher:
         with another tensor spec in the same step): no policy is asked, and the graphs
         are pinned with those of the batch prepared before."""
         if decision is not None:
-            return self._fetch(self._step_of(layout, spec, decision))
+            step = self._step_of(layout, spec, decision)
+            self._batch.append(step)
+            return self._fetch(step)
         if self.source.pinned:
             self.source.release()
         last = self._last
@@ -127,6 +130,12 @@ class Dispatcher:
                 step = self._step_of(layout, spec, decision)
         else:
             self.guard.replay(layout, step.asked)
+        batch = self._batch
+        if len(batch) != 1 or batch[0] is not step:  # the steps before keep no graph
+            for old in batch:
+                if old is not step:
+                    old.forget()
+            self._batch = [step]
         return self._fetch(step)
 
     def release_batch(self) -> None:
@@ -147,18 +156,8 @@ class Dispatcher:
         return step
 
     def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
-        planner = self.planner
-        host = self.host_varlen and self.background is None
-        if host and asked.mode is MaskMode.VARLEN:  # planned per sequence: decode layouts never repeat
-            seqs = planner.seq_plans(layout, spec)
-            return HostStep(layout, spec, asked, BatchPlan.of_seqs(seqs, layout), self.masks,
-                            [key for key, _, _ in seqs], lambda i: planner.seq_call(layout, i, seqs[i]))
-        plan = planner.plan(layout, asked.mode, spec)
-        if self.host_varlen and plan.mode is MaskMode.VARLEN:
-            calls = plan.calls
-            return HostStep(layout, spec, asked, plan, self.masks,
-                            [key if call.compiled else None for call, key in calls], lambda i: calls[i][0])
-        return Step(layout, spec, asked, plan, self.masks)
+        return new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen,
+                        per_sequence=self.background is None)
 
     def _fetch(self, step: Step) -> Step:
         """Fetch ``step``'s graphs (or request its keys, for a host step), then count it:

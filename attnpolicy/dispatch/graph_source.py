@@ -63,10 +63,6 @@ class GraphSource:
         self.stall_seconds = 0.0
 
     # -- one batch ----------------------------------------------------------------------
-    def begin(self) -> None:
-        """Start fetching a batch."""
-        self.stall = 0.0
-
     def end(self) -> None:
         """Record the stall of the batch just fetched, if it stalled."""
         if self.stall:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, GraphFamily
-from attnpolicy.dispatch.batch_plan import BatchPlan
+from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
+from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
 from attnpolicy.graphs.execute import GraphFn, execute
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
@@ -32,7 +32,8 @@ class Step:
     the tensors). ``decision`` is the one that runs (VARLEN for a MASK decision whose
     mask is over ``max_mask_bytes``); iterating gives its ``(call, graph)`` pairs,
     one per graph invocation. A layout prepared again may return the same Step,
-    its graphs refreshed from the cache: run a Step before preparing the next."""
+    its graphs refreshed from the cache: run a Step before the next ``prepare``
+    without a decision (which drops the graphs of the steps before it)."""
 
     __slots__ = ("asked", "decision", "direct", "fell_back", "graphs", "layout", "masks", "mode_name", "n_calls",
                  "padded_tokens", "plan", "spec", "values", "whole_mask")
@@ -75,6 +76,12 @@ class Step:
         if call.family is GraphFamily.MASK:
             self.whole_mask = (call.q_bucket, call.kv_bucket)
 
+    def forget(self) -> None:
+        """Drop the graphs (the next fetch takes them from the cache again): a step
+        kept for reuse holds no graph the cache has evicted since."""
+        self.graphs, self.values = [], ()
+        self.direct = self.whole_mask = None
+
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller)."""
         direct = self.direct
@@ -114,3 +121,21 @@ class HostStep(Step):
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"this {self.mode_name} step of {self.layout.describe()} runs on the host's own "
                            "kernel (a dispatcher built with host_varlen=True): the host calls it")
+
+
+def new_step(planner: Planner, layout: BatchLayout, spec: TensorSpec, asked: Decision, masks: MaskCache, *,
+             host_varlen: bool, per_sequence: bool) -> Step:
+    """The step of decision ``asked`` for ``layout``, planned by ``planner``: a
+    :class:`HostStep` when ``host_varlen`` and the mode that runs is VARLEN (planned
+    sequence by sequence when ``per_sequence`` and the policy chose VARLEN: decode
+    layouts never repeat, their sequences' shapes do), else a :class:`Step`."""
+    if host_varlen and per_sequence and asked.mode is MaskMode.VARLEN:
+        seqs = planner.seq_plans(layout, spec)
+        return HostStep(layout, spec, asked, BatchPlan.of_seqs(seqs, layout), masks,
+                        [key for key, _, _ in seqs], lambda i: planner.seq_call(layout, i, seqs[i]))
+    plan = planner.plan(layout, asked.mode, spec)
+    if host_varlen and plan.mode is MaskMode.VARLEN:
+        calls = plan.calls
+        return HostStep(layout, spec, asked, plan, masks, [key if call.compiled else None for call, key in calls],
+                        lambda i: calls[i][0])
+    return Step(layout, spec, asked, plan, masks)
