@@ -225,7 +225,8 @@ def test_a_kernel_named_auto_is_rejected_at_registration(fresh_plugins):
     """``auto`` is the config's "fastest fit": a kernel of that name could never be chosen."""
     from attnpolicy.plugins.hookspecs import hookimpl
     from attnpolicy.plugins.kernels import KernelInfo, kernel_registry
-    from attnpolicy.plugins.registry import failed_plugins, get_plugin_manager
+    from attnpolicy.plugins.registry import get_plugin_manager
+    from attnpolicy.plugins.resolve import failed_plugins
 
     class Auto:
         @hookimpl
