@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from attnpolicy.cache.key_stream import replay_stream
+from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
@@ -264,8 +264,17 @@ class CallTable:
         :func:`~attnpolicy.modelling.simulation.simulate_layouts` gives them."""
         b, stream = self.cached(config)
         recording = replace(b.recording, stats={**b.recording.stats, "guard_fallbacks": self.guard_fallbacks})
-        return [sim_row(scheme, self.policy, config, eviction, recording, stream.replay(config, eviction),
+        return [sim_row(scheme, self.policy, config, eviction, recording, self._replayed(config, eviction, stream),
                         stream.compulsory, rejected) for eviction in evictions]
+
+    def _replayed(self, config: AttnPolicyConfig, eviction: str, stream: KeyStream) -> StreamStats:
+        """``stream`` through ``config``'s bounds with ``eviction``, remembered."""
+        memo_key = ("replay", id(stream), config.max_graphs, config.max_bytes, config.oversize, eviction)
+        hit = self.memo.get(memo_key)
+        if hit is None:
+            hit = self.memo[memo_key] = stream.replay(config, eviction)
+        assert isinstance(hit, StreamStats)
+        return hit
 
 
 def _table(config: AttnPolicyConfig, max_len: int) -> np.ndarray | None:
