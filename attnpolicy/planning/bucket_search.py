@@ -216,7 +216,13 @@ def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model
              window: int = 4) -> tuple[int, ...]:
     """Move each boundary (but the largest) to a nearby candidate (``window`` steps either
     way) while that lowers the exact modelled time. Only rectangular shapes need it:
-    on square shapes the program is already exact."""
+    on square shapes the program is already exact.
+
+    Moving boundary ``pos`` between its neighbours ``lo`` and ``hi`` changes only the
+    shapes with a length in ``(lo, hi]`` and the graphs of buckets ``pos`` and ``pos+1``,
+    which only those shapes use: a move is priced on them alone. A move whose price is
+    within rounding of the threshold, and every accepted one, is priced on the whole
+    workload, so the moves taken are those whole-workload pricing takes."""
     if bool((shapes.q == shapes.kv).all()):
         return sizes
     current = evaluate(shapes, sizes, model).total_seconds
@@ -225,14 +231,23 @@ def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model
         improved = False
         for pos in range(len(sizes) - 1):
             lo = sizes[pos - 1] if pos else 0
+            hi = sizes[pos + 1]
+            near = ((shapes.q > lo) & (shapes.q <= hi)) | ((shapes.kv > lo) & (shapes.kv <= hi))
+            if not near.any():
+                continue
+            part = CallShapes(shapes.family[near], shapes.q[near], shapes.kv[near], shapes.count[near])
+            part_now = evaluate(part, sizes, model).total_seconds
             at = int(np.searchsorted(cand, sizes[pos]))
             for c in cand[max(at - window, 0):at + window + 1]:
                 if not lo < c < sizes[pos + 1] or c == sizes[pos]:
                     continue
                 trial = (*sizes[:pos], int(c), *sizes[pos + 1:])
+                part_trial = evaluate(part, trial, model).total_seconds
+                if part_trial - part_now > 1e-9 * max(current, 1.0):
+                    continue  # clearly no better
                 total = evaluate(shapes, trial, model).total_seconds
                 if total < current - 1e-12:
-                    sizes, current, improved = trial, total, True
+                    sizes, current, part_now, improved = trial, total, part_trial, True
     return sizes
 
 
