@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,8 @@ class CallTable:
         options = base.policy_options if policy == base.policy else {}
         guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal, fallback=MaskMode(base.fallback_mode))
         ctx = PolicyContext(config=base, spec=self.spec, cost_model=model)
-        step, fam, q, kv, causal, ctx_flag, alt, mask_layout = ([] for _ in range(8))
+        columns: list[list[Any]] = [[] for _ in range(8)]
+        step, fam, q, kv, causal, ctx_flag, alt, mask_layout = columns
         modes = []
         layout_ids: dict[BatchLayout, int] = {}
         for s, layout in enumerate(self.layouts):
@@ -89,13 +91,14 @@ class CallTable:
             n = len(layout.q_lens)
             if mode is MaskMode.CAUSAL:
                 t = layout.q_tokens
-                step.append(s), fam.append(_CAUSAL), q.append(t), kv.append(t), causal.append(True)
-                ctx_flag.append(False), alt.append(False), mask_layout.append(-1)
+                for col, value in zip(columns, (s, _CAUSAL, t, t, True, False, False, -1)):
+                    col.append(value)
                 continue
             if mode is MaskMode.MASK:  # the MASK call, then its VARLEN calls (if the mask is too large)
-                step.append(s), fam.append(_MASK), q.append(layout.q_tokens), kv.append(layout.kv_tokens)
-                causal.append(layout.causal), ctx_flag.append(layout.has_context), alt.append(False)
-                mask_layout.append(layout_ids.setdefault(layout, len(layout_ids)))
+                row = (s, _MASK, layout.q_tokens, layout.kv_tokens, layout.causal, layout.has_context, False,
+                       layout_ids.setdefault(layout, len(layout_ids)))
+                for col, value in zip(columns, row):
+                    col.append(value)
             flag = mode is MaskMode.MASK
             step += [s] * n
             q += layout.q_lens
