@@ -1,7 +1,8 @@
 """The calls a stateless policy makes for a workload, found once and bucketed by any list.
 
-A stateless policy decides from the layout alone, so its calls at exact lengths are
-the same under every bucket list; only their buckets, and with them the graph keys,
+A stateless policy decides from the layout alone (the built-in ones read nothing of the
+config's buckets; a plugin that did would be decided with the base config's), so its
+calls at exact lengths are the same under every bucket list; only their buckets, and with them the graph keys,
 change. :class:`CallTable` decides every step once and keeps one row per call (its
 family, exact lengths, causality, the step it belongs to); :meth:`CallTable.recording`
 then buckets every row at once (numpy) for a config and gives what a simulating
