@@ -10,8 +10,8 @@ from attnpolicy.cli.common import Parser, fail
 from attnpolicy.errors import AttnPolicyError
 
 #: Modules under ``attnpolicy.cli`` that add subcommands through ``register(subparsers)``.
-COMMAND_MODULES = ("report", "policies", "simulate", "plan", "stalls", "calibrate", "run", "bench", "config",
-                   "kernels")
+COMMAND_MODULES = ("report", "policies", "simulate", "plan", "replan", "stalls", "calibrate", "run", "bench",
+                   "config", "kernels")
 
 EPILOG = """first steps (seconds each):
   attnpolicy decide --policy dynamic --seq-lens 100,200

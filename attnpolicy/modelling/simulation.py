@@ -149,8 +149,9 @@ def simulation_config(model: CostModel, former: BatchFormer, **fields: Any) -> A
 
 
 @dataclass
-class _Replay:
-    """What one dispatcher run over the batches produced (before any Belady pass)."""
+class Recording:
+    """What one dispatcher run over the batches produced (before any Belady pass);
+    the planner fills one from its call table (``keys``: each key once)."""
 
     keys: list[GraphKey] = field(default_factory=list)
     attention_seconds: float = 0.0
@@ -162,13 +163,13 @@ class _Replay:
 
 
 def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
-            spec: TensorSpec | None = None) -> _Replay:
+            spec: TensorSpec | None = None) -> Recording:
     spec = spec or model.spec
     cache: GraphCache[SimulatedGraph] = GraphCache.from_config(config, sizeof=model.graph_bytes,
                                                                compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=simulated, cost_model=model, cache=cache)
     costs = BatchCost(model, config.max_mask_bytes)
-    out = _Replay()
+    out = Recording()
     keys = out.keys
     seconds = 0.0
     for step in steps:
@@ -214,8 +215,10 @@ def _compulsory_seconds(keys: Sequence[GraphKey], model: CostModel) -> float:
     return sum(model.compile_cost(key, 0.0) for key in dict.fromkeys(keys))
 
 
-def _row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, replay: _Replay,
-         cache: StreamStats, compulsory: float, rejected: int, warmup: float = 0.0) -> SimRow:
+def sim_row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, replay: Recording,
+            cache: StreamStats, compulsory: float, rejected: int, warmup: float = 0.0) -> SimRow:
+    """The row of ``replay`` served by a cache that counted ``cache`` (``warmup``: the
+    cost model's start-up seconds, charged when the row compiles)."""
     hits, misses = cache.hits, cache.misses
     stats = replay.stats
     warmup = warmup if cache.compiles else 0.0
@@ -468,7 +471,7 @@ class _Job:
         """One unbounded dispatcher run records the key stream; each bound × eviction
         replays it."""
         recording = _replay(sweep.steps, self.config(None, None, "lru"), sweep.model, sweep.spec)
-        stream = _Stream.of(recording.keys, sweep.model)
+        stream = KeyStream.of(recording.keys, sweep.model)
         out = []
         for (c, capacity), (b, nbytes), (e, eviction) in product(self.capacities, self.max_bytes, self.evictions):
             config = self.config(capacity, nbytes, eviction)
@@ -487,7 +490,7 @@ class _Job:
             config = self.config(capacity, nbytes, eviction)
             if eviction == BELADY:
                 lru = lru or _replay(sweep.steps, config, sweep.model, sweep.spec)
-                stream = _Stream.of(lru.keys, sweep.model)
+                stream = KeyStream.of(lru.keys, sweep.model)
                 row = self._row(config, eviction, lru, stream.replay(config, eviction), stream.compulsory, sweep)
             else:
                 replay = _replay(sweep.steps, config, sweep.model, sweep.spec)
@@ -498,14 +501,14 @@ class _Job:
             out.append(((self.scheme, self.policy_index, c, b, e), row))
         return out
 
-    def _row(self, config: AttnPolicyConfig, eviction: str, replay: _Replay, cache: StreamStats,
+    def _row(self, config: AttnPolicyConfig, eviction: str, replay: Recording, cache: StreamStats,
              compulsory: float, sweep: _Sweep) -> SimRow:
-        return _row(self.scheme_name, self.policy, config, eviction, replay, cache, compulsory, sweep.rejected,
-                    sweep.model.warmup_cost(replay.keys))
+        return sim_row(self.scheme_name, self.policy, config, eviction, replay, cache, compulsory, sweep.rejected,
+                       sweep.model.warmup_cost(replay.keys))
 
 
 @dataclass(frozen=True)
-class _Stream:
+class KeyStream:
     """A recorded key stream as ids (first request order) with each key's bytes and
     compile seconds; ``compulsory`` is every distinct key compiled once."""
 
@@ -516,12 +519,16 @@ class _Stream:
     compulsory: float
 
     @classmethod
-    def of(cls, keys: Sequence[GraphKey], model: CostModel) -> _Stream:
+    def of(cls, keys: Sequence[GraphKey], model: CostModel) -> KeyStream:
         index: dict[GraphKey, int] = {}
         ids = [index.setdefault(key, len(index)) for key in keys]
-        distinct = list(index)
-        costs = [model.compile_cost(key, 0.0) for key in distinct]
-        return cls(ids, distinct, [model.graph_bytes(key) for key in distinct], costs, sum(costs))
+        return cls.of_ids(ids, list(index), model)
+
+    @classmethod
+    def of_ids(cls, ids: list[int], keys: list[GraphKey], model: CostModel) -> KeyStream:
+        """The stream of ``ids`` into ``keys`` (ids numbered in first-request order)."""
+        costs = [model.compile_cost(key, 0.0) for key in keys]
+        return cls(ids, keys, [model.graph_bytes(key) for key in keys], costs, sum(costs))
 
     def replay(self, config: AttnPolicyConfig, eviction: str) -> StreamStats:
         """The counters of a graph cache bounded like ``config`` with ``eviction``."""

@@ -74,6 +74,15 @@ class CallShapes:
     def max_len(self) -> int:
         return int(self.kv.max())
 
+    def by_family(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """``(family code, q, kv, count)`` of each family present, in code order (computed once)."""
+        parts = self.__dict__.get("_parts")
+        if parts is None:
+            parts = [(code, self.q[sel], self.kv[sel], self.count[sel])
+                     for code in range(len(FAMILIES)) if (sel := self.family == code).any()]
+            object.__setattr__(self, "_parts", parts)
+        return parts
+
     @property
     def calls(self) -> int:
         return int(self.count.sum())
@@ -105,28 +114,25 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
     s = np.asarray(sorted(sizes), dtype=np.int64)
     if s.size == 0 or s[-1] < shapes.max_len:
         raise ConfigError(f"sizes must cover the longest length {shapes.max_len}, got {list(sizes)}")
-    iq, ikv = np.searchsorted(s, shapes.q), np.searchsorted(s, shapes.kv)
-    bq, bkv = s[iq], s[ikv]
-    pair = iq * s.size + ikv  # one code per (q bucket, kv bucket)
     run = _fits(model, "run")
     comp = _fits(model, "compile")
     run_total = 0.0
     compile_total = 0.0
     graphs = 0
-    for code in range(len(FAMILIES)):
-        sel = shapes.family == code
-        if not sel.any():
-            continue
+    padded = 0
+    for code, q_exact, kv_exact, n in shapes.by_family():
+        iq, ikv = np.searchsorted(s, q_exact), np.searchsorted(s, kv_exact)
+        bq = s[iq]
         base, cell, token = run[code]
-        q, kv, n = bq[sel].astype(float), bkv[sel].astype(float), shapes.count[sel]
+        q, kv = bq.astype(float), s[ikv].astype(float)
         run_total += float((n * (base + cell * q * kv + token * (q + kv))).sum())
-        used = np.flatnonzero(np.bincount(pair[sel], minlength=s.size * s.size))
+        used = np.flatnonzero(np.bincount(iq * s.size + ikv, minlength=s.size * s.size))
         cb, cc, ct = comp[code]
         kq, kk = s[used // s.size].astype(float), s[used % s.size].astype(float)
         compile_total += float((cb + cc * kq * kk + ct * (kq + kk)).sum()) if model.backend != "none" else 0.0
         graphs += used.size
+        padded += int((n * (bq - q_exact)).sum())
     run_total += model.call_overhead_seconds * shapes.calls
-    padded = int((shapes.count * (bq - shapes.q)).sum())
     return PlanCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)
 
 
@@ -190,10 +196,9 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
                 cb, cc, ct = comp[code]
                 seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
                 seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
-        for k in range(1, max_buckets + 1):
-            total = best[k - 1, :j] + seg
-            at = int(np.argmin(total))
-            best[k, j], arg[k, j] = total[at], at
+        total = best[:max_buckets, :j] + seg  # row k-1: a plan of k buckets ending at cand[j-1]
+        at = np.argmin(total, axis=1)
+        best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
     return best, arg
 
 
@@ -211,7 +216,13 @@ def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model
              window: int = 4) -> tuple[int, ...]:
     """Move each boundary (but the largest) to a nearby candidate (``window`` steps either
     way) while that lowers the exact modelled time. Only rectangular shapes need it:
-    on square shapes the program is already exact."""
+    on square shapes the program is already exact.
+
+    Moving boundary ``pos`` between its neighbours ``lo`` and ``hi`` changes only the
+    shapes with a length in ``(lo, hi]`` and the graphs of buckets ``pos`` and ``pos+1``,
+    which only those shapes use: a move is priced on them alone. A move whose price is
+    within rounding of the threshold, and every accepted one, is priced on the whole
+    workload, so the moves taken are those whole-workload pricing takes."""
     if bool((shapes.q == shapes.kv).all()):
         return sizes
     current = evaluate(shapes, sizes, model).total_seconds
@@ -220,14 +231,23 @@ def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model
         improved = False
         for pos in range(len(sizes) - 1):
             lo = sizes[pos - 1] if pos else 0
+            hi = sizes[pos + 1]
+            near = ((shapes.q > lo) & (shapes.q <= hi)) | ((shapes.kv > lo) & (shapes.kv <= hi))
+            if not near.any():
+                continue
+            part = CallShapes(shapes.family[near], shapes.q[near], shapes.kv[near], shapes.count[near])
+            part_now = evaluate(part, sizes, model).total_seconds
             at = int(np.searchsorted(cand, sizes[pos]))
             for c in cand[max(at - window, 0):at + window + 1]:
                 if not lo < c < sizes[pos + 1] or c == sizes[pos]:
                     continue
                 trial = (*sizes[:pos], int(c), *sizes[pos + 1:])
+                part_trial = evaluate(part, trial, model).total_seconds
+                if part_trial - part_now > 1e-9 * max(current, 1.0):
+                    continue  # clearly no better
                 total = evaluate(shapes, trial, model).total_seconds
                 if total < current - 1e-12:
-                    sizes, current, improved = trial, total, True
+                    sizes, current, part_now, improved = trial, total, part_trial, True
     return sizes
 
 

@@ -36,13 +36,13 @@ from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
-from attnpolicy.graphs.kernel_choice import call_traits
-from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.modelling.bucket_schemes import base_scheme
 from attnpolicy.modelling.simulation import SimRow, simulate_layouts
 from attnpolicy.planning.bucket_search import CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import Step
@@ -186,17 +186,29 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
 
 def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
                 evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
-                progress: Callable[[str], None] | None = None, rejected: int = 0) -> PolicyPlan:
+                progress: Callable[[str], None] | None = None, rejected: int = 0,
+                table: CallTable | None = None) -> PolicyPlan:
     """The best bucket list and eviction for ``policy`` at ``base``'s capacity
     (``max_graphs``, ``max_bytes``), searched as the module docstring says;
-    ``progress(label)`` is called after each simulation."""
+    ``progress(label)`` is called after each simulation. ``table``: the policy's
+    :class:`CallTable` of ``steps`` (built here when not given)."""
     capacity = base.max_graphs
-    shapes = decided_shapes(layouts_of(steps), policy, base, model)
-    plans = candidate_lists(shapes, base, model, max_buckets)
+    table = table or CallTable(layouts_of(steps), policy, base, model, spec)
+    shapes_key = ("candidates", max_buckets)
+    plans = table.memo.get(shapes_key)
+    if plans is None:
+        plans = table.memo[shapes_key] = candidate_lists(table.shapes(), base, model, max_buckets)
+    assert isinstance(plans, list)
+    options = base.policy_options if policy == base.policy else {}
+
+    def rows_of(cfg: AttnPolicyConfig, names: Sequence[str]) -> list[SimRow]:
+        if not tabled(cfg):  # background compiles: pad-up depends on the cache, the dispatcher decides
+            return simulate_layouts(steps, [policy], [capacity], names, cfg, model, spec, rejected=rejected)
+        cfg = with_fields(cfg, policy=policy, policy_options=options, max_graphs=capacity)
+        return table.rows(cfg, names, base_scheme(cfg).name, rejected)
 
     def simulate(sizes: tuple[int, ...], names: Sequence[str]) -> list[SimRow]:
-        cfg = with_fields(base, buckets={"kind": "list", "sizes": list(covering(sizes, base))})
-        rows = simulate_layouts(steps, [policy], [capacity], names, cfg, model, spec, rejected=rejected)
+        rows = rows_of(with_fields(base, buckets={"kind": "list", "sizes": list(covering(sizes, base))}), names)
         if progress:
             progress(f"{policy} {len(sizes)} buckets {','.join(names)}")
         return rows
@@ -217,50 +229,25 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
     sizes, eviction = min(((s, e) for s in rows for e in rows[s]),
                           key=lambda se: (rows[se[0]][se[1]].total_seconds, se[1] != "lru"))
     row = rows[sizes][eviction]
-    baselines = tuple(simulate_layouts(steps, [policy], [capacity], ["lru", BELADY], base, model, spec,
-                                       rejected=rejected))
+    baselines = tuple(rows_of(base, ["lru", BELADY]))
     candidates = tuple(Candidate(p.sizes, p.graphs, p.total_seconds,
                                  {e: r.total_seconds for e, r in rows.get(p.sizes, {}).items()})
                        for p in plans)
     return PolicyPlan(policy, covering(sizes, base), eviction, row.evictions == 0, row, baselines, candidates)
 
 
-class _Counted:
-    """What the dispatcher of :func:`graph_uses` caches for a key: the key (never called)."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: GraphKey) -> None:
-        self.key = key
-
-    def __call__(self, *args: Any) -> Any:
-        raise TypeError(f"graph {self.key} is only counted")
-
-
-def _counted(call: Call, key: GraphKey, spec: TensorSpec) -> _Counted:
-    return _Counted(key)
-
-
 def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
-               spec: TensorSpec | None = None) -> list[WarmGraph]:
+               spec: TensorSpec | None = None, table: CallTable | None = None) -> list[WarmGraph]:
     """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
-    calls it serves, most used first (ties: cheaper to compile first)."""
-    spec = spec or model.spec
-    unbounded = with_fields(config, max_graphs=None, max_bytes=None, eviction="lru", warmup=[])
-    dispatcher = Dispatcher(unbounded, builder=_counted, cost_model=model)
-    uses: dict[GraphKey, int] = {}
-    shapes: dict[GraphKey, WarmShape] = {}
-    for layout in layouts_of(steps):
-        for call, graph in dispatcher.prepare(layout, spec):
-            if not isinstance(graph, _Counted):  # longer than the largest bucket: uncompiled
-                continue
-            key = graph.key
-            uses[key] = uses.get(key, 0) + 1
-            if key not in shapes:
-                causal, context = call_traits(call, layout)
-                shapes[key] = WarmShape(family=call.family, q_bucket=call.q_bucket, kv_bucket=call.kv_bucket,
-                                        causal=causal, context=context)
-    graphs = [WarmGraph(shapes[k], n, model.compile_seconds(k), model.graph_bytes(k)) for k, n in uses.items()]
+    calls it serves, most used first (ties: cheaper to compile first). ``table``: the
+    :class:`CallTable` of ``config``'s policy for ``steps`` (built when not given)."""
+    table = table or CallTable(layouts_of(steps), config.policy, config, model, spec)
+    b, _ = table.cached(config)
+    graphs = []
+    for key, r, n in zip(b.keys, b.first.tolist(), b.uses.tolist()):
+        shape = WarmShape(family=key.family, q_bucket=int(b.q_bucket[r]), kv_bucket=int(b.kv_bucket[r]),
+                          causal=bool(table.causal[r]), context=bool(table.context[r]))
+        graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key)))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
 
@@ -299,14 +286,20 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
     if warmup_seconds is not None and warmup_seconds < 0:
         raise ConfigError(f"warmup_seconds must be >= 0, got {warmup_seconds}")
     base = with_fields(base, warmup=[])  # a previous plan's warm set may not fit the new buckets
-    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress, rejected)
-                       for p in policies)
+    tables: dict[str, CallTable] = {}
+    for p in policies:
+        table = tables[p] = CallTable(layouts_of(steps), p, base, model, spec)
+        for other in tables.values():
+            table.share(other)
+    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress, rejected,
+                                   tables[p]) for p in policies)
     chosen = min(per_policy, key=lambda p: p.row.total_seconds)
     config = with_fields(base, policy=chosen.policy,
                          policy_options=base.policy_options if chosen.policy == base.policy else {},
                          buckets={"kind": "list", "sizes": list(chosen.buckets)}, eviction=chosen.eviction,
                          strict=STRICT)
-    warm = warm_set(graph_uses(steps, config, model, spec), base.max_graphs, base.max_bytes, warmup_seconds)
+    uses = graph_uses(steps, config, model, spec, tables[chosen.policy])
+    warm = warm_set(uses, base.max_graphs, base.max_bytes, warmup_seconds)
     config = with_fields(config, warmup=[w.shape.model_dump(mode="json") for w in warm])
     return GraphPlan(chosen.policy, base.max_graphs, base.max_bytes, warmup_seconds, base.buckets.describe(),
                      per_policy, warm, config)

@@ -1,0 +1,289 @@
+"""The calls a stateless policy makes for a workload, found once and bucketed by any list.
+
+A stateless policy decides from the layout alone (the built-in ones read nothing of the
+config's buckets; a plugin that did would be decided with the base config's), so its
+calls at exact lengths are the same under every bucket list; only their buckets, and with them the graph keys,
+change. :class:`CallTable` decides every step once and keeps one row per call (its
+family, exact lengths, causality, the step it belongs to); :meth:`CallTable.recording`
+then buckets every row at once (numpy) for a config and gives what a simulating
+dispatcher run of that config records (:class:`~attnpolicy.modelling.simulation.Recording`)
+and its key stream, in the same order and with the same floating-point sums, so the
+rows it makes (:meth:`CallTable.rows`) are those of
+:func:`~attnpolicy.modelling.simulation.simulate_layouts`. The planner evaluates its
+candidate lists with it instead of a dispatcher run each.
+
+The rows follow the dispatcher's rules: VARLEN runs a causal sequence without context
+on the CAUSAL graph of its bucket; a MASK call whose bucketed mask is over
+``max_mask_bytes`` runs its step in VARLEN (the table holds both); a length above the
+largest bucket runs uncompiled (``on_overflow="eager"``) or raises as the dispatcher
+does (``"raise"``: the dispatcher itself is asked to prepare that step). Configs with
+``compile_mode="background"`` (pad-up depends on the cache state) are not tabled:
+:func:`tabled` says so and callers simulate them with the dispatcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from attnpolicy.cache.key_stream import StreamStats, replay_stream
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.dispatch import Dispatcher
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.kernel_choice import KernelChoice
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.modelling.simulation import KeyStream, Recording, SimRow, sim_row, simulated
+from attnpolicy.planning.bucket_search import CallShapes
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
+
+#: Graph families by the codes of :attr:`CallTable.family`.
+FAMILIES: tuple[GraphFamily, ...] = (GraphFamily.CAUSAL, GraphFamily.MASK, GraphFamily.VARLEN)
+_CAUSAL, _MASK, _VARLEN = range(3)
+_MODES = tuple(MaskMode)
+_MODE_CODE = {m: i for i, m in enumerate(_MODES)}
+
+
+def tabled(config: AttnPolicyConfig) -> bool:
+    """Whether :class:`CallTable` models ``config`` exactly (synchronous compiles)."""
+    return config.compile_mode == "sync"
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """One config's calls: the key stream (ids in first-request order into ``keys``),
+    each key's first call row and its uses, and the recording a dispatcher run makes."""
+
+    ids: np.ndarray
+    keys: list[GraphKey]
+    first: np.ndarray
+    uses: np.ndarray
+    q_bucket: np.ndarray
+    kv_bucket: np.ndarray
+    recording: Recording
+
+
+class CallTable:
+    """Every call ``policy`` (guarded as ``base`` configures it) makes for ``layouts``
+    at exact lengths; see the module docstring."""
+
+    def __init__(self, layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
+                 spec: TensorSpec | None = None) -> None:
+        self.layouts = list(layouts)
+        self.policy = policy
+        self.model = model
+        self.spec = spec or model.spec
+        options = base.policy_options if policy == base.policy else {}
+        guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal, fallback=MaskMode(base.fallback_mode))
+        ctx = PolicyContext(config=base, spec=self.spec, cost_model=model)
+        columns: list[list[Any]] = [[] for _ in range(8)]
+        step, fam, q, kv, causal, ctx_flag, alt, mask_layout = columns
+        modes = []
+        layout_ids: dict[BatchLayout, int] = {}
+        for s, layout in enumerate(self.layouts):
+            mode = guard.decide(layout, ctx).mode
+            modes.append(_MODE_CODE[mode])
+            n = len(layout.q_lens)
+            if mode is MaskMode.CAUSAL:
+                t = layout.q_tokens
+                for col, value in zip(columns, (s, _CAUSAL, t, t, True, False, False, -1)):
+                    col.append(value)
+                continue
+            if mode is MaskMode.MASK:  # the MASK call, then its VARLEN calls (if the mask is too large)
+                row = (s, _MASK, layout.q_tokens, layout.kv_tokens, layout.causal, layout.has_context, False,
+                       layout_ids.setdefault(layout, len(layout_ids)))
+                for col, value in zip(columns, row):
+                    col.append(value)
+            flag = mode is MaskMode.MASK
+            step += [s] * n
+            q += layout.q_lens
+            kv += layout.kv_lens
+            if layout.causal:
+                fam += [_CAUSAL if a == b else _VARLEN for a, b in zip(layout.q_lens, layout.kv_lens)]
+            else:
+                fam += [_VARLEN] * n
+            causal += [layout.causal] * n
+            ctx_flag += [b > a for a, b in zip(layout.q_lens, layout.kv_lens)]
+            alt += [flag] * n
+            mask_layout += [-1] * n
+        self.guard_fallbacks = guard.fallbacks
+        self.modes = np.array(modes, dtype=np.int64)
+        self.step = np.array(step, dtype=np.int64)
+        self.family = np.array(fam, dtype=np.int64)
+        self.q = np.array(q, dtype=np.int64)
+        self.kv = np.array(kv, dtype=np.int64)
+        self.causal = np.array(causal, dtype=bool)
+        self.context = np.array(ctx_flag, dtype=bool)
+        self.alt = np.array(alt, dtype=bool)
+        self.mask_layout = np.array(mask_layout, dtype=np.int64)
+        self.max_kv = np.array([layout.max_kv_len for layout in self.layouts], dtype=np.int64)
+        #: results shared by tables whose calls are equal (see :meth:`share`)
+        self.memo: dict[object, object] = {}
+
+    def share(self, other: CallTable) -> None:
+        """Reuse ``other``'s bucketings and memo when its calls equal this table's."""
+        if other.signature == self.signature:
+            self.memo = other.memo
+
+    @property
+    def signature(self) -> bytes:
+        """Equal for two tables of the same layouts whose modes are equal (their calls are)."""
+        return self.modes.tobytes()
+
+    def shapes(self) -> CallShapes:
+        """The exact call shapes of the decided modes (MASK steps' VARLEN rows left out), counted."""
+        sel = ~self.alt
+        code = self.family[sel] << 48 | self.q[sel] << 24 | self.kv[sel]
+        if not code.size:
+            raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
+        u, count = np.unique(code, return_counts=True)
+        return CallShapes(u >> 48, (u >> 24) & 0xFFFFFF, u & 0xFFFFFF, count)
+
+    def _raise_at(self, config: AttnPolicyConfig, s: int) -> None:
+        """Let the dispatcher prepare step ``s`` under ``config``: it raises its own error."""
+        Dispatcher(config, builder=simulated, cost_model=self.model).prepare(self.layouts[s], self.spec)
+        raise AssertionError(f"the dispatcher prepared step {s} without the overflow the table found")
+
+    def bucketed(self, config: AttnPolicyConfig) -> Bucketed:
+        """The calls of ``config``'s buckets: what its dispatcher requests and records."""
+        model, spec = self.model, self.spec
+        seq = _table(config, config.max_seq_len)
+        batch = _table(config, config.max_batch_tokens)
+        eager = config.on_overflow == "eager"
+        largest, largest_batch = int(seq[-1]) if seq is not None else config.max_seq_len, (
+            int(batch[-1]) if batch is not None else config.max_batch_tokens)
+        is_mask = self.family == _MASK
+        qb = np.empty_like(self.q)
+        kvb = np.empty_like(self.kv)
+        for sel, table, limit in ((is_mask, batch, largest_batch), (~is_mask, seq, largest)):
+            for src, dst in ((self.q, qb), (self.kv, kvb)):
+                n = src[sel]
+                if table is None:
+                    b = n.copy()
+                else:
+                    b = table[np.minimum(np.searchsorted(table, n), table.size - 1)]
+                    b = np.where(n > limit, n, b)
+                dst[sel] = b
+        over = (np.maximum(self.q, self.kv) > np.where(is_mask, largest_batch, largest))
+        fell = np.zeros(self.modes.size, dtype=bool)
+        primary_mask = is_mask  # MASK rows are always the primary call of a MASK step
+        too_large = primary_mask & (qb * kvb > config.max_mask_bytes)
+        if not eager:
+            bad = np.zeros(self.modes.size, dtype=bool)
+            bad[self.step[(over & ~self.alt) | too_large]] = True
+            bad |= self.max_kv > largest
+            if bad.any():
+                self._raise_at(config, int(np.flatnonzero(bad)[0]))
+        fell[self.step[too_large]] = True
+        selected = np.where(self.alt, fell[self.step], ~(primary_mask & fell[self.step]))
+        rows = np.flatnonzero(selected)
+        compiled = ~over[rows]
+        fam = self.family[rows]
+        # kinds: (family, causal, context) -> kernel; key kinds: (family, key causal, kernel)
+        kernels = KernelChoice(config.kernels, config.attn_impl or "sdpa", compiled=config.backend != "none",
+                               measured=getattr(model, "kernel_seconds", None))
+        kind = (fam * 2 + self.causal[rows]) * 2 + self.context[rows]
+        impl_code = np.zeros(rows.size, dtype=np.int64)
+        impls: dict[str, int] = {}
+        for k in np.unique(kind):
+            r = int(rows[np.flatnonzero(kind == k)[0]])
+            call, layout = self._call(r, int(qb[r]), int(kvb[r]))
+            impl_code[kind == k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
+        key_causal = self.causal[rows] & (fam != _MASK)
+        code = ((impl_code * 3 + fam) * 2 + key_causal) << 48 | qb[rows] << 24 | kvb[rows]
+        crow = np.flatnonzero(compiled)
+        _, first_at, inverse = np.unique(code[crow], return_index=True, return_inverse=True)
+        order = np.argsort(first_at, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        ids = rank[inverse]
+        first = rows[crow[first_at[order]]]
+        uses = np.bincount(ids, minlength=order.size)
+        keys = []
+        for r in first:
+            call, layout = self._call(int(r), int(qb[r]), int(kvb[r]))
+            keys.append(GraphKey.for_call(call, spec, kernels.impl(call, layout, spec), config.partition_len,
+                                          config.backend))
+        overhead = model.call_overhead_seconds
+        per_key = np.array([model.run_seconds(k) + overhead for k in keys], dtype=float)
+        seconds_per_call = np.empty(rows.size, dtype=float)
+        seconds_per_call[crow] = per_key[ids]
+        for i in np.flatnonzero(~compiled):  # uncompiled: the shape's seconds
+            r = rows[i]
+            seconds_per_call[i] = model.call_seconds(FAMILIES[self.family[r]], int(qb[r]), int(kvb[r])) + overhead
+        seconds = float(np.cumsum(seconds_per_call)[-1]) if rows.size else 0.0  # sequential, as a run adds
+        builds, build_seconds = self._masks(config, rows[fam == _MASK], qb, kvb)
+        ran = np.where(fell, _MODE_CODE[MaskMode.VARLEN], self.modes)
+        counts = np.bincount(ran, minlength=len(_MODES))
+        stats = {"batches": int(self.modes.size), "calls": int(rows.size),
+                 "modes": {m.value: int(counts[i]) for i, m in enumerate(_MODES)}}
+        recording = Recording(keys=keys, attention_seconds=seconds + build_seconds, mask_builds=builds,
+                              mask_build_seconds=build_seconds, overflow_calls=int((~compiled).sum()), stats=stats)
+        return Bucketed(ids, keys, first, uses, qb, kvb, recording)
+
+    def _call(self, r: int, qb: int, kvb: int) -> tuple[Call, BatchLayout]:
+        """Row ``r`` as a call with buckets ``qb``, ``kvb``, and its step's layout."""
+        layout = self.layouts[int(self.step[r])]
+        call = Call(FAMILIES[self.family[r]], 0, int(self.q[r]), 0, int(self.kv[r]), qb, kvb, bool(self.causal[r]))
+        return call, layout
+
+    def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,
+               kvb: np.ndarray) -> tuple[int, float]:
+        """Dense mask builds of the MASK ``rows``: the dispatcher's mask cache (LRU within
+        ``max_mask_bytes``, keyed by layout and shape) replayed as a key stream."""
+        if not rows.size:
+            return 0, 0.0
+        code = self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows]
+        _, first_at, inverse = np.unique(code, return_index=True, return_inverse=True)
+        order = np.argsort(first_at, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        first = rows[first_at[order]]
+        sizes = [int(qb[r]) * int(kvb[r]) for r in first]
+        costs = [self.model.mask_build_seconds(int(qb[r]), int(kvb[r])) for r in first]
+        stats = replay_stream(rank[inverse].tolist(), sizes, costs, max_bytes=config.max_mask_bytes,
+                              oversize="uncached")
+        return stats.misses, stats.compile_seconds
+
+    def cached(self, config: AttnPolicyConfig) -> tuple[Bucketed, KeyStream]:
+        """:meth:`bucketed` of ``config`` and its key stream, remembered per buckets and limits."""
+        memo_key = ("bucketed", config.buckets.model_dump_json(), config.max_seq_len, config.max_batch_tokens,
+                    config.max_mask_bytes, config.on_overflow, config.backend, config.attn_impl,
+                    tuple(sorted(config.kernels.items())), config.partition_len)
+        hit = self.memo.get(memo_key)
+        if hit is None:
+            b = self.bucketed(config)
+            hit = self.memo[memo_key] = (b, KeyStream.of_ids(b.ids.tolist(), b.keys, self.model))
+        return hit  # type: ignore[return-value]
+
+    def rows(self, config: AttnPolicyConfig, evictions: Sequence[str], scheme: str,
+             rejected: int = 0) -> list[SimRow]:
+        """The simulated rows of ``config`` (its bounds) per eviction, as
+        :func:`~attnpolicy.modelling.simulation.simulate_layouts` gives them."""
+        b, stream = self.cached(config)
+        recording = replace(b.recording, stats={**b.recording.stats, "guard_fallbacks": self.guard_fallbacks})
+        warmup = self.model.warmup_cost(recording.keys)
+        return [sim_row(scheme, self.policy, config, eviction, recording, self._replayed(config, eviction, stream),
+                        stream.compulsory, rejected, warmup) for eviction in evictions]
+
+    def _replayed(self, config: AttnPolicyConfig, eviction: str, stream: KeyStream) -> StreamStats:
+        """``stream`` through ``config``'s bounds with ``eviction``, remembered."""
+        memo_key = ("replay", id(stream), config.max_graphs, config.max_bytes, config.oversize, eviction)
+        hit = self.memo.get(memo_key)
+        if hit is None:
+            hit = self.memo[memo_key] = stream.replay(config, eviction)
+        assert isinstance(hit, StreamStats)
+        return hit
+
+
+def _table(config: AttnPolicyConfig, max_len: int) -> np.ndarray | None:
+    """The sorted buckets of ``config`` up to ``max_len`` (None: ``exact``, every length its own)."""
+    if config.buckets.kind == "exact":
+        return None
+    return np.array(config.buckets.sizes_up_to(max_len), dtype=np.int64)
