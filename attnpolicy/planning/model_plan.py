@@ -66,7 +66,8 @@ class ModelPlan:
 def _needs(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode]) -> tuple[list[int], list[int]]:
     """The lengths bucketed by ``max_seq_len`` (CAUSAL totals, VARLEN sequences) and by
     ``max_batch_tokens`` (MASK totals)."""
-    seq, batch = [], []
+    seq: list[int] = []
+    batch: list[int] = []
     for layout, mode in zip(layouts, modes):
         if mode is MaskMode.VARLEN:
             seq += layout.q_lens
