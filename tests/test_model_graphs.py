@@ -31,9 +31,9 @@ def synthetic(compile_base: float = 2.0) -> ModelCostModel:
     rss = ModelFit(base=1e6)
     return ModelCostModel(spec="synthetic", dims=ModelDims(hidden=64, heads=2, kv_heads=1, head_dim=32,
                                                             intermediate=128, vocab=64, layers=1),
-                          compile={m: fit for m in ("causal", "mask", "varlen")},
-                          run={m: run for m in ("causal", "mask", "varlen")},
-                          rss={m: rss for m in ("causal", "mask", "varlen")}, warmup_seconds=0.5)
+                          compile=dict.fromkeys(("causal", "mask", "varlen"), fit),
+                          run=dict.fromkeys(("causal", "mask", "varlen"), run),
+                          rss=dict.fromkeys(("causal", "mask", "varlen"), rss), warmup_seconds=0.5)
 
 
 def test_fit_recovers_its_coefficients_and_sums_varlen_segments():
