@@ -23,6 +23,7 @@ import torch
 from pydantic import Field, field_validator
 from pydantic.dataclasses import dataclass as validated
 
+from attnpolicy.bench.calibration import pow2_sizes
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
@@ -51,9 +52,7 @@ class ModelCalibrationSettings:
     @field_validator("sizes")
     @classmethod
     def _pow2(cls, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if sizes is not None and (not sizes or any(n & (n - 1) for n in sizes)):
-            raise ValueError("must be one or more powers of two")
-        return sizes
+        return pow2_sizes(sizes)
 
 
 def clock_of(name: str) -> Callable[[], float]:

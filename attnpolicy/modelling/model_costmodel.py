@@ -36,6 +36,7 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import nonnegative_fit
 from attnpolicy.integrations.static_model import ModelKey, estimate_bytes
 
 FORMAT_VERSION: Final = 1
@@ -75,24 +76,8 @@ class ModelFit(BaseModel):
         if not samples:
             raise ConfigError("a model fit needs at least one (key, value) sample, got none")
         values = np.array([max(v, 1e-12) for _, v in samples], dtype=float)
-        terms = np.array([features(k) for k, _ in samples], dtype=float) / values[:, None]
-        scale = np.linalg.norm(terms, axis=0)
-        scale[scale == 0] = 1.0
-        terms /= scale
-        target = np.ones(len(values))
-        best: tuple[float, np.ndarray] | None = None
-        for mask in range(1, 16):
-            used = [i for i in range(4) if mask >> i & 1]
-            coef, *_ = np.linalg.lstsq(terms[:, used], target, rcond=None)
-            if (coef < 0).any():
-                continue
-            full = np.zeros(4)
-            full[used] = coef
-            err = float(np.sum((terms @ full - target) ** 2))
-            if best is None or err < best[0] - 1e-15:
-                best = (err, full)
-        assert best is not None  # a single term's least-squares coefficient is never negative
-        base, per_token, per_cell, per_segment = (best[1] / scale).tolist()
+        terms = np.array([features(k) for k, _ in samples], dtype=float)
+        base, per_token, per_cell, per_segment = nonnegative_fit(terms, values)
         return cls(base=base, per_token=per_token, per_cell=per_cell, per_segment=per_segment)
 
 
