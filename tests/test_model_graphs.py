@@ -158,3 +158,18 @@ def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):
     assert {r["eviction"] for r in rows} == {"lru", "belady"}
     lru, belady = (next(r for r in rows if r["eviction"] == e) for e in ("lru", "belady"))
     assert belady["misses"] <= lru["misses"]
+
+
+def test_cli_calibrate_and_run_with_a_model(tmp_path):
+    path = tmp_path / "m.json"
+    assert main(["calibrate", "--model", SPEC, "--sizes", "16", "--repeats", "1", "--out", str(path)]) == 0
+    model = ModelCostModel.load(path)
+    assert model.spec.startswith("llama:layers=1") and len(model.samples) == 3
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", SPEC, "--model-cost", str(path), "--backend", "aot_eager", "--limit", "10",
+                 "--max-seq-len", "512", "--max-num-batched-tokens", "512", "--max-num-seqs", "1",
+                 "--policy", "dynamic", "--check", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["passed"] and result["max_abs_err"] <= 1e-4
+    assert result["predicted"]["misses"] == result["misses"] >= 1
+    assert result["predicted_over_measured"]["misses"] == 1.0
