@@ -10,7 +10,7 @@ from attnpolicy.cli.common import check_output, console, fail, print_table, prog
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import (
@@ -83,6 +83,18 @@ def model_workload(args: argparse.Namespace) -> list[BatchLayout]:
     return layouts
 
 
+def _attention_only(args: argparse.Namespace) -> None:
+    """Refuse the flags of simulate and plan that model graphs do not take."""
+    if args.layouts:
+        fail("argument --layouts: a recorded layout stream holds attention batches; with --model-cost the "
+             "workload is --trace (prefill only)")
+    if args.config:
+        fail("argument --config: with --model-cost the config is derived from the model cost model and the flags")
+    for flag in ("plot", "strict", "option", "warmup_seconds"):
+        if getattr(args, flag, None):
+            fail(f"argument --{flag.replace('_', '-')}: not taken with --model-cost")
+
+
 def _policies(args: argparse.Namespace, default: tuple[str, ...]) -> tuple[str, ...]:
     return MODEL_POLICIES if tuple(args.policies) == tuple(default) else tuple(args.policies)
 
@@ -97,6 +109,7 @@ def print_model_rows(title: str, rows: list[ModelSimRow]) -> None:
 
 def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
     check_output("--json", args.json)
+    _attention_only(args)
     model = load_model_cost(args.model_cost)
     layouts = model_workload(args)
     schemes = args.buckets or ("pow2",)
@@ -106,10 +119,11 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
             for scheme in schemes:
                 buckets = bucket_scheme(scheme, args.max_seq_len, args.max_num_batched_tokens).buckets
                 for capacity in args.capacities:
-                    configs.append(model_config(model, args.max_seq_len, args.max_num_batched_tokens,
-                                                policy=policy, buckets=buckets, max_graphs=capacity))
+                    configs += [model_config(model, args.max_seq_len, args.max_num_batched_tokens, policy=policy,
+                                             buckets=buckets, max_graphs=capacity, max_bytes=max_bytes)
+                                for max_bytes in args.max_bytes or (None,)]
         rows = simulate_model(layouts, model, configs, args.evictions)
-    except ConfigError as exc:
+    except (ConfigError, GraphTooLargeError) as exc:
         fail(str(exc))
     print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                      f"({model.backend}, {model.clock} s)", rows)
@@ -121,6 +135,7 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
 
 def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
     check_output("--out", args.out, directory=True)
+    _attention_only(args)
     model = load_model_cost(args.model_cost)
     layouts = model_workload(args)
     evictions = [e for e in args.evictions if e != "belady"]

@@ -155,7 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan.config.save(out)
     write_json(out / "plan.json", {"source": source, "rejected": rejected, **plan.to_json()})
     write_text_atomic(out / "plan.md", plan_markdown(plan, source))
-    write_host_settings(out, plan.chosen.buckets, base.max_batch_tokens)
+    write_host_settings(out, plan.chosen.buckets, args.max_num_batched_tokens)
     print_plan(plan, source)
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
