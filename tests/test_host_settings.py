@@ -43,8 +43,9 @@ def test_host_settings_render_the_planned_buckets():
     s = host_settings([64, 16, 512, 64], 256)
     assert s["vllm"]["compilation_config"] == {"compile_sizes": [16, 64], "cudagraph_capture_sizes": [16, 64]}
     assert s["token_padding"] == [16, 64, 512]  # a static-graph runtime pads to every planned size
-    with pytest.raises(ConfigError, match="no planned bucket"):
-        host_settings([512], 256)
+    assert host_settings([512], 256)["vllm"]["compilation_config"]["compile_sizes"] == []
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        host_settings([512], 0)
 
 
 def test_vllm_compilation_config_accepts_the_emitted_settings():

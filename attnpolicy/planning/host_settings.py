@@ -19,11 +19,12 @@ from attnpolicy.errors import ConfigError
 
 def host_settings(buckets: Sequence[int], max_num_batched_tokens: int) -> dict[str, Any]:
     """The host settings of ``buckets`` (sorted, deduplicated) for a server whose steps
-    hold at most ``max_num_batched_tokens`` tokens."""
+    hold at most ``max_num_batched_tokens`` tokens (vLLM's lists are empty when no
+    planned size is that small: every step then runs uncompiled sizes)."""
+    if max_num_batched_tokens < 1:
+        raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
     sizes = sorted(set(buckets))
     served = [n for n in sizes if n <= max_num_batched_tokens]
-    if not served:
-        raise ConfigError(f"no planned bucket {sizes} is <= max_num_batched_tokens {max_num_batched_tokens}")
     return {"vllm": {"compilation_config": {"compile_sizes": served, "cudagraph_capture_sizes": served},
                      "max_num_batched_tokens": max_num_batched_tokens},
             "token_padding": sizes}
