@@ -68,9 +68,14 @@ class CalibrationSettings(SpecSettings):
     @field_validator("sizes")
     @classmethod
     def _pow2(cls, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if sizes is not None and (not sizes or any(n & (n - 1) for n in sizes)):
-            raise ValueError("must be one or more powers of two")
-        return sizes
+        return pow2_sizes(sizes)
+
+
+def pow2_sizes(sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """``sizes`` when they are one or more powers of two (or ``None``), else ``ValueError``."""
+    if sizes is not None and (not sizes or any(n & (n - 1) for n in sizes)):
+        raise ValueError("must be one or more powers of two")
+    return sizes
 
 
 def _real(bucket: int) -> int:

@@ -51,11 +51,22 @@ def register(subparsers: Any) -> None:
     c.add_argument("--statistic", choices=("min", "mean"), default=d.statistic,
                    help="a call's sample: its fastest run, or its mean run (what a replay on this machine "
                         f"pays now, interference included) (default: {d.statistic})")
+    c.add_argument("--model", metavar="SPEC", default=None,
+                   help="fit a model-level cost model of whole-model graphs of SPEC (qwen3, llama, sizes, or a "
+                        "local HF directory) through the StaticModelRunner; --out defaults to "
+                        "attnpolicy_model_costmodel.json (default: none, attention calls)")
+    c.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="with --model: process CPU seconds (stable on a loaded machine) or wall seconds "
+                        "(default: cpu)")
     c.add_argument("--kernels", action="store_true",
                    help="also time every registered kernel per family, for kernels 'auto' (default: off)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.model:
+        from attnpolicy.cli.model_graphs import cmd_calibrate_model
+
+        return cmd_calibrate_model(args, DEFAULT_COSTMODEL_PATH)
     check_output("--out", args.out)
     s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,

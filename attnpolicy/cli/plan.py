@@ -20,6 +20,7 @@ from attnpolicy.cli.common import (
     str_list,
     warn,
 )
+from attnpolicy.cli.model_graphs import write_host_settings
 from attnpolicy.cli.simulate import cost_model, former_from, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
@@ -77,6 +78,9 @@ def register(subparsers: Any) -> None:
                    help="most bucket sizes per candidate list (default: 16)")
     p.add_argument("--cost-model", metavar="PATH",
                    help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+    p.add_argument("--model-cost", metavar="PATH",
+                   help="plan whole-model graphs with a model cost model from 'attnpolicy calibrate --model' "
+                        "(prefill-only batches) (default: none, attention-call graphs)")
     p.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (backend, impl, limits); the plan replaces its policy, buckets, "
                         "capacity, eviction, strict and warmup (default: derived from the cost model and the "
@@ -98,6 +102,10 @@ def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConf
 def cmd_plan(args: argparse.Namespace) -> int:
     from attnpolicy.plugins.registry import policy_registry
 
+    if args.model_cost:
+        from attnpolicy.cli.model_graphs import cmd_plan_model
+
+        return cmd_plan_model(args, POLICIES)
     check_output("--out", args.out, directory=True)
     model = cost_model(args) or CostModel.default()
     check_evictions("--evictions", args.evictions, simulation=False)
@@ -147,8 +155,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan.config.save(out)
     write_json(out / "plan.json", {"source": source, "rejected": rejected, **plan.to_json()})
     write_text_atomic(out / "plan.md", plan_markdown(plan, source))
+    write_host_settings(out, plan.chosen.buckets, args.max_num_batched_tokens)
     print_plan(plan, source)
-    print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}")
+    print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
+          f"{out / 'host_settings.json'}")
     return 0
 
 

@@ -63,6 +63,14 @@ def register(subparsers: Any) -> None:
                    help="compare every output with the float64 reference and print pass or fail against "
                         f"the dtype's tolerance ({', '.join(f'{d} {t:g}' for d, t in TOLERANCE.items())}) "
                         "(default: off)")
+    p.add_argument("--model", metavar="SPEC", default=None,
+                   help="replay prefill-only batches through whole-model graphs of SPEC (StaticModelRunner); "
+                        "--check compares with the eager model (default: none, attention calls)")
+    p.add_argument("--model-cost", metavar="PATH", default=None,
+                   help="with --model: a model cost model whose simulated prediction for the same batches is "
+                        "compared with the measurement (default: none)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="with --model: time compiles and runs in process CPU or wall seconds (default: cpu)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (default: none)")
 
 
@@ -90,6 +98,10 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     check_output("--json", args.json)
+    if args.model:
+        from attnpolicy.cli.model_graphs import cmd_run_model
+
+        return cmd_run_model(args, config_from(args))
     check_spec_args(args)
     config = config_from(args)
     former = former_from(args)

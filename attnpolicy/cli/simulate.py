@@ -76,6 +76,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--strict", action="store_true",
                    help="with --layouts: exit 1 unless the row under the recorded config reproduces the "
                         "recorded hits, misses and evictions; that row must be in the sweep (default: off)")
+    s.add_argument("--model-cost", metavar="PATH",
+                   help="simulate whole-model graphs with a model cost model from 'attnpolicy calibrate --model' "
+                        "(prefill-only batches) (default: none, attention-call graphs)")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
     s.add_argument("--plot", metavar="PATH.png",
                    help="plot peak graph MiB vs total seconds per policy and eviction (default: none)")
@@ -147,6 +150,10 @@ def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.model_cost:
+        from attnpolicy.cli.model_graphs import cmd_simulate_model
+
+        return cmd_simulate_model(args, POLICIES)
     check_output("--json", args.json)
     check_output("--plot", args.plot)
     model = cost_model(args) or CostModel.default()

@@ -73,24 +73,34 @@ class Fit(BaseModel):
         rows, cols, secs = data.T
         if (secs <= 0).any() or (rows < 1).any() or (cols < 1).any():
             raise ConfigError(f"fit samples need rows, cols >= 1 and seconds > 0, got {list(samples)!r}")
-        terms = np.stack([np.ones_like(rows), rows * cols, rows + cols], axis=1) / secs[:, None]
-        scale = np.linalg.norm(terms, axis=0)
-        terms = terms / scale
-        target = np.ones(len(secs))
-        best: tuple[float, np.ndarray] | None = None
-        for mask in range(1, 8):
-            cols_used = [i for i in range(3) if mask >> i & 1]
-            coef, *_ = np.linalg.lstsq(terms[:, cols_used], target, rcond=None)
-            if (coef < 0).any():
-                continue
-            full = np.zeros(3)
-            full[cols_used] = coef
-            err = float(np.sum((terms @ full - target) ** 2))
-            if best is None or err < best[0] - 1e-15:
-                best = (err, full)
-        assert best is not None  # a single term's least-squares coefficient is never negative
-        base, per_cell, per_token = (best[1] / scale).tolist()
+        terms = np.stack([np.ones_like(rows), rows * cols, rows + cols], axis=1)
+        base, per_cell, per_token = nonnegative_fit(terms, secs)
         return cls(base=base, per_cell=per_cell, per_token=per_token)
+
+
+def nonnegative_fit(terms: np.ndarray, values: np.ndarray) -> list[float]:
+    """The non-negative coefficients of ``terms`` (samples × terms) that minimise the
+    squared relative error against ``values`` (> 0): the best least-squares solution
+    over every subset of the terms that has no negative coefficient (exact)."""
+    terms = terms / values[:, None]
+    scale = np.linalg.norm(terms, axis=0)
+    scale[scale == 0] = 1.0
+    terms = terms / scale
+    target = np.ones(len(values))
+    n = terms.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 1 << n):
+        used = [i for i in range(n) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(terms[:, used], target, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(n)
+        full[used] = coef
+        err = float(np.sum((terms @ full - target) ** 2))
+        if best is None or err < best[0] - 1e-15:
+            best = (err, full)
+    assert best is not None  # a single term's least-squares coefficient is never negative
+    return list((best[1] / scale).tolist())
 
 
 class Sample(BaseModel):

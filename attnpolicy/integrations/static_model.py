@@ -153,6 +153,17 @@ def register() -> None:
     AttentionInterface.register(NAME, static_attention)
 
 
+def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> ModelKey:
+    """The whole-model graph key ``layout`` runs under in ``mode`` with ``config``'s
+    buckets and backend (pure: no model needed; the runner and the simulator share it)."""
+    if mode is MaskMode.VARLEN:
+        segments = tuple(sorted((config.bucket(n) for n in layout.q_lens), reverse=True))
+        return ModelKey(mode, sum(segments), segments, config.backend)
+    real = sum(layout.q_lens)
+    tokens = config.bucket(real) if mode is MaskMode.CAUSAL else config.batch_bucket(real)
+    return ModelKey(mode, tokens, (tokens,), config.backend)
+
+
 def estimate_bytes(key: ModelKey, model_config: Any, itemsize: int = 4) -> int:
     """A static-shape estimate of what one graph holds while it runs: its inputs (ids,
     positions, a MASK graph's boolean mask), its logits, and one layer's activations
@@ -254,14 +265,8 @@ class StaticModelRunner:
         return self.cache.get_or_compile(key, lambda: self._build(key, batch.inputs), pin=pin)
 
     def key_for(self, layout: BatchLayout, mode: MaskMode) -> ModelKey:
-        """The graph key ``layout`` runs under in ``mode``."""
-        cfg, backend = self.config, self.config.backend
-        if mode is MaskMode.VARLEN:
-            segments = tuple(sorted((cfg.bucket(n) for n in layout.q_lens), reverse=True))
-            return ModelKey(mode, sum(segments), segments, backend)
-        real = sum(layout.q_lens)
-        tokens = cfg.bucket(real) if mode is MaskMode.CAUSAL else cfg.batch_bucket(real)
-        return ModelKey(mode, tokens, (tokens,), backend)
+        """The graph key ``layout`` runs under in ``mode`` (:func:`model_key_for`)."""
+        return model_key_for(layout, mode, self.config)
 
     def _check(self, token_ids: torch.Tensor, layout: BatchLayout) -> None:
         if not isinstance(layout, BatchLayout):

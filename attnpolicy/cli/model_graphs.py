@@ -1,0 +1,213 @@
+"""The whole-model-graph forms of ``calibrate``, ``simulate`` and ``plan``
+(``calibrate --model SPEC``, ``simulate --model-cost FILE``, ``plan --model-cost FILE``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from attnpolicy.cli.common import check_output, console, fail, print_table, progress, settings, warn
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.jsonfile import write_json
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.errors import ConfigError, GraphTooLargeError
+from attnpolicy.modelling.bucket_schemes import bucket_scheme
+from attnpolicy.modelling.model_costmodel import ModelCostModel
+from attnpolicy.modelling.model_simulation import (
+    ModelSimRow,
+    model_config,
+    model_former,
+    model_layouts,
+    simulate_model,
+)
+from attnpolicy.planning.host_settings import host_settings
+from attnpolicy.planning.model_plan import plan_model_graphs
+from attnpolicy.workloads.traces import TraceError, load_trace
+
+DEFAULT_MODEL_COSTMODEL_PATH = "attnpolicy_model_costmodel.json"
+#: The stateless policies simulated and planned on model graphs by default.
+MODEL_POLICIES = ("always-mask", "dynamic", "varlen")
+
+
+def cmd_calibrate_model(args: argparse.Namespace, default_out: str) -> int:
+    from attnpolicy.bench.model_calibration import ModelCalibrationSettings, calibrate_model, grid
+
+    out = DEFAULT_MODEL_COSTMODEL_PATH if args.out == default_out else args.out
+    check_output("--out", out)
+    s = settings(ModelCalibrationSettings, {"spec": "--model"}, spec=args.model, backend=args.backend,
+                 sizes=tuple(args.sizes) if args.sizes else None, repeats=args.repeats, threads=args.threads,
+                 clock=args.clock, quick=args.quick)
+    try:
+        with progress(len(grid(s)) + s.repeats, "calibrate --model") as advance:
+            model = calibrate_model(s, advance)
+    except ConfigError as exc:
+        fail(f"argument --model: {exc}")
+    path = model.save(out)
+    rows = []
+    for x in model.samples:
+        key = x.key(model.backend)
+        rows.append((x.mode, "+".join(map(str, x.segments)), x.compile_seconds, model.compile_seconds(key),
+                     x.run_seconds * 1e3, model.run_seconds(key) * 1e3, x.rss_bytes / 2**20,
+                     x.estimate_bytes / 2**20))
+    print_table(f"model cost model, {model.spec}, {model.backend}, {model.clock} seconds, "
+                f"{model.threads} thread(s)",
+                ("mode", "buckets", "compile s", "model s", "run ms", "model ms", "RSS MiB", "estimate MiB"), rows)
+    console.print(f"the first compile in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); "
+                  f"wrote {path}")
+    return 0
+
+
+def load_model_cost(path: str) -> ModelCostModel:
+    try:
+        return ModelCostModel.load(path)
+    except ConfigError as exc:
+        fail(f"argument --model-cost: {exc}")
+
+
+def model_workload(args: argparse.Namespace) -> list[BatchLayout]:
+    """The prefill-only batches of --trace/--limit and the batch former's knobs."""
+    try:
+        former = model_former(args.max_num_seqs, args.max_num_batched_tokens, args.max_seq_len)
+    except ConfigError as exc:
+        fail(f"the model-graph workload (prefill only, each prompt in one step): {exc}")
+    try:
+        requests = load_trace(args.trace, args.limit)
+    except TraceError as exc:
+        fail(f"argument --trace: {exc}")
+    layouts = model_layouts(list(former.steps(requests)))
+    if former.rejected:
+        warn(f"{len(former.rejected)} of {len(requests)} requests have prompts over --max-seq-len "
+             f"{args.max_seq_len}: left out")
+    if not layouts:
+        fail(f"argument --trace: no request of {args.trace!r} fits --max-seq-len {args.max_seq_len}")
+    return layouts
+
+
+def _attention_only(args: argparse.Namespace) -> None:
+    """Refuse the flags of simulate and plan that model graphs do not take."""
+    if args.layouts:
+        fail("argument --layouts: a recorded layout stream holds attention batches; with --model-cost the "
+             "workload is --trace (prefill only)")
+    if args.config:
+        fail("argument --config: with --model-cost the config is derived from the model cost model and the flags")
+    for flag in ("plot", "strict", "option", "warmup_seconds"):
+        if getattr(args, flag, None):
+            fail(f"argument --{flag.replace('_', '-')}: not taken with --model-cost")
+
+
+def _policies(args: argparse.Namespace, default: tuple[str, ...]) -> tuple[str, ...]:
+    return MODEL_POLICIES if tuple(args.policies) == tuple(default) else tuple(args.policies)
+
+
+def print_model_rows(title: str, rows: list[ModelSimRow]) -> None:
+    print_table(title, ("policy", "buckets", "graphs", "eviction", "distinct", "misses", "evictions",
+                        "compile s", "run s", "total s", "peak MiB"),
+                [(r.policy, r.buckets, "∞" if r.max_graphs is None else r.max_graphs, r.eviction, r.graphs,
+                  r.misses, r.evictions, r.compile_seconds + r.warmup_seconds, r.run_seconds, r.total_seconds,
+                  r.peak_bytes / 2**20) for r in rows])
+
+
+def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
+    check_output("--json", args.json)
+    _attention_only(args)
+    model = load_model_cost(args.model_cost)
+    layouts = model_workload(args)
+    schemes = args.buckets or ("pow2",)
+    configs = []
+    try:
+        for policy in _policies(args, default_policies):
+            for scheme in schemes:
+                buckets = bucket_scheme(scheme, args.max_seq_len, args.max_num_batched_tokens).buckets
+                for capacity in args.capacities:
+                    configs += [model_config(model, args.max_seq_len, args.max_num_batched_tokens, policy=policy,
+                                             buckets=buckets, max_graphs=capacity, max_bytes=max_bytes)
+                                for max_bytes in args.max_bytes or (None,)]
+        rows = simulate_model(layouts, model, configs, args.evictions)
+    except (ConfigError, GraphTooLargeError) as exc:
+        fail(str(exc))
+    print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
+                     f"({model.backend}, {model.clock} s)", rows)
+    if args.json:
+        write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
+                               "model": model.spec, "rows": [r.to_json() for r in rows]})
+    return 0
+
+
+def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
+    check_output("--out", args.out, directory=True)
+    _attention_only(args)
+    model = load_model_cost(args.model_cost)
+    layouts = model_workload(args)
+    evictions = [e for e in args.evictions if e != "belady"]
+    try:
+        base = model_config(model, args.max_seq_len, args.max_num_batched_tokens, max_graphs=args.max_graphs,
+                            max_bytes=args.max_bytes)
+        with progress(None, "plan --model-cost") as advance:
+            plan = plan_model_graphs(layouts, base, model, _policies(args, default_policies), evictions,
+                                     args.max_buckets, advance)
+    except ConfigError as exc:
+        fail(str(exc))
+    out = Path(args.out)
+    plan.config.save(out)
+    source = args.trace + (f" (first {args.limit} requests)" if args.limit else "")
+    write_json(out / "plan.json", {"source": source, "model": model.spec, "batches": len(layouts),
+                                   **plan.to_json()})
+    write_host_settings(out, plan.chosen.buckets, args.max_num_batched_tokens)
+    cap = "∞" if args.max_graphs is None else args.max_graphs
+    print_table(f"attnpolicy plan on model graphs: {source}, {model.spec}, max_graphs {cap}",
+                ("policy", "buckets", "eviction", "plan s", "pow2 lru s", "pow2 belady s", "× lru", "× belady"),
+                [(p.policy + (" *" if p is plan.chosen else ""), ",".join(map(str, p.buckets)), p.row.eviction,
+                  p.row.total_seconds, p.base_lru.total_seconds, p.base_belady.total_seconds,
+                  p.base_lru.total_seconds / p.row.total_seconds,
+                  p.base_belady.total_seconds / p.row.total_seconds) for p in plan.policies],
+                caption="* chosen")
+    print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.json'}, {out / 'host_settings.json'}")
+    return 0
+
+
+def write_host_settings(out: Path, buckets: tuple[int, ...] | list[int], max_num_batched_tokens: int) -> Path:
+    """``host_settings.json`` of a planned bucket list, next to ``plan.json``."""
+    path = out / "host_settings.json"
+    write_json(path, host_settings(buckets, max_num_batched_tokens))
+    return path
+
+
+
+def cmd_run_model(args: argparse.Namespace, config: AttnPolicyConfig) -> int:
+    from attnpolicy.bench.model_replay import TOLERANCE, replay_model
+
+    cost = load_model_cost(args.model_cost) if args.model_cost else None
+    if not args.config:  # a MASK graph's bucket is of the step's token budget, as in simulate --model-cost
+        config = AttnPolicyConfig(**{**config.model_dump(), "max_batch_tokens": args.max_num_batched_tokens})
+    if cost is not None and cost.backend != config.backend:
+        warn(f"--model-cost was calibrated with backend {cost.backend}, the run uses {config.backend}")
+    layouts = model_workload(args)
+    try:
+        with progress(len(layouts), "run --model") as advance:
+            result = replay_model(args.model, layouts, config, check=args.check, cost=cost, clock=args.clock,
+                                  progress=advance)
+    except ConfigError as exc:
+        fail(f"argument --model: {exc}")
+    rows: list[tuple[str, object]] = [
+        ("model", result.spec), ("policy", config.policy), ("backend", config.backend),
+        ("buckets", config.buckets.describe()), ("max graphs", config.max_graphs or "∞"),
+        ("batches", result.batches), ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
+        ("hits / misses", f"{result.hits} / {result.misses}"), ("evictions", result.evictions),
+        (f"compile s ({result.clock})", result.compile_seconds), (f"run s ({result.clock})", result.run_seconds),
+        (f"total s ({result.clock})", result.total_seconds)]
+    if result.predicted is not None:
+        p = result.predicted
+        rows += [("predicted misses", p.misses), ("predicted compile s", p.compile_seconds + p.warmup_seconds),
+                 ("predicted total s", p.total_seconds)]
+        rows += [(f"predicted/measured {k}", v) for k, v in result.ratios().items()]
+    if result.max_abs_err is not None:
+        rows += [("max abs err", result.max_abs_err),
+                 ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {TOLERANCE:g})")]
+    print_table(f"attnpolicy run --model: {args.trace}", ("", "value"), rows)
+    if args.json:
+        write_json(args.json, {"trace": args.trace, "limit": args.limit, "config": config.model_dump(mode="json"),
+                               **result.to_json()})
+    if result.passed is False:
+        warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {TOLERANCE:g}")
+        return 1
+    return 0

@@ -1,0 +1,169 @@
+"""The model-level cost model: predicted compile seconds, run seconds and bytes of
+whole-model graphs (:class:`~attnpolicy.integrations.static_model.ModelKey`).
+
+A :class:`ModelCostModel` is fitted by ``attnpolicy calibrate --model SPEC``
+(:mod:`attnpolicy.bench.model_calibration`) through the real
+:class:`~attnpolicy.integrations.static_model.StaticModelRunner`. Per mode it holds
+one :class:`ModelFit` each for compile seconds, run seconds and the RSS a build
+took. A fit is linear in three features of a key, so one form serves every mode:
+
+- ``tokens``: the graph's rows (VARLEN: the sum of its segments);
+- ``cells``: the attention score cells per layer (MASK: ``tokens²``, CAUSAL and
+  VARLEN: the sum of each segment's square);
+- ``segments``: the attention calls per layer (VARLEN: its segments, else 1).
+
+A VARLEN graph's run seconds are so a sum over its segments (a per-segment cost and
+each segment's cells) plus the graph's fixed and per-token cost, and its compile
+seconds a fit over its total tokens and segment count. The bytes a cache bounds are
+the runner's own static-shape estimate, computed exactly from the model's sizes
+(:func:`~attnpolicy.integrations.static_model.estimate_bytes`), so a simulated cache
+evicts as the runner's does. ``warmup_seconds`` is what the first compile of a
+process pays on top of its key's fit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Annotated, Final, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from attnpolicy.core import jsonfile
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.names import Backend
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.costmodel import nonnegative_fit
+from attnpolicy.integrations.static_model import ModelKey, estimate_bytes
+
+FORMAT_VERSION: Final = 1
+NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Positive = Annotated[int, Field(strict=True, ge=1)]
+#: The modes a model cost model covers, as JSON keys.
+Mode = Literal["causal", "mask", "varlen"]
+MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
+
+
+def features(key: ModelKey) -> tuple[int, int, int, int]:
+    """The fit's features of ``key``: 1, tokens, score cells per layer, segments."""
+    if key.mode is MaskMode.MASK:
+        return 1, key.tokens, key.tokens * key.tokens, 1
+    return 1, key.tokens, sum(n * n for n in key.segments), len(key.segments)
+
+
+class ModelFit(BaseModel):
+    """``base + per_token·tokens + per_cell·cells + per_segment·segments`` (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: NonNegative = 0.0
+    per_token: NonNegative = 0.0
+    per_cell: NonNegative = 0.0
+    per_segment: NonNegative = 0.0
+
+    def __call__(self, key: ModelKey) -> float:
+        one, tokens, cells, segments = features(key)
+        return self.base * one + self.per_token * tokens + self.per_cell * cells + self.per_segment * segments
+
+    @classmethod
+    def to_samples(cls, samples: Sequence[tuple[ModelKey, float]]) -> ModelFit:
+        """The non-negative fit of ``(key, value)`` samples minimising the squared
+        relative error: the best least-squares solution over every subset of the four
+        terms that has no negative coefficient."""
+        if not samples:
+            raise ConfigError("a model fit needs at least one (key, value) sample, got none")
+        values = np.array([max(v, 1e-12) for _, v in samples], dtype=float)
+        terms = np.array([features(k) for k, _ in samples], dtype=float)
+        base, per_token, per_cell, per_segment = nonnegative_fit(terms, values)
+        return cls(base=base, per_token=per_token, per_cell=per_cell, per_segment=per_segment)
+
+
+class ModelSample(BaseModel):
+    """One calibrated graph: its key's shape and what it measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Mode
+    segments: tuple[Positive, ...]
+    compile_seconds: NonNegative
+    run_seconds: NonNegative
+    rss_bytes: int
+    estimate_bytes: Positive
+
+    def key(self, backend: str) -> ModelKey:
+        return key_of(self.mode, self.segments, backend)
+
+
+def key_of(mode: str, segments: Sequence[int], backend: str) -> ModelKey:
+    """The :class:`ModelKey` of a mode and its segments (one segment unless VARLEN)."""
+    m = MaskMode(mode)
+    return ModelKey(m, sum(segments), tuple(segments), backend)
+
+
+class ModelDims(BaseModel):
+    """The sizes of the calibrated model that its graphs' byte estimate needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden: Positive
+    heads: Positive
+    kv_heads: Positive
+    head_dim: Positive
+    intermediate: Positive
+    vocab: Positive
+    layers: Positive
+    itemsize: Positive = 4
+
+
+class ModelCostModel(BaseModel):
+    """Predicted compile seconds, run seconds and bytes of one model's whole-model graphs.
+
+    Immutable; :meth:`save` / :meth:`load` round-trip it through JSON."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: Literal[1] = FORMAT_VERSION
+    spec: str
+    dims: ModelDims
+    backend: Backend = "aot_eager"
+    threads: Positive = 1
+    clock: Literal["cpu", "wall"] = "cpu"
+    torch_version: str = ""
+    compile: dict[Mode, ModelFit]
+    run: dict[Mode, ModelFit]
+    rss: dict[Mode, ModelFit]
+    warmup_seconds: NonNegative = 0.0
+    samples: tuple[ModelSample, ...] = ()
+
+    def compile_seconds(self, key: ModelKey) -> float:
+        """Seconds to build the graph of ``key`` (compile and first run)."""
+        return self.compile[key.mode.value](key)
+
+    def run_seconds(self, key: ModelKey) -> float:
+        """Seconds of one batch through the graph of ``key`` (placement and scatter included)."""
+        return self.run[key.mode.value](key)
+
+    def rss_bytes(self, key: ModelKey) -> int:
+        """The RSS a build of ``key``'s graph is predicted to take (measured in calibration)."""
+        return round(self.rss[key.mode.value](key))
+
+    def graph_bytes(self, key: ModelKey) -> int:
+        """The runner's static-shape estimate for ``key``: what its cache is bounded by."""
+        d = self.dims
+        config = SimpleNamespace(hidden_size=d.hidden, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
+                                 head_dim=d.head_dim, intermediate_size=d.intermediate, vocab_size=d.vocab)
+        return estimate_bytes(key, config, d.itemsize)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the model as JSON to ``path`` atomically (parents created); returns the path."""
+        return jsonfile.write_text_atomic(path, self.model_dump_json(indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ModelCostModel:
+        """Read a model saved by :meth:`save`; a problem raises :class:`ConfigError` naming the file."""
+        path = Path(path)
+        return jsonfile.parse(cls, jsonfile.read_text(path, "model cost model"), str(path), "model cost model",
+                              FORMAT_VERSION)

@@ -1,0 +1,175 @@
+"""Whole-model graphs: the model-level cost model, its calibration through the real
+runner, the model-graph simulator (its misses equal a real runner replay's), the
+model-graph planner and the CLI forms (tiny models, aot_eager)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnpolicy.cli import main
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.buckets import Buckets
+from attnpolicy.integrations.static_model import model_key_for
+from attnpolicy.modelling.model_costmodel import ModelCostModel, ModelDims, ModelFit, key_of
+from attnpolicy.modelling.model_simulation import model_config, model_layouts, simulate_model
+from attnpolicy.planning.model_plan import plan_model_graphs
+
+SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
+#: prefill batches whose keys under pow2 buckets and 2 graphs evict
+LAYOUTS = [BatchLayout.from_lens(lens) for lens in
+           ([5], [9, 3], [20], [5], [40], [9, 3], [3, 3, 3], [20], [12, 30])]
+
+
+def synthetic(compile_base: float = 2.0) -> ModelCostModel:
+    fit = ModelFit(base=compile_base, per_token=1e-3)
+    run = ModelFit(base=1e-3, per_token=1e-5, per_cell=1e-8, per_segment=1e-4)
+    rss = ModelFit(base=1e6)
+    return ModelCostModel(spec="synthetic", dims=ModelDims(hidden=64, heads=2, kv_heads=1, head_dim=32,
+                                                            intermediate=128, vocab=64, layers=1),
+                          compile=dict.fromkeys(("causal", "mask", "varlen"), fit),
+                          run=dict.fromkeys(("causal", "mask", "varlen"), run),
+                          rss=dict.fromkeys(("causal", "mask", "varlen"), rss), warmup_seconds=0.5)
+
+
+def test_fit_recovers_its_coefficients_and_sums_varlen_segments():
+    truth = ModelFit(base=0.5, per_token=1e-3, per_cell=2e-6, per_segment=0.1)
+    keys = [key_of(m, segs, "aot_eager") for m, segs in
+            [("varlen", (16,)), ("varlen", (64, 32)), ("varlen", (256,)), ("varlen", (128, 128, 16)),
+             ("varlen", (512, 64)), ("varlen", (32,) * 6)]]
+    fitted = ModelFit.to_samples([(k, truth(k)) for k in keys])
+    for k in keys:
+        assert fitted(k) == pytest.approx(truth(k), rel=1e-6)
+    two = key_of("varlen", (64, 32), "aot_eager")
+    # a VARLEN graph's cost is its fixed and per-token cost plus a sum over its segments
+    assert truth(two) == pytest.approx(0.5 + 1e-3 * 96 + 2e-6 * (64 ** 2 + 32 ** 2) + 0.1 * 2)
+    with pytest.raises(ConfigError, match="at least one"):
+        ModelFit.to_samples([])
+
+
+def test_model_cost_model_round_trips_and_refuses_bad_files(tmp_path):
+    model = synthetic()
+    assert ModelCostModel.load(model.save(tmp_path / "m.json")) == model
+    data = json.loads((tmp_path / "m.json").read_text())
+    data["compile"]["mask"]["base"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="bad.json"):
+        ModelCostModel.load(tmp_path / "bad.json")
+
+
+def test_graph_bytes_are_the_runners_estimate():
+    from types import SimpleNamespace
+
+    from attnpolicy.integrations.static_model import estimate_bytes
+
+    model = synthetic()
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                             intermediate_size=128, vocab_size=64)
+    for key in (key_of("mask", (64,), "aot_eager"), key_of("varlen", (32, 16), "aot_eager")):
+        assert model.graph_bytes(key) == estimate_bytes(key, config)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    from attnpolicy.bench.model_calibration import ModelCalibrationSettings, calibrate_model, grid
+
+    s = ModelCalibrationSettings(spec=SPEC, quick=True, repeats=1)
+    model = calibrate_model(s)
+    assert len(model.samples) == len(grid(s))
+    return model, tmp_path_factory.mktemp("model")
+
+
+def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
+    model, tmp = calibrated
+    assert ModelCostModel.load(model.save(tmp / "m.json")) == model
+    assert {x.mode for x in model.samples} == {"causal", "mask", "varlen"}
+    for x in model.samples:
+        key = x.key(model.backend)
+        assert x.compile_seconds > 0 and x.run_seconds > 0
+        assert model.compile_seconds(key) > 0 and model.run_seconds(key) > 0
+        assert x.estimate_bytes == model.graph_bytes(key)  # the runner's own estimate
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "varlen"])
+def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
+    from attnpolicy.bench.model_replay import TOLERANCE, replay_model
+
+    model, _ = calibrated
+    config = model_config(model, 64, 128, policy=policy, max_graphs=2)
+    result = replay_model(SPEC, LAYOUTS, config, check=True, cost=model)
+    predicted = result.predicted
+    assert predicted is not None
+    assert (predicted.misses, predicted.compiles, predicted.evictions) == \
+        (result.misses, result.compiles, result.evictions)
+    assert result.evictions > 0  # the cache was too small: eviction order mattered
+    assert result.hits + result.misses == len(LAYOUTS)
+    assert result.max_abs_err is not None and result.max_abs_err <= TOLERANCE
+    assert result.ratios()["misses"] == 1.0
+
+
+def test_model_key_for_is_the_runners_key():
+    config = AttnPolicyConfig(max_seq_len=64, max_batch_tokens=128)
+    layout = BatchLayout.from_lens([9, 30, 3])
+    key = model_key_for(layout, MaskMode.VARLEN, config)
+    assert key.segments == (32, 16, 16) and key.tokens == 64  # sorted largest first
+    assert model_key_for(layout, MaskMode.MASK, config).tokens == 64
+    assert model_key_for(BatchLayout.from_lens([17]), MaskMode.CAUSAL, config).tokens == 32
+
+
+def test_model_layouts_refuse_cached_context():
+    with pytest.raises(ConfigError, match="prefill"):
+        model_layouts([BatchLayout.from_lens([1], [9])])
+
+
+def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
+    lens = [17, 33, 65, 129, 257, 300, 20, 40, 70, 140, 260, 35, 18, 66, 131, 290] * 4
+    layouts = [BatchLayout.from_lens([n]) for n in lens]
+    model = synthetic()
+    base = model_config(model, 512, 512, max_graphs=4)
+    plan = plan_model_graphs(layouts, base, model, ["dynamic"], ["lru"], 8)
+    chosen = plan.chosen
+    assert chosen.row.total_seconds < chosen.base_lru.total_seconds
+    assert chosen.row.graphs <= 4 and chosen.row.evictions == 0  # every graph fits: compulsory misses only
+    assert chosen.base_lru.evictions > 0  # pow2 needs more graphs than the cache holds
+    assert plan.config.buckets == Buckets(kind="list", sizes=chosen.buckets)
+    # the planned config serves the workload: re-simulated, the same row
+    [again] = simulate_model(layouts, model, [plan.config], ["lru"])
+    assert again.total_seconds == pytest.approx(chosen.row.total_seconds)
+
+
+def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):
+    path = synthetic().save(tmp_path / "m.json")
+    out = tmp_path / "plan"
+    flags = ["--limit", "40", "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "1"]
+    assert main(["plan", "--model-cost", str(path), "--max-graphs", "4", "--out", str(out), *flags]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    host = json.loads((out / "host_settings.json").read_text())
+    assert host["token_padding"] == plan["buckets"]
+    assert host["vllm"]["compilation_config"]["compile_sizes"] == [n for n in plan["buckets"] if n <= 2048]
+    saved = AttnPolicyConfig.load(out)
+    assert saved.buckets.sizes == tuple(plan["buckets"]) and saved.max_graphs == 4
+    assert main(["simulate", "--model-cost", str(path), "--capacities", "4", "--policies", "dynamic",
+                 "--json", str(tmp_path / "sim.json"), *flags]) == 0
+    rows = json.loads((tmp_path / "sim.json").read_text())["rows"]
+    assert {r["eviction"] for r in rows} == {"lru", "belady"}
+    lru, belady = (next(r for r in rows if r["eviction"] == e) for e in ("lru", "belady"))
+    assert belady["misses"] <= lru["misses"]
+
+
+def test_cli_calibrate_and_run_with_a_model(tmp_path):
+    path = tmp_path / "m.json"
+    assert main(["calibrate", "--model", SPEC, "--sizes", "16", "--repeats", "1", "--out", str(path)]) == 0
+    model = ModelCostModel.load(path)
+    assert model.spec.startswith("llama:layers=1") and len(model.samples) == 3
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", SPEC, "--model-cost", str(path), "--backend", "aot_eager", "--limit", "10",
+                 "--max-seq-len", "512", "--max-num-batched-tokens", "512", "--max-num-seqs", "1",
+                 "--policy", "dynamic", "--check", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["passed"] and result["max_abs_err"] <= 1e-4
+    assert result["predicted"]["misses"] == result["misses"] >= 1
+    assert result["predicted_over_measured"]["misses"] == 1.0
