@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
+
+log = logging.getLogger("attnpolicy.dispatch")
 
 
 class Dispatcher:
@@ -259,7 +263,14 @@ class Dispatcher:
             batches = layouts
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
-        return self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
+        before, start = self.cache.stats(), perf_counter()
+        keys = self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
+        after = self.cache.stats()
+        log.info("attnpolicy: warm set of %d graphs ready in %.3f s (%s start: %d loaded from the store, "
+                 "%d compiled)", len(keys), perf_counter() - start,
+                 "warm" if after.compiles == before.compiles else "cold",
+                 after.loads - before.loads, after.compiles - before.compiles)
+        return keys
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``,
@@ -294,4 +305,5 @@ class Dispatcher:
             block_masks=BlockMaskStats(len(blocks), blocks.nbytes, blocks.max_entries, blocks.max_bytes,
                                        blocks.builds),
             cache=self.cache.stats(), stalls=self.source.stalls,
-            pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0)
+            pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0,
+            disk=None if self.source.store is None else self.source.store.stats())
