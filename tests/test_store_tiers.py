@@ -1,0 +1,132 @@
+"""The graph store under the dispatcher's cache: a miss loads from disk or compiles
+ahead of time and saves; warm restarts load the warm set; every tier is counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from reference import reference_for
+
+from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.core.modes import GraphFamily
+from attnpolicy.dispatch.graph_source import example_inputs
+from attnpolicy.graphs.aot import aot_compile_graph
+from attnpolicy.graphs.execute import graph_fn
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+
+SPEC = TensorSpec("float32", 2, 2, 16)
+WARM = ({"family": "causal", "q_bucket": 16, "kv_bucket": 16},
+        {"family": "causal", "q_bucket": 32, "kv_bucket": 32})
+LAYOUTS = (BatchLayout.from_lens([12]), BatchLayout.from_lens([30]), BatchLayout.from_lens([9, 14]))
+
+
+def _config(store: Path, **fields: object) -> AttnPolicyConfig:
+    return AttnPolicyConfig(**{"backend": "aot_eager", "max_seq_len": 64, "store_dir": str(store), **fields})
+
+
+def _qkv(layout: BatchLayout, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(n, 2, 16, generator=g) for n in (layout.q_tokens, layout.kv_tokens, layout.kv_tokens))
+
+
+def _outputs(d: Dispatcher) -> list[torch.Tensor]:
+    outs = []
+    for layout in LAYOUTS:
+        q, k, v = _qkv(layout)
+        out = d.attend(q, k, v, layout)
+        torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+        outs.append(out)
+    return outs
+
+
+def test_a_second_dispatcher_loads_the_warm_set_and_computes_the_same(tmp_path):
+    cold = Dispatcher(_config(tmp_path, warmup=WARM))
+    keys = cold.warmup(SPEC)
+    first = _outputs(cold)
+    s = cold.stats()
+    assert s.cache.compiles == s.cache.misses > 0 and s.cache.loads == 0
+    assert s.disk is not None and s.disk.saves == s.cache.compiles == s.disk.entries
+
+    warm = Dispatcher(_config(tmp_path, warmup=WARM))
+    assert warm.warmup(SPEC) == keys
+    assert all(key in warm.cache for key in keys)  # ready before the first request
+    assert warm.stats().cache.loads == len(keys)
+    second = _outputs(warm)
+    s = warm.stats()
+    assert s.cache.compiles == 0 and s.cache.loads == s.cache.misses == s.disk.hits
+    assert s.disk.saves == 0
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    assert s.to_json()["disk"]["hits"] == s.cache.loads
+
+
+def test_an_evicted_graph_reloads_from_disk(tmp_path):
+    d = Dispatcher(_config(tmp_path, max_graphs=1))
+    a, b = BatchLayout.from_lens([12]), BatchLayout.from_lens([30])
+    for layout in (a, b, a):
+        q, k, v = _qkv(layout)
+        torch.testing.assert_close(d.attend(q, k, v, layout).double(), reference_for(q, k, v, layout),
+                                   atol=1e-5, rtol=1e-5)
+    c = d.stats().cache
+    assert (c.compiles, c.loads, c.evictions) == (2, 1, 2)
+    assert c.per_key[next(k for k in c.per_key if "q16" in k)].loads == 1
+
+
+def test_what_is_not_stored(tmp_path):
+    key = GraphKey(GraphFamily.MASK, 16, 16, False, SPEC, "flex", None, "aot_eager")
+    d = Dispatcher(_config(tmp_path))
+    assert not d.source.stored(key)  # flex graphs take a BlockMask: compiled, not stored
+    assert d.source.stored(GraphKey(GraphFamily.MASK, 16, 16, False, SPEC, "sdpa", None, "aot_eager"))
+    assert Dispatcher(_config(tmp_path, backend="none")).source.store is not None
+    assert not Dispatcher(_config(tmp_path, backend="none")).source.stored(
+        GraphKey(GraphFamily.MASK, 16, 16, False, SPEC, "sdpa", None, "none"))
+    custom = Dispatcher(_config(tmp_path), builder=lambda call, key, spec: graph_fn(call, "sdpa", None, None))
+    assert custom.source.store is None and custom.stats().disk is None
+    assert Dispatcher(AttnPolicyConfig(backend="aot_eager")).stats().disk is None
+
+
+def test_aot_compile_leaves_the_functions_dynamo_cache_alone():
+    """An ahead-of-time compile installs nothing on the code object's Dynamo cache
+    (which holds 8 entries): any number of stored graphs of one function compile."""
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    call = Call(GraphFamily.MASK, 0, 16, 0, 16, 16, 16, True)
+    fn = graph_fn(call, "sdpa", None, None)
+    graph = aot_compile_graph(fn, "aot_eager", example_inputs(call, SPEC))
+    assert entries(fn.__code__) == []
+    ins = tuple(torch.randn_like(t) if t.is_floating_point() else t for t in example_inputs(call, SPEC))
+    assert torch.equal(graph(*ins), fn(*ins))
+
+
+def _run(store: Path, config: Path, trace: Path, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "attnpolicy", "run", "--config", str(config), "--trace", str(trace),
+           "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--max-seq-len", "64", "--heads", "2",
+           "--kv-heads", "2", "--head-dim", "16", "--store", str(store), "--check", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    data: dict = json.loads(out.read_text())
+    return data
+
+
+@pytest.mark.slow
+def test_two_runs_against_one_store_the_second_loads(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,20,2\n"
+                     "2023-11-16 18:15:46.7805900,30,1\n")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"backend": "aot_eager", "warmup": WARM}))
+    store = tmp_path / "store"
+    cold = _run(store, config, trace, tmp_path / "cold.json")
+    warm = _run(store, config, trace, tmp_path / "warm.json")
+    assert cold["passed"] and warm["passed"]
+    assert warm["max_abs_err"] == cold["max_abs_err"]  # the same outputs
+    assert cold["cache"]["compiles"] > 0 and cold["warmup_loads"] == 0 and cold["disk"]["saves"] > 0
+    assert warm["cache"]["compiles"] == 0 and warm["warmup_loads"] == warm["warmup_graphs"] == len(WARM)
+    assert warm["cache"]["loads"] == cold["cache"]["compiles"] == warm["disk"]["hits"]
+    assert warm["startup_seconds"] > 0 and cold["startup_seconds"] > 0
