@@ -130,3 +130,53 @@ def test_two_runs_against_one_store_the_second_loads(tmp_path):
     assert warm["cache"]["compiles"] == 0 and warm["warmup_loads"] == warm["warmup_graphs"] == len(WARM)
     assert warm["cache"]["loads"] == cold["cache"]["compiles"] == warm["disk"]["hits"]
     assert warm["startup_seconds"] > 0 and cold["startup_seconds"] > 0
+
+
+MODEL_RUN = """
+import json, sys, torch
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.graphs.buckets import Buckets
+from attnpolicy.integrations.model_specs import parse_spec
+from attnpolicy.integrations.static_model import StaticModelRunner, eager_logits
+
+store, out = sys.argv[1], sys.argv[2]
+spec = parse_spec("qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64")
+model, reference = spec.build(), spec.build()
+config = AttnPolicyConfig(backend="aot_eager", buckets=Buckets(kind="pow2", min=16), max_seq_len=64,
+                          max_batch_tokens=128, store_dir=store)
+runner = StaticModelRunner(model, config)
+logits, err = [], 0.0
+for lens, mode in (([12], MaskMode.CAUSAL), ([9, 14], MaskMode.MASK), ([30], MaskMode.CAUSAL)):
+    layout = BatchLayout.from_lens(lens)
+    ids = torch.randint(0, 64, (layout.q_tokens,), generator=torch.Generator().manual_seed(sum(lens)))
+    got = runner.run(ids, layout, mode)
+    err = max(err, float((got - eager_logits(reference, ids, layout)).abs().max()))
+    logits.append(got)
+torch.save(logits, out)
+s = runner.stats()
+print(json.dumps({"compiles": s.cache.compiles, "loads": s.cache.loads, "saves": s.disk.saves,
+                  "hits": s.disk.hits, "err": err}))
+"""
+
+
+def _model_run(store: Path, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", MODEL_RUN, str(store), str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    data: dict = json.loads(done.stdout.strip().splitlines()[-1])
+    return data
+
+
+@pytest.mark.slow
+def test_model_graphs_persist_a_second_process_loads_them(tmp_path):
+    store = tmp_path / "store"
+    cold = _model_run(store, tmp_path / "cold.pt")
+    warm = _model_run(store, tmp_path / "warm.pt")
+    assert (cold["compiles"], cold["loads"], cold["saves"]) == (3, 0, 3)
+    assert (warm["compiles"], warm["loads"], warm["hits"], warm["saves"]) == (0, 3, 3, 0)
+    assert cold["err"] < 1e-4 and warm["err"] < 1e-4  # against the eager model, per sequence
+    for a, b in zip(torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt"), strict=True):
+        assert torch.equal(a, b)
