@@ -399,14 +399,7 @@ class GraphCache(Generic[V]):
                 self._compile_seconds += seconds
                 stats.compiles += 1
                 stats.compile_seconds += seconds
-                stats.bytes = nbytes
-                if cached:
-                    self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
-                    inserted = True
-                else:
-                    self._uncached += 1
-                if pin:
-                    self._pin(key)
+                inserted = self._enter(key, value, nbytes, cached, stats, seconds, victims, pin)
         except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
             with self._lock:
                 if self._inflight.get(key, (None, 0))[0] is future:  # compile_cost raised
@@ -435,13 +428,7 @@ class GraphCache(Generic[V]):
                 self._load_seconds += seconds
                 stats.loads += 1
                 stats.load_seconds += seconds
-                stats.bytes = nbytes
-                if cached:
-                    self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
-                else:
-                    self._uncached += 1
-                if pin:
-                    self._pin(key)
+                self._enter(key, value, nbytes, cached, stats, seconds, victims, pin)
         except BaseException as exc:  # a failing eviction strategy: nothing leaks
             future.set_exception(exc)
             self._released(victims, evicted=True)
@@ -449,6 +436,19 @@ class GraphCache(Generic[V]):
         future.set_result(value)
         self._released(victims, evicted=True)
         return value
+
+    def _enter(self, key: Hashable, value: V, nbytes: int, cached: bool, stats: _KeyCounters, seconds: float,
+               victims: list[tuple[Hashable, _Entry[V], bool]], pin: bool) -> bool:
+        """A new graph into the cache (or counted ``uncached``), pinned if asked; returns
+        whether it was inserted. Lock held."""
+        stats.bytes = nbytes
+        if cached:
+            self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
+        else:
+            self._uncached += 1
+        if pin:
+            self._pin(key)
+        return cached
 
     def _remove(self, key: Hashable, entry: _Entry[V], victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
         """Account ``entry`` leaving the cache; a pinned one is held, not released. Lock held."""
