@@ -4,6 +4,7 @@ ahead of time and saves; warm restarts load the warm set; every tier is counted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -45,9 +46,11 @@ def _outputs(d: Dispatcher) -> list[torch.Tensor]:
     return outs
 
 
-def test_a_second_dispatcher_loads_the_warm_set_and_computes_the_same(tmp_path):
+def test_a_second_dispatcher_loads_the_warm_set_and_computes_the_same(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="attnpolicy.dispatch")
     cold = Dispatcher(_config(tmp_path, warmup=WARM))
     keys = cold.warmup(SPEC)
+    assert "cold start: 0 loaded from the store, 2 compiled" in caplog.text
     first = _outputs(cold)
     s = cold.stats()
     assert s.cache.compiles == s.cache.misses > 0 and s.cache.loads == 0
@@ -57,6 +60,7 @@ def test_a_second_dispatcher_loads_the_warm_set_and_computes_the_same(tmp_path):
     assert warm.warmup(SPEC) == keys
     assert all(key in warm.cache for key in keys)  # ready before the first request
     assert warm.stats().cache.loads == len(keys)
+    assert "warm start: 2 loaded from the store, 0 compiled" in caplog.text
     second = _outputs(warm)
     s = warm.stats()
     assert s.cache.compiles == 0 and s.cache.loads == s.cache.misses == s.disk.hits
