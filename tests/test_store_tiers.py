@@ -14,9 +14,10 @@ import pytest
 import torch
 from reference import reference_for
 
-from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.graph_source import example_inputs
+from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs.aot import aot_compile_graph
 from attnpolicy.graphs.execute import graph_fn
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
@@ -184,3 +185,23 @@ def test_model_graphs_persist_a_second_process_loads_them(tmp_path):
     assert cold["err"] < 1e-4 and warm["err"] < 1e-4  # against the eager model, per sequence
     for a, b in zip(torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt"), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_cache_counts_a_load_apart_from_a_compile():
+    cache: GraphCache[str] = GraphCache(max_graphs=1)
+    built: list[str] = []
+
+    def build(key: str):
+        return lambda: built.append(key) or f"built {key}"
+
+    assert cache.get_or_compile("a", build("a"), load=lambda: "loaded a") == "loaded a"
+    assert cache.get_or_compile("a", build("a"), load=lambda: "loaded again") == "loaded a"  # a hit
+    assert cache.get_or_compile("b", build("b"), load=lambda: None) == "built b"  # not on disk: built
+    assert built == ["b"]
+    with pytest.raises(GraphCompileError, match="OSError"):
+        cache.get_or_compile("c", build("c"), load=lambda: (_ for _ in ()).throw(OSError("gone")))
+    s = cache.stats()
+    assert (s.hits, s.misses, s.loads, s.compiles, s.compile_failures, s.evictions) == (1, 3, 1, 1, 1, 1)
+    assert s.misses == s.loads + s.compiles + s.compile_failures + s.refused
+    assert (s.per_key["a"].loads, s.per_key["a"].compiles, s.per_key["b"].loads) == (1, 0, 0)
+    assert "c" not in cache and cache.get_or_compile("c", build("c")) == "built c"  # free again

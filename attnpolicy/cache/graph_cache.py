@@ -419,17 +419,21 @@ class GraphCache(Generic[V]):
 
     def _loaded(self, key: Hashable, value: V, seconds: float, future: Future[V], stats: _KeyCounters,
                 nbytes: int, cached: bool, pin: bool) -> V:
-        """Account a miss that ``load()`` served: counted as a load, inserted as a build is."""
+        """Account a miss that ``load()`` served: counted as a load, inserted as a build is
+        (ranked for eviction by ``compile_cost`` as a build, so that ranks agree)."""
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         try:
+            cost = seconds if self._compile_cost is None else self._compile_cost(key, seconds)
             with self._lock:
                 del self._inflight[key]
                 self._loads += 1
                 self._load_seconds += seconds
                 stats.loads += 1
                 stats.load_seconds += seconds
-                self._enter(key, value, nbytes, cached, stats, seconds, victims, pin)
-        except BaseException as exc:  # a failing eviction strategy: nothing leaks
+                self._enter(key, value, nbytes, cached, stats, cost, victims, pin)
+        except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
+            with self._lock:
+                self._inflight.pop(key, None)
             future.set_exception(exc)
             self._released(victims, evicted=True)
             raise
