@@ -51,7 +51,8 @@ class Dispatcher:
     :meth:`prepare`): evicting one then does not free it.
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
-    sees every backend compile; ``builder`` replaces compilation (simulation).
+    sees every backend compile (not the ahead-of-time compiles of a ``store_dir``,
+    which the cache counts in ``compiles``, its loads in ``loads``); ``builder`` replaces compilation (simulation).
     ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's paged
     kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for
     them, and VARLEN graphs compile only if ever called. ``compile_mode="background"``

@@ -242,14 +242,18 @@ class GraphSource:
         return compile_graph(fn, key.backend, counter=counter, example_inputs=example_inputs(call, spec))
 
 
-@cache
 def kernel_hash(impl: str) -> str | None:
     """The ``code_hash`` of graphs of kernel ``impl``: the source of the kernels, masks,
     graph functions and the AOT mechanism, and a plugin kernel's own function (``None``
     when it has no source to hash: its graphs are compiled, not stored)."""
+    fn = None if impl in attention.BUILTIN_IMPLS else attention._IMPL_FNS.get(impl)
+    return _code_hash(fn)
+
+
+@cache
+def _code_hash(fn: Callable[..., Any] | None) -> str | None:
     parts: list[object] = [attention, masks, isolation, execute, aot]
-    fn = attention._IMPL_FNS.get(impl)
-    if fn is not None and impl not in attention.BUILTIN_IMPLS:
+    if fn is not None:
         parts.append(fn)
     try:
         return source_hash(*parts)
