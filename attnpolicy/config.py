@@ -122,6 +122,11 @@ class AttnPolicyConfig(BaseModel):
     switch_after: PositiveInt = 8
     #: graphs to compile at warm-up (``Dispatcher.warmup(spec)``, integrations at first use)
     warmup: tuple[WarmShape, ...] = ()
+    #: a graph store directory: compiled graphs persist there and a miss loads them
+    #: instead of compiling (see docs/store.md); None: graphs live as long as the process
+    store_dir: str | None = None
+    #: the store's bound on disk (artifacts and manifests), least recently used evicted
+    max_disk_bytes: PositiveInt = 2 << 30
 
     @field_validator("policy", "eviction")
     @classmethod

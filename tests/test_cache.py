@@ -428,7 +428,7 @@ def test_reset_stats_keeps_graphs_and_resets_peaks_to_current():
     assert (s.hits, s.misses, s.compiles, s.evictions, s.compile_seconds) == (0, 0, 0, 0, 0.0)
     assert (s.graphs, s.bytes, s.peak_graphs, s.peak_bytes) == (2, 10, 2, 10)
     assert s.to_json()["per_key"]["A"] == {"hits": 0, "misses": 0, "compiles": 0, "evictions": 0,
-                                 "compile_seconds": 0.0, "bytes": 5}
+                                 "compile_seconds": 0.0, "bytes": 5, "loads": 0, "load_seconds": 0.0}
     run(cache, "A")
     assert cache.stats().hits == 1
 

@@ -58,6 +58,9 @@ class RunResult:
     warmup_seconds: float = 0.0
     compiles_after_warmup: int = 0
     strict_violations: int = 0
+    startup_seconds: float = 0.0
+    warmup_loads: int = 0
+    disk: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON: one key per field."""
@@ -76,16 +79,20 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
     with ``check``, compare every output with the float64 reference. A config with a
     warm set (``warmup``) is warmed first: its compile seconds are
     ``warmup_seconds``, not part of the replay's, and ``compiles_after_warmup`` counts
-    the replay's compiles."""
+    the replay's compiles; ``startup_seconds`` runs from building the dispatcher until
+    its warm set is ready (loaded from ``store_dir``, or compiled), ``warmup_loads``
+    counts the warm graphs loaded, ``disk`` is the store's stats (``None`` without one)."""
     if steps is None:
         steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
+    start = time.perf_counter()
     with Dispatcher(config) as dispatcher:
-        return _run(dispatcher, steps, config, spec, check, seed, progress)
+        return _run(dispatcher, steps, config, spec, check, seed, progress, start)
 
 
 def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig, spec: TensorSpec,
-         check: bool, seed: int, progress: Callable[[str], None] | None) -> RunResult:
+         check: bool, seed: int, progress: Callable[[str], None] | None, start: float) -> RunResult:
     warm_keys = dispatcher.warmup(spec) if config.warmup else []
+    startup = time.perf_counter() - start  # the dispatcher built and its warm set ready
     warm = dispatcher.cache.stats()
     gen = torch.Generator().manual_seed(seed)
     max_q = max((s.layout.q_tokens for s in steps), default=1)
@@ -134,4 +141,7 @@ def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig
         warmup_seconds=warm.compile_seconds,
         compiles_after_warmup=stats["cache"]["compiles"] - warm.compiles,
         strict_violations=stats["strict_violations"],
+        startup_seconds=startup,
+        warmup_loads=warm.loads,
+        disk=None if stats["disk"] is None else dict(stats["disk"]),
     )

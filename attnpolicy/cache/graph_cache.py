@@ -37,6 +37,8 @@ class KeyStats:
     evictions: int
     compile_seconds: float
     bytes: int
+    loads: int = 0
+    load_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,8 @@ class CacheStats:
     max_bytes: int | None
     eviction: str
     per_key: dict[str, KeyStats]
+    loads: int = 0  # misses served by a load (a disk tier) instead of a build
+    load_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +82,12 @@ class _KeyCounters:
     evictions: int = 0
     compile_seconds: float = 0.0
     bytes: int = 0
+    loads: int = 0
+    load_seconds: float = 0.0
 
     def snapshot(self) -> KeyStats:
-        return KeyStats(self.hits, self.misses, self.compiles, self.evictions, self.compile_seconds, self.bytes)
+        return KeyStats(self.hits, self.misses, self.compiles, self.evictions, self.compile_seconds, self.bytes,
+                        self.loads, self.load_seconds)
 
 
 @dataclass(slots=True)
@@ -198,7 +205,8 @@ class GraphCache(Generic[V]):
     def _zero_counters(self) -> None:
         self._hits = self._misses = self._evictions = self._refused = 0
         self._compiles = self._compile_failures = self._waits = self._uncached = 0
-        self._compile_seconds = 0.0
+        self._compile_seconds = self._load_seconds = 0.0
+        self._loads = 0
         self._peak_graphs = len(self._order)
         self._peak_bytes = self._bytes
         self._peak_held = len(self._held)
@@ -207,11 +215,13 @@ class GraphCache(Generic[V]):
     # -- the hot path ---------------------------------------------------------------
 
     def get_or_compile(self, key: Hashable, build: Callable[[], V], *, pin: bool = False,
-                       seconds: float | None = None) -> V:
+                       seconds: float | None = None, load: Callable[[], V | None] | None = None) -> V:
         """The graph for ``key``, calling ``build()`` (once, whatever the threads) on a
         miss. ``pin``: keep the returned graph unreleased until :meth:`unpin`.
         ``seconds``: the build's measured seconds when it ran elsewhere (``build``
-        returns a graph compiled in the background); default: timed around ``build()``."""
+        returns a graph compiled in the background); default: timed around ``build()``.
+        ``load()``: tried first on a miss (a lower tier, e.g. a disk store); a graph it
+        returns is counted in ``loads`` and ``load_seconds``, ``None`` means build."""
         with self._lock:
             try:
                 entry = self._order[key]
@@ -223,7 +233,7 @@ class GraphCache(Generic[V]):
                 if pin:
                     self._pin(key)
                 return entry.value
-        return self._miss(key, build, pin, seconds)
+        return self._miss(key, build, pin, seconds, load)
 
     def hit_many(self, keys: Sequence[Hashable], start: int = 0, *, pin: bool = False,
                  values: list[V] | None = None) -> int:
@@ -279,7 +289,8 @@ class GraphCache(Generic[V]):
 
     # -- misses ---------------------------------------------------------------------
 
-    def _miss(self, key: Hashable, build: Callable[[], V], pin: bool, measured: float | None = None) -> V:
+    def _miss(self, key: Hashable, build: Callable[[], V], pin: bool, measured: float | None = None,
+              load: Callable[[], V | None] | None = None) -> V:
         with self._lock:
             if key in self._order:  # built by another thread since the hot path looked
                 entry = self._order[key]
@@ -308,7 +319,7 @@ class GraphCache(Generic[V]):
                 stats.hits += 1
         assert future is not None
         if inflight is None:
-            return self._compile(key, build, future, stats, pin, measured)
+            return self._compile(key, build, future, stats, pin, measured, load)
         value = self._wait(key, future)
         if pin:
             with self._lock:
@@ -351,15 +362,20 @@ class GraphCache(Generic[V]):
         future.set_exception(exc)
 
     def _compile(self, key: Hashable, build: Callable[[], V], future: Future[V], stats: _KeyCounters,
-                 pin: bool, measured: float | None = None) -> V:
+                 pin: bool, measured: float | None = None, load: Callable[[], V | None] | None = None) -> V:
         try:
             nbytes, cached = self._size(key)
         except BaseException as exc:
             self._abandon(key, future, exc, refused=True)
             raise
-        start = perf_counter()
+        loaded: V | None = None
         try:
-            value = build()
+            start = perf_counter()
+            loaded = None if load is None else load()
+            load_seconds = perf_counter() - start
+            if loaded is None:
+                start = perf_counter()
+                value = build()
         except Exception as exc:
             error = GraphCompileError(f"building the graph for key {key} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
@@ -368,6 +384,8 @@ class GraphCache(Generic[V]):
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: counted, not wrapped
             self._abandon(key, future, exc, refused=False)
             raise
+        if loaded is not None:
+            return self._loaded(key, loaded, load_seconds, future, stats, nbytes, cached, pin)
 
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         inserted = False
@@ -381,14 +399,7 @@ class GraphCache(Generic[V]):
                 self._compile_seconds += seconds
                 stats.compiles += 1
                 stats.compile_seconds += seconds
-                stats.bytes = nbytes
-                if cached:
-                    self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
-                    inserted = True
-                else:
-                    self._uncached += 1
-                if pin:
-                    self._pin(key)
+                inserted = self._enter(key, value, nbytes, cached, stats, seconds, victims, pin)
         except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
             with self._lock:
                 if self._inflight.get(key, (None, 0))[0] is future:  # compile_cost raised
@@ -405,6 +416,43 @@ class GraphCache(Generic[V]):
         if self._on_compile is not None:
             self._on_compile(key, seconds, nbytes)
         return value
+
+    def _loaded(self, key: Hashable, value: V, seconds: float, future: Future[V], stats: _KeyCounters,
+                nbytes: int, cached: bool, pin: bool) -> V:
+        """Account a miss that ``load()`` served: counted as a load, inserted as a build is
+        (ranked for eviction by ``compile_cost`` as a build, so that ranks agree)."""
+        victims: list[tuple[Hashable, _Entry[V], bool]] = []
+        try:
+            cost = seconds if self._compile_cost is None else self._compile_cost(key, seconds)
+            with self._lock:
+                del self._inflight[key]
+                self._loads += 1
+                self._load_seconds += seconds
+                stats.loads += 1
+                stats.load_seconds += seconds
+                self._enter(key, value, nbytes, cached, stats, cost, victims, pin)
+        except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
+            with self._lock:
+                self._inflight.pop(key, None)
+            future.set_exception(exc)
+            self._released(victims, evicted=True)
+            raise
+        future.set_result(value)
+        self._released(victims, evicted=True)
+        return value
+
+    def _enter(self, key: Hashable, value: V, nbytes: int, cached: bool, stats: _KeyCounters, seconds: float,
+               victims: list[tuple[Hashable, _Entry[V], bool]], pin: bool) -> bool:
+        """A new graph into the cache (or counted ``uncached``), pinned if asked; returns
+        whether it was inserted. Lock held."""
+        stats.bytes = nbytes
+        if cached:
+            self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
+        else:
+            self._uncached += 1
+        if pin:
+            self._pin(key)
+        return cached
 
     def _remove(self, key: Hashable, entry: _Entry[V], victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
         """Account ``entry`` leaving the cache; a pinned one is held, not released. Lock held."""
@@ -481,8 +529,8 @@ class GraphCache(Generic[V]):
         with self._lock:
             self._zero_counters()
             for stats in self._per_key.values():
-                stats.hits = stats.misses = stats.compiles = stats.evictions = 0
-                stats.compile_seconds = 0.0
+                stats.hits = stats.misses = stats.compiles = stats.evictions = stats.loads = 0
+                stats.compile_seconds = stats.load_seconds = 0.0
 
     # -- inspection -----------------------------------------------------------------
 
@@ -519,4 +567,5 @@ class GraphCache(Generic[V]):
                 peak_held_graphs=self._peak_held, peak_held_bytes=self._peak_held_bytes,
                 max_graphs=self.max_graphs, max_bytes=self.max_bytes, eviction=self.eviction,
                 per_key={str(key): stats.snapshot() for key, stats in self._per_key.items()},
+                loads=self._loads, load_seconds=self._load_seconds,
             )

@@ -59,6 +59,9 @@ def register(subparsers: Any) -> None:
                         "resident larger bucket (default: the config's, sync)")
     p.add_argument("--switch-after", type=positive_int, default=None, metavar="N",
                    help="batches until a background graph switches into the cache (default: the config's, 8)")
+    p.add_argument("--store", metavar="DIR", default=None,
+                   help="a graph store directory, store_dir: compiled graphs are saved there and later "
+                        "runs load them instead of compiling (default: the config's, none)")
     p.add_argument("--check", action="store_true",
                    help="compare every output with the float64 reference and print pass or fail against "
                         f"the dtype's tolerance ({', '.join(f'{d} {t:g}' for d, t in TOLERANCE.items())}) "
@@ -84,7 +87,8 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
         check_evictions("--eviction", [args.eviction], simulation=False)
     overrides = {"policy": policy, "policy_options": options, "max_graphs": args.max_graphs,
                  "max_bytes": args.max_bytes, "eviction": args.eviction, "backend": args.backend,
-                 "attn_impl": args.impl, "compile_mode": args.compile_mode, "switch_after": args.switch_after}
+                 "attn_impl": args.impl, "compile_mode": args.compile_mode, "switch_after": args.switch_after,
+                 "store_dir": args.store}
     base.update({k: v for k, v in overrides.items() if v is not None})
     base.setdefault("max_seq_len", args.max_seq_len)
     # a packed MASK call's keys are every running sequence's context: as in `simulate`
@@ -116,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                     or "none"),
         ("backend", config.backend), ("batches", result.batches), ("graph calls", result.calls),
         ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
-        ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]),
+        ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]), ("loads", c["loads"]),
         ("evictions", c["evictions"]), ("peak graph MiB", c["peak_bytes"] / MIB),
         ("attention s", result.attention_seconds), ("compile s", result.compile_seconds),
         ("total s", result.total_seconds),
@@ -126,8 +130,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         done = f"{b['switched']} switched, {b['pending']} pending ({b['compile_seconds']:.4g} s)"
         rows += [("background compiles", done),
                  ("pad-up calls / tokens", f"{b['pad_up_calls']} / {b['pad_up_tokens']}")]
+    if result.disk is not None:
+        d = result.disk
+        rows += [("store", f"{config.store_dir}: {d['entries']} graphs, {d['bytes'] / MIB:.3g} MiB"),
+                 ("store loads / saves / evictions", f"{d['hits']} / {d['saves']} / {d['evictions']}")]
     if config.warmup:
-        rows += [("warm-up graphs", result.warmup_graphs), ("warm-up compile s", result.warmup_seconds),
+        rows += [("start-up s (warm set ready)", result.startup_seconds),
+                 ("warm-up graphs (loaded)", f"{result.warmup_graphs} ({result.warmup_loads})"),
+                 ("warm-up compile s", result.warmup_seconds),
                  ("compiles after warm-up", result.compiles_after_warmup),
                  ("strict violations", result.strict_violations)]
     if result.max_abs_err is not None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
+log = logging.getLogger("attnpolicy.dispatch")
+
 
 class Dispatcher:
     """Runs attention the way ``config`` says, through a bounded graph cache.
@@ -47,7 +51,8 @@ class Dispatcher:
     :meth:`prepare`): evicting one then does not free it.
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
-    sees every backend compile; ``builder`` replaces compilation (simulation).
+    sees every backend compile (not the ahead-of-time compiles of a ``store_dir``,
+    which the cache counts in ``compiles``, its loads in ``loads``); ``builder`` replaces compilation (simulation).
     ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's paged
     kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for
     them, and VARLEN graphs compile only if ever called. ``compile_mode="background"``
@@ -259,7 +264,14 @@ class Dispatcher:
             batches = layouts
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
-        return self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
+        before, start = self.cache.stats(), perf_counter()
+        keys = self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
+        after = self.cache.stats()
+        log.info("attnpolicy: warm set of %d graphs ready in %.3f s (%s start: %d loaded from the store, "
+                 "%d compiled)", len(keys), perf_counter() - start,
+                 "warm" if after.compiles == before.compiles else "cold",
+                 after.loads - before.loads, after.compiles - before.compiles)
+        return keys
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``,
@@ -294,4 +306,5 @@ class Dispatcher:
             block_masks=BlockMaskStats(len(blocks), blocks.nbytes, blocks.max_entries, blocks.max_bytes,
                                        blocks.builds),
             cache=self.cache.stats(), stalls=self.source.stalls,
-            pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0)
+            pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0,
+            disk=None if self.source.store is None else self.source.store.stats())

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from functools import partial
+from functools import cache, partial
 from operator import is_
 from time import perf_counter
 from typing import Any, cast
 
 import torch
 
+from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
@@ -20,11 +21,13 @@ from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.batch_plan import Planned
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import ConfigError, GraphCompileError, StrictModeError
+from attnpolicy.graphs import aot, execute
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.execute import GraphFn, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels import attention, isolation, masks
 from attnpolicy.kernels.flex import BlockMaskCache, build_block_mask, flex_graph
 from attnpolicy.plugins.observers import Observers
 
@@ -43,7 +46,11 @@ class GraphSource:
 
     ``host_varlen``: the host runs VARLEN batches on a kernel of its own, so the
     default builder compiles VARLEN-family graphs lazily (only if ever called) and
-    refuses FlexAttention (the host feeds MASK graphs keys of its own cache)."""
+    refuses FlexAttention (the host feeds MASK graphs keys of its own cache).
+
+    With ``config.store_dir`` (and the default builder) a miss of a stored graph
+    (any but flex, backend not ``"none"``) loads it from the :class:`DiskStore`
+    (counted as a load), or compiles it ahead of time and saves it there."""
 
     def __init__(self, config: AttnPolicyConfig, cache: GraphCache[Any], counters: Counters,
                  block_masks: BlockMaskCache, *, builder: Builder | None = None,
@@ -61,6 +68,8 @@ class GraphSource:
         self.stall = 0.0  # seconds the batch being fetched stalled so far
         self.stalls: list[float] = []
         self.stall_seconds = 0.0
+        self.store = (DiskStore(config.store_dir, config.max_disk_bytes)
+                      if config.store_dir is not None and builder is None else None)
 
     # -- one batch ----------------------------------------------------------------------
     def end(self) -> None:
@@ -126,7 +135,9 @@ class GraphSource:
         if self.warm and self.config.strict != "off" and key not in self.cache:
             self.strict(key)
         try:
-            graph = self.cache.get_or_compile(key, partial(self._timed_build, call, key, spec), pin=pin)
+            load = partial(self._timed_load, call, key, spec) if self.stored(key) else None
+            graph = self.cache.get_or_compile(key, partial(self._timed_build, call, key, spec), pin=pin,
+                                              load=load)
         except GraphCompileError:
             if self.config.on_compile_error == "raise":
                 raise
@@ -175,6 +186,32 @@ class GraphSource:
         finally:
             self.stall += perf_counter() - start
 
+    def _timed_load(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | None:
+        """The graph of ``key`` from the store (``None``: not there or not valid); its
+        wall seconds stall the batch being fetched, as a build's do."""
+        assert self.store is not None  # only stored keys are loaded
+        start = perf_counter()
+        try:
+            loaded = self.store.load(self.identity(key), aot.load_graph)
+            return None if loaded is None else _aot_graph(loaded, key.backend)
+        finally:
+            self.stall += perf_counter() - start
+
+    def stored(self, key: GraphKey) -> bool:
+        """Whether the graph of ``key`` goes through the store: a store is configured, the
+        graph is compiled ahead of time (not flex, a backend) and is not the host's lazy
+        VARLEN graph."""
+        return (self.store is not None and key.impl != "flex" and key.backend != "none"
+                and not (self._host_varlen and key.family is GraphFamily.VARLEN)
+                and kernel_hash(key.impl) is not None)
+
+    def identity(self, key: GraphKey) -> ArtifactIdentity:
+        """What makes the stored artifact of ``key`` valid (see docs/store.md)."""
+        code = kernel_hash(key.impl)
+        assert code is not None  # only stored keys have an identity
+        return ArtifactIdentity.for_graph(key, mechanism=aot.MECHANISM, code_hash=code,
+                                          config={"partition_len": self.config.partition_len})
+
     def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
         graph = self.build(call, key, spec)
         lazy = self._host_varlen and key.family is GraphFamily.VARLEN
@@ -196,9 +233,40 @@ class GraphSource:
             return FlexGraph(graph, self.block_masks)  # flex graphs take a BlockMask: called through Dynamo
         fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len)
         assert not isinstance(fn, FlexGraph)  # flex is compiled above
+        if self.store is not None and self.stored(key):  # compiled ahead of time, saved for the next miss
+            compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec))
+            self.store.save(self.identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+            return _aot_graph(compiled, key.backend)
         if self._host_varlen and key.family is GraphFamily.VARLEN:  # the host's kernel runs it: lazy
             return compile_graph(fn, key.backend, counter=counter)
         return compile_graph(fn, key.backend, counter=counter, example_inputs=example_inputs(call, spec))
+
+
+def kernel_hash(impl: str) -> str | None:
+    """The ``code_hash`` of graphs of kernel ``impl``: the source of the kernels, masks,
+    graph functions and the AOT mechanism, and a plugin kernel's own function (``None``
+    when it has no source to hash: its graphs are compiled, not stored)."""
+    fn = None if impl in attention.BUILTIN_IMPLS else attention._IMPL_FNS.get(impl)
+    return _code_hash(fn)
+
+
+@cache
+def _code_hash(fn: Callable[..., Any] | None) -> str | None:
+    parts: list[object] = [attention, masks, isolation, execute, aot]
+    if fn is not None:
+        parts.append(fn)
+    try:
+        return source_hash(*parts)
+    except ConfigError:
+        return None
+
+
+def _aot_graph(compiled: Any, backend: str) -> CompiledGraph:
+    """A graph compiled ahead of time (or loaded), as the cache holds graphs: called
+    directly (it checks no guards); releasing it drops the reference."""
+    graph = CompiledGraph(compiled, None, backend)
+    graph.direct = True
+    return graph
 
 
 def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) -> GraphCache[Any]:

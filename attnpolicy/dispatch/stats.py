@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from attnpolicy.cache.disk_store import StoreStats
 from attnpolicy.cache.graph_cache import CacheStats
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
@@ -40,7 +41,8 @@ class Counters:
 
     def snapshot(self, config: AttnPolicyConfig, *, guard_fallbacks: int, observer_errors: dict[str, int],
                  plans: int, masks: MaskCacheStats, block_masks: BlockMaskStats, cache: CacheStats,
-                 stalls: list[float], pending: int, compile_seconds: float) -> DispatcherStats:
+                 stalls: list[float], pending: int, compile_seconds: float,
+                 disk: StoreStats | None = None) -> DispatcherStats:
         """These counts with the figures kept elsewhere, as :class:`DispatcherStats`."""
         real, padded = self.real_tokens, self.padded_tokens
         return DispatcherStats(
@@ -52,7 +54,8 @@ class Counters:
             block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
             background=BackgroundStats(
                 config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
-                self.background_failed, pending, compile_seconds, self.pad_up_calls, self.pad_up_tokens))
+                self.background_failed, pending, compile_seconds, self.pad_up_calls, self.pad_up_tokens),
+            disk=disk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +116,8 @@ class BackgroundStats:
 @dataclass(frozen=True, slots=True)
 class DispatcherStats:
     """A snapshot of a :class:`Dispatcher`: its counters, its graph cache's and its
-    mask cache's (see docs/cache.md). ``to_json()`` gives the dict of the JSON outputs."""
+    mask cache's (see docs/cache.md), and its graph store's (``disk``; ``None``
+    without one, see docs/store.md). ``to_json()`` gives the dict of the JSON outputs."""
 
     batches: int
     calls: int
@@ -132,6 +136,7 @@ class DispatcherStats:
     cache: CacheStats
     stalls: StallStats
     background: BackgroundStats
+    disk: StoreStats | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

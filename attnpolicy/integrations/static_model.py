@@ -37,20 +37,24 @@ the static-shape estimate the cache is bounded by (:func:`estimate_bytes`).
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from functools import partial
 from time import perf_counter
 from typing import Any
 
 import torch
 
+from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, StoreStats, source_hash
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
+from attnpolicy.graphs import aot
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.attention import bind
@@ -101,6 +105,7 @@ class RunnerStats:
     strict_violations: int
     cache: CacheStats
     memory: tuple[GraphMemory, ...]
+    disk: StoreStats | None = None  # the graph store's, with ``store_dir``
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,6 +228,11 @@ class StaticModelRunner:
         self._modes: Counter[str] = Counter()
         self._batches = self._strict_violations = 0
         self._warm = False
+        #: with ``store_dir``: CAUSAL and MASK graphs persist there, keyed by the model's
+        #: code and config (``code_hash``); a miss loads them (VARLEN graphs compile only)
+        self.store = DiskStore(cfg.store_dir, cfg.max_disk_bytes) if cfg.store_dir is not None else None
+        self._code = source_hash(sys.modules[type(model).__module__], sys.modules[__name__], c.to_json_string(),
+                                 str(self.dtype), str(self.device)) if self.store is not None else ""
 
     # -- serving -------------------------------------------------------------------
     def decide(self, layout: BatchLayout) -> Decision:
@@ -262,7 +272,8 @@ class StaticModelRunner:
         key = batch.key
         if self._warm and self.config.strict != "off" and key not in self.cache:
             self._strict(key)
-        return self.cache.get_or_compile(key, lambda: self._build(key, batch.inputs), pin=pin)
+        load = partial(self._load, key) if self._stored(key) else None
+        return self.cache.get_or_compile(key, lambda: self._build(key, batch.inputs), pin=pin, load=load)
 
     def key_for(self, layout: BatchLayout, mode: MaskMode) -> ModelKey:
         """The graph key ``layout`` runs under in ``mode`` (:func:`model_key_for`)."""
@@ -324,14 +335,43 @@ class StaticModelRunner:
             return out.logits[0]
         return unmasked
 
+    def _stored(self, key: ModelKey) -> bool:
+        return self.store is not None and key.mode is not MaskMode.VARLEN and key.backend != "none"
+
+    def _identity(self, key: ModelKey) -> ArtifactIdentity:
+        return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
+                                str(self.device), str(self.dtype).removeprefix("torch."), self._code)
+
+    def _aot_graph(self, compiled: Any, backend: str) -> CompiledGraph:
+        """A graph compiled ahead of time (or loaded) taking the model first, as the
+        cache holds graphs: called directly (it checks no guards)."""
+        graph = CompiledGraph(partial(compiled, self.model), None, backend)
+        graph.direct = True
+        return graph
+
+    def _load(self, key: ModelKey) -> CompiledGraph | None:
+        assert self.store is not None  # only stored keys are loaded
+        loaded = self.store.load(self._identity(key), aot.load_graph)
+        return None if loaded is None else self._aot_graph(loaded, key.backend)
+
+    def _compiled(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
+        """The graph of ``key`` compiled now: ahead of time and saved when it is stored."""
+        if self.store is None or not self._stored(key):
+            return compile_graph(self._forward(key), self.config.backend, counter=self._counter,
+                                 example_inputs=inputs)
+        fn = _masked_forward if key.mode is MaskMode.MASK else _causal_forward
+        with torch.no_grad():
+            compiled = aot.aot_compile_graph(fn, key.backend, (self.model, *inputs))
+        self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+        return self._aot_graph(compiled, key.backend)
+
     def _build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
         rss, allocated = _rss(), torch.cuda.memory_allocated(self.device) if cuda else 0
         t0 = perf_counter()
-        graph = compile_graph(self._forward(key), self.config.backend, counter=self._counter,
-                              example_inputs=inputs)
+        graph = self._compiled(key, inputs)
         if cuda:
             torch.cuda.synchronize(self.device)
         self._memory.append(GraphMemory(
@@ -359,11 +399,24 @@ class StaticModelRunner:
 
     def stats(self) -> RunnerStats:
         return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, self._strict_violations,
-                           self.cache.stats(), tuple(self._memory))
+                           self.cache.stats(), tuple(self._memory),
+                           None if self.store is None else self.store.stats())
 
     def close(self) -> None:
         """Drop every graph (released)."""
         self.cache.clear()
+
+
+def _causal_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A CAUSAL graph's forward, the model its first input (so its artifact holds no weights)."""
+    return model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+
+
+def _masked_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """A MASK graph's forward, the model its first input."""
+    out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
+    return out.logits[0]
 
 
 def eager_logits(model: torch.nn.Module, token_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
