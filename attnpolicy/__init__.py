@@ -1,7 +1,7 @@
 """attnpolicy: pluggable, measurable attention mask-mode policies and a bounded graph cache.
 
-Data flow of one call: BatchLayout → Policy (+ Guard) → Decision → plan_calls →
-GraphKey → GraphCache → compiled graph(q, k, v[, mask]) → output.
+Data flow of one call: BatchLayout → Policy (+ Guard) → Decision → BatchPlan
+(calls, GraphKeys) → GraphCache → Step → compiled graph(q, k, v[, mask]) → output.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ _EXPORTS = {
     "MaskCache": "attnpolicy.kernels.masks",
     "Buckets": "attnpolicy.graphs.buckets",
     "AttnPolicyConfig": "attnpolicy.config",
-    "Dispatcher": "attnpolicy.dispatcher",
+    "Dispatcher": "attnpolicy.dispatch",
     "Policy": "attnpolicy.policies.base",
-    "DispatcherStats": "attnpolicy.dispatcher",
+    "DispatcherStats": "attnpolicy.dispatch",
+    "Step": "attnpolicy.dispatch",
     "PolicyContext": "attnpolicy.policies.base",
     "hookimpl": "attnpolicy.plugins.hookspecs",
 }
@@ -52,6 +53,7 @@ __all__ = [
     "MaskMode",
     "Policy",
     "PolicyContext",
+    "Step",
     "TensorSpec",
     "attend",
     "hookimpl",

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from attnpolicy.cli.config import register
 from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import BucketOverflowError, ConfigError, PolicyError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.compile import BACKENDS

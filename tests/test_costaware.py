@@ -11,7 +11,7 @@ from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.simulation import SimulatedGraph, simulate
 from attnpolicy.plugins.hookspecs import hookimpl
@@ -183,7 +183,7 @@ def test_a_shadow_batch_that_hits_every_graph_skips_repeated_uses_without_changi
         d = Dispatcher(config, builder=lambda call, key, spec: SimulatedGraph(key), cost_model=model)
         out = []
         for layout in steps:
-            decision, _ = d.prepare_step(layout, model.spec)
+            decision = d.prepare(layout, model.spec).decision
             out.append((decision.mode.value, decision.reason))
         return out
 
@@ -214,7 +214,7 @@ def test_a_repeated_batch_is_replayed_exactly(picks, eviction, capacity, mask_by
                                   eviction=eviction, max_mask_bytes=mask_bytes, on_overflow="eager")
         d = Dispatcher(config, builder=lambda call, key, spec: SimulatedGraph(key), cost_model=MODEL)
         return [(decision.mode.value, decision.reason)
-                for decision in (d.prepare_step(layout, SPEC)[0] for layout in stream)]
+                for decision in (d.prepare(layout, SPEC).decision for layout in stream)]
 
     steps = []
     real_step = costaware._Shadow.step
@@ -248,5 +248,5 @@ def test_a_steady_repeat_steps_no_shadow(monkeypatch):
         d = Dispatcher(AttnPolicyConfig(policy="cost-aware", backend="aot_eager", eviction=eviction),
                        builder=lambda call, key, spec: SimulatedGraph(key), cost_model=MODEL)
         for _ in range(10):
-            d.prepare_step(BatchLayout.from_lens([5, 7]), SPEC)
+            d.prepare(BatchLayout.from_lens([5, 7]), SPEC)
         assert len(steps) == stepped, eviction  # 4 shadows: the first batch, the first repeat

@@ -14,6 +14,7 @@ from strategies import layouts, qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
 from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.dispatch import HostStep
 from attnpolicy.errors import (
     BucketOverflowError,
     ConfigError,
@@ -382,26 +383,29 @@ def _untimed(stats):
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("policy", ["varlen", "dynamic"])
-def test_runs_varlen_fetches_and_counts_as_a_planned_step(policy, eviction):
-    """prepare_step(runs_varlen=True) — a runtime running VARLEN on its own kernel —
-    takes the same decisions and leaves the same statistics and cache as planning
-    every call; it returns (and pins) graphs only for the other modes."""
+def test_a_host_step_fetches_and_counts_as_a_planned_step(policy, eviction):
+    """A dispatcher whose host runs VARLEN on its own kernel (host_varlen=True) takes
+    the same decisions and leaves the same statistics and cache as planning every
+    call; its VARLEN steps are HostSteps with no graph (none pinned), its other steps
+    return (and pin) their graphs."""
     cfg = AttnPolicyConfig(policy=policy, backend="aot_eager", max_seq_len=256, max_graphs=3,
                            eviction=eviction, on_overflow="eager")
     built = [[], []]
-    ds = [Dispatcher(cfg, builder=lambda call, key, spec, out=out: out.append(key) or (lambda *a: None))
-          for out in built]
+    ds = [Dispatcher(cfg, builder=lambda call, key, spec, out=out: out.append(key) or (lambda *a: None),
+                     host_varlen=host) for out, host in zip(built, (False, True))]
     for layout in _decode_steps():
-        full = ds[0].prepare_step(layout, SPEC)
-        fast = ds[1].prepare_step(layout, SPEC, runs_varlen=True)
-        assert fast[0] == full[0]
-        calls = [call for call, _ in full[1]]
-        assert [call for call, _ in fast[1]] == ([] if full[0].mode is MaskMode.VARLEN else calls)
+        full = ds[0].prepare(layout, SPEC)
+        fast = ds[1].prepare(layout, SPEC)
+        assert fast.decision == full.decision
+        varlen = full.decision.mode is MaskMode.VARLEN
+        assert isinstance(fast, HostStep) == varlen
+        calls = [call for call, _ in full]
+        assert [call for call, _ in fast] == ([] if varlen else calls)
         # the batch's graphs stay pinned until it has run; a VARLEN step run elsewhere uses none
-        assert ds[1]._pinned == ([] if full[0].mode is MaskMode.VARLEN else ds[0]._pinned)
-        for mode in (MaskMode.VARLEN, full[0].mode):
+        assert ds[1].source.pinned == ([] if varlen else ds[0].source.pinned)
+        for mode in (MaskMode.VARLEN, full.decision.mode):
             keys = ds[1].context_for(SPEC).keys_for(layout, mode)
-            assert keys == tuple(k for c, k in ds[0]._planned(layout, mode, SPEC)[1] if c.compiled)
+            assert keys == tuple(k for c, k in ds[0].planner.plan(layout, mode, SPEC).calls if c.compiled)
         stats = [_untimed(d.stats().to_json()) for d in ds]
         assert stats[1] == stats[0]
     assert built[1] == built[0]
@@ -439,3 +443,33 @@ def test_a_batch_fetches_its_hits_together_exactly_as_one_by_one(picks, max_grap
         mp.setattr(GraphCache, "hit_many", lambda self, keys, start=0, **kw: start)  # one by one
         assert run() == together
 
+
+
+def test_a_kept_step_holds_no_graph_the_cache_evicted():
+    """The Step of a repeated layout is kept for reuse, but not its graphs once another
+    batch is prepared: a graph the cache evicted is freed, and the kept step fetches
+    its graph from the cache again (a miss, compiled again)."""
+    import gc
+    import weakref
+
+    class Graph:
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self, *args):
+            raise AssertionError("not run")
+
+    cfg = AttnPolicyConfig(policy="varlen", backend="eager", max_graphs=1, max_seq_len=64)
+    d = Dispatcher(cfg, builder=lambda call, key, spec: Graph(key))
+    short, long = BatchLayout.from_lens([3]), BatchLayout.from_lens([40])
+    first = d.prepare(short, SPEC)
+    (call, graph), = first
+    freed = weakref.ref(graph)
+    del graph
+    d.prepare(long, SPEC)  # evicts the short layout's graph (max_graphs=1)
+    d.release_batch()
+    gc.collect()
+    assert freed() is None and len(first) == 0
+    again = d.prepare(short, SPEC)
+    assert again is first and [c for c, _ in again] == [call]
+    assert d.stats().cache.misses == 3 and d.stats().batches == 3

@@ -17,14 +17,14 @@ ROOT = Path(__file__).resolve().parents[1] / "attnpolicy"
 MAX_LINES = 600
 
 #: Bottom up; a module may import its own layer and those below. A name is a module or
-#: a package (every module under it). The dispatch layer is ``dispatcher`` or ``dispatch``.
+#: a package (every module under it).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("attnpolicy", "errors", "core"),
     ("kernels",),
     ("graphs", "plugins", "cache"),
     ("config",),
     ("policies",),
-    ("dispatcher", "dispatch"),
+    ("dispatch",),
     ("workloads", "integrations"),
     ("modelling",),
     ("planning",),
@@ -164,13 +164,7 @@ def test_no_upward_import():
     assert upward() == []
 
 
-#: Modules over the limit until the dispatch package replaces them.
-PENDING_LENGTH = frozenset({"attnpolicy.dispatcher"})
-
-
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="split into the dispatch package"))
-    if m in PENDING_LENGTH else m for m in sorted(modules())])
+@pytest.mark.parametrize("module", sorted(modules()))
 def test_module_length(module):
     lines = len(modules()[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines (limit {MAX_LINES})"

@@ -13,7 +13,7 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.modelling.simulation import simulate_run
@@ -38,7 +38,7 @@ def _record(path, policy: str, max_graphs: int | None, eviction: str = "lru", re
     layouts = [s.layout for s in BatchFormer(max_num_seqs=6, max_num_batched_tokens=512,
                                              max_model_len=4096).steps(synthetic_default(requests))]
     for layout in layouts:
-        decision, _ = dispatcher.prepare_step(layout, SPEC)
+        decision = dispatcher.prepare(layout, SPEC).decision
         writer.write_step(layout, decision.mode, dispatcher.context_for(SPEC).keys_for(layout, decision.mode),
                           dispatcher.cache.stats().to_json())
     writer.close()

@@ -17,7 +17,7 @@ from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import GraphFamily
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey

@@ -2,7 +2,7 @@
 
 For each batch (``n`` causal sequences of ``L/n`` tokens) the baseline is the
 per-sequence SDPA loop (no attnpolicy); each (family, implementation) runs through
-a :class:`~attnpolicy.dispatcher.Dispatcher` whose policy forces the family
+a :class:`~attnpolicy.dispatch.Dispatcher` whose policy forces the family
 (``varlen`` or ``always-mask``) and whose ``kernels`` pick the implementation.
 Graphs are compiled and masks cached before timing (steady state); the mask build
 (dense mask for MASK, block mask for ``flex``) is timed apart, uncached.
@@ -32,7 +32,7 @@ from attnpolicy.bench.overhead import bare_kernel
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.kernels.flex import build_block_mask
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.plugins.kernels import KernelInfo, impls_for, kernel_registry, why_unfit

@@ -21,10 +21,10 @@ from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.execute import attend, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.masks import mask_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode, legal_modes
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.masks import mask_for
@@ -167,7 +167,7 @@ def measure_decisions(policy: str, requests: int = 200, *, max_graphs: int | Non
             start = time.perf_counter()
             decision = d.decide(layout, spec)
             times.append(time.perf_counter() - start)
-            d.graphs_for(layout, decision, spec)
+            d.prepare(layout, spec, decision)
             d.release_batch()
         medians.append(statistics.median(times) * 1e6)
     return DecisionRow(policy, len(layouts), medians[0], medians[1])

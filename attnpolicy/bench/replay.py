@@ -19,7 +19,7 @@ import torch
 
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.workloads.batching import BatchFormer, Step

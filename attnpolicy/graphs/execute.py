@@ -15,9 +15,9 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import LayoutError
+from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call
-from attnpolicy.graphs.plan import plan_calls
 from attnpolicy.kernels.attention import bind, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.isolation import isolated, leak_free

@@ -20,6 +20,15 @@ from attnpolicy.plugins.kernels import (
 )
 
 
+def call_traits(call: Call, layout: BatchLayout) -> tuple[bool, bool]:
+    """The causality and cached context a call's graph serves, as its key and its
+    kernel see them: a MASK call's from its layout (one mask covers the batch),
+    another call's from its own sequence (context: more keys than queries)."""
+    if call.family is GraphFamily.MASK:
+        return layout.causal, layout.has_context
+    return call.causal, call.kv_len > call.q_len
+
+
 class KernelChoice:
     """Which registered implementation runs each call: the config's choice per family
     (``kernels``, else ``attn_impl``), checked against the implementation's
@@ -41,10 +50,7 @@ class KernelChoice:
     def impl(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> str:
         """The implementation for ``call`` (remembered per family, causality, context
         and spec: the capabilities it depends on)."""
-        if call.family is GraphFamily.MASK:
-            causal, context = layout.causal, layout.has_context
-        else:
-            causal, context = call.causal, call.kv_len > call.q_len
+        causal, context = call_traits(call, layout)
         memo_key = (call.family, causal, context, spec)
         name = self._chosen.get(memo_key)
         if name is None:

@@ -30,7 +30,7 @@ from attnpolicy.config import FORMAT_VERSION, AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision
-from attnpolicy.dispatcher import Builder, Dispatcher
+from attnpolicy.dispatch import Builder, Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.plugins.hookspecs import hookimpl
@@ -40,18 +40,19 @@ from attnpolicy.workloads.layout_stream import LAYOUT_LOG_ENV, LayoutStreamWrite
 DECISIONS_LOG_ENV = "ATTNPOLICY_DECISIONS_LOG"
 
 _lock = threading.Lock()
-_dispatchers: dict[tuple[str, Builder | None], tuple[AttnPolicyConfig, Dispatcher]] = {}
+_dispatchers: dict[tuple[str, Builder | None, bool], tuple[AttnPolicyConfig, Dispatcher]] = {}
 _logs: dict[str, DecisionLog] = {}
 _streams: dict[int, LayoutStreamWriter | None] = {}
 
 
-def dispatcher_for(config: AttnPolicyConfig, builder: Builder | None = None) -> Dispatcher:
-    """The process's dispatcher for ``config`` and graph ``builder`` (built on first
-    use, then shared)."""
-    key = (config.model_dump_json(), builder)
+def dispatcher_for(config: AttnPolicyConfig, builder: Builder | None = None, *,
+                   host_varlen: bool = False) -> Dispatcher:
+    """The process's dispatcher for ``config``, graph ``builder`` and ``host_varlen``
+    (see :class:`~attnpolicy.dispatch.Dispatcher`; built on first use, then shared)."""
+    key = (config.model_dump_json(), builder, host_varlen)
     with _lock:
         if key not in _dispatchers:
-            _dispatchers[key] = (config, Dispatcher(config, builder=builder))
+            _dispatchers[key] = (config, Dispatcher(config, builder=builder, host_varlen=host_varlen))
         return _dispatchers[key][1]
 
 

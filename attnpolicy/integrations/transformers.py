@@ -27,7 +27,7 @@ import torch
 
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import LayoutError
 from attnpolicy.integrations.environment import from_env
 from attnpolicy.integrations.hf_layout import layout_from_mask, layout_without_mask

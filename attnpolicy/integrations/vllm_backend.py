@@ -7,18 +7,22 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
 
 - **One decision per step.** All layers of a step share one metadata object; the
   first layer builds the step's :class:`~attnpolicy.core.layout.BatchLayout` (cached
-  context included: ``kv_lens`` = ``seq_lens``, ``q_lens`` from ``query_start_loc``),
-  asks the dispatcher once (decision, guard, planned graph keys through the graph
-  cache, which counts hits and misses as a static-shape runtime would), and every
-  layer of the step reuses the result.
+  context included: ``kv_lens`` = ``seq_lens``, ``q_lens`` from ``query_start_loc``)
+  and asks the dispatcher once: ``Dispatcher.prepare(layout, spec)`` returns the
+  step's :class:`~attnpolicy.dispatch.step.Step` (decision, guard, planned graph keys
+  through the graph cache, which counts hits and misses as a static-shape runtime
+  would). Every other layer looks that Step up and runs it; a layer of another
+  tensor spec prepares its own in the same decision.
 - **The whole step runs in the chosen mode**, mixed batches included (no split):
   VARLEN runs vLLM's own paged kernel over the whole batch
   (:class:`~attnpolicy.integrations.vllm_paged.PagedVarlenKernel`, bit-identical to
-  stock); CAUSAL (one context-free sequence) runs attnpolicy's graph on the step's
-  keys as they are; MASK runs attnpolicy's graph on keys gathered from the paged
-  cache (once per step per layer, only when some sequence has cached context).
-  The mode is the one that runs (``Dispatcher.prepare_step``): a MASK decision whose
-  mask would exceed ``max_mask_bytes`` runs as VARLEN under ``on_overflow='eager'``.
+  stock): the dispatcher is built with ``host_varlen=True``, so such a step is a
+  :class:`~attnpolicy.dispatch.step.HostStep`, decided and counted, with no graph of
+  attnpolicy's. CAUSAL (one context-free sequence) runs attnpolicy's graph on the
+  step's keys as they are; MASK runs attnpolicy's graph on keys gathered from the
+  paged cache (once per step, only when some sequence has cached context). The mode
+  is the one that runs: a MASK decision whose mask would exceed ``max_mask_bytes``
+  runs as VARLEN under ``on_overflow='eager'``.
 - VARLEN-family keys (which the paged kernel runs) enter the graph cache and its
   statistics without compiling; CAUSAL and MASK graphs compile when first planned.
 - Layers the backend cannot run (ALiBi, sliding window, soft-capping, sinks, KV
@@ -41,13 +45,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
-from attnpolicy.dispatcher import Dispatcher, example_inputs
-from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph
-from attnpolicy.graphs.execute import GraphFn, execute, graph_fn
-from attnpolicy.graphs.flexgraph import FlexGraph
-from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.dispatch import Dispatcher, HostStep, Step
+from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.environment import from_env
 from attnpolicy.integrations.runtime import (
     RuntimeLimits,
@@ -77,20 +76,6 @@ class AttnPolicyCPUBackend(CPUAttentionBackend):
         return AttnPolicyCPUImpl
 
 
-def deferred_build(call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph:
-    """The dispatcher's ``builder`` inside vLLM. VARLEN-family graphs never run here
-    (vLLM's paged kernel runs VARLEN steps): they are compiled only if ever called
-    (``torch.compile`` is lazy without example inputs), so planning them costs
-    nothing. CAUSAL and MASK graphs compile now, as the dispatcher's own builder
-    does, so compile time and errors stay inside the cache's build."""
-    fn = graph_fn(call, key.impl, spec.scale, key.partition_len)
-    if isinstance(fn, FlexGraph):
-        raise ConfigError("kernel 'flex' does not run inside vLLM yet: configure sdpa, eager or flash for mask")
-    if call.family is GraphFamily.VARLEN:
-        return compile_graph(fn, key.backend)
-    return compile_graph(fn, key.backend, example_inputs=example_inputs(call, spec))
-
-
 def runtime_limits() -> RuntimeLimits:
     """The limits of the vLLM engine being built (``get_current_vllm_config()``)."""
     cfg = get_current_vllm_config()
@@ -107,31 +92,28 @@ def layout_for(md: CPUAttentionMetadata) -> BatchLayout:
                                             causal=bool(md.causal), num_tokens=md.num_actual_tokens)
 
 
-class _Step:
-    """What every layer of one step shares: layout, decision, graphs, gather index."""
+class _Current:
+    """The step every layer runs now: its metadata, its Steps by tensor spec (the
+    first layer's decision for all) and the gather index of its paged keys."""
 
-    __slots__ = ("decision", "gather", "graphs", "layout", "metadata", "spec")
+    __slots__ = ("gather", "metadata", "steps")
 
-    def __init__(self, md: CPUAttentionMetadata, layout: BatchLayout, decision: Decision,
-                 spec: TensorSpec, graphs: list[tuple[Call, GraphFn]]) -> None:
+    def __init__(self, md: CPUAttentionMetadata, spec: TensorSpec, step: Step) -> None:
         self.metadata = md
-        self.layout = layout
-        self.decision = decision
-        self.spec = spec
-        self.graphs = {spec: graphs}
+        self.steps = {spec: step}
         self.gather: PagedGather | None = None
 
 
 class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
     """Runs every step of the supported layers through attnpolicy's guarded policy."""
 
-    _step: _Step | None = None  # the current step, shared by every layer (class-level)
+    _current: _Current | None = None  # the current step, shared by every layer (class-level)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = runtime_limits()
         self.config: AttnPolicyConfig = fit_to_runtime(from_env(), self.limits, "ATTNPOLICY_CONFIG")
-        self.dispatcher: Dispatcher = dispatcher_for(self.config, builder=deferred_build)
+        self.dispatcher: Dispatcher = dispatcher_for(self.config, host_varlen=True)
         self.varlen = PagedVarlenKernel(self.scale, self.kv_cache_dtype, self.attn_type)
         self._spec: TensorSpec | None = None  # of this layer's tensors, for dtype self._dtype
         self._dtype: torch.dtype | None = None
@@ -146,23 +128,25 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             and self.kv_cache_dtype == "auto"
         )
 
-    def _step_for(self, md: CPUAttentionMetadata, spec: TensorSpec) -> _Step:
-        """The step of ``md``: decided, planned and fetched by its first layer, reused by
-        every other layer (a layer of another spec plans its graphs in the same decision)."""
-        step = AttnPolicyCPUImpl._step
-        if step is not None and step.metadata is md:
-            if spec not in step.graphs:  # a layer with other head counts or dtype: same decision
-                step.graphs[spec] = self.dispatcher.graphs_for(step.layout, step.decision, spec, runs_varlen=True)
-            return step
+    def _step_for(self, md: CPUAttentionMetadata, spec: TensorSpec) -> Step:
+        """The Step of ``md`` for tensors of ``spec``: prepared by the step's first layer,
+        looked up by every other one (a layer of another spec prepares its own in the
+        same decision)."""
         dispatcher = self.dispatcher
+        current = AttnPolicyCPUImpl._current
+        if current is not None and current.metadata is md:
+            first = next(iter(current.steps.values()))
+            step = current.steps[spec] = dispatcher.prepare(first.layout, spec, first.decision)
+            return step
         layout = layout_for(md)
-        decision, graphs = dispatcher.prepare_step(layout, spec, runs_varlen=True)
-        step = AttnPolicyCPUImpl._step = _Step(md, layout, decision, spec, graphs)
+        step = dispatcher.prepare(layout, spec)
+        AttnPolicyCPUImpl._current = _Current(md, spec, step)
         stream = self._stream
         if stream is False:
             stream = self._stream = layout_stream(dispatcher, spec, self.limits)
         if stream is not None:
-            stream.write_step(layout, decision.mode, dispatcher.context_for(spec).keys_for(layout, decision.mode),
+            mode = step.decision.mode
+            stream.write_step(layout, mode, dispatcher.context_for(spec).keys_for(layout, mode),
                               dispatcher.cache.counters())
         return step
 
@@ -183,19 +167,22 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             self._dtype = query.dtype
             if self.config.warmup:  # first use: the planned warm set (once per spec), then strict
                 self.dispatcher.warmup(spec)
-        step = AttnPolicyCPUImpl._step
-        if step is None or step.metadata is not md or spec not in step.graphs:
+        current = AttnPolicyCPUImpl._current
+        step = current.steps.get(spec) if current is not None and current.metadata is md else None
+        if step is None:
             step = self._step_for(md, spec)
-        if step.decision.mode is MaskMode.VARLEN:
+            current = AttnPolicyCPUImpl._current
+        if isinstance(step, HostStep):
             return self.varlen(layer, query, key, value, kv_cache, md, output)
         layout = step.layout
         n = layout.q_tokens
         if layout.has_context:  # MASK with cached context: the keys live in the paged cache
-            if step.gather is None:
-                step.gather = PagedGather(md.block_table, layout.kv_lens, kv_cache.shape[2])
-            k, v = step.gather(kv_cache)
+            assert current is not None
+            if current.gather is None:
+                current.gather = PagedGather(md.block_table, layout.kv_lens, kv_cache.shape[2])
+            k, v = current.gather(kv_cache)
         else:
             k, v = key[:n], value[:n]
-        out = execute(query[:n], k, v, layout, step.graphs[spec], self.dispatcher.masks)
+        out = step.run(query[:n], k, v)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output

@@ -1,7 +1,7 @@
 """Replay a workload with a cost model instead of compute: fast enough to sweep
 bucket schemes × policies × cache bounds × evictions.
 
-A configuration runs a real :class:`~attnpolicy.dispatcher.Dispatcher` (decision,
+A configuration runs a real :class:`~attnpolicy.dispatch.Dispatcher` (decision,
 guard, plan, graph cache) over the batches of a
 :class:`~attnpolicy.workloads.batching.BatchFormer`, with a builder that compiles nothing:
 a miss is charged the model's compile seconds, and every call its modelled cost
@@ -45,7 +45,7 @@ from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel

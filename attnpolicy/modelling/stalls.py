@@ -1,7 +1,7 @@
 """Compile stalls per batch, modelled: synchronous compiles against background
 compiles with pad-up (``compile_mode``), on a modelled clock.
 
-The batches go through a real :class:`~attnpolicy.dispatcher.Dispatcher` with the
+The batches go through a real :class:`~attnpolicy.dispatch.Dispatcher` with the
 simulation's builder (nothing compiles; see :mod:`attnpolicy.modelling.simulation`),
 so decisions, pad-ups, switch points, hits and evictions are those of a real run.
 Time is the cost model's: a batch runs for its calls' run seconds (plus dispatch
@@ -23,7 +23,8 @@ from typing import Any
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.dispatcher import Dispatcher, percentile
+from attnpolicy.dispatch import Dispatcher
+from attnpolicy.dispatch.stats import percentile
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel

@@ -36,8 +36,8 @@ import numpy as np
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.graphs.plan import plan_calls
 
 #: Graph families in the order of :attr:`CallShapes.family` codes.
 FAMILIES: tuple[GraphFamily, ...] = (GraphFamily.CAUSAL, GraphFamily.MASK, GraphFamily.VARLEN)

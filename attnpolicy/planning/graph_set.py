@@ -35,10 +35,11 @@ from typing import Any
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
-from attnpolicy.dispatcher import Dispatcher
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
+from attnpolicy.graphs.kernel_choice import call_traits
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.modelling.simulation import SimRow, simulate_layouts
 from attnpolicy.planning.bucket_search import CallShapes, PlanCost, evaluate, plan_sizes
@@ -256,11 +257,9 @@ def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, mo
             key = graph.key
             uses[key] = uses.get(key, 0) + 1
             if key not in shapes:
-                mask = call.family is GraphFamily.MASK
-                shapes[key] = WarmShape(
-                    family=call.family, q_bucket=call.q_bucket, kv_bucket=call.kv_bucket,
-                    causal=layout.causal if mask else call.causal,
-                    context=layout.has_context if mask else call.kv_len > call.q_len)
+                causal, context = call_traits(call, layout)
+                shapes[key] = WarmShape(family=call.family, q_bucket=call.q_bucket, kv_bucket=call.kv_bucket,
+                                        causal=causal, context=context)
     graphs = [WarmGraph(shapes[k], n, model.compile_seconds(k), model.graph_bytes(k)) for k, n in uses.items()]
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 

@@ -27,7 +27,7 @@ class Policy(Protocol):
     A *stateful* policy (one whose answer depends on earlier batches, like
     ``cost-aware``) also implements ``preview(layout, ctx) -> Decision``: the answer
     ``decide`` would give now, without changing any state.
-    :meth:`~attnpolicy.dispatcher.Dispatcher.graph_keys_for` and ``warmup`` call
+    :meth:`~attnpolicy.dispatch.Dispatcher.graph_keys_for` and ``warmup`` call
     ``preview`` when the policy has one, ``decide`` otherwise.
 
     A policy whose decision depends on the layout and the config alone may set the

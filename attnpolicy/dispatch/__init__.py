@@ -1,0 +1,18 @@
+"""The dispatcher and the rooms it delegates to.
+
+- :mod:`~attnpolicy.dispatch.dispatcher`: :class:`Dispatcher`, the front door
+  (``prepare(layout, spec)`` → :class:`Step`; ``attend`` = ``prepare(...).run(q, k, v)``);
+- :mod:`~attnpolicy.dispatch.step`: :class:`Step` and :class:`HostStep`, a prepared batch;
+- :mod:`~attnpolicy.dispatch.batch_plan`: the whole plan of one batch, in one call;
+- :mod:`~attnpolicy.dispatch.graph_source`: graphs from the cache, the builder, strict mode, pins;
+- :mod:`~attnpolicy.dispatch.background`: background compiles, pad-up and switches;
+- :mod:`~attnpolicy.dispatch.stats`: typed counters and :class:`DispatcherStats`;
+- :mod:`~attnpolicy.dispatch.memo`: the bounded memo every room uses.
+"""
+
+from attnpolicy.dispatch.dispatcher import Dispatcher
+from attnpolicy.dispatch.graph_source import Builder
+from attnpolicy.dispatch.stats import DispatcherStats
+from attnpolicy.dispatch.step import HostStep, Step
+
+__all__ = ["Builder", "Dispatcher", "DispatcherStats", "HostStep", "Step"]

@@ -1,0 +1,190 @@
+"""Background compiles (``compile_mode="background"``): a miss is served by a larger
+resident graph (pad-up) while its own graph compiles in a worker thread, and enters
+the cache exactly ``switch_after`` batches after it was requested."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from time import perf_counter
+from typing import Any
+
+from attnpolicy.core.modes import GraphFamily
+from attnpolicy.dispatch.batch_plan import Planned
+from attnpolicy.dispatch.graph_source import Builder, Fetched, GraphSource, release
+from attnpolicy.errors import GraphCompileError
+from attnpolicy.graphs.compile import CompiledGraph
+from attnpolicy.graphs.execute import GraphFn
+from attnpolicy.graphs.flexgraph import FlexGraph
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+
+
+class Background:
+    """The worker, the pending compiles and the pad-up rule of one dispatcher.
+
+    Batches are numbered from 1 as :meth:`fetch` sees them; a compile requested in
+    batch ``n`` switches in at the start of batch ``n + switch_after``, waiting for
+    the worker if it is not done (the wait stalls that batch), so decisions never
+    depend on when a compile finishes."""
+
+    def __init__(self, source: GraphSource, cost_model: Any = None) -> None:
+        self.source = source
+        self.config = source.config
+        self.counters = source.counters
+        self.builder: Builder = source.custom_builder or source.build
+        self._cost_model = cost_model
+        self._pad_model: Any = None
+        self.batch = 0
+        self.pending: dict[GraphKey, _Pending] = {}
+        self.seconds = 0.0  # compile seconds measured in the worker
+        self._executor: ThreadPoolExecutor | None = None
+
+    def fetch(self, calls: Planned, spec: TensorSpec) -> Fetched:
+        """The graphs of one batch's ``calls`` (pinned): first every compile due now
+        switches in, in request order; then each call is served (see :meth:`serve`)."""
+        self.batch += 1
+        if self.pending:
+            for key, pending in list(self.pending.items()):
+                if pending.due <= self.batch:
+                    self._switch_in(key, pending)
+        out = [self.serve(call, key, spec) for call, key in calls]
+        return out, (None,) * len(out)
+
+    def serve(self, call: Call, key: GraphKey, spec: TensorSpec) -> tuple[Call, GraphFn]:
+        """The call and graph that run ``call``: the exact graph when resident; else a
+        larger resident one (pad-up) while the exact one compiles in the background;
+        else the exact one, compiled now (a stall)."""
+        source = self.source
+        if not call.compiled or key in source.cache:
+            return call, source.graph(call, key, spec, pin=True)[0]
+        pending = self.pending.get(key)
+        larger = self._pad_up(call, key)
+        if larger is not None:
+            if pending is None:
+                if source.warm and self.config.strict != "off":
+                    source.strict(key)
+                self._request(call, key, spec)
+            big = dataclasses.replace(call, q_bucket=larger.q_len, kv_bucket=larger.kv_len)
+            graph = source.graph(big, larger, spec, pin=True)[0]
+            c = self.counters
+            c.pad_up_calls += 1
+            c.pad_up_tokens += big.q_bucket - call.q_bucket
+            c.padded_tokens += big.q_bucket - call.q_bucket
+            return big, graph
+        if pending is not None and not self._switch_in(key, pending):
+            return call, source.uncompiled(call, spec, key.impl)  # failed, on_compile_error="eager"
+        return call, source.graph(call, key, spec, pin=True)[0]
+
+    def _pad_up(self, call: Call, key: GraphKey) -> GraphKey | None:
+        """The resident graph ``call`` may pad up to: of ``key``'s kind (family,
+        causality, spec, impl, partition, backend) with buckets at least ``call``'s, the
+        one the cost model runs fastest (ties: the smaller buckets), when its extra run
+        seconds over ``switch_after`` calls are less than compiling ``key``. A pure
+        function of the cache contents, the config and the cost model. FlexAttention
+        graphs and MASK graphs whose mask would exceed ``max_mask_bytes`` never serve."""
+        if key.impl == "flex":
+            return None
+        best: tuple[float, int, int] | None = None
+        found: GraphKey | None = None
+        model = self._model()
+        resident = self.source.cache.keys()  # a snapshot (the cache is not iterable)
+        for other in resident:
+            if (not isinstance(other, GraphKey) or other.family is not key.family or other.causal != key.causal
+                    or other.q_len < key.q_len or other.kv_len < key.kv_len or other.spec != key.spec
+                    or other.impl != key.impl or other.partition_len != key.partition_len
+                    or other.backend != key.backend or other == key):
+                continue
+            if key.family is GraphFamily.MASK and other.q_len * other.kv_len > self.config.max_mask_bytes:
+                continue
+            rank = (model.run_seconds(other), other.q_len, other.kv_len)
+            if best is None or rank < best:
+                best, found = rank, other
+        if found is None or best is None:
+            return None
+        extra = (best[0] - model.run_seconds(key)) * self.config.switch_after
+        return found if extra < model.compile_seconds(key) else None
+
+    def _model(self) -> Any:
+        """The cost model of pad-up decisions: the dispatcher's, else the built-in one."""
+        if self._pad_model is None:
+            from attnpolicy.graphs.costmodel import CostModel
+
+            self._pad_model = self._cost_model or CostModel.default()
+        return self._pad_model
+
+    def _request(self, call: Call, key: GraphKey, spec: TensorSpec) -> None:
+        """Start compiling ``key`` in the worker; it switches in ``switch_after`` batches."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnpolicy-compile")
+            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
+        future = self._executor.submit(_timed, self.builder, call, key, spec)
+        self.pending[key] = _Pending(future, self.batch + self.config.switch_after)
+        self.counters.background_requested += 1
+
+    def _switch_in(self, key: GraphKey, pending: _Pending) -> bool:
+        """Insert ``key``'s background graph into the cache, waiting for it if needed
+        (the wait stalls this batch). A failed compile follows ``on_compile_error``:
+        raises, or returns False (counted)."""
+        del self.pending[key]
+        source, c = self.source, self.counters
+        start = perf_counter()
+        error = pending.future.exception()  # blocks until the worker is done with it
+        source.stall += perf_counter() - start
+        if error is not None:
+            c.background_failed += 1
+
+            def fail() -> Any:
+                raise error
+            try:
+                source.cache.get_or_compile(key, fail, seconds=0.0)
+            except GraphCompileError:
+                if self.config.on_compile_error == "raise":
+                    raise
+                c.compile_error_fallbacks += 1
+                return False
+        value, seconds = pending.future.result()
+        self.seconds += seconds
+        c.background_switched += 1
+        if isinstance(value, CompiledGraph) and not value.direct:
+            c.direct_call_fallbacks += 1
+        try:
+            kept = source.cache.get_or_compile(key, lambda: value, seconds=seconds)
+        except BaseException:
+            _release_any(key, value)
+            raise
+        if kept is not value:  # cached meanwhile by another user of a shared cache
+            _release_any(key, value)
+        return True
+
+    def close(self) -> None:
+        """Stop the worker (waiting for the compile it runs) and drop the pending compiles."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        for key, pending in self.pending.items():
+            f = pending.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                _release_any(key, f.result()[0])
+        self.pending.clear()
+
+
+class _Pending:
+    """A background compile: its future ``(graph, seconds)`` and the batch it switches at."""
+
+    __slots__ = ("due", "future")
+
+    def __init__(self, future: Future[tuple[Any, float]], due: int) -> None:
+        self.future = future
+        self.due = due
+
+
+def _timed(builder: Builder, call: Call, key: GraphKey, spec: TensorSpec) -> tuple[Any, float]:
+    start = perf_counter()
+    graph = builder(call, key, spec)
+    return graph, perf_counter() - start
+
+
+def _release_any(key: GraphKey, graph: Any) -> None:
+    if isinstance(graph, CompiledGraph | FlexGraph):
+        release(key, graph)

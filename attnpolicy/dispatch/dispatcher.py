@@ -1,0 +1,297 @@
+"""The Dispatcher: layout → policy (guarded) → plan → cached graphs → Step → output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from cachetools import LRUCache
+
+from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.dispatch.background import Background
+from attnpolicy.dispatch.batch_plan import Planner
+from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
+from attnpolicy.dispatch.memo import memo
+from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
+from attnpolicy.dispatch.step import HostStep, Step, new_step
+from attnpolicy.graphs.execute import check_inputs
+from attnpolicy.graphs.kernel_choice import KernelChoice
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
+from attnpolicy.kernels.flex import BlockMaskCache
+from attnpolicy.kernels.masks import MaskCache
+from attnpolicy.plugins.observers import Observers
+from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.guard import Guard
+
+
+class Dispatcher:
+    """Runs attention the way ``config`` says, through a bounded graph cache.
+
+    ``attend(q, k, v, layout)`` takes packed ``q[q_tokens, Hq, D]`` and
+    ``k, v[kv_tokens, Hkv, D]`` (see :mod:`attnpolicy.core.layout`) and returns
+    ``[q_tokens, Hq, D]`` (padding rows zero): it is ``prepare(layout, spec).run(q, k, v)``.
+    Decisions and graph keys are a pure function of the layout, the config and the
+    sequence of earlier calls, so tensor-parallel ranks replaying the same batches
+    agree. Not thread-safe (its graph cache is): use one per thread, or lock around it.
+
+    Everything it keeps is its own and bounded: graphs (``max_graphs``, ``max_bytes``),
+    dense masks (``max_mask_bytes``), small mask tensors, and memos of plans, steps,
+    keys, specs and buckets (:data:`~attnpolicy.dispatch.memo.MEMO_SIZE` each), all in
+    :meth:`stats`; one float per batch that stalled. A batch's graphs are pinned from
+    :meth:`prepare` until it has run (the end of :meth:`attend`, or the next
+    :meth:`prepare`): evicting one then does not free it.
+
+    ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
+    sees every backend compile; ``builder`` replaces compilation (simulation).
+    ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's paged
+    kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for
+    them, and VARLEN graphs compile only if ever called. ``compile_mode="background"``
+    serves misses by pad-up while they compile in a worker
+    (:mod:`~attnpolicy.dispatch.background`); :meth:`close` stops it.
+
+    The policy is built here: an unknown policy or eviction name, or ``policy_options``
+    the policy rejects, raise a clear error naming the field. Observer hooks are
+    isolated; the exceptions they raised are counted in ``stats().observer_errors``.
+    """
+
+    def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
+                 cache: GraphCache[Any] | None = None,
+                 compile_counter: Callable[[Any], None] | None = None,
+                 builder: Builder | None = None, host_varlen: bool = False) -> None:
+        self.config = cfg = config or AttnPolicyConfig()
+        self.observers = observers = Observers(get_plugin_manager())
+        self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
+                                      fallback=MaskMode(cfg.fallback_mode), observers=observers)
+        self.cache = cache if cache is not None else make_cache(cfg, cost_model, observers)
+        self.counters = Counters()
+        self.masks = MaskCache(cfg.max_mask_bytes)
+        #: FlexAttention block masks per layout (bounded; see kernels/flex.py)
+        self.block_masks = BlockMaskCache()
+        kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
+                               measured=getattr(cost_model, "kernel_seconds", None))
+        self.planner = Planner(cfg, kernels)
+        self.source = GraphSource(cfg, self.cache, self.counters, self.block_masks, builder=builder,
+                                  compile_counter=compile_counter, host_varlen=host_varlen)
+        self.background = Background(self.source, cost_model) if cfg.compile_mode == "background" else None
+        self.host_varlen = host_varlen
+        self._cost_model = cost_model
+        self._steps: LRUCache[tuple[BatchLayout, TensorSpec], Step] = memo()  # stateless policies' steps
+        self._specs: LRUCache[tuple[object, ...], TensorSpec] = memo()  # by tensor properties
+        self._contexts: LRUCache[TensorSpec, PolicyContext] = memo()
+        self._decided: LRUCache[tuple[BatchLayout, TensorSpec, MaskMode], Step] = memo()  # other policies'
+        self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
+        self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
+        self._batch: list[Step] = []  # the steps prepared since the last prepare without a decision
+
+    # -- the front door -----------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
+        check_inputs(q, k, v, layout, scale)
+        step = self.prepare(layout, self._spec_of(q, k, scale))
+        try:
+            return step.run(q, k, v)
+        finally:
+            self.source.release()
+
+    def prepare(self, layout: BatchLayout, spec: TensorSpec, decision: Decision | None = None) -> Step:
+        """Decide, plan and fetch (or compile) the graphs of ``layout``: everything
+        ``attend`` does except touching tensors, counted as one batch. The graphs stay
+        pinned until :meth:`release_batch` or the next ``prepare``.
+
+        ``decision``: plan ``layout`` in an already taken decision instead (e.g. a layer
+        with another tensor spec in the same step): no policy is asked, and the graphs
+        are pinned with those of the batch prepared before."""
+        if decision is not None:
+            step = self._step_of(layout, spec, decision)
+            self._batch.append(step)
+            return self._fetch(step)
+        if self.source.pinned:
+            self.source.release()
+        last = self._last
+        try:
+            if last is not None and last.layout is layout and last.spec is spec:
+                step = last
+            else:
+                step = self._last = self._steps[(layout, spec)]
+        except KeyError:
+            self.planner.check_lengths(layout)
+            guard = self.guard
+            fallbacks = guard.fallbacks
+            decision = self.decide(layout, spec)
+            if guard.stateless and guard.fallbacks == fallbacks:  # reusable: see Guard.stateless
+                step = self._steps[(layout, spec)] = self._last = self._new_step(layout, spec, decision)
+            else:  # asked every time: the step is reused while the answer is the same
+                step = self._step_of(layout, spec, decision)
+        else:
+            self.guard.replay(layout, step.asked)
+        batch = self._batch
+        if len(batch) != 1 or batch[0] is not step:  # the steps before keep no graph
+            for old in batch:
+                if old is not step:
+                    old.forget()
+            self._batch = [step]
+        return self._fetch(step)
+
+    def release_batch(self) -> None:
+        """Unpin the graphs of the batch last prepared (it has run)."""
+        self.source.release()
+
+    def _step_of(self, layout: BatchLayout, spec: TensorSpec, decision: Decision) -> Step:
+        """The step of ``decision`` for ``layout``: the one kept for its mode if it was
+        taken for an equal decision, else a new one (kept)."""
+        key = (layout, spec, decision.mode)
+        try:
+            step = self._decided[key]
+            if step.asked == decision:
+                return step
+        except KeyError:
+            pass
+        step = self._decided[key] = self._new_step(layout, spec, decision)
+        return step
+
+    def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
+        return new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen,
+                        per_sequence=self.background is None)
+
+    def _fetch(self, step: Step) -> Step:
+        """Fetch ``step``'s graphs (or request its keys, for a host step), then count it:
+        a batch that raised is not counted."""
+        source, spec = self.source, step.spec
+        source.stall = 0.0
+        try:
+            if self.background is not None:
+                step.use(*self.background.fetch(step.plan.calls, spec))
+            elif isinstance(step, HostStep):
+                source.touch(step.keys, step.call_of, spec)
+            else:
+                fetched = source.fetch(step.plan.calls, step.plan.keys, spec, step.values)
+                if fetched is not None:  # else every graph is the one the step holds
+                    step.use(*fetched)
+        except BaseException:
+            source.release()
+            raise
+        if source.stall:
+            source.end()
+        c = self.counters
+        c.modes[step.mode_name] += 1
+        if step.fell_back:
+            c.mask_fallbacks += 1
+        c.batches += 1
+        c.calls += step.n_calls
+        c.real_tokens += step.layout.total_tokens
+        c.padded_tokens += step.padded_tokens
+        return step
+
+    def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> TensorSpec:
+        """``TensorSpec.of(q, k, scale)``, reused per distinct tensor properties; the
+        config's warm set is compiled the first time a spec is seen."""
+        props = (q.dtype, q.shape[1], q.shape[2], k.shape[1], scale, q.device)
+        last = self._last_spec
+        if last is not None and last[0] == props:
+            return last[1]
+        try:
+            spec: TensorSpec = self._specs[props]
+            self._last_spec = (props, spec)
+            return spec
+        except KeyError:
+            spec = self._specs[props] = TensorSpec.of(q, k, scale)
+            if self.config.warmup and spec not in self.planner.warmed:
+                self.warmup(spec)
+            self._last_spec = (props, spec)
+            return spec
+
+    # -- decisions ----------------------------------------------------------------------
+    def decide(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
+        """The decision that runs for ``layout`` on tensors of ``spec`` (after the guard).
+        A real decision: a stateful policy advances and ``attnpolicy_on_decision`` fires
+        (``prepare`` calls it once per batch)."""
+        return self.guard.decide(layout, self.context_for(spec))
+
+    def preview(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
+        """The decision a batch of ``layout`` on tensors of ``spec`` would get now, with
+        no side effect: no policy state advances, no hook fires, nothing is counted
+        (:meth:`Guard.preview <attnpolicy.policies.guard.Guard.preview>`)."""
+        return self.guard.preview(layout, self.context_for(spec))
+
+    def context_for(self, spec: TensorSpec) -> PolicyContext:
+        """The policy context of calls on tensors of ``spec`` (one kept per spec)."""
+        try:
+            ctx: PolicyContext = self._contexts[spec]
+            return ctx
+        except KeyError:
+            planner = self.planner
+
+            def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+                return planner.keys_for(layout, mode, spec)
+
+            ctx = self._contexts[spec] = PolicyContext(
+                config=self.config, spec=spec, is_cached=self.cache.__contains__, keys_for=keys_for,
+                cost_model=self._cost_model)
+            return ctx
+
+    def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec) -> tuple[GraphKey, ...]:
+        """The graph keys a batch of ``layout`` would use now (from :meth:`preview`: no
+        side effect, so any rank may call it any number of times)."""
+        return self.context_for(spec).keys_for(layout, self.preview(layout, spec).mode)
+
+    # -- warm-up and background compiles ------------------------------------------------
+    def warmup(self, layouts: Iterable[BatchLayout] | TensorSpec,
+               spec: TensorSpec | None = None) -> list[GraphKey]:
+        """``warmup(spec)``: compile the config's warm set (``warmup``, e.g. from
+        ``attnpolicy plan``) for tensors of ``spec``, once per spec.
+        ``warmup(layouts, spec)``: that, and the graphs the policy would use for
+        ``layouts`` (as :meth:`preview` decides them: no attention runs, no decision is
+        counted). Either way any later compile then counts as a strict-mode violation
+        (``strict``). Returns the keys warmed by this call.
+
+        :meth:`attend` warms the config's warm set itself the first time it sees a
+        spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
+        batches: Iterable[BatchLayout] = ()
+        if isinstance(layouts, TensorSpec):
+            spec = layouts
+        else:
+            batches = layouts
+        if spec is None:
+            raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
+        return self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
+
+    def pending(self) -> tuple[tuple[GraphKey, int], ...]:
+        """Background compiles not switched in yet: ``(key, batch it switches at)``,
+        in request order (batches are numbered from 1 by :meth:`prepare`)."""
+        bg = self.background
+        return () if bg is None else tuple((key, p.due) for key, p in bg.pending.items())
+
+    def close(self) -> None:
+        """Stop the background worker (waiting for its compile), drop pending compiles;
+        a new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
+        if self.background is not None:
+            self.background.close()
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- observation --------------------------------------------------------------------
+    @property
+    def stall_seconds(self) -> float:
+        """Wall seconds batches stalled on compiles so far (``stats().stalls.seconds``)."""
+        return self.source.stall_seconds
+
+    def stats(self) -> DispatcherStats:
+        """Counters of this dispatcher, its graph cache and its masks (see docs/cache.md)."""
+        bg, blocks = self.background, self.block_masks
+        return self.counters.snapshot(
+            self.config, guard_fallbacks=self.guard.fallbacks, observer_errors=dict(self.observers.errors),
+            plans=len(self.planner.plans), masks=self.masks.stats(),
+            block_masks=BlockMaskStats(len(blocks), blocks.nbytes, blocks.max_entries, blocks.max_bytes,
+                                       blocks.builds),
+            cache=self.cache.stats(), stalls=self.source.stalls,
+            pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0)

@@ -1,0 +1,241 @@
+"""Where a batch's graphs come from: the bounded graph cache, the builder that
+compiles a miss, the strict mode after warm-up, the pins that hold a batch's graphs
+until it has run, and the stalls synchronous compiles cost."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from functools import partial
+from operator import is_
+from time import perf_counter
+from typing import Any, cast
+
+import torch
+
+from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import GraphFamily
+from attnpolicy.dispatch.batch_plan import Planned
+from attnpolicy.dispatch.stats import Counters
+from attnpolicy.errors import ConfigError, GraphCompileError, StrictModeError
+from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
+from attnpolicy.graphs.execute import GraphFn, graph_fn
+from attnpolicy.graphs.flexgraph import FlexGraph
+from attnpolicy.graphs.footprint import graph_bytes
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels.flex import BlockMaskCache, build_block_mask, flex_graph
+from attnpolicy.plugins.observers import Observers
+
+#: Builds the graph of a key: ``builder(call, key, spec) -> callable``. The default
+#: compiles with ``torch.compile``; the simulator substitutes a cost-model stub.
+Builder = Callable[[Call, GraphKey, TensorSpec], GraphFn]
+#: Fetched graphs: what runs each call, and the cache values they came from
+#: (``None`` for a graph that is not the cache's: uncompiled, pad-up).
+Fetched = tuple[list[tuple[Call, GraphFn]], tuple[Any, ...]]
+
+_ONE_ROW = BatchLayout.from_lens([1])
+
+
+class GraphSource:
+    """The graphs of planned calls, from ``cache``, built by ``builder`` on a miss.
+
+    ``host_varlen``: the host runs VARLEN batches on a kernel of its own, so the
+    default builder compiles VARLEN-family graphs lazily (only if ever called) and
+    refuses FlexAttention (the host feeds MASK graphs keys of its own cache)."""
+
+    def __init__(self, config: AttnPolicyConfig, cache: GraphCache[Any], counters: Counters,
+                 block_masks: BlockMaskCache, *, builder: Builder | None = None,
+                 compile_counter: Callable[[Any], None] | None = None, host_varlen: bool = False) -> None:
+        self.config = config
+        self.cache = cache
+        self.counters = counters
+        self.block_masks = block_masks
+        self.custom_builder = builder
+        self._builder = builder or self._compile
+        self._compile_counter = compile_counter
+        self._host_varlen = host_varlen
+        self.warm = False  # after warm-up: a compile is a strict-mode violation
+        self.pinned: list[GraphKey] = []
+        self.stall = 0.0  # seconds the batch being fetched stalled so far
+        self.stalls: list[float] = []
+        self.stall_seconds = 0.0
+
+    # -- one batch ----------------------------------------------------------------------
+    def end(self) -> None:
+        """Record the stall of the batch just fetched, if it stalled."""
+        if self.stall:
+            self.stalls.append(self.stall)
+            self.stall_seconds += self.stall
+
+    def fetch(self, calls: Planned, keys: tuple[GraphKey, ...], spec: TensorSpec,
+              known: tuple[Any, ...] = ()) -> Fetched | None:
+        """The graphs of ``calls``, pinned: the cached ones under one lock (``keys``:
+        every call's, when all are compiled), each other call through :meth:`graph`.
+        ``None`` when every graph is the cache's ``known`` one (the caller has them)."""
+        if len(calls) == 1:  # one call: straight from the cache, as any miss
+            call, key = calls[0]
+            graph, value = self.graph(call, key, spec, pin=True)
+            if known and value is known[0] and value is not None:
+                return None
+            return [(call, graph)], (value,)
+        out: list[tuple[Call, GraphFn]] = []
+        values: list[Any] = []
+        i = 0
+        if keys:
+            i = self.cache.hit_many(keys, pin=True, values=values)
+            self.pinned.extend(keys[:i])
+            if i == len(keys) and len(known) == i and all(map(is_, values, known)):
+                return None
+            out = [(call, runnable(g)) for (call, _), g in zip(calls, values)]
+        for call, key in calls[i:]:
+            graph, value = self.graph(call, key, spec, pin=True)
+            out.append((call, graph))
+            values.append(value)
+        return out, tuple(values)
+
+    def touch(self, keys: list[GraphKey | None], call_of: Callable[[int], Call],
+              spec: TensorSpec) -> None:
+        """Request ``keys`` from the cache as :meth:`fetch` would (hits under one lock,
+        each other one through :meth:`graph`, ``call_of(i)`` its call; ``None``: an
+        uncompiled call), for a batch the host runs itself: nothing is returned or pinned."""
+        cache, n, i = self.cache, len(keys), 0
+        while (j := cache.hit_many(keys, i)) < n:  # None is never cached
+            key = keys[j]
+            if key is None:  # longer than the largest bucket: runs uncompiled
+                self.counters.overflow += 1
+            else:
+                self.graph(call_of(j), key, spec)
+            i = j + 1
+
+    def release(self) -> None:
+        """Unpin the graphs of the batch last fetched (it has run)."""
+        if self.pinned:
+            pinned, self.pinned = self.pinned, []
+            self.cache.unpin(pinned)
+
+    # -- one graph ----------------------------------------------------------------------
+    def graph(self, call: Call, key: GraphKey, spec: TensorSpec, pin: bool = False) -> tuple[GraphFn, Any]:
+        """What runs ``call`` and the cache value it is (``None`` when it runs
+        uncompiled: over the largest bucket, or its compile failed under
+        ``on_compile_error='eager'``; both counted)."""
+        if not call.compiled:  # longer than the largest bucket, on_overflow="eager"
+            self.counters.overflow += 1
+            return self.uncompiled(call, spec, key.impl), None
+        if self.warm and self.config.strict != "off" and key not in self.cache:
+            self.strict(key)
+        try:
+            graph = self.cache.get_or_compile(key, partial(self._timed_build, call, key, spec), pin=pin)
+        except GraphCompileError:
+            if self.config.on_compile_error == "raise":
+                raise
+            self.counters.compile_error_fallbacks += 1
+            return self.uncompiled(call, spec, key.impl), None
+        if pin:
+            self.pinned.append(key)
+        return runnable(graph), graph
+
+    def uncompiled(self, call: Call, spec: TensorSpec, impl: str) -> GraphFn:
+        if impl == "flex":
+            return FlexGraph(flex_graph(spec.scale), self.block_masks)
+        return graph_fn(call, impl, spec.scale, self.config.partition_len)
+
+    def strict(self, key: GraphKey) -> None:
+        """A compile after warm-up: counted, then warned or raised (``strict``)."""
+        self.counters.strict_violations += 1
+        message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
+        if self.config.strict == "raise":
+            raise StrictModeError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def warm_up(self, calls: Iterable[tuple[Call, GraphKey, bool]], spec: TensorSpec) -> list[GraphKey]:
+        """Fetch (compile) the graph of every ``(call, key, listed)``, then turn strict
+        mode on; returns the keys of the listed ones. The warm-up's own compiles are no
+        violations."""
+        keys: dict[GraphKey, None] = {}
+        warm, self.warm = self.warm, False
+        try:
+            for call, key, listed in calls:
+                self.graph(call, key, spec)
+                if listed:
+                    keys[key] = None
+        except BaseException:
+            self.warm = warm
+            raise
+        self.warm = True
+        return list(keys)
+
+    # -- building -----------------------------------------------------------------------
+    def _timed_build(self, call: Call, key: GraphKey, spec: TensorSpec) -> Any:
+        """A synchronous build: its wall seconds stall the batch being fetched."""
+        start = perf_counter()
+        try:
+            return self._builder(call, key, spec)
+        finally:
+            self.stall += perf_counter() - start
+
+    def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
+        graph = self.build(call, key, spec)
+        lazy = self._host_varlen and key.family is GraphFamily.VARLEN
+        if isinstance(graph, CompiledGraph) and not graph.direct and not lazy:
+            self.counters.direct_call_fallbacks += 1
+        return graph
+
+    def build(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
+        """Compile the graph of ``key`` (no dispatcher state touched: also runs in the
+        background worker)."""
+        counter = self._compile_counter
+        if key.impl == "flex":
+            if self._host_varlen:
+                raise ConfigError("kernel 'flex' does not run inside vLLM yet: configure sdpa, eager or flash "
+                                  "for mask")
+            ins = (*(t[None] for t in example_inputs(call, spec)[:3]),
+                   build_block_mask(_ONE_ROW, call.q_bucket, call.kv_bucket, spec.device))
+            graph = compile_graph(flex_graph(spec.scale), key.backend, counter=counter, example_inputs=ins)
+            return FlexGraph(graph, self.block_masks)  # flex graphs take a BlockMask: called through Dynamo
+        fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len)
+        assert not isinstance(fn, FlexGraph)  # flex is compiled above
+        if self._host_varlen and key.family is GraphFamily.VARLEN:  # the host's kernel runs it: lazy
+            return compile_graph(fn, key.backend, counter=counter)
+        return compile_graph(fn, key.backend, counter=counter, example_inputs=example_inputs(call, spec))
+
+
+def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) -> GraphCache[Any]:
+    """The graph cache ``config`` describes, sized by graph footprints, reporting to
+    ``observers``. ``eviction="cost"`` ranks graphs by *modelled* compile seconds, so
+    that every tensor-parallel rank evicts the same graphs (measured seconds differ)."""
+    compile_cost = None
+    if config.eviction == "cost":
+        from attnpolicy.graphs.costmodel import CostModel
+
+        compile_cost = (cost_model or CostModel.default()).compile_cost
+    return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost,
+                                  on_compile=observers.on_compile, on_evict=observers.on_evict, release=release)
+
+
+def runnable(graph: Any) -> GraphFn:
+    """What runs a cached graph: a compiled graph's backend callable (guard-free)."""
+    return cast(GraphFn, graph.call if type(graph) is CompiledGraph else graph)
+
+
+def release(key: GraphKey, graph: Any) -> None:
+    """Free what a graph of the cache holds (its compiled code)."""
+    inner = graph.graph if isinstance(graph, FlexGraph) else graph
+    if isinstance(inner, CompiledGraph):
+        release_graph(inner)
+
+
+def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:
+    """Zero tensors of a call's static shapes and strides (heads-first views of packed
+    token-major tensors, as ``graph_inputs`` makes them): what the graph is compiled for."""
+    dtype = getattr(torch, spec.dtype)
+    dev = torch.device(spec.device)
+    q = torch.zeros(call.q_bucket, spec.heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
+    k, v = (torch.zeros(call.kv_bucket, spec.kv_heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
+            for _ in range(2))  # distinct objects: Dynamo guards on aliasing
+    if call.family is GraphFamily.MASK:
+        return q, k, v, torch.ones(call.q_bucket, call.kv_bucket, dtype=torch.bool, device=dev)
+    if call.family is GraphFamily.VARLEN:
+        return q, k, v, torch.tensor([call.q_bucket, call.kv_bucket], device=dev)
+    return q, k, v

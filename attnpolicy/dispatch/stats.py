@@ -1,0 +1,154 @@
+"""What a dispatcher counts: the typed counters it keeps and the typed snapshot
+:meth:`~attnpolicy.dispatch.dispatcher.Dispatcher.stats` returns."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from attnpolicy.cache.graph_cache import CacheStats
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.kernels.masks import MaskCacheStats
+
+
+@dataclass(slots=True)
+class Counters:
+    """The running counts of one dispatcher (every field an int, all start at 0).
+
+    ``modes`` counts batches by the mode that ran (a mode's value: the stats key).
+    The others are read by :meth:`Dispatcher.stats` under the names of
+    :class:`DispatcherStats`; ``background_*`` and ``pad_up_*`` feed
+    :class:`BackgroundStats`, ``real_tokens`` and ``padded_tokens`` :class:`PaddingStats`."""
+
+    batches: int = 0
+    calls: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    overflow: int = 0
+    mask_fallbacks: int = 0
+    compile_error_fallbacks: int = 0
+    strict_violations: int = 0
+    direct_call_fallbacks: int = 0
+    background_requested: int = 0
+    background_switched: int = 0
+    background_failed: int = 0
+    pad_up_calls: int = 0
+    pad_up_tokens: int = 0
+    modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
+
+    def snapshot(self, config: AttnPolicyConfig, *, guard_fallbacks: int, observer_errors: dict[str, int],
+                 plans: int, masks: MaskCacheStats, block_masks: BlockMaskStats, cache: CacheStats,
+                 stalls: list[float], pending: int, compile_seconds: float) -> DispatcherStats:
+        """These counts with the figures kept elsewhere, as :class:`DispatcherStats`."""
+        real, padded = self.real_tokens, self.padded_tokens
+        return DispatcherStats(
+            batches=self.batches, calls=self.calls, modes=dict(self.modes), guard_fallbacks=guard_fallbacks,
+            overflow=self.overflow, mask_fallbacks=self.mask_fallbacks,
+            compile_error_fallbacks=self.compile_error_fallbacks, strict_violations=self.strict_violations,
+            direct_call_fallbacks=self.direct_call_fallbacks, observer_errors=observer_errors,
+            padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
+            block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
+            background=BackgroundStats(
+                config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
+                self.background_failed, pending, compile_seconds, self.pad_up_calls, self.pad_up_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class PaddingStats:
+    """Real query tokens and the rows graphs padded on top of them."""
+
+    real_tokens: int
+    padded_tokens: int
+    waste: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMaskStats:
+    """The FlexAttention block masks a dispatcher keeps (one per layout, bounded by
+    count and bytes)."""
+
+    entries: int
+    bytes: int
+    max_entries: int
+    max_bytes: int
+    builds: int
+
+
+@dataclass(frozen=True, slots=True)
+class StallStats:
+    """Wall seconds batches spent inside :meth:`Dispatcher.prepare` waiting for a
+    graph: compiling it synchronously, or waiting for a background compile at its
+    switch point. Percentiles (nearest rank) over every batch counted in ``batches``,
+    stall-free ones included; warm-up is no batch."""
+
+    batches: int
+    stalled: int
+    seconds: float
+    p50: float
+    p99: float
+    max: float
+
+
+@dataclass(frozen=True, slots=True)
+class BackgroundStats:
+    """Background compiles (``compile_mode="background"``) and the pad-up calls that
+    served their keys meanwhile: ``requested`` compiles, ``switched`` into the cache at
+    their switch point, ``failed`` there, ``pending`` now; ``compile_seconds`` measured
+    in the worker; ``pad_up_calls`` ran on a larger resident bucket, adding
+    ``pad_up_tokens`` query rows of padding (also in ``padding``)."""
+
+    compile_mode: str
+    switch_after: int
+    requested: int
+    switched: int
+    failed: int
+    pending: int
+    compile_seconds: float
+    pad_up_calls: int
+    pad_up_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    """A snapshot of a :class:`Dispatcher`: its counters, its graph cache's and its
+    mask cache's (see docs/cache.md). ``to_json()`` gives the dict of the JSON outputs."""
+
+    batches: int
+    calls: int
+    modes: dict[str, int]
+    guard_fallbacks: int
+    overflow: int
+    mask_fallbacks: int
+    compile_error_fallbacks: int
+    strict_violations: int
+    direct_call_fallbacks: int
+    observer_errors: dict[str, int]
+    padding: PaddingStats
+    plans: int
+    masks: MaskCacheStats
+    block_masks: BlockMaskStats
+    cache: CacheStats
+    stalls: StallStats
+    background: BackgroundStats
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: list[float], total: int, p: float) -> float:
+    """The nearest-rank ``p`` percentile of ``total`` values: ``values`` (sorted) and
+    ``total - len(values)`` zeros."""
+    if total <= 0:
+        return 0.0
+    rank = max(1, math.ceil(p * total))
+    zeros = total - len(values)
+    return 0.0 if rank <= zeros else values[rank - zeros - 1]
+
+
+def stall_stats(batches: int, stalls: list[float]) -> StallStats:
+    """The stall statistics of ``batches`` batches of which ``stalls`` stalled."""
+    ordered = sorted(stalls)
+    return StallStats(batches, len(stalls), math.fsum(stalls), percentile(ordered, batches, 0.5),
+                      percentile(ordered, batches, 0.99), ordered[-1] if ordered else 0.0)

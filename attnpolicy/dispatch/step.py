@@ -1,0 +1,141 @@
+"""A prepared batch: what :meth:`Dispatcher.prepare` returns and ``run`` computes.
+
+A :class:`Step` holds everything one batch needs: its layout, the decision that
+runs, its plan, its graphs (fetched from the cache, pinned until the batch has
+run), the mask cache its MASK calls read, and the figures it adds to the
+dispatcher's counters. The step of a repeated layout is kept whole: preparing it
+again touches the graph cache once and reuses the rest. A :class:`HostStep` is a
+batch the host runs on a kernel of its own (vLLM's paged kernel runs VARLEN):
+decided, counted and requested from the cache like any other, with no graph of
+attnpolicy's to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
+from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
+from attnpolicy.graphs.execute import GraphFn, execute
+from attnpolicy.graphs.flexgraph import FlexGraph
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels.masks import MaskCache
+
+
+class Step:
+    """One batch, prepared: ``run(q, k, v)`` returns its attention (see
+    :meth:`Dispatcher.attend <attnpolicy.dispatch.dispatcher.Dispatcher.attend>` for
+    the tensors). ``decision`` is the one that runs (VARLEN for a MASK decision whose
+    mask is over ``max_mask_bytes``); iterating gives its ``(call, graph)`` pairs,
+    one per graph invocation. A layout prepared again may return the same Step,
+    its graphs refreshed from the cache: run a Step before the next ``prepare``
+    without a decision (which drops the graphs of the steps before it)."""
+
+    __slots__ = ("asked", "decision", "direct", "fell_back", "graphs", "layout", "masks", "mode_name", "n_calls",
+                 "padded_tokens", "plan", "spec", "values", "whole_mask")
+
+    def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
+                 masks: MaskCache) -> None:
+        self.layout = layout
+        self.spec = spec
+        self.asked = asked  # the policy's decision (replayed when the step is reused)
+        self.plan = plan
+        self.fell_back = plan.mode is not asked.mode
+        self.decision = asked if not self.fell_back else Decision(
+            plan.mode, f"{asked.reason}; its mask exceeds max_mask_bytes: ran {plan.mode.value}")
+        self.mode_name = plan.mode.value  # the stats key (an Enum's value is a Python property)
+        self.n_calls = plan.n_calls
+        self.padded_tokens = plan.padded_tokens
+        self.masks = masks
+        self.graphs: list[tuple[Call, GraphFn]] = []
+        self.values: tuple[Any, ...] = ()  # the cache's values behind ``graphs``
+        self.direct: Callable[..., torch.Tensor] | None = None
+        self.whole_mask: tuple[int, int] | None = None
+
+    def use(self, graphs: list[tuple[Call, GraphFn]], values: tuple[Any, ...]) -> None:
+        """Run ``graphs`` from now on (``values``: the cache's values behind them).
+
+        A single call over every row, unpadded (CAUSAL of one sequence; MASK of one
+        sequence, which has no neighbour to isolate) is run directly by :meth:`run`:
+        exactly what :func:`~attnpolicy.graphs.execute.execute` does for it, without
+        the general path's branches."""
+        self.graphs, self.values = graphs, values
+        self.direct = self.whole_mask = None
+        layout = self.layout
+        if len(graphs) != 1 or not layout.is_single or layout.is_padded:
+            return
+        call, graph = graphs[0]
+        if (isinstance(graph, FlexGraph) or call.q_bucket != layout.q_tokens or call.kv_bucket != layout.kv_tokens
+                or call.family is GraphFamily.VARLEN):
+            return
+        self.direct = graph
+        if call.family is GraphFamily.MASK:
+            self.whole_mask = (call.q_bucket, call.kv_bucket)
+
+    def forget(self) -> None:
+        """Drop the graphs (the next fetch takes them from the cache again): a step
+        kept for reuse holds no graph the cache has evicted since."""
+        self.graphs, self.values = [], ()
+        self.direct = self.whole_mask = None
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller)."""
+        direct = self.direct
+        if (direct is None or torch.is_grad_enabled() or not q.is_contiguous() or not k.is_contiguous()
+                or not v.is_contiguous()):
+            return execute(q, k, v, self.layout, self.graphs, self.masks)
+        ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        shape = self.whole_mask
+        if shape is not None:
+            return direct(*ins, self.masks.layout_mask(self.layout, *shape, q.device)).transpose(0, 1)
+        return direct(*ins).transpose(0, 1)
+
+    def __iter__(self) -> Iterator[tuple[Call, GraphFn]]:
+        return iter(self.graphs)
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+
+class HostStep(Step):
+    """A batch the host runs on its own kernel: decided, counted and its graph keys
+    requested from the cache (hits, misses, recency, evictions) exactly as a
+    :class:`Step`'s, without a graph to run or pin (under ``compile_mode="background"``
+    its graphs are fetched and pinned: pad-up and switches need them).
+
+    ``keys``: each call's key in order (``None``: runs uncompiled); ``call_of(i)``:
+    the call of ``keys[i]``, built only when it misses."""
+
+    __slots__ = ("call_of", "keys")
+
+    def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
+                 masks: MaskCache, keys: list[GraphKey | None], call_of: Callable[[int], Call]) -> None:
+        super().__init__(layout, spec, asked, plan, masks)
+        self.keys = keys
+        self.call_of = call_of
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"this {self.mode_name} step of {self.layout.describe()} runs on the host's own "
+                           "kernel (a dispatcher built with host_varlen=True): the host calls it")
+
+
+def new_step(planner: Planner, layout: BatchLayout, spec: TensorSpec, asked: Decision, masks: MaskCache, *,
+             host_varlen: bool, per_sequence: bool) -> Step:
+    """The step of decision ``asked`` for ``layout``, planned by ``planner``: a
+    :class:`HostStep` when ``host_varlen`` and the mode that runs is VARLEN (planned
+    sequence by sequence when ``per_sequence`` and the policy chose VARLEN: decode
+    layouts never repeat, their sequences' shapes do), else a :class:`Step`."""
+    if host_varlen and per_sequence and asked.mode is MaskMode.VARLEN:
+        seqs = planner.seq_plans(layout, spec)
+        return HostStep(layout, spec, asked, BatchPlan.of_seqs(seqs, layout), masks,
+                        [key for key, _, _ in seqs], lambda i: planner.seq_call(layout, i, seqs[i]))
+    plan = planner.plan(layout, asked.mode, spec)
+    if host_varlen and plan.mode is MaskMode.VARLEN:
+        calls = plan.calls
+        return HostStep(layout, spec, asked, plan, masks, [key if call.compiled else None for call, key in calls],
+                        lambda i: calls[i][0])
+    return Step(layout, spec, asked, plan, masks)
