@@ -18,8 +18,8 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, legal_modes
 from attnpolicy.errors import ConfigError, KernelError, LayoutError
 from attnpolicy.graphs.execute import attend
-from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.graphs.kernel_choice import KernelChoice
+from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels.attention import _IMPL_FNS, _eager, bind
 from attnpolicy.kernels.conformance import ProbeCase, probe
 from attnpolicy.kernels.isolation import poisoned_rows

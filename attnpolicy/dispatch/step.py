@@ -121,7 +121,8 @@ class HostStep(Step):
         self.keys = keys
         self.call_of = call_of
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise RuntimeError(f"this {self.mode_name} step of {self.layout.describe()} runs on the host's own "
                            "kernel (a dispatcher built with host_varlen=True): the host calls it")
 

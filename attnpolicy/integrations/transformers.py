@@ -167,6 +167,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    assert isinstance(features, Features)  # a reason: fell back above
     layout, crop = plan
     if crop is not None:
         key, value = key[:, :, :crop], value[:, :, :crop]

@@ -78,11 +78,12 @@ def build_block_mask(layout: BatchLayout, q_rows: int, kv_rows: int, device: str
     if window is None:
         return create_block_mask(base, None, None, q_rows, kv_rows, device=device)
 
+    causal = layout.causal
+
     def window_mod(b, h, qi, ki):  # type: ignore[no-untyped-def]
-        near = q_pos[qi] - kv_pos[ki] < window
-        if not layout.causal:
-            near = near & (kv_pos[ki] - q_pos[qi] < window)
-        return base(b, h, qi, ki) & near
+        ahead = q_pos[qi] - kv_pos[ki]  # how far the key is behind the query
+        near = ((ahead >= 0) if causal else (-ahead < window)) & (ahead < window)
+        return (q_doc[qi] == kv_doc[ki]) & near
 
     return create_block_mask(window_mod, None, None, q_rows, kv_rows, device=device)
 
@@ -165,7 +166,9 @@ def flex_graph(scale: float | None, softcap: float | None = None, sinks: bool = 
     def flex_sink_graph(q, k, v, block_mask, sink):  # type: ignore[no-untyped-def]
         out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                   enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))
-        weight = torch.sigmoid(aux.lse - sink.to(aux.lse.dtype)[None, :, None])
+        lse = aux.lse
+        assert lse is not None  # asked for
+        weight = torch.sigmoid(lse - sink.to(lse.dtype)[None, :, None])
         return (out * weight[..., None].to(out.dtype)).to(q.dtype)
     return flex_sink_graph if sinks else flex_mask_graph
 
