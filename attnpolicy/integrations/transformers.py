@@ -78,19 +78,24 @@ def fallbacks() -> dict[str, int]:
 
 
 class _MaskLayouts:
-    """Layouts derived from the last mask tensor seen: every layer shares one mask."""
+    """Layouts derived from the last mask tensors seen: the layers of a forward share
+    one mask per attention type (full and sliding-window layers alternate in Gemma 2
+    and GPT-OSS, so the last ``KEEP`` masks are kept)."""
+
+    KEEP = 2
 
     def __init__(self) -> None:
-        self._mask: weakref.ref[torch.Tensor] | None = None
-        self._layouts: dict[tuple[bool, int | None], BatchLayout | str] = {}
+        self._masks: list[tuple[weakref.ref[torch.Tensor], dict[tuple[bool, int | None], BatchLayout | str]]] = []
 
     def get(self, mask: torch.Tensor, causal: bool, window: int | None) -> BatchLayout | str:
-        if self._mask is None or self._mask() is not mask:
-            self._mask, self._layouts = weakref.ref(mask), {}
+        layouts = next((found for ref, found in self._masks if ref() is mask), None)
+        if layouts is None:
+            layouts = {}
+            self._masks = [(weakref.ref(mask), layouts), *self._masks[:self.KEEP - 1]]
         key = (causal, window)
-        if key not in self._layouts:
-            self._layouts[key] = _derive(mask, causal, window)
-        return self._layouts[key]
+        if key not in layouts:
+            layouts[key] = _derive(mask, causal, window)
+        return layouts[key]
 
 
 def _derive(mask: torch.Tensor, causal: bool, window: int | None) -> BatchLayout | str:
