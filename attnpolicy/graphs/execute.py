@@ -129,8 +129,9 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     :mod:`attnpolicy.kernels.isolation`; one cheap check per batch decides, so an
     ordinary batch pays only that check. A batch of one unpadded sequence has no
     neighbour to protect and is not checked: what a bad value in it does is the
-    kernel's own answer, as in a CAUSAL call. Flex graphs isolate themselves the
-    same way.
+    kernel's own answer, as in a CAUSAL call. Under a sliding window CAUSAL graphs
+    mask too (keys behind the window), so they are checked like the others. Flex
+    graphs isolate themselves the same way.
 
     ``features`` are those the graphs were built for (their window shapes the masks
     and the isolation); ``sinks[Hq]`` (when they take sinks) goes to every graph."""
@@ -156,6 +157,7 @@ def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLay
         masked = call.family is not GraphFamily.CAUSAL
     else:
         masked = any(call.family is not GraphFamily.CAUSAL for call, _ in graphs)
+    masked = masked or features.window is not None  # a window masks CAUSAL graphs too
     if masked and not layout.is_single and not leak_free(q, k, v):
         return isolated(lambda q, k, v: _run(q, k, v, layout, graphs, masks, features.window, sinks),
                         q, k, v, layout, features.window)
