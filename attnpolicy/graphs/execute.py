@@ -53,21 +53,30 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     window = features.window
     rows, cols, causal = call.q_bucket, call.kv_bucket, call.causal
     if call.family is GraphFamily.CAUSAL:
-        def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+        def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            band = None if window is None else window_band(rows, cols, window, causal=True, device=q.device)
+            return run(q, k, v, True, band)
+
+        def causal_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
             band = None if window is None else window_band(rows, cols, window, causal=True, device=q.device)
             return run(q, k, v, True, band, sinks)
-        return causal_graph
+        return causal_sink_graph if features.sinks else causal_graph
     if call.family is GraphFamily.MASK:
-        def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
-            return run(q, k, v, False, mask, sinks)
-        return mask_graph
+        def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return run(q, k, v, False, mask)
 
-    def varlen_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+        def mask_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                            sinks: torch.Tensor) -> torch.Tensor:
+            return run(q, k, v, False, mask, sinks)
+        return mask_sink_graph if features.sinks else mask_graph
+
+    def varlen_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        return run(q, k, v, False, bounded_mask(rows, cols, lens, causal, window))
+
+    def varlen_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                          sinks: torch.Tensor) -> torch.Tensor:
         return run(q, k, v, False, bounded_mask(rows, cols, lens, causal, window), sinks)
-    return varlen_graph
+    return varlen_sink_graph if features.sinks else varlen_graph
 
 
 def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
