@@ -79,6 +79,29 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _batch(n: int, length: int, w: int, repeats: int, no_flex: bool) -> list[dict[str, object]]:
+    """The rows of one batch of ``n`` sequences of ``length`` tokens under window ``w``."""
+    layout = BatchLayout.from_lens([length] * n)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n * length, HEADS, HEAD_DIM, generator=g) for _ in range(3))
+    want = _loop(q, k, v, layout, w)
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        "loop": lambda: _loop(q, k, v, layout, w),
+        "chunked": lambda: _chunked(q, k, v, layout, w),
+    }
+    for name, policy, kernels, backend in (("varlen", "varlen", {}, "none"), ("mask", "always-mask", {}, "none"),
+                                           ("flex", "always-mask", {"mask": "flex"}, "inductor")):
+        if name == "flex" and no_flex:
+            continue
+        d = _dispatcher(policy, kernels, backend)
+        runs[name] = lambda d=d: d.attend(q, k, v, layout, window=w)
+    with torch.no_grad():
+        times = {name: _median_ms(fn, repeats) for name, fn in runs.items()}
+        errors = {name: float((fn() - want).abs().max()) for name, fn in runs.items()}
+    return [{"batch": f"{n}x{length}", "window": w, "row": name, "median_ms": round(ms, 2),
+             "vs_loop": round(times["loop"] / ms, 2), "max_err": errors[name]} for name, ms in times.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=int, default=256)
@@ -86,29 +109,9 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip flex (its inductor compile is slow on CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    w = args.window
     rows = []
     for n, length in ((1, 4096), (4, 1024)):
-        layout = BatchLayout.from_lens([length] * n)
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(n * length, HEADS, HEAD_DIM, generator=g) for _ in range(3))
-        want = _loop(q, k, v, layout, w)
-        runs: dict[str, Callable[[], torch.Tensor]] = {
-            "loop": lambda: _loop(q, k, v, layout, w),
-            "chunked": lambda: _chunked(q, k, v, layout, w),
-        }
-        for name, policy, kernels, backend in (("varlen", "varlen", {}, "none"), ("mask", "always-mask", {}, "none"),
-                                               ("flex", "always-mask", {"mask": "flex"}, "inductor")):
-            if name == "flex" and args.no_flex:
-                continue
-            d = _dispatcher(policy, kernels, backend)
-            runs[name] = lambda d=d: d.attend(q, k, v, layout, window=w)
-        with torch.no_grad():
-            times = {name: _median_ms(fn, args.repeats) for name, fn in runs.items()}
-            errors = {name: float((fn() - want).abs().max()) for name, fn in runs.items()}
-        for name, ms in times.items():
-            row = {"batch": f"{n}x{length}", "window": w, "row": name, "median_ms": round(ms, 2),
-                   "vs_loop": round(times["loop"] / ms, 2), "max_err": errors[name]}
+        for row in _batch(n, length, args.window, args.repeats, args.no_flex):
             rows.append(row)
             print(json.dumps(row))
     if args.json:
