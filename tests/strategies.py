@@ -63,3 +63,16 @@ def poisons(draw, layout: BatchLayout):
     row = layout.kv_starts[seq] + draw(st.integers(0, layout.kv_lens[seq] - 1))
     return seq, draw(st.sampled_from(["k", "v"])), row, draw(st.sampled_from([float("nan"), float("inf"),
                                                                              float("-inf")]))
+
+
+@st.composite
+def features(draw, heads: int | None = None):
+    """``(window, softcap, sinks)``: a sliding window of 1–48 keys or None, a soft cap
+    in [0.5, 50] or None, and sink logits ``[heads]`` in [-4, 4] or None (None too when
+    ``heads`` is None)."""
+    window = draw(st.one_of(st.none(), st.integers(1, 48)))
+    softcap = draw(st.one_of(st.none(), st.floats(0.5, 50.0)))
+    sinks = None
+    if heads is not None and draw(st.booleans()):
+        sinks = torch.tensor(draw(st.lists(st.floats(-4.0, 4.0), min_size=heads, max_size=heads)))
+    return window, softcap, sinks

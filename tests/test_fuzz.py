@@ -132,6 +132,41 @@ def test_a_sequence_is_exact_and_untouched_by_its_neighbours(data, policy, impl,
     torch.testing.assert_close(out[rows].double(), reference_for(*real, layout)[rows], atol=tol, rtol=tol)
 
 
+#: Features the fuzz draws from: few distinct values, so graphs are shared across examples.
+WINDOWS, SOFTCAPS = (None, 5, 17), (None, 2.0)
+
+
+@pytest.mark.parametrize(("impl", "backend"), [("sdpa", "none"), ("eager", "none"), ("flash", "none"),
+                                               ("sdpa", "aot_eager")])
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_windows_caps_and_sinks_are_exact_and_isolated(data, policy, impl, backend):
+    """The same contract under a sliding window, a soft cap and sinks (fp32)."""
+    layout = data.draw(_layouts())
+    window, softcap = data.draw(st.sampled_from(WINDOWS)), data.draw(st.sampled_from(SOFTCAPS))
+    sinks = data.draw(st.sampled_from([None, torch.tensor([0.5, -1.0, 2.0, 0.0])]))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    q = torch.randn(layout.q_tokens, 4, 8, generator=g)
+    k, v = (torch.randn(layout.kv_tokens, 2, 8, generator=g) for _ in range(2))
+    d = _dispatcher(policy, impl, backend)
+    feats = dict(window=window, softcap=softcap, sinks=sinks)
+    clean = d.attend(q, k, v, layout, **feats)
+    me = data.draw(st.integers(0, layout.num_seqs - 1))
+    dirty = [t.clone() for t in (q, k, v)]
+    for i in range(layout.num_seqs):
+        if i != me:
+            which = data.draw(st.integers(0, 2))
+            starts, lens = (layout.q_starts, layout.q_lens) if which == 0 else (layout.kv_starts, layout.kv_lens)
+            dirty[which][starts[i] + data.draw(st.integers(0, lens[i] - 1))] = data.draw(st.sampled_from(BAD))
+    out = d.attend(*dirty, layout, **feats)
+    rows = slice(layout.q_starts[me], layout.q_starts[me] + layout.q_lens[me])
+    assert torch.isfinite(out[rows]).all()
+    torch.testing.assert_close(out[rows], clean[rows], atol=1e-6, rtol=1e-6)
+    want = reference_for(q, k, v, layout, **feats)
+    torch.testing.assert_close(clean[rows].double(), want[rows], atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_graphs():
     yield

@@ -201,6 +201,34 @@ def test_flex_isolates_sequences_from_non_finite_kv(data):
     assert (out[padding] == 0).all()
 
 
+@pytest.mark.parametrize("impl", ["flex", "sdpa", "eager", "flash"])
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), window=st.integers(1, 12))
+def test_under_a_window_a_bad_key_poisons_only_the_rows_that_see_it(impl, data, window):
+    """A NaN/inf key row of a sequence sets exactly the rows whose window reaches it
+    to NaN (positions p with 0 <= p - t < window, causal); every other row of every
+    sequence keeps its clean output."""
+    layout = data.draw(layouts(min_seqs=2, max_seqs=4, max_len=30, max_context=10, max_pad=4).filter(
+        lambda lay: lay.causal))
+    q, k, v = data.draw(qkv(layout))
+    seq, which, row, value = data.draw(poisons(layout))
+    mode = MaskMode.MASK if impl == "flex" else data.draw(st.sampled_from([MaskMode.MASK, MaskMode.VARLEN]))
+    clean = attend(q, k, v, layout, mode, impl, window=window)
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_k if which == "k" else bad_v)[row] = value
+    out = attend(q, bad_k, bad_v, layout, mode, impl, window=window)
+    qs, ql, ks, kl = layout.q_starts[seq], layout.q_lens[seq], layout.kv_starts[seq], layout.kv_lens[seq]
+    pos = torch.arange(kl - ql, kl)
+    sees = (pos >= row - ks) & (pos - (row - ks) < window)
+    hit = torch.zeros(layout.q_tokens, dtype=torch.bool)
+    hit[qs:qs + ql] = sees
+    assert out[hit].isnan().all()
+    real = torch.zeros(layout.q_tokens, dtype=torch.bool)
+    for s, n in zip(layout.q_starts, layout.q_lens):
+        real[s:s + n] = True
+    torch.testing.assert_close(out[real & ~hit], clean[real & ~hit])
+
+
 @pytest.mark.inductor
 def test_inductor_compiled_flex_matches_reference_and_isolates():
     from attnpolicy import AttnPolicyConfig, Dispatcher

@@ -174,3 +174,106 @@ def test_transformers_layout_from_mask_reads_left_padding_and_context():
     allowed[0, 1, 2:6] = True
     layout = layout_from_mask(allowed, causal=True)
     assert (layout.q_lens, layout.kv_lens, layout.q_starts, layout.kv_starts) == ((2,), (4,), (0,), (2,))
+
+
+# -- sliding windows, soft caps, sinks ---------------------------------------------------
+POLICIES = ("always-causal", "always-mask", "cost-aware", "dynamic", "varlen")
+PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 0]])  # restarts: 3 sequences, one longer than 4
+#: the model, and the attention HF computes it exactly with (SDPA drops Gemma2's soft cap; GPT-OSS has no SDPA)
+FEATURE_MODELS = {"mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+
+
+@pytest.fixture(scope="module")
+def feature_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-features")
+    return {name: getattr(tiny_models, name)(root / name) for name in FEATURE_MODELS}
+
+
+def _against(model, ref_impl, **inputs):
+    outs = []
+    for impl in (ref_impl, "attnpolicy"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs.append(model(**inputs).logits)
+    model.set_attn_implementation(ref_impl)
+    return outs
+
+
+@pytest.mark.parametrize("name", list(FEATURE_MODELS))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_transformers_windowed_capped_and_sink_models_match_hf(feature_models, name, policy):
+    """Mistral (window 8), Gemma2 (window 4 and full layers, soft cap 0.5) and GPT-OSS
+    (window 4 and full layers, sinks): padded, single and packed batches, no fallback."""
+    hf.register(AttnPolicyConfig(policy=policy, backend="none"))
+    hf._fallbacks.clear()
+    model = transformers.AutoModelForCausalLM.from_pretrained(feature_models[name],
+                                                              attn_implementation="eager").eval()
+    ref_impl = FEATURE_MODELS[name]
+    mask = _padding("right")
+    ref, out = _against(model, ref_impl, input_ids=IDS, attention_mask=mask)
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
+    ref, out = _against(model, ref_impl, input_ids=IDS[:1])
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    ref, out = _against(model, ref_impl, input_ids=IDS[:1], position_ids=PACKED, use_cache=False)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert hf.fallbacks() == {}
+
+
+def test_transformers_the_features_change_the_output(feature_models):
+    """The window and the cap are really applied: without them the logits differ by
+    many times the tolerance."""
+    hf.register(AttnPolicyConfig(policy="dynamic", backend="none"))
+
+    def logits(name, drop):
+        model = transformers.AutoModelForCausalLM.from_pretrained(feature_models[name],
+                                                                  attn_implementation="attnpolicy").eval()
+        drop(model)
+        with torch.no_grad():
+            return model(input_ids=IDS[:1]).logits
+
+    def no_window(model):
+        model.config.sliding_window = None  # Mistral reads it from the config on every call
+
+    def no_cap(model):
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+
+    for name, drop in (("mistral", no_window), ("gemma2", no_cap)):
+        assert (logits(name, lambda m: None) - logits(name, drop)).abs().max() > 10 * ATOL, name
+
+
+def test_transformers_generate_with_a_sliding_window_matches_sdpa(feature_models):
+    """Decode steps see the window's keys only (cached context, left padding)."""
+    hf.register(AttnPolicyConfig(policy="dynamic", backend="none"))
+    hf._fallbacks.clear()
+    model = transformers.AutoModelForCausalLM.from_pretrained(feature_models["mistral"],
+                                                              attn_implementation="sdpa").eval()
+    kwargs = dict(input_ids=IDS, attention_mask=_padding("left"), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(**kwargs)
+    model.set_attn_implementation("attnpolicy")
+    assert torch.equal(model.generate(**kwargs), ref)
+    assert hf.fallbacks() == {}
+
+
+def test_transformers_a_fallback_names_the_feature():
+    hf.register(AttnPolicyConfig(policy="dynamic", backend="none"))
+    hf._fallbacks.clear()
+    module = torch.nn.Module()
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
+    hf.attention(module, q, k, k, None, dropout=0.1, sliding_window=8, softcap=None)
+    assert hf.fallbacks() == {"sliding window 8 with dropout": 1}
+
+
+def test_transformers_layout_from_mask_reads_a_sliding_window():
+    from attnpolicy.core.layout import BatchLayout
+    from attnpolicy.kernels.masks import mask_for
+
+    packed = BatchLayout.from_lens([6, 5])
+    assert layout_from_mask(mask_for(packed, 3).materialize()[None], causal=True, window=3) == packed
+    decode = torch.zeros(1, 1, 10, dtype=torch.bool)
+    decode[0, 0, 7:] = True  # the last 3 of 10 keys: the window's
+    layout = layout_from_mask(decode, causal=True, window=3)
+    assert (layout.q_lens, layout.kv_lens, layout.kv_starts) == ((1,), (3,), (7,))
+    decode[0, 0, 5:] = True  # 5 keys under a window of 3: not a window mask
+    with pytest.raises(LayoutError, match="sliding window of 3"):
+        layout_from_mask(decode, causal=True, window=3)

@@ -63,6 +63,55 @@ def qwen2(path: Path, *, seed: int = 0) -> Path:
     return _save(Qwen2ForCausalLM(cfg).eval(), path)
 
 
+def mistral(path: Path, *, seed: int = 0, window: int = 8) -> Path:
+    """A 2-layer Mistral (GQA 4:2) with a sliding window of ``window`` keys."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                        sliding_window=window, max_position_embeddings=512, bos_token_id=2, eos_token_id=3,
+                        pad_token_id=0, tie_word_embeddings=False, dtype="float32")
+    return _save(MistralForCausalLM(cfg).eval(), path)
+
+
+def gemma2(path: Path, *, seed: int = 0, window: int = 4, softcap: float = 0.5) -> Path:
+    """A 2-layer Gemma2 (GQA 4:2): a sliding layer (``window``) then a full one, logits
+    soft-capped at ``softcap`` (small, so that a kernel without the cap is far off)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                       sliding_window=window, attn_logit_softcapping=softcap, final_logit_softcapping=30.0,
+                       query_pre_attn_scalar=HEAD_DIM, layer_types=["sliding_attention", "full_attention"],
+                       max_position_embeddings=512, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+                       dtype="float32")
+    return _save(Gemma2ForCausalLM(cfg).eval(), path)
+
+
+def gpt_oss(path: Path, *, seed: int = 0, window: int = 4) -> Path:
+    """A 2-layer GPT-OSS (GQA 4:2, 4 experts): a sliding layer (``window``) then a full
+    one, each head with a learned sink logit (random, of order 1)."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                       num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+                       layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                       bos_token_id=2, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
+                       dtype="float32")
+    model = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return _save(model, path)
+
+
 def bert(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer BERT encoder: hidden 64, 2 heads of 32."""
     import torch

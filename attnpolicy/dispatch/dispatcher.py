@@ -12,6 +12,7 @@ from cachetools import LRUCache
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background
@@ -95,12 +96,18 @@ class Dispatcher:
 
     # -- the front door -----------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-               scale: float | None = None) -> torch.Tensor:
-        """Attention for ``layout``, computed in the mode the (guarded) policy chose."""
+               scale: float | None = None, *, window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention for ``layout``, computed in the mode the (guarded) policy chose,
+        under a sliding ``window``, a logit ``softcap`` and sink logits ``sinks[Hq]``
+        if given (:mod:`attnpolicy.core.features`: they are part of the spec, so of
+        every graph key)."""
         check_inputs(q, k, v, layout, scale)
-        step = self.prepare(layout, self._spec_of(q, k, scale))
+        feats = PLAIN if window is None and softcap is None and sinks is None else Features(
+            window, softcap, sinks is not None)
+        step = self.prepare(layout, self._spec_of(q, k, scale, feats))
         try:
-            return step.run(q, k, v)
+            return step.run(q, k, v, sinks)
         finally:
             self.source.release()
 
@@ -193,10 +200,11 @@ class Dispatcher:
         c.padded_tokens += step.padded_tokens
         return step
 
-    def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> TensorSpec:
-        """``TensorSpec.of(q, k, scale)``, reused per distinct tensor properties; the
-        config's warm set is compiled the first time a spec is seen."""
-        props = (q.dtype, q.shape[1], q.shape[2], k.shape[1], scale, q.device)
+    def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None,
+                 features: Features = PLAIN) -> TensorSpec:
+        """``TensorSpec.of(q, k, scale, features)``, reused per distinct tensor properties;
+        the config's warm set is compiled the first time a spec is seen."""
+        props = (q.dtype, q.shape[1], q.shape[2], k.shape[1], scale, q.device, features)
         last = self._last_spec
         if last is not None and last[0] == props:
             return last[1]
@@ -205,7 +213,7 @@ class Dispatcher:
             self._last_spec = (props, spec)
             return spec
         except KeyError:
-            spec = self._specs[props] = TensorSpec.of(q, k, scale)
+            spec = self._specs[props] = TensorSpec.of(q, k, scale, features)
             if self.config.warmup and spec not in self.planner.warmed:
                 self.warmup(spec)
             self._last_spec = (props, spec)

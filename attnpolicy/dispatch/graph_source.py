@@ -149,8 +149,9 @@ class GraphSource:
 
     def uncompiled(self, call: Call, spec: TensorSpec, impl: str) -> GraphFn:
         if impl == "flex":
-            return FlexGraph(flex_graph(spec.scale), self.block_masks)
-        return graph_fn(call, impl, spec.scale, self.config.partition_len)
+            feats = spec.features
+            return FlexGraph(flex_graph(spec.scale, feats.softcap, feats.sinks), self.block_masks, feats.window)
+        return graph_fn(call, impl, spec.scale, self.config.partition_len, spec.features)
 
     def strict(self, key: GraphKey) -> None:
         """A compile after warm-up: counted, then warned or raised (``strict``)."""
@@ -223,15 +224,19 @@ class GraphSource:
         """Compile the graph of ``key`` (no dispatcher state touched: also runs in the
         background worker)."""
         counter = self._compile_counter
+        feats = spec.features
         if key.impl == "flex":
             if self._host_varlen:
                 raise ConfigError("kernel 'flex' does not run inside vLLM yet: configure sdpa, eager or flash "
                                   "for mask")
             ins = (*(t[None] for t in example_inputs(call, spec)[:3]),
-                   build_block_mask(_ONE_ROW, call.q_bucket, call.kv_bucket, spec.device))
-            graph = compile_graph(flex_graph(spec.scale), key.backend, counter=counter, example_inputs=ins)
-            return FlexGraph(graph, self.block_masks)  # flex graphs take a BlockMask: called through Dynamo
-        fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len)
+                   build_block_mask(_ONE_ROW, call.q_bucket, call.kv_bucket, spec.device, feats.window),
+                   *example_inputs(call, spec)[4:])
+            graph = compile_graph(flex_graph(spec.scale, feats.softcap, feats.sinks), key.backend, counter=counter,
+                                  example_inputs=ins)
+            # flex graphs take a BlockMask: called through Dynamo
+            return FlexGraph(graph, self.block_masks, feats.window)
+        fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len, feats)
         assert not isinstance(fn, FlexGraph)  # flex is compiled above
         if self.store is not None and self.stored(key):  # compiled ahead of time, saved for the next miss
             compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec))
@@ -296,14 +301,16 @@ def release(key: GraphKey, graph: Any) -> None:
 
 def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:
     """Zero tensors of a call's static shapes and strides (heads-first views of packed
-    token-major tensors, as ``graph_inputs`` makes them): what the graph is compiled for."""
+    token-major tensors, as ``graph_inputs`` makes them; then the sink logits when the
+    spec has sinks): what the graph is compiled for."""
     dtype = getattr(torch, spec.dtype)
     dev = torch.device(spec.device)
     q = torch.zeros(call.q_bucket, spec.heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
     k, v = (torch.zeros(call.kv_bucket, spec.kv_heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
             for _ in range(2))  # distinct objects: Dynamo guards on aliasing
+    sinks = (torch.zeros(spec.heads, dtype=dtype, device=dev),) if spec.features.sinks else ()
     if call.family is GraphFamily.MASK:
-        return q, k, v, torch.ones(call.q_bucket, call.kv_bucket, dtype=torch.bool, device=dev)
+        return q, k, v, torch.ones(call.q_bucket, call.kv_bucket, dtype=torch.bool, device=dev), *sinks
     if call.family is GraphFamily.VARLEN:
-        return q, k, v, torch.tensor([call.q_bucket, call.kv_bucket], device=dev)
-    return q, k, v
+        return q, k, v, torch.tensor([call.q_bucket, call.kv_bucket], device=dev), *sinks
+    return q, k, v, *sinks

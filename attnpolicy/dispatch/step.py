@@ -82,16 +82,19 @@ class Step:
         self.graphs, self.values = [], ()
         self.direct = self.whole_mask = None
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller)."""
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller),
+        with the sink logits ``sinks[Hq]`` when the spec's features have sinks."""
         direct = self.direct
         if (direct is None or torch.is_grad_enabled() or not q.is_contiguous() or not k.is_contiguous()
-                or not v.is_contiguous()):
-            return execute(q, k, v, self.layout, self.graphs, self.masks)
+                or not v.is_contiguous() or sinks is not None):
+            return execute(q, k, v, self.layout, self.graphs, self.masks, self.spec.features, sinks)
         ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
         shape = self.whole_mask
         if shape is not None:
-            return direct(*ins, self.masks.layout_mask(self.layout, *shape, q.device)).transpose(0, 1)
+            mask = self.masks.layout_mask(self.layout, *shape, q.device, self.spec.features.window)
+            return direct(*ins, mask).transpose(0, 1)
         return direct(*ins).transpose(0, 1)
 
     def __iter__(self) -> Iterator[tuple[Call, GraphFn]]:
@@ -118,7 +121,8 @@ class HostStep(Step):
         self.keys = keys
         self.call_of = call_of
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise RuntimeError(f"this {self.mode_name} step of {self.layout.describe()} runs on the host's own "
                            "kernel (a dispatcher built with host_varlen=True): the host calls it")
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.core.names import IMPLS
@@ -20,19 +21,26 @@ from attnpolicy.graphs.keys import Call
 from attnpolicy.kernels.attention import bind, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.isolation import isolated, leak_free
-from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows
+from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows, window_band
 
 GraphFn = Callable[..., torch.Tensor] | FlexGraph
 
 
-def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | None) -> GraphFn:
+def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | None,
+             features: Features = PLAIN) -> GraphFn:
     """The Python function a graph of ``call``'s family computes (what gets compiled).
 
-    - CAUSAL: ``f(q, k, v)``, mask-free, ``is_causal``;
-    - MASK: ``f(q, k, v, mask)`` with a dense boolean mask built on the host;
-    - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds arrive as a tensor;
+    - CAUSAL: ``f(q, k, v)``, mask-free, ``is_causal`` (a sliding window: a band built
+      in the graph);
+    - MASK: ``f(q, k, v, mask)`` with a dense boolean mask built on the host (the
+      window is in the mask);
+    - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds (and the window) are applied
+      in the graph from the bounds tensor;
     - MASK with impl ``flex``: a :class:`FlexGraph` (block mask instead of a dense one;
       here with a one-entry block-mask cache, the dispatcher passes its own).
+
+    ``features``' soft cap is bound into the kernel; with sinks every function takes
+    the sink logits ``[Hq]`` as one more, last, input.
 
     MASK and VARLEN graphs do not isolate sequences themselves: :func:`execute`
     does, around them (see :mod:`attnpolicy.kernels.isolation`). Each family's
@@ -40,31 +48,46 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     graph a fresh code object of its own.
     """
     if call.family is GraphFamily.MASK and impl == "flex":
-        return FlexGraph(flex_graph(scale), BlockMaskCache(1))
-    run = bind(impl, scale=scale, partition_len=partition_len)
+        return FlexGraph(flex_graph(scale, features.softcap, features.sinks), BlockMaskCache(1), features.window)
+    run = bind(impl, scale=scale, partition_len=partition_len, softcap=features.softcap)
+    window = features.window
+    rows, cols, causal = call.q_bucket, call.kv_bucket, call.causal
     if call.family is GraphFamily.CAUSAL:
         def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return run(q, k, v, True, None)
-        return causal_graph
+            band = None if window is None else window_band(rows, cols, window, causal=True, device=q.device)
+            return run(q, k, v, True, band)
+
+        def causal_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+            band = None if window is None else window_band(rows, cols, window, causal=True, device=q.device)
+            return run(q, k, v, True, band, sinks)
+        return causal_sink_graph if features.sinks else causal_graph
     if call.family is GraphFamily.MASK:
         def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return run(q, k, v, False, mask)
-        return mask_graph
-    rows, cols, causal = call.q_bucket, call.kv_bucket, call.causal
+
+        def mask_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                            sinks: torch.Tensor) -> torch.Tensor:
+            return run(q, k, v, False, mask, sinks)
+        return mask_sink_graph if features.sinks else mask_graph
 
     def varlen_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        return run(q, k, v, False, bounded_mask(rows, cols, lens, causal))
-    return varlen_graph
+        return run(q, k, v, False, bounded_mask(rows, cols, lens, causal, window))
+
+    def varlen_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                          sinks: torch.Tensor) -> torch.Tensor:
+        return run(q, k, v, False, bounded_mask(rows, cols, lens, causal, window), sinks)
+    return varlen_sink_graph if features.sinks else varlen_graph
 
 
 def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-                 call: Call, masks: MaskCache | None = None) -> tuple[torch.Tensor, ...]:
+                 call: Call, masks: MaskCache | None = None, window: int | None = None
+                 ) -> tuple[torch.Tensor, ...]:
     """Slice, pad to the call's buckets and transpose packed tensors into graph inputs.
 
     A MASK call takes the whole packed tensors, padding rows included: garbage there
     (an uninitialised buffer: NaN, inf) is isolated by :func:`execute` like any key
-    row the mask hides. Masks, bounds and zero padding blocks come from ``masks`` (built fresh
-    without one)."""
+    row the mask hides. Masks (under ``window``), bounds and zero padding blocks come
+    from ``masks`` (built fresh without one); sink logits are appended by the caller."""
     if call.q_bucket == call.q_len == q.shape[0] and call.kv_bucket == call.kv_len == k.shape[0]:
         ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # whole tensors, unpadded
     else:
@@ -76,8 +99,8 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
         return ins
     if family is GraphFamily.MASK:
         if masks is None:
-            return (*ins, mask_for(layout).dense(call.q_bucket, call.kv_bucket, str(q.device)))
-        return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, q.device))
+            return (*ins, mask_for(layout, window).dense(call.q_bucket, call.kv_bucket, str(q.device)))
+        return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, q.device, window))
     device = str(q.device)
 
     def bounds() -> torch.Tensor:  # VARLEN; kept per device: no transfer per call
@@ -103,7 +126,8 @@ def _rows(x: torch.Tensor, start: int, n: int, bucket: int, masks: MaskCache | N
 
 
 def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-            graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None = None) -> torch.Tensor:
+            graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None = None,
+            features: Features = PLAIN, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Run each planned call through its graph and scatter the outputs into a packed
     ``[q_tokens, Hq, D]`` tensor (padding rows zero), in no-grad mode (graphs are
     compiled for inference). Inputs are made contiguous so every graph sees the
@@ -114,34 +138,49 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     :mod:`attnpolicy.kernels.isolation`; one cheap check per batch decides, so an
     ordinary batch pays only that check. A batch of one unpadded sequence has no
     neighbour to protect and is not checked: what a bad value in it does is the
-    kernel's own answer, as in a CAUSAL call. Flex graphs isolate themselves the
-    same way."""
+    kernel's own answer, as in a CAUSAL call. Under a sliding window CAUSAL graphs
+    mask too (keys behind the window), so they are checked like the others. Flex
+    graphs isolate themselves the same way.
+
+    ``features`` are those the graphs were built for (their window shapes the masks
+    and the isolation); ``sinks[Hq]`` (when they take sinks) goes to every graph."""
+    if features.sinks != (sinks is not None):
+        raise LayoutError("sinks must be given exactly when the graphs take them (features.sinks="
+                          f"{features.sinks}), got {'a tensor' if sinks is not None else None}")
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device):
+        raise LayoutError(f"sinks must be a tensor [Hq={q.shape[1]}] on {q.device}, got shape "
+                          f"{tuple(sinks.shape)} on {sinks.device}")
     if torch.is_grad_enabled():
         with torch.no_grad():
-            return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks)
-    return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks)
+            return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks, features, sinks)
+    return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks, features, sinks)
 
 
 def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-             graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None) -> torch.Tensor:
+             graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None, features: Features,
+             sinks: torch.Tensor | None) -> torch.Tensor:
     call, first = graphs[0]
     if len(graphs) == 1:
         if isinstance(first, FlexGraph):
-            return first.run(q, k, v, layout, call)
+            return first.run(q, k, v, layout, call, sinks)
         masked = call.family is not GraphFamily.CAUSAL
     else:
         masked = any(call.family is not GraphFamily.CAUSAL for call, _ in graphs)
+    masked = masked or features.window is not None  # a window masks CAUSAL graphs too
     if masked and not layout.is_single and not leak_free(q, k, v):
-        return isolated(lambda q, k, v: _run(q, k, v, layout, graphs, masks), q, k, v, layout)
-    return _run(q, k, v, layout, graphs, masks)
+        return isolated(lambda q, k, v: _run(q, k, v, layout, graphs, masks, features.window, sinks),
+                        q, k, v, layout, features.window)
+    return _run(q, k, v, layout, graphs, masks, features.window, sinks)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-         graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None) -> torch.Tensor:
+         graphs: Sequence[tuple[Call, GraphFn]], masks: MaskCache | None, window: int | None,
+         sinks: torch.Tensor | None) -> torch.Tensor:
+    extra = () if sinks is None else (sinks,)
     call, first = graphs[0]
     if len(graphs) == 1 and call.q_len == layout.q_tokens and call.family is not GraphFamily.VARLEN:
         # one call over every query row (MASK, or CAUSAL of one unpadded sequence)
-        out = first(*graph_inputs(q, k, v, layout, call, masks))  # type: ignore[operator]  # not a FlexGraph
+        out = first(*graph_inputs(q, k, v, layout, call, masks, window), *extra)  # type: ignore[operator]
         if call.q_bucket != call.q_len:
             out = out[:, :call.q_len]
         if call.family is GraphFamily.MASK and layout.is_padded:
@@ -151,7 +190,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
     # every real row is written by exactly one call: only padding rows need zeros
     out = q.new_zeros(q.shape) if layout.q_tokens != layout.total_tokens else torch.empty_like(q)
     for call, each in graphs:
-        o = each(*graph_inputs(q, k, v, layout, call, masks))  # type: ignore[operator]  # FlexGraph: MASK, one call
+        o = each(*graph_inputs(q, k, v, layout, call, masks, window), *extra)  # type: ignore[operator]
         n = call.q_len
         out[call.q_start:call.q_start + n].copy_((o if call.q_bucket == n else o[:, :n]).transpose(0, 1))
     return out
@@ -207,17 +246,21 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
            mode: MaskMode | str, impl: str = "sdpa", *, scale: float | None = None,
-           partition_len: int | None = None) -> torch.Tensor:
-    """Attention over packed ``q[q_tokens, Hq, D]``, ``k, v[kv_tokens, Hkv, D]``, uncompiled.
+           partition_len: int | None = None, window: int | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over packed ``q[q_tokens, Hq, D]``, ``k, v[kv_tokens, Hkv, D]``, uncompiled,
+    under a sliding ``window``, a ``softcap`` and ``sinks[Hq]`` if given
+    (:mod:`attnpolicy.core.features`).
 
     Returns ``[q_tokens, Hq, D]``; padding rows are zero. Raises
     :class:`~attnpolicy.errors.IllegalModeError` if ``mode`` is illegal for the layout.
     """
+    features = Features(window, softcap, sinks is not None)
     mode = MaskMode(mode)
     if impl not in IMPLS and not (impl == "flex" and mode is MaskMode.MASK):
         raise ValueError(f"impl must be one of {IMPLS} (or 'flex' in mode mask), got {impl!r}")
     if partition_len is not None and partition_len < 1:
         raise ValueError(f"partition_len must be >= 1, got {partition_len}")
     check_inputs(q, k, v, layout, scale)
-    graphs = [(call, graph_fn(call, impl, scale, partition_len)) for call in plan_calls(layout, mode)]
-    return execute(q, k, v, layout, graphs)
+    graphs = [(call, graph_fn(call, impl, scale, partition_len, features)) for call in plan_calls(layout, mode)]
+    return execute(q, k, v, layout, graphs, features=features, sinks=sinks)

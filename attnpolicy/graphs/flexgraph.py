@@ -15,21 +15,23 @@ from attnpolicy.kernels.flex import BlockMaskCache, FlexFn, flex_attend
 class FlexGraph:
     """A MASK-family graph whose input is the layout's block mask, not a dense mask.
 
-    ``graph`` is the (compiled or plain) ``f(q, k, v, block_mask)``; ``masks`` the
-    bounded block-mask cache it draws from (the dispatcher's)."""
+    ``graph`` is the (compiled or plain) ``f(q, k, v, block_mask[, sinks])``; ``masks``
+    the bounded block-mask cache it draws from (the dispatcher's); ``window`` the
+    sliding window its block masks carry."""
 
-    __slots__ = ("graph", "masks")
+    __slots__ = ("graph", "masks", "window")
 
-    def __init__(self, graph: FlexFn | Any, masks: BlockMaskCache) -> None:
+    def __init__(self, graph: FlexFn | Any, masks: BlockMaskCache, window: int | None = None) -> None:
         self.graph = graph
         self.masks = masks
+        self.window = window
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-            call: Call) -> torch.Tensor:
+            call: Call, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Packed tensors in, packed ``[q_tokens, Hq, D]`` out (padding rows 0)."""
-        mask = self.masks.get(layout, call.q_bucket, call.kv_bucket, str(q.device))
+        mask = self.masks.get(layout, call.q_bucket, call.kv_bucket, str(q.device), self.window)
         fn = getattr(self.graph, "call", self.graph)  # a CompiledGraph runs its direct callable
-        return flex_attend(fn, q, k, v, layout, mask, call.q_bucket, call.kv_bucket)
+        return flex_attend(fn, q, k, v, layout, mask, call.q_bucket, call.kv_bucket, sinks, self.window)
 
     def __repr__(self) -> str:
         return f"FlexGraph({self.graph!r})"

@@ -62,7 +62,7 @@ class KernelChoice:
 
         def unfit(info: KernelInfo) -> str | None:
             return why_unfit(info, causal=causal, context=context, dtype=spec.dtype, gqa=gqa,
-                             device=spec.device, compiled=self._compiled)
+                             device=spec.device, compiled=self._compiled, features=spec.features)
 
         choice = self._choice[family]
         if choice != "auto":
@@ -75,5 +75,5 @@ class KernelChoice:
         fits = [info.name for info in impls_for(family) if unfit(info) is None]
         if not fits:
             raise ConfigError(f"no registered {family} kernel can serve this call ({layout.describe()}, "
-                              f"{spec.dtype}, gqa={gqa}, device {spec.device})")
+                              f"{spec.dtype}, gqa={gqa}, device {spec.device}, {spec.features.describe()})")
         return min(fits, key=lambda name: measured.get(name, float("inf")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.modes import GraphFamily
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -20,12 +21,13 @@ class TensorSpec:
     head_dim: int
     scale: float | None = None  # None: 1/sqrt(head_dim)
     device: str = "cpu"
+    features: Features = PLAIN  # sliding window, soft cap, sinks: graphs differ in them
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # hashed once: specs key every plan and graph lookup on the hot path
         object.__setattr__(self, "_hash", hash((self.dtype, self.heads, self.kv_heads, self.head_dim,
-                                                self.scale, self.device)))
+                                                self.scale, self.device, self.features)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -35,10 +37,10 @@ class TensorSpec:
         return _ITEMSIZE[self.dtype]
 
     @classmethod
-    def of(cls, q: Any, k: Any, scale: float | None = None) -> TensorSpec:
+    def of(cls, q: Any, k: Any, scale: float | None = None, features: Features = PLAIN) -> TensorSpec:
         """The spec of packed ``q[tokens, Hq, D]`` and ``k[tokens, Hkv, D]``."""
         return cls(str(q.dtype).removeprefix("torch."), q.shape[1], k.shape[1], q.shape[2], scale,
-                   str(q.device))
+                   str(q.device), features)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class GraphKey:
         part = f"/p{self.partition_len}" if self.partition_len else ""
         part += "" if s.scale is None else f"/s{s.scale:g}"
         part += "" if s.device == "cpu" else f"/{s.device}"
+        part += s.features.tag()
         kind = self.family.value + ("-bidir" if not self.causal and self.family is not GraphFamily.MASK else "")
         return (f"{kind}/{shape}/{s.dtype}/h{s.heads}kv{s.kv_heads}d{s.head_dim}"
                 f"/{self.impl}{part}/{self.backend}")

@@ -5,8 +5,11 @@ position ``kv_len - q_len + i``. A row whose own key is masked is padding (its
 output is not used). Every other row must see one contiguous interval of keys:
 for a causal layout the rows of a sequence share the interval's start and end at
 their own position; for a bidirectional one they share the whole interval. The
-result is exact: a mask that is not such a block structure (sliding window,
-prefix-LM, custom patterns) raises :class:`~attnpolicy.errors.LayoutError`.
+result is exact: a mask that is not such a block structure (prefix-LM, custom
+patterns) raises :class:`~attnpolicy.errors.LayoutError`. A causal sliding-window
+mask (row ``p`` sees keys ``p - window < t <= p`` of its sequence) is read with its
+``window``: a sequence starts at a row that sees only itself, and every row's
+interval must be its sequence's, cut by the window.
 Tensor rows: batch row ``b`` owns packed rows ``b * q_len ...`` (queries) and
 ``b * kv_len ...`` (keys).
 """
@@ -19,9 +22,10 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import LayoutError
 
 
-def layout_from_mask(allowed: torch.Tensor, *, causal: bool) -> BatchLayout:
+def layout_from_mask(allowed: torch.Tensor, *, causal: bool, window: int | None = None) -> BatchLayout:
     """The layout whose attention pattern is exactly ``allowed`` (True = attend) on its
-    non-padding rows; raises :class:`LayoutError` if there is none."""
+    non-padding rows, under a causal sliding ``window`` if given; raises
+    :class:`LayoutError` if there is none."""
     if allowed.dim() != 3 or allowed.dtype != torch.bool:
         raise LayoutError(f"mask must be a 3-D bool tensor [batch, q_len, kv_len], "
                           f"got {allowed.dtype} {tuple(allowed.shape)}")
@@ -35,10 +39,13 @@ def layout_from_mask(allowed: torch.Tensor, *, causal: bool) -> BatchLayout:
     contiguous = allowed.sum(dim=-1) == last - first + 1
     if not bool((contiguous | ~real).all()):
         raise LayoutError("mask rows are not contiguous intervals of keys")
-    if causal:
-        own = torch.arange(lq, device=allowed.device) + off
-        if not bool(((last == own) | ~real).all()):
-            raise LayoutError("causal mask rows must end at their own position")
+    own = torch.arange(lq, device=allowed.device) + off
+    if causal and not bool(((last == own) | ~real).all()):
+        raise LayoutError("causal mask rows must end at their own position")
+    if window is not None:
+        if not causal:
+            raise LayoutError(f"a bidirectional sliding window ({window}) is not read from masks")
+        first = _unwindowed(first, real, own, window)
     base = torch.arange(batch, device=allowed.device)[:, None] * lk
     real, first, last = real.reshape(-1), (first + base).reshape(-1), (last + base).reshape(-1)
     prev_real = torch.cat([real.new_zeros(1), real[:-1]])
@@ -57,6 +64,22 @@ def layout_from_mask(allowed: torch.Tensor, *, causal: bool) -> BatchLayout:
     return BatchLayout(tuple(q_lens.tolist()), tuple(kv_lens.tolist()), tuple(q_starts.tolist()),
                        tuple(kv_starts.tolist()),
                        batch * lq, batch * lk, causal)
+
+
+def _unwindowed(first: torch.Tensor, real: torch.Tensor, own: torch.Tensor, window: int) -> torch.Tensor:
+    """Each row's sequence start (``[batch, q_len]``) from the first keys of a causal
+    ``window`` mask: a sequence starts at a row that sees only itself, or at the first
+    real row after padding; a row's first key must then be
+    ``max(sequence start, own - window + 1)``, else :class:`LayoutError`."""
+    lq = first.shape[1]
+    prev_real = torch.cat([real.new_zeros(real.shape[0], 1), real[:, :-1]], dim=1)
+    start = real & ((first == own) | ~prev_real)
+    cols = torch.arange(lq, device=first.device).expand_as(first)
+    last_start = torch.where(start, cols, torch.zeros_like(cols)).cummax(dim=1).values
+    seq_first = first.gather(1, last_start)
+    if not bool(((first == torch.maximum(seq_first, own - window + 1)) | ~real).all()):
+        raise LayoutError(f"mask rows are not a sliding window of {window} over contiguous sequences")
+    return seq_first
 
 
 def layout_without_mask(batch: int, q_len: int, kv_len: int, *, causal: bool) -> BatchLayout:

@@ -8,11 +8,14 @@ function transformers would pass no mask at all and drop padding and packing.
 
 :func:`attention` turns HF's ``[batch, heads, len, head_dim]`` tensors and mask
 into packed tensors and a :class:`~attnpolicy.core.layout.BatchLayout`
-(:mod:`attnpolicy.integrations.hf_layout`) and runs the dispatcher. Calls it
-cannot express exactly run transformers' ``sdpa_attention_forward`` instead and
-are counted in :func:`fallbacks`: masks that are not a block structure (sliding
-windows, custom patterns), non-boolean masks, dropout, position biases, soft
-caps, sinks, paged caches, and non-causal calls of encoder-decoder models
+(:mod:`attnpolicy.integrations.hf_layout`) and runs the dispatcher, with the
+layer's sliding window (``sliding_window``: Mistral, Gemma 2/3, Qwen2 long-context,
+GPT-OSS), logit soft cap (``softcap``: Gemma 2) and sinks (``s_aux``: GPT-OSS) as
+the call's features (:mod:`attnpolicy.core.features`). Calls it cannot express
+exactly run transformers' ``sdpa_attention_forward`` instead and are counted in
+:func:`fallbacks` under a reason that names the layer's features: masks that are
+not a block structure (custom patterns), non-boolean masks, dropout, position
+biases, paged caches, and non-causal calls of encoder-decoder models
 (cross-attention rows cannot be told from padding).
 """
 
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import LayoutError
@@ -36,7 +40,7 @@ from attnpolicy.integrations.runtime import dispatcher_for, install_decision_log
 log = logging.getLogger(__name__)
 
 NAME = "attnpolicy"
-_UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks", "cache")
+_UNSUPPORTED_KWARGS = ("position_bias", "cache")
 
 _dispatcher: Dispatcher | None = None
 _fallbacks: Counter[str] = Counter()
@@ -74,22 +78,28 @@ def fallbacks() -> dict[str, int]:
 
 
 class _MaskLayouts:
-    """Layouts derived from the last mask tensor seen: every layer shares one mask."""
+    """Layouts derived from the last mask tensors seen: the layers of a forward share
+    one mask per attention type (full and sliding-window layers alternate in Gemma 2
+    and GPT-OSS, so the last ``KEEP`` masks are kept)."""
+
+    KEEP = 2
 
     def __init__(self) -> None:
-        self._mask: weakref.ref[torch.Tensor] | None = None
-        self._layouts: dict[bool, BatchLayout | str] = {}
+        self._masks: list[tuple[weakref.ref[torch.Tensor], dict[tuple[bool, int | None], BatchLayout | str]]] = []
 
-    def get(self, mask: torch.Tensor, causal: bool) -> BatchLayout | str:
-        if self._mask is None or self._mask() is not mask:
-            self._mask, self._layouts = weakref.ref(mask), {}
-        if causal not in self._layouts:
-            self._layouts[causal] = _derive(mask, causal)
-        return self._layouts[causal]
+    def get(self, mask: torch.Tensor, causal: bool, window: int | None) -> BatchLayout | str:
+        layouts = next((found for ref, found in self._masks if ref() is mask), None)
+        if layouts is None:
+            layouts = {}
+            self._masks = [(weakref.ref(mask), layouts), *self._masks[:self.KEEP - 1]]
+        key = (causal, window)
+        if key not in layouts:
+            layouts[key] = _derive(mask, causal, window)
+        return layouts[key]
 
 
-def _derive(mask: torch.Tensor, causal: bool) -> BatchLayout | str:
-    """The layout of a 4-D HF mask, or why there is none."""
+def _derive(mask: torch.Tensor, causal: bool, window: int | None) -> BatchLayout | str:
+    """The layout of a 4-D HF mask (under a sliding ``window``), or why there is none."""
     if mask.dtype != torch.bool:
         return f"{mask.dtype} mask"
     if mask.dim() != 4:
@@ -97,7 +107,7 @@ def _derive(mask: torch.Tensor, causal: bool) -> BatchLayout | str:
     if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
         return "per-head mask"
     try:
-        return layout_from_mask(mask[:, 0], causal=causal)
+        return layout_from_mask(mask[:, 0], causal=causal, window=window)
     except LayoutError as exc:
         return f"mask pattern: {exc}"
 
@@ -105,8 +115,19 @@ def _derive(mask: torch.Tensor, causal: bool) -> BatchLayout | str:
 _mask_layouts = _MaskLayouts()
 
 
+def _features(kwargs: dict[str, Any], sinks: torch.Tensor | None) -> Features | str:
+    """The call's features from HF's keywords, or why they cannot be read."""
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window is None and softcap is None and sinks is None:
+        return PLAIN
+    try:
+        return Features(window, softcap, sinks is not None)
+    except LayoutError as exc:
+        return str(exc)
+
+
 def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-          attention_mask: torch.Tensor | None, dropout: float,
+          attention_mask: torch.Tensor | None, dropout: float, features: Features,
           kwargs: dict[str, Any]) -> tuple[BatchLayout, int | None] | str:
     """(layout, key length to crop to or None), or the reason to fall back."""
     if dropout:
@@ -121,8 +142,10 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return "encoder-decoder non-causal attention"
     batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is not None:
-        layout = _mask_layouts.get(attention_mask, causal)
+        layout = _mask_layouts.get(attention_mask, causal, features.window)
         return layout if isinstance(layout, str) else (layout, None)
+    if features.window is not None and features.window < lk:
+        return "no mask for a window shorter than the keys"
     if causal and 1 < lq < lk:  # as HF's SDPA: is_causal is top-left, so keys are cropped
         return layout_without_mask(batch, lq, lq, causal=True), lq
     if lq > lk:
@@ -136,14 +159,20 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """An ``AttentionInterface`` function: ``query [B, Hq, Lq, D]``, ``key/value
     [B, Hkv, Lk, D]`` → ``([B, Lq, Hq, D], None)``. Padding rows come back zero."""
-    plan = _plan(module, query, key, attention_mask, dropout, kwargs)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    features = _features(kwargs, sinks)
+    plan = features if isinstance(features, str) else _plan(module, query, key, attention_mask, dropout,
+                                                             features, kwargs)
     if isinstance(plan, str):
+        if not isinstance(features, str) and features.any:
+            plan = f"{features.describe()} with {plan}"
         _fallbacks[plan] += 1
         log.debug("attnpolicy: %s runs transformers' sdpa (%s)", type(module).__name__, plan)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    assert isinstance(features, Features)  # a reason: fell back above
     layout, crop = plan
     if crop is not None:
         key, value = key[:, :, :crop], value[:, :, :crop]
@@ -151,5 +180,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     q = query.transpose(1, 2).reshape(batch * lq, heads, dim)
     k = key.transpose(1, 2).reshape(-1, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
-    out = dispatcher().attend(q, k, v, layout, scale=scaling)
+    window = features.window
+    if window is not None and window >= layout.max_kv_len:
+        window = None  # no key is outside it: the plain graphs serve the call exactly
+    out = dispatcher().attend(q, k, v, layout, scale=scaling, window=window, softcap=features.softcap,
+                              sinks=None if sinks is None else sinks.to(q.dtype))
     return out.reshape(batch, lq, heads, -1), None

@@ -3,11 +3,17 @@
 Tensor layout of a single call: ``q[Hq, Lq, D]``, ``k, v[Hkv, Lk, D]`` (heads first,
 as torch's SDPA takes them), ``Hkv`` dividing ``Hq`` (GQA). ``causal`` is aligned
 bottom-right (query ``j`` sees keys ``0 .. Lk - Lq + j``), ``mask`` is boolean
-``[Lq, Lk]`` with True = attend; both may be given.
+``[Lq, Lk]`` with True = attend; both may be given (a sliding window arrives
+as part of the mask). Two optional keywords (:mod:`attnpolicy.core.features`):
+``softcap`` (logits ``s`` become ``softcap · tanh(s / softcap)``) and ``sinks``
+(``[Hq]`` sink logits: one virtual key per head with that logit and a zero value).
 
 Implementations (RBLN's names in brackets):
 
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``; sinks as one
+  extra zero key and value whose logit comes from a float mask; a soft cap cannot go
+  through fused SDPA (it caps the logits inside the kernel), so a capped call
+  computes the ``eager`` math;
 - ``eager`` ["eager"]: explicit ``softmax(q kᵀ · scale) v`` in fp32 (fp64 for fp64
   inputs);
 - ``flash`` ["flash_attn"]: keys in partitions of ``partition_len`` tokens combined
@@ -59,16 +65,41 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
-          partition_len: int | None) -> torch.Tensor:
+          partition_len: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None
+          ) -> torch.Tensor:
     # SDPA's fused CPU/CUDA kernels take [batch, heads, L, D]; 3-D input falls back
     # to the (several times slower) math path, so add a batch dimension.
+    if softcap is not None:
+        return _eager(q, k, v, causal, mask, scale, partition_len, softcap, sinks)
     gqa = q.shape[-3] != k.shape[-3]
+    if sinks is not None:
+        return _sdpa_sinks(q, k, v, causal, mask, scale, sinks, gqa)
     if mask is None and causal and q.shape[-2] == k.shape[-2]:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                               enable_gqa=gqa)[0]
     allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale,
                                           enable_gqa=gqa)[0]
+
+
+def _sdpa_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+                scale: float, sinks: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """SDPA with one extra key per head: k = v = 0 there, so its logit is the float
+    mask's value, the head's sink logit (masked keys get -inf in the same mask)."""
+    hq, lq, _ = q.shape
+    lk = k.shape[-2]
+    zero = k.new_zeros(k.shape[0], 1, k.shape[-1])
+    bias = q.new_zeros(hq, lq, lk + 1)
+    allowed = _allowed(lq, lk, causal, mask, q.device)
+    if allowed is not None:
+        bias[..., :lk].masked_fill_(~allowed, float("-inf"))
+    bias[..., lk] = sinks.to(q.dtype)[:, None]
+    return F.scaled_dot_product_attention(q[None], torch.cat([k, zero], 1)[None], torch.cat([v, zero], 1)[None],
+                                          attn_mask=bias[None], scale=scale, enable_gqa=gqa)[0]
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -80,33 +111,43 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
-           partition_len: int | None) -> torch.Tensor:
+           partition_len: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None
+           ) -> torch.Tensor:
     hq, lq, d = q.shape
     hkv, lk = k.shape[0], k.shape[-2]
     qg = _grouped(q, k)
-    scores = (qg @ k.to(qg.dtype).transpose(-1, -2) * scale).reshape(hkv, hq // hkv, lq, lk)
+    scores = _capped((qg @ k.to(qg.dtype).transpose(-1, -2) * scale).reshape(hkv, hq // hkv, lq, lk), softcap)
     allowed = _allowed(lq, lk, causal, mask, q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).reshape(hkv, -1, lk)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).reshape(hkv, -1, lk)
+    else:  # the sink is one more column of the softmax, dropped after it
+        sink = sinks.to(qg.dtype).reshape(hkv, hq // hkv, 1, 1).expand(hkv, hq // hkv, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :lk].reshape(hkv, -1, lk)
     return (probs @ v.to(qg.dtype)).reshape(hq, lq, d).to(q.dtype)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
-           partition_len: int | None) -> torch.Tensor:
+           partition_len: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None
+           ) -> torch.Tensor:
     hq, lq, d = q.shape
     hkv, lk = k.shape[0], k.shape[-2]
     g = hq // hkv
     qg = _grouped(q, k)
     kf, vf = k.to(qg.dtype), v.to(qg.dtype)
     allowed = _allowed(lq, lk, causal, mask, q.device)
-    run_max = torch.full((hkv, g, lq, 1), float("-inf"), dtype=qg.dtype, device=q.device)
-    run_sum = torch.zeros_like(run_max)
+    if sinks is None:
+        run_max = torch.full((hkv, g, lq, 1), float("-inf"), dtype=qg.dtype, device=q.device)
+        run_sum = torch.zeros_like(run_max)
+    else:  # the sink is a partition of its own, seen first: max = its logit, sum = 1, no value
+        run_max = sinks.to(qg.dtype).reshape(hkv, g, 1, 1).expand(hkv, g, lq, 1).clone()
+        run_sum = torch.ones_like(run_max)
     acc = torch.zeros(hkv, g, lq, d, dtype=qg.dtype, device=q.device)
     assert partition_len is not None  # attention() resolves it
     for start in range(0, lk, partition_len):
         end = min(start + partition_len, lk)
-        s = (qg @ kf[:, start:end].transpose(-1, -2) * scale).reshape(hkv, g, lq, end - start)
+        s = _capped((qg @ kf[:, start:end].transpose(-1, -2) * scale).reshape(hkv, g, lq, end - start), softcap)
         if allowed is not None:
             s = s.masked_fill(~allowed[:, start:end], float("-inf"))
         new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True))
@@ -163,15 +204,18 @@ def check_scale(scale: object) -> None:
         raise ValueError(f"scale must be a finite number > 0 (or None for 1/sqrt(head_dim)), got {scale!r}")
 
 
-#: A kernel bound to its implementation, scale and partition length:
-#: ``run(q, k, v, causal, mask)`` (no isolation).
-BoundKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, "torch.Tensor | None"], torch.Tensor]
+#: A kernel bound to its implementation, scale, partition length and soft cap:
+#: ``run(q, k, v, causal, mask, sinks=None)`` (no isolation).
+BoundKernel = Callable[..., torch.Tensor]
 
 
-def bind(impl: str = "sdpa", *, scale: float | None = None, partition_len: int | None = None) -> BoundKernel:
+def bind(impl: str = "sdpa", *, scale: float | None = None, partition_len: int | None = None,
+         softcap: float | None = None) -> BoundKernel:
     """``impl`` with its arguments checked once (what a graph calls: no per-call
     lookups or checks). ``scale`` None is ``1/sqrt(head_dim)``; ``flash`` without a
-    ``partition_len`` takes all keys in one partition."""
+    ``partition_len`` takes all keys in one partition. A kernel gets the ``softcap``
+    and ``sinks`` keywords only when they are set (a plugin that does not declare
+    them is never chosen for such a call)."""
     fn = _IMPL_FNS.get(impl)
     if fn is None:
         raise ValueError(f"impl must be one of {tuple(_IMPL_FNS)}, got {impl!r}")
@@ -180,20 +224,24 @@ def bind(impl: str = "sdpa", *, scale: float | None = None, partition_len: int |
     check_scale(scale)
     fixed = None if scale is None else float(scale)
     whole = impl == "flash" and partition_len is None
+    extra = {} if softcap is None else {"softcap": float(softcap)}
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            mask: torch.Tensor | None) -> torch.Tensor:
+            mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         s = 1.0 / math.sqrt(q.shape[-1]) if fixed is None else fixed
-        return fn(q, k, v, causal, mask, s, k.shape[-2] if whole else partition_len)
+        part = k.shape[-2] if whole else partition_len
+        if sinks is None:
+            return fn(q, k, v, causal, mask, s, part, **extra)
+        return fn(q, k, v, causal, mask, s, part, **extra, sinks=sinks)
     if fn is _BUILTIN_FNS.get(impl):
         return run  # built-ins are checked by the conformance test, not per call
     plugin = _PLUGIN_OF.get(impl, "")
 
     def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # shapes, dtypes and devices are static in a compiled graph: there the check
         # runs once, when the graph is traced, and a violation fails its compile
-        out = run(q, k, v, causal, mask)
+        out = run(q, k, v, causal, mask, sinks)
         check_output(out, q, impl, plugin)
         return out
     return checked
@@ -202,13 +250,14 @@ def bind(impl: str = "sdpa", *, scale: float | None = None, partition_len: int |
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
               causal: bool = False, mask: torch.Tensor | None = None,
               scale: float | None = None, partition_len: int | None = None,
+              softcap: float | None = None, sinks: torch.Tensor | None = None,
               isolate: bool = True) -> torch.Tensor:
     """One attention call on ``[H, L, D]`` tensors (see the module docstring; with
     ``isolate=False`` a masked call leaves isolation to the caller)."""
-    run = bind(impl, scale=scale, partition_len=partition_len)
+    run = bind(impl, scale=scale, partition_len=partition_len, softcap=softcap)
     if mask is None or not isolate:
-        return run(q, k, v, causal, mask)
+        return run(q, k, v, causal, mask, sinks)
     allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
     assert allowed is not None  # a mask was given
     k, v, poisoned = _finite_rows(k, v, allowed)
-    return run(q, k, v, causal, mask).masked_fill(poisoned[:, None], float("nan"))
+    return run(q, k, v, causal, mask, sinks).masked_fill(poisoned[:, None], float("nan"))

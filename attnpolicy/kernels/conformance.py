@@ -7,8 +7,10 @@ mask-free causal call, the ``mask`` family two packed sequences under their
 block-diagonal mask (causal or bidirectional), the ``varlen`` family one sequence
 padded to a bucket under its bounds mask; with or without cached context (more keys
 than queries) and GQA (2 kv heads under 4 query heads, each kv head different, so a
-kernel that reads one head only fails). The reference is explicit float64 math, no
-kernel code.
+kernel that reads one head only fails); and with each feature a kernel declares
+(:mod:`attnpolicy.core.features`): a sliding window of 2, a soft cap of 0.5 (well
+inside the logits' range, so an uncapped kernel fails), sinks (a different logit per
+head). The reference is explicit float64 math, no kernel code.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
+from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import KernelError
-from attnpolicy.kernels.masks import bounded_mask, mask_for
+from attnpolicy.kernels.masks import bounded_mask, mask_for, window_band
 
 #: Probe tolerance per input dtype (max abs error against the float64 reference).
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 _HEADS, _HEAD_DIM = 4, 8
+#: The features a probe turns on for each capability it checks.
+PROBE_WINDOW, PROBE_SOFTCAP = 2, 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +43,20 @@ class ProbeCase:
     gqa: bool
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    features: Features = PLAIN
+
+    @staticmethod
+    def probing(features: Features) -> Features:
+        """The probe's features for a call with ``features``: each one on that is on there."""
+        return Features(None if features.window is None else PROBE_WINDOW,
+                        None if features.softcap is None else PROBE_SOFTCAP, features.sinks)
 
     def describe(self) -> str:
+        feats = "" if not self.features.any else f", {self.features.describe()}"
         return (f"{self.family} family, {'causal' if self.causal else 'bidirectional'}, "
                 f"{'with' if self.context else 'without'} cached context, "
-                f"{'GQA 4:2' if self.gqa else 'no GQA'}, {str(self.dtype).removeprefix('torch.')}, {self.device}")
+                f"{'GQA 4:2' if self.gqa else 'no GQA'}, {str(self.dtype).removeprefix('torch.')}, "
+                f"{self.device}{feats}")
 
 
 def check_output(out: object, q: torch.Tensor, kernel: str, plugin: str) -> None:
@@ -57,12 +71,19 @@ def check_output(out: object, q: torch.Tensor, kernel: str, plugin: str) -> None
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-               scale: float) -> torch.Tensor:
-    """Heads-first float64 attention under a boolean ``allowed[Lq, Lk]``."""
+               scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Heads-first float64 attention under a boolean ``allowed[Lq, Lk]``, logits capped
+    at ``softcap``, with one more key of logit ``sinks[h]`` and a zero value per head."""
     group = q.shape[0] // k.shape[0]
     kk, vv = (t.double().repeat_interleave(group, dim=0) for t in (k, v))
-    s = (q.double() @ kk.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    return torch.softmax(s, dim=-1) @ vv
+    s = q.double() @ kk.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        return torch.softmax(s, dim=-1) @ vv
+    sink = sinks.double()[:, None, None].expand(s.shape[0], s.shape[1], 1)
+    return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1] @ vv
 
 
 def probe_layout(case: ProbeCase) -> BatchLayout:
@@ -83,35 +104,43 @@ def _inputs(case: ProbeCase, layout: BatchLayout, rows: int, cols: int) -> tuple
     return tuple(t.to(case.dtype).to(case.device) for t in (q, k, v))
 
 
-def probe(case: ProbeCase, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool,
-                                          torch.Tensor | None], torch.Tensor],
-          kernel: str, plugin: str) -> None:
-    """Call ``run(q, k, v, causal, mask)`` as ``case``'s family does and raise
+def probe_sinks(case: ProbeCase) -> torch.Tensor | None:
+    """The probe's sink logits ``[Hq]`` (one different logit per head), or None."""
+    if not case.features.sinks:
+        return None
+    return torch.linspace(-1.0, 2.0, _HEADS, dtype=torch.float64).to(case.dtype).to(case.device)
+
+
+def probe(case: ProbeCase, run: Callable[..., torch.Tensor], kernel: str, plugin: str) -> None:
+    """Call ``run(q, k, v, causal, mask, sinks)`` as ``case``'s family does and raise
     :class:`KernelError` naming the kernel, its plugin and the case unless it matches
     the float64 reference on every row the call defines."""
     layout = probe_layout(case)
     rows, cols = (layout.q_tokens, layout.kv_tokens) if case.family != "varlen" else (8, 11)
     q, k, v = _inputs(case, layout, rows, cols)
     scale = 1 / math.sqrt(_HEAD_DIM)
+    window, sinks = case.features.window, probe_sinks(case)
     if case.family == "causal":
-        mask, allowed = None, mask_for(layout).materialize()
+        allowed = mask_for(layout, window).materialize()
+        mask = None if window is None else window_band(rows, cols, window, causal=True, device=case.device)
         causal = True
     elif case.family == "mask":
-        mask = allowed = mask_for(layout).materialize().to(case.device)
+        mask = allowed = mask_for(layout, window).materialize().to(case.device)
         causal = False
     else:
         lens = torch.tensor([layout.q_tokens, layout.kv_tokens], device=case.device)
-        mask = allowed = bounded_mask(rows, cols, lens, case.causal)
+        mask = allowed = bounded_mask(rows, cols, lens, case.causal, window)
         causal = False
     try:
-        out = run(q, k, v, causal, mask)
+        out = run(q, k, v, causal, mask, sinks)
     except KernelError:
         raise
     except Exception as exc:
         raise KernelError(f"kernel {kernel!r} of plugin {plugin!r} failed on its probe ({case.describe()}): "
                           f"{type(exc).__name__}: {exc}") from exc
     check_output(out, q, kernel, plugin)
-    want = _reference(q, k, v, allowed.cpu(), scale)[:, :layout.q_tokens]
+    want = _reference(q, k, v, allowed.cpu(), scale, case.features.softcap,
+                      None if sinks is None else sinks.cpu())[:, :layout.q_tokens]
     got = out[:, :layout.q_tokens].double().cpu()
     err = float((got - want).abs().max()) if got.isfinite().all() else math.inf
     if not err <= TOLERANCE[case.dtype]:

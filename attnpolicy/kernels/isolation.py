@@ -86,26 +86,29 @@ def sanitised(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(bad[:, None, None], 0)
 
 
-def poisoned_rows(layout: BatchLayout, bad: torch.Tensor) -> torch.Tensor:
+def poisoned_rows(layout: BatchLayout, bad: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """``[q_tokens]`` True for the query rows that attend a key row marked in ``bad``
-    (bottom-right causal within a sequence, every key of it when bidirectional; rows
-    outside every sequence attend nothing). The rare path: Python over the layout."""
+    (bottom-right causal within a sequence, every key of it when bidirectional, under
+    a sliding ``window`` if given; rows outside every sequence attend nothing). The
+    rare path: Python over the layout."""
     rows = torch.zeros(layout.q_tokens, dtype=torch.bool)
     marked = bad.nonzero().flatten().tolist()
     for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
-        first = min((r - ks for r in marked if ks <= r < ks + kl), default=None)
-        if first is None:
-            continue
-        # query j sees key positions 0 .. (kl - ql) + j when causal, all keys otherwise
-        j = max(0, first - (kl - ql)) if layout.causal else 0
-        rows[qs + j:qs + ql] = True
+        for t in (r - ks for r in marked if ks <= r < ks + kl):
+            # query j (position p = kl - ql + j) sees key t when t <= p (causal) and
+            # p - window < t (and t - window < p when bidirectional)
+            lo = t if layout.causal else (-1 if window is None else t - window + 1)
+            hi = kl if window is None else t + window  # positions lo <= p < hi
+            j0, j1 = max(0, lo - (kl - ql)), min(ql, hi - (kl - ql))
+            if j0 < j1:
+                rows[qs + j0:qs + j1] = True
     return rows.to(bad.device)
 
 
-def repoisoned(out: torch.Tensor, layout: BatchLayout, bad: torch.Tensor) -> torch.Tensor:
+def repoisoned(out: torch.Tensor, layout: BatchLayout, bad: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Packed ``out[q_tokens, Hq, D]`` with the rows that attend a ``bad`` key row
-    (:func:`poisoned_rows`) set to NaN in every head."""
-    return out.masked_fill(poisoned_rows(layout, bad)[:, None, None], float("nan"))
+    (:func:`poisoned_rows`, under ``window``) set to NaN in every head."""
+    return out.masked_fill(poisoned_rows(layout, bad, window)[:, None, None], float("nan"))
 
 
 def _huge_rows(x: torch.Tensor, limit: float) -> torch.Tensor:
@@ -124,7 +127,8 @@ def _own(starts: tuple[int, ...], lens: tuple[int, ...], tokens: int, seq: int, 
 
 
 def isolated(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
+             window: int | None = None) -> torch.Tensor:
     """``run(q, k, v)`` (packed in, packed ``[q_tokens, Hq, D]`` out) with every
     sequence's output depending only on its own rows, whatever the others hold
     (the rare path after a failed :func:`leak_free`):
@@ -136,7 +140,8 @@ def isolated(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
     2. each sequence owning such a huge (finite) query or key row runs again alone,
        on inputs whose rows it does not own are zeroed: its own values give its own
        answer, as the kernel would give it in a batch of its own;
-    3. the rows that attend a non-finite key row are set to NaN (:func:`repoisoned`).
+    3. the rows that attend a non-finite key row (under the call's sliding ``window``)
+       are set to NaN (:func:`repoisoned`).
     """
     limit = score_limit(q.dtype)
     bad = bad_rows(k, v)
@@ -151,4 +156,4 @@ def isolated(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
         own_kv = _own(lay.kv_starts, lay.kv_lens, lay.kv_tokens, i, k.device)
         alone = run(sanitised(q, ~own_q), sanitised(k, bad | ~own_kv), sanitised(v, bad | ~own_kv))
         out[own_q] = alone[own_q]
-    return repoisoned(out, layout, bad)
+    return repoisoned(out, layout, bad, window)

@@ -51,10 +51,11 @@ class MaskCacheStats:
         return asdict(self)
 
 
-def mask_key(layout: BatchLayout, rows: int, cols: int, device: object) -> Hashable:
-    """The :class:`MaskCache` key of ``layout``'s dense ``rows × cols`` mask on ``device``:
-    the one rule by which the dispatcher keeps masks and the cost models mirror it."""
-    return (layout, rows, cols, device)
+def mask_key(layout: BatchLayout, rows: int, cols: int, device: object, window: int | None = None) -> Hashable:
+    """The :class:`MaskCache` key of ``layout``'s dense ``rows × cols`` mask on ``device``
+    (under a sliding ``window``): the one rule by which the dispatcher keeps masks and
+    the cost models mirror it."""
+    return (layout, rows, cols, device) if window is None else (layout, rows, cols, device, window)
 
 
 class MaskCache:
@@ -98,12 +99,13 @@ class MaskCache:
         self._peak = max(self._peak, self._bytes)
         return value
 
-    def layout_mask(self, layout: BatchLayout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
-        """:func:`mask_for` ``(layout)``'s dense ``rows × cols`` mask on ``device``, kept
-        per (layout, shape, device): the hot path of a MASK call (no mask object built
-        on a hit). Do not modify it."""
-        dense: torch.Tensor = self.lookup(mask_key(layout, rows, cols, device), rows * cols,
-                                          lambda: mask_for(layout).materialize(rows, cols).to(device))
+    def layout_mask(self, layout: BatchLayout, rows: int, cols: int, device: torch.device | str,
+                    window: int | None = None) -> torch.Tensor:
+        """:func:`mask_for` ``(layout, window)``'s dense ``rows × cols`` mask on ``device``,
+        kept per (layout, shape, device, window): the hot path of a MASK call (no mask
+        object built on a hit). Do not modify it."""
+        dense: torch.Tensor = self.lookup(mask_key(layout, rows, cols, device, window), rows * cols,
+                                          lambda: mask_for(layout, window).materialize(rows, cols).to(device))
         return dense
 
     def __contains__(self, key: Hashable) -> bool:
@@ -144,13 +146,18 @@ class BlockDiagonalMask:
     """Each query attends every key of its own sequence (bidirectional blocks).
 
     Query rows that belong to no sequence (padding) are allowed everything so no
-    softmax row is empty; callers discard those rows.
+    softmax row is empty; callers discard those rows. With a ``window`` ``W`` a query
+    at position ``p`` sees the keys ``t`` with ``|p - t| < W`` only (see
+    :mod:`attnpolicy.core.features`).
     """
 
     layout: BatchLayout
+    window: int | None = None
 
     def _block(self, q_len: int, kv_len: int) -> torch.Tensor | bool:
-        return True
+        if self.window is None:
+            return True
+        return window_band(q_len, kv_len, self.window, causal=False)
 
     def materialize(self, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
         """Build a fresh dense boolean mask ``[rows, cols]`` (True = attend), uncached.
@@ -197,7 +204,18 @@ class BlockDiagonalCausalMask(BlockDiagonalMask):
     with ``c`` cached context keys sees keys ``0 .. c + j``."""
 
     def _block(self, q_len: int, kv_len: int) -> torch.Tensor | bool:
+        if self.window is not None:
+            return window_band(q_len, kv_len, self.window, causal=True)
         return torch.ones(q_len, kv_len, dtype=torch.bool).tril_(diagonal=kv_len - q_len)
+
+
+def window_band(q_len: int, kv_len: int, window: int, *, causal: bool,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean ``[q_len, kv_len]`` of one sequence under a sliding ``window`` (queries
+    are the last ``q_len`` positions): keys ``p - window < t <= p`` when causal,
+    ``|p - t| < window`` otherwise. Two ``tril``/``triu`` of a block: no per-token loop."""
+    band = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu_(diagonal=kv_len - q_len - window + 1)
+    return band.tril_(diagonal=kv_len - q_len + (0 if causal else window - 1))
 
 
 def real_rows(starts: tuple[int, ...], lens: tuple[int, ...], tokens: int, device: str = "cpu",
@@ -212,18 +230,26 @@ def real_rows(starts: tuple[int, ...], lens: tuple[int, ...], tokens: int, devic
     return build() if cache is None else cache.small(("rows", starts, lens, tokens, device), build)
 
 
-def mask_for(layout: BatchLayout) -> BlockDiagonalMask:
-    """The typed mask that keeps ``layout``'s sequences apart."""
-    return BlockDiagonalCausalMask(layout) if layout.causal else BlockDiagonalMask(layout)
+def mask_for(layout: BatchLayout, window: int | None = None) -> BlockDiagonalMask:
+    """The typed mask that keeps ``layout``'s sequences apart (under a sliding ``window``)."""
+    return BlockDiagonalCausalMask(layout, window) if layout.causal else BlockDiagonalMask(layout, window)
 
 
-def bounded_mask(rows: int, cols: int, lens: torch.Tensor, causal: bool) -> torch.Tensor:
+def bounded_mask(rows: int, cols: int, lens: torch.Tensor, causal: bool,
+                 window: int | None = None) -> torch.Tensor:
     """In-graph mask of one sequence padded to ``(rows, cols)`` from its true
     ``lens = [q_len, kv_len]`` (a tensor, so one compiled graph serves all lengths
-    of a bucket). Padded key columns are excluded; padded query rows see all keys."""
+    of a bucket), under a sliding ``window`` if given. Padded key columns are
+    excluded; padded query rows see all keys (of the causal bound)."""
     q_idx = torch.arange(rows, device=lens.device)[:, None]
     k_idx = torch.arange(cols, device=lens.device)[None, :]
     allowed = k_idx < lens[1]
+    pos = q_idx + (lens[1] - lens[0])  # the query's position among the keys
     if causal:
-        allowed = allowed & (k_idx <= q_idx + (lens[1] - lens[0]))
+        allowed = allowed & (k_idx <= pos)
+    if window is not None:  # padded query rows keep their keys: no row is left empty
+        inside = k_idx > pos - window
+        if not causal:
+            inside = inside & (k_idx < pos + window)
+        allowed = allowed & (inside | (q_idx >= lens[0]))
     return allowed

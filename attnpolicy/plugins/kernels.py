@@ -6,14 +6,19 @@ of the ``causal``, ``mask`` or ``varlen`` family supplies ``fn``, the math of on
 call (``fn(q, k, v, causal, mask, scale, partition_len)`` on heads-first
 ``[H, L, D]`` tensors, as :mod:`attnpolicy.kernels.attention` documents); the
 built-in ``flex`` (MASK only) runs FlexAttention with a block mask instead of a
-dense one. Each declares its capabilities; :func:`why_unfit` says why an
+dense one. Each declares its capabilities (the features of
+:mod:`attnpolicy.core.features` among them: a sliding window, a soft cap, sinks; a
+plugin declares them off unless it says otherwise); :func:`why_unfit` says why an
 implementation cannot serve a batch, and the dispatcher never runs one that cannot.
+A kernel serving a window gets it inside ``mask`` (in the causal family too, next
+to ``causal=True``); one serving a soft cap or sinks is called with the keywords
+``softcap=`` (a float) and ``sinks=`` (``[Hq]`` logits), only when they are set.
 Built-ins register through the same hook (this module's own hook implementation).
 
 A plugin kernel is checked at the framework boundary: every call's output must have
 the query's shape, dtype and device (:class:`~attnpolicy.errors.KernelError`
 otherwise), and each capability a call needs (GQA, causal or bidirectional, cached
-context, the family's mask) is verified once per process, when the kernel is first
+context, the family's mask, each feature) is verified once per process, when the kernel is first
 chosen for it, against a float64 reference on a small probe
 (:mod:`attnpolicy.kernels.conformance`); a kernel that fails is rejected with the
 case that failed. :func:`check_kernel` runs every declared case at once (what
@@ -28,9 +33,10 @@ from typing import Any
 
 import torch
 
+from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.errors import ConfigError, PluginError
 from attnpolicy.kernels.attention import _BUILTIN_FNS, _IMPL_FNS, BUILTIN_IMPLS, bind, register_impl
-from attnpolicy.kernels.conformance import ProbeCase, probe, probe_layout
+from attnpolicy.kernels.conformance import PROBE_SOFTCAP, PROBE_WINDOW, ProbeCase, probe, probe_layout
 from attnpolicy.plugins.hookspecs import hookimpl
 
 FAMILIES = ("causal", "mask", "varlen")
@@ -53,14 +59,22 @@ class KernelInfo:
     context: bool = True
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     compilable: bool = True
+    window: bool = False  # a sliding window (inside the mask)
+    softcap: bool = False  # a logit soft cap (the softcap= keyword)
+    sinks: bool = False  # per-head sink logits (the sinks= keyword)
     description: str = ""
     plugin: str = field(default="", compare=False)
 
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The features it serves, e.g. ``("window", "softcap")``."""
+        return tuple(f for f in ("window", "softcap", "sinks") if getattr(self, f))
+
 
 def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa: bool, device: str,
-              compiled: bool) -> str | None:
+              compiled: bool, features: Features = PLAIN) -> str | None:
     """The capability ``info`` lacks for a call (causal or not, with cached context or
-    not, ...), or None if it can serve it."""
+    not, a sliding window, ...), or None if it can serve it."""
     if dtype not in info.dtypes:
         return f"dtype {dtype} (supports {', '.join(sorted(info.dtypes))})"
     if gqa and not info.gqa:
@@ -75,8 +89,15 @@ def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa:
         return f"device {device}"
     if compiled and not info.compilable:
         return "compilation (use backend 'none')"
+    if features.window is not None and not info.window:
+        return f"a sliding window ({features.window})"
+    if features.softcap is not None and not info.softcap:
+        return f"a logit soft cap ({features.softcap:g})"
+    if features.sinks and not info.sinks:
+        return "attention sinks"
     if info.fn is not None and info.fn is not _BUILTIN_FNS.get(info.name):  # built-ins: the conformance test
-        verify(info, ProbeCase(info.family, causal, context, gqa, getattr(torch, dtype), device.split(":")[0]))
+        verify(info, ProbeCase(info.family, causal, context, gqa, getattr(torch, dtype), device.split(":")[0],
+                               ProbeCase.probing(features)))
     return None
 
 
@@ -85,18 +106,20 @@ _verified: dict[tuple[Callable[..., Any] | None, str, ProbeCase], None] = {}
 
 
 def _runner(info: KernelInfo, case: ProbeCase) -> Callable[..., Any]:
-    """``run(q, k, v, causal, mask)`` of ``info`` as its family calls it."""
+    """``run(q, k, v, causal, mask, sinks)`` of ``info`` as its family calls it."""
+    feats = case.features
     if info.fn is not None:
-        return bind(info.name, partition_len=4)
+        return bind(info.name, partition_len=4, softcap=feats.softcap)
     from attnpolicy.kernels.flex import build_block_mask, flex_attend, flex_graph
 
     layout = probe_layout(case)
 
-    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Any) -> torch.Tensor:
+    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Any,
+             sinks: torch.Tensor | None = None) -> torch.Tensor:
         rows, cols = q.shape[1], k.shape[1]
-        block = build_block_mask(layout, rows, cols, str(q.device))
-        out = flex_attend(flex_graph(None), q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), layout,
-                          block, rows, cols)
+        block = build_block_mask(layout, rows, cols, str(q.device), feats.window)
+        out = flex_attend(flex_graph(None, feats.softcap, feats.sinks), q.transpose(0, 1), k.transpose(0, 1),
+                          v.transpose(0, 1), layout, block, rows, cols, sinks, feats.window)
         return out.transpose(0, 1)
     return flex
 
@@ -115,15 +138,26 @@ def verify(info: KernelInfo, case: ProbeCase) -> None:
 def declared_cases(info: KernelInfo) -> list[ProbeCase]:
     """Every probe case ``info`` declares it serves (on CPU when it runs there, else
     its first device): each dtype, causal and/or bidirectional (the causal family is
-    causal only), with and without cached context, with and without GQA."""
+    causal only), with and without cached context, with and without GQA; and each
+    feature it declares, alone and all together, in its first dtype (every causality
+    and context, GQA when it serves it)."""
     device = "cpu" if "cpu" in info.devices else sorted(info.devices)[0]
     causals = [c for c in (True, False) if (info.causal if c else info.bidirectional)]
     if info.family == "causal":
         causals = [True] if info.causal else []
-    return [ProbeCase(info.family, c, ctx, g, getattr(torch, d), device)
-            for d in sorted(info.dtypes) for c in causals
-            for ctx in (False, True) if ctx is False or info.context
-            for g in (False, True) if g is False or info.gqa]
+    contexts = [ctx for ctx in (False, True) if ctx is False or info.context]
+    plain = [ProbeCase(info.family, c, ctx, g, getattr(torch, d), device)
+             for d in sorted(info.dtypes) for c in causals for ctx in contexts
+             for g in (False, True) if g is False or info.gqa]
+    on = {"window": Features(window=PROBE_WINDOW), "softcap": Features(softcap=PROBE_SOFTCAP),
+          "sinks": Features(sinks=True)}
+    feats = [on[f] for f in info.feature_names]
+    if len(feats) > 1:
+        feats.append(Features(PROBE_WINDOW if info.window else None, PROBE_SOFTCAP if info.softcap else None,
+                              info.sinks))
+    dtype = "float32" if "float32" in info.dtypes else sorted(info.dtypes)[0]
+    return plain + [ProbeCase(info.family, c, ctx, info.gqa, getattr(torch, dtype), device, f)
+                    for f in feats for c in causals for ctx in contexts]
 
 
 def check_kernel(name: str) -> list[str]:
@@ -217,6 +251,16 @@ def get_kernel(family: str, name: str) -> KernelInfo:
 def attnpolicy_register_kernels(register: Callable[[KernelInfo], None]) -> None:
     for name in ("sdpa", "eager", "flash"):
         for family in FAMILIES:
-            register(KernelInfo(name, family, _IMPL_FNS[name], description=f"built-in {name}"))
+            register(KernelInfo(name, family, _IMPL_FNS[name], window=True, softcap=True, sinks=True,
+                                description=_BUILTIN_DESCRIPTIONS[name]))
     register(KernelInfo("flex", "mask", None, dtypes=frozenset({"float32", "bfloat16", "float16"}),
-                        description="FlexAttention with a block mask from the layout (block-sparse MASK)"))
+                        window=True, softcap=True, sinks=True,
+                        description="FlexAttention with a block mask from the layout (block-sparse MASK; "
+                                    "windows block-sparse, soft caps as score_mod, sinks from the lse)"))
+
+
+_BUILTIN_DESCRIPTIONS = {
+    "sdpa": "built-in sdpa (torch SDPA; sinks as an extra zero key; a soft cap computes the eager math)",
+    "eager": "built-in eager (explicit softmax)",
+    "flash": "built-in flash (KV partitions, online softmax; the sink starts the running sum)",
+}
