@@ -259,7 +259,10 @@ class Dispatcher:
             batches = layouts
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
-        return self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
+        calls = self.planner.warm_calls(batches, spec, self.preview)
+        if self.background is not None:
+            calls = self.background.settled(calls)
+        return self.source.warm_up(calls, spec)
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``,

@@ -34,6 +34,7 @@ class Counters:
     background_requested: int = 0
     background_switched: int = 0
     background_failed: int = 0
+    background_discarded: int = 0
     pad_up_calls: int = 0
     pad_up_tokens: int = 0
     modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
@@ -52,7 +53,8 @@ class Counters:
             block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
             background=BackgroundStats(
                 config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
-                self.background_failed, pending, compile_seconds, self.pad_up_calls, self.pad_up_tokens))
+                self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
+                self.pad_up_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +97,9 @@ class StallStats:
 class BackgroundStats:
     """Background compiles (``compile_mode="background"``) and the pad-up calls that
     served their keys meanwhile: ``requested`` compiles, ``switched`` into the cache at
-    their switch point, ``failed`` there, ``pending`` now; ``compile_seconds`` measured
-    in the worker; ``pad_up_calls`` ran on a larger resident bucket, adding
+    their switch point, ``failed`` there, ``discarded`` by ``close()`` after they had
+    run (built, never switched in), ``pending`` now; ``compile_seconds`` measured in
+    the worker (of those switched in); ``pad_up_calls`` ran on a larger resident bucket, adding
     ``pad_up_tokens`` query rows of padding (also in ``padding``)."""
 
     compile_mode: str
@@ -104,6 +107,7 @@ class BackgroundStats:
     requested: int
     switched: int
     failed: int
+    discarded: int
     pending: int
     compile_seconds: float
     pad_up_calls: int
