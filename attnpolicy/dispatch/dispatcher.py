@@ -13,11 +13,12 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background
-from attnpolicy.dispatch.batch_plan import Planner
+from attnpolicy.dispatch.batch_plan import Planner, warm_call
 from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
+from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.execute import check_inputs
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -87,6 +88,7 @@ class Dispatcher:
         self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
         self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
         self._batch: list[Step] = []  # the steps prepared since the last prepare without a decision
+        self._warm_keys: dict[GraphKey, None] = {}  # the config's warm sets, of every spec warmed
 
     # -- the front door -----------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -200,9 +202,10 @@ class Dispatcher:
             self._last_spec = (props, spec)
             return spec
         except KeyError:
-            spec = self._specs[props] = TensorSpec.of(q, k, scale)
+            spec = TensorSpec.of(q, k, scale)
             if self.config.warmup and spec not in self.planner.warmed:
-                self.warmup(spec)
+                self.warmup(spec)  # kept once warmed: a refused warm set is refused again
+            self._specs[props] = spec
             self._last_spec = (props, spec)
             return spec
 
@@ -248,7 +251,8 @@ class Dispatcher:
         ``warmup(layouts, spec)``: that, and the graphs the policy would use for
         ``layouts`` (as :meth:`preview` decides them: no attention runs, no decision is
         counted). Either way any later compile then counts as a strict-mode violation
-        (``strict``). Returns the keys warmed by this call.
+        (``strict``). Returns the keys warmed by this call. A warm set that cannot stay
+        resident for ``spec`` raises :class:`ConfigError` before anything compiles.
 
         :meth:`attend` warms the config's warm set itself the first time it sees a
         spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
@@ -259,10 +263,39 @@ class Dispatcher:
             batches = layouts
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
+        fresh = bool(self.config.warmup) and spec not in self.planner.warmed
+        warm_set = self._warm_set(spec) if fresh else {}
         calls = self.planner.warm_calls(batches, spec, self.preview)
         if self.background is not None:
             calls = self.background.settled(calls)
-        return self.source.warm_up(calls, spec)
+        keys = self.source.warm_up(calls, spec)
+        self._warm_keys.update(warm_set)
+        return keys
+
+    def _warm_set(self, spec: TensorSpec) -> dict[GraphKey, None]:
+        """The keys of the config's warm set for tensors of ``spec``, refused with a
+        :class:`ConfigError` before anything compiles unless they stay resident with
+        the warm sets of earlier specs: each graph within ``max_bytes``, all within
+        ``max_graphs`` and ``max_bytes`` (a warm set planned for another spec may not)."""
+        planner, cache = self.planner, self.cache
+        keys = {planner.key_for(*warm_call(shape), spec): i for i, shape in enumerate(self.config.warmup)}
+        earlier = [key for key in self._warm_keys if key not in keys]
+        sizes = {key: cache.size_of(key) for key in (*keys, *earlier)}
+        limit, count = cache.max_bytes, cache.max_graphs
+        for key, i in keys.items():
+            if limit is not None and sizes[key] > limit:
+                raise ConfigError(f"warmup.{i}: the graph {key} needs {sizes[key]} bytes for tensors of {spec}, "
+                                  f"more than max_bytes={limit}: it can never be cached")
+        held = f" and {len(earlier)} warmed for other specs" if earlier else ""
+        if count is not None and len(sizes) > count:
+            raise ConfigError(f"the warm set of {len(keys)} graphs for tensors of {spec}{held} exceeds "
+                              f"max_graphs={count}: warm-up would evict its own graphs")
+        total = sum(sizes.values())
+        if limit is not None and total > limit:
+            raise ConfigError(f"the warm set of {len(keys)} graphs for tensors of {spec}{held} needs {total} "
+                              f"bytes, more than max_bytes={limit}: warm-up would evict its own graphs "
+                              "(plan the warm set for this tensor spec, or raise max_bytes)")
+        return dict.fromkeys(keys)
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``,
