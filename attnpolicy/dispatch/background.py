@@ -13,7 +13,7 @@ from typing import Any
 
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.batch_plan import Planned
-from attnpolicy.dispatch.graph_source import Builder, Fetched, GraphSource, release
+from attnpolicy.dispatch.graph_source import Builder, Fetched, GraphSource, count_violation, release
 from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs.compile import CompiledGraph
 from attnpolicy.graphs.execute import GraphFn
@@ -143,6 +143,7 @@ class Background:
         source.stall += perf_counter() - start
         if error is not None:
             c.background_failed += 1
+            count_violation(c, error)
 
             def fail() -> Any:
                 raise error

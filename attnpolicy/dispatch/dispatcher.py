@@ -18,7 +18,7 @@ from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import ConfigError, KernelError
 from attnpolicy.graphs.execute import check_inputs
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -158,8 +158,14 @@ class Dispatcher:
         return step
 
     def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
-        return new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen,
-                        per_sequence=self.background is None)
+        try:
+            step = new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen,
+                            per_sequence=self.background is None)
+        except KernelError:  # a plugin kernel failed its probe when first chosen
+            self.counters.kernel_violations += 1
+            raise
+        step.counters = self.counters
+        return step
 
     def _fetch(self, step: Step) -> Step:
         """Fetch ``step``'s graphs (or request its keys, for a host step), then count it:

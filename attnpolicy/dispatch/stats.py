@@ -31,6 +31,7 @@ class Counters:
     compile_error_fallbacks: int = 0
     strict_violations: int = 0
     direct_call_fallbacks: int = 0
+    kernel_violations: int = 0
     background_requested: int = 0
     background_switched: int = 0
     background_failed: int = 0
@@ -48,7 +49,8 @@ class Counters:
             batches=self.batches, calls=self.calls, modes=dict(self.modes), guard_fallbacks=guard_fallbacks,
             overflow=self.overflow, mask_fallbacks=self.mask_fallbacks,
             compile_error_fallbacks=self.compile_error_fallbacks, strict_violations=self.strict_violations,
-            direct_call_fallbacks=self.direct_call_fallbacks, observer_errors=observer_errors,
+            direct_call_fallbacks=self.direct_call_fallbacks, kernel_violations=self.kernel_violations,
+            observer_errors=observer_errors,
             padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
             block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
             background=BackgroundStats(
@@ -128,6 +130,9 @@ class DispatcherStats:
     compile_error_fallbacks: int
     strict_violations: int
     direct_call_fallbacks: int
+    #: plugin kernels caught breaking their contract: a failed probe, a bad output
+    #: at run time, a compile that failed on one
+    kernel_violations: int
     observer_errors: dict[str, int]
     padding: PaddingStats
     plans: int
