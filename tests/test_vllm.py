@@ -222,6 +222,29 @@ def test_vllm_register_without_vllm_does_nothing(monkeypatch, caplog):
     assert "vLLM is not importable" in caplog.text
 
 
+@pytest.mark.parametrize(("env", "named"), [
+    ({"ATTNPOLICY_POLICY": "no-such-policy"}, "no-such-policy"),
+    ({"ATTNPOLICY_CONFIG": "bad.json"}, "ATTNPOLICY_CONFIG=.*max_seq_len"),
+])
+def test_vllm_register_refuses_a_bad_environment_config_before_any_engine(vllm_installed, monkeypatch, tmp_path,
+                                                                          env, named):
+    """vLLM calls ``register`` in the front-end process too: a bad configuration fails
+    there, one line, before an engine process could bury it in its traceback."""
+    from attnpolicy.errors import ConfigError
+    from attnpolicy.integrations import vllm as integration
+
+    for name in _RESET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "bad.json").write_text('{"max_seq_len": 0}')
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value) if name == "ATTNPOLICY_CONFIG" else value)
+    integration.unregister()
+    with pytest.raises(ConfigError, match=f"(?s){named}") as exc:
+        integration.register()
+    assert str(exc.value).startswith(next(iter(env)))  # the first line names the variable
+    assert not integration.is_registered()
+
+
 def test_fit_to_runtime_takes_unset_limits_from_the_runtime():
     from attnpolicy.config import AttnPolicyConfig
     from attnpolicy.errors import ConfigError
