@@ -84,3 +84,17 @@ def encoder_stack(*, seed: int = 0, layers: int = 2, hidden: int = 64):
     torch.manual_seed(seed)
     return nn.Sequential(*(nn.TransformerEncoderLayer(hidden, 4, 2 * hidden, dropout=0.0, batch_first=True,
                                                       norm_first=True) for _ in range(layers))).eval()
+
+
+def mistral(path: Path, *, seed: int = 0, sliding_window: int = 16) -> Path:
+    """A 2-layer Mistral (as :func:`llama`, 4 query and 2 kv heads) whose layers
+    attend within a ``sliding_window`` of tokens."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                        max_position_embeddings=512, sliding_window=sliding_window, bos_token_id=2,
+                        eos_token_id=3, pad_token_id=0, tie_word_embeddings=False, dtype="float32")
+    return _save(MistralForCausalLM(cfg).eval(), path)

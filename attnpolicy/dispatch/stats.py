@@ -32,6 +32,7 @@ class Counters:
     strict_violations: int = 0
     direct_call_fallbacks: int = 0
     kernel_violations: int = 0
+    layers_elsewhere: int = 0
     background_requested: int = 0
     background_switched: int = 0
     background_failed: int = 0
@@ -50,7 +51,7 @@ class Counters:
             overflow=self.overflow, mask_fallbacks=self.mask_fallbacks,
             compile_error_fallbacks=self.compile_error_fallbacks, strict_violations=self.strict_violations,
             direct_call_fallbacks=self.direct_call_fallbacks, kernel_violations=self.kernel_violations,
-            observer_errors=observer_errors,
+            layers_elsewhere=self.layers_elsewhere, observer_errors=observer_errors,
             padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
             block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
             background=BackgroundStats(
@@ -133,6 +134,8 @@ class DispatcherStats:
     #: plugin kernels caught breaking their contract: a failed probe, a bad output
     #: at run time, a compile that failed on one
     kernel_violations: int
+    #: attention layers of a runtime's model that run on the runtime's own code (vLLM)
+    layers_elsewhere: int
     observer_errors: dict[str, int]
     padding: PaddingStats
     plans: int
