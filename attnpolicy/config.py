@@ -213,9 +213,21 @@ class AttnPolicyConfig(BaseModel):
 
     def _check_warmup(self) -> None:
         """Every warm-up shape's buckets are buckets of this config (MASK rows: of
-        ``max_batch_tokens``, others: of ``max_seq_len``)."""
+        ``max_batch_tokens``, others: of ``max_seq_len``); a MASK shape's mask fits
+        ``max_mask_bytes`` (no batch could use it otherwise); the warm set fits
+        ``max_graphs`` (warm-up would evict its own graphs). Its bytes depend on the
+        tensor spec: the dispatcher checks them against ``max_bytes`` at warm-up."""
+        distinct = len(set(self.warmup))
+        if self.max_graphs is not None and distinct > self.max_graphs:
+            raise ValueError(f"warmup has {distinct} distinct graphs, more than max_graphs={self.max_graphs}: "
+                             "warm-up would evict its own graphs")
         for i, shape in enumerate(self.warmup):
             mask = shape.family is GraphFamily.MASK
+            nbytes = shape.q_bucket * shape.kv_bucket
+            if mask and nbytes > self.max_mask_bytes:
+                raise ValueError(f"warmup.{i}: a mask graph of {shape.q_bucket} x {shape.kv_bucket} needs a "
+                                 f"{nbytes}-byte mask, more than max_mask_bytes={self.max_mask_bytes}: no "
+                                 "batch can use it")
             limit = self.max_batch_tokens if mask else self.max_seq_len
             for name in ("q_bucket", "kv_bucket"):
                 n = getattr(shape, name)

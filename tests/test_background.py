@@ -223,3 +223,126 @@ def test_config_names_bad_compile_mode_and_switch_after():
     with pytest.raises((ConfigError, ValueError), match="switch_after"):
         AttnPolicyConfig.model_validate({"switch_after": 0})
 
+
+
+# -- exact compile accounting ------------------------------------------------------------
+
+class _Counted:
+    """A builder that counts its builds (the backend compile count of a custom builder)."""
+
+    def __init__(self, fail: int | None = None, error: type[BaseException] = RuntimeError):
+        self.built: list[str] = []
+        self.fail, self.error = fail, error
+
+    def __call__(self, call, key, spec):
+        self.built.append(str(key))
+        if key.q_len == self.fail:
+            raise self.error("builder stopped")
+        return _uncompiled(call, key, spec)
+
+
+def _accounted(stats, builds: int) -> None:
+    """Every build is a compile or a failure of the cache, or one ``close()`` discarded."""
+    c = stats.cache
+    assert builds == c.compiles + c.compile_failures + stats.background.discarded
+
+
+def test_close_counts_the_compiles_it_discards():
+    builder = _Counted()
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", switch_after=50)
+    d = Dispatcher(cfg, builder=builder, cost_model=PRICEY)
+    d.warmup([BatchLayout.from_lens([256])], SPEC)
+    for n in (20, 40, 70):
+        d.prepare(BatchLayout.from_lens([n]), SPEC)
+    for p in d.background.pending.values():
+        p.future.result()  # all three ran in the worker
+    d.close()
+    stats = d.stats()
+    assert len(builder.built) == 4 and stats.cache.compiles == 1 and stats.background.discarded == 3
+    _accounted(stats, len(builder.built))
+
+
+def test_warmup_reuses_a_pending_compile():
+    builder = _Counted()
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", switch_after=50)
+    small = BatchLayout.from_lens([20])
+    with Dispatcher(cfg, builder=builder, cost_model=PRICEY) as d:
+        d.warmup([BatchLayout.from_lens([256])], SPEC)
+        d.prepare(small, SPEC)  # pads up; q32 compiles in the worker
+        assert len(d.pending()) == 1
+        (key,) = d.warmup([small], SPEC)
+        assert builder.built.count(str(key)) == 1 and key in d.cache and not d.pending()
+        assert d.stats().background.switched == 1
+        _accounted(d.stats(), len(builder.built))
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, GeneratorExit])
+@pytest.mark.parametrize("on_error", ["raise", "eager"])
+def test_a_base_exception_in_the_worker_is_a_compile_error_of_its_key(error, on_error):
+    """Raised in the worker, it is no interrupt of the process: its key's compile failed,
+    met at its switch point under ``on_compile_error``, never at another batch."""
+    builder = _Counted(fail=32, error=error)
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", switch_after=2,
+                           on_compile_error=on_error)
+    small, other = BatchLayout.from_lens([20]), BatchLayout.from_lens([200])
+    with Dispatcher(cfg, builder=builder) as d:
+        d.warmup([BatchLayout.from_lens([256])], SPEC)
+        d.prepare(small, SPEC)  # batch 1: requests q32, due at batch 3
+        d.background.pending[next(iter(d.background.pending))].future.exception()  # it has failed
+        d.prepare(other, SPEC)  # batch 2: unrelated, runs
+        if on_error == "raise":
+            with pytest.raises(GraphCompileError, match=f"q32.*{error.__name__}"):
+                d.prepare(other, SPEC)
+        else:
+            d.prepare(other, SPEC)
+            assert d.stats().compile_error_fallbacks == 1
+        stats = d.stats()
+        assert stats.background.failed == 1 and stats.cache.compile_failures == 1
+        _accounted(stats, len(builder.built))
+
+
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.lists(st.integers(1, 256), min_size=1, max_size=3), min_size=1, max_size=8),
+       switch_after=st.integers(1, 4), capacity=st.integers(1, 4), warm_at=st.integers(0, 8),
+       fail=st.sampled_from([None, 32, 64]), on_error=st.sampled_from(["raise", "eager"]))
+def test_background_stats_equal_the_builds_through_warmup_and_close(lens, switch_after, capacity, warm_at,
+                                                                    fail, on_error):
+    """Random batches in background mode, a warm-up of some of them midway, then
+    ``close()``: every build is counted once (compile, failure, or discarded)."""
+    builder = _Counted(fail=fail)
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", max_graphs=capacity,
+                           switch_after=switch_after, on_compile_error=on_error)
+    layouts = [BatchLayout.from_lens(x) for x in lens]
+    d = Dispatcher(cfg, builder=builder, cost_model=PRICEY)
+    try:
+        d.warmup([BatchLayout.from_lens([256])], SPEC)
+        for i, layout in enumerate(layouts):
+            if i == warm_at:
+                d.warmup(layouts[i:], SPEC)
+            d.prepare(layout, SPEC)
+            d.release_batch()
+    except GraphCompileError:
+        assert on_error == "raise" and fail is not None
+    d.close()
+    stats = d.stats()
+    assert stats.background.pending == 0
+    _accounted(stats, len(builder.built))
+
+
+def test_background_compile_counter_equals_stats_through_warmup_and_close():
+    """The real backend (``compile_counter``) in background mode, warm-up and ``close()``."""
+    counter: list[object] = []
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=128, compile_mode="background", switch_after=3,
+                           policy="varlen")
+    d = Dispatcher(cfg, cost_model=PRICEY, compile_counter=counter.append)
+    spec = TensorSpec("float32", 2, 1, 8)
+    d.warmup([BatchLayout.from_lens([128])], spec)
+    d.prepare(BatchLayout.from_lens([20]), spec)  # q32 in the worker
+    d.warmup([BatchLayout.from_lens([20])], spec)  # reuses it
+    d.prepare(BatchLayout.from_lens([40]), spec)  # q64 in the worker, never switched in
+    for p in d.background.pending.values():
+        p.future.result()
+    d.close()
+    stats = d.stats()
+    assert len(counter) == 3 and stats.cache.compiles == 2 and stats.background.discarded == 1
+    _accounted(stats, len(counter))

@@ -376,6 +376,53 @@ def test_a_plugin_kernels_wrong_output_is_an_error_naming_plugin_and_kernel(fres
         assert f"kernel '{broken}-" in str(raised.value) and f"plugin '{broken}-" in str(raised.value)
 
 
+@pytest.mark.parametrize(("backend", "on_error", "max_len", "raised", "violations"), [
+    ("none", "raise", 16, "KernelError", 1),  # over the largest bucket: the uncompiled call is checked
+    ("none", "raise", 64, "GraphCompileError", 1),  # checked on the example inputs: the compile fails
+    ("eager", "raise", 64, "GraphCompileError", 1),  # checked while tracing: the compile fails
+    ("eager", "eager", 64, "KernelError", 2),  # the compile fails (counted), then the uncompiled call
+])
+def test_kernel_violations_are_counted_in_the_stats(fresh_plugins, backend, on_error, max_len, raised,
+                                                    violations):
+    """A kernel that passes its (small) probe, then returns one head on longer calls."""
+    from plugin_kernels import sdpa_kernel
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import GraphCompileError, KernelError
+
+    def long_broken(q, k, v, causal, mask, scale, partition_len):
+        out = sdpa_kernel(q, k, v, causal, mask, scale, partition_len)
+        return out[:1] if q.shape[1] > 16 else out
+
+    _register_kernel("one-head", long_broken, "causal")
+    layout = BatchLayout.from_lens([30])
+    q, k, v = (torch.randn(30, 4, 8) for _ in range(3))
+    d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend=backend, max_seq_len=max_len,
+                                    on_compile_error=on_error, on_overflow="eager", kernels={"causal": "one-head"}))
+    for _ in range(2):
+        with pytest.raises((KernelError, GraphCompileError)) as exc:
+            d.attend(q, k, v, layout)
+        assert type(exc.value).__name__ == raised and "'one-head' of plugin 'one-head-plugin'" in str(exc.value)
+    stats = d.stats()
+    assert stats.kernel_violations == 2 * violations
+    assert stats.compile_error_fallbacks == (2 if on_error == "eager" else 0)
+
+
+def test_a_failed_probe_is_a_counted_kernel_violation(fresh_plugins):
+    from plugin_kernels import BROKEN
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import KernelError
+
+    _register_kernel("no-mask", BROKEN["no-mask"], "varlen")
+    layout = BatchLayout.from_lens([3, 5], [6, 5])
+    q, k, v = torch.randn(8, 4, 8), torch.randn(11, 4, 8), torch.randn(11, 4, 8)
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", max_seq_len=16, kernels={"varlen": "no-mask"}))
+    with pytest.raises(KernelError, match="does not compute attention"):
+        d.attend(q, k, v, layout)
+    assert d.stats().kernel_violations == 1 and d.stats().batches == 0
+
+
 @pytest.mark.parametrize(("broken", "caps", "case"), [
     ("kv-head-0", {}, "GQA 4:2"),
     ("no-mask", {}, "varlen family"),

@@ -157,6 +157,22 @@ def _child(scenario: str, model: str, out: str) -> None:
             _shutdown(llm)
             steps[policy] = counter.count - before
         result["steps"] = steps
+    elif scenario == "inproc-sliding":  # every layer of the model runs on vLLM's own code
+        from vllm import LLM
+
+        from attnpolicy.integrations import vllm as integration
+
+        warned: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("attnpolicy.integrations.vllm").addHandler(handler)
+        integration.register()
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=8 << 20,
+                  max_model_len=128, seed=0)
+        result["tokens"] = [list(o.outputs[0].token_ids) for o in
+                            llm.generate(_prompts([40, 20], 0), _params(3, False), use_tqdm=False)]
+        _shutdown(llm)
+        result["warnings"] = [w for w in warned if "vLLM's own implementation" in w]
     else:
         if scenario == "inproc-planned":  # ATTNPOLICY_CONFIG: a planned config
             from attnpolicy.integrations import vllm as integration
@@ -220,6 +236,29 @@ def test_vllm_register_without_vllm_does_nothing(monkeypatch, caplog):
         assert integration.register() is None
     assert not integration.is_registered()
     assert "vLLM is not importable" in caplog.text
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"ATTNPOLICY_POLICY": "no-such-policy"}, "no-such-policy"),
+    ({"ATTNPOLICY_CONFIG": "bad.json"}, "ATTNPOLICY_CONFIG=.*max_seq_len"),
+])
+def test_vllm_register_refuses_a_bad_environment_config_before_any_engine(vllm_installed, monkeypatch, tmp_path,
+                                                                          env, named):
+    """vLLM calls ``register`` in the front-end process too: a bad configuration fails
+    there, one line, before an engine process could bury it in its traceback."""
+    from attnpolicy.errors import ConfigError
+    from attnpolicy.integrations import vllm as integration
+
+    for name in _RESET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "bad.json").write_text('{"max_seq_len": 0}')
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value) if name == "ATTNPOLICY_CONFIG" else value)
+    integration.unregister()
+    with pytest.raises(ConfigError, match=f"(?s){named}") as exc:
+        integration.register()
+    assert str(exc.value).startswith(next(iter(env)))  # the first line names the variable
+    assert not integration.is_registered()
 
 
 def test_fit_to_runtime_takes_unset_limits_from_the_runtime():
@@ -292,6 +331,24 @@ def test_vllm_llama_matches_stock(generated, policy, scenario):
             pairs = [(a, b) for a, b in zip(mine["prompt_logprobs"], ref["prompt_logprobs"]) if b is not None]
             assert len(pairs) == len(ref["prompt_logprobs"]) - 1
             assert max(abs(a - b) for a, b in pairs) <= 1e-5
+
+
+def test_vllm_layers_that_run_elsewhere_are_warned_once_and_counted(vllm_installed, tmp_path):
+    """A sliding-window Mistral: vLLM's own code runs every layer; one warning names
+    them and why, and stats and the decisions log count them."""
+    import tiny_models
+
+    model = tiny_models.mistral(tmp_path / "mistral", window=16)
+    result = _run_child("inproc-sliding", model, tmp_path, INPROC)
+    assert all(result["tokens"])
+    [warning] = result["warnings"]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    assert all(f"{name} (sliding window" in warning for name in names)
+    records = [json.loads(s) for s in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    [event] = [r for r in records if r["event"] == "layers_elsewhere"]
+    assert sorted(event["layers"]) == names and all("sliding window" in why for why in event["layers"].values())
+    stats = [r["stats"] for r in records if r["event"] == "stats"]
+    assert stats and sum(s["layers_elsewhere"] for s in stats) == 2
 
 
 def test_vllm_long_prompt_is_served(generated):

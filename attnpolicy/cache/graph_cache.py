@@ -336,14 +336,20 @@ class GraphCache(Generic[V]):
             f"building the graph for key {key} failed in another thread: {type(exc).__name__}: {exc}"
         ) from exc
 
-    def _size(self, key: Hashable) -> tuple[int, bool]:
-        """``(bytes, cached)`` of ``key``'s graph, or raise: a refusal before building."""
+    def size_of(self, key: Hashable) -> int:
+        """The bytes ``key``'s graph counts against ``max_bytes`` (``sizeof(key)``,
+        checked: a raising or bad ``sizeof`` raises :class:`ConfigError`)."""
         try:
             nbytes = self._sizeof(key)
         except Exception as exc:
             raise ConfigError(f"sizeof({key}) raised {type(exc).__name__}: {exc}") from exc
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ConfigError(f"sizeof({key}) returned {nbytes!r}; it must be an int >= 0")
+        return nbytes
+
+    def _size(self, key: Hashable) -> tuple[int, bool]:
+        """``(bytes, cached)`` of ``key``'s graph, or raise: a refusal before building."""
+        nbytes = self.size_of(key)
         cached = self.max_bytes is None or nbytes <= self.max_bytes
         if not cached and self.oversize == "raise":
             raise GraphTooLargeError(

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
 
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.batch_plan import Planned
-from attnpolicy.dispatch.graph_source import Builder, Fetched, GraphSource, release
+from attnpolicy.dispatch.graph_source import Builder, Fetched, GraphSource, count_violation, release
 from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs.compile import CompiledGraph
 from attnpolicy.graphs.execute import GraphFn
@@ -76,6 +77,15 @@ class Background:
             return call, source.uncompiled(call, spec, key.impl)  # failed, on_compile_error="eager"
         return call, source.graph(call, key, spec, pin=True)[0]
 
+    def settled(self, calls: Iterable[tuple[Call, GraphKey, bool]]) -> Iterator[tuple[Call, GraphKey, bool]]:
+        """``calls`` (a warm-up's), each key pending in the worker switched in first (its
+        future waited for): warm-up reuses a pending compile instead of building it twice."""
+        for call, key, listed in calls:
+            pending = self.pending.get(key)
+            if pending is not None:
+                self._switch_in(key, pending)
+            yield call, key, listed
+
     def _pad_up(self, call: Call, key: GraphKey) -> GraphKey | None:
         """The resident graph ``call`` may pad up to: of ``key``'s kind (family,
         causality, spec, impl, partition, backend) with buckets at least ``call``'s, the
@@ -133,6 +143,7 @@ class Background:
         source.stall += perf_counter() - start
         if error is not None:
             c.background_failed += 1
+            count_violation(c, error)
 
             def fail() -> Any:
                 raise error
@@ -158,13 +169,18 @@ class Background:
         return True
 
     def close(self) -> None:
-        """Stop the worker (waiting for the compile it runs) and drop the pending compiles."""
+        """Stop the worker (waiting for the compile it runs) and drop the pending
+        compiles: those not started are cancelled, those that ran are released and
+        counted in ``background_discarded`` (built, never switched in)."""
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
         for key, pending in self.pending.items():
             f = pending.future
-            if f.done() and not f.cancelled() and f.exception() is None:
+            if f.cancelled():
+                continue
+            self.counters.background_discarded += 1
+            if f.exception() is None:
                 _release_any(key, f.result()[0])
         self.pending.clear()
 
@@ -180,8 +196,17 @@ class _Pending:
 
 
 def _timed(builder: Builder, call: Call, key: GraphKey, spec: TensorSpec) -> tuple[Any, float]:
+    """Build in the worker. A ``BaseException`` that is no ``Exception``
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) raised there is no
+    request to stop the process (signals reach the main thread only): it becomes a
+    compile error of its key, met at its switch point under ``on_compile_error``."""
     start = perf_counter()
-    graph = builder(call, key, spec)
+    try:
+        graph = builder(call, key, spec)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise RuntimeError(f"the builder raised {type(exc).__name__} in the background worker: {exc}") from exc
     return graph, perf_counter() - start
 
 

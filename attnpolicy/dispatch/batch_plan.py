@@ -21,8 +21,10 @@ from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.errors import BucketOverflowError
 from attnpolicy.graphs.calls import plan_calls
+from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.kernel_choice import KernelChoice, call_traits
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.policies.base import PolicyContext
 
 Planned = tuple[tuple[Call, GraphKey], ...]
 #: One sequence's VARLEN-mode plan: its graph key (``None`` when the call runs
@@ -73,7 +75,23 @@ class Planner:
         #: (causal, spec, own keys, q bucket, kv bucket) -> SeqPlan
         self._seqs: LRUCache[tuple[object, ...], SeqPlan] = memo()
         self._buckets: LRUCache[int, int] = memo()  # length -> bucket
+        self._contexts: LRUCache[TensorSpec, PolicyContext] = memo()
         self.warmed: set[TensorSpec] = set()  # specs whose warm set :meth:`warm_calls` gave
+
+    def context(self, spec: TensorSpec, is_cached: Callable[[GraphKey], bool],
+                cost_model: CostModel | None) -> PolicyContext:
+        """The policy context of calls on tensors of ``spec`` (one kept per spec): its
+        ``keys_for`` plans with this planner."""
+        try:
+            ctx: PolicyContext = self._contexts[spec]
+            return ctx
+        except KeyError:
+            def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+                return self.keys_for(layout, mode, spec)
+
+            ctx = self._contexts[spec] = PolicyContext(config=self.config, spec=spec, is_cached=is_cached,
+                                                       keys_for=keys_for, cost_model=cost_model)
+            return ctx
 
     def plan(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> BatchPlan:
         """The plan of ``layout`` in ``mode`` on tensors of ``spec`` (raises

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -21,6 +19,8 @@ from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
+from attnpolicy.dispatch.warm_set import WarmSets
+from attnpolicy.errors import KernelError
 from attnpolicy.graphs.execute import check_inputs
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -30,8 +30,6 @@ from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
-
-log = logging.getLogger("attnpolicy.dispatch")
 
 
 class Dispatcher:
@@ -85,10 +83,10 @@ class Dispatcher:
                                   compile_counter=compile_counter, host_varlen=host_varlen)
         self.background = Background(self.source, cost_model) if cfg.compile_mode == "background" else None
         self.host_varlen = host_varlen
+        self.warm_sets = WarmSets(cfg, self.planner, self.cache, self.source, self.background)
         self._cost_model = cost_model
         self._steps: LRUCache[tuple[BatchLayout, TensorSpec], Step] = memo()  # stateless policies' steps
         self._specs: LRUCache[tuple[object, ...], TensorSpec] = memo()  # by tensor properties
-        self._contexts: LRUCache[TensorSpec, PolicyContext] = memo()
         self._decided: LRUCache[tuple[BatchLayout, TensorSpec, MaskMode], Step] = memo()  # other policies'
         self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
         self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
@@ -168,8 +166,14 @@ class Dispatcher:
         return step
 
     def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
-        return new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen,
-                        per_sequence=self.background is None)
+        try:
+            step = new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen,
+                            per_sequence=self.background is None)
+        except KernelError:  # a plugin kernel failed its probe when first chosen
+            self.counters.kernel_violations += 1
+            raise
+        step.counters = self.counters
+        return step
 
     def _fetch(self, step: Step) -> Step:
         """Fetch ``step``'s graphs (or request its keys, for a host step), then count it:
@@ -190,14 +194,7 @@ class Dispatcher:
             raise
         if source.stall:
             source.end()
-        c = self.counters
-        c.modes[step.mode_name] += 1
-        if step.fell_back:
-            c.mask_fallbacks += 1
-        c.batches += 1
-        c.calls += step.n_calls
-        c.real_tokens += step.layout.total_tokens
-        c.padded_tokens += step.padded_tokens
+        self.counters.count(step)
         return step
 
     def _spec_of(self, q: torch.Tensor, k: torch.Tensor, scale: float | None,
@@ -213,9 +210,10 @@ class Dispatcher:
             self._last_spec = (props, spec)
             return spec
         except KeyError:
-            spec = self._specs[props] = TensorSpec.of(q, k, scale, features)
+            spec = TensorSpec.of(q, k, scale, features)
             if self.config.warmup and spec not in self.planner.warmed:
-                self.warmup(spec)
+                self.warmup(spec)  # kept once warmed: a refused warm set is refused again
+            self._specs[props] = spec
             self._last_spec = (props, spec)
             return spec
 
@@ -234,19 +232,7 @@ class Dispatcher:
 
     def context_for(self, spec: TensorSpec) -> PolicyContext:
         """The policy context of calls on tensors of ``spec`` (one kept per spec)."""
-        try:
-            ctx: PolicyContext = self._contexts[spec]
-            return ctx
-        except KeyError:
-            planner = self.planner
-
-            def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
-                return planner.keys_for(layout, mode, spec)
-
-            ctx = self._contexts[spec] = PolicyContext(
-                config=self.config, spec=spec, is_cached=self.cache.__contains__, keys_for=keys_for,
-                cost_model=self._cost_model)
-            return ctx
+        return self.planner.context(spec, self.cache.__contains__, self._cost_model)
 
     def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec) -> tuple[GraphKey, ...]:
         """The graph keys a batch of ``layout`` would use now (from :meth:`preview`: no
@@ -261,7 +247,8 @@ class Dispatcher:
         ``warmup(layouts, spec)``: that, and the graphs the policy would use for
         ``layouts`` (as :meth:`preview` decides them: no attention runs, no decision is
         counted). Either way any later compile then counts as a strict-mode violation
-        (``strict``). Returns the keys warmed by this call.
+        (``strict``). Returns the keys warmed by this call. A warm set that cannot stay
+        resident for ``spec`` raises :class:`ConfigError` before anything compiles.
 
         :meth:`attend` warms the config's warm set itself the first time it sees a
         spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
@@ -272,14 +259,7 @@ class Dispatcher:
             batches = layouts
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
-        before, start = self.cache.stats(), perf_counter()
-        keys = self.source.warm_up(self.planner.warm_calls(batches, spec, self.preview), spec)
-        after = self.cache.stats()
-        log.info("attnpolicy: warm set of %d graphs ready in %.3f s (%s start: %d loaded from the store, "
-                 "%d compiled)", len(keys), perf_counter() - start,
-                 "warm" if after.compiles == before.compiles else "cold",
-                 after.loads - before.loads, after.compiles - before.compiles)
-        return keys
+        return self.warm_sets.warm(batches, spec, self.preview)
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``,

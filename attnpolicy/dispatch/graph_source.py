@@ -4,6 +4,7 @@ until it has run, and the stalls synchronous compiles cost."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from functools import cache, partial
@@ -20,7 +21,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.batch_plan import Planned
 from attnpolicy.dispatch.stats import Counters
-from attnpolicy.errors import ConfigError, GraphCompileError, StrictModeError
+from attnpolicy.errors import ConfigError, GraphCompileError, KernelError, StrictModeError
 from attnpolicy.graphs import aot, execute
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.execute import GraphFn, graph_fn
@@ -138,7 +139,8 @@ class GraphSource:
             load = partial(self._timed_load, call, key, spec) if self.stored(key) else None
             graph = self.cache.get_or_compile(key, partial(self._timed_build, call, key, spec), pin=pin,
                                               load=load)
-        except GraphCompileError:
+        except GraphCompileError as exc:
+            count_violation(self.counters, exc)
             if self.config.on_compile_error == "raise":
                 raise
             self.counters.compile_error_fallbacks += 1
@@ -285,6 +287,19 @@ def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) 
         compile_cost = (cost_model or CostModel.default()).compile_cost
     return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost,
                                   on_compile=observers.on_compile, on_evict=observers.on_evict, release=release)
+
+
+def count_violation(counters: Counters, error: BaseException) -> None:
+    """Count a compile that failed on a plugin kernel's bad output (a
+    :class:`KernelError` raised while tracing) in ``kernel_violations``."""
+    dynamo = sys.modules.get("torch._dynamo.exc")  # Dynamo re-raises it as its "observed" copy
+    observed = getattr(dynamo, "observed_exception_map", {}).get(KernelError, KernelError)
+    seen: BaseException | None = error
+    while seen is not None:  # the compiler wraps it: follow the causes
+        if isinstance(seen, KernelError | observed):
+            counters.kernel_violations += 1
+            return
+        seen = seen.__cause__ or seen.__context__
 
 
 def runnable(graph: Any) -> GraphFn:

@@ -32,12 +32,26 @@ class Counters:
     compile_error_fallbacks: int = 0
     strict_violations: int = 0
     direct_call_fallbacks: int = 0
+    kernel_violations: int = 0
+    layers_elsewhere: int = 0
     background_requested: int = 0
     background_switched: int = 0
     background_failed: int = 0
+    background_discarded: int = 0
     pad_up_calls: int = 0
     pad_up_tokens: int = 0
     modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
+
+    def count(self, step: Any) -> None:
+        """Count one prepared batch: its mode, calls and tokens (``step``: a
+        :class:`~attnpolicy.dispatch.step.Step`, not imported: steps import this module)."""
+        self.modes[step.mode_name] += 1
+        if step.fell_back:
+            self.mask_fallbacks += 1
+        self.batches += 1
+        self.calls += step.n_calls
+        self.real_tokens += step.layout.total_tokens
+        self.padded_tokens += step.padded_tokens
 
     def snapshot(self, config: AttnPolicyConfig, *, guard_fallbacks: int, observer_errors: dict[str, int],
                  plans: int, masks: MaskCacheStats, block_masks: BlockMaskStats, cache: CacheStats,
@@ -49,12 +63,14 @@ class Counters:
             batches=self.batches, calls=self.calls, modes=dict(self.modes), guard_fallbacks=guard_fallbacks,
             overflow=self.overflow, mask_fallbacks=self.mask_fallbacks,
             compile_error_fallbacks=self.compile_error_fallbacks, strict_violations=self.strict_violations,
-            direct_call_fallbacks=self.direct_call_fallbacks, observer_errors=observer_errors,
+            direct_call_fallbacks=self.direct_call_fallbacks, kernel_violations=self.kernel_violations,
+            layers_elsewhere=self.layers_elsewhere, observer_errors=observer_errors,
             padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
             block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
             background=BackgroundStats(
                 config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
-                self.background_failed, pending, compile_seconds, self.pad_up_calls, self.pad_up_tokens),
+                self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
+                self.pad_up_tokens),
             disk=disk)
 
 
@@ -98,8 +114,9 @@ class StallStats:
 class BackgroundStats:
     """Background compiles (``compile_mode="background"``) and the pad-up calls that
     served their keys meanwhile: ``requested`` compiles, ``switched`` into the cache at
-    their switch point, ``failed`` there, ``pending`` now; ``compile_seconds`` measured
-    in the worker; ``pad_up_calls`` ran on a larger resident bucket, adding
+    their switch point, ``failed`` there, ``discarded`` by ``close()`` after they had
+    run (built, never switched in), ``pending`` now; ``compile_seconds`` measured in
+    the worker (of those switched in); ``pad_up_calls`` ran on a larger resident bucket, adding
     ``pad_up_tokens`` query rows of padding (also in ``padding``)."""
 
     compile_mode: str
@@ -107,6 +124,7 @@ class BackgroundStats:
     requested: int
     switched: int
     failed: int
+    discarded: int
     pending: int
     compile_seconds: float
     pad_up_calls: int
@@ -128,6 +146,11 @@ class DispatcherStats:
     compile_error_fallbacks: int
     strict_violations: int
     direct_call_fallbacks: int
+    #: plugin kernels caught breaking their contract: a failed probe, a bad output
+    #: at run time, a compile that failed on one
+    kernel_violations: int
+    #: attention layers of a runtime's model that run on the runtime's own code (vLLM)
+    layers_elsewhere: int
     observer_errors: dict[str, int]
     padding: PaddingStats
     plans: int

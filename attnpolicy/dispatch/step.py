@@ -20,6 +20,8 @@ import torch
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
+from attnpolicy.dispatch.stats import Counters
+from attnpolicy.errors import KernelError
 from attnpolicy.graphs.execute import GraphFn, execute
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
@@ -35,8 +37,8 @@ class Step:
     its graphs refreshed from the cache: run a Step before the next ``prepare``
     without a decision (which drops the graphs of the steps before it)."""
 
-    __slots__ = ("asked", "decision", "direct", "fell_back", "graphs", "layout", "masks", "mode_name", "n_calls",
-                 "padded_tokens", "plan", "spec", "values", "whole_mask")
+    __slots__ = ("asked", "counters", "decision", "direct", "fell_back", "graphs", "layout", "masks", "mode_name",
+                 "n_calls", "padded_tokens", "plan", "spec", "values", "whole_mask")
 
     def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
                  masks: MaskCache) -> None:
@@ -55,6 +57,8 @@ class Step:
         self.values: tuple[Any, ...] = ()  # the cache's values behind ``graphs``
         self.direct: Callable[..., torch.Tensor] | None = None
         self.whole_mask: tuple[int, int] | None = None
+        #: the dispatcher's counters: a plugin kernel's bad output (KernelError) counts there
+        self.counters: Counters | None = None
 
     def use(self, graphs: list[tuple[Call, GraphFn]], values: tuple[Any, ...]) -> None:
         """Run ``graphs`` from now on (``values``: the cache's values behind them).
@@ -85,17 +89,24 @@ class Step:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller),
-        with the sink logits ``sinks[Hq]`` when the spec's features have sinks."""
+        with the sink logits ``sinks[Hq]`` when the spec's features have sinks. A plugin
+        kernel's output of the wrong shape, dtype or device raises
+        :class:`~attnpolicy.errors.KernelError`, counted in ``kernel_violations``."""
         direct = self.direct
-        if (direct is None or torch.is_grad_enabled() or not q.is_contiguous() or not k.is_contiguous()
-                or not v.is_contiguous() or sinks is not None):
-            return execute(q, k, v, self.layout, self.graphs, self.masks, self.spec.features, sinks)
-        ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        shape = self.whole_mask
-        if shape is not None:
-            mask = self.masks.layout_mask(self.layout, *shape, q.device, self.spec.features.window)
-            return direct(*ins, mask).transpose(0, 1)
-        return direct(*ins).transpose(0, 1)
+        try:
+            if (direct is None or torch.is_grad_enabled() or not q.is_contiguous() or not k.is_contiguous()
+                    or not v.is_contiguous() or sinks is not None):
+                return execute(q, k, v, self.layout, self.graphs, self.masks, self.spec.features, sinks)
+            ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+            shape = self.whole_mask
+            if shape is not None:
+                mask = self.masks.layout_mask(self.layout, *shape, q.device, self.spec.features.window)
+                return direct(*ins, mask).transpose(0, 1)
+            return direct(*ins).transpose(0, 1)
+        except KernelError:
+            if self.counters is not None:
+                self.counters.kernel_violations += 1
+            raise
 
     def __iter__(self) -> Iterator[tuple[Call, GraphFn]]:
         return iter(self.graphs)

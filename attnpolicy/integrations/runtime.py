@@ -155,6 +155,14 @@ class DecisionLog:
             self.write({"event": "stats", "policy": config.policy, "stats": d.stats().to_json()})
 
 
+def log_event(record: dict[str, Any]) -> None:
+    """Append ``record`` (with its ``event``) to every installed decisions log."""
+    with _lock:
+        logs = list(_logs.values())
+    for log in logs:
+        log.write(record)
+
+
 def install_decision_log(environ: Mapping[str, str] = os.environ) -> DecisionLog | None:
     """Register a :class:`DecisionLog` for ``ATTNPOLICY_DECISIONS_LOG`` (once per path)."""
     path = environ.get(DECISIONS_LOG_ENV)

@@ -22,7 +22,11 @@ BACKEND_PATH = "attnpolicy.integrations.vllm_backend.AttnPolicyCPUBackend"
 def register() -> None:
     """Install the attnpolicy backend in place of ``CPU_ATTN`` (idempotent).
 
-    Returns quietly (with a debug log) when vLLM cannot be imported.
+    Returns quietly (with a debug log) when vLLM cannot be imported. The configuration
+    the environment gives (``ATTNPOLICY_CONFIG``, ``ATTNPOLICY_POLICY``: names and
+    options included) is checked first: a bad one raises :class:`ConfigError` here,
+    which vLLM calls in the front-end process before any engine process starts, so
+    the error is the line a user sees (not one line of an engine core's traceback).
     """
     try:
         from vllm.v1.attention.backends.registry import (
@@ -32,8 +36,11 @@ def register() -> None:
     except ImportError as exc:
         log.debug("vLLM is not importable (%s): attnpolicy's attention backend is not registered", exc)
         return
+    from attnpolicy.integrations.environment import from_env
     from attnpolicy.integrations.runtime import install_decision_log
+    from attnpolicy.plugins.resolve import validate_names
 
+    validate_names(from_env())
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     _forget_selected_backends()
     install_decision_log()

@@ -27,11 +27,15 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
   statistics without compiling; CAUSAL and MASK graphs compile when first planned.
 - Layers the backend cannot run (ALiBi, sliding window, soft-capping, sinks, KV
   sharing, cross-attention, fp8 KV cache, AMX cache layout, per-request causality,
-  fused output quantisation) run vLLM's own implementation.
+  fused output quantisation) run vLLM's own implementation. Those known when the
+  layer is built (all but the last three) are reported at the first forward: one
+  warning per model naming them and why, ``stats().layers_elsewhere`` and a
+  ``layers_elsewhere`` event in the decisions log.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
@@ -53,6 +57,7 @@ from attnpolicy.integrations.runtime import (
     dispatcher_for,
     fit_to_runtime,
     layout_stream,
+    log_event,
 )
 from attnpolicy.integrations.vllm_paged import (
     GATHER_ISAS,
@@ -62,6 +67,7 @@ from attnpolicy.integrations.vllm_paged import (
 from attnpolicy.workloads.layout_stream import LayoutStreamWriter
 
 _SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+log = logging.getLogger("attnpolicy.integrations.vllm")
 
 
 class AttnPolicyCPUBackend(CPUAttentionBackend):
@@ -74,6 +80,51 @@ class AttnPolicyCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttnPolicyCPUImpl]:
         return AttnPolicyCPUImpl
+
+
+def why_elsewhere(impl: CPUAttentionBackendImpl) -> str | None:
+    """Why the backend cannot run the layer of ``impl`` (vLLM's own code runs it), or None."""
+    if impl.attn_type not in _SUPPORTED_ATTN_TYPES:
+        return f"attention type {impl.attn_type}"
+    if impl.alibi_slopes is not None:
+        return "ALiBi"
+    if impl.sliding_window != -1:
+        return f"sliding window {impl.sliding_window}"
+    if impl.logits_soft_cap:
+        return f"logit soft-cap {impl.logits_soft_cap:g}"
+    if impl.sinks is not None:
+        return "attention sinks"
+    if impl.kv_sharing_target_layer_name is not None:
+        return f"KV sharing with {impl.kv_sharing_target_layer_name}"
+    if impl.kv_cache_dtype != "auto":
+        return f"KV cache dtype {impl.kv_cache_dtype}"
+    return None
+
+
+_reported: set[int] = set()  # the models (their forward contexts' layer dicts) already reported
+
+
+def report_elsewhere(dispatcher: Dispatcher) -> None:
+    """Warn once per model about its layers that run on vLLM's own code (named, with
+    the reason), count them in ``dispatcher``'s ``layers_elsewhere`` and the decisions log."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return
+    model = get_forward_context().no_compile_layers
+    if id(model) in _reported:
+        return
+    _reported.add(id(model))
+    layers = {name: why for name, layer in model.items()
+              if isinstance(impl := getattr(layer, "impl", None), AttnPolicyCPUImpl)
+              and (why := impl.elsewhere) is not None}
+    if not layers:
+        return
+    dispatcher.counters.layers_elsewhere += len(layers)
+    named = "; ".join(f"{name} ({why})" for name, why in layers.items())
+    log.warning("attnpolicy: %d attention layer(s) run on vLLM's own implementation, not the policy: %s",
+                len(layers), named)
+    log_event({"event": "layers_elsewhere", "layers": layers})
 
 
 def runtime_limits() -> RuntimeLimits:
@@ -118,15 +169,10 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
         self._spec: TensorSpec | None = None  # of this layer's tensors, for dtype self._dtype
         self._dtype: torch.dtype | None = None
         self._stream: LayoutStreamWriter | Literal[False] | None = False  # False: not looked up yet
-        self.handles_layer = (
-            self.attn_type in _SUPPORTED_ATTN_TYPES
-            and self.alibi_slopes is None
-            and self.sliding_window == -1
-            and not self.logits_soft_cap
-            and self.sinks is None
-            and self.kv_sharing_target_layer_name is None
-            and self.kv_cache_dtype == "auto"
-        )
+        #: why vLLM's own implementation runs this layer (None: attnpolicy runs it)
+        self.elsewhere = why_elsewhere(self)
+        self.handles_layer = self.elsewhere is None
+        self._unreported = True  # the layers that run elsewhere are reported at the first forward
 
     def _step_for(self, md: CPUAttentionMetadata, spec: TensorSpec) -> Step:
         """The Step of ``md`` for tensors of ``spec``: prepared by the step's first layer,
@@ -155,6 +201,9 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
                 output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         md = attn_metadata
+        if self._unreported:
+            self._unreported = False
+            report_elsewhere(self.dispatcher)
         if (md is None or not self.handles_layer or md.dynamic_causal is not None
                 or output_scale is not None or output_block_scale is not None
                 or key is None or value is None or key.shape != value.shape

@@ -1,0 +1,89 @@
+"""Warm sets that can stay resident: refused when built or loaded (mask budget, graph
+count) or at warm-up for the runtime's tensor spec (bytes), before anything compiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs.execute import graph_fn
+from attnpolicy.graphs.keys import TensorSpec
+
+SMALL = TensorSpec("float32", 4, 2, 16)
+BIG = TensorSpec("float32", 32, 32, 128)  # what a real model runs: 32 heads of 128
+WARM = [{"family": "causal", "q_bucket": n, "kv_bucket": n} for n in (64, 128, 256)]
+
+
+class _Counted:
+    def __init__(self) -> None:
+        self.built = 0
+
+    def __call__(self, call, key, spec):
+        self.built += 1
+        return graph_fn(call, key.impl, spec.scale, None)
+
+
+def _refused_when_built_and_loaded(tmp_path, fields, match):
+    with pytest.raises(ValidationError, match=match):
+        AttnPolicyConfig.model_validate(fields)
+    (tmp_path / "attnpolicy_config.json").write_text(json.dumps(fields))
+    with pytest.raises(ConfigError, match=match):
+        AttnPolicyConfig.load(tmp_path)
+
+
+def test_a_mask_warm_shape_over_max_mask_bytes_is_refused(tmp_path):
+    fields = {"max_seq_len": 16384, "max_batch_tokens": 16384, "max_mask_bytes": 2**20,
+              "warmup": [{"family": "mask", "q_bucket": 16384, "kv_bucket": 16384, "causal": False}]}
+    _refused_when_built_and_loaded(tmp_path, fields, r"warmup\.0: a mask graph of 16384 x 16384 .*max_mask_bytes")
+    fits = {**fields, "warmup": [{"family": "mask", "q_bucket": 1024, "kv_bucket": 1024, "causal": False}]}
+    assert AttnPolicyConfig.model_validate(fits).warmup[0].q_bucket == 1024  # exactly 1 MiB fits
+
+
+def test_a_warm_set_above_max_graphs_is_refused(tmp_path):
+    _refused_when_built_and_loaded(tmp_path, {"max_graphs": 2, "warmup": WARM}, "3 distinct graphs.*max_graphs=2")
+    assert len(AttnPolicyConfig(max_graphs=3, warmup=WARM + WARM[:1]).warmup) == 4  # duplicates are one graph
+
+
+def test_a_warm_set_that_fits_stays_resident_under_strict_raise():
+    config = AttnPolicyConfig(max_graphs=3, warmup=WARM, strict="raise", backend="eager", max_seq_len=256)
+    builder = _Counted()
+    d = Dispatcher(config, builder=builder)
+    assert len(d.warmup(SMALL)) == 3
+    for n in (50, 100, 200, 60, 250):  # every warm graph, in turn: no eviction, no violation
+        d.prepare(BatchLayout.from_lens([n]), SMALL)
+    assert builder.built == 3 and d.stats().strict_violations == 0 and d.stats().cache.evictions == 0
+
+
+def test_a_warm_set_over_max_bytes_for_the_runtime_spec_is_refused_before_any_compile():
+    """Planned for a small spec, the warm set fits; run with 32 heads of 128 it does not."""
+    config = AttnPolicyConfig(max_bytes=1_000_000, warmup=WARM, backend="eager", max_seq_len=256)
+    builder = _Counted()
+    assert len(Dispatcher(config, builder=builder).warmup(SMALL)) == 3
+    builder.built = 0
+    d = Dispatcher(config, builder=builder)
+    with pytest.raises(ConfigError, match=r"warmup\.0: the graph .* needs \d+ bytes .*max_bytes=1000000"):
+        d.warmup(BIG)
+    assert builder.built == 0 and len(d.cache) == 0
+    # two specs' warm sets together: refused when they would evict each other
+    both = Dispatcher(config.model_copy(update={"max_bytes": 700_000}), builder=builder)
+    both.warmup(SMALL)
+    with pytest.raises(ConfigError, match="3 graphs .* and 3 warmed for other specs needs"):
+        both.warmup(TensorSpec("float32", 4, 4, 16))
+
+
+def test_a_refused_warm_set_refuses_every_attend():
+    """The first attend of a spec warms; a warm set that cannot stay resident refuses
+    that attend and every later one (it is never silently skipped)."""
+    config = AttnPolicyConfig(max_bytes=1_000_000, warmup=WARM, backend="none", max_seq_len=256)
+    d = Dispatcher(config)
+    layout = BatchLayout.from_lens([30])
+    q, k, v = (torch.randn(30, 32, 128) for _ in range(3))
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="max_bytes=1000000"):
+            d.attend(q, k, v, layout)
+    assert d.stats().batches == 0 and d.stats().cache.compiles == 0
