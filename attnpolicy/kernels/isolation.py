@@ -37,7 +37,7 @@ HEADROOM = 2.0 ** -32
 
 
 def score_limit(dtype: torch.dtype) -> float:
-    """The largest |q·k| a batch of ``dtype`` may reach and still run as it is:
+    """The largest ``|q·k|`` a batch of ``dtype`` may reach and still run as it is:
     :data:`HEADROOM` × the largest value of the dtype scores are computed in (fp32,
     fp64 for fp64 inputs, as every built-in kernel computes them)."""
     return torch.finfo(torch.promote_types(dtype, torch.float32)).max * HEADROOM
