@@ -129,6 +129,12 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
         fail(str(exc))
     print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                      f"({model.backend}, {model.clock} s)", rows)
+    return _write_rows(args, layouts, model, rows)
+
+
+def _write_rows(args: argparse.Namespace, layouts: list[BatchLayout], model: ModelCostModel,
+                rows: list[ModelSimRow] | list[ModelStallRow]) -> int:
+    """Write ``rows`` to --json, if given, with the workload and the model."""
     if args.json:
         write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
                                "model": model.spec, "rows": [r.to_json() for r in rows]})
@@ -157,10 +163,7 @@ def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...]
         fail(str(exc))
     print_model_stalls(f"modelled {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                        f"({model.backend}), switch_after={rows[0].switch_after}", rows)
-    if args.json:
-        write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
-                               "model": model.spec, "rows": [r.to_json() for r in rows]})
-    return 0
+    return _write_rows(args, layouts, model, rows)
 
 
 def print_model_stalls(title: str, rows: list[ModelStallRow]) -> None:
