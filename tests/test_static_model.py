@@ -265,6 +265,8 @@ def test_the_docs_example_runs():
                       ([40], "eager"), ([35], "eager"), ([33], "graph")]),
     ("varlen", [([30, 10], "eager"), ([20, 12], "eager"), ([9, 11], "pad"), ([10, 3], "pad"), ([5, 5], "graph"),
                 ([40, 3], "eager"), ([33, 2], "eager"), ([50, 1], "graph")]),
+    ("always-mask", [([30, 20], "eager"), ([25, 20], "eager"), ([5, 5], "pad"), ([3, 4], "pad"), ([6, 2], "graph"),
+                     ([60, 40], "eager"), ([50, 30], "eager"), ([64, 60], "graph")]),
 ])
 def test_background_compiles_pad_up_then_switch_in(models, policy, steps):
     model, reference = models
