@@ -17,6 +17,7 @@ from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.integrations.static_model import model_key_for
 from attnpolicy.modelling.model_costmodel import ModelCostModel, ModelDims, ModelFit, key_of
 from attnpolicy.modelling.model_simulation import model_config, model_layouts, simulate_model
+from attnpolicy.modelling.model_stalls import compare_model_stalls
 from attnpolicy.planning.model_plan import plan_model_graphs
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
@@ -173,3 +174,28 @@ def test_cli_calibrate_and_run_with_a_model(tmp_path):
     assert result["passed"] and result["max_abs_err"] <= 1e-4
     assert result["predicted"]["misses"] == result["misses"] >= 1
     assert result["predicted_over_measured"]["misses"] == 1.0
+
+
+@pytest.mark.parametrize("capacity", [2, None])
+def test_model_sync_stalls_are_the_compile_seconds_of_the_misses(capacity):
+    model = synthetic()
+    config = model_config(model, 64, 128, policy="varlen", max_graphs=capacity, switch_after=2)
+    [sim] = simulate_model(LAYOUTS, model, [config], ["lru"])
+    sync, background = compare_model_stalls(LAYOUTS, model, [config])
+    assert sync.compile_mode == "sync" and background.compile_mode == "background"
+    assert sync.compiles == sim.misses and sync.stall_seconds == pytest.approx(sim.compile_seconds)
+    assert sync.run_seconds == pytest.approx(sim.run_seconds) and sync.padded_up == sync.eager_served == 0
+    assert background.padded_up + background.eager_served > 0
+    assert background.stall_seconds < sync.stall_seconds  # compiles overlap the batches
+
+
+def test_cli_stalls_with_a_model_cost_model(tmp_path):
+    path = synthetic().save(tmp_path / "m.json")
+    flags = ["--limit", "30", "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "2"]
+    assert main(["stalls", "--model-cost", str(path), "--capacities", "4", "--policies", "dynamic",
+                 "--switch-after", "3", "--json", str(tmp_path / "s.json"), *flags]) == 0
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [(r["compile_mode"], r["switch_after"], r["capacity"]) for r in rows] == [
+        ("sync", 3, 4), ("background", 3, 4)]
+    assert rows[0]["stall_seconds"] == pytest.approx(rows[0]["compile_seconds"])
+    assert main(["stalls", "--model-cost", str(path), "--warm", "all", *flags]) == 2

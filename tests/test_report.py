@@ -13,7 +13,7 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.modelling.simulation import simulate
 from attnpolicy.report.build import ValidationRow
-from attnpolicy.report.markdown import first_screen
+from attnpolicy.report.markdown import first_screen, markdown
 from attnpolicy.report.plots import MIB, TT_XLA, Marked, best_rows, plot_bench, plot_hit_rate, plot_sweep
 from attnpolicy.report.recommend import TOLERANCE, plan_bound, simulator_error
 from attnpolicy.workloads.traces import Request
@@ -24,6 +24,8 @@ FORMER = {"max_num_seqs": 3, "max_num_batched_tokens": 256}
 SMALL = ["--limit", "8", "--policies", "dynamic,varlen", "--capacities", "2,inf", "--evictions", "lru,lfu,belady",
          "--buckets", "pow2", "--bench-lengths", "64", "--bench-repeats", "1", "--validate-requests", "1",
          "--kernel-lengths", "64", "--kernel-skip", "flex"]
+MODEL = ["--model", "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
+         "--model-lengths", "16,128", "--model-backend", "aot_eager"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def small_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["report", "--out", str(out), *SMALL]) == 0
+        assert main(["report", "--out", str(out), *SMALL, *MODEL]) == 0
     return out, json.loads((out / "report.json").read_text()), " ".join(printed.getvalue().split())
 
 
@@ -173,3 +175,24 @@ def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path)
     assert "2.00× causal" in plot_bench([Speedup(100, 1, "mask", "causal", 0.5)], tmp_path / "b2.png").title
     for plot in (frontier, hits, bench):
         assert (tmp_path / plot.file).stat().st_size > 1000
+
+
+def test_report_model_adds_the_whole_model_table_beside_tt_xla(small_report):
+    out, data, _ = small_report
+    bench = data["model_bench"]
+    assert [(r["seq_len"], r["mode"]) for r in bench["rows"]] == [
+        (16, "causal"), (16, "mask"), (128, "causal"), (128, "mask")]
+    assert all(r["compiled_ms"] > 0 and r["compile_s"] > 0 for r in bench["rows"])
+    text = (out / "report.md").read_text()
+    section = text[text.index("### Whole-model forward (measured)"):text.index("### Implementations per family")]
+    assert text.index("## 1. Mask vs mask-free") < text.index("### Whole-model forward")
+    [row128] = [line for line in section.splitlines() if line.startswith("| 128 |")]
+    [ratio] = [r for r in bench["ratios"] if r["seq_len"] == 128]
+    assert f"{ratio['compiled']:.2f}×" in row128 and f"{TT_XLA[128]:.2f}×" in row128
+    assert "Whole-model" not in markdown({**data, "model_bench": None})  # off by default: no section
+
+
+def test_report_model_refuses_a_bad_spec_before_any_work(capsys, tmp_path):
+    assert main(["report", "--out", str(tmp_path / "r"), "--model", "qwen3:depth=2", *SMALL]) == 2
+    assert "unknown field 'depth'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -257,3 +257,41 @@ def test_the_docs_example_runs():
     stats = scope["runner"].stats()
     assert stats.modes == {"mask": 1} and stats.cache.compiles == 1
     assert scope["logits"].shape == (14, 64)
+
+
+@pytest.mark.parametrize("policy, steps", [
+    # (q_lens, served by): a miss runs eagerly while nothing larger is resident, then padded up
+    ("always-causal", [([30], "eager"), ([20], "eager"), ([10], "pad"), ([12], "pad"), ([14], "graph"), ([25], "graph"),
+                      ([40], "eager"), ([35], "eager"), ([33], "graph")]),
+    ("varlen", [([30, 10], "eager"), ([20, 12], "eager"), ([9, 11], "pad"), ([10, 3], "pad"), ([5, 5], "graph"),
+                ([40, 3], "eager"), ([33, 2], "eager"), ([50, 1], "graph")]),
+    ("always-mask", [([30, 20], "eager"), ([25, 20], "eager"), ([5, 5], "pad"), ([3, 4], "pad"), ([6, 2], "graph"),
+                     ([60, 40], "eager"), ([50, 30], "eager"), ([64, 60], "graph")]),
+])
+def test_background_compiles_pad_up_then_switch_in(models, policy, steps):
+    model, reference = models
+    counted = Counted()
+    runner = StaticModelRunner(model, config(policy, compile_mode="background", switch_after=2),
+                               compile_counter=counted)
+    served = {"eager": 0, "pad": 0, "graph": 0}
+    for step, (lens, by) in enumerate(steps):
+        layout = BatchLayout.from_lens(lens)
+        ids = token_ids(layout, step)
+        before = runner.stats().background
+        torch.testing.assert_close(runner.logits(ids, layout), eager_logits(reference, ids, layout),
+                                   rtol=0, atol=1e-5)
+        after = runner.stats().background
+        assert before is not None and after is not None
+        took = {"eager": after.eager_served - before.eager_served, "pad": after.padded_up - before.padded_up}
+        took["graph"] = 1 - took["eager"] - took["pad"]
+        assert took[by] == 1, (step, lens, took)
+        served[by] += 1
+    stats = runner.stats()
+    bg = stats.background
+    assert bg is not None
+    assert (bg.eager_served, bg.padded_up) == (served["eager"], served["pad"])
+    assert (bg.requested, bg.switched, bg.failed) == (3, 3, 0)
+    assert stats.cache.compiles == counted.n == 3 == len(stats.cache.per_key) == len(stats.memory)
+    assert bg.compile_seconds > 0
+    runner.close()
+    assert len(runner.cache) == 0

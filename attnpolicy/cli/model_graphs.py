@@ -1,5 +1,6 @@
-"""The whole-model-graph forms of ``calibrate``, ``simulate`` and ``plan``
-(``calibrate --model SPEC``, ``simulate --model-cost FILE``, ``plan --model-cost FILE``)."""
+"""The whole-model-graph forms of ``calibrate``, ``simulate``, ``stalls`` and ``plan``
+(``calibrate --model SPEC``, ``simulate --model-cost FILE``, ``stalls --model-cost FILE``,
+``plan --model-cost FILE``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from attnpolicy.modelling.model_simulation import (
     model_layouts,
     simulate_model,
 )
+from attnpolicy.modelling.model_stalls import ModelStallRow, compare_model_stalls
 from attnpolicy.planning.host_settings import host_settings
 from attnpolicy.planning.model_plan import plan_model_graphs
 from attnpolicy.workloads.traces import TraceError, load_trace
@@ -127,10 +129,51 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
         fail(str(exc))
     print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                      f"({model.backend}, {model.clock} s)", rows)
+    return _write_rows(args, layouts, model, rows)
+
+
+def _write_rows(args: argparse.Namespace, layouts: list[BatchLayout], model: ModelCostModel,
+                rows: list[ModelSimRow] | list[ModelStallRow]) -> int:
+    """Write ``rows`` to --json, if given, with the workload and the model."""
     if args.json:
         write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
                                "model": model.spec, "rows": [r.to_json() for r in rows]})
     return 0
+
+
+def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...], default_warm: tuple[str, ...]
+                     ) -> int:
+    """``stalls --model-cost FILE``: sync against background compiles on whole-model graphs."""
+    check_output("--json", args.json)
+    for flag in ("config", "cost_model"):
+        if getattr(args, flag):
+            fail(f"argument --{flag.replace('_', '-')}: not taken with --model-cost (the config is derived "
+                 "from the model cost model and the flags)")
+    if tuple(args.warm) != tuple(default_warm):
+        fail("argument --warm: not taken with --model-cost (no warm-up is modelled)")
+    model = load_model_cost(args.model_cost)
+    layouts = model_workload(args)
+    fields = {} if args.switch_after is None else {"switch_after": args.switch_after}
+    try:
+        configs = [model_config(model, args.max_seq_len, args.max_num_batched_tokens, policy=policy,
+                                max_graphs=capacity, **fields)
+                   for policy in _policies(args, default_policies) for capacity in args.capacities]
+        rows = compare_model_stalls(layouts, model, configs)
+    except (ConfigError, GraphTooLargeError) as exc:
+        fail(str(exc))
+    print_model_stalls(f"modelled {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
+                       f"({model.backend}), switch_after={rows[0].switch_after}", rows)
+    return _write_rows(args, layouts, model, rows)
+
+
+def print_model_stalls(title: str, rows: list[ModelStallRow]) -> None:
+    sync = {(r.policy, r.capacity): r.total_seconds for r in rows if r.compile_mode == "sync"}
+    print_table(title, ("policy", "capacity", "mode", "compiles", "pad-ups", "eager", "stalled", "stall p99 s",
+                        "stall s", "total s", "vs sync"),
+                [(r.policy, "∞" if r.capacity is None else r.capacity, r.compile_mode, r.compiles, r.padded_up,
+                  r.eager_served, f"{r.stalled_batches}/{r.batches}", r.stall_p99, r.stall_seconds,
+                  r.total_seconds, f"{r.total_seconds / sync[r.policy, r.capacity]:.3f}×") for r in rows],
+                caption="total: run seconds as served (padded up or eager) + stalls, modelled")
 
 
 def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:

@@ -36,7 +36,8 @@ from attnpolicy.report.markdown import first_screen
 
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
-         "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets"}
+         "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets",
+         "model": "--model", "model_lengths": "--model-lengths", "model_backend": "--model-backend"}
 
 
 def register(subparsers: Any) -> None:
@@ -67,6 +68,13 @@ def register(subparsers: Any) -> None:
                    help="first N requests replayed with real compute to check the simulator "
                         f"(default: {d.validate_requests})")
 
+    p.add_argument("--model", default=None, metavar="SPEC",
+                   help="also time a whole model's forward, MASK vs CAUSAL per --model-lengths, as 'attnpolicy "
+                        "bench --model' (a built-in spec or a directory; default: off)")
+    p.add_argument("--model-lengths", type=int_list, default=d.model_lengths, metavar="L[,L...]",
+                   help=f"lengths of --model (default: {shown(d.model_lengths)})")
+    p.add_argument("--model-backend", default=d.model_backend, metavar="NAME",
+                   help=f"torch.compile backend of --model (default: {d.model_backend})")
     p.add_argument("--plan-max-buckets", type=positive_int, default=d.plan_max_buckets, metavar="K",
                    help="most bucket sizes per candidate list of the plan step, as 'attnpolicy plan "
                         f"--max-buckets' (default: {d.plan_max_buckets})")
@@ -89,8 +97,10 @@ def cmd_report(args: argparse.Namespace) -> int:
                  cost_model=args.cost_model, calibrate=args.calibrate, validate_requests=args.validate_requests,
                  plan_max_buckets=args.plan_max_buckets,
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
+                 model=args.model, model_lengths=tuple(args.model_lengths), model_backend=args.model_backend,
                  bench=bench, former=former_options(args), policy_options=options)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
+             + (len(s.model_lengths) if s.model else 0)
              + len(s.validated_policies) + int(s.calibrates) + 1)
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance:

@@ -51,12 +51,19 @@ def register(subparsers: Any) -> None:
                         "(default: the config's switch_after)")
     s.add_argument("--cost-model", metavar="PATH",
                    help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+    s.add_argument("--model-cost", metavar="PATH",
+                   help="model stalls on whole-model graphs with a model cost model from 'attnpolicy calibrate "
+                        "--model' (prefill-only batches; default: attention graphs)")
     s.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (default: derived from the cost model and the batch former)")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
 
 
 def cmd_stalls(args: argparse.Namespace) -> int:
+    if args.model_cost:
+        from attnpolicy.cli.model_graphs import cmd_stalls_model
+
+        return cmd_stalls_model(args, POLICIES, WARM)
     check_output("--json", args.json)
     model = cost_model(args) or CostModel.default()
     former = former_from(args)

@@ -57,6 +57,7 @@ from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
 from attnpolicy.graphs import aot
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.integrations.model_background import BackgroundStats, ModelBackground
 from attnpolicy.kernels.attention import bind
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.policies.base import PolicyContext
@@ -97,7 +98,8 @@ class GraphMemory:
 @dataclass(frozen=True, slots=True)
 class RunnerStats:
     """A snapshot of a :class:`StaticModelRunner`: batches, modes decided, guard
-    fallbacks, strict-mode violations, the graph cache and each build's memory."""
+    fallbacks, strict-mode violations, the graph cache, each build's memory and
+    (``compile_mode="background"``) the background compiles."""
 
     batches: int
     modes: dict[str, int]
@@ -106,6 +108,7 @@ class RunnerStats:
     cache: CacheStats
     memory: tuple[GraphMemory, ...]
     disk: StoreStats | None = None  # the graph store's, with ``store_dir``
+    background: BackgroundStats | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,7 +196,10 @@ class StaticModelRunner:
     :data:`NAME`; the weights are not copied). ``config`` gives the policy (and its
     guard), the buckets (``max_seq_len`` bounds a sequence's bucket,
     ``max_batch_tokens`` a MASK graph's), the backend, the cache's bounds and
-    eviction, and ``strict``. ``compile_counter(gm)`` sees every backend compile.
+    eviction, ``strict`` and ``compile_mode`` (``"background"``: a miss runs padded up
+    to a larger resident graph or eagerly while its graph compiles in a worker, see
+    :mod:`~attnpolicy.integrations.model_background`). ``compile_counter(gm)`` sees
+    every backend compile.
 
     ``logits(token_ids, layout)`` returns ``[layout.q_tokens, vocab]`` (padding rows
     zero); ``run`` does the same in a given mode; ``prepare`` and ``graph_for`` are its
@@ -227,12 +233,13 @@ class StaticModelRunner:
         self._memory: list[GraphMemory] = []
         self._modes: Counter[str] = Counter()
         self._batches = self._strict_violations = 0
-        self._warm = False
+        self.warm = False
         #: with ``store_dir``: CAUSAL and MASK graphs persist there, keyed by the model's
         #: code and config (``code_hash``); a miss loads them (VARLEN graphs compile only)
         self.store = DiskStore(cfg.store_dir, cfg.max_disk_bytes) if cfg.store_dir is not None else None
         self._code = source_hash(sys.modules[type(model).__module__], sys.modules[__name__], c.to_json_string(),
                                  str(self.dtype), str(self.device)) if self.store is not None else ""
+        self._background = ModelBackground(self) if cfg.compile_mode == "background" else None
 
     # -- serving -------------------------------------------------------------------
     def decide(self, layout: BatchLayout) -> Decision:
@@ -250,13 +257,25 @@ class StaticModelRunner:
 
     def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> torch.Tensor:
         """As :meth:`logits` in a given ``mode`` (no policy; the mode must be legal)."""
+        return self._run(token_ids, layout, mode, background=self._background is not None)
+
+    def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *,
+             background: bool) -> torch.Tensor:
         batch = self.prepare(token_ids, layout, mode)
-        graph = self.graph_for(batch, pin=True)
+        bg = self._background
+        if bg is not None and background:
+            bg.tick()
+        graph: Callable[..., torch.Tensor]
+        if bg is not None and background and batch.key not in self.cache:
+            batch, graph = bg.serve(batch, lambda key: self._place(token_ids.to(self.device), layout, mode, key))
+        else:
+            graph = self.graph_for(batch, pin=True)
         try:
             with torch.no_grad():
                 out = graph(*batch.inputs)
         finally:
-            self.cache.unpin([batch.key])
+            if batch.key in self.cache:
+                self.cache.unpin([batch.key])
         return batch.scatter(out, layout.q_tokens)
 
     def prepare(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> Placed:
@@ -270,10 +289,10 @@ class StaticModelRunner:
         """The compiled graph of ``batch.key`` from the cache, compiled on a miss
         (``strict`` applies after :meth:`warmup`); ``pin`` as ``GraphCache.get_or_compile``."""
         key = batch.key
-        if self._warm and self.config.strict != "off" and key not in self.cache:
-            self._strict(key)
+        if self.warm and self.config.strict != "off" and key not in self.cache:
+            self.strict(key)
         load = partial(self._load, key) if self._stored(key) else None
-        return self.cache.get_or_compile(key, lambda: self._build(key, batch.inputs), pin=pin, load=load)
+        return self.cache.get_or_compile(key, lambda: self.build(key, batch.inputs), pin=pin, load=load)
 
     def key_for(self, layout: BatchLayout, mode: MaskMode) -> ModelKey:
         """The graph key ``layout`` runs under in ``mode`` (:func:`model_key_for`)."""
@@ -295,8 +314,11 @@ class StaticModelRunner:
             raise LayoutError(f"the runner serves prefill without cached context, got kv_lens "
                               f"{list(layout.kv_lens)} for q_lens {list(layout.q_lens)}")
 
-    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> Placed:
-        key = self.key_for(layout, mode)
+    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode,
+               key: ModelKey | None = None) -> Placed:
+        """``layout`` placed in the graph of ``key`` (default: its own key; else one
+        that dominates it, as :func:`~attnpolicy.integrations.model_background.dominates`)."""
+        key = key or self.key_for(layout, mode)
         order = range(layout.num_seqs)
         if mode is MaskMode.VARLEN:  # largest bucket first, as the key's segments
             order = sorted(order, key=lambda i: -self.config.bucket(layout.q_lens[i]))  # type: ignore[assignment]
@@ -320,7 +342,8 @@ class StaticModelRunner:
         return Placed(key, rows_t, src_t, inputs)
 
     # -- graphs --------------------------------------------------------------------
-    def _forward(self, key: ModelKey) -> Callable[..., torch.Tensor]:
+    def forward(self, key: ModelKey) -> Callable[..., torch.Tensor]:
+        """The uncompiled forward of ``key``'s graph (its inputs as :attr:`Placed.inputs`)."""
         model = self.model
         if key.mode is MaskMode.MASK:
             def masked(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -357,7 +380,7 @@ class StaticModelRunner:
     def _compiled(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
         """The graph of ``key`` compiled now: ahead of time and saved when it is stored."""
         if self.store is None or not self._stored(key):
-            return compile_graph(self._forward(key), self.config.backend, counter=self._counter,
+            return compile_graph(self.forward(key), self.config.backend, counter=self._counter,
                                  example_inputs=inputs)
         fn = _masked_forward if key.mode is MaskMode.MASK else _causal_forward
         with torch.no_grad():
@@ -365,7 +388,7 @@ class StaticModelRunner:
         self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
         return self._aot_graph(compiled, key.backend)
 
-    def _build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
+    def build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -380,7 +403,7 @@ class StaticModelRunner:
             perf_counter() - t0))
         return graph
 
-    def _strict(self, key: ModelKey) -> None:
+    def strict(self, key: ModelKey) -> None:
         self._strict_violations += 1
         message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
         if self.config.strict == "raise":
@@ -389,21 +412,25 @@ class StaticModelRunner:
 
     def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
         """Compile the graph of each ``(layout, mode)`` not cached yet (counted as
-        misses, as requests would be); afterwards ``strict`` applies to compiles."""
+        misses, as requests would be; compiled now in every ``compile_mode``);
+        afterwards ``strict`` applies to compiles."""
         keys = []
         for layout, mode in layouts:
-            self.run(torch.zeros(layout.q_tokens, dtype=torch.long), layout, mode)
+            self._run(torch.zeros(layout.q_tokens, dtype=torch.long), layout, mode, background=False)
             keys.append(self.key_for(layout, mode))
-        self._warm = True
+        self.warm = True
         return keys
 
     def stats(self) -> RunnerStats:
+        bg = self._background.stats() if self._background is not None else None
         return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, self._strict_violations,
                            self.cache.stats(), tuple(self._memory),
-                           None if self.store is None else self.store.stats())
+                           None if self.store is None else self.store.stats(), bg)
 
     def close(self) -> None:
-        """Drop every graph (released)."""
+        """Stop the background worker and drop every graph (released)."""
+        if self._background is not None:
+            self._background.close()
         self.cache.clear()
 
 

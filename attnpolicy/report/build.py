@@ -31,9 +31,13 @@ from pydantic.dataclasses import dataclass as validated
 from attnpolicy.bench.calibration import CalibrationSettings, calibrate, warm_up
 from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
 from attnpolicy.bench.mode_timing import BenchSettings, run_bench, speedups
+from attnpolicy.bench.model_timing import MODEL_LENGTHS, run_model_bench
 from attnpolicy.bench.replay import run_workload
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
+from attnpolicy.core.names import BACKENDS
+from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.integrations.model_specs import parse_spec
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.simulation import SimRow, lower_bounds, simulate, simulation_config
 from attnpolicy.plugins.kernels import kernel_registry
@@ -69,6 +73,11 @@ class ReportSettings:
     kernel_lengths: tuple[Annotated[int, Field(ge=1)], ...] = (1024,)
     kernel_seqs: Annotated[int, Field(ge=1)] = 4
     kernel_skip: tuple[str, ...] = ()
+    #: A model spec (``attnpolicy bench --model``): adds the whole-model table (MASK vs
+    #: CAUSAL per ``model_lengths``, compiled with ``model_backend``); off by default.
+    model: str | None = None
+    model_lengths: Annotated[tuple[Annotated[int, Field(ge=1)], ...], Field(min_length=1)] = MODEL_LENGTHS
+    model_backend: str = "inductor"
     cost_model: str | None = None
     #: calibrate a cost model now (unless ``cost_model`` is given) with ``calibration``;
     #: off: the built-in model
@@ -92,6 +101,13 @@ class ReportSettings:
         if any(n < self.kernel_seqs for n in self.kernel_lengths):
             raise ValueError(f"kernel_lengths {list(self.kernel_lengths)} must each be >= kernel_seqs "
                              f"{self.kernel_seqs} (one token per sequence at least)")
+        if self.model is not None:
+            try:
+                parse_spec(self.model)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        if self.model_backend not in BACKENDS:
+            raise ValueError(f"model_backend must be one of {', '.join(BACKENDS)}, got {self.model_backend!r}")
         known = {info.name for info in kernel_registry().values()}
         unknown = [name for name in self.kernel_skip if name not in known]
         if unknown:
@@ -257,6 +273,8 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
     bench_rows = run_bench(s.bench, progress)
     kernel_rows = kernel_table(s, progress)
+    model_bench = None if s.model is None else run_model_bench(
+        s.model, s.model_lengths, backend=s.model_backend, repeats=s.bench.repeats, threads=None, advance=progress)
     model, source = _model(s, progress)
     former = BatchFormer(**s.former)
     base = simulation_config(model, former)
@@ -279,6 +297,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
                           "head_dim": s.bench.head_dim, "impl": s.bench.impl, "repeats": s.bench.repeats,
                           "threads": s.bench.threads}},
         "kernels": {"rows": [asdict(r) for r in kernel_rows], "seqs": s.kernel_seqs, "skip": list(s.kernel_skip)},
+        "model_bench": None if model_bench is None else model_bench.to_json(),
         "cost_model_source": source,
         "cost_model": model.model_dump(mode="json", exclude={"samples"}),
         "workload": {"requests": len(requests), "batches": sweep[0].batches if sweep else 0},

@@ -143,6 +143,25 @@ def _validation_takeaway(data: dict[str, Any]) -> str:
             f"measured ones (compile {_err(err['compile'])}, total {_err(err['total'])}).")
 
 
+def _model_bench(bench: dict[str, Any] | None) -> list[str]:
+    """The whole-model table (``report --model``) beside tt-xla's ratios; none without it."""
+    if bench is None:
+        return []
+    ratios = {r["seq_len"]: r for r in bench["ratios"]}
+    return [
+        "### Whole-model forward (measured)", "",
+        (f"`attnpolicy bench --model`: {bench['model']}, one sequence per length, the whole forward compiled "
+         f"({bench['backend']}, {bench['threads']} thread(s)) and eager; medians of {bench['repeats']} runs."), "",
+        table(("L", "compile s causal", "compile s mask", "causal ms", "mask ms", "mask / causal",
+               "eager mask / causal", "tt-xla mask / causal"),
+              [(n, *(next(r[f] for r in bench["rows"] if r["seq_len"] == n and r["mode"] == m)
+                     for f, m in (("compile_s", "causal"), ("compile_s", "mask"), ("compiled_ms", "causal"),
+                                  ("compiled_ms", "mask"))),
+                f"{ratio['compiled']:.2f}×", f"{ratio['eager']:.2f}×",
+                f"{TT_XLA[n]:.2f}×" if n in TT_XLA else "") for n, ratio in ratios.items()]), "",
+    ]
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The report as Markdown: the answer first, then bench, sweep, simulator check,
     the plan in detail, and the full sweep as an appendix."""
@@ -172,6 +191,7 @@ def markdown(data: dict[str, Any]) -> str:
         "tt-xla (Tenstorrent's compiler, tenstorrent/tt-xla#1784, their accelerator, 1 sequence, "
         "mask / causal): " + ", ".join(f"{v}× @ {k}" for k, v in TT_XLA.items()) + ".", "",
         "![bench](bench.png)", "",
+        *_model_bench(data.get("model_bench")),
         "### Implementations per family (measured)", "",
         f"**Takeaway:** {_kernel_takeaway(data['kernels']['rows'])}", "",
         (f"`attnpolicy bench --kernels`: every registered implementation (plugins' included) per family, "

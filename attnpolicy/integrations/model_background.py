@@ -1,0 +1,147 @@
+"""Background compiles of whole-model graphs (``compile_mode="background"``).
+
+A miss of a :class:`~attnpolicy.integrations.static_model.StaticModelRunner` does not
+block: its graph compiles in one worker thread while the batch runs on a resident graph
+of the same mode with larger buckets (pad-up: a larger token bucket for ``CAUSAL`` and
+``MASK``; for ``VARLEN`` a segment tuple of as many segments that dominates the key's
+element-wise), else on the eager model. As in the attention-level dispatcher, a compile
+requested in batch ``n`` enters the cache at the start of batch ``n + switch_after``,
+waiting for the worker if it is not done (that wait is counted as stall), so what serves
+a batch never depends on when a compile finishes."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.errors import GraphCompileError
+from attnpolicy.graphs.compile import CompiledGraph, release_graph
+
+if TYPE_CHECKING:
+    from attnpolicy.integrations.static_model import ModelKey, Placed, StaticModelRunner
+
+
+@dataclass(frozen=True, slots=True)
+class BackgroundStats:
+    """Background compiles requested, switched in and failed; batches served padded up
+    to a larger graph and served eagerly; seconds the worker compiled and batches waited."""
+
+    requested: int = 0
+    switched: int = 0
+    failed: int = 0
+    padded_up: int = 0
+    eager_served: int = 0
+    compile_seconds: float = 0.0
+    stall_seconds: float = 0.0
+
+
+def dominates(other: ModelKey, key: ModelKey) -> bool:
+    """Whether ``other``'s graph can serve ``key``'s batch: same mode and backend, at
+    least as many rows (``VARLEN``: as many segments, each at least as long)."""
+    if other.mode is not key.mode or other.backend != key.backend or other == key:
+        return False
+    if key.mode is MaskMode.VARLEN:
+        return len(other.segments) == len(key.segments) and all(
+            a >= b for a, b in zip(other.segments, key.segments))
+    return other.tokens >= key.tokens
+
+
+class ModelBackground:
+    """The worker and pending compiles of one runner (batches numbered by :meth:`tick`)."""
+
+    def __init__(self, runner: StaticModelRunner) -> None:
+        self.runner = runner
+        self.batch = 0
+        self.pending: dict[ModelKey, tuple[Future[tuple[CompiledGraph, float]], int]] = {}
+        self._counts = dict.fromkeys(("requested", "switched", "failed", "padded_up", "eager_served"), 0)
+        self._seconds = self._stall = 0.0
+        self._executor: ThreadPoolExecutor | None = None
+
+    def tick(self) -> None:
+        """Start a batch: every compile due now switches in, in request order."""
+        self.batch += 1
+        for key, (_, due) in list(self.pending.items()):
+            if due <= self.batch:
+                self._switch_in(key)
+
+    def serve(self, batch: Placed, place: Callable[[ModelKey], Placed]) -> tuple[Placed, Callable[..., Any]]:
+        """The placed batch and the callable that run a miss of ``batch.key`` now:
+        the smallest dominating resident graph (pinned), else the eager forward; the
+        exact graph is requested from the worker unless pending."""
+        runner, key = self.runner, batch.key
+        if key not in self.pending:
+            if runner.warm and runner.config.strict != "off":
+                runner.strict(key)
+            self._request(batch)
+        resident = runner.cache.keys()  # a snapshot (the cache is not iterable)
+        larger = [k for k in resident if isinstance(k, type(key)) and dominates(k, key)]
+        if larger:
+            big = min(larger, key=lambda k: (k.tokens, k.segments))
+            placed = place(big)
+            self._counts["padded_up"] += 1
+            return placed, runner.cache.get_or_compile(big, _absent, pin=True)
+        self._counts["eager_served"] += 1
+        return batch, runner.forward(key)
+
+    def _request(self, batch: Placed) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnpolicy-model-compile")
+            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
+        future = self._executor.submit(_timed, self.runner.build, batch.key, batch.inputs)
+        self.pending[batch.key] = (future, self.batch + self.runner.config.switch_after)
+        self._counts["requested"] += 1
+
+    def _switch_in(self, key: ModelKey) -> None:
+        """Insert ``key``'s graph into the cache, waiting for the worker; a failed compile
+        raises (``on_compile_error="raise"``) or is counted and requested again at the
+        next miss."""
+        future, _ = self.pending.pop(key)
+        start = perf_counter()
+        error = future.exception()
+        self._stall += perf_counter() - start
+        cache = self.runner.cache
+        if error is not None:
+            self._counts["failed"] += 1
+
+            def fail() -> Any:
+                raise error
+            try:
+                cache.get_or_compile(key, fail, seconds=0.0)
+            except GraphCompileError:
+                if self.runner.config.on_compile_error == "raise":
+                    raise
+            return
+        graph, seconds = future.result()
+        self._seconds += seconds
+        self._counts["switched"] += 1
+        if cache.get_or_compile(key, lambda: graph, seconds=seconds) is not graph:
+            release_graph(graph)
+
+    def stats(self) -> BackgroundStats:
+        return BackgroundStats(**self._counts, compile_seconds=self._seconds, stall_seconds=self._stall)
+
+    def close(self) -> None:
+        """Stop the worker (waiting for its compile) and drop the pending compiles."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        for future, _ in self.pending.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                release_graph(future.result()[0])
+        self.pending.clear()
+
+
+def _absent() -> CompiledGraph:
+    raise AssertionError("a resident graph left the cache between its lookup and its use")
+
+
+def _timed(build: Callable[[ModelKey, tuple[Any, ...]], CompiledGraph], key: ModelKey,
+           inputs: tuple[Any, ...]) -> tuple[CompiledGraph, float]:
+    start = perf_counter()
+    graph = build(key, inputs)
+    return graph, perf_counter() - start
