@@ -70,7 +70,7 @@ def register(subparsers: Any) -> None:
 
     p.add_argument("--model", default=None, metavar="SPEC",
                    help="also time a whole model's forward, MASK vs CAUSAL per --model-lengths, as 'attnpolicy "
-                        "bench --model' (a built-in spec or a directory; default: off)")
+                        "bench --model'; SPEC: a built-in spec or a directory (default: off)")
     p.add_argument("--model-lengths", type=int_list, default=d.model_lengths, metavar="L[,L...]",
                    help=f"lengths of --model (default: {shown(d.model_lengths)})")
     p.add_argument("--model-backend", default=d.model_backend, metavar="NAME",

@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
                    help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
     s.add_argument("--model-cost", metavar="PATH",
                    help="model stalls on whole-model graphs with a model cost model from 'attnpolicy calibrate "
-                        "--model' (prefill-only batches; default: attention graphs)")
+                        "--model', prefill-only batches (default: attention graphs)")
     s.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (default: derived from the cost model and the batch former)")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
