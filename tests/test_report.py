@@ -40,6 +40,7 @@ def small_report(tmp_path_factory):
 def test_first_40_lines_hold_the_answer_and_agree_with_the_json(small_report):
     out, data, _ = small_report
     rec = data["recommendation"]
+    assert data["cost_model_source"].startswith("calibrated now on this machine")  # the default
     top = "\n".join((out / "report.md").read_text().splitlines()[:40])
     assert f"| policy | `{rec['policy']}` |" in top
     assert f"| buckets | {', '.join(map(str, rec['buckets']))} |" in top

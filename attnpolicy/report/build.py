@@ -282,9 +282,9 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     sweep = simulate(requests, s.policies, s.capacities, s.evictions, base, model, s.former, progress,
                      s.policy_options, buckets=schemes, max_bytes=s.max_bytes, workers=s.workers)
     validation = validate(model, requests[:s.validate_requests], s, progress)
-    source = s.trace + ("" if s.limit is None else f" (first {s.limit} requests)")
+    workload_name = s.trace + ("" if s.limit is None else f" (first {s.limit} requests)")
     rec, plan = recommend(list(former.steps(requests)), sweep, base, model, s.policies, s.evictions, validation,
-                          s.out, s.plan_max_buckets, source)
+                          s.out, s.plan_max_buckets, workload_name)
     progress(f"planned {rec.policy}")
     bench_speedups = speedups(bench_rows)
     s.out.mkdir(parents=True, exist_ok=True)
