@@ -6,11 +6,16 @@ backend, timed by the graph cache), then its call is timed through
 :func:`attnpolicy.graphs.execute.execute` on real tensors. Real lengths are three quarters of each bucket,
 so the timed calls pay a typical padding. The first compile in the process is timed
 too: what it pays over a later compile of its key is the model's ``warmup_seconds``.
+With ``store`` a few shapes per family (:func:`store_shapes`) are compiled ahead of
+time into a fresh :class:`~attnpolicy.cache.disk_store.DiskStore` by a dispatcher
+configured with it, then loaded back by fresh dispatchers: the load seconds and the
+bytes on disk of each are the ``store_load`` and ``store_bytes`` samples.
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Hashable
 from functools import partial
@@ -58,6 +63,7 @@ class CalibrationSettings(SpecSettings):
     #: shared machine) or its mean run (``mean``: what a replay on this machine now pays)
     statistic: Literal["min", "mean"] = "min"
     kernels: bool = False  # also time every registered kernel per family (KERNEL_BATCH)
+    store: bool = True  # also save and load a few graphs per family through a DiskStore
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrationSettings:
@@ -213,7 +219,14 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         if build is not None:
             samples.append(Sample(what="mask_build", rows=key.q_len, cols=key.kv_len, seconds=pick(build_s)))
     compile_fits = {kind: _fit(samples, "compile", kind) for kind in GraphFamily}
+    tiers: dict[str, Any] = {}
+    if s.store and s.backend != "none":
+        stored = calibrate_store(s, progress)
+        samples += stored
+        tiers = {field: {kind: _fit(stored, field, kind) for kind in GraphFamily}
+                 for field in ("store_load", "store_bytes")}
     return CostModel(
+        **tiers,
         kernel_seconds=_kernel_seconds(s) if s.kernels else {},
         dtype=s.dtype, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, impl=s.impl,
         partition_len=s.partition_len if s.impl == "flash" else None, backend=s.backend,
@@ -222,6 +235,56 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         compile=compile_fits, warmup_seconds=max(0.0, first - compile_fits[GraphFamily.CAUSAL](16, 16)),
         mask_build=_fit(samples, "mask_build", None),
         call_overhead_seconds=overhead, samples=tuple(samples))
+
+
+#: Shapes per graph family saved and loaded through a store by :func:`calibrate_store`.
+STORE_SHAPES = 3
+
+
+def store_shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
+    """The shapes :func:`calibrate_store` measures: per family the smallest, a middle and
+    the largest shape of :func:`shapes` (by cells)."""
+    grid = shapes(s)
+    out: list[tuple[GraphFamily, int, int]] = []
+    for kind in GraphFamily:
+        own = sorted((x for x in grid if x[0] is kind), key=lambda x: x[1] * x[2])
+        picks = {0, len(own) // 2, len(own) - 1} if len(own) > STORE_SHAPES else set(range(len(own)))
+        out += [own[i] for i in sorted(picks)]
+    return out
+
+
+def calibrate_store(s: CalibrationSettings, progress: Callable[[str], None] | None = None) -> list[Sample]:
+    """``store_load`` and ``store_bytes`` samples of :func:`store_shapes`: each graph compiled
+    ahead of time and saved by a dispatcher with a fresh store (its bytes on disk), then
+    loaded ``repeats`` times by fresh dispatchers on that store (its fastest or mean
+    load, ``statistic``). ``progress(label)`` once per shape."""
+    spec = s.spec
+    pick = min if s.statistic == "min" else statistics.fmean
+    samples: list[Sample] = []
+    for kind, qb, kvb in store_shapes(s):
+        layout = _layout(kind, qb, kvb)
+        with tempfile.TemporaryDirectory(prefix="attnpolicy-calibrate-") as root:
+            config = AttnPolicyConfig(policy=_POLICY[kind], backend=s.backend, attn_impl=s.impl,
+                                      partition_len=s.partition_len, max_seq_len=max(s.max_len, kvb),
+                                      store_dir=root)
+            with Dispatcher(config) as saver:
+                (key,) = saver.graph_keys_for(layout, spec)
+                saver.prepare(layout, spec)
+                assert saver.source.store is not None  # store_dir is set
+                on_disk = saver.source.store.stats().bytes
+            seconds = []
+            for _ in range(s.repeats):
+                with Dispatcher(config) as loader:
+                    loader.prepare(layout, spec)
+                    stats = loader.cache.stats()
+                    if stats.loads != 1:
+                        raise RuntimeError(f"calibrating the store: {key} was not loaded back ({stats})")
+                    seconds.append(stats.load_seconds)
+        samples += [Sample(what="store_load", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=pick(seconds)),
+                    Sample(what="store_bytes", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=on_disk)]
+        if progress:
+            progress(f"stored {key}")
+    return samples
 
 
 #: (total tokens, sequences) of the batch ``calibrate --kernels`` times each kernel on

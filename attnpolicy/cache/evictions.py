@@ -10,7 +10,8 @@ touches a structure only through ``s[key]`` (a hit: updates recency/frequency),
 Per-entry metadata: a structure with a ``note(key, *, cost, size)`` method is
 told, just before each insert, the entry's measured compile seconds (``cost``)
 and its bytes (``size``). Strategies needing other inputs take them as factory
-options (``belady`` takes ``next_use``).
+options (``belady`` takes ``next_use``; ``cost`` takes ``reload``, the seconds to
+bring a key back from a graph store below the cache).
 
 Built-ins (registered through the ``attnpolicy_register_evictions`` hook):
 ``lru``, ``lfu``, ``fifo`` (cachetools' own), ``cost`` (:class:`GDSFCache`) and
@@ -38,6 +39,7 @@ class _Priority:
     freq: int
     cost: float
     size: int
+    aged: float = 0.0  # ``L`` when the priority was last set
 
 
 class GDSFCache(cachetools.Cache[Hashable, Any]):
@@ -49,10 +51,18 @@ class GDSFCache(cachetools.Cache[Hashable, Any]):
     inserted or used later start higher, so old frequent entries eventually go).
     ``H`` is recomputed on every use. Ties go to the entry inserted first.
     Entries inserted without :meth:`note` have cost 0 and size 1.
+
+    ``reload(key)``: the seconds to bring ``key`` back from a lower tier (a graph store
+    on disk), ``None`` when it is not there. With it, a key's ``cost`` is what its
+    eviction would cost now: its reload seconds while it is on disk, its compile
+    seconds otherwise; asked when a victim is chosen, since the disk evicts too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reload: Callable[[Hashable], float | None] | None = None) -> None:
+        if reload is not None and not callable(reload):
+            raise TypeError(f"reload must be callable, got {reload!r}")
         super().__init__(math.inf)
+        self._reload = reload
         self._meta: dict[Hashable, _Priority] = {}
         self._noted: dict[Hashable, tuple[float, int]] = {}
         self._age = 0.0
@@ -67,6 +77,7 @@ class GDSFCache(cachetools.Cache[Hashable, Any]):
         meta = self._meta[key]
         meta.freq += 1
         meta.priority = self._age + meta.freq * meta.cost / meta.size
+        meta.aged = self._age
         return value
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
@@ -78,6 +89,7 @@ class GDSFCache(cachetools.Cache[Hashable, Any]):
         meta.freq += 1
         meta.cost, meta.size = cost, size
         meta.priority = self._age + meta.freq * cost / size
+        meta.aged = self._age
 
     def __delitem__(self, key: Hashable) -> None:
         super().__delitem__(key)
@@ -87,6 +99,11 @@ class GDSFCache(cachetools.Cache[Hashable, Any]):
         """Remove and return the entry with the lowest priority; ``L`` becomes its priority."""
         if not self._meta:
             raise KeyError(f"{type(self).__name__} is empty")
+        if self._reload is not None:
+            for k, meta in self._meta.items():
+                restore = self._reload(k)
+                cost = meta.cost if restore is None else restore
+                meta.priority = meta.aged + meta.freq * cost / meta.size
         key = min(self._meta, key=lambda k: (self._meta[k].priority, self._meta[k].seq))
         self._age = self._meta[key].priority
         value = cachetools.Cache.__getitem__(self, key)

@@ -12,7 +12,9 @@ A simulation replays one recorded stream through many bounds and evictions with 
 
 :class:`StreamCache` is that bookkeeping for one request at a time (cost-aware's
 shadow caches use it too). :func:`replay_stream`'s keys are ints ``0..n-1``
-(positions in ``sizes`` and ``costs``), so lookups hash ints.
+(positions in ``sizes`` and ``costs``), so lookups hash ints. With a ``disk``
+(:class:`~attnpolicy.cache.disk_mirror.DiskMirror`, the graph store modelled) a miss
+of a key on the disk is a load, any other a compile saved to the disk.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import cachetools
 
+from attnpolicy.cache.disk_mirror import DiskMirror
 from attnpolicy.core.names import Oversize
 from attnpolicy.errors import GraphTooLargeError
 from attnpolicy.plugins.registry import make_eviction
@@ -46,6 +49,13 @@ class StreamStats:
     uncached: int
     peak_graphs: int
     peak_bytes: int
+    loads: int = 0  # misses served by the disk tier
+    load_seconds: float = 0.0
+    disk_evictions: int = 0
+    disk_peak_bytes: int = 0
+    #: each distinct key's first miss at its cheapest when the disk held some before
+    #: the replay (a warm store); ``None``: their compile seconds
+    first_miss_seconds: float | None = None
 
 
 def next_uses(stream: Sequence[Hashable]) -> list[float]:
@@ -74,12 +84,12 @@ class StreamCache:
     the key to the end (LRU) or changes nothing (FIFO), eviction pops the front."""
 
     __slots__ = ("_cap", "_limit", "_name", "_note", "_oversize", "_pop", "_sizes", "compile_seconds",
-                 "compiles", "evictions", "max_bytes", "misses", "nbytes", "order", "peak_bytes", "peak_graphs",
+                 "compiles", "disk", "evictions", "max_bytes", "misses", "nbytes", "order", "peak_bytes", "peak_graphs",
                  "touch", "uncached")
 
     def __init__(self, *, max_graphs: int | None = None, max_bytes: int | None = None, eviction: str = "lru",
                  oversize: Oversize = "raise", eviction_options: dict[str, Any] | None = None,
-                 name: Callable[[Any], object] = str) -> None:
+                 name: Callable[[Any], object] = str, disk: DiskMirror | None = None) -> None:
         structure = make_eviction(eviction, eviction_options)
         self.order: MutableMapping[Hashable, Any]
         if type(structure) in (cachetools.LRUCache, cachetools.FIFOCache):
@@ -99,6 +109,7 @@ class StreamCache:
         self.max_bytes = max_bytes
         self._oversize = oversize
         self._name = name
+        self.disk = disk
         self._sizes: dict[Hashable, int] = {}
         self.misses = self.compiles = self.evictions = self.uncached = 0
         self.compile_seconds = 0.0
@@ -120,13 +131,19 @@ class StreamCache:
         """Serve a request for ``key`` (not held) whose graph has ``size`` bytes and
         costs ``cost`` compile seconds. A graph over ``max_bytes`` raises
         :class:`GraphTooLargeError` (naming ``name(key)``) under ``oversize="raise"``,
-        and is built but not kept under ``"uncached"``, as in the graph cache."""
+        and is built but not kept under ``"uncached"``, as in the graph cache. With a
+        ``disk`` a key on it is loaded instead; a compiled one is saved to it. The
+        eviction is told ``cost`` either way, as the graph cache tells it."""
         self.misses += 1
         if size > self._limit and self._oversize == "raise":
             raise GraphTooLargeError(
                 f"the graph for key {self._name(key)} needs {size} bytes, more than max_bytes={self.max_bytes}")
-        self.compiles += 1
-        self.compile_seconds += cost
+        disk = self.disk
+        if disk is None or disk.load(key) is None:
+            self.compiles += 1
+            self.compile_seconds += cost
+            if disk is not None:
+                disk.save(key)
         if size > self._limit:
             self.uncached += 1
             return
@@ -157,15 +174,17 @@ def replay_stream(
     oversize: Oversize = "raise",
     eviction_options: dict[str, Any] | None = None,
     name: Callable[[int], object] = str,
+    disk: DiskMirror | None = None,
 ) -> StreamStats:
     """Serve ``stream`` (key ids) in order through a :class:`StreamCache`; key ``i`` has
     ``sizes[i]`` bytes and costs ``costs[i]`` compile seconds. ``belady`` gets its
-    ``next_use`` oracle from the stream itself."""
+    ``next_use`` oracle from the stream itself. ``disk``: the graph store modelled (its
+    counters are this replay's: zero them before a replay that reuses one)."""
     upcoming: list[float] = [math.inf] * len(sizes)
     if eviction == BELADY:
         eviction_options = {"next_use": upcoming.__getitem__}
     cache = StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize=oversize,
-                        eviction_options=eviction_options, name=name)
+                        eviction_options=eviction_options, name=name, disk=disk)
     touch, miss = cache.touch, cache.miss
     hits = 0
     futures = next_uses(stream) if eviction == BELADY else None
@@ -178,5 +197,9 @@ def replay_stream(
             miss(key, sizes[key], costs[key])
         else:
             hits += 1
+    if disk is None:
+        return StreamStats(hits, cache.misses, cache.compiles, cache.compile_seconds, cache.evictions,
+                           cache.uncached, cache.peak_graphs, cache.peak_bytes)
     return StreamStats(hits, cache.misses, cache.compiles, cache.compile_seconds, cache.evictions,
-                       cache.uncached, cache.peak_graphs, cache.peak_bytes)
+                       cache.uncached, cache.peak_graphs, cache.peak_bytes, disk.loads, disk.load_seconds,
+                       disk.evictions, disk.peak_bytes)

@@ -14,7 +14,14 @@ compile backend it was calibrated with (``attnpolicy calibrate``, see
   once per backend by :meth:`CostModel.warmup_cost`;
 - ``mask_build``: seconds to build a dense ``rows × cols`` mask on the host;
 - ``call_overhead_seconds``: the dispatcher's own cost per call (decision, plan,
-  cache lookup) on a cache hit.
+  cache lookup) on a cache hit;
+- ``store_load[family]``: seconds to load one graph of a key from a graph store
+  (:class:`~attnpolicy.cache.disk_store.DiskStore`: read, verify, torch's load), and
+  ``store_bytes[family]``: the bytes its artifact and manifest take there.
+
+``store_load`` and ``store_bytes`` came later within format version 1: a model saved
+without them still loads, with both empty (the model knows no graph store, and
+modelling one with it raises :class:`ConfigError` asking for a calibration).
 
 Each fit is ``base + per_cell·rows·cols + per_token·(rows + cols)`` with
 non-negative coefficients: attention's work grows with the score cells, its memory
@@ -27,6 +34,7 @@ See ``docs/simulate.md``.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from importlib import resources
@@ -108,11 +116,11 @@ class Sample(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    what: Literal["run", "compile", "mask_build"]
+    what: Literal["run", "compile", "mask_build", "store_load", "store_bytes"]
     kind: GraphFamily | None = None
     rows: Positive
     cols: Positive
-    seconds: NonNegative
+    seconds: NonNegative  # for ``store_bytes``: the bytes
 
 
 class CostModel(BaseModel):
@@ -143,13 +151,20 @@ class CostModel(BaseModel):
     #: seconds per graph family and kernel on a reference batch (``calibrate --kernels``);
     #: the kernel ``auto`` picks the fastest that can serve a call
     kernel_seconds: dict[str, dict[str, NonNegative]] = {}
+    #: seconds to load a stored graph, per family (empty: not calibrated, see above)
+    store_load: dict[GraphFamily, Fit] = {}
+    #: bytes a stored graph takes on disk, artifact and manifest, per family (empty with ``store_load``)
+    store_bytes: dict[GraphFamily, Fit] = {}
 
     @model_validator(mode="after")
     def _every_family(self) -> CostModel:
-        for field in ("run", "compile"):
-            missing = [f.value for f in GraphFamily if f not in getattr(self, field)]
-            if missing:
+        for field in ("run", "compile", "store_load", "store_bytes"):
+            fits = getattr(self, field)
+            missing = [f.value for f in GraphFamily if f not in fits]
+            if missing and (fits or field in ("run", "compile")):
                 raise ValueError(f"{field} needs a fit for every graph family; missing: {', '.join(missing)}")
+        if bool(self.store_load) != bool(self.store_bytes):
+            raise ValueError("store_load and store_bytes are calibrated together: give both or neither")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
         return self
@@ -178,6 +193,31 @@ class CostModel(BaseModel):
         """A :class:`~attnpolicy.cache.graph_cache.GraphCache` ``compile_cost``: record the modelled
         compile seconds (deterministic on every rank) instead of the measured ones."""
         return self.compile_seconds(key)
+
+    @property
+    def knows_store(self) -> bool:
+        """Whether ``store_load`` and ``store_bytes`` were calibrated (a graph store can be modelled)."""
+        return bool(self.store_load)
+
+    def require_store(self, source: str) -> None:
+        """:class:`ConfigError` unless the model :attr:`knows_store` (``source`` names the model)."""
+        if not self.knows_store:
+            raise ConfigError(f"cost model {source} has no store_load or store_bytes fits (calibrated before the graph "
+                              "store existed): run attnpolicy calibrate to model a store")
+
+    @staticmethod
+    def stored(key: GraphKey) -> bool:
+        """Whether the graph of ``key`` goes to a graph store: compiled ahead of time, so not
+        a flex graph and not backend ``"none"`` (as the dispatcher's graph source decides)."""
+        return key.backend != "none" and key.impl != "flex"
+
+    def load_seconds(self, key: GraphKey) -> float:
+        """Seconds to load the stored graph of ``key`` (needs :attr:`knows_store`)."""
+        return self.store_load[key.family](key.q_len, key.kv_len)
+
+    def stored_bytes(self, key: GraphKey) -> int:
+        """Bytes the stored graph of ``key`` takes on disk, rounded up (needs :attr:`knows_store`)."""
+        return math.ceil(self.store_bytes[key.family](key.q_len, key.kv_len))
 
     def warmup_cost(self, compiled: Iterable[GraphKey]) -> float:
         """The one-off start-up of a process that compiles the graphs of ``compiled``:

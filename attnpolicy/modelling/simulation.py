@@ -27,8 +27,9 @@ requests, so the row is the fewest misses any eviction could achieve (with a
 cache-aware policy chooses differently under another cache; its belady row is the
 bound for the sequence it chose under LRU. Every row also carries
 ``bound_seconds``: its attention seconds plus each distinct graph compiled once,
-a lower bound on the total of any eviction and bound for the same decisions. See
-``docs/simulate.md``.
+a lower bound on the total of any eviction and bound for the same decisions. A
+config with ``store_dir`` models its graph store (:mod:`attnpolicy.modelling.tiers`).
+See ``docs/simulate.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from itertools import product
 from typing import Any
 
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
-from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_stream
+from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatch import Dispatcher
@@ -51,6 +52,8 @@ from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.modelling.bucket_schemes import BucketScheme, base_scheme
+from attnpolicy.modelling.streams import KeyStream
+from attnpolicy.modelling.tiers import StoredRuns, StoreFigures, StoreModel
 from attnpolicy.plugins.registry import eviction_registry
 from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import BatchFormer, Step
@@ -79,7 +82,8 @@ class SimRow:
     former left out (too long); ``warmup_seconds`` is the cost model's one-off
     backend start-up (:meth:`~attnpolicy.graphs.costmodel.CostModel.warmup_cost`),
     included in ``compile_seconds``, ``total_seconds`` and ``bound_seconds`` when
-    the row compiles anything."""
+    the row compiles anything. ``store`` (a modelled graph store only, else not in
+    the JSON): the misses the disk served, their ``load_seconds`` in ``total_seconds``."""
 
     policy: str
     buckets: str
@@ -109,10 +113,14 @@ class SimRow:
     policy_options: dict[str, Any] = field(default_factory=dict)
     rejected: int = 0
     warmup_seconds: float = 0.0
+    store: StoreFigures | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The row as JSON: one key per field."""
-        return asdict(self)
+        """The row as JSON: one key per field (``store`` only when one was modelled)."""
+        out = asdict(self)
+        if self.store is None:
+            del out["store"]
+        return out
 
 
 class SimulatedGraph:
@@ -163,10 +171,26 @@ class Recording:
 
 
 def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
-            spec: TensorSpec | None = None) -> Recording:
+            spec: TensorSpec | None = None, warm_store: bool = False) -> Recording:
+    """One dispatcher run over ``steps``; with ``config``'s store modelled, twice when
+    ``warm_store`` (the first run fills the store, the second is recorded)."""
+    store = StoreModel.of(config, warm_store)
+    if store is None:
+        return _dispatched(steps, config, model, spec, GraphCache.from_config(
+            config, sizeof=model.graph_bytes, compile_cost=model.compile_cost))
+    runs = StoredRuns(store, config, model)
+    if warm_store:
+        _dispatched(steps, config, model, spec, runs.cache())
+        runs.warmed()
+    out = _dispatched(steps, config, model, spec, runs.cache())
+    assert out.cache is not None
+    out.cache = runs.counted(out.cache, out.keys)
+    return out
+
+
+def _dispatched(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+                spec: TensorSpec | None, cache: GraphCache[SimulatedGraph]) -> Recording:
     spec = spec or model.spec
-    cache: GraphCache[SimulatedGraph] = GraphCache.from_config(config, sizeof=model.graph_bytes,
-                                                               compile_cost=model.compile_cost)
     dispatcher = Dispatcher(config, builder=simulated, cost_model=model, cache=cache)
     costs = BatchCost(model, config.max_mask_bytes)
     out = Recording()
@@ -216,13 +240,16 @@ def _compulsory_seconds(keys: Sequence[GraphKey], model: CostModel) -> float:
 
 
 def sim_row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, replay: Recording,
-            cache: StreamStats, compulsory: float, rejected: int, warmup: float = 0.0) -> SimRow:
-    """The row of ``replay`` served by a cache that counted ``cache`` (``warmup``: the
-    cost model's start-up seconds, charged when the row compiles)."""
+            cache: StreamStats, compulsory: float, rejected: int, warmup: float = 0.0,
+            store_warm: bool = False) -> SimRow:
+    """The row of ``replay`` served by a cache that counted ``cache`` (``warmup``: the cost
+    model's start-up seconds, charged when the row compiles; ``store_warm``: a warm store)."""
     hits, misses = cache.hits, cache.misses
     stats = replay.stats
     warmup = warmup if cache.compiles else 0.0
-    total = replay.attention_seconds + cache.compile_seconds + warmup
+    store = StoreModel.of(config, store_warm)
+    compulsory = compulsory if cache.first_miss_seconds is None else cache.first_miss_seconds
+    total = replay.attention_seconds + cache.compile_seconds + cache.load_seconds + warmup
     bound = replay.attention_seconds + compulsory + warmup
     return SimRow(
         policy=policy,
@@ -253,6 +280,7 @@ def sim_row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, r
         policy_options=dict(config.policy_options),
         rejected=rejected,
         warmup_seconds=warmup,
+        store=None if store is None else StoreFigures.of(store, cache),
     )
 
 
@@ -338,6 +366,7 @@ def simulate(
     buckets: Sequence[BucketScheme] | None = None,
     max_bytes: Sequence[int | None] | None = None,
     workers: int = 1,
+    store_warm: bool = False,
 ) -> list[SimRow]:
     """One row per (bucket scheme, policy, capacity, max_bytes, eviction), in that
     nesting order.
@@ -351,7 +380,9 @@ def simulate(
     arguments. ``progress(label)`` is called after each row. ``policy_options[name]``
     are the options of policy ``name``; the base config's ``policy_options`` apply to
     its own policy only. ``workers`` > 1 runs the dispatchers in that many processes
-    (the rows are the same). A trace whose every request is rejected (longer than
+    (the rows are the same). A base config with ``store_dir`` models its graph store
+    (``store_warm``: filled by a previous run; see :mod:`attnpolicy.modelling.tiers`).
+    A trace whose every request is rejected (longer than
     ``max_model_len``) raises :class:`ConfigError` saying why; ``rejected`` in each
     row counts the requests left out. Rows hold :data:`ROW_FIELDS` and more (see
     :class:`SimRow`).
@@ -367,7 +398,7 @@ def simulate(
                           "nothing to simulate (raise max_model_len or check the trace)")
     return simulate_layouts(steps, policies, capacities, evictions, base, model, progress=progress,
                             policy_options=policy_options, rejected=len(rejected), buckets=buckets,
-                            max_bytes=max_bytes, workers=workers)
+                            max_bytes=max_bytes, workers=workers, store_warm=store_warm)
 
 
 def simulate_layouts(
@@ -385,6 +416,7 @@ def simulate_layouts(
     buckets: Sequence[BucketScheme] | None = None,
     max_bytes: Sequence[int | None] | None = None,
     workers: int = 1,
+    store_warm: bool = False,
 ) -> list[SimRow]:
     """:func:`simulate` over given steps (or layouts, e.g. a recorded layout stream,
     see :mod:`attnpolicy.workloads.layout_stream`) instead of a batch former's.
@@ -399,6 +431,8 @@ def simulate_layouts(
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
     base = config_base
+    if base.store_dir is not None or store_warm:
+        StoreModel.of(base, store_warm).disk(model)  # type: ignore[union-attr]  # refused up front
     fields = base.model_dump(mode="json")
     schemes = list(buckets) if buckets else [base_scheme(base)]
     bounds = list(enumerate(capacities)), list(enumerate([base.max_bytes] if max_bytes is None else max_bytes))
@@ -417,7 +451,7 @@ def simulate_layouts(
             for bound in ((c, b) for c in bounds[0] for b in bounds[1]):
                 groups = _eviction_groups(list(enumerate(evictions)))
                 jobs += [job([bound[0]], [bound[1]], group) for group in groups]
-    sweep = _Sweep(steps, model, spec, rejected)
+    sweep = _Sweep(steps, model, spec, rejected, store_warm)
     return _run(jobs, sweep, workers, progress)
 
 
@@ -442,6 +476,7 @@ class _Sweep:
     model: CostModel
     spec: TensorSpec | None
     rejected: int
+    store_warm: bool = False
 
 
 @dataclass(frozen=True)
@@ -470,14 +505,14 @@ class _Job:
     def _replayed(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
         """One unbounded dispatcher run records the key stream; each bound × eviction
         replays it."""
-        recording = _replay(sweep.steps, self.config(None, None, "lru"), sweep.model, sweep.spec)
+        recording = _replay(sweep.steps, self.config(None, None, "lru"), sweep.model, sweep.spec, sweep.store_warm)
         stream = KeyStream.of(recording.keys, sweep.model)
         out = []
         for (c, capacity), (b, nbytes), (e, eviction) in product(self.capacities, self.max_bytes, self.evictions):
             config = self.config(capacity, nbytes, eviction)
             out.append(((self.scheme, self.policy_index, c, b, e),
-                        self._row(config, eviction, recording, stream.replay(config, eviction), stream.compulsory,
-                                  sweep)))
+                        self._row(config, eviction, recording, stream.replay(config, eviction, sweep.store_warm),
+                                  stream.compulsory, sweep)))
         return out
 
     def _dispatched(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
@@ -489,11 +524,12 @@ class _Job:
         for e, eviction in sorted(self.evictions, key=lambda item: item[1] == BELADY):
             config = self.config(capacity, nbytes, eviction)
             if eviction == BELADY:
-                lru = lru or _replay(sweep.steps, config, sweep.model, sweep.spec)
+                lru = lru or _replay(sweep.steps, config, sweep.model, sweep.spec, sweep.store_warm)
                 stream = KeyStream.of(lru.keys, sweep.model)
-                row = self._row(config, eviction, lru, stream.replay(config, eviction), stream.compulsory, sweep)
+                row = self._row(config, eviction, lru, stream.replay(config, eviction, sweep.store_warm),
+                                stream.compulsory, sweep)
             else:
-                replay = _replay(sweep.steps, config, sweep.model, sweep.spec)
+                replay = _replay(sweep.steps, config, sweep.model, sweep.spec, sweep.store_warm)
                 lru = replay if eviction == "lru" else lru
                 assert replay.cache is not None
                 row = self._row(config, eviction, replay, replay.cache,
@@ -504,37 +540,7 @@ class _Job:
     def _row(self, config: AttnPolicyConfig, eviction: str, replay: Recording, cache: StreamStats,
              compulsory: float, sweep: _Sweep) -> SimRow:
         return sim_row(self.scheme_name, self.policy, config, eviction, replay, cache, compulsory, sweep.rejected,
-                       sweep.model.warmup_cost(replay.keys))
-
-
-@dataclass(frozen=True)
-class KeyStream:
-    """A recorded key stream as ids (first request order) with each key's bytes and
-    compile seconds; ``compulsory`` is every distinct key compiled once."""
-
-    ids: list[int]
-    keys: list[GraphKey]
-    sizes: list[int]
-    costs: list[float]
-    compulsory: float
-
-    @classmethod
-    def of(cls, keys: Sequence[GraphKey], model: CostModel) -> KeyStream:
-        index: dict[GraphKey, int] = {}
-        ids = [index.setdefault(key, len(index)) for key in keys]
-        return cls.of_ids(ids, list(index), model)
-
-    @classmethod
-    def of_ids(cls, ids: list[int], keys: list[GraphKey], model: CostModel) -> KeyStream:
-        """The stream of ``ids`` into ``keys`` (ids numbered in first-request order)."""
-        costs = [model.compile_cost(key, 0.0) for key in keys]
-        return cls(ids, keys, [model.graph_bytes(key) for key in keys], costs, sum(costs))
-
-    def replay(self, config: AttnPolicyConfig, eviction: str) -> StreamStats:
-        """The counters of a graph cache bounded like ``config`` with ``eviction``."""
-        return replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
-                             max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
-                             name=self.keys.__getitem__)
+                       sweep.model.warmup_cost(replay.keys), sweep.store_warm)
 
 
 _SHARED: list[_Sweep] = []

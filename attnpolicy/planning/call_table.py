@@ -38,7 +38,8 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.modelling.simulation import KeyStream, Recording, SimRow, sim_row, simulated
+from attnpolicy.modelling.simulation import Recording, SimRow, sim_row, simulated
+from attnpolicy.modelling.streams import KeyStream
 from attnpolicy.planning.bucket_search import CallShapes
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard

@@ -1,0 +1,78 @@
+"""A recorded key stream replayed through a graph cache's bounds and evictions, over
+the graph store modelled when the config has one (:mod:`attnpolicy.modelling.tiers`).
+
+A stateless policy requests the same graphs under any bound and eviction: the
+simulation records its key stream once and replays it per bound × eviction
+(:func:`~attnpolicy.cache.key_stream.replay_stream`); the planner builds one from
+its call table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property, partial
+
+from attnpolicy.cache.disk_mirror import DiskMirror
+from attnpolicy.cache.key_stream import StreamStats, replay_stream
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.keys import GraphKey
+from attnpolicy.modelling.tiers import StoreModel, compulsory_seconds, reload_option
+
+
+@dataclass(frozen=True)
+class KeyStream:
+    """A recorded key stream as ids (first request order) with each key's bytes and
+    compile seconds; ``compulsory`` is every distinct key compiled once. ``model``
+    sizes and times each key in a graph store, when one is modelled."""
+
+    ids: list[int]
+    keys: list[GraphKey]
+    sizes: list[int]
+    costs: list[float]
+    compulsory: float
+    model: CostModel | None = None
+
+    @classmethod
+    def of(cls, keys: Sequence[GraphKey], model: CostModel) -> KeyStream:
+        index: dict[GraphKey, int] = {}
+        ids = [index.setdefault(key, len(index)) for key in keys]
+        return cls.of_ids(ids, list(index), model)
+
+    @classmethod
+    def of_ids(cls, ids: list[int], keys: list[GraphKey], model: CostModel) -> KeyStream:
+        """The stream of ``ids`` into ``keys`` (ids numbered in first-request order)."""
+        costs = [model.compile_cost(key, 0.0) for key in keys]
+        return cls(ids, keys, [model.graph_bytes(key) for key in keys], costs, sum(costs), model)
+
+    @cached_property
+    def _store(self) -> tuple[list[int], list[float], list[bool]]:
+        """Each key's bytes on disk, load seconds and whether it is stored."""
+        model = self.model
+        assert model is not None  # only a stream with a model replays through a store
+        return ([model.stored_bytes(k) for k in self.keys], [model.load_seconds(k) for k in self.keys],
+                [model.stored(k) for k in self.keys])
+
+    def replay(self, config: AttnPolicyConfig, eviction: str, store_warm: bool = False) -> StreamStats:
+        """The counters of a graph cache bounded like ``config`` with ``eviction``, over
+        ``config``'s graph store if it has one (``store_warm``: filled by a first replay)."""
+        store = StoreModel.of(config, store_warm)
+        if store is None:
+            return replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
+                                 max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
+                                 name=self.keys.__getitem__)
+        assert self.model is not None
+        self.model.require_store(f"(backend {self.model.backend})")
+        sizes, loads, stored = self._store
+        disk = DiskMirror(store.max_disk_bytes, sizes.__getitem__, loads.__getitem__, stored.__getitem__)  # type: ignore[arg-type]
+        run = partial(replay_stream, self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
+                      max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
+                      eviction_options=reload_option(eviction, disk), name=self.keys.__getitem__, disk=disk)
+        if not store_warm:
+            return run()
+        run()
+        disk.reset_counters()
+        held = set(disk.keys())
+        first = compulsory_seconds(range(len(self.keys)), self.costs, held, loads.__getitem__)
+        return replace(run(), first_miss_seconds=first)
