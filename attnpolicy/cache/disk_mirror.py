@@ -12,7 +12,7 @@ dispatcher's graph source does with a real store.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 from attnpolicy.errors import ConfigError
 
@@ -47,9 +47,9 @@ class DiskMirror:
     def __len__(self) -> int:
         return len(self._held)
 
-    def keys(self) -> list[Hashable]:
+    def __iter__(self) -> Iterator[Hashable]:
         """The keys held, least recently used first (a snapshot)."""
-        return list(self._held)
+        return iter(list(self._held))
 
     def reload_seconds(self, key: Hashable) -> float | None:
         """Seconds to bring ``key`` back from the mirror, ``None`` when it is not there

@@ -21,7 +21,7 @@ from attnpolicy.cli.common import (
     warn,
 )
 from attnpolicy.cli.model_graphs import write_host_settings
-from attnpolicy.cli.simulate import cost_model, former_from, workload
+from attnpolicy.cli.simulate import add_store_args, cost_model, former_from, with_store, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
@@ -74,6 +74,7 @@ def register(subparsers: Any) -> None:
                    help=f"stateless policies to plan, the best is chosen (default: {shown(POLICIES)})")
     p.add_argument("--evictions", type=str_list, default=EVICTIONS, metavar="E[,E...]",
                    help=f"live eviction strategies to try (default: {shown(EVICTIONS)})")
+    add_store_args(p)
     p.add_argument("--max-buckets", type=positive_int, default=16, metavar="K",
                    help="most bucket sizes per candidate list (default: 16)")
     p.add_argument("--cost-model", metavar="PATH",
@@ -141,10 +142,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plannable(name, base)
         except (ConfigError, PolicyError) as exc:
             fail(f"argument --policies: {exc}")
+    base = with_store(args, base, model)
     try:
         with progress(None, "plan") as advance:
             plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
-                               args.max_buckets, spec, advance, rejected)
+                               args.max_buckets, spec, advance, rejected, args.store_warm)
     except ConfigError as exc:
         fail(str(exc))
     if plan.max_bytes is not None and plan.chosen.row.peak_graphs == 0:
@@ -174,4 +176,5 @@ def print_plan(plan: GraphPlan, source: str) -> None:
                 ("policy", "buckets", "eviction", "plan s", f"{plan.base_buckets} lru s",
                  f"{plan.base_buckets} belady s", "× lru", "× belady"), rows,
                 caption=f"* chosen; warm-up set: {len(plan.warm)} graphs, "
-                        f"{plan.warm_compile_seconds:.3g} modelled compile s")
+                        f"{plan.warm_compile_seconds:.3g} modelled compile s"
+                        + (f", {plan.warm_load_seconds:.3g} load s" if plan.config.store_dir is not None else ""))

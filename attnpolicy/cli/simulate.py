@@ -63,6 +63,7 @@ def register(subparsers: Any) -> None:
                 cmd_simulate)
     add_workload_args(s, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
     add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS, ())
+    add_store_args(s)
     s.add_argument("--cost-model", metavar="PATH",
                    help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
     s.add_argument("--config", metavar="PATH",
@@ -103,6 +104,38 @@ def add_sweep_args(p: argparse.ArgumentParser, policies: tuple[str, ...], capaci
     add_option_arg(p)
     p.add_argument("--workers", type=positive_int, default=WORKERS, metavar="N",
                    help=f"processes for the dispatcher runs of cache-aware policies (default: {WORKERS})")
+
+
+#: The store directory a config gets from --store-bytes when it names none.
+DEFAULT_STORE_DIR = "attnpolicy_store"
+
+
+def add_store_args(p: argparse.ArgumentParser) -> None:
+    """--store-bytes and --store-warm: model a graph store under the memory cache."""
+    p.add_argument("--store-bytes", type=byte_list, default=None, metavar="B",
+                   help="model a graph store on disk of B bytes (max_disk_bytes, e.g. 2GiB): a miss of a graph on "
+                        "it loads instead of compiling; a config's own store_dir and max_disk_bytes are "
+                        "modelled without it (default: none)")
+    p.add_argument("--store-warm", action="store_true",
+                   help="the store starts with what a previous run of the same traffic and config left on it "
+                        "(default: off, an empty store)")
+
+
+def with_store(args: argparse.Namespace, base: AttnPolicyConfig, model: CostModel) -> AttnPolicyConfig:
+    """``base`` with the store of --store-bytes (``store_dir`` :data:`DEFAULT_STORE_DIR`
+    unless it has one); errors name the flag."""
+    if args.store_bytes is not None:
+        if len(args.store_bytes) != 1 or args.store_bytes[0] is None:
+            fail(f"argument --store-bytes: one bound in bytes, got {args.store_bytes!r}")
+        base = base.model_copy(update={"store_dir": base.store_dir or DEFAULT_STORE_DIR,
+                                       "max_disk_bytes": args.store_bytes[0]})
+        base = AttnPolicyConfig.model_validate(base.model_dump())
+    if base.store_dir is None and args.store_warm:
+        fail("argument --store-warm: needs a store (--store-bytes, or a config with store_dir)")
+    if base.store_dir is not None and not model.knows_store:
+        fail(f"argument --store-bytes: {CostModel.__name__} {args.cost_model or 'default'} has no store_load or "
+             "store_bytes fits: run attnpolicy calibrate to model a store")
+    return base
 
 
 def schemes(args: argparse.Namespace, base: AttnPolicyConfig) -> list[BucketScheme] | None:
@@ -163,6 +196,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         fail("argument --strict: compares a replay with its recording, it needs --layouts")
     former = former_from(args)
     base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
+    base = with_store(args, base, model)
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
     check_model(base, model)
@@ -173,7 +207,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with progress(sweep_size(args), "simulate") as advance:
         rows = simulate(requests, args.policies, args.capacities, args.evictions, base, model,
                         former_options(args), advance, options, buckets=buckets, max_bytes=args.max_bytes,
-                        workers=args.workers)
+                        workers=args.workers, store_warm=args.store_warm)
     ran = describe_options(options)
     print_sweep(f"simulated {len(requests)} requests of {args.trace} ({rows[0].batches} batches), "
                 f"cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
@@ -193,7 +227,7 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
         run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
     except ConfigError as exc:
         fail(f"argument --layouts: {exc}")
-    base = AttnPolicyConfig.load(args.config) if args.config else run.config
+    base = with_store(args, AttnPolicyConfig.load(args.config) if args.config else run.config, model)
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
     rec = run.config
@@ -204,7 +238,8 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
         fail(f"argument --strict: the sweep has no row under the recorded config ({recorded_row}): {why_not}")
     with progress(sweep_size(args), "simulate") as advance:
         rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance, options,
-                            buckets=schemes(args, base), max_bytes=args.max_bytes, workers=args.workers)
+                            buckets=schemes(args, base), max_bytes=args.max_bytes, workers=args.workers,
+                            store_warm=args.store_warm)
     print_sweep(f"replayed run {run.run} of {args.layouts}: {len(run.steps)} steps, recorded {recorded_row}: "
                 f"{run.misses} misses", rows)
     reproduced: bool | None = None
@@ -270,6 +305,7 @@ def print_sweep(title: str, rows: list[SimRow]) -> None:
                  for r in rows],
                 caption="bound: max graphs (∞: unbounded), max bytes; batches c/m/v: batches run causal / mask / "
                         "varlen; over lower bound: total over attention + every distinct graph compiled once")
+    print_store(rows)
     bounds = lower_bounds(rows)
     print_table("lower bounds: attention + every distinct graph compiled once (no eviction or bound does better "
                 "for these decisions)",
@@ -287,3 +323,22 @@ def print_sweep(title: str, rows: list[SimRow]) -> None:
                     ("policy", "bound", "eviction", *names),
                     [(p, bound_text(c, b), e, *(cells.get((p, c, b, e, n)) for n in names))
                      for p, c, b, e in lines])
+
+
+def print_store(rows: list[SimRow]) -> None:
+    """Per row, the memory misses compiled and those the modelled graph store served
+    (nothing without a store)."""
+    stored = [r for r in rows if r.store is not None]
+    if not stored:
+        return
+    store = stored[0].store
+    assert store is not None
+    print_table(f"graph store: {store.max_disk_bytes / MIB:.4g} MiB on disk, "
+                + ("warm (a previous run's graphs)" if store.warm else "empty at start"),
+                ("buckets", "policy", "bound", "eviction", "misses", "compiles", "compile s", "loads", "load s",
+                 "disk evictions", "disk peak MiB"),
+                [(r.buckets, r.policy, bound_text(r.capacity, r.max_bytes), r.eviction, r.misses, r.compiles,
+                  r.compile_seconds, r.store.loads, r.store.load_seconds, r.store.disk_evictions,
+                  r.store.disk_peak_bytes / MIB) for r in stored if r.store is not None],
+                caption="a memory miss of a graph on the disk loads it (load s), any other compiles it and saves "
+                        "it there, least recently used out, as the graph store does")

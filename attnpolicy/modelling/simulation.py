@@ -590,10 +590,10 @@ def simulate_run(run: LayoutRun, policies: Sequence[str], capacities: Sequence[i
                  progress: Callable[[str], None] | None = None,
                  policy_options: Mapping[str, Mapping[str, Any]] | None = None, *,
                  buckets: Sequence[BucketScheme] | None = None, max_bytes: Sequence[int | None] | None = None,
-                 workers: int = 1) -> list[SimRow]:
+                 workers: int = 1, store_warm: bool = False) -> list[SimRow]:
     """:func:`simulate_layouts` over a recorded run's layouts, with its tensor spec and
     (unless ``config_base`` is given) the config it ran with: the row for the recorded
     policy, ``max_graphs`` and eviction reproduces the run's misses."""
     return simulate_layouts(run.layouts, policies, capacities, evictions, config_base or run.config,
                             model, run.spec, progress, policy_options, buckets=buckets, max_bytes=max_bytes,
-                            workers=workers)
+                            workers=workers, store_warm=store_warm)

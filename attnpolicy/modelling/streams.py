@@ -54,6 +54,24 @@ class KeyStream:
         return ([model.stored_bytes(k) for k in self.keys], [model.load_seconds(k) for k in self.keys],
                 [model.stored(k) for k in self.keys])
 
+    def stored_after(self, config: AttnPolicyConfig, eviction: str) -> set[int]:
+        """The key ids ``config``'s store holds after one replay from empty (none without a store)."""
+        store = StoreModel.of(config)
+        if store is None:
+            return set()
+        disk = self._disk(store)
+        replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs, max_bytes=config.max_bytes,
+                      eviction=eviction, oversize=config.oversize, eviction_options=reload_option(eviction, disk),
+                      name=self.keys.__getitem__, disk=disk)
+        return {k for k in disk if isinstance(k, int)}
+
+    def _disk(self, store: StoreModel) -> DiskMirror:
+        assert self.model is not None
+        self.model.require_store(f"(backend {self.model.backend})")
+        sizes, loads, stored = self._store
+        return DiskMirror(store.max_disk_bytes, sizes.__getitem__, loads.__getitem__,  # type: ignore[arg-type]
+                          stored.__getitem__)  # type: ignore[arg-type]
+
     def replay(self, config: AttnPolicyConfig, eviction: str, store_warm: bool = False) -> StreamStats:
         """The counters of a graph cache bounded like ``config`` with ``eviction``, over
         ``config``'s graph store if it has one (``store_warm``: filled by a first replay)."""
@@ -62,10 +80,8 @@ class KeyStream:
             return replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
                                  max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
                                  name=self.keys.__getitem__)
-        assert self.model is not None
-        self.model.require_store(f"(backend {self.model.backend})")
-        sizes, loads, stored = self._store
-        disk = DiskMirror(store.max_disk_bytes, sizes.__getitem__, loads.__getitem__, stored.__getitem__)  # type: ignore[arg-type]
+        disk = self._disk(store)
+        loads = self._store[1]
         run = partial(replay_stream, self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
                       max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
                       eviction_options=reload_option(eviction, disk), name=self.keys.__getitem__, disk=disk)
@@ -73,6 +89,6 @@ class KeyStream:
             return run()
         run()
         disk.reset_counters()
-        held = set(disk.keys())
+        held = set(disk)
         first = compulsory_seconds(range(len(self.keys)), self.costs, held, loads.__getitem__)
         return replace(run(), first_miss_seconds=first)

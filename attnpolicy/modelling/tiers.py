@@ -125,7 +125,7 @@ class StoredRuns:
     def warmed(self) -> None:
         """The run just made filled the store: the next run starts from it, counters zeroed."""
         self.disk.reset_counters()
-        self._held = set(self.disk.keys())
+        self._held = set(self.disk)
 
     def counted(self, stats: StreamStats, keys: Sequence[Any]) -> StreamStats:
         """``stats`` of the last run's memory cache with the store's counters (and, after

@@ -17,9 +17,11 @@ best bucket list and eviction strategy are kept:
 The policy with the lowest simulated total wins. Its warm-up set is the graphs the
 planned traffic uses most, within the capacity and the warm-up budget (modelled
 compile seconds): a knapsack solved greedily by uses per compile second, whose
-value is the calls served without a compile stall. The plan is compared with the
-base config's buckets under LRU and under Belady's offline optimum at the same
-capacity.
+value is the calls served without a compile stall. With a graph store
+(``store_dir``) that starts warm (``store_warm``: it holds what a previous run of the
+planned config left on it), a graph on the store costs its load seconds instead:
+more of them fit the budget. The plan is compared with the base config's buckets
+under LRU and under Belady's offline optimum at the same capacity.
 
 Everything is a pure function of the steps, the base config and the cost model.
 """
@@ -73,12 +75,19 @@ class Candidate:
 @dataclass(frozen=True)
 class WarmGraph:
     """A graph of the warm-up set: its shape, the planned calls it serves, and its
-    modelled compile seconds and bytes."""
+    modelled compile seconds and bytes; ``load_seconds`` when a warm store holds it
+    (warm-up loads it), else ``None``."""
 
     shape: WarmShape
     uses: int
     compile_seconds: float
     bytes: int
+    load_seconds: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        """What warming it up costs: its load seconds from the store, else its compile seconds."""
+        return self.compile_seconds if self.load_seconds is None else self.load_seconds
 
 
 @dataclass(frozen=True)
@@ -119,13 +128,21 @@ class GraphPlan:
 
     @property
     def warm_compile_seconds(self) -> float:
-        return sum(w.compile_seconds for w in self.warm)
+        return sum(w.compile_seconds for w in self.warm if w.load_seconds is None)
+
+    @property
+    def warm_load_seconds(self) -> float:
+        return sum(w.load_seconds for w in self.warm if w.load_seconds is not None)
 
     def to_json(self) -> dict[str, Any]:
-        """The plan as JSON (the config as saved)."""
+        """The plan as JSON (the config as saved); a warm graph has ``from_disk`` and
+        ``load_seconds`` only when a store was planned with."""
         out = asdict(self)
         out["config"] = self.config.model_dump(mode="json")
-        out["warm"] = [{**asdict(w), "shape": w.shape.model_dump(mode="json")} for w in self.warm]
+        store = self.config.store_dir is not None
+        out["warm"] = [{**{k: v for k, v in asdict(w).items() if store or k != "load_seconds"},
+                        "shape": w.shape.model_dump(mode="json"),
+                        **({"from_disk": w.load_seconds is not None} if store else {})} for w in self.warm]
         return out
 
 
@@ -237,36 +254,42 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
 
 
 def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
-               spec: TensorSpec | None = None, table: CallTable | None = None) -> list[WarmGraph]:
+               spec: TensorSpec | None = None, table: CallTable | None = None,
+               store_warm: bool = False) -> list[WarmGraph]:
     """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
     calls it serves, most used first (ties: cheaper to compile first). ``table``: the
-    :class:`CallTable` of ``config``'s policy for ``steps`` (built when not given)."""
+    :class:`CallTable` of ``config``'s policy for ``steps`` (built when not given).
+    ``store_warm``: ``config``'s store holds what one run of ``steps`` left on it, and
+    a graph there gets its load seconds."""
     table = table or CallTable(layouts_of(steps), config.policy, config, model, spec)
-    b, _ = table.cached(config)
+    b, stream = table.cached(config)
+    on_disk = stream.stored_after(config, config.eviction) if store_warm else set()
     graphs = []
-    for key, r, n in zip(b.keys, b.first.tolist(), b.uses.tolist()):
+    for i, (key, r, n) in enumerate(zip(b.keys, b.first.tolist(), b.uses.tolist())):
         shape = WarmShape(family=key.family, q_bucket=int(b.q_bucket[r]), kv_bucket=int(b.kv_bucket[r]),
                           causal=bool(table.causal[r]), context=bool(table.context[r]))
-        graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key)))
+        graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key),
+                                model.load_seconds(key) if i in on_disk else None))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
 
 def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int | None,
              budget_seconds: float | None) -> tuple[WarmGraph, ...]:
-    """The graphs to compile at start: most uses per compile second first, skipping one
-    that does not fit what is left of the budget, the capacity or the byte bound."""
+    """The graphs to compile (or load, from a warm store) at start: most uses per warm-up
+    second first, skipping one that does not fit what is left of the budget, the
+    capacity or the byte bound."""
     chosen: list[WarmGraph] = []
     seconds = 0.0
     nbytes = 0
-    for g in sorted(graphs, key=lambda g: (-g.uses / max(g.compile_seconds, 1e-12), -g.uses)):
+    for g in sorted(graphs, key=lambda g: (-g.uses / max(g.seconds, 1e-12), -g.uses)):
         if max_graphs is not None and len(chosen) >= max_graphs:
             break
-        if budget_seconds is not None and seconds + g.compile_seconds > budget_seconds:
+        if budget_seconds is not None and seconds + g.seconds > budget_seconds:
             continue
         if max_bytes is not None and nbytes + g.bytes > max_bytes:
             continue
         chosen.append(g)
-        seconds += g.compile_seconds
+        seconds += g.seconds
         nbytes += g.bytes
     return tuple(chosen)
 
@@ -275,12 +298,14 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
                 policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
                 warmup_seconds: float | None = None, max_buckets: int = 16,
                 spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
-                rejected: int = 0) -> GraphPlan:
+                rejected: int = 0, store_warm: bool = False) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
     best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
     ``None``: as many as the capacity holds), and the config applying it (strict mode
     :data:`STRICT` after warm-up). ``rejected`` (requests the caller left out) is
-    reported in every row."""
+    reported in every row. With ``base.store_dir`` the rows model its store (empty at
+    start) and, with ``store_warm``, the warm-up set loads what it holds (see
+    :func:`graph_uses`)."""
     if not steps:
         raise ConfigError("a plan needs at least one step, got none (empty workload)")
     if warmup_seconds is not None and warmup_seconds < 0:
@@ -298,7 +323,7 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
                          policy_options=base.policy_options if chosen.policy == base.policy else {},
                          buckets={"kind": "list", "sizes": list(chosen.buckets)}, eviction=chosen.eviction,
                          strict=STRICT)
-    uses = graph_uses(steps, config, model, spec, tables[chosen.policy])
+    uses = graph_uses(steps, config, model, spec, tables[chosen.policy], store_warm)
     warm = warm_set(uses, base.max_graphs, base.max_bytes, warmup_seconds)
     config = with_fields(config, warmup=[w.shape.model_dump(mode="json") for w in warm])
     return GraphPlan(chosen.policy, base.max_graphs, base.max_bytes, warmup_seconds, base.buckets.describe(),
@@ -338,16 +363,21 @@ def plan_markdown(plan: GraphPlan, source: str) -> str:
         ("vs lru, vs belady: the baseline's total over the plan's (above 1: the plan is faster). Belady is "
         "the offline optimum of eviction for the baseline buckets."),
         "",
-        f"## Warm-up set: {len(plan.warm)} graphs, {_seconds(plan.warm_compile_seconds)} modelled compile seconds",
+        f"## Warm-up set: {len(plan.warm)} graphs, {_seconds(plan.warm_compile_seconds)} modelled compile seconds"
+        + (f", {_seconds(plan.warm_load_seconds)} load seconds ({sum(w.load_seconds is not None for w in plan.warm)}"
+           " from the store)" if plan.config.store_dir is not None else ""),
         "",
         (f"Budget: {budget}. Calls served: {served} of {chosen.row.calls}. After warm-up, strict mode is "
         f"`{plan.config.strict}`: a compile the plan did not foresee is counted and warned about, never refused."),
         "",
-        "| family | q bucket | kv bucket | causal | context | uses | compile s |",
-        "|---|---|---|---|---|---|---|",
+        "| family | q bucket | kv bucket | causal | context | uses | compile s |"
+        + (" from disk (load s) |" if plan.config.store_dir is not None else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if plan.config.store_dir is not None else ""),
     ]
     lines += [f"| {w.shape.family.value} | {w.shape.q_bucket} | {w.shape.kv_bucket} | {w.shape.causal} "
-              f"| {w.shape.context} | {w.uses} | {_seconds(w.compile_seconds)} |" for w in plan.warm]
+              f"| {w.shape.context} | {w.uses} | {_seconds(w.compile_seconds)} |"
+              + ((f" {_seconds(w.load_seconds)} |" if w.load_seconds is not None else " no |")
+                 if plan.config.store_dir is not None else "") for w in plan.warm]
     lines += ["", f"## Candidates of {plan.policy}", "",
               "| buckets | graphs (all kept) | modelled s (all kept) | simulated s per eviction |", "|---|---|---|---|"]
     lines += [f"| {list(c.buckets)} | {c.graphs} | {_seconds(c.bound_seconds)} | "
