@@ -250,3 +250,24 @@ def test_plan_with_a_warm_store_loads_its_warm_set(tmp_path):
     assert warm.warm_load_seconds == len(warm.warm) * LOAD and warm.warm_compile_seconds == 0.0
     assert all(w["from_disk"] for w in warm.to_json()["warm"])
     assert all("from_disk" not in w and "load_seconds" not in w for w in cold.to_json()["warm"])
+
+
+# --- stalls ----------------------------------------------------------------------------------------
+
+def test_stalls_with_a_store_wait_for_loads_instead_of_compiles():
+    from attnpolicy.modelling.stalls import model_stalls
+
+    steps = list(BatchFormer(**FORMER).steps(requests(40)))
+    for mode in ("sync", "background"):
+        plain = model_stalls(steps, base(max_graphs=1, compile_mode=mode), MODEL, warm="prefix:3")
+        stored = model_stalls(steps, base(max_graphs=1, compile_mode=mode, store_dir="s", max_disk_bytes=1 << 20),
+                              MODEL, warm="prefix:3")
+        assert plain.store is None and "store" not in plain.to_json()
+        assert stored.store is not None and stored.store.loads > 0
+        assert stored.compiles + stored.store.loads == plain.compiles  # the same misses, fewer compiles
+        assert stored.compiles <= stored.distinct_keys  # each compiled once at most: the disk keeps them
+        if mode == "sync":  # each load stalls for its load seconds instead of a compile's
+            saved = stored.store.loads * (COMPILE - LOAD)
+            assert plain.stall_seconds - stored.stall_seconds == pytest.approx(saved, rel=1e-9)
+    warm = model_stalls(steps, base(max_graphs=1, store_dir="s", max_disk_bytes=1 << 20), MODEL, store_warm=True)
+    assert warm.compiles == 0 and warm.store.warm

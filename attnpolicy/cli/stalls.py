@@ -19,7 +19,7 @@ from attnpolicy.cli.common import (
     shown,
     str_list,
 )
-from attnpolicy.cli.simulate import cost_model, former_from, workload
+from attnpolicy.cli.simulate import add_store_args, cost_model, former_from, with_store, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
@@ -56,6 +56,7 @@ def register(subparsers: Any) -> None:
                         "--model', prefill-only batches (default: attention graphs)")
     s.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (default: derived from the cost model and the batch former)")
+    add_store_args(s)
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
 
 
@@ -69,6 +70,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
     former = former_from(args)
     base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
     check_model(base, model)
+    base = with_store(args, base, model)
     for warm in args.warm:
         try:
             warm_layouts([], warm)
@@ -79,7 +81,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
     total = len(args.policies) * len(args.capacities) * len(args.warm) * 2
     with progress(total, "stalls") as advance:
         rows = compare_stalls(steps, base, args.policies, args.capacities, args.warm, args.switch_after, model,
-                              progress=advance)
+                              progress=advance, store_warm=args.store_warm)
     print_stalls(f"modelled {len(requests)} requests of {args.trace} ({len(steps)} batches), cost model "
                  f"{model.impl}/{model.backend}, switch_after={rows[0].switch_after if rows else '-'}", rows)
     if args.json:
@@ -99,3 +101,10 @@ def print_stalls(title: str, rows: list[StallRow]) -> None:
                  for r in rows],
                 caption="compiles: warm-up keys + compiles after warm-up; total: run seconds (padding "
                         "included) + stalls, modelled; warm-up compiles are not in it")
+    stored = [r for r in rows if r.store is not None]
+    if stored:
+        print_table("graph store: misses after warm-up it served by a load instead of a compile",
+                    ("policy", "capacity", "warm", "mode", "compiles", "loads", "load s", "disk evictions"),
+                    [(r.policy, "∞" if r.capacity is None else r.capacity, r.warm, r.compile_mode, r.compiles,
+                      r.store.loads, r.store.load_seconds, r.store.disk_evictions)
+                     for r in stored if r.store is not None])

@@ -11,15 +11,18 @@ on one worker (compiles queue) and finishes at ``max(t, worker free) + compile
 seconds``; at its switch point the batch stalls for ``max(0, finish − now)``. The
 worker is assumed to run beside the batches without slowing them. Warm-up compiles
 before the first batch and is reported apart (``warmup_seconds``), not as a stall.
-See docs/simulate.md.
+With a graph store (``store_dir``, :mod:`attnpolicy.modelling.tiers`) a key on the
+modelled disk is loaded instead, for its load seconds, wherever it would compile:
+at warm-up, in the batch, on the worker. See docs/simulate.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from attnpolicy.cache.disk_mirror import DiskMirror
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
@@ -30,6 +33,7 @@ from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.modelling.simulation import SimulatedGraph, simulated
+from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option
 from attnpolicy.workloads.batching import Step
 
 #: ``warm`` values besides ``prefix:N``.
@@ -43,7 +47,9 @@ class StallRow:
     overheads and mask builds) plus ``stall_seconds`` (synchronous compiles and waits
     at switch points). ``compiles``/``compile_seconds`` count every compile after
     warm-up (synchronous and background); ``warm_keys``/``warmup_seconds`` are the
-    warm-up's. Stall percentiles are nearest-rank over all ``batches``."""
+    warm-up's. Stall percentiles are nearest-rank over all ``batches``. ``store`` (a
+    modelled graph store only, else not in the JSON): what it served after warm-up
+    (its loads are not in ``compiles``; warm-up's are in ``warmup_seconds``)."""
 
     policy: str
     capacity: int | None
@@ -68,9 +74,13 @@ class StallRow:
     pad_up_calls: int
     pad_up_tokens: int
     distinct_keys: int
+    store: StoreFigures | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.store is None:
+            del out["store"]
+        return out
 
 
 def warm_layouts(layouts: Sequence[BatchLayout], warm: str) -> list[BatchLayout]:
@@ -87,21 +97,49 @@ def warm_layouts(layouts: Sequence[BatchLayout], warm: str) -> list[BatchLayout]
 
 
 def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel | None = None,
-                 spec: TensorSpec | None = None, warm: str = WARM_NONE) -> StallRow:
+                 spec: TensorSpec | None = None, warm: str = WARM_NONE, store_warm: bool = False) -> StallRow:
     """Replay ``steps`` under ``config`` (its ``compile_mode`` and ``switch_after``)
-    on the modelled clock, after warming up as ``warm`` says (see :func:`warm_layouts`)."""
+    on the modelled clock, after warming up as ``warm`` says (see :func:`warm_layouts`);
+    over ``config``'s graph store if it has one (``store_warm``: filled by a first run)."""
     model = model or CostModel.default()
+    store = StoreModel.of(config, store_warm)
+    if store is None:
+        return _stalls(steps, config, model, spec, warm, None)[0]
+    disk = store.disk(model)
+    if store_warm:
+        _stalls(steps, config, model, spec, warm, disk)
+        disk.reset_counters()
+    row, loads, seconds = _stalls(steps, config, model, spec, warm, disk)
+    return replace(row, store=StoreFigures(store.max_disk_bytes, store.warm, disk.loads - loads,
+                                           disk.load_seconds - seconds, disk.evictions, disk.peak_bytes))
+
+
+def _stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+            spec: TensorSpec | None, warm: str, disk: DiskMirror | None) -> tuple[StallRow, int, float]:
+    """The row over ``disk`` (``None``: no store), and the loads and load seconds of its warm-up."""
     spec = spec or model.spec
     layouts = [s.layout if isinstance(s, Step) else s for s in steps]
     warm_set = warm_layouts(layouts, warm)
     inserted: list[GraphKey] = []
     cache: GraphCache[SimulatedGraph] = GraphCache.from_config(
         config, sizeof=model.graph_bytes, compile_cost=model.compile_cost,
-        on_compile=lambda key, seconds, nbytes: inserted.append(key))
+        on_compile=lambda key, seconds, nbytes: inserted.append(key),
+        eviction_options=reload_option(config.eviction, disk))
     costs = BatchCost(model, config.max_mask_bytes)
+
+    def fetch(key: GraphKey) -> tuple[float, bool]:
+        """The seconds that bring ``key`` in, and whether the disk served it."""
+        loaded = None if disk is None else disk.load(key)
+        if loaded is not None:
+            return loaded, True
+        if disk is not None:
+            disk.save(key)
+        return model.compile_seconds(key), False
+
     with Dispatcher(config, builder=simulated, cost_model=model, cache=cache) as dispatcher:
         warm_keys = dispatcher.warmup(warm_set, spec)
-        warmup_seconds = cache.stats().compile_seconds
+        warmed = [fetch(key) for key in inserted]
+        warmup_seconds = cache.stats().compile_seconds if disk is None else sum(s for s, _ in warmed)
         now = worker_free = 0.0
         finish: dict[GraphKey, float] = {}
         stalls: list[float] = []
@@ -120,18 +158,20 @@ def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, 
                 else:  # compiled in the batch (again, if evicted since its switch)
                     sync.append(key)
             for key in sync:
-                seconds = model.compile_seconds(key)
+                seconds, loaded = fetch(key)
                 t += seconds
-                compiles += 1
-                compile_seconds += seconds
+                if not loaded:
+                    compiles += 1
+                    compile_seconds += seconds
             for key, _ in dispatcher.pending():
                 if key not in before:  # requested in this batch: queued on the one worker
-                    seconds = model.compile_seconds(key)
+                    seconds, loaded = fetch(key)
                     worker_free = finish[key] = max(t, worker_free) + seconds
-                    compiles += 1
                     background += 1
-                    compile_seconds += seconds
                     background_seconds += seconds
+                    if not loaded:
+                        compiles += 1
+                        compile_seconds += seconds
             if t > now:
                 stalls.append(t - now)
             run = 0.0
@@ -149,7 +189,7 @@ def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, 
     stalls.sort()
     n = len(layouts)
     stall_total = sum(stalls)
-    return StallRow(
+    row = StallRow(
         policy=config.policy, capacity=config.max_graphs, eviction=config.eviction,
         compile_mode=config.compile_mode, switch_after=config.switch_after, warm=warm,
         warm_keys=len(warm_keys), warmup_seconds=warmup_seconds, batches=n,
@@ -160,12 +200,13 @@ def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, 
         background_compiles=background, background_compile_seconds=background_seconds,
         pad_up_calls=stats.background.pad_up_calls, pad_up_tokens=stats.background.pad_up_tokens,
         distinct_keys=len(keys))
+    return row, sum(loaded for _, loaded in warmed), sum(s for s, loaded in warmed if loaded)
 
 
 def compare_stalls(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, policies: Sequence[str],
                    capacities: Sequence[int | None], warm: Sequence[str], switch_after: int | None = None,
                    model: CostModel | None = None, spec: TensorSpec | None = None,
-                   progress: Callable[[str], None] | None = None) -> list[StallRow]:
+                   progress: Callable[[str], None] | None = None, store_warm: bool = False) -> list[StallRow]:
     """For each policy × capacity × warm set, the ``sync`` row then the
     ``background`` row (``switch_after``: default the base config's);
     ``progress(label)`` after each row."""
@@ -179,7 +220,7 @@ def compare_stalls(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, 
                         {**fields, "policy": policy, "policy_options": fields["policy_options"]
                          if policy == base.policy else {}, "max_graphs": capacity, "compile_mode": mode,
                          "switch_after": switch_after or base.switch_after})
-                    rows.append(model_stalls(steps, cfg, model, spec, warm_set))
+                    rows.append(model_stalls(steps, cfg, model, spec, warm_set, store_warm))
                     if progress:
                         progress(f"{policy} capacity={capacity} warm={warm_set} {mode}")
     return rows
