@@ -271,3 +271,33 @@ def test_stalls_with_a_store_wait_for_loads_instead_of_compiles():
             assert plain.stall_seconds - stored.stall_seconds == pytest.approx(saved, rel=1e-9)
     warm = model_stalls(steps, base(max_graphs=1, store_dir="s", max_disk_bytes=1 << 20), MODEL, store_warm=True)
     assert warm.compiles == 0 and warm.store.warm
+
+
+# --- the cost eviction of a real dispatcher over a store ------------------------------------------
+
+@pytest.mark.parametrize("drop_b", [False, True])
+def test_a_dispatcher_with_a_store_evicts_the_graph_that_reloads_cheapest(tmp_path, drop_b):
+    """Graphs a (16×16) then b (32×32), both stored; with b's artifact gone, a is the
+    cheap one to bring back (0.01 s against b's 1 s compile) and goes first; with both
+    on disk, the larger b goes, as without a store."""
+    import torch
+
+    from attnpolicy import BatchLayout, Dispatcher
+    from attnpolicy.graphs.keys import TensorSpec
+
+    model = MODEL.model_copy(update={"store_load": {f: Fit(base=0.01) for f in GraphFamily}})
+    config = base(backend="aot_eager", attn_impl="sdpa", max_graphs=2, eviction="cost", max_seq_len=64,
+                  store_dir=str(tmp_path))
+    spec_layouts = [BatchLayout.from_lens([n]) for n in (12, 30, 50)]
+    with Dispatcher(config, cost_model=model) as d:
+        keys = []
+        for i, layout in enumerate(spec_layouts):
+            q = torch.randn(layout.q_tokens, 2, 16)
+            (key,) = d.graph_keys_for(layout, TensorSpec("float32", 2, 2, 16))
+            keys.append(key)
+            if i == 2 and drop_b:
+                for path in (tmp_path / "objects").glob(f"{d.source.identity(keys[1]).digest()}.*"):
+                    path.unlink()
+            d.attend(q, q.clone(), q.clone(), layout)
+        a, b, _ = keys
+        assert (a in d.cache, b in d.cache) == ((False, True) if drop_b else (True, False))

@@ -329,6 +329,11 @@ class DiskStore:
                 pass
             self._remove(digest)
 
+    def holds(self, ident: ArtifactIdentity) -> bool:
+        """Whether an artifact of ``ident`` is on disk now (its manifest is there; not
+        verified, nothing counted): what the ``cost`` eviction asks before it chooses."""
+        return (self._objects / f"{ident.digest()}{_MANIFEST}").exists()
+
     # --- save -----------------------------------------------------------------------
 
     def save(self, ident: ArtifactIdentity, writer: Callable[[Path], None], suffix: str = ".bin") -> bool:

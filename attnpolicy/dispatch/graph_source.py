@@ -210,10 +210,9 @@ class GraphSource:
 
     def identity(self, key: GraphKey) -> ArtifactIdentity:
         """What makes the stored artifact of ``key`` valid (see docs/store.md)."""
-        code = kernel_hash(key.impl)
-        assert code is not None  # only stored keys have an identity
-        return ArtifactIdentity.for_graph(key, mechanism=aot.MECHANISM, code_hash=code,
-                                          config={"partition_len": self.config.partition_len})
+        ident = identity(self.config, key)
+        assert ident is not None  # only stored keys have an identity
+        return ident
 
     def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
         graph = self.build(call, key, spec)
@@ -276,17 +275,42 @@ def _aot_graph(compiled: Any, backend: str) -> CompiledGraph:
     return graph
 
 
+def identity(config: AttnPolicyConfig, key: GraphKey) -> ArtifactIdentity | None:
+    """What makes the stored artifact of ``key`` valid (see docs/store.md); ``None`` for
+    a kernel with no source to hash (its graphs are not stored)."""
+    code = kernel_hash(key.impl)
+    if code is None:
+        return None
+    return ArtifactIdentity.for_graph(key, mechanism=aot.MECHANISM, code_hash=code,
+                                      config={"partition_len": config.partition_len})
+
+
 def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) -> GraphCache[Any]:
     """The graph cache ``config`` describes, sized by graph footprints, reporting to
     ``observers``. ``eviction="cost"`` ranks graphs by *modelled* compile seconds, so
-    that every tensor-parallel rank evicts the same graphs (measured seconds differ)."""
-    compile_cost = None
+    that every tensor-parallel rank evicts the same graphs (measured seconds differ);
+    with a ``store_dir``, a graph whose artifact is in the store by its modelled load
+    seconds instead (what bringing it back costs)."""
+    compile_cost = options = None
     if config.eviction == "cost":
         from attnpolicy.graphs.costmodel import CostModel
 
-        compile_cost = (cost_model or CostModel.default()).compile_cost
-    return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost,
+        model = cost_model or CostModel.default()
+        compile_cost = model.compile_cost
+        if config.store_dir is not None:
+            model.require_store("of eviction 'cost' with a store_dir")
+            store = DiskStore(config.store_dir, config.max_disk_bytes)
+            options = {"reload": partial(_reload_seconds, store, config, model)}
+    return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost, eviction_options=options,
                                   on_compile=observers.on_compile, on_evict=observers.on_evict, release=release)
+
+
+def _reload_seconds(store: DiskStore, config: AttnPolicyConfig, model: Any, key: Any) -> float | None:
+    """The modelled load seconds of ``key`` when its artifact is in ``store``, else ``None``."""
+    if not isinstance(key, GraphKey) or not model.stored(key):
+        return None
+    ident = identity(config, key)
+    return model.load_seconds(key) if ident is not None and store.holds(ident) else None
 
 
 def count_violation(counters: Counters, error: BaseException) -> None:

@@ -139,6 +139,8 @@ class GraphPlan:
         ``load_seconds`` only when a store was planned with."""
         out = asdict(self)
         out["config"] = self.config.model_dump(mode="json")
+        out["policies"] = [{**d, "row": p.row.to_json(), "baselines": [b.to_json() for b in p.baselines]}
+                           for d, p in zip(out["policies"], self.policies)]
         store = self.config.store_dir is not None
         out["warm"] = [{**{k: v for k, v in asdict(w).items() if store or k != "load_seconds"},
                         "shape": w.shape.model_dump(mode="json"),
