@@ -6,6 +6,8 @@ backend, timed by the graph cache), then its call is timed through
 :func:`attnpolicy.graphs.execute.execute` on real tensors. Real lengths are three quarters of each bucket,
 so the timed calls pay a typical padding. The first compile in the process is timed
 too: what it pays over a later compile of its key is the model's ``warmup_seconds``.
+Each MASK shape's dense mask build is timed plain and under a sliding window
+(:func:`window`): ``mask_build`` and ``mask_build_window``.
 With ``store`` a few shapes per family (:func:`store_shapes`) are compiled ahead of
 time into a fresh :class:`~attnpolicy.cache.disk_store.DiskStore` by a dispatcher
 configured with it, then loaded back by fresh dispatchers: the load seconds and the
@@ -82,6 +84,11 @@ def pow2_sizes(sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
     if sizes is not None and (not sizes or any(n & (n - 1) for n in sizes)):
         raise ValueError("must be one or more powers of two")
     return sizes
+
+
+def window(kv_bucket: int) -> int:
+    """The sliding window the windowed mask builds are timed with: a quarter of the keys."""
+    return max(1, kv_bucket // 4)
 
 
 def _real(bucket: int) -> int:
@@ -189,7 +196,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
     first = warm_up(s.backend) if s.backend != "none" else 0.0
     try:
         with torch.inference_mode():
-            runs: list[tuple[GraphFamily, GraphKey, Callable[[], object], Callable[[], object] | None]] = []
+            runs: list[tuple[GraphFamily, GraphKey, Callable[[], object], tuple[Callable[[], object], ...]]] = []
             for kind, qb, kvb in grid:
                 layout = _layout(kind, qb, kvb)
                 tensors_ = tensors(layout)
@@ -197,27 +204,28 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                 (key,) = dispatchers[kind].graph_keys_for(layout, spec)
                 samples.append(Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len,
                                       seconds=compiled[key]))
-                build: Callable[[], object] | None = (
-                    partial(mask_for(layout).materialize, qb, kvb) if kind is GraphFamily.MASK else None)
+                build: tuple[Callable[[], object], ...] = ((partial(mask_for(layout).materialize, qb, kvb),
+                          partial(mask_for(layout, window(kvb)).materialize, qb, kvb))
+                         if kind is GraphFamily.MASK else ())
                 runs.append((kind, key, partial(execute, *tensors_, layout, graphs, dispatchers[kind].masks), build))
                 if progress:
                     progress(f"compiled {key}")
-            timed: list[tuple[list[float], list[float]]] = [([], []) for _ in runs]
+            timed: list[tuple[list[float], list[list[float]]]] = [([], [[] for _ in b]) for *_, b in runs]
             for r in range(s.repeats):
                 for (run_s, build_s), (_, _, run, build) in zip(timed, runs):
                     run_s += _run_seconds(run)[r == 0:]  # the first run caches its mask
-                    if build is not None:
-                        build_s += _run_seconds(build)
+                    for seconds, fn in zip(build_s, build):
+                        seconds += _run_seconds(fn)
                 if progress:
                     progress(f"timing round {r + 1}/{s.repeats}")
             overhead = _call_overhead(dispatchers[GraphFamily.CAUSAL], spec)
     finally:
         cache.clear()
     pick = min if s.statistic == "min" else statistics.fmean
-    for (kind, key, _, build), (run_s, build_s) in zip(runs, timed):
+    for (kind, key, *_), (run_s, build_s) in zip(runs, timed):
         samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=pick(run_s)))
-        if build is not None:
-            samples.append(Sample(what="mask_build", rows=key.q_len, cols=key.kv_len, seconds=pick(build_s)))
+        for what, seconds in zip(("mask_build", "mask_build_window"), build_s):
+            samples.append(Sample(what=what, rows=key.q_len, cols=key.kv_len, seconds=pick(seconds)))
     compile_fits = {kind: _fit(samples, "compile", kind) for kind in GraphFamily}
     tiers: dict[str, Any] = {}
     if s.store and s.backend != "none":
@@ -233,7 +241,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         threads=torch.get_num_threads(), torch_version=torch.__version__,
         run={kind: _fit(samples, "run", kind) for kind in GraphFamily},
         compile=compile_fits, warmup_seconds=max(0.0, first - compile_fits[GraphFamily.CAUSAL](16, 16)),
-        mask_build=_fit(samples, "mask_build", None),
+        mask_build=_fit(samples, "mask_build", None), mask_build_window=_fit(samples, "mask_build_window", None),
         call_overhead_seconds=overhead, samples=tuple(samples))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes
+from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes, store_shapes
 from attnpolicy.cli.common import (
     add_spec_args,
     check_output,
@@ -58,6 +58,9 @@ def register(subparsers: Any) -> None:
     c.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="with --model: process CPU seconds (stable on a loaded machine) or wall seconds "
                         "(default: cpu)")
+    c.add_argument("--no-store", action="store_true",
+                   help="skip saving and loading a few graphs per family through a graph store (the model then "
+                        "cannot model one: no store_load, store_bytes) (default: off)")
     c.add_argument("--kernels", action="store_true",
                    help="also time every registered kernel per family, for kernels 'auto' (default: off)")
 
@@ -72,19 +75,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
                  max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads,
                  kernels=args.kernels, sizes=tuple(args.sizes) if args.sizes else None,
-                 statistic=args.statistic)
-    with progress(len(shapes(s)) + s.repeats, "calibrate") as advance:
+                 statistic=args.statistic, store=not args.no_store)
+    stored = len(store_shapes(s)) if s.store and s.backend != "none" else 0
+    with progress(len(shapes(s)) + s.repeats + stored, "calibrate") as advance:
         model = calibrate(s, advance)
     path = model.save(args.out)
     rows = []
     for x in model.samples:
-        fit = model.mask_build if x.what == "mask_build" else getattr(model, x.what)[x.kind]
+        fit = getattr(model, x.what) if x.kind is None else getattr(model, x.what)[x.kind]
         predicted = fit(x.rows, x.cols)
-        rows.append((x.what, x.kind or "", x.rows, x.cols, x.seconds * 1e3, predicted * 1e3,
+        unit = 1.0 if x.what == "store_bytes" else 1e3
+        rows.append((x.what, x.kind or "", x.rows, x.cols, x.seconds * unit, predicted * unit,
                      predicted / x.seconds if x.seconds else None))
     print_table(f"cost model, {model.impl}/{model.backend}, {model.dtype}, H={model.heads}/{model.kv_heads} "
                 f"D={model.head_dim}, {model.threads} thread(s)",
-                ("what", "kind", "rows", "cols", "measured ms", "model ms", "model/measured"), rows)
+                ("what", "kind", "rows", "cols", "measured ms", "model ms", "model/measured"), rows,
+                caption="store_bytes: bytes on disk, not ms")
     console.print(f"dispatch overhead per call: {model.call_overhead_seconds * 1e6:.1f} µs; the first compile "
                   f"in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); wrote {path}")
     return 0

@@ -4,8 +4,9 @@ One call costs its graph's run seconds (or, run uncompiled past the largest buck
 its shape's) plus the dispatch overhead; a MASK call also costs the build of its
 dense mask when the dispatcher's mask cache does not hold it. :class:`MaskMirror`
 is that cache without the masks: the same byte bound and the same key
-(:func:`~attnpolicy.kernels.masks.mask_key`), so every model counts the builds the
-dispatcher makes. Simulation, stall modelling (and the planner through simulation)
+(:func:`~attnpolicy.kernels.masks.mask_key`, the sliding window included), so every
+model counts the builds the dispatcher makes; a windowed build is priced by the
+cost model's ``mask_build_window``. Simulation, stall modelling (and the planner through simulation)
 cost batches with :class:`BatchCost`; the cost-aware policy prices its options with
 a :class:`MaskMirror` per shadow.
 """
@@ -27,10 +28,11 @@ class MaskNeed:
 
     __slots__ = ("key", "nbytes", "seconds")
 
-    def __init__(self, layout: BatchLayout, rows: int, cols: int, device: object, model: CostModel) -> None:
-        self.key = mask_key(layout, rows, cols, device)
+    def __init__(self, layout: BatchLayout, rows: int, cols: int, device: object, model: CostModel,
+                 window: int | None = None) -> None:
+        self.key = mask_key(layout, rows, cols, device, window)
         self.nbytes = rows * cols
-        self.seconds = model.mask_build_seconds(rows, cols)
+        self.seconds = model.mask_build_seconds(rows, cols, window)
 
 
 class MaskMirror:
@@ -75,13 +77,15 @@ class BatchCost:
             return self.model.run_seconds(key) + self._overhead
         return self.model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + self._overhead
 
-    def mask_seconds(self, layout: BatchLayout, call: Call, device: object) -> float | None:
-        """Build seconds of ``call``'s dense mask on ``device`` when it is a MASK call whose
-        mask the cache does not hold (None: nothing is built); records the use."""
+    def mask_seconds(self, layout: BatchLayout, call: Call, device: object,
+                     window: int | None = None) -> float | None:
+        """Build seconds of ``call``'s dense mask on ``device`` (under a sliding ``window``)
+        when it is a MASK call whose mask the cache does not hold (None: nothing is
+        built); records the use."""
         if call.family is not GraphFamily.MASK:
             return None
         rows, cols = call.q_bucket, call.kv_bucket
-        key = mask_key(layout, rows, cols, device)
-        built = None if self.masks.held(key) else self.model.mask_build_seconds(rows, cols)
+        key = mask_key(layout, rows, cols, device, window)
+        built = None if self.masks.held(key) else self.model.mask_build_seconds(rows, cols, window)
         self.masks.use(key, rows * cols)
         return built

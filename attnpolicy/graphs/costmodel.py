@@ -12,7 +12,10 @@ compile backend it was calibrated with (``attnpolicy calibrate``, see
 - ``warmup_seconds``: what the first compile in a process pays on top of its key's
   ``compile`` seconds (the backend's one-off start-up: Dynamo, AOTAutograd), charged
   once per backend by :meth:`CostModel.warmup_cost`;
-- ``mask_build``: seconds to build a dense ``rows × cols`` mask on the host;
+- ``mask_build``: seconds to build a dense ``rows × cols`` mask on the host, and
+  ``mask_build_window`` the same under a sliding window (each sequence's block is
+  banded: one more pass over it; absent from models calibrated before it, which
+  price a windowed build as ``mask_build``);
 - ``call_overhead_seconds``: the dispatcher's own cost per call (decision, plan,
   cache lookup) on a cache hit;
 - ``store_load[family]``: seconds to load one graph of a key from a graph store
@@ -116,7 +119,7 @@ class Sample(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    what: Literal["run", "compile", "mask_build", "store_load", "store_bytes"]
+    what: Literal["run", "compile", "mask_build", "mask_build_window", "store_load", "store_bytes"]
     kind: GraphFamily | None = None
     rows: Positive
     cols: Positive
@@ -145,6 +148,8 @@ class CostModel(BaseModel):
     run: dict[GraphFamily, Fit]
     compile: dict[GraphFamily, Fit]
     mask_build: Fit
+    #: seconds to build a dense mask under a sliding window (``None``: as ``mask_build``)
+    mask_build_window: Fit | None = None
     warmup_seconds: NonNegative = 0.0
     call_overhead_seconds: NonNegative = 0.0
     samples: tuple[Sample, ...] = ()
@@ -225,8 +230,11 @@ class CostModel(BaseModel):
         nothing and pays none)."""
         return self.warmup_seconds * len({key.backend for key in compiled} - {"none"})
 
-    def mask_build_seconds(self, rows: int, cols: int) -> float:
-        """Seconds to build a dense ``rows × cols`` mask on the host."""
+    def mask_build_seconds(self, rows: int, cols: int, window: int | None = None) -> float:
+        """Seconds to build a dense ``rows × cols`` mask on the host (under a sliding
+        ``window``: ``mask_build_window``'s, when calibrated)."""
+        if window is not None and self.mask_build_window is not None:
+            return self.mask_build_window(rows, cols)
         return self.mask_build(rows, cols)
 
     @staticmethod

@@ -205,7 +205,7 @@ def _dispatched(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, m
             else:  # longer than the largest bucket: runs uncompiled (on_overflow="eager")
                 out.overflow_calls += 1
             seconds += costs.call_seconds(call, key)
-            build = costs.mask_seconds(layout, call, spec.device)
+            build = costs.mask_seconds(layout, call, spec.device, spec.features.window)
             if build is not None:
                 out.mask_builds += 1
                 out.mask_build_seconds += build

@@ -180,7 +180,7 @@ def _stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model
                 if graph_key is not None:
                     keys.add(graph_key)
                 run += costs.call_seconds(call, graph_key)
-                build = costs.mask_seconds(layout, call, spec.device)
+                build = costs.mask_seconds(layout, call, spec.device, spec.features.window)
                 if build is not None:
                     run += build
             attention += run

@@ -247,7 +247,7 @@ class CallTable:
         rank[order] = np.arange(order.size)
         first = rows[first_at[order]]
         sizes = [int(qb[r]) * int(kvb[r]) for r in first]
-        costs = [self.model.mask_build_seconds(int(qb[r]), int(kvb[r])) for r in first]
+        costs = [self.model.mask_build_seconds(int(qb[r]), int(kvb[r]), self.spec.features.window) for r in first]
         stats = replay_stream(rank[inverse].tolist(), sizes, costs, max_bytes=config.max_mask_bytes,
                               oversize="uncached")
         return stats.misses, stats.compile_seconds
