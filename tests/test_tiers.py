@@ -301,3 +301,18 @@ def test_a_dispatcher_with_a_store_evicts_the_graph_that_reloads_cheapest(tmp_pa
             d.attend(q, q.clone(), q.clone(), layout)
         a, b, _ = keys
         assert (a in d.cache, b in d.cache) == ((False, True) if drop_b else (True, False))
+
+
+def test_plan_cli_with_a_warm_store_says_which_graphs_come_from_disk(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:15:{i:02d}.0,{10 + 29 * i % 90},2\n" for i in range(30)))
+    out = tmp_path / "plan"
+    assert main(["plan", "--trace", str(trace), "--policies", "varlen", "--max-graphs", "4", "--out", str(out),
+                 "--store-bytes", "1MiB", "--store-warm"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["config"]["store_dir"] == "attnpolicy_store" and plan["config"]["max_disk_bytes"] == 1 << 20
+    assert plan["warm"] and all(w["from_disk"] and w["load_seconds"] > 0 for w in plan["warm"])
+    assert "from disk (load s)" in (out / "plan.md").read_text()
+    row = plan["policies"][0]["row"]
+    assert row["store"]["max_disk_bytes"] == 1 << 20
