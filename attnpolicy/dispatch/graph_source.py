@@ -192,13 +192,18 @@ class GraphSource:
     def _timed_load(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | None:
         """The graph of ``key`` from the store (``None``: not there or not valid); its
         wall seconds stall the batch being fetched, as a build's do."""
-        assert self.store is not None  # only stored keys are loaded
         start = perf_counter()
         try:
-            loaded = self.store.load(self.identity(key), aot.load_graph)
-            return None if loaded is None else _aot_graph(loaded, key.backend)
+            return self.load(key)
         finally:
             self.stall += perf_counter() - start
+
+    def load(self, key: GraphKey) -> CompiledGraph | None:
+        """The graph of stored ``key`` from the store (``None``: not there or not valid);
+        no dispatcher state touched: also runs in the background worker."""
+        assert self.store is not None  # only stored keys are loaded
+        loaded = self.store.load(self.identity(key), aot.load_graph)
+        return None if loaded is None else _aot_graph(loaded, key.backend)
 
     def stored(self, key: GraphKey) -> bool:
         """Whether the graph of ``key`` goes through the store: a store is configured, the
@@ -280,13 +285,17 @@ def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) 
     """The graph cache ``config`` describes, sized by graph footprints, reporting to
     ``observers``. ``eviction="cost"`` ranks graphs by *modelled* compile seconds, so
     that every tensor-parallel rank evicts the same graphs (measured seconds differ)."""
-    compile_cost = None
-    if config.eviction == "cost":
-        from attnpolicy.graphs.costmodel import CostModel
-
-        compile_cost = (cost_model or CostModel.default()).compile_cost
-    return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost,
+    return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost_of(config, cost_model),
                                   on_compile=observers.on_compile, on_evict=observers.on_evict, release=release)
+
+
+def compile_cost_of(config: AttnPolicyConfig, cost_model: Any) -> Callable[[Any, float], float] | None:
+    """The cache's ``compile_cost`` for ``config``: the modelled one under ``eviction="cost"``."""
+    if config.eviction != "cost":
+        return None
+    from attnpolicy.graphs.costmodel import CostModel
+
+    return cast(Callable[[Any, float], float], (cost_model or CostModel.default()).compile_cost)
 
 
 def count_violation(counters: Counters, error: BaseException) -> None:
