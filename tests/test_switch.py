@@ -1,0 +1,254 @@
+"""Dispatcher.switch_to: a re-planned config applied at a batch boundary once its warm
+set is built in the background; exact outputs throughout, no foreground compile."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from reference import reference_for
+
+from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.errors import ConfigError, GraphCompileError
+from attnpolicy.graphs.execute import graph_fn
+from attnpolicy.graphs.keys import TensorSpec
+
+SPEC = TensorSpec("float32", 2, 2, 16)
+LAYOUTS = [BatchLayout.from_lens(lens) for lens in ([20, 50], [100], [200, 10], [30], [7, 120, 3])]
+
+
+def _causal(*sizes: int) -> list[dict[str, object]]:
+    return [{"family": "causal", "q_bucket": n, "kv_bucket": n} for n in sizes]
+
+
+def _with(config: AttnPolicyConfig, **fields: object) -> AttnPolicyConfig:
+    return AttnPolicyConfig.model_validate({**config.model_dump(mode="json"), **fields})
+
+
+def _sizes(*sizes: int) -> dict[str, object]:
+    return {"kind": "list", "sizes": list(sizes)}
+
+
+OLD = AttnPolicyConfig(backend="eager", max_seq_len=256, max_graphs=4, buckets=_sizes(64, 256),
+                       warmup=_causal(64, 256))
+NEW = _with(OLD, buckets=_sizes(32, 128, 256), warmup=_causal(32, 128, 256), eviction="lfu", strict="warn")
+
+
+class Builder:
+    """Builds uncompiled graphs, recording the thread of every build; builds in a worker
+    thread wait for ``gate`` (so a switch stays pending until the test opens it)."""
+
+    def __init__(self, fail: int | None = None) -> None:
+        self.builds: list[tuple[bool, str]] = []  # (in the main thread, key)
+        self.gate = threading.Event()
+        self.fail = fail  # a q bucket whose build raises in the worker
+
+    def __call__(self, call, key, spec):
+        main = threading.current_thread() is threading.main_thread()
+        self.builds.append((main, str(key)))
+        if not main:
+            assert self.gate.wait(30)
+            if key.q_len == self.fail:
+                raise RuntimeError(f"no graph for {key.q_len}")
+        return graph_fn(call, key.impl, spec.scale, None)
+
+    def foreground(self) -> int:
+        return sum(main for main, _ in self.builds)
+
+
+def _qkv(layout: BatchLayout, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(n, 2, 16, generator=g) for n in (layout.q_tokens, layout.kv_tokens, layout.kv_tokens))
+
+
+def _serve(d: Dispatcher, seed: int = 0) -> None:
+    """Every layout of LAYOUTS once, each output checked against the float64 reference."""
+    for i, layout in enumerate(LAYOUTS):
+        q, k, v = _qkv(layout, seed + i)
+        out = d.attend(q, k, v, layout)
+        torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+
+
+def _built(d: Dispatcher) -> None:
+    """Wait until the pending switch's graphs are built (the test's side, not a batch's)."""
+    for future in d.switcher.target.builds.values():
+        future.exception()
+
+
+def _warm(config: AttnPolicyConfig = OLD, builder: Builder | None = None, **fields) -> tuple[Dispatcher, Builder]:
+    builder = builder or Builder()
+    d = Dispatcher(_with(config, **fields) if fields else config, builder=builder)
+    _serve(d)  # warms the old warm set at the first attend, then serves from it
+    return d, builder
+
+
+def _keys(d: Dispatcher, config: AttnPolicyConfig) -> set[str]:
+    from attnpolicy.dispatch.batch_plan import warm_call
+
+    return {str(d.planner.key_for(*warm_call(w), SPEC)) for w in config.warmup}
+
+
+def test_outputs_stay_exact_and_no_batch_compiles_through_a_switch(caplog):
+    caplog.set_level(logging.INFO, logger="attnpolicy.dispatch")
+    d, builder = _warm()
+    before = builder.foreground()
+    assert before == 2 and d.stats().cache.compiles == 2  # the old warm set, at the first attend
+    keys = d.switch_to(NEW)
+    assert sorted(map(str, keys)) == sorted(_keys(d, NEW) - _keys(d, OLD))  # 256 is cached: not rebuilt
+    for round_ in range(3):  # the switch set is still building: the old config serves
+        _serve(d, seed=10 * round_)
+    s = d.stats().switch
+    assert d.config == OLD and s.pending == 1 and s.switches == 0 and s.batches == 3 * len(LAYOUTS)
+    builder.gate.set()
+    _built(d)
+    assert d.config == OLD  # applied at the next batch boundary, not before
+    _serve(d, seed=100)
+    s = d.stats()
+    assert d.config == NEW and d.cache.eviction == "lfu"
+    assert s.switch.switches == 1 and s.switch.pending == 0 and s.switch.compiled == len(keys) == 2
+    assert s.switch.loaded == 0 and s.switch.batches == 3 * len(LAYOUTS)
+    assert builder.foreground() == before  # no batch compiled, before, during or after the switch
+    assert sum(not main for main, _ in builder.builds) == 2
+    assert s.stalls.stalled == 0
+    assert _keys(d, NEW) <= set(map(str, d.cache.keys()))
+    # the new buckets plan the batches after the switch
+    assert {c.q_bucket for c, _ in d.prepare(BatchLayout.from_lens([20]), SPEC)} == {32}
+    assert caplog.text.count("attnpolicy: switched from policy varlen") == 1
+    assert "2 compiled and 0 loaded from the store in the background" in caplog.text
+    d.close()
+
+
+def test_the_new_warm_set_is_made_room_for_in_a_full_cache():
+    """Old graphs fill the cache and are used far more often (LFU would evict a fresh
+    graph first): the switch evicts graphs outside the new warm set to make room."""
+    d, builder = _warm(OLD, max_graphs=3, eviction="lfu", buckets=_sizes(64, 160, 256))
+    for _ in range(4):
+        _serve(d)
+    assert len(d.cache) == 3 and builder.foreground() == 3  # the old warm set, and 160 at its first use
+    d.switch_to(_with(NEW, max_graphs=3))
+    builder.gate.set()
+    _built(d)
+    _serve(d)
+    assert d.stats().switch.switches == 1
+    assert set(map(str, d.cache.keys())) == _keys(d, NEW)
+    assert builder.foreground() == 3
+
+
+def test_a_switch_changes_the_policy_and_keeps_counting():
+    d, builder = _warm()
+    before = d.stats()
+    assert before.guard_fallbacks == 0
+    d.switch_to(_with(OLD, policy="always-causal"))
+    _serve(d)  # nothing to build: applied at the first batch
+    s = d.stats()
+    assert s.switch.switches == 1 and s.switch.compiled == 0 and d.guard.policy_name == "always-causal"
+    assert s.guard_fallbacks == len(LAYOUTS) - 2  # packed batches are no causal call: varlen
+    assert s.modes["causal"] == before.modes["causal"] + 2
+    assert builder.foreground() == 2
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"backend": "aot_eager"}, r"backend='aot_eager' differs from the running config's 'eager'"),
+    ({"max_graphs": 8}, r"max_graphs=8 differs"),
+    ({"max_seq_len": 512}, r"max_seq_len=512 differs"),
+    ({"policy": "no-such-policy"}, r"policy='no-such-policy'"),
+    ({"policy": "dynamic", "policy_options": {"no_such_option": 1}}, r"policy_options="),
+    ({"eviction": "no-such-eviction"}, r"eviction='no-such-eviction'"),
+])
+def test_an_invalid_switch_raises_before_any_work_and_changes_nothing(fields, match):
+    d, builder = _warm()
+    keys, builds = sorted(map(str, d.cache.keys())), list(builder.builds)
+    bad = _with(OLD, **fields)
+    with pytest.raises(ConfigError, match=match):
+        d.switch_to(bad)
+    assert d.config is OLD and d.switcher.target is None and not d.switcher.busy
+    assert builder.builds == builds and sorted(map(str, d.cache.keys())) == keys
+    assert d.stats().switch.requested == 0
+    _serve(d)
+    assert d.config is OLD
+
+
+def test_a_warm_set_that_cannot_stay_resident_for_every_spec_served_is_refused():
+    d, builder = _warm()
+    other = TensorSpec("float32", 2, 2, 8)
+    d.warmup(other)  # two specs served: 4 warm graphs within max_graphs=4
+    builds = list(builder.builds)
+    with pytest.raises(ConfigError, match=r"the warm set of 3 graphs for tensors of .* and 3 warmed for other "
+                                          r"specs exceeds max_graphs=4"):
+        d.switch_to(NEW)
+    assert d.switcher.target is None and builder.builds == builds
+    assert len(d.switch_to(NEW, specs=[SPEC])) == 2  # for one of them it fits
+
+
+def test_a_warm_set_with_no_spec_served_needs_specs():
+    d = Dispatcher(OLD, builder=Builder())
+    with pytest.raises(ConfigError, match=r"no tensor spec yet: pass specs"):
+        d.switch_to(NEW)
+    builder = Builder()
+    d = Dispatcher(OLD, builder=builder)
+    assert len(d.switch_to(NEW, specs=[SPEC])) == 3  # nothing cached yet
+    builder.gate.set()
+    _built(d)
+    _serve(d)  # the first attend warms the running config's warm set, then the switch applies
+    assert d.config == NEW and builder.foreground() == 2 and d.stats().switch.compiled == 2
+
+
+def test_a_request_while_one_is_pending_replaces_it():
+    d, builder = _warm()
+    first = d.switch_to(NEW)
+    newer = _with(NEW, buckets=_sizes(32, 256), warmup=_causal(32, 256), eviction="lru")
+    assert d.switch_to(newer) == first[:1]  # the build of 32 is kept, 128 is dropped
+    assert d.switch_to(newer) == first[:1]  # the same request again changes nothing
+    _serve(d)
+    builder.gate.set()
+    _built(d)
+    _serve(d)
+    s = d.stats().switch
+    assert d.config == newer and s.requested == 2 and s.replaced == 1 and s.switches == 1
+    assert s.compiled == 1 and not any("q128" in str(key) for key in d.cache.keys())
+    assert builder.foreground() == 2
+    # a request for the running config drops a pending switch
+    d.switch_to(NEW)
+    assert d.switch_to(newer) == () and d.switcher.target is None
+    _serve(d)
+    assert d.config == newer and d.stats().switch.replaced == 2
+    d.close()
+
+
+@pytest.mark.parametrize("on_compile_error", ["eager", "raise"])
+def test_a_failed_build_drops_the_switch(on_compile_error, caplog):
+    caplog.set_level(logging.WARNING, logger="attnpolicy.dispatch")
+    d, builder = _warm(OLD, Builder(fail=128), on_compile_error=on_compile_error)
+    running = d.config
+    d.switch_to(_with(NEW, on_compile_error=on_compile_error))
+    builder.gate.set()
+    _built(d)
+    layout = LAYOUTS[0]
+    q, k, v = _qkv(layout, 0)
+    if on_compile_error == "raise":
+        with pytest.raises(GraphCompileError, match=r"switch set failed: RuntimeError: no graph for 128"):
+            d.attend(q, k, v, layout)
+    _serve(d)
+    s = d.stats().switch
+    assert d.config is running and s.failed == 1 and s.switches == 0 and s.pending == 0
+    assert "the switch to policy varlen, buckets list(sizes=[32, 128, 256]) was dropped" in caplog.text
+    assert builder.foreground() == 2
+
+
+def test_a_stored_switch_set_is_loaded_not_compiled(tmp_path):
+    store = {"backend": "aot_eager", "store_dir": str(tmp_path)}
+    old, new = _with(OLD, **store), _with(NEW, **store)
+    with Dispatcher(new) as first:  # compiles the new warm set ahead of time into the store
+        _serve(first)
+    d = Dispatcher(old)
+    _serve(d)
+    compiles = d.stats().cache.compiles
+    keys = d.switch_to(new)
+    _built(d)
+    _serve(d)
+    s = d.stats()
+    assert s.switch.switches == 1 and s.switch.loaded == len(keys) == 2 and s.switch.compiled == 0
+    assert s.cache.compiles == compiles
+    d.close()
