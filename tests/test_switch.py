@@ -252,3 +252,47 @@ def test_a_stored_switch_set_is_loaded_not_compiled(tmp_path):
     assert s.switch.switches == 1 and s.switch.loaded == len(keys) == 2 and s.switch.compiled == 0
     assert s.cache.compiles == compiles
     d.close()
+
+
+def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog):
+    """A trace whose prompts grow tenfold halfway, run on a plan fitted to its first
+    half: the drift measured on the second half triggers a switch, whose graphs build
+    in the background; every output stays within the float64 reference's tolerance."""
+    import json
+
+    from attnpolicy.cli import main
+    from attnpolicy.graphs.costmodel import CostModel
+    from attnpolicy.modelling.simulation import simulation_config
+    from attnpolicy.planning.graph_set import plan_graphs
+    from attnpolicy.workloads.batching import BatchFormer
+    from attnpolicy.workloads.traces import load_trace
+
+    caplog.set_level(logging.INFO, logger="attnpolicy.dispatch")
+    former = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 1024}
+    short = [(i, 30 + 7 * i) for i in range(12)]
+    long = [(100 + i, 600 + 29 * i) for i in range(12)]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:{t // 60:02d}:{t % 60:02d}.0000000,{n},3\n" for t, n in short + long))
+    model = CostModel.default()
+    steps = [s.layout for s in BatchFormer(**former).steps(load_trace(trace))]
+    assert max(steps[9].kv_lens) < 300 < max(steps[19].kv_lens)  # the lengths change at batch 10
+    old = plan_graphs(steps[:10], simulation_config(model, BatchFormer(**former), max_graphs=4, backend="eager"),
+                      model, ["varlen"], max_buckets=4).config
+    old.save(tmp_path / "plan")
+    out = tmp_path / "run.json"
+    assert main(["run", "--config", str(tmp_path / "plan"), "--trace", str(trace), "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "256", "--max-seq-len", "1024", "--heads", "2", "--kv-heads", "2",
+                 "--head-dim", "16", "--backend", "eager", "--check", "--replan-every", "10",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    checks = data["replan"]["checks"]
+    assert data["passed"] and data["max_abs_err"] < 1e-4
+    assert checks[0]["batch"] == 10 and checks[0]["drift"] < 0.1 and checks[0]["switch"] is None  # the first half
+    switched = [c for c in checks if c["switch"] is not None]
+    assert switched and switched[0]["batch"] == 20 and switched[0]["drift"] > 0.1  # the second half
+    s = data["switch"]
+    assert s["requested"] == len(switched) and s["switches"] >= 1 and s["pending"] <= 1
+    assert s["compiled"] + s["loaded"] > 0 and s["failed"] == 0
+    assert data["config"] == old.model_dump(mode="json")  # the config the run began with
+    assert f"attnpolicy: switched from policy varlen, buckets {old.buckets.describe()}" in caplog.text

@@ -140,6 +140,11 @@ class Switcher:
         d.counters.switch_requested += 1
         return tuple(builds)
 
+    @property
+    def config(self) -> AttnPolicyConfig | None:
+        """The config of the pending switch (``None``: none pending)."""
+        return None if self.target is None else self.target.config
+
     def worker(self, d: Dispatcher) -> Worker:
         if self._worker is None:
             self._worker = Worker(d.source)
