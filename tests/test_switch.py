@@ -120,6 +120,20 @@ def test_outputs_stay_exact_and_no_batch_compiles_through_a_switch(caplog):
     d.close()
 
 
+def test_a_background_mode_dispatcher_switches_too():
+    d, builder = _warm(OLD, compile_mode="background", switch_after=2)
+    new = _with(NEW, compile_mode="background", switch_after=2)
+    d.switch_to(new)
+    _serve(d)
+    builder.gate.set()
+    _built(d)
+    _serve(d)
+    s = d.stats()
+    assert d.config == new and d.background.config == new and d.source.config == new
+    assert s.switch.switches == 1 and s.background.requested == 0 and builder.foreground() == 2
+    d.close()
+
+
 def test_the_new_warm_set_is_made_room_for_in_a_full_cache():
     """Old graphs fill the cache and are used far more often (LFU would evict a fresh
     graph first): the switch evicts graphs outside the new warm set to make room."""

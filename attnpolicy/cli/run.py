@@ -167,9 +167,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                  ("strict violations", result.strict_violations)]
     if replanner is not None:
         sw = result.switch or {}
+        asked = " / ".join(str(sw[n]) for n in ("requested", "replaced", "switches"))
         drifts = ", ".join(f"{c.drift:.3g}" for c in replanner.checks) or "none"
         rows += [("re-plan drift checks", f"{len(replanner.checks)} ({drifts})"),
-                 ("switches (graphs compiled / loaded)", f"{sw['switches']} ({sw['compiled']} / {sw['loaded']})"),
+                 ("switches requested / replaced / applied", asked),
+                 ("switch graphs compiled / loaded", f"{sw['compiled']} / {sw['loaded']}"),
                  ("batches served during switches", sw["batches"])]
     if result.max_abs_err is not None:
         rows += [("max abs err", result.max_abs_err),
