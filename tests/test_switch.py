@@ -8,7 +8,10 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import reference_for
+from strategies import layouts
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.errors import ConfigError, GraphCompileError
@@ -132,6 +135,39 @@ def test_a_background_mode_dispatcher_switches_too():
     assert d.config == new and d.background.config == new and d.source.config == new
     assert s.switch.switches == 1 and s.background.requested == 0 and builder.foreground() == 2
     d.close()
+
+
+POLICIES = ("varlen", "dynamic", "always-mask")
+
+
+@settings(max_examples=15)
+@given(data=st.data(), old_policy=st.sampled_from(POLICIES), new_policy=st.sampled_from(POLICIES),
+       sizes=st.sampled_from([(64, 512), (32, 128, 512), (100, 200, 300, 512)]), at=st.integers(0, 4),
+       eviction=st.sampled_from(["lru", "lfu", "fifo", "cost"]), capacity=st.sampled_from([None, 3, 6]))
+def test_outputs_match_the_reference_through_a_switch_whatever_the_configs(data, old_policy, new_policy, sizes,
+                                                                           at, eviction, capacity):
+    """Random batches, a switch requested at batch ``at`` to random buckets, policy and
+    eviction: every output is the per-sequence reference, and once its graphs are built
+    the switch applies at the next batch."""
+    batches = data.draw(st.lists(layouts(max_seqs=3), min_size=5, max_size=8))
+    tensors = [_qkv(layout, seed) for seed, layout in enumerate(batches)]
+    old = AttnPolicyConfig(backend="eager", policy=old_policy, max_seq_len=512, max_batch_tokens=2048,
+                           max_graphs=capacity, warmup=_causal(512), on_overflow="eager")
+    new = _with(old, policy=new_policy, buckets=_sizes(*sizes), eviction=eviction,
+                warmup=_causal(*sizes[-min(len(sizes), capacity or 3):]))
+    builder = Builder()
+    builder.gate.set()
+    with Dispatcher(old, builder=builder) as d:
+        for i, (layout, (q, k, v)) in enumerate(zip(batches, tensors)):
+            if i == at:
+                d.switch_to(new, specs=[SPEC])
+            out = d.attend(q, k, v, layout)
+            torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+        if d.switcher.target is not None:
+            _built(d)
+        q, k, v = tensors[0]
+        d.attend(q, k, v, batches[0])
+        assert d.config == new and d.stats().switch.switches == 1
 
 
 def test_the_new_warm_set_is_made_room_for_in_a_full_cache():
