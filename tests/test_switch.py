@@ -147,8 +147,8 @@ POLICIES = ("varlen", "dynamic", "always-mask")
 def test_outputs_match_the_reference_through_a_switch_whatever_the_configs(data, old_policy, new_policy, sizes,
                                                                            at, eviction, capacity):
     """Random batches, a switch requested at batch ``at`` to random buckets, policy and
-    eviction: every output is the per-sequence reference, and once its graphs are built
-    the switch applies at the next batch."""
+    eviction: every output is the per-sequence reference, and the switch applies once
+    its graphs are built."""
     batches = data.draw(st.lists(layouts(max_seqs=3), min_size=5, max_size=8))
     tensors = [_qkv(layout, seed) for seed, layout in enumerate(batches)]
     old = AttnPolicyConfig(backend="eager", policy=old_policy, max_seq_len=512, max_batch_tokens=2048,
@@ -163,10 +163,11 @@ def test_outputs_match_the_reference_through_a_switch_whatever_the_configs(data,
                 d.switch_to(new, specs=[SPEC])
             out = d.attend(q, k, v, layout)
             torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
-        if d.switcher.target is not None:
-            _built(d)
         q, k, v = tensors[0]
-        d.attend(q, k, v, batches[0])
+        for _ in range(len(new.warmup) + 1):  # a warm graph cached at the request and evicted since is built too
+            if d.switcher.target is not None:
+                _built(d)
+            d.attend(q, k, v, batches[0])
         assert d.config == new and d.stats().switch.switches == 1
 
 
@@ -184,6 +185,28 @@ def test_the_new_warm_set_is_made_room_for_in_a_full_cache():
     assert d.stats().switch.switches == 1
     assert set(map(str, d.cache.keys())) == _keys(d, NEW)
     assert builder.foreground() == 3
+
+
+def test_a_warm_graph_evicted_while_the_switch_is_pending_is_built_before_it_applies():
+    builder = Builder()
+    d = Dispatcher(_with(OLD, max_graphs=2, buckets=_sizes(64, 160, 256)), builder=builder)
+    d.warmup(SPEC)
+    assert d.switch_to(_with(NEW, max_graphs=2, warmup=_causal(32, 256))) == d.switch_to(
+        _with(NEW, max_graphs=2, warmup=_causal(32, 256)))  # builds 32 only: 256 is cached
+    layout = BatchLayout.from_lens([60])
+    d.attend(*_qkv(layout, 0), layout)  # 64 used last: 256 is the next victim
+    layout = BatchLayout.from_lens([150])
+    d.attend(*_qkv(layout, 0), layout)  # compiles 160 (the running config's own miss), evicting 256
+    assert builder.foreground() == 3 and not any("q256" in str(key) for key in d.cache.keys())
+    builder.gate.set()
+    _built(d)
+    d.attend(*_qkv(layout, 0), layout)  # 256 is missing: built first, the switch waits
+    assert d.stats().switch.switches == 0 and len(d.switcher.target.builds) == 2
+    _built(d)
+    d.attend(*_qkv(layout, 0), layout)
+    s = d.stats().switch
+    assert s.switches == 1 and s.compiled == 2 and builder.foreground() == 3
+    d.close()
 
 
 def test_a_switch_changes_the_policy_and_keeps_counting():
