@@ -16,7 +16,9 @@ batch is decided: the cache ranks victims by the new eviction strategy (the cach
 graphs moved over in the old strategy's victim order), the built graphs enter it (room
 made by evicting graphs outside the new warm set, the next victim first), and the new
 policy, buckets and warm set serve from that batch on. The other graphs of the old
-config stay cached until eviction takes them. Whether the switch set is built is
+config stay cached until eviction takes them. A graph of the new warm set that was
+cached at the request but has been evicted since is built too before the switch
+applies. Whether the switch set is built is
 checked without waiting: no batch waits on a switch's compile. The batch a switch
 applies at depends on how fast its graphs build, so ranks that must take the same
 decisions (tensor parallelism) should not switch this way.
