@@ -346,3 +346,27 @@ def test_background_compile_counter_equals_stats_through_warmup_and_close():
     stats = d.stats()
     assert len(counter) == 3 and stats.cache.compiles == 2 and stats.background.discarded == 1
     _accounted(stats, len(counter))
+
+
+def test_a_background_compile_of_a_stored_graph_is_a_load(tmp_path):
+    """With a graph store holding the exact graph, the worker loads it instead of
+    compiling: counted as a load (cache, store and background), never as a compile."""
+    cfg = AttnPolicyConfig(backend="aot_eager", max_seq_len=64, store_dir=str(tmp_path))
+    small, large = BatchLayout.from_lens([12]), BatchLayout.from_lens([64])
+    with Dispatcher(cfg) as first:  # compiles both graphs ahead of time into the store
+        for layout in (small, large):
+            first.prepare(layout, SPEC)
+        assert first.stats().disk.saves == 2
+    d = Dispatcher(cfg.model_copy(update={"compile_mode": "background", "switch_after": 1}), cost_model=PRICEY)
+    d.warmup([large], SPEC)  # loaded from the store
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, h, 16, generator=g) for h in (4, 2, 2))
+    outs = [d.attend(q, k, v, small) for _ in range(3)]  # padded up, then the exact graph once switched in
+    stats = d.stats()
+    d.close()
+    assert stats.background.pad_up_calls == 1 and stats.background.switched == 1
+    assert stats.background.loaded == 1 and stats.background.compile_seconds == 0.0
+    assert stats.cache.compiles == 0 and stats.cache.loads == 2 and stats.disk.hits == 2
+    assert stats.disk.saves == 0
+    for out in outs:
+        torch.testing.assert_close(out.double(), reference_for(q, k, v, small), atol=1e-5, rtol=1e-5)

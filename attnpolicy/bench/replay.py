@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.execute import attend
@@ -35,7 +36,8 @@ class RunResult:
     counts batches per mode; ``compile_seconds`` are the seconds batches stalled on
     compiles, ``stalls`` and ``background`` the dispatcher's figures (see
     docs/cache.md); ``max_abs_err``, ``tolerance`` and ``passed`` are
-    ``None`` unless outputs were checked against the reference."""
+    ``None`` unless outputs were checked against the reference; ``switch`` counts the
+    switches to re-planned configs (see docs/plan.md)."""
 
     cache: dict[str, Any]
     modes: dict[str, int]
@@ -61,6 +63,7 @@ class RunResult:
     startup_seconds: float = 0.0
     warmup_loads: int = 0
     disk: dict[str, Any] | None = None
+    switch: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON: one key per field."""
@@ -74,23 +77,27 @@ def _pool(rows: int, heads: int, spec: TensorSpec, gen: torch.Generator) -> torc
 def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: TensorSpec,
                  former: BatchFormer | None = None, *, check: bool = False, seed: int = 0,
                  progress: Callable[[str], None] | None = None,
-                 steps: Sequence[Step] | None = None) -> RunResult:
+                 steps: Sequence[Step] | None = None,
+                 observe: Callable[[Dispatcher, BatchLayout], object] | None = None) -> RunResult:
     """Run every step of ``requests`` (or the given ``steps``) through a Dispatcher;
     with ``check``, compare every output with the float64 reference. A config with a
     warm set (``warmup``) is warmed first: its compile seconds are
     ``warmup_seconds``, not part of the replay's, and ``compiles_after_warmup`` counts
     the replay's compiles; ``startup_seconds`` runs from building the dispatcher until
     its warm set is ready (loaded from ``store_dir``, or compiled), ``warmup_loads``
-    counts the warm graphs loaded, ``disk`` is the store's stats (``None`` without one)."""
+    counts the warm graphs loaded, ``disk`` is the store's stats (``None`` without one).
+    ``observe(dispatcher, layout)`` is called after each batch has run (e.g.
+    :meth:`Replanner.observe <attnpolicy.planning.replan.Replanner.observe>`)."""
     if steps is None:
         steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
     start = time.perf_counter()
     with Dispatcher(config) as dispatcher:
-        return _run(dispatcher, steps, config, spec, check, seed, progress, start)
+        return _run(dispatcher, steps, config, spec, check, seed, progress, start, observe)
 
 
 def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig, spec: TensorSpec,
-         check: bool, seed: int, progress: Callable[[str], None] | None, start: float) -> RunResult:
+         check: bool, seed: int, progress: Callable[[str], None] | None, start: float,
+         observe: Callable[[Dispatcher, BatchLayout], object] | None = None) -> RunResult:
     warm_keys = dispatcher.warmup(spec) if config.warmup else []
     startup = time.perf_counter() - start  # the dispatcher built and its warm set ready
     warm = dispatcher.cache.stats()
@@ -114,6 +121,8 @@ def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig
                 ref = attend(q.double(), k.double(), v.double(), lay, MaskMode.VARLEN, "eager",
                              scale=spec.scale)
                 max_err = max(max_err, float((out.double() - ref).abs().max()))
+            if observe is not None:
+                observe(dispatcher, lay)
             if progress:
                 progress(f"step {step.index}")
     stats = dispatcher.stats().to_json()
@@ -144,4 +153,5 @@ def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig
         startup_seconds=startup,
         warmup_loads=warm.loads,
         disk=None if stats["disk"] is None else dict(stats["disk"]),
+        switch=dict(stats["switch"]),
     )

@@ -218,8 +218,8 @@ class GraphCache(Generic[V]):
                        seconds: float | None = None, load: Callable[[], V | None] | None = None) -> V:
         """The graph for ``key``, calling ``build()`` (once, whatever the threads) on a
         miss. ``pin``: keep the returned graph unreleased until :meth:`unpin`.
-        ``seconds``: the build's measured seconds when it ran elsewhere (``build``
-        returns a graph compiled in the background); default: timed around ``build()``.
+        ``seconds``: the build's (or load's) measured seconds when it ran elsewhere
+        (``build`` returns a graph compiled in the background); default: timed around it.
         ``load()``: tried first on a miss (a lower tier, e.g. a disk store); a graph it
         returns is counted in ``loads`` and ``load_seconds``, ``None`` means build."""
         with self._lock:
@@ -378,7 +378,7 @@ class GraphCache(Generic[V]):
         try:
             start = perf_counter()
             loaded = None if load is None else load()
-            load_seconds = perf_counter() - start
+            load_seconds = perf_counter() - start if measured is None else measured
             if loaded is None:
                 start = perf_counter()
                 value = build()
@@ -503,6 +503,22 @@ class GraphCache(Generic[V]):
         """Build each ``(key, build)`` not cached yet, exactly as requests would (counted)."""
         for key, build in items:
             self.get_or_compile(key, build)
+
+    def reorder(self, eviction: str, compile_cost: Callable[[Hashable, float], float] | None = None,
+                eviction_options: dict[str, Any] | None = None) -> None:
+        """Rank victims by strategy ``eviction`` from now on (``compile_cost`` and
+        ``eviction_options`` as in the constructor): the cached graphs move over in the old strategy's victim order,
+        so ``keys()`` lists the next victim first; none is evicted, their uses start over."""
+        order = make_eviction(eviction, eviction_options)
+        note = getattr(order, "note", None)
+        with self._lock:
+            while self._order:
+                key, entry = self._order.popitem()
+                if note is not None:
+                    spent = entry.stats.compile_seconds / max(entry.stats.compiles, 1)
+                    note(key, cost=spent if compile_cost is None else compile_cost(key, spent), size=entry.nbytes)
+                order[key] = entry
+            self.eviction, self._order, self._note, self._compile_cost = eviction, order, note, compile_cost
 
     def evict(self, key: Hashable) -> bool:
         """Evict ``key`` now (counted as an eviction, released unless pinned, ``on_evict``

@@ -23,12 +23,14 @@ from attnpolicy.cli.common import (
     progress,
     warn,
 )
+from attnpolicy.cli.plan import seconds
 from attnpolicy.cli.simulate import former_from, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
 
 DEFAULTS = AttnPolicyConfig.model_fields
 
@@ -74,6 +76,16 @@ def register(subparsers: Any) -> None:
                         "compared with the measurement (default: none)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="with --model: time compiles and runs in process CPU or wall seconds (default: cpu)")
+    p.add_argument("--replan-every", type=positive_int, default=None, metavar="N",
+                   help="every N batches, measure the drift of the running config on the recent batches and, "
+                        "above --replan-threshold, switch to the plan refitted on them, its warm set built in the "
+                        "background (default: off)")
+    p.add_argument("--replan-window", type=positive_int, default=None, metavar="N",
+                   help="with --replan-every: the batches the drift is measured and the plan refitted on "
+                        "(default: the last --replan-every)")
+    p.add_argument("--replan-threshold", type=seconds, default=DRIFT_THRESHOLD, metavar="D",
+                   help=f"with --replan-every: drift above which the refit plan replaces the running one "
+                        f"(default: {DRIFT_THRESHOLD})")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (default: none)")
 
 
@@ -100,9 +112,20 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
         fail(str(exc))
 
 
+def replanner_from(args: argparse.Namespace, spec: TensorSpec) -> Replanner | None:
+    """The re-planning of --replan-every (``None`` without it); its other flags need it."""
+    if args.replan_every is None:
+        if args.replan_window is not None or args.replan_threshold != DRIFT_THRESHOLD:
+            fail("argument --replan-window/--replan-threshold: needs --replan-every N")
+        return None
+    return Replanner(spec, every=args.replan_every, window=args.replan_window, threshold=args.replan_threshold)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     check_output("--json", args.json)
     if args.model:
+        if args.replan_every is not None:
+            fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
         from attnpolicy.cli.model_graphs import cmd_run_model
 
         return cmd_run_model(args, config_from(args))
@@ -112,8 +135,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     requests = workload(args, former)
     steps = list(former.steps(requests))
     spec = TensorSpec(args.dtype, args.heads, args.kv_heads, args.head_dim)
+    replanner = replanner_from(args, spec)
     with progress(len(steps), "run") as advance:
-        result = run_workload(requests, config, spec, check=args.check, steps=steps, progress=advance)
+        result = run_workload(requests, config, spec, check=args.check, steps=steps, progress=advance,
+                              observe=None if replanner is None else replanner.observe)
     c = result.cache
     rows: list[tuple[str, Any]] = [
         ("policy", config.policy), ("policy options", describe_options({config.policy: config.policy_options})
@@ -140,12 +165,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                  ("warm-up compile s", result.warmup_seconds),
                  ("compiles after warm-up", result.compiles_after_warmup),
                  ("strict violations", result.strict_violations)]
+    if replanner is not None:
+        sw = result.switch or {}
+        asked = " / ".join(str(sw[n]) for n in ("requested", "replaced", "switches"))
+        drifts = ", ".join(f"{c.drift:.3g}" for c in replanner.checks) or "none"
+        rows += [("re-plan drift checks", f"{len(replanner.checks)} ({drifts})"),
+                 ("switches requested / replaced / applied", asked),
+                 ("switch graphs compiled / loaded", f"{sw['compiled']} / {sw['loaded']}"),
+                 ("batches served during switches", sw["batches"])]
     if result.max_abs_err is not None:
         rows += [("max abs err", result.max_abs_err),
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]
     print_table(f"attnpolicy run: {args.trace}, {config.policy}", ("", "value"), rows)
     if args.json:
-        write_json(args.json, result.to_json())
+        write_json(args.json, {**result.to_json(), **({"replan": replanner.to_json()} if replanner else {})})
     if result.passed is False:
         warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {result.tolerance:g}")
         return 1

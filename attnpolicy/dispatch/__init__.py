@@ -6,6 +6,7 @@
 - :mod:`~attnpolicy.dispatch.batch_plan`: the whole plan of one batch, in one call;
 - :mod:`~attnpolicy.dispatch.graph_source`: graphs from the cache, the builder, strict mode, pins;
 - :mod:`~attnpolicy.dispatch.background`: background compiles, pad-up and switches;
+- :mod:`~attnpolicy.dispatch.switch`: switching to a re-planned config without a stall;
 - :mod:`~attnpolicy.dispatch.stats`: typed counters and :class:`DispatcherStats`;
 - :mod:`~attnpolicy.dispatch.memo`: the bounded memo every room uses.
 """

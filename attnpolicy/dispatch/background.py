@@ -1,6 +1,8 @@
 """Background compiles (``compile_mode="background"``): a miss is served by a larger
 resident graph (pad-up) while its own graph compiles in a worker thread, and enters
-the cache exactly ``switch_after`` batches after it was requested."""
+the cache exactly ``switch_after`` batches after it was requested. The
+:class:`Worker` (one thread) loads a graph from the store when it is there instead
+of compiling it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from time import perf_counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.batch_plan import Planned
@@ -33,13 +35,12 @@ class Background:
         self.source = source
         self.config = source.config
         self.counters = source.counters
-        self.builder: Builder = source.custom_builder or source.build
+        self.worker = Worker(source)
         self._cost_model = cost_model
         self._pad_model: Any = None
         self.batch = 0
         self.pending: dict[GraphKey, _Pending] = {}
         self.seconds = 0.0  # compile seconds measured in the worker
-        self._executor: ThreadPoolExecutor | None = None
 
     def fetch(self, calls: Planned, spec: TensorSpec) -> Fetched:
         """The graphs of one batch's ``calls`` (pinned): first every compile due now
@@ -125,10 +126,7 @@ class Background:
 
     def _request(self, call: Call, key: GraphKey, spec: TensorSpec) -> None:
         """Start compiling ``key`` in the worker; it switches in ``switch_after`` batches."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnpolicy-compile")
-            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
-        future = self._executor.submit(_timed, self.builder, call, key, spec)
+        future = self.worker.submit(call, key, spec)
         self.pending[key] = _Pending(future, self.batch + self.config.switch_after)
         self.counters.background_requested += 1
 
@@ -154,35 +152,83 @@ class Background:
                     raise
                 c.compile_error_fallbacks += 1
                 return False
-        value, seconds = pending.future.result()
-        self.seconds += seconds
+        built = pending.future.result()
+        if built.loaded:
+            c.background_loaded += 1
+        else:
+            self.seconds += built.seconds
         c.background_switched += 1
-        if isinstance(value, CompiledGraph) and not value.direct:
-            c.direct_call_fallbacks += 1
-        try:
-            kept = source.cache.get_or_compile(key, lambda: value, seconds=seconds)
-        except BaseException:
-            _release_any(key, value)
-            raise
-        if kept is not value:  # cached meanwhile by another user of a shared cache
-            _release_any(key, value)
+        insert(source, key, built)
         return True
 
     def close(self) -> None:
         """Stop the worker (waiting for the compile it runs) and drop the pending
         compiles: those not started are cancelled, those that ran are released and
         counted in ``background_discarded`` (built, never switched in)."""
+        self.worker.close()
+        for key, pending in self.pending.items():
+            if discard(key, pending.future):
+                self.counters.background_discarded += 1
+        self.pending.clear()
+
+
+class Built(NamedTuple):
+    """What the worker made of a key: the graph, its measured seconds, and whether it
+    was loaded from the store (else compiled)."""
+
+    graph: Any
+    seconds: float
+    loaded: bool
+
+
+class Worker:
+    """One dispatcher's compile thread (started at the first :meth:`submit`): builds
+    one graph at a time with the source's builder, first trying the source's store
+    for a stored key (the same load a synchronous miss does)."""
+
+    def __init__(self, source: GraphSource) -> None:
+        self.source = source
+        self.builder: Builder = source.custom_builder or source.build
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, call: Call, key: GraphKey, spec: TensorSpec) -> Future[Built]:
+        """Start building ``key`` (queued behind the builds before it)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnpolicy-compile")
+            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
+        return self._executor.submit(_timed, self.source, self.builder, call, key, spec)
+
+    def close(self) -> None:
+        """Stop the thread, waiting for the build it runs; queued builds are cancelled."""
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
-        for key, pending in self.pending.items():
-            f = pending.future
-            if f.cancelled():
-                continue
-            self.counters.background_discarded += 1
-            if f.exception() is None:
-                _release_any(key, f.result()[0])
-        self.pending.clear()
+
+
+def insert(source: GraphSource, key: GraphKey, built: Built) -> None:
+    """Put a graph the worker built into the source's cache, counted as a load or a
+    compile with the worker's seconds (released if the key was cached meanwhile)."""
+    value = built.graph
+    if isinstance(value, CompiledGraph) and not value.direct:
+        source.counters.direct_call_fallbacks += 1
+    try:
+        kept = source.cache.get_or_compile(key, lambda: value, seconds=built.seconds,
+                                           load=(lambda: value) if built.loaded else None)
+    except BaseException:
+        _release_any(key, value)
+        raise
+    if kept is not value:  # cached meanwhile by another user of a shared cache
+        _release_any(key, value)
+
+
+def discard(key: GraphKey, future: Future[Built]) -> bool:
+    """Drop a build never inserted: cancelled if not started, else waited for and
+    released. Returns whether it ran (built or failed)."""
+    if future.cancel():
+        return False
+    if future.exception() is None:
+        _release_any(key, future.result().graph)
+    return True
 
 
 class _Pending:
@@ -190,24 +236,27 @@ class _Pending:
 
     __slots__ = ("due", "future")
 
-    def __init__(self, future: Future[tuple[Any, float]], due: int) -> None:
+    def __init__(self, future: Future[Built], due: int) -> None:
         self.future = future
         self.due = due
 
 
-def _timed(builder: Builder, call: Call, key: GraphKey, spec: TensorSpec) -> tuple[Any, float]:
-    """Build in the worker. A ``BaseException`` that is no ``Exception``
+def _timed(source: GraphSource, builder: Builder, call: Call, key: GraphKey, spec: TensorSpec) -> Built:
+    """Load or build in the worker. A ``BaseException`` that is no ``Exception``
     (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) raised there is no
     request to stop the process (signals reach the main thread only): it becomes a
-    compile error of its key, met at its switch point under ``on_compile_error``."""
+    compile error of its key, met where its graph is inserted."""
     start = perf_counter()
     try:
+        loaded = source.load(key) if source.stored(key) else None
+        if loaded is not None:
+            return Built(loaded, perf_counter() - start, True)
         graph = builder(call, key, spec)
     except Exception:
         raise
     except BaseException as exc:
         raise RuntimeError(f"the builder raised {type(exc).__name__} in the background worker: {exc}") from exc
-    return graph, perf_counter() - start
+    return Built(graph, perf_counter() - start, False)
 
 
 def _release_any(key: GraphKey, graph: Any) -> None:

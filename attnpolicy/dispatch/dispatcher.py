@@ -19,6 +19,7 @@ from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
+from attnpolicy.dispatch.switch import Switcher
 from attnpolicy.dispatch.warm_set import WarmSets
 from attnpolicy.errors import KernelError
 from attnpolicy.graphs.execute import check_inputs
@@ -56,7 +57,8 @@ class Dispatcher:
     kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for
     them, and VARLEN graphs compile only if ever called. ``compile_mode="background"``
     serves misses by pad-up while they compile in a worker
-    (:mod:`~attnpolicy.dispatch.background`); :meth:`close` stops it.
+    (:mod:`~attnpolicy.dispatch.background`); :meth:`close` stops it. :meth:`switch_to`
+    moves to a re-planned config without a stall (:mod:`~attnpolicy.dispatch.switch`).
 
     The policy is built here: an unknown policy or eviction name, or ``policy_options``
     the policy rejects, raise a clear error naming the field. Observer hooks are
@@ -64,8 +66,7 @@ class Dispatcher:
     """
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
-                 cache: GraphCache[Any] | None = None,
-                 compile_counter: Callable[[Any], None] | None = None,
+                 cache: GraphCache[Any] | None = None, compile_counter: Callable[[Any], None] | None = None,
                  builder: Builder | None = None, host_varlen: bool = False) -> None:
         self.config = cfg = config or AttnPolicyConfig()
         self.observers = observers = Observers(get_plugin_manager())
@@ -74,8 +75,7 @@ class Dispatcher:
         self.cache = cache if cache is not None else make_cache(cfg, cost_model, observers)
         self.counters = Counters()
         self.masks = MaskCache(cfg.max_mask_bytes)
-        #: FlexAttention block masks per layout (bounded; see kernels/flex.py)
-        self.block_masks = BlockMaskCache()
+        self.block_masks = BlockMaskCache()  # FlexAttention block masks per layout (bounded)
         kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
                                measured=getattr(cost_model, "kernel_seconds", None))
         self.planner = Planner(cfg, kernels)
@@ -84,6 +84,7 @@ class Dispatcher:
         self.background = Background(self.source, cost_model) if cfg.compile_mode == "background" else None
         self.host_varlen = host_varlen
         self.warm_sets = WarmSets(cfg, self.planner, self.cache, self.source, self.background)
+        self.switcher = Switcher()
         self._cost_model = cost_model
         self._steps: LRUCache[tuple[BatchLayout, TensorSpec], Step] = memo()  # stateless policies' steps
         self._specs: LRUCache[tuple[object, ...], TensorSpec] = memo()  # by tensor properties
@@ -123,6 +124,8 @@ class Dispatcher:
             return self._fetch(step)
         if self.source.pinned:
             self.source.release()
+        if self.switcher.busy:  # a batch boundary: a built switch applies here
+            self.switcher.boundary(self)
         last = self._last
         try:
             if last is not None and last.layout is layout and last.spec is spec:
@@ -156,13 +159,9 @@ class Dispatcher:
         """The step of ``decision`` for ``layout``: the one kept for its mode if it was
         taken for an equal decision, else a new one (kept)."""
         key = (layout, spec, decision.mode)
-        try:
-            step = self._decided[key]
-            if step.asked == decision:
-                return step
-        except KeyError:
-            pass
-        step = self._decided[key] = self._new_step(layout, spec, decision)
+        step = self._decided.get(key)
+        if step is None or step.asked != decision:
+            step = self._decided[key] = self._new_step(layout, spec, decision)
         return step
 
     def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
@@ -252,26 +251,29 @@ class Dispatcher:
 
         :meth:`attend` warms the config's warm set itself the first time it sees a
         spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
-        batches: Iterable[BatchLayout] = ()
         if isinstance(layouts, TensorSpec):
-            spec = layouts
-        else:
-            batches = layouts
+            return self.warm_sets.warm((), layouts, self.preview)
         if spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
-        return self.warm_sets.warm(batches, spec, self.preview)
+        return self.warm_sets.warm(layouts, spec, self.preview)
+
+    def switch_to(self, config: AttnPolicyConfig, specs: Iterable[TensorSpec] | None = None) -> tuple[GraphKey, ...]:
+        """Switch to the re-planned ``config``, checked now, at the first batch once its warm set
+        is built in the background for ``specs`` (default: those served); returns the keys being
+        built. See :mod:`~attnpolicy.dispatch.switch`."""
+        return self.switcher.request(self, config, specs)
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
-        """Background compiles not switched in yet: ``(key, batch it switches at)``,
-        in request order (batches are numbered from 1 by :meth:`prepare`)."""
-        bg = self.background
-        return () if bg is None else tuple((key, p.due) for key, p in bg.pending.items())
+        """Background compiles not switched in yet: ``(key, batch it switches at)``, in request
+        order (batches are numbered from 1 by :meth:`prepare`)."""
+        return () if self.background is None else tuple((k, p.due) for k, p in self.background.pending.items())
 
     def close(self) -> None:
         """Stop the background worker (waiting for its compile), drop pending compiles;
         a new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
         if self.background is not None:
             self.background.close()
+        self.switcher.close()
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -291,8 +293,8 @@ class Dispatcher:
         return self.counters.snapshot(
             self.config, guard_fallbacks=self.guard.fallbacks, observer_errors=dict(self.observers.errors),
             plans=len(self.planner.plans), masks=self.masks.stats(),
-            block_masks=BlockMaskStats(len(blocks), blocks.nbytes, blocks.max_entries, blocks.max_bytes,
-                                       blocks.builds),
+            block_masks=BlockMaskStats.of(blocks),
             cache=self.cache.stats(), stalls=self.source.stalls,
             pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0,
-            disk=None if self.source.store is None else self.source.store.stats())
+            disk=None if self.source.store is None else self.source.store.stats(),
+            switching=int(self.switcher.target is not None))

@@ -192,13 +192,18 @@ class GraphSource:
     def _timed_load(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | None:
         """The graph of ``key`` from the store (``None``: not there or not valid); its
         wall seconds stall the batch being fetched, as a build's do."""
-        assert self.store is not None  # only stored keys are loaded
         start = perf_counter()
         try:
-            loaded = self.store.load(self.identity(key), aot.load_graph)
-            return None if loaded is None else _aot_graph(loaded, key.backend)
+            return self.load(key)
         finally:
             self.stall += perf_counter() - start
+
+    def load(self, key: GraphKey) -> CompiledGraph | None:
+        """The graph of stored ``key`` from the store (``None``: not there or not valid);
+        no dispatcher state touched: also runs in the background worker."""
+        assert self.store is not None  # only stored keys are loaded
+        loaded = self.store.load(self.identity(key), aot.load_graph)
+        return None if loaded is None else _aot_graph(loaded, key.backend)
 
     def stored(self, key: GraphKey) -> bool:
         """Whether the graph of ``key`` goes through the store: a store is configured, the
@@ -291,18 +296,27 @@ def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) 
     that every tensor-parallel rank evicts the same graphs (measured seconds differ);
     with a ``store_dir``, a graph whose artifact is in the store by its modelled load
     seconds instead (what bringing it back costs)."""
-    compile_cost = options = None
-    if config.eviction == "cost":
-        from attnpolicy.graphs.costmodel import CostModel
-
-        model = cost_model or CostModel.default()
-        compile_cost = model.compile_cost
-        if config.store_dir is not None:
-            model.require_store("of eviction 'cost' with a store_dir")
-            store = DiskStore(config.store_dir, config.max_disk_bytes)
-            options = {"reload": partial(_reload_seconds, store, config, model)}
+    compile_cost, options = eviction_of(config, cost_model)
     return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost, eviction_options=options,
                                   on_compile=observers.on_compile, on_evict=observers.on_evict, release=release)
+
+
+def eviction_of(config: AttnPolicyConfig, cost_model: Any
+                ) -> tuple[Callable[[Any, float], float] | None, dict[str, Any] | None]:
+    """The cache's ``compile_cost`` and ``eviction_options`` for ``config``: under
+    ``eviction="cost"`` the modelled compile seconds and, with a ``store_dir``, the
+    modelled reload seconds of graphs in the store; ``(None, None)`` otherwise."""
+    if config.eviction != "cost":
+        return None, None
+    from attnpolicy.graphs.costmodel import CostModel
+
+    model = cost_model or CostModel.default()
+    options = None
+    if config.store_dir is not None:
+        model.require_store("of eviction 'cost' with a store_dir")
+        store = DiskStore(config.store_dir, config.max_disk_bytes)
+        options = {"reload": partial(_reload_seconds, store, config, model)}
+    return cast(Callable[[Any, float], float], model.compile_cost), options
 
 
 def _reload_seconds(store: DiskStore, config: AttnPolicyConfig, model: Any, key: Any) -> float | None:

@@ -11,6 +11,7 @@ from attnpolicy.cache.disk_store import StoreStats
 from attnpolicy.cache.graph_cache import CacheStats
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.kernels.flex import BlockMaskCache
 from attnpolicy.kernels.masks import MaskCacheStats
 
 
@@ -21,7 +22,8 @@ class Counters:
     ``modes`` counts batches by the mode that ran (a mode's value: the stats key).
     The others are read by :meth:`Dispatcher.stats` under the names of
     :class:`DispatcherStats`; ``background_*`` and ``pad_up_*`` feed
-    :class:`BackgroundStats`, ``real_tokens`` and ``padded_tokens`` :class:`PaddingStats`."""
+    :class:`BackgroundStats`, ``switch_*`` :class:`SwitchStats`, ``real_tokens`` and
+    ``padded_tokens`` :class:`PaddingStats`."""
 
     batches: int = 0
     calls: int = 0
@@ -38,8 +40,16 @@ class Counters:
     background_switched: int = 0
     background_failed: int = 0
     background_discarded: int = 0
+    background_loaded: int = 0
     pad_up_calls: int = 0
     pad_up_tokens: int = 0
+    switch_requested: int = 0
+    switch_replaced: int = 0
+    switch_failed: int = 0
+    switches: int = 0
+    switch_compiled: int = 0
+    switch_loaded: int = 0
+    switch_batches: int = 0
     modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
 
     def count(self, step: Any) -> None:
@@ -56,7 +66,7 @@ class Counters:
     def snapshot(self, config: AttnPolicyConfig, *, guard_fallbacks: int, observer_errors: dict[str, int],
                  plans: int, masks: MaskCacheStats, block_masks: BlockMaskStats, cache: CacheStats,
                  stalls: list[float], pending: int, compile_seconds: float,
-                 disk: StoreStats | None = None) -> DispatcherStats:
+                 disk: StoreStats | None = None, switching: int = 0) -> DispatcherStats:
         """These counts with the figures kept elsewhere, as :class:`DispatcherStats`."""
         real, padded = self.real_tokens, self.padded_tokens
         return DispatcherStats(
@@ -70,7 +80,9 @@ class Counters:
             background=BackgroundStats(
                 config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
                 self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
-                self.pad_up_tokens),
+                self.pad_up_tokens, self.background_loaded),
+            switch=SwitchStats(self.switch_requested, self.switch_replaced, self.switch_failed, self.switches,
+                               switching, self.switch_compiled, self.switch_loaded, self.switch_batches),
             disk=disk)
 
 
@@ -93,6 +105,10 @@ class BlockMaskStats:
     max_entries: int
     max_bytes: int
     builds: int
+
+    @classmethod
+    def of(cls, blocks: BlockMaskCache) -> BlockMaskStats:
+        return cls(len(blocks), blocks.nbytes, blocks.max_entries, blocks.max_bytes, blocks.builds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +133,8 @@ class BackgroundStats:
     their switch point, ``failed`` there, ``discarded`` by ``close()`` after they had
     run (built, never switched in), ``pending`` now; ``compile_seconds`` measured in
     the worker (of those switched in); ``pad_up_calls`` ran on a larger resident bucket, adding
-    ``pad_up_tokens`` query rows of padding (also in ``padding``)."""
+    ``pad_up_tokens`` query rows of padding (also in ``padding``); ``loaded``: of those
+    switched in, the graphs the worker loaded from the store instead of compiling."""
 
     compile_mode: str
     switch_after: int
@@ -129,6 +146,26 @@ class BackgroundStats:
     compile_seconds: float
     pad_up_calls: int
     pad_up_tokens: int
+    loaded: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchStats:
+    """Switches to a new config (:meth:`Dispatcher.switch_to`, see docs/plan.md):
+    ``requested``, ``replaced`` by a later request while pending, ``failed`` (a graph
+    of the switch set failed to build: the switch was dropped), ``switches`` applied,
+    ``pending`` now (0 or 1); the switch-set graphs the worker ``compiled`` and
+    ``loaded`` from the store; ``batches`` served by the old config while a switch was
+    pending."""
+
+    requested: int
+    replaced: int
+    failed: int
+    switches: int
+    pending: int
+    compiled: int
+    loaded: int
+    batches: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +196,7 @@ class DispatcherStats:
     cache: CacheStats
     stalls: StallStats
     background: BackgroundStats
+    switch: SwitchStats
     disk: StoreStats | None = None
 
     def to_json(self) -> dict[str, Any]:

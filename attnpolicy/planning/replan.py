@@ -13,16 +13,22 @@ above a threshold (:data:`DRIFT_THRESHOLD` by default): the switch costs compile
 a small drift is sampling noise. :func:`switch_set` gives what the runtime needs to
 switch without a stall: the new config, and the graphs of its warm set the current
 warm set does not hold, to compile (or load) in the background before the new config
-replaces the old one.
+replaces the old one. :class:`Replanner` does this on a running dispatcher: it keeps
+the recent layouts, measures the drift every N batches and switches through
+:meth:`Dispatcher.switch_to <attnpolicy.dispatch.dispatcher.Dispatcher.switch_to>`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
+from attnpolicy.dispatch import Dispatcher
+from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.bucket_schemes import base_scheme
@@ -73,3 +79,59 @@ def switch_set(current: AttnPolicyConfig, new: AttnPolicyConfig) -> tuple[WarmSh
     runtime compiles (or loads from a store) in the background before it switches."""
     held = {w.model_dump_json() for w in current.warmup}
     return tuple(w for w in new.warmup if w.model_dump_json() not in held)
+
+
+@dataclass(frozen=True)
+class DriftCheck:
+    """One drift measurement of a :class:`Replanner`: after ``batch`` batches, on the
+    last ``steps`` of them; ``switch``: the graphs the switch it requested builds
+    (``None``: no switch requested)."""
+
+    batch: int
+    steps: int
+    drift: float
+    current_total_seconds: float
+    refit_total_seconds: float
+    switch: int | None
+
+
+class Replanner:
+    """A plan that follows the traffic of a running dispatcher.
+
+    :meth:`observe` is told every batch's layout; it keeps the last ``window`` of them
+    (default: ``every``) and, every ``every`` batches, measures the drift
+    (:func:`measure_drift`, planning ``policies``) of the config the dispatcher runs,
+    or is switching to, on them. Above ``threshold`` it asks the dispatcher to switch
+    to the refit config for tensors of ``spec``: its warm set builds in the background
+    while the running config serves (:mod:`~attnpolicy.dispatch.switch`)."""
+
+    def __init__(self, spec: TensorSpec, *, every: int, window: int | None = None,
+                 threshold: float = DRIFT_THRESHOLD, model: CostModel | None = None,
+                 policies: Sequence[str] | None = None) -> None:
+        for name, value in (("every", every), ("window", window)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"replan {name} must be an int >= 1, got {value!r}")
+        self.spec, self.every, self.threshold = spec, every, threshold
+        self.model = model or CostModel.default()
+        self.policies = policies
+        self.recent: deque[BatchLayout] = deque(maxlen=window or every)
+        self.batches = 0
+        self.checks: list[DriftCheck] = []
+
+    def observe(self, dispatcher: Dispatcher, layout: BatchLayout) -> Drift | None:
+        """Record the batch of ``layout`` (it has run); every ``every`` batches, the drift
+        measured (and the switch requested when it is above the threshold)."""
+        self.recent.append(layout)
+        self.batches += 1
+        if self.batches % self.every:
+            return None
+        current = dispatcher.switcher.config or dispatcher.config
+        drift = measure_drift(list(self.recent), current, self.model, self.policies, self.spec, self.threshold)
+        switch = len(dispatcher.switch_to(drift.refit.config, [self.spec])) if drift.replan else None
+        self.checks.append(DriftCheck(self.batches, len(self.recent), drift.drift, drift.current.total_seconds,
+                                      drift.refit.chosen.row.total_seconds, switch))
+        return drift
+
+    def to_json(self) -> dict[str, Any]:
+        return {"every": self.every, "window": self.recent.maxlen, "threshold": self.threshold,
+                "checks": [asdict(c) for c in self.checks]}

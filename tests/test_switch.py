@@ -1,0 +1,371 @@
+"""Dispatcher.switch_to: a re-planned config applied at a batch boundary once its warm
+set is built in the background; exact outputs throughout, no foreground compile."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_for
+from strategies import layouts
+
+from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.errors import ConfigError, GraphCompileError
+from attnpolicy.graphs.execute import graph_fn
+from attnpolicy.graphs.keys import TensorSpec
+
+SPEC = TensorSpec("float32", 2, 2, 16)
+LAYOUTS = [BatchLayout.from_lens(lens) for lens in ([20, 50], [100], [200, 10], [30], [7, 120, 3])]
+
+
+def _causal(*sizes: int) -> list[dict[str, object]]:
+    return [{"family": "causal", "q_bucket": n, "kv_bucket": n} for n in sizes]
+
+
+def _with(config: AttnPolicyConfig, **fields: object) -> AttnPolicyConfig:
+    return AttnPolicyConfig.model_validate({**config.model_dump(mode="json"), **fields})
+
+
+def _sizes(*sizes: int) -> dict[str, object]:
+    return {"kind": "list", "sizes": list(sizes)}
+
+
+OLD = AttnPolicyConfig(backend="eager", max_seq_len=256, max_graphs=4, buckets=_sizes(64, 256),
+                       warmup=_causal(64, 256))
+NEW = _with(OLD, buckets=_sizes(32, 128, 256), warmup=_causal(32, 128, 256), eviction="lfu", strict="warn")
+
+
+class Builder:
+    """Builds uncompiled graphs, recording the thread of every build; builds in a worker
+    thread wait for ``gate`` (so a switch stays pending until the test opens it)."""
+
+    def __init__(self, fail: int | None = None) -> None:
+        self.builds: list[tuple[bool, str]] = []  # (in the main thread, key)
+        self.gate = threading.Event()
+        self.fail = fail  # a q bucket whose build raises in the worker
+
+    def __call__(self, call, key, spec):
+        main = threading.current_thread() is threading.main_thread()
+        self.builds.append((main, str(key)))
+        if not main:
+            assert self.gate.wait(30)
+            if key.q_len == self.fail:
+                raise RuntimeError(f"no graph for {key.q_len}")
+        return graph_fn(call, key.impl, spec.scale, None)
+
+    def foreground(self) -> int:
+        return sum(main for main, _ in self.builds)
+
+
+def _qkv(layout: BatchLayout, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(n, 2, 16, generator=g) for n in (layout.q_tokens, layout.kv_tokens, layout.kv_tokens))
+
+
+def _serve(d: Dispatcher, seed: int = 0) -> None:
+    """Every layout of LAYOUTS once, each output checked against the float64 reference."""
+    for i, layout in enumerate(LAYOUTS):
+        q, k, v = _qkv(layout, seed + i)
+        out = d.attend(q, k, v, layout)
+        torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+
+
+def _built(d: Dispatcher) -> None:
+    """Wait until the pending switch's graphs are built (the test's side, not a batch's)."""
+    for future in d.switcher.target.builds.values():
+        future.exception()
+
+
+def _warm(config: AttnPolicyConfig = OLD, builder: Builder | None = None, **fields) -> tuple[Dispatcher, Builder]:
+    builder = builder or Builder()
+    d = Dispatcher(_with(config, **fields) if fields else config, builder=builder)
+    _serve(d)  # warms the old warm set at the first attend, then serves from it
+    return d, builder
+
+
+def _keys(d: Dispatcher, config: AttnPolicyConfig) -> set[str]:
+    from attnpolicy.dispatch.batch_plan import warm_call
+
+    return {str(d.planner.key_for(*warm_call(w), SPEC)) for w in config.warmup}
+
+
+def test_outputs_stay_exact_and_no_batch_compiles_through_a_switch(caplog):
+    caplog.set_level(logging.INFO, logger="attnpolicy.dispatch")
+    d, builder = _warm()
+    before = builder.foreground()
+    assert before == 2 and d.stats().cache.compiles == 2  # the old warm set, at the first attend
+    keys = d.switch_to(NEW)
+    assert sorted(map(str, keys)) == sorted(_keys(d, NEW) - _keys(d, OLD))  # 256 is cached: not rebuilt
+    for round_ in range(3):  # the switch set is still building: the old config serves
+        _serve(d, seed=10 * round_)
+    s = d.stats().switch
+    assert d.config == OLD and s.pending == 1 and s.switches == 0 and s.batches == 3 * len(LAYOUTS)
+    builder.gate.set()
+    _built(d)
+    assert d.config == OLD  # applied at the next batch boundary, not before
+    _serve(d, seed=100)
+    s = d.stats()
+    assert d.config == NEW and d.cache.eviction == "lfu"
+    assert s.switch.switches == 1 and s.switch.pending == 0 and s.switch.compiled == len(keys) == 2
+    assert s.switch.loaded == 0 and s.switch.batches == 3 * len(LAYOUTS)
+    assert builder.foreground() == before  # no batch compiled, before, during or after the switch
+    assert sum(not main for main, _ in builder.builds) == 2
+    assert s.stalls.stalled == 0
+    assert _keys(d, NEW) <= set(map(str, d.cache.keys()))
+    # the new buckets plan the batches after the switch
+    assert {c.q_bucket for c, _ in d.prepare(BatchLayout.from_lens([20]), SPEC)} == {32}
+    assert caplog.text.count("attnpolicy: switched from policy varlen") == 1
+    assert "2 compiled and 0 loaded from the store in the background" in caplog.text
+    d.close()
+
+
+def test_a_background_mode_dispatcher_switches_too():
+    d, builder = _warm(OLD, compile_mode="background", switch_after=2)
+    new = _with(NEW, compile_mode="background", switch_after=2)
+    d.switch_to(new)
+    _serve(d)
+    builder.gate.set()
+    _built(d)
+    _serve(d)
+    s = d.stats()
+    assert d.config == new and d.background.config == new and d.source.config == new
+    assert s.switch.switches == 1 and s.background.requested == 0 and builder.foreground() == 2
+    d.close()
+
+
+POLICIES = ("varlen", "dynamic", "always-mask")
+
+
+@settings(max_examples=15)
+@given(data=st.data(), old_policy=st.sampled_from(POLICIES), new_policy=st.sampled_from(POLICIES),
+       sizes=st.sampled_from([(64, 512), (32, 128, 512), (100, 200, 300, 512)]), at=st.integers(0, 4),
+       eviction=st.sampled_from(["lru", "lfu", "fifo", "cost"]), capacity=st.sampled_from([None, 3, 6]))
+def test_outputs_match_the_reference_through_a_switch_whatever_the_configs(data, old_policy, new_policy, sizes,
+                                                                           at, eviction, capacity):
+    """Random batches, a switch requested at batch ``at`` to random buckets, policy and
+    eviction: every output is the per-sequence reference, and the switch applies once
+    its graphs are built."""
+    batches = data.draw(st.lists(layouts(max_seqs=3), min_size=5, max_size=8))
+    tensors = [_qkv(layout, seed) for seed, layout in enumerate(batches)]
+    old = AttnPolicyConfig(backend="eager", policy=old_policy, max_seq_len=512, max_batch_tokens=2048,
+                           max_graphs=capacity, warmup=_causal(512), on_overflow="eager")
+    new = _with(old, policy=new_policy, buckets=_sizes(*sizes), eviction=eviction,
+                warmup=_causal(*sizes[-min(len(sizes), capacity or 3):]))
+    builder = Builder()
+    builder.gate.set()
+    with Dispatcher(old, builder=builder) as d:
+        for i, (layout, (q, k, v)) in enumerate(zip(batches, tensors)):
+            if i == at:
+                d.switch_to(new, specs=[SPEC])
+            out = d.attend(q, k, v, layout)
+            torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+        q, k, v = tensors[0]
+        for _ in range(len(new.warmup) + 1):  # a warm graph cached at the request and evicted since is built too
+            if d.switcher.target is not None:
+                _built(d)
+            d.attend(q, k, v, batches[0])
+        assert d.config == new and d.stats().switch.switches == 1
+
+
+def test_the_new_warm_set_is_made_room_for_in_a_full_cache():
+    """Old graphs fill the cache and are used far more often (LFU would evict a fresh
+    graph first): the switch evicts graphs outside the new warm set to make room."""
+    d, builder = _warm(OLD, max_graphs=3, eviction="lfu", buckets=_sizes(64, 160, 256))
+    for _ in range(4):
+        _serve(d)
+    assert len(d.cache) == 3 and builder.foreground() == 3  # the old warm set, and 160 at its first use
+    d.switch_to(_with(NEW, max_graphs=3))
+    builder.gate.set()
+    _built(d)
+    _serve(d)
+    assert d.stats().switch.switches == 1
+    assert set(map(str, d.cache.keys())) == _keys(d, NEW)
+    assert builder.foreground() == 3
+
+
+def test_a_warm_graph_evicted_while_the_switch_is_pending_is_built_before_it_applies():
+    builder = Builder()
+    d = Dispatcher(_with(OLD, max_graphs=2, buckets=_sizes(64, 160, 256)), builder=builder)
+    d.warmup(SPEC)
+    assert d.switch_to(_with(NEW, max_graphs=2, warmup=_causal(32, 256))) == d.switch_to(
+        _with(NEW, max_graphs=2, warmup=_causal(32, 256)))  # builds 32 only: 256 is cached
+    layout = BatchLayout.from_lens([60])
+    d.attend(*_qkv(layout, 0), layout)  # 64 used last: 256 is the next victim
+    layout = BatchLayout.from_lens([150])
+    d.attend(*_qkv(layout, 0), layout)  # compiles 160 (the running config's own miss), evicting 256
+    assert builder.foreground() == 3 and not any("q256" in str(key) for key in d.cache.keys())
+    builder.gate.set()
+    _built(d)
+    d.attend(*_qkv(layout, 0), layout)  # 256 is missing: built first, the switch waits
+    assert d.stats().switch.switches == 0 and len(d.switcher.target.builds) == 2
+    _built(d)
+    d.attend(*_qkv(layout, 0), layout)
+    s = d.stats().switch
+    assert s.switches == 1 and s.compiled == 2 and builder.foreground() == 3
+    d.close()
+
+
+def test_a_switch_changes_the_policy_and_keeps_counting():
+    d, builder = _warm()
+    before = d.stats()
+    assert before.guard_fallbacks == 0
+    d.switch_to(_with(OLD, policy="always-causal"))
+    _serve(d)  # nothing to build: applied at the first batch
+    s = d.stats()
+    assert s.switch.switches == 1 and s.switch.compiled == 0 and d.guard.policy_name == "always-causal"
+    assert s.guard_fallbacks == len(LAYOUTS) - 2  # packed batches are no causal call: varlen
+    assert s.modes["causal"] == before.modes["causal"] + 2
+    assert builder.foreground() == 2
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"backend": "aot_eager"}, r"backend='aot_eager' differs from the running config's 'eager'"),
+    ({"max_graphs": 8}, r"max_graphs=8 differs"),
+    ({"max_seq_len": 512}, r"max_seq_len=512 differs"),
+    ({"policy": "no-such-policy"}, r"policy='no-such-policy'"),
+    ({"policy": "dynamic", "policy_options": {"no_such_option": 1}}, r"policy_options="),
+    ({"eviction": "no-such-eviction"}, r"eviction='no-such-eviction'"),
+])
+def test_an_invalid_switch_raises_before_any_work_and_changes_nothing(fields, match):
+    d, builder = _warm()
+    keys, builds = sorted(map(str, d.cache.keys())), list(builder.builds)
+    bad = _with(OLD, **fields)
+    with pytest.raises(ConfigError, match=match):
+        d.switch_to(bad)
+    assert d.config is OLD and d.switcher.target is None and not d.switcher.busy
+    assert builder.builds == builds and sorted(map(str, d.cache.keys())) == keys
+    assert d.stats().switch.requested == 0
+    _serve(d)
+    assert d.config is OLD
+
+
+def test_a_warm_set_that_cannot_stay_resident_for_every_spec_served_is_refused():
+    d, builder = _warm()
+    other = TensorSpec("float32", 2, 2, 8)
+    d.warmup(other)  # two specs served: 4 warm graphs within max_graphs=4
+    builds = list(builder.builds)
+    with pytest.raises(ConfigError, match=r"the warm set of 3 graphs for tensors of .* and 3 warmed for other "
+                                          r"specs exceeds max_graphs=4"):
+        d.switch_to(NEW)
+    assert d.switcher.target is None and builder.builds == builds
+    assert len(d.switch_to(NEW, specs=[SPEC])) == 2  # for one of them it fits
+
+
+def test_a_warm_set_with_no_spec_served_needs_specs():
+    d = Dispatcher(OLD, builder=Builder())
+    with pytest.raises(ConfigError, match=r"no tensor spec yet: pass specs"):
+        d.switch_to(NEW)
+    builder = Builder()
+    d = Dispatcher(OLD, builder=builder)
+    assert len(d.switch_to(NEW, specs=[SPEC])) == 3  # nothing cached yet
+    builder.gate.set()
+    _built(d)
+    _serve(d)  # the first attend warms the running config's warm set, then the switch applies
+    assert d.config == NEW and builder.foreground() == 2 and d.stats().switch.compiled == 2
+
+
+def test_a_request_while_one_is_pending_replaces_it():
+    d, builder = _warm()
+    first = d.switch_to(NEW)
+    newer = _with(NEW, buckets=_sizes(32, 256), warmup=_causal(32, 256), eviction="lru")
+    assert d.switch_to(newer) == first[:1]  # the build of 32 is kept, 128 is dropped
+    assert d.switch_to(newer) == first[:1]  # the same request again changes nothing
+    _serve(d)
+    builder.gate.set()
+    _built(d)
+    _serve(d)
+    s = d.stats().switch
+    assert d.config == newer and s.requested == 2 and s.replaced == 1 and s.switches == 1
+    assert s.compiled == 1 and not any("q128" in str(key) for key in d.cache.keys())
+    assert builder.foreground() == 2
+    # a request for the running config drops a pending switch
+    d.switch_to(NEW)
+    assert d.switch_to(newer) == () and d.switcher.target is None
+    _serve(d)
+    assert d.config == newer and d.stats().switch.replaced == 2
+    d.close()
+
+
+@pytest.mark.parametrize("on_compile_error", ["eager", "raise"])
+def test_a_failed_build_drops_the_switch(on_compile_error, caplog):
+    caplog.set_level(logging.WARNING, logger="attnpolicy.dispatch")
+    d, builder = _warm(OLD, Builder(fail=128), on_compile_error=on_compile_error)
+    running = d.config
+    d.switch_to(_with(NEW, on_compile_error=on_compile_error))
+    builder.gate.set()
+    _built(d)
+    layout = LAYOUTS[0]
+    q, k, v = _qkv(layout, 0)
+    if on_compile_error == "raise":
+        with pytest.raises(GraphCompileError, match=r"switch set failed: RuntimeError: no graph for 128"):
+            d.attend(q, k, v, layout)
+    _serve(d)
+    s = d.stats().switch
+    assert d.config is running and s.failed == 1 and s.switches == 0 and s.pending == 0
+    assert "the switch to policy varlen, buckets list(sizes=[32, 128, 256]) was dropped" in caplog.text
+    assert builder.foreground() == 2
+
+
+def test_a_stored_switch_set_is_loaded_not_compiled(tmp_path):
+    store = {"backend": "aot_eager", "store_dir": str(tmp_path)}
+    old, new = _with(OLD, **store), _with(NEW, **store)
+    with Dispatcher(new) as first:  # compiles the new warm set ahead of time into the store
+        _serve(first)
+    d = Dispatcher(old)
+    _serve(d)
+    compiles = d.stats().cache.compiles
+    keys = d.switch_to(new)
+    _built(d)
+    _serve(d)
+    s = d.stats()
+    assert s.switch.switches == 1 and s.switch.loaded == len(keys) == 2 and s.switch.compiled == 0
+    assert s.cache.compiles == compiles
+    d.close()
+
+
+def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog):
+    """A trace whose prompts grow tenfold halfway, run on a plan fitted to its first
+    half: the drift measured on the second half triggers a switch, whose graphs build
+    in the background; every output stays within the float64 reference's tolerance."""
+    import json
+
+    from attnpolicy.cli import main
+    from attnpolicy.graphs.costmodel import CostModel
+    from attnpolicy.modelling.simulation import simulation_config
+    from attnpolicy.planning.graph_set import plan_graphs
+    from attnpolicy.workloads.batching import BatchFormer
+    from attnpolicy.workloads.traces import load_trace
+
+    caplog.set_level(logging.INFO, logger="attnpolicy.dispatch")
+    former = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 1024}
+    short = [(i, 30 + 7 * i) for i in range(12)]
+    long = [(100 + i, 600 + 29 * i) for i in range(12)]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:{t // 60:02d}:{t % 60:02d}.0000000,{n},3\n" for t, n in short + long))
+    model = CostModel.default()
+    steps = [s.layout for s in BatchFormer(**former).steps(load_trace(trace))]
+    assert max(steps[9].kv_lens) < 300 < max(steps[19].kv_lens)  # the lengths change at batch 10
+    old = plan_graphs(steps[:10], simulation_config(model, BatchFormer(**former), max_graphs=4, backend="eager"),
+                      model, ["varlen"], max_buckets=4).config
+    old.save(tmp_path / "plan")
+    out = tmp_path / "run.json"
+    assert main(["run", "--config", str(tmp_path / "plan"), "--trace", str(trace), "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "256", "--max-seq-len", "1024", "--heads", "2", "--kv-heads", "2",
+                 "--head-dim", "16", "--backend", "eager", "--check", "--replan-every", "10",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    checks = data["replan"]["checks"]
+    assert data["passed"] and data["max_abs_err"] < 1e-4
+    assert checks[0]["batch"] == 10 and checks[0]["drift"] < 0.1 and checks[0]["switch"] is None  # the first half
+    switched = [c for c in checks if c["switch"] is not None]
+    assert switched and switched[0]["batch"] == 20 and switched[0]["drift"] > 0.1  # the second half
+    s = data["switch"]
+    assert s["requested"] == len(switched) and s["switches"] >= 1 and s["pending"] <= 1
+    assert s["compiled"] + s["loaded"] > 0 and s["failed"] == 0
+    assert data["config"] == old.model_dump(mode="json")  # the config the run began with
+    assert f"attnpolicy: switched from policy varlen, buckets {old.buckets.describe()}" in caplog.text
