@@ -326,6 +326,58 @@ def test_paged_gather_reads_what_vllm_wrote(vllm_installed):
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
+@pytest.mark.parametrize("features", [
+    {}, {"window": 8}, {"window": 9, "softcap": 0.5}, {"softcap": 0.5, "sinks": True},
+    {"window": 8, "softcap": 0.5, "sinks": True},
+])
+def test_paged_kernel_takes_the_layers_window_cap_and_sinks_exactly(vllm_installed, features):
+    """``PagedVarlenKernel`` with a layer's features: what the float64 reference computes
+    for ``Features`` (window ``W``: the ``W`` last keys, own included), on a decode, a
+    chunk with cached context and a prefill, all longer than the window."""
+    from types import SimpleNamespace
+
+    import torch
+    from reference import reference_attention
+    from vllm import _custom_ops as ops
+
+    from attnpolicy.core.features import Features
+    from attnpolicy.integrations.vllm_paged import PagedVarlenKernel, split_cache
+
+    torch.manual_seed(0)
+    heads, kv_heads, bs, d, scale = 4, 2, 32, 32, 0.3
+    q_lens, kv_lens = (1, 5, 30), (23, 40, 30)
+    table = torch.tensor([[1, 0], [2, 3], [4, 0]], dtype=torch.int32)
+    kv_cache = torch.zeros(5, kv_heads, bs, 2 * d)
+    key_cache, value_cache = split_cache(kv_cache)
+    slots = torch.cat([table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(kv_lens)])
+    k, v = torch.randn(sum(kv_lens), kv_heads, d), torch.randn(sum(kv_lens), kv_heads, d)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+    q = torch.randn(sum(q_lens), heads, d)
+    sinks = torch.randn(heads) if features.get("sinks") else None
+    feats = Features(**features)
+    query_start_loc = torch.tensor([0, 1, 6, 36], dtype=torch.int32)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32)
+    md = SimpleNamespace(num_actual_tokens=q.shape[0], query_start_loc=query_start_loc, seq_lens=seq_lens,
+                         block_table=table, causal=True, dynamic_causal=None, scheduler_metadata=(
+                             ops.cpu_attn_get_scheduler_metadata(
+                                 num_reqs=3, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=seq_lens,
+                                 dtype=torch.float32, query_start_loc=query_start_loc, causal=True,
+                                 sliding_window_size=feats.window or -1, isa="vec", enable_kv_split=False)))
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa="vec")
+    out = PagedVarlenKernel(scale, features=feats)(layer, q, None, None, kv_cache, md, torch.zeros_like(q), sinks)
+    kv_starts = (0, 23, 63)
+    want = reference_attention(q, k, v, (0, 1, 6), q_lens, kv_starts, kv_lens, True, scale,
+                               window=feats.window, softcap=feats.softcap, sinks=sinks)
+    assert (out.double() - want).abs().max().item() < 1e-5
+    if feats.any:  # and the features matter: plain attention is far off
+        plain = reference_attention(q, k, v, (0, 1, 6), q_lens, kv_starts, kv_lens, True, scale)
+        assert (out.double() - plain).abs().max().item() > 1e-2
+    with pytest.raises(ValueError, match="disagree"):
+        PagedVarlenKernel(scale, features=feats)(layer, q, None, None, kv_cache, md, torch.zeros_like(q),
+                                                 None if feats.sinks else torch.zeros(heads))
+
+
 @pytest.fixture(scope="module")
 def llama_dir(vllm_installed, tmp_path_factory) -> Path:
     import tiny_models
