@@ -36,6 +36,7 @@ MAX_POSITIONS = 10000
 # windowed, soft-capped and sink models: prompts longer than the window, chunked in 64-token steps
 FEATURE_POLICIES = ("default", "varlen", "dynamic", "always-mask", "cost-aware")
 FEATURE_LENS = (5, 40, 100, 23)
+SINGLE_LEN = 50  # then one prompt alone: a context-free single sequence (CAUSAL under dynamic)
 WINDOW = 16
 FEATURE_ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=8 << 20, max_model_len=256,
                       max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True, seed=0)
@@ -177,7 +178,8 @@ def _child(scenario: str, model: str, out: str) -> None:
                 os.environ["ATTNPOLICY_POLICY"] = policy
             before, seen = counter.count, len(log.read_text().splitlines()) if log.exists() else 0
             llm = LLM(model=model, **FEATURE_ENGINE)
-            outs = llm.generate(_prompts(FEATURE_LENS, 0), _params(4, True), use_tqdm=False)
+            outs = [*llm.generate(_prompts(FEATURE_LENS, 0), _params(4, True), use_tqdm=False),
+                    *llm.generate(_prompts([SINGLE_LEN], 30), _params(2, True), use_tqdm=False)]
             _shutdown(llm)
             records = [json.loads(s) for s in log.read_text().splitlines()[seen:]] if log.exists() else []
             result[policy] = {"outputs": [_result(o) for o in outs], "metadata": counter.count - before,
@@ -413,7 +415,8 @@ def test_vllm_llama_matches_stock(generated, policy, scenario):
 def _max_logprob_diff(ours: list[dict], stock: list[dict]) -> float:
     pairs = [(a, b) for mine, ref in zip(ours, stock, strict=True)
              for a, b in zip(mine["prompt_logprobs"], ref["prompt_logprobs"], strict=True) if b is not None]
-    assert len(pairs) == sum(FEATURE_LENS) - len(FEATURE_LENS)
+    lens = (*FEATURE_LENS, SINGLE_LEN)
+    assert len(pairs) == sum(lens) - len(lens)
     return max(abs(a - b) for a, b in pairs)
 
 
@@ -458,9 +461,12 @@ def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_gr
         assert all(layouts == steps for layouts in per_group.values())  # every group, every step
         assert any(max(kv) > 4 * WINDOW for _, kv in steps)  # the window cuts: keys beyond it
         assert any(1 < q < kv for qs, kvs in steps for q, kv in zip(qs, kvs))  # a chunk with context
-        modes = {d["mode"] for d in decisions}
+        modes = {d["mode"] for d in decisions if d["num_seqs"] > 1}
         if policy in ("default", "varlen", "always-mask"):
             assert modes == {"mask" if policy == "always-mask" else "varlen"}, policy
+        if policy in ("default", "varlen", "dynamic"):  # the lone prompt: attnpolicy's CAUSAL graph
+            lone = [d for d in decisions if d["q_lens"] == d["kv_lens"] == [SINGLE_LEN]]
+            assert {(d["group"], d["mode"]) for d in lone} == {(g, "causal") for g in groups}, policy
 
 
 def test_vllm_layers_that_run_elsewhere_are_warned_once_and_counted(vllm_installed, tmp_path):
