@@ -33,6 +33,13 @@ ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=48 << 2
               max_num_seqs=8, max_num_batched_tokens=256, enable_chunked_prefill=True,
               enable_prefix_caching=True, seed=0)
 MAX_POSITIONS = 10000
+# windowed, soft-capped and sink models: prompts longer than the window, chunked in 64-token steps
+FEATURE_POLICIES = ("default", "varlen", "dynamic", "always-mask", "cost-aware")
+FEATURE_LENS = (5, 40, 100, 23)
+SINGLE_LEN = 50  # then one prompt alone: a context-free single sequence (CAUSAL under dynamic)
+WINDOW = 16
+FEATURE_ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=8 << 20, max_model_len=256,
+                      max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True, seed=0)
 
 
 def _prompts(lens, first: int) -> list[dict]:
@@ -157,7 +164,27 @@ def _child(scenario: str, model: str, out: str) -> None:
             _shutdown(llm)
             steps[policy] = counter.count - before
         result["steps"] = steps
-    elif scenario == "inproc-sliding":  # every layer of the model runs on vLLM's own code
+    elif scenario == "inproc-features":  # stock, then each policy: one engine each
+        from vllm import LLM
+
+        from attnpolicy.integrations import vllm as integration
+
+        counter = _StepCounter()
+        log = Path(os.environ["ATTNPOLICY_DECISIONS_LOG"])
+        for policy in ("stock", *FEATURE_POLICIES):
+            if policy != "stock":
+                integration.register()
+            if policy not in ("stock", "default"):
+                os.environ["ATTNPOLICY_POLICY"] = policy
+            before, seen = counter.count, len(log.read_text().splitlines()) if log.exists() else 0
+            llm = LLM(model=model, **FEATURE_ENGINE)
+            outs = [*llm.generate(_prompts(FEATURE_LENS, 0), _params(4, True), use_tqdm=False),
+                    *llm.generate(_prompts([SINGLE_LEN], 30), _params(2, True), use_tqdm=False)]
+            _shutdown(llm)
+            records = [json.loads(s) for s in log.read_text().splitlines()[seen:]] if log.exists() else []
+            result[policy] = {"outputs": [_result(o) for o in outs], "metadata": counter.count - before,
+                              "records": records}
+    elif scenario == "inproc-elsewhere":  # every layer of the model runs on vLLM's own code
         from vllm import LLM
 
         from attnpolicy.integrations import vllm as integration
@@ -301,6 +328,58 @@ def test_paged_gather_reads_what_vllm_wrote(vllm_installed):
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
+@pytest.mark.parametrize("features", [
+    {}, {"window": 8}, {"window": 9, "softcap": 0.5}, {"softcap": 0.5, "sinks": True},
+    {"window": 8, "softcap": 0.5, "sinks": True},
+])
+def test_paged_kernel_takes_the_layers_window_cap_and_sinks_exactly(vllm_installed, features):
+    """``PagedVarlenKernel`` with a layer's features: what the float64 reference computes
+    for ``Features`` (window ``W``: the ``W`` last keys, own included), on a decode, a
+    chunk with cached context and a prefill, all longer than the window."""
+    from types import SimpleNamespace
+
+    import torch
+    from reference import reference_attention
+    from vllm import _custom_ops as ops
+
+    from attnpolicy.core.features import Features
+    from attnpolicy.integrations.vllm_paged import PagedVarlenKernel, split_cache
+
+    torch.manual_seed(0)
+    heads, kv_heads, bs, d, scale = 4, 2, 32, 32, 0.3
+    q_lens, kv_lens = (1, 5, 30), (23, 40, 30)
+    table = torch.tensor([[1, 0], [2, 3], [4, 0]], dtype=torch.int32)
+    kv_cache = torch.zeros(5, kv_heads, bs, 2 * d)
+    key_cache, value_cache = split_cache(kv_cache)
+    slots = torch.cat([table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(kv_lens)])
+    k, v = torch.randn(sum(kv_lens), kv_heads, d), torch.randn(sum(kv_lens), kv_heads, d)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+    q = torch.randn(sum(q_lens), heads, d)
+    sinks = torch.randn(heads) if features.get("sinks") else None
+    feats = Features(**features)
+    query_start_loc = torch.tensor([0, 1, 6, 36], dtype=torch.int32)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32)
+    md = SimpleNamespace(num_actual_tokens=q.shape[0], query_start_loc=query_start_loc, seq_lens=seq_lens,
+                         block_table=table, causal=True, dynamic_causal=None, scheduler_metadata=(
+                             ops.cpu_attn_get_scheduler_metadata(
+                                 num_reqs=3, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=seq_lens,
+                                 dtype=torch.float32, query_start_loc=query_start_loc, causal=True,
+                                 sliding_window_size=feats.window or -1, isa="vec", enable_kv_split=False)))
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa="vec")
+    out = PagedVarlenKernel(scale, features=feats)(layer, q, None, None, kv_cache, md, torch.zeros_like(q), sinks)
+    kv_starts = (0, 23, 63)
+    want = reference_attention(q, k, v, (0, 1, 6), q_lens, kv_starts, kv_lens, True, scale,
+                               window=feats.window, softcap=feats.softcap, sinks=sinks)
+    assert (out.double() - want).abs().max().item() < 1e-5
+    if feats.any:  # and the features matter: plain attention is far off
+        plain = reference_attention(q, k, v, (0, 1, 6), q_lens, kv_starts, kv_lens, True, scale)
+        assert (out.double() - plain).abs().max().item() > 1e-2
+    with pytest.raises(ValueError, match="disagree"):
+        PagedVarlenKernel(scale, features=feats)(layer, q, None, None, kv_cache, md, torch.zeros_like(q),
+                                                 None if feats.sinks else torch.zeros(heads))
+
+
 @pytest.fixture(scope="module")
 def llama_dir(vllm_installed, tmp_path_factory) -> Path:
     import tiny_models
@@ -333,20 +412,78 @@ def test_vllm_llama_matches_stock(generated, policy, scenario):
             assert max(abs(a - b) for a, b in pairs) <= 1e-5
 
 
-def test_vllm_layers_that_run_elsewhere_are_warned_once_and_counted(vllm_installed, tmp_path):
-    """A sliding-window Mistral: vLLM's own code runs every layer; one warning names
-    them and why, and stats and the decisions log count them."""
+def _max_logprob_diff(ours: list[dict], stock: list[dict]) -> float:
+    pairs = [(a, b) for mine, ref in zip(ours, stock, strict=True)
+             for a, b in zip(mine["prompt_logprobs"], ref["prompt_logprobs"], strict=True) if b is not None]
+    lens = (*FEATURE_LENS, SINGLE_LEN)
+    assert len(pairs) == sum(lens) - len(lens)
+    return max(abs(a - b) for a, b in pairs)
+
+
+#: each KV-cache group of the model (named by its first layer): window, soft cap, sinks
+FEATURE_GROUPS = {
+    "mistral": {"model.layers.0.self_attn.attn": (WINDOW, None, False)},  # both layers windowed: one group
+    "gemma2": {"model.layers.0.self_attn.attn": (WINDOW, 0.5, False),  # sliding, then full, both capped
+               "model.layers.1.self_attn.attn": (None, 0.5, False)},
+    "gpt_oss": {"model.layers.0.attn.attn": (WINDOW, None, True),  # sliding, then full, both with sinks
+                "model.layers.1.attn.attn": (None, None, True)},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FEATURE_GROUPS))
+def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_group(vllm_installed, tmp_path,
+                                                                                  family):
+    """A sliding-window Mistral, a soft-capped Gemma2 and a GPT-OSS with sinks (sliding
+    and full layers alternating: two KV-cache groups) under every policy: the same
+    greedy tokens and prompt logprobs as stock vLLM, and one decision per attention
+    step of every group, recorded with the group's window, cap and sinks."""
     import tiny_models
 
-    model = tiny_models.mistral(tmp_path / "mistral", window=16)
-    result = _run_child("inproc-sliding", model, tmp_path, INPROC)
+    model = getattr(tiny_models, family)(tmp_path / family, window=WINDOW)
+    result = _run_child("inproc-features", model, tmp_path, INPROC)
+    stock = result["stock"]["outputs"]
+    assert all(r["tokens"] for r in stock)
+    groups = FEATURE_GROUPS[family]
+    for policy in FEATURE_POLICIES:
+        got = result[policy]
+        assert [r["tokens"] for r in got["outputs"]] == [r["tokens"] for r in stock], policy
+        assert _max_logprob_diff(got["outputs"], stock) <= 1e-5, policy
+        records = got["records"]
+        assert not [r for r in records if r["event"] == "layers_elsewhere"], policy
+        decisions = [r for r in records if r["event"] == "decision"]
+        # vLLM builds one metadata object per step and group: one decision each
+        assert len(decisions) == got["metadata"] == result["stock"]["metadata"] > 0, policy
+        assert {d["policy"] for d in decisions} == {"varlen" if policy == "default" else policy}
+        assert not any(d["fell_back"] for d in decisions)
+        assert {d["group"]: (d["window"], d["softcap"], d["sinks"]) for d in decisions} == groups
+        per_group = {g: [(d["q_lens"], d["kv_lens"]) for d in decisions if d["group"] == g] for g in groups}
+        steps = next(iter(per_group.values()))
+        assert all(layouts == steps for layouts in per_group.values())  # every group, every step
+        assert any(max(kv) > 4 * WINDOW for _, kv in steps)  # the window cuts: keys beyond it
+        assert any(1 < q < kv for qs, kvs in steps for q, kv in zip(qs, kvs))  # a chunk with context
+        modes = {d["mode"] for d in decisions if d["num_seqs"] > 1}
+        if policy in ("default", "varlen", "always-mask"):
+            assert modes == {"mask" if policy == "always-mask" else "varlen"}, policy
+        if policy in ("default", "varlen", "dynamic"):  # the lone prompt: attnpolicy's CAUSAL graph
+            lone = [d for d in decisions if d["q_lens"] == d["kv_lens"] == [SINGLE_LEN]]
+            assert {(d["group"], d["mode"]) for d in lone} == {(g, "causal") for g in groups}, policy
+
+
+def test_vllm_layers_that_run_elsewhere_are_warned_once_and_counted(vllm_installed, tmp_path):
+    """A BLOOM (ALiBi): vLLM's own code runs every layer; one warning names them and
+    why, and stats and the decisions log count them."""
+    import tiny_models
+
+    model = tiny_models.bloom(tmp_path / "bloom")
+    result = _run_child("inproc-elsewhere", model, tmp_path, INPROC)
     assert all(result["tokens"])
     [warning] = result["warnings"]
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    assert all(f"{name} (sliding window" in warning for name in names)
+    names = [f"transformer.h.{i}.self_attention.attn" for i in range(2)]
+    assert all(f"{name} (ALiBi)" in warning for name in names)
     records = [json.loads(s) for s in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     [event] = [r for r in records if r["event"] == "layers_elsewhere"]
-    assert sorted(event["layers"]) == names and all("sliding window" in why for why in event["layers"].values())
+    assert event["layers"] == dict.fromkeys(names, "ALiBi")
+    assert not [r for r in records if r["event"] == "decision"]
     stats = [r["stats"] for r in records if r["event"] == "stats"]
     assert stats and sum(s["layers_elsewhere"] for s in stats) == 2
 

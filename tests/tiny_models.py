@@ -112,6 +112,17 @@ def gpt_oss(path: Path, *, seed: int = 0, window: int = 4) -> Path:
     return _save(model, path)
 
 
+def bloom(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer BLOOM (ALiBi position biases, 4 heads)."""
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, n_layer=2, n_head=4, bos_token_id=2,
+                      eos_token_id=3, pad_token_id=0, dtype="float32")
+    return _save(BloomForCausalLM(cfg).eval(), path)
+
+
 def bert(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer BERT encoder: hidden 64, 2 heads of 32."""
     import torch

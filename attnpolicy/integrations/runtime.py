@@ -8,6 +8,8 @@ Environment variables (read when an integration builds its dispatcher):
 - ``ATTNPOLICY_DECISIONS_LOG``: a file that gets one JSON line per decision
   (``"event": "decision"``) and, at process exit, one line of cache stats per
   dispatcher (``"event": "stats"``). Several processes may append to one file.
+  An integration adds fields of its own to the decisions it asks for inside
+  :func:`decision_fields` (the vLLM backend: the KV-cache group, window and cap);
   The path is checked when the log is installed: a file that cannot be opened for
   appending raises :class:`~attnpolicy.errors.ConfigError` naming the variable there,
   never later inside an attention call;
@@ -21,7 +23,9 @@ import atexit
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ _lock = threading.Lock()
 _dispatchers: dict[tuple[str, Builder | None, bool], tuple[AttnPolicyConfig, Dispatcher]] = {}
 _logs: dict[str, DecisionLog] = {}
 _streams: dict[int, LayoutStreamWriter | None] = {}
+_fields: ContextVar[dict[str, Any] | None] = ContextVar("attnpolicy_decision_fields", default=None)
 
 
 def dispatcher_for(config: AttnPolicyConfig, builder: Builder | None = None, *,
@@ -146,13 +151,25 @@ class DecisionLog:
     def attnpolicy_on_decision(self, layout: BatchLayout, decision: Decision, policy: str,
                                fell_back: bool) -> None:
         self.write({"event": "decision", "policy": policy, "mode": decision.mode.value,
-                    "reason": decision.reason, "fell_back": fell_back, **_layout_fields(layout)})
+                    "reason": decision.reason, "fell_back": fell_back, **_layout_fields(layout),
+                    **(_fields.get() or {})})
 
     def write_stats(self) -> None:
         with _lock:
             built = list(_dispatchers.values())
         for config, d in built:
             self.write({"event": "stats", "policy": config.policy, "stats": d.stats().to_json()})
+
+
+@contextmanager
+def decision_fields(fields: dict[str, Any]) -> Iterator[None]:
+    """Add ``fields`` to every decision record written inside the block (in this thread
+    or task): what the integration knows of the call that the layout does not say."""
+    token = _fields.set(fields)
+    try:
+        yield
+    finally:
+        _fields.reset(token)
 
 
 def log_event(record: dict[str, Any]) -> None:

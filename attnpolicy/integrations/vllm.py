@@ -3,9 +3,10 @@
 :func:`register` overrides vLLM's CPU attention backend (``CPU_ATTN``, the only
 slot vLLM's CPU platform selects) with
 :class:`attnpolicy.integrations.vllm_backend.AttnPolicyCPUBackend`, whose
-forward takes one guarded policy decision per attention step (prefill, decode,
-chunked and prefix-cached prefill, mixed batches) and runs the step in that mode:
-VARLEN on vLLM's own paged kernel, CAUSAL and MASK on attnpolicy's graphs.
+forward takes one guarded policy decision per attention step and KV-cache group
+(prefill, decode, chunked and prefix-cached prefill, mixed batches; sliding
+windows, soft caps and sinks included) and runs the step in that mode: VARLEN on
+vLLM's own paged kernel, CAUSAL and MASK on attnpolicy's graphs.
 Configuration: see
 :mod:`attnpolicy.integrations.runtime`. Importing this module never imports vLLM.
 """

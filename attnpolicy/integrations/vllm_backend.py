@@ -5,14 +5,24 @@ KV-cache layout and KV-cache writes (``do_kv_cache_update`` runs before
 ``forward``), and changes only ``forward``. Every attention step goes through the
 guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batches.
 
-- **One decision per step.** All layers of a step share one metadata object; the
-  first layer builds the step's :class:`~attnpolicy.core.layout.BatchLayout` (cached
+- **Features.** A layer's sliding window, logit soft cap and sinks are its
+  :class:`~attnpolicy.core.features.Features` (:func:`features_of`), part of its
+  tensor spec and so of every graph key: attnpolicy's graphs compute them, and
+  vLLM's paged kernel gets them as its ``sliding_window``, ``softcap`` and ``s_aux``.
+- **One decision per step and KV-cache group.** The layers of one KV-cache group
+  share vLLM's metadata object; a hybrid model (Gemma 2: sliding and full layers)
+  has one group, so one metadata object, per kind of layer. The first layer of a
+  group in a step builds its :class:`~attnpolicy.core.layout.BatchLayout` (cached
   context included: ``kv_lens`` = ``seq_lens``, ``q_lens`` from ``query_start_loc``)
-  and asks the dispatcher once: ``Dispatcher.prepare(layout, spec)`` returns the
-  step's :class:`~attnpolicy.dispatch.step.Step` (decision, guard, planned graph keys
+  and asks the dispatcher: ``Dispatcher.prepare(layout, spec)`` for the step's first
+  group, ``prepare(layout, spec, decide(layout, spec))`` for the others (their graphs
+  stay pinned with the first group's), each returning the group's
+  :class:`~attnpolicy.dispatch.step.Step` (decision, guard, planned graph keys
   through the graph cache, which counts hits and misses as a static-shape runtime
-  would). Every other layer looks that Step up and runs it; a layer of another
-  tensor spec prepares its own in the same decision.
+  would). Every other layer of the group looks that Step up and runs it; a layer of
+  another tensor spec prepares its own in the group's decision. Each decision's
+  record in the decisions log names its group (the first layer's name) and the
+  group's ``window``, ``softcap`` and ``sinks``.
 - **The whole step runs in the chosen mode**, mixed batches included (no split):
   VARLEN runs vLLM's own paged kernel over the whole batch
   (:class:`~attnpolicy.integrations.vllm_paged.PagedVarlenKernel`, bit-identical to
@@ -20,13 +30,14 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
   :class:`~attnpolicy.dispatch.step.HostStep`, decided and counted, with no graph of
   attnpolicy's. CAUSAL (one context-free sequence) runs attnpolicy's graph on the
   step's keys as they are; MASK runs attnpolicy's graph on keys gathered from the
-  paged cache (once per step, only when some sequence has cached context). The mode
-  is the one that runs: a MASK decision whose mask would exceed ``max_mask_bytes``
-  runs as VARLEN under ``on_overflow='eager'``.
+  paged cache (once per step and group, only when some sequence has cached
+  context; keys a window has left behind may have been freed by vLLM, and the
+  window masks them). The mode is the one that runs: a MASK decision whose mask
+  would exceed ``max_mask_bytes`` runs as VARLEN under ``on_overflow='eager'``.
 - VARLEN-family keys (which the paged kernel runs) enter the graph cache and its
   statistics without compiling; CAUSAL and MASK graphs compile when first planned.
-- Layers the backend cannot run (ALiBi, sliding window, soft-capping, sinks, KV
-  sharing, cross-attention, fp8 KV cache, AMX cache layout, per-request causality,
+- Layers the backend cannot run (ALiBi, KV sharing, cross-attention, a window on
+  bidirectional attention, fp8 KV cache, AMX cache layout, per-request causality,
   fused output quantisation) run vLLM's own implementation. Those known when the
   layer is built (all but the last three) are reported at the first forward: one
   warning per model naming them and why, ``stats().layers_elsewhere`` and a
@@ -36,7 +47,7 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -48,12 +59,14 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatch import Dispatcher, HostStep, Step
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.environment import from_env
 from attnpolicy.integrations.runtime import (
     RuntimeLimits,
+    decision_fields,
     dispatcher_for,
     fit_to_runtime,
     layout_stream,
@@ -88,17 +101,24 @@ def why_elsewhere(impl: CPUAttentionBackendImpl) -> str | None:
         return f"attention type {impl.attn_type}"
     if impl.alibi_slopes is not None:
         return "ALiBi"
-    if impl.sliding_window != -1:
-        return f"sliding window {impl.sliding_window}"
-    if impl.logits_soft_cap:
-        return f"logit soft-cap {impl.logits_soft_cap:g}"
-    if impl.sinks is not None:
-        return "attention sinks"
+    if impl.sliding_window != -1 and impl.attn_type != AttentionType.DECODER:
+        return f"sliding window {impl.sliding_window} on bidirectional attention"
     if impl.kv_sharing_target_layer_name is not None:
         return f"KV sharing with {impl.kv_sharing_target_layer_name}"
     if impl.kv_cache_dtype != "auto":
         return f"KV cache dtype {impl.kv_cache_dtype}"
     return None
+
+
+def features_of(impl: CPUAttentionBackendImpl) -> Features:
+    """The layer's window, cap and sinks as attnpolicy's features. vLLM's
+    ``sliding_window=W`` (``-1``: none) lets a query see its ``W`` last keys, itself
+    included: exactly ``Features.window``. ``logits_soft_cap`` 0 (or None) is no cap."""
+    window = impl.sliding_window if impl.sliding_window not in (-1, None) else None
+    softcap = impl.logits_soft_cap or None
+    if window is None and softcap is None and impl.sinks is None:
+        return PLAIN
+    return Features(window, softcap, impl.sinks is not None)
 
 
 _reported: set[int] = set()  # the models (their forward contexts' layer dicts) already reported
@@ -143,9 +163,18 @@ def layout_for(md: CPUAttentionMetadata) -> BatchLayout:
                                             causal=bool(md.causal), num_tokens=md.num_actual_tokens)
 
 
+def _step_identity() -> object | None:
+    """What identifies the forward pass running now (the forward context's metadata
+    dict, new every step), or None outside one."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context().attn_metadata if is_forward_context_available() else None
+
+
 class _Current:
-    """The step every layer runs now: its metadata, its Steps by tensor spec (the
-    first layer's decision for all) and the gather index of its paged keys."""
+    """What the layers of one KV-cache group run in the current step: its metadata,
+    its Steps by tensor spec (the group's decision for all) and the gather index of
+    its paged keys."""
 
     __slots__ = ("gather", "metadata", "steps")
 
@@ -158,43 +187,80 @@ class _Current:
 class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
     """Runs every step of the supported layers through attnpolicy's guarded policy."""
 
-    _current: _Current | None = None  # the current step, shared by every layer (class-level)
+    # class-level, shared by every layer: the current step's groups, and its identity
+    _groups: ClassVar[list[_Current]] = []
+    _step: ClassVar[object | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = runtime_limits()
         self.config: AttnPolicyConfig = fit_to_runtime(from_env(), self.limits, "ATTNPOLICY_CONFIG")
         self.dispatcher: Dispatcher = dispatcher_for(self.config, host_varlen=True)
-        self.varlen = PagedVarlenKernel(self.scale, self.kv_cache_dtype, self.attn_type)
+        self.features = features_of(self)
+        self.varlen = PagedVarlenKernel(self.scale, self.kv_cache_dtype, self.attn_type, self.features)
         self._spec: TensorSpec | None = None  # of this layer's tensors, for dtype self._dtype
         self._dtype: torch.dtype | None = None
+        self._sinks: torch.Tensor | None = None  # the sink logits in self._dtype
         self._stream: LayoutStreamWriter | Literal[False] | None = False  # False: not looked up yet
         #: why vLLM's own implementation runs this layer (None: attnpolicy runs it)
         self.elsewhere = why_elsewhere(self)
         self.handles_layer = self.elsewhere is None
         self._unreported = True  # the layers that run elsewhere are reported at the first forward
 
-    def _step_for(self, md: CPUAttentionMetadata, spec: TensorSpec) -> Step:
-        """The Step of ``md`` for tensors of ``spec``: prepared by the step's first layer,
-        looked up by every other one (a layer of another spec prepares its own in the
-        same decision)."""
+    def _group_of(self, md: CPUAttentionMetadata) -> _Current | None:
+        for group in AttnPolicyCPUImpl._groups:
+            if group.metadata is md:
+                return group
+        return None
+
+    def _step_for(self, layer: Any, md: CPUAttentionMetadata, spec: TensorSpec) -> tuple[Step, _Current]:
+        """The Step of ``md`` for tensors of ``spec`` and its group: prepared by the
+        group's first layer in this step, looked up by every other one (a layer of
+        another spec prepares its own in the group's decision)."""
         dispatcher = self.dispatcher
-        current = AttnPolicyCPUImpl._current
-        if current is not None and current.metadata is md:
-            first = next(iter(current.steps.values()))
-            step = current.steps[spec] = dispatcher.prepare(first.layout, spec, first.decision)
-            return step
+        group = self._group_of(md)
+        if group is not None:
+            first = next(iter(group.steps.values()))
+            step = group.steps[spec] = dispatcher.prepare(first.layout, spec, first.decision)
+            return step, group
         layout = layout_for(md)
-        step = dispatcher.prepare(layout, spec)
-        AttnPolicyCPUImpl._current = _Current(md, spec, step)
+        feats = spec.features
+        fields = {"group": getattr(layer, "layer_name", None), "window": feats.window,
+                  "softcap": feats.softcap, "sinks": feats.sinks}
+        now = _step_identity()
+        later = now is not None and now is AttnPolicyCPUImpl._step and bool(AttnPolicyCPUImpl._groups)
+        with decision_fields(fields):
+            if later:  # another group of this step: its own decision, pinned with the step's
+                step = dispatcher.prepare(layout, spec, dispatcher.decide(layout, spec))
+            else:
+                step = dispatcher.prepare(layout, spec)
+        group = _Current(md, spec, step)
+        if later:
+            AttnPolicyCPUImpl._groups.append(group)
+            return step, group
+        AttnPolicyCPUImpl._groups = [group]
+        AttnPolicyCPUImpl._step = now
         stream = self._stream
         if stream is False:
             stream = self._stream = layout_stream(dispatcher, spec, self.limits)
-        if stream is not None:
+        if stream is not None:  # the step's layout, as its first group runs it
             mode = step.decision.mode
             stream.write_step(layout, mode, dispatcher.context_for(spec).keys_for(layout, mode),
                               dispatcher.cache.counters())
-        return step
+        return step, group
+
+    def _sink_logits(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The layer's sink logits for vLLM's kernel (bf16 or fp32, as stock casts them)
+        and, in ``dtype``, for attnpolicy's graphs; None without sinks."""
+        sinks: torch.Tensor | None = getattr(self, "sinks")  # noqa: B009  (vLLM leaves it untyped)
+        if sinks is None:
+            return None
+        if sinks.dtype not in (torch.bfloat16, torch.float32):
+            sinks = sinks.to(torch.float32)
+            self.sinks = sinks
+        if self._sinks is None or self._sinks.dtype is not dtype:
+            self._sinks = sinks.to(dtype)
+        return sinks
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata | None,
@@ -212,26 +278,26 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
                                    output_scale, output_block_scale)
         spec = self._spec
         if spec is None or query.dtype is not self._dtype:
-            spec = self._spec = TensorSpec.of(query, key, self.scale)
+            spec = self._spec = TensorSpec.of(query, key, self.scale, self.features)
             self._dtype = query.dtype
             if self.config.warmup:  # first use: the planned warm set (once per spec), then strict
                 self.dispatcher.warmup(spec)
-        current = AttnPolicyCPUImpl._current
-        step = current.steps.get(spec) if current is not None and current.metadata is md else None
+        sinks = self._sink_logits(query.dtype)
+        group = self._group_of(md)
+        step = group.steps.get(spec) if group is not None else None
         if step is None:
-            step = self._step_for(md, spec)
-            current = AttnPolicyCPUImpl._current
+            step, group = self._step_for(layer, md, spec)
         if isinstance(step, HostStep):
-            return self.varlen(layer, query, key, value, kv_cache, md, output)
+            return self.varlen(layer, query, key, value, kv_cache, md, output, sinks)
         layout = step.layout
         n = layout.q_tokens
         if layout.has_context:  # MASK with cached context: the keys live in the paged cache
-            assert current is not None
-            if current.gather is None:
-                current.gather = PagedGather(md.block_table, layout.kv_lens, kv_cache.shape[2])
-            k, v = current.gather(kv_cache)
+            assert group is not None
+            if group.gather is None:
+                group.gather = PagedGather(md.block_table, layout.kv_lens, kv_cache.shape[2])
+            k, v = group.gather(kv_cache)
         else:
             k, v = key[:n], value[:n]
-        out = step.run(query[:n], k, v)
+        out = step.run(query[:n], k, v, self._sinks if sinks is not None else None)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output

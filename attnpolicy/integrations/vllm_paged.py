@@ -2,9 +2,9 @@
 
 - :class:`PagedVarlenKernel`: vLLM's own ``cpu_attention_with_kv_cache`` over a whole
   batch: varlen, mask-free, reading every sequence's keys (cached context included)
-  through its block table. It is the VARLEN-family kernel of the vLLM backend, with
-  the call signature a kernel registry can take: queries, the paged cache, the
-  step's metadata and the output.
+  through its block table, under the layer's sliding window, soft cap and sinks. It
+  is the VARLEN-family kernel of the vLLM backend, with the call signature a kernel
+  registry can take: queries, the paged cache, the step's metadata and the output.
 - :class:`PagedGather`: packed ``k, v[Σ kv_len, Hkv, D]`` read from the paged cache
   for the sequences of a step, the input of attnpolicy's CAUSAL and MASK graphs.
 
@@ -21,6 +21,8 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+from attnpolicy.core.features import PLAIN, Features
 
 #: ISAs whose cache layout :class:`PagedGather` reads (AMX and fp8 caches pack differently).
 GATHER_ISAS = ("vec", "vec16")
@@ -40,16 +42,28 @@ class PagedVarlenKernel:
 
     The scheduler metadata describes exactly the batch it was built for; never pass
     it with a subset of the batch's sequences (the kernel trusts it and can hang).
+
+    ``features``: the layer's window and cap, passed as the kernel's ``sliding_window``
+    and ``softcap``. Both mean what :class:`~attnpolicy.core.features.Features` means:
+    the kernel's ``sliding_window=W`` lets a query see its ``W`` last keys, itself
+    included (vLLM's layers keep the model config's ``sliding_window`` as it is), and
+    ``softcap=0`` is no cap. ``sinks``: the layer's sink logits ``[Hq]`` (the kernel's
+    ``s_aux``) when ``features.sinks``.
     """
 
     scale: float
     kv_cache_dtype: str = "auto"
     attn_type: str = AttentionType.DECODER
+    features: Features = PLAIN
 
     def __call__(self, layer: object, query: torch.Tensor, key: torch.Tensor | None,
                  value: torch.Tensor | None, kv_cache: torch.Tensor, md: CPUAttentionMetadata,
-                 output: torch.Tensor) -> torch.Tensor:
+                 output: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         n = md.num_actual_tokens
+        feats = self.features
+        if feats.sinks != (sinks is not None):
+            raise ValueError(f"features {feats.describe()} and sinks={'a tensor' if sinks is not None else None} "
+                             "disagree: pass sink logits exactly when the features have sinks")
         k_scale, v_scale = layer._k_scale_float, layer._v_scale_float  # type: ignore[attr-defined]
         if md.scheduler_metadata is None:
             raise ValueError("vLLM's metadata has no scheduler_metadata: the CPU kernel needs it")
@@ -66,8 +80,9 @@ class PagedVarlenKernel:
         ops.cpu_attention_with_kv_cache(
             query=query[:n], key_cache=key_cache, value_cache=value_cache, output=output[:n],
             query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=self.scale,
-            causal=md.causal, alibi_slopes=None, sliding_window=-1, block_table=md.block_table,
-            softcap=0.0, scheduler_metadata=md.scheduler_metadata, s_aux=None,
+            causal=md.causal, alibi_slopes=None,
+            sliding_window=-1 if feats.window is None else feats.window, block_table=md.block_table,
+            softcap=feats.softcap or 0.0, scheduler_metadata=md.scheduler_metadata, s_aux=sinks,
             dynamic_causal=md.dynamic_causal, k_scale=k_scale, v_scale=v_scale,
             kv_cache_dtype=self.kv_cache_dtype)
         return output
