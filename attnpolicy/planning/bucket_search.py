@@ -212,7 +212,42 @@ def _boundaries(arg: np.ndarray, cand: np.ndarray, k: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,
+def _seconds(parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], sizes: Sequence[int],
+             run: list[tuple[float, float, float]], comp: list[tuple[float, float, float]] | None) -> float:
+    """The run and compile seconds of ``parts`` (:meth:`CallShapes.by_family`) bucketed
+    by ``sizes`` as :func:`evaluate` prices them, call overheads left out (``comp``:
+    ``None`` when nothing compiles)."""
+    s = np.asarray(sizes, dtype=np.int64)
+    k = s.size
+    value = s.astype(float)
+    total = 0.0
+    for code, q, kv, n in parts:
+        iq, ikv = np.searchsorted(s, q), np.searchsorted(s, kv)
+        bq, bkv = value[iq], value[ikv]
+        base, cell, token = run[code]
+        total += float((n * (base + cell * bq * bkv + token * (bq + bkv))).sum())
+        if comp is not None:
+            used = np.flatnonzero(np.bincount(iq * k + ikv, minlength=k * k))
+            kq, kk = value[used // k], value[used % k]
+            cb, cc, ct = comp[code]
+            total += float((cb + cc * kq * kk + ct * (kq + kk)).sum())
+    return total
+
+
+def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
+    """``shapes`` with each length rounded up to the next of the sorted boundaries
+    ``cand``, equal shapes merged: any bucket list drawn from ``cand`` gives them the
+    same buckets, hence the same modelled seconds (not the same padding)."""
+    q, kv = cand[np.searchsorted(cand, shapes.q)], cand[np.searchsorted(cand, shapes.kv)]
+    code = (shapes.family * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
+    u, inverse = np.unique(code, return_inverse=True)
+    count = np.bincount(inverse, weights=shapes.count)
+    rest, ukv = np.divmod(u, cand[-1] + 1)
+    fam, uq = np.divmod(rest, cand[-1] + 1)
+    return CallShapes(fam, uq, ukv, count)
+
+
+def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,
              window: int = 4) -> tuple[int, ...]:
     """Move each boundary (but the largest) to a nearby candidate (``window`` steps either
     way) while that lowers the exact modelled time. Only rectangular shapes need it:
@@ -220,34 +255,47 @@ def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model
 
     Moving boundary ``pos`` between its neighbours ``lo`` and ``hi`` changes only the
     shapes with a length in ``(lo, hi]`` and the graphs of buckets ``pos`` and ``pos+1``,
-    which only those shapes use: a move is priced on them alone. A move whose price is
-    within rounding of the threshold, and every accepted one, is priced on the whole
-    workload, so the moves taken are those whole-workload pricing takes."""
+    which only those shapes use: a move is priced on them alone, every move of the
+    window at once (:func:`_window_prices`). A move whose price is within rounding of
+    the threshold (``1e-9`` of the total) is priced on the whole workload
+    (:func:`evaluate`) and taken when it lowers that by more than ``1e-12``; one
+    clearly cheaper is taken and one clearly dearer is not, as whole-workload pricing
+    would decide, so the moves taken are those whole-workload pricing takes."""
     if bool((shapes.q == shapes.kv).all()):
         return sizes
-    current = evaluate(shapes, sizes, model).total_seconds
+    run, comp = _fits(model, "run"), _fits(model, "compile") if model.backend != "none" else None
+    exact: float | None = evaluate(shapes, sizes, model).total_seconds  # None: not priced since the last move
+    current = exact
     improved = True
     while improved:
         improved = False
         for pos in range(len(sizes) - 1):
             lo = sizes[pos - 1] if pos else 0
             hi = sizes[pos + 1]
-            near = ((shapes.q > lo) & (shapes.q <= hi)) | ((shapes.kv > lo) & (shapes.kv <= hi))
-            if not near.any():
-                continue
-            part = CallShapes(shapes.family[near], shapes.q[near], shapes.kv[near], shapes.count[near])
-            part_now = evaluate(part, sizes, model).total_seconds
             at = int(np.searchsorted(cand, sizes[pos]))
-            for c in cand[max(at - window, 0):at + window + 1]:
-                if not lo < c < sizes[pos + 1] or c == sizes[pos]:
-                    continue
-                trial = (*sizes[:pos], int(c), *sizes[pos + 1:])
-                part_trial = evaluate(part, trial, model).total_seconds
-                if part_trial - part_now > 1e-9 * max(current, 1.0):
+            moves = [int(c) for c in cand[max(at - window, 0):at + window + 1] if lo < c < hi and c != sizes[pos]]
+            near = ((grid.q > lo) & (grid.q <= hi)) | ((grid.kv > lo) & (grid.kv <= hi))
+            if not moves or not near.any():
+                continue
+            parts = CallShapes(grid.family[near], grid.q[near], grid.kv[near], grid.count[near]).by_family()
+            part_now = _seconds(parts, sizes, run, comp)
+            for c in moves:
+                part_trial = _seconds(parts, (*sizes[:pos], c, *sizes[pos + 1:]), run, comp)
+                delta = part_trial - part_now
+                margin = 1e-9 * max(current, 1.0)
+                if delta > margin:
                     continue  # clearly no better
-                total = evaluate(shapes, trial, model).total_seconds
-                if total < current - 1e-12:
-                    sizes, current, part_now, improved = trial, total, part_trial, True
+                trial = (*sizes[:pos], c, *sizes[pos + 1:])
+                if delta >= -margin:  # within rounding: the whole workload decides
+                    if exact is None:
+                        exact = evaluate(shapes, sizes, model).total_seconds
+                    total = evaluate(shapes, trial, model).total_seconds
+                    if not total < exact - 1e-12:
+                        continue
+                    exact = current = total
+                else:
+                    exact, current = None, current + delta
+                sizes, part_now, improved = trial, part_trial, True
     return sizes
 
 
@@ -277,9 +325,10 @@ def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align:
     kmax = min(max_buckets, cand.size)
     overhead = model.call_overhead_seconds * shapes.calls  # the same for every plan
     bound, arg = _program(shapes, cand, model, kmax)
+    grid = on_grid(shapes, cand)
     plans = []
     for k in range(1, kmax + 1):
-        sizes = _improve(shapes, _boundaries(arg, cand, k), cand, model)
+        sizes = _improve(shapes, grid, _boundaries(arg, cand, k), cand, model)
         plans.append(SizePlan(k, evaluate(shapes, sizes, model), float(bound[k, cand.size]) + overhead))
     return plans
 
