@@ -236,18 +236,25 @@ class CallTable:
     def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,
                kvb: np.ndarray) -> tuple[int, float]:
         """Dense mask builds of the MASK ``rows``: the dispatcher's mask cache (LRU within
-        ``max_mask_bytes``, keyed by layout and shape) replayed as a key stream."""
+        ``max_mask_bytes``, keyed by layout and shape) replayed as a key stream. When no
+        key repeats (each step's layout its own), every request builds: the builds are
+        the requests and their seconds the costs summed in request order, as the
+        replay adds them."""
         if not rows.size:
             return 0, 0.0
         code = self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows]
         _, first_at, inverse = np.unique(code, return_index=True, return_inverse=True)
         order = np.argsort(first_at, kind="stable")
+        first = rows[first_at[order]]
+        shape, which = np.unique(qb[first] << 21 | kvb[first], return_inverse=True)
+        seconds = np.array([self.model.mask_build_seconds(int(c >> 21), int(c & 0x1FFFFF)) for c in shape.tolist()])
+        costs = seconds[which]
+        if order.size == rows.size:  # no repeats
+            return int(rows.size), float(np.cumsum(costs)[-1])
         rank = np.empty_like(order)
         rank[order] = np.arange(order.size)
-        first = rows[first_at[order]]
-        sizes = [int(qb[r]) * int(kvb[r]) for r in first]
-        costs = [self.model.mask_build_seconds(int(qb[r]), int(kvb[r])) for r in first]
-        stats = replay_stream(rank[inverse].tolist(), sizes, costs, max_bytes=config.max_mask_bytes,
+        sizes = (qb[first] * kvb[first]).tolist()
+        stats = replay_stream(rank[inverse].tolist(), sizes, costs.tolist(), max_bytes=config.max_mask_bytes,
                               oversize="uncached")
         return stats.misses, stats.compile_seconds
 
