@@ -181,21 +181,27 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     best = np.full((max_buckets + 1, m + 1), np.inf)
     arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
     best[0, 0] = 0.0
+    # a family without square (rectangular) shapes adds exact zeros for them: skipped
+    present = [(code, sq[code, -1] > 0, rq_n[code, -1] > 0) for code in range(nf)]
+    present = [p for p in present if p[1] or p[2]]
     for j in range(1, m + 1):
         b = lengths[j - 1]
-        i = np.arange(j)
         seg = np.zeros(j)  # cost of one bucket at cand[j-1] serving candidates i..j-1
-        for code in range(nf):
+        for code, squares, rects in present:
             base, cell, token = run[code]
-            n_sq = sq[code, j] - sq[code, i]
-            n_kv = rkv_n[code, j] - rkv_n[code, i]
-            seg += n_sq * (base + cell * b * b + 2 * token * b)
-            seg += (rq_n[code, j] - rq_n[code, i]) * token * b + (rq_kv[code, j] - rq_kv[code, i]) * cell * b
-            seg += n_kv * (base + token * b)
+            n_sq = sq[code, j] - sq[code, :j]
+            if squares:
+                seg += n_sq * (base + cell * b * b + 2 * token * b)
+            if rects:
+                n_kv = rkv_n[code, j] - rkv_n[code, :j]
+                seg += (rq_n[code, j] - rq_n[code, :j]) * token * b + (rq_kv[code, j] - rq_kv[code, :j]) * cell * b
+                seg += n_kv * (base + token * b)
             if compiles:
                 cb, cc, ct = comp[code]
-                seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
-                seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
+                if squares:
+                    seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
+                if rects:
+                    seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
         total = best[:max_buckets, :j] + seg  # row k-1: a plan of k buckets ending at cand[j-1]
         at = np.argmin(total, axis=1)
         best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
@@ -212,26 +218,42 @@ def _boundaries(arg: np.ndarray, cand: np.ndarray, k: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _seconds(parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], sizes: Sequence[int],
-             run: list[tuple[float, float, float]], comp: list[tuple[float, float, float]] | None) -> float:
-    """The run and compile seconds of ``parts`` (:meth:`CallShapes.by_family`) bucketed
-    by ``sizes`` as :func:`evaluate` prices them, call overheads left out (``comp``:
-    ``None`` when nothing compiles)."""
-    s = np.asarray(sizes, dtype=np.int64)
-    k = s.size
-    value = s.astype(float)
-    total = 0.0
-    for code, q, kv, n in parts:
-        iq, ikv = np.searchsorted(s, q), np.searchsorted(s, kv)
+@dataclass(frozen=True)
+class _Priced:
+    """Shapes with each one's run coefficients (base, per cell, per token) and the
+    families' compile coefficients (``None``: nothing compiles), to price many bucket
+    lists: the run and compile seconds :func:`evaluate` gives, call overheads left out."""
+
+    family: np.ndarray
+    q: np.ndarray
+    kv: np.ndarray
+    count: np.ndarray
+    run: np.ndarray  # (shape, coefficient)
+    comp: np.ndarray | None  # (family, coefficient)
+
+    @classmethod
+    def of(cls, shapes: CallShapes, model: CostModel) -> _Priced:
+        comp = np.array(_fits(model, "compile")) if model.backend != "none" else None
+        return cls(shapes.family, shapes.q, shapes.kv, shapes.count.astype(float),
+                   np.array(_fits(model, "run"))[shapes.family], comp)
+
+    def select(self, sel: np.ndarray) -> _Priced:
+        return _Priced(self.family[sel], self.q[sel], self.kv[sel], self.count[sel], self.run[sel], self.comp)
+
+    def seconds(self, sizes: Sequence[int]) -> float:
+        s = np.asarray(sizes, dtype=np.int64)
+        k = s.size
+        value = s.astype(float)
+        iq, ikv = np.searchsorted(s, self.q), np.searchsorted(s, self.kv)
         bq, bkv = value[iq], value[ikv]
-        base, cell, token = run[code]
-        total += float((n * (base + cell * bq * bkv + token * (bq + bkv))).sum())
-        if comp is not None:
-            used = np.flatnonzero(np.bincount(iq * k + ikv, minlength=k * k))
-            kq, kk = value[used // k], value[used % k]
-            cb, cc, ct = comp[code]
-            total += float((cb + cc * kq * kk + ct * (kq + kk)).sum())
-    return total
+        base, cell, token = self.run.T
+        total = float((self.count * (base + cell * bq * bkv + token * (bq + bkv))).sum())
+        if self.comp is None:
+            return total
+        used = np.bincount((self.family * k + iq) * k + ikv, minlength=len(FAMILIES) * k * k) > 0
+        cb, cc, ct = self.comp.T[:, :, None, None]
+        price = cb + cc * (value[:, None] * value[None, :]) + ct * (value[:, None] + value[None, :])
+        return total + float(price.ravel()[used].sum())
 
 
 def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
@@ -263,7 +285,7 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
     would decide, so the moves taken are those whole-workload pricing takes."""
     if bool((shapes.q == shapes.kv).all()):
         return sizes
-    run, comp = _fits(model, "run"), _fits(model, "compile") if model.backend != "none" else None
+    priced = _Priced.of(grid, model)
     exact: float | None = evaluate(shapes, sizes, model).total_seconds  # None: not priced since the last move
     current = exact
     improved = True
@@ -277,10 +299,10 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
             near = ((grid.q > lo) & (grid.q <= hi)) | ((grid.kv > lo) & (grid.kv <= hi))
             if not moves or not near.any():
                 continue
-            parts = CallShapes(grid.family[near], grid.q[near], grid.kv[near], grid.count[near]).by_family()
-            part_now = _seconds(parts, sizes, run, comp)
+            part = priced.select(near)
+            part_now = part.seconds(sizes)
             for c in moves:
-                part_trial = _seconds(parts, (*sizes[:pos], c, *sizes[pos + 1:]), run, comp)
+                part_trial = part.seconds((*sizes[:pos], c, *sizes[pos + 1:]))
                 delta = part_trial - part_now
                 margin = 1e-9 * max(current, 1.0)
                 if delta > margin:
