@@ -198,13 +198,16 @@ class CallTable:
         key_causal = self.causal[rows] & (fam != _MASK)
         code = ((impl_code * 3 + fam) * 2 + key_causal) << 48 | qb[rows] << 24 | kvb[rows]
         crow = np.flatnonzero(compiled)
-        _, first_at, inverse = np.unique(code[crow], return_index=True, return_inverse=True)
-        order = np.argsort(first_at, kind="stable")
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        ids = rank[inverse]
-        first = rows[crow[first_at[order]]]
-        uses = np.bincount(ids, minlength=order.size)
+        if seq is None or batch is None:
+            ids, first_at = _first_order(code[crow])
+        else:  # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices)
+            sizes = np.union1d(seq, batch)
+            key_kind = ((impl_code * 3 + fam) * 2 + key_causal)[crow]
+            dense = (key_kind * sizes.size + np.searchsorted(sizes, qb[rows[crow]])) * sizes.size \
+                + np.searchsorted(sizes, kvb[rows[crow]])
+            ids, first_at = _first_order(dense, 2 * len(FAMILIES) * len(impls) * sizes.size ** 2)
+        first = rows[crow[first_at]]
+        uses = np.bincount(ids, minlength=first.size)
         keys = []
         for r in first:
             call, layout = self._call(int(r), int(qb[r]), int(kvb[r]))
@@ -242,19 +245,15 @@ class CallTable:
         replay adds them."""
         if not rows.size:
             return 0, 0.0
-        code = self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows]
-        _, first_at, inverse = np.unique(code, return_index=True, return_inverse=True)
-        order = np.argsort(first_at, kind="stable")
-        first = rows[first_at[order]]
+        ids, first_at = _first_order(self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows])
+        first = rows[first_at]
         shape, which = np.unique(qb[first] << 21 | kvb[first], return_inverse=True)
         seconds = np.array([self.model.mask_build_seconds(int(c >> 21), int(c & 0x1FFFFF)) for c in shape.tolist()])
         costs = seconds[which]
-        if order.size == rows.size:  # no repeats
+        if first.size == rows.size:  # no repeats
             return int(rows.size), float(np.cumsum(costs)[-1])
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
         sizes = (qb[first] * kvb[first]).tolist()
-        stats = replay_stream(rank[inverse].tolist(), sizes, costs.tolist(), max_bytes=config.max_mask_bytes,
+        stats = replay_stream(ids.tolist(), sizes, costs.tolist(), max_bytes=config.max_mask_bytes,
                               oversize="uncached")
         return stats.misses, stats.compile_seconds
 
@@ -287,6 +286,24 @@ class CallTable:
             hit = self.memo[memo_key] = stream.replay(config, eviction)
         assert isinstance(hit, StreamStats)
         return hit
+
+
+def _first_order(code: np.ndarray, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of ``code``'s values numbered in order of first occurrence, and each id's first
+    position. ``size``: every code is below it (counted densely, without a sort)."""
+    if size is None:
+        _, first_at, inverse = np.unique(code, return_index=True, return_inverse=True)
+        order = np.argsort(first_at, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        return rank[inverse], first_at[order]
+    first = np.full(size, code.size)
+    np.minimum.at(first, code, np.arange(code.size))
+    order = np.flatnonzero(first < code.size)
+    order = order[np.argsort(first[order], kind="stable")]
+    rank = np.empty(size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    return rank[code], first[order]
 
 
 def _table(config: AttnPolicyConfig, max_len: int) -> np.ndarray | None:
