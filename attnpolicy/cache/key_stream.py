@@ -195,7 +195,8 @@ class StreamCache:
             self.compiles += compiles
             self.evictions += evictions
             self.uncached += uncached
-            self.compile_seconds, self.nbytes, self.peak_graphs, self.peak_bytes = seconds, nbytes, peak_graphs, peak_bytes
+            self.compile_seconds, self.nbytes = seconds, nbytes
+            self.peak_graphs, self.peak_bytes = peak_graphs, peak_bytes
         return len(stream) - misses
 
 

@@ -263,7 +263,7 @@ def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
     q, kv = cand[np.searchsorted(cand, shapes.q)], cand[np.searchsorted(cand, shapes.kv)]
     code = (shapes.family * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
     u, inverse = np.unique(code, return_inverse=True)
-    count = np.bincount(inverse, weights=shapes.count)
+    count = np.bincount(inverse, weights=shapes.count).astype(np.int64)
     rest, ukv = np.divmod(u, cand[-1] + 1)
     fam, uq = np.divmod(rest, cand[-1] + 1)
     return CallShapes(fam, uq, ukv, count)
@@ -277,17 +277,18 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
 
     Moving boundary ``pos`` between its neighbours ``lo`` and ``hi`` changes only the
     shapes with a length in ``(lo, hi]`` and the graphs of buckets ``pos`` and ``pos+1``,
-    which only those shapes use: a move is priced on them alone, every move of the
-    window at once (:func:`_window_prices`). A move whose price is within rounding of
-    the threshold (``1e-9`` of the total) is priced on the whole workload
-    (:func:`evaluate`) and taken when it lowers that by more than ``1e-12``; one
-    clearly cheaper is taken and one clearly dearer is not, as whole-workload pricing
-    would decide, so the moves taken are those whole-workload pricing takes."""
+    which only those shapes use: a move is priced on them alone, taken from ``grid``
+    (``shapes`` :func:`on_grid` of ``cand``: fewer shapes, the same seconds). A move whose
+    price is within rounding of the threshold (``1e-9`` of the total) is priced on the
+    whole workload (:func:`evaluate`) and taken when it lowers that by more than
+    ``1e-12``; one clearly cheaper is taken and one clearly dearer is not, as
+    whole-workload pricing would decide, so the moves taken are those whole-workload
+    pricing takes."""
     if bool((shapes.q == shapes.kv).all()):
         return sizes
     priced = _Priced.of(grid, model)
-    exact: float | None = evaluate(shapes, sizes, model).total_seconds  # None: not priced since the last move
-    current = exact
+    current = evaluate(shapes, sizes, model).total_seconds  # the total, exact or up to rounding
+    exact: float | None = current  # None: not priced on the whole workload since the last move
     improved = True
     while improved:
         improved = False
@@ -302,12 +303,12 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
             part = priced.select(near)
             part_now = part.seconds(sizes)
             for c in moves:
-                part_trial = part.seconds((*sizes[:pos], c, *sizes[pos + 1:]))
+                trial = (*sizes[:pos], c, *sizes[pos + 1:])
+                part_trial = part.seconds(trial)
                 delta = part_trial - part_now
                 margin = 1e-9 * max(current, 1.0)
                 if delta > margin:
                     continue  # clearly no better
-                trial = (*sizes[:pos], c, *sizes[pos + 1:])
                 if delta >= -margin:  # within rounding: the whole workload decides
                     if exact is None:
                         exact = evaluate(shapes, sizes, model).total_seconds
