@@ -213,5 +213,12 @@ def test_shapes_on_the_candidate_grid_cost_what_the_exact_shapes_cost(raw, backe
     exact = evaluate(shapes, sizes, m)
     assert evaluate(grid, sizes, m).total_seconds == pytest.approx(exact.total_seconds, rel=1e-12)
     assert evaluate(grid, sizes, m).graphs == exact.graphs
+    if len(sizes) < 2:
+        return
+    pos = rnd.randrange(len(sizes) - 1)
+    lo = sizes[pos - 1] if pos else 0
+    bounds = [int(c) for c in cand if lo < c < sizes[pos + 1]]
     overhead = m.call_overhead_seconds * shapes.calls
-    assert _Priced.of(grid, m).seconds(sizes) + overhead == pytest.approx(exact.total_seconds, rel=1e-12)
+    for c, price in zip(bounds, _Priced.of(grid, m).moves(sizes, pos, bounds), strict=True):
+        moved = evaluate(shapes, (*sizes[:pos], c, *sizes[pos + 1:]), m).total_seconds
+        assert price + overhead == pytest.approx(moved, rel=1e-12)

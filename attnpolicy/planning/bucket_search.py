@@ -240,20 +240,54 @@ class _Priced:
     def select(self, sel: np.ndarray) -> _Priced:
         return _Priced(self.family[sel], self.q[sel], self.kv[sel], self.count[sel], self.run[sel], self.comp)
 
-    def seconds(self, sizes: Sequence[int]) -> float:
+    def moves(self, sizes: tuple[int, ...], pos: int, bounds: Sequence[int]) -> list[float]:
+        """The run and compile seconds under ``sizes`` with boundary ``pos`` moved to each
+        of ``bounds`` (ascending, between its neighbours ``lo`` and ``hi``), every move at once.
+
+        A length in ``(lo, hi]`` goes to the moved boundary ``c`` when at most ``c``, else
+        to ``hi``; any other keeps its bucket. A shape with no length in ``(bounds[0],
+        bounds[-1]]`` goes the same way under every move: its run seconds are a
+        quadratic in ``c`` (summed once) and its graph the same bucket indices (the
+        moved boundary keeps index ``pos``). The other shapes are priced per move."""
         s = np.asarray(sizes, dtype=np.int64)
-        k = s.size
-        value = s.astype(float)
-        iq, ikv = np.searchsorted(s, self.q), np.searchsorted(s, self.kv)
-        bq, bkv = value[iq], value[ikv]
+        k, t = s.size, len(bounds)
+        lo, hi, first, last = (s[pos - 1] if pos else 0), s[pos + 1], bounds[0], bounds[-1]
+        index, offset, moved, switch = [], [], [], np.zeros(self.q.size, dtype=bool)
+        for x in (self.q, self.kv):
+            inside = (x > lo) & (x <= hi)
+            switch |= inside & (x > first) & (x <= last)
+            m = inside & (x <= first)
+            i = np.where(inside, pos + 1, np.searchsorted(s, x))  # inside and beyond the last move: hi
+            index.append(np.where(m, pos, i))
+            offset.append(np.where(m, 0.0, s[i].astype(float)))  # bucket = offset + moved·c
+            moved.append(m.astype(float))
+        (aq, akv), (mq, mkv) = offset, moved
+        n = np.where(switch, 0.0, self.count)
         base, cell, token = self.run.T
-        total = float((self.count * (base + cell * bq * bkv + token * (bq + bkv))).sum())
+        c = np.asarray(bounds, dtype=float)
+        total = ((n * (base + cell * aq * akv + token * (aq + akv))).sum()
+                 + (n * (cell * (aq * mkv + mq * akv) + token * (mq + mkv))).sum() * c
+                 + (n * cell * mq * mkv).sum() * c * c)
+        per = self.select(switch)
+        trial = np.tile(s, (t, 1))
+        trial[:, pos] = bounds
+        iq, ikv = (np.where((i == pos) | (i == pos + 1), np.where(x <= trial[:, pos, None], pos, pos + 1), i)
+                   for x in (per.q, per.kv) for i in [np.searchsorted(s, x)])
+        value = trial.astype(float)
+        row = np.arange(t)[:, None]
+        bq, bkv = value[row, iq], value[row, ikv]
+        base, cell, token = per.run.T
+        total += (per.count * (base + cell * bq * bkv + token * (bq + bkv))).sum(axis=1)
         if self.comp is None:
-            return total
-        used = np.bincount((self.family * k + iq) * k + ikv, minlength=len(FAMILIES) * k * k) > 0
-        cb, cc, ct = self.comp.T[:, :, None, None]
-        price = cb + cc * (value[:, None] * value[None, :]) + ct * (value[:, None] + value[None, :])
-        return total + float(price.ravel()[used].sum())
+            return list(total.tolist())
+        graphs = len(FAMILIES) * k * k
+        used = np.bincount((((row * len(FAMILIES) + per.family) * k + iq) * k + ikv).ravel(),
+                           minlength=t * graphs).reshape(t, graphs) > 0
+        used |= np.bincount((self.family * k + index[0]) * k + index[1], weights=~switch, minlength=graphs) > 0
+        cb, cc, ct = self.comp.T[:, None, :, None, None]
+        price = cb + cc * (value[:, None, :, None] * value[:, None, None, :]) \
+            + ct * (value[:, None, :, None] + value[:, None, None, :])
+        return list((total + np.where(used, price.reshape(t, graphs), 0.0).sum(axis=1)).tolist())
 
 
 def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
@@ -300,11 +334,12 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
             near = ((grid.q > lo) & (grid.q <= hi)) | ((grid.kv > lo) & (grid.kv <= hi))
             if not moves or not near.any():
                 continue
-            part = priced.select(near)
-            part_now = part.seconds(sizes)
+            bounds = sorted({sizes[pos], *moves})
+            prices = dict(zip(bounds, priced.select(near).moves(sizes, pos, bounds), strict=True))
+            part_now = prices[sizes[pos]]
             for c in moves:
                 trial = (*sizes[:pos], c, *sizes[pos + 1:])
-                part_trial = part.seconds(trial)
+                part_trial = prices[c]
                 delta = part_trial - part_now
                 margin = 1e-9 * max(current, 1.0)
                 if delta > margin:
