@@ -189,12 +189,16 @@ class CallTable:
         kernels = KernelChoice(config.kernels, config.attn_impl or "sdpa", compiled=config.backend != "none",
                                measured=getattr(model, "kernel_seconds", None))
         kind = (fam * 2 + self.causal[rows]) * 2 + self.context[rows]
-        impl_code = np.zeros(rows.size, dtype=np.int64)
+        kinds = len(FAMILIES) * 4
+        first_of = np.full(kinds, rows.size)
+        np.minimum.at(first_of, kind, np.arange(rows.size))
+        impl_of = np.zeros(kinds, dtype=np.int64)
         impls: dict[str, int] = {}
-        for k in np.unique(kind):
-            r = int(rows[np.flatnonzero(kind == k)[0]])
+        for k in np.flatnonzero(first_of < rows.size):  # each kind's kernel, asked of its first call
+            r = int(rows[first_of[k]])
             call, layout = self._call(r, int(qb[r]), int(kvb[r]))
-            impl_code[kind == k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
+            impl_of[k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
+        impl_code = impl_of[kind]
         key_causal = self.causal[rows] & (fam != _MASK)
         code = ((impl_code * 3 + fam) * 2 + key_causal) << 48 | qb[rows] << 24 | kvb[rows]
         crow = np.flatnonzero(compiled)
