@@ -48,14 +48,14 @@ layouts = st.lists(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=layouts, policy=st.sampled_from(POLICIES), capacity=st.sampled_from([1, 3, None]),
-       sizes=st.sampled_from([None, [16, 64, 256], [48, 700]]), mask_bytes=st.sampled_from([None, 20000]),
+       sizes=st.sampled_from([None, [16, 64, 256], [48, 700], "exact"]), mask_bytes=st.sampled_from([None, 20000]),
        eviction=st.sampled_from(["lru", "lfu", "fifo", "cost", "belady"]))
 def test_the_call_table_gives_the_rows_of_the_dispatcher_simulation(steps, policy, capacity, sizes, mask_bytes,
                                                                        eviction):
     model, base = _base(on_overflow="eager")
     fields = {"policy": policy}
     if sizes is not None:
-        fields["buckets"] = {"kind": "list", "sizes": sizes}
+        fields["buckets"] = {"kind": "exact"} if sizes == "exact" else {"kind": "list", "sizes": sizes}
     if mask_bytes is not None:
         fields["max_mask_bytes"] = mask_bytes
     config = with_fields(base, **fields)

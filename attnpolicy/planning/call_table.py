@@ -202,14 +202,17 @@ class CallTable:
         key_causal = self.causal[rows] & (fam != _MASK)
         code = ((impl_code * 3 + fam) * 2 + key_causal) << 48 | qb[rows] << 24 | kvb[rows]
         crow = np.flatnonzero(compiled)
-        if seq is None or batch is None:
+        # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
+        # unless there are no tables or so many buckets that the count would outweigh a sort
+        sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
+        span = 2 * len(FAMILIES) * len(impls) * sizes.size ** 2 if sizes is not None else 0
+        if sizes is None or span > max(4 * crow.size, 1 << 16):
             ids, first_at = _first_order(code[crow])
-        else:  # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices)
-            sizes = np.union1d(seq, batch)
+        else:
             key_kind = ((impl_code * 3 + fam) * 2 + key_causal)[crow]
             dense = (key_kind * sizes.size + np.searchsorted(sizes, qb[rows[crow]])) * sizes.size \
                 + np.searchsorted(sizes, kvb[rows[crow]])
-            ids, first_at = _first_order(dense, 2 * len(FAMILIES) * len(impls) * sizes.size ** 2)
+            ids, first_at = _first_order(dense, span)
         first = rows[crow[first_at]]
         uses = np.bincount(ids, minlength=first.size)
         keys = []
