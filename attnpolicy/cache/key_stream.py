@@ -11,7 +11,8 @@ is evicted like any other; pins only delay its release), so the stream needs non
 A simulation replays one recorded stream through many bounds and evictions with it.
 
 :class:`StreamCache` is that bookkeeping for one request at a time (cost-aware's
-shadow caches use it too). :func:`replay_stream`'s keys are ints ``0..n-1``
+shadow caches use it too); for the ``lru`` and ``fifo`` orders it also serves a whole
+stream in one loop (:meth:`StreamCache.serve_ordered`). :func:`replay_stream`'s keys are ints ``0..n-1``
 (positions in ``sizes`` and ``costs``), so lookups hash ints.
 """
 
@@ -144,7 +145,6 @@ class StreamCache:
         if self.nbytes > self.peak_bytes:
             self.peak_bytes = self.nbytes
 
-
     def _too_large(self, key: Hashable, size: int) -> GraphTooLargeError:
         return GraphTooLargeError(
             f"the graph for key {self._name(key)} needs {size} bytes, more than max_bytes={self.max_bytes}")
@@ -238,4 +238,3 @@ def replay_stream(
                 hits += 1
     return StreamStats(hits, cache.misses, cache.compiles, cache.compile_seconds, cache.evictions,
                        cache.uncached, cache.peak_graphs, cache.peak_bytes)
-
