@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,17 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
-from attnpolicy.planning.bucket_search import CallShapes, candidates, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import (
+    CallShapes,
+    _boundaries,
+    _improve,
+    _Priced,
+    _program,
+    candidates,
+    evaluate,
+    on_grid,
+    plan_sizes,
+)
 
 
 def model(backend: str = "aot_eager") -> CostModel:
@@ -101,3 +112,113 @@ def test_errors_name_the_value():
         evaluate(shapes, (64,), model())
     with pytest.raises(ConfigError, match="max_buckets must be >= 1, got 0"):
         plan_sizes(shapes, model(), 0)
+
+
+# -- the fast paths against the plain algorithms they replace ----------------------------
+
+def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_buckets: int):
+    """The program with every term added for every family, candidate by candidate."""
+    nf = 3
+    slot_q, slot_kv = np.searchsorted(cand, shapes.q) + 1, np.searchsorted(cand, shapes.kv) + 1
+    square = shapes.q == shapes.kv
+    count = shapes.count.astype(float)
+
+    def prefix(sel, slot, weights):
+        out = np.zeros((nf, cand.size + 1))
+        np.add.at(out, (shapes.family[sel], slot[sel]), weights[sel])
+        return out.cumsum(-1)
+
+    sq, rq_n = prefix(square, slot_kv, count), prefix(~square, slot_q, count)
+    rq_kv, rkv_n = prefix(~square, slot_q, count * shapes.kv), prefix(~square, slot_kv, count)
+    fams = ("causal", "mask", "varlen")
+    run = [(m.run[f].base, m.run[f].per_cell, m.run[f].per_token) for f in fams]
+    comp = [(m.compile[f].base, m.compile[f].per_cell, m.compile[f].per_token) for f in fams]
+    best = np.full((max_buckets + 1, cand.size + 1), np.inf)
+    arg = np.zeros((max_buckets + 1, cand.size + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for j in range(1, cand.size + 1):
+        b, i = float(cand[j - 1]), np.arange(j)
+        seg = np.zeros(j)
+        for code in range(nf):
+            base, cell, token = run[code]
+            n_sq, n_kv = sq[code, j] - sq[code, i], rkv_n[code, j] - rkv_n[code, i]
+            seg += n_sq * (base + cell * b * b + 2 * token * b)
+            seg += (rq_n[code, j] - rq_n[code, i]) * token * b + (rq_kv[code, j] - rq_kv[code, i]) * cell * b
+            seg += n_kv * (base + token * b)
+            if m.backend != "none":
+                cb, cc, ct = comp[code]
+                seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
+                seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
+        total = best[:max_buckets, :j] + seg
+        at = np.argmin(total, axis=1)
+        best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
+    return best, arg
+
+
+def reference_improve(shapes: CallShapes, sizes, cand, m: CostModel, window: int = 4):
+    """The local search pricing every move on the whole workload with :func:`evaluate`."""
+    if bool((shapes.q == shapes.kv).all()):
+        return sizes
+    current = evaluate(shapes, sizes, m).total_seconds
+    improved = True
+    while improved:
+        improved = False
+        for pos in range(len(sizes) - 1):
+            lo, at = sizes[pos - 1] if pos else 0, int(np.searchsorted(cand, sizes[pos]))
+            for c in cand[max(at - window, 0):at + window + 1]:
+                if not lo < c < sizes[pos + 1] or c == sizes[pos]:
+                    continue
+                trial = (*sizes[:pos], int(c), *sizes[pos + 1:])
+                total = evaluate(shapes, trial, m).total_seconds
+                if total < current - 1e-12:
+                    sizes, current, improved = trial, total, True
+    return sizes
+
+
+many_shapes = st.dictionaries(
+    st.tuples(st.sampled_from(list(GraphFamily)), st.integers(1, 300), st.integers(0, 400)).map(
+        lambda t: (t[0], t[1], t[1] + t[2] * (t[0] is not GraphFamily.MASK or t[2] % 2))),
+    st.integers(1, 30), min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(many_shapes, st.integers(1, 6), st.sampled_from(["aot_eager", "none"]), st.sampled_from([1, 64]),
+       st.randoms(use_true_random=False))
+def test_the_fast_program_and_search_take_the_plain_ones_decisions(raw, k, backend, weight, rnd):
+    m = model(backend)
+    m = m.model_copy(update={"compile": {f: Fit(base=fit.base * weight, per_cell=fit.per_cell * weight,
+                                                 per_token=fit.per_token * weight) for f, fit in m.compile.items()}})
+    shapes = CallShapes.of(Counter(raw))
+    cand = candidates(shapes, 16)
+    k = min(k, cand.size)
+    best, arg = _program(shapes, cand, m, k)
+    ref_best, ref_arg = reference_program(shapes, cand, m, k)
+    assert np.array_equal(best, ref_best) and np.array_equal(arg, ref_arg)  # bit for bit
+    grid = on_grid(shapes, cand)
+    starts = [_boundaries(arg, cand, j) for j in range(1, k + 1)]
+    starts.append(tuple(sorted({*rnd.sample([int(c) for c in cand[:-1]], min(k, cand.size - 1)), int(cand[-1])})))
+    for start in starts:
+        assert _improve(shapes, grid, start, cand, m) == reference_improve(shapes, start, cand, m)
+
+
+@settings(max_examples=40, deadline=None)
+@given(many_shapes, st.sampled_from(["aot_eager", "none"]), st.randoms(use_true_random=False))
+def test_shapes_on_the_candidate_grid_cost_what_the_exact_shapes_cost(raw, backend, rnd):
+    m = model(backend)
+    shapes = CallShapes.of(Counter(raw))
+    cand = candidates(shapes, 16)
+    grid = on_grid(shapes, cand)
+    assert grid.calls == shapes.calls and grid.q.size <= shapes.q.size
+    sizes = tuple(sorted({*rnd.sample([int(c) for c in cand[:-1]], min(3, cand.size - 1)), int(cand[-1])}))
+    exact = evaluate(shapes, sizes, m)
+    assert evaluate(grid, sizes, m).total_seconds == pytest.approx(exact.total_seconds, rel=1e-12)
+    assert evaluate(grid, sizes, m).graphs == exact.graphs
+    if len(sizes) < 2:
+        return
+    pos = rnd.randrange(len(sizes) - 1)
+    lo = sizes[pos - 1] if pos else 0
+    bounds = [int(c) for c in cand if lo < c < sizes[pos + 1]]
+    overhead = m.call_overhead_seconds * shapes.calls
+    for c, price in zip(bounds, _Priced.of(grid, m).moves(sizes, pos, bounds), strict=True):
+        moved = evaluate(shapes, (*sizes[:pos], c, *sizes[pos + 1:]), m).total_seconds
+        assert price + overhead == pytest.approx(moved, rel=1e-12)

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.cli import main
+from attnpolicy.errors import GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
-from attnpolicy.planning.call_table import CallTable
+from attnpolicy.planning.call_table import CallTable, _first_order
 from attnpolicy.planning.graph_set import plan_graphs, with_fields
 from attnpolicy.planning.replan import measure_drift, modelled_row, switch_set
 from attnpolicy.workloads.batching import BatchFormer
@@ -45,14 +48,14 @@ layouts = st.lists(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=layouts, policy=st.sampled_from(POLICIES), capacity=st.sampled_from([1, 3, None]),
-       sizes=st.sampled_from([None, [16, 64, 256], [48, 700]]), mask_bytes=st.sampled_from([None, 20000]),
+       sizes=st.sampled_from([None, [16, 64, 256], [48, 700], "exact"]), mask_bytes=st.sampled_from([None, 20000]),
        eviction=st.sampled_from(["lru", "lfu", "fifo", "cost", "belady"]))
 def test_the_call_table_gives_the_rows_of_the_dispatcher_simulation(steps, policy, capacity, sizes, mask_bytes,
                                                                        eviction):
     model, base = _base(on_overflow="eager")
     fields = {"policy": policy}
     if sizes is not None:
-        fields["buckets"] = {"kind": "list", "sizes": sizes}
+        fields["buckets"] = {"kind": "exact"} if sizes == "exact" else {"kind": "list", "sizes": sizes}
     if mask_bytes is not None:
         fields["max_mask_bytes"] = mask_bytes
     config = with_fields(base, **fields)
@@ -60,6 +63,58 @@ def test_the_call_table_gives_the_rows_of_the_dispatcher_simulation(steps, polic
     got = CallTable(steps, policy, config, model).rows(with_fields(config, max_graphs=capacity), [eviction],
                                                       expected[0].buckets)
     assert got == expected
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=layouts, repeat=st.integers(2, 3), capacity=st.sampled_from([1, None]),
+       mask_bytes=st.sampled_from([None, 5000, 40000]))
+def test_mask_builds_of_repeated_layouts_are_those_of_the_dispatcher(steps, repeat, capacity, mask_bytes):
+    model, base = _base(on_overflow="eager")
+    config = with_fields(base, policy="always-mask", **({"max_mask_bytes": mask_bytes} if mask_bytes else {}))
+    steps = steps * repeat  # the mask cache hits on a layout seen before, or builds it again once evicted
+    expected = simulate_layouts(steps, ["always-mask"], [capacity], ["lru"], config, model)
+    got = CallTable(steps, "always-mask", config, model).rows(with_fields(config, max_graphs=capacity), ["lru"],
+                                                             expected[0].buckets)
+    assert got == expected
+
+
+@given(st.lists(st.integers(0, 9), max_size=60), st.sampled_from(["lru", "fifo"]), st.sampled_from([None, 1, 2, 4]),
+       st.sampled_from([None, 4, 7, 12]), st.sampled_from(["uncached", "raise"]),
+       st.lists(st.integers(1, 9), min_size=10, max_size=10))
+def test_serving_a_whole_stream_counts_what_serving_each_request_counts(stream, eviction, max_graphs, max_bytes,
+                                                                       oversize, sizes):
+    costs = [0.1 * (i + 1) ** 1.5 for i in range(10)]
+    caches = [StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize=oversize)
+              for _ in range(2)]
+    one, whole = caches
+    hits, errors = 0, []
+    try:
+        for key in stream:
+            try:
+                one.touch(key)
+                hits += 1
+            except KeyError:
+                one.miss(key, sizes[key], costs[key])
+    except GraphTooLargeError as exc:
+        errors.append(str(exc))
+    try:
+        assert whole.serve_ordered(stream, sizes, costs) == hits
+    except GraphTooLargeError as exc:
+        errors.append(str(exc))
+    assert len(errors) in (0, 2) and len(set(errors)) <= 1
+    fields = ("misses", "compiles", "compile_seconds", "evictions", "uncached", "nbytes", "peak_graphs", "peak_bytes")
+    assert [getattr(whole, f) for f in fields] == [getattr(one, f) for f in fields]
+    assert list(whole.order) == list(one.order) and dict(whole.held) == dict(one.held)
+
+
+@given(st.lists(st.integers(0, 30), max_size=80))
+def test_dense_first_request_ids_are_the_sorted_ones(codes):
+    code = np.array(codes, dtype=np.int64)
+    ids, first = _first_order(code)
+    dense_ids, dense_first = _first_order(code, 31)
+    assert np.array_equal(ids, dense_ids) and np.array_equal(first, dense_first)
+    assert [codes[i] for i in first.tolist()] == list(dict.fromkeys(codes))  # first-request order
+    assert all(codes[f] == c for f, c in zip(first[ids].tolist(), codes, strict=True))
 
 
 def test_drift_is_zero_on_the_traffic_the_plan_was_fitted_on():

@@ -11,8 +11,10 @@ is evicted like any other; pins only delay its release), so the stream needs non
 A simulation replays one recorded stream through many bounds and evictions with it.
 
 :class:`StreamCache` is that bookkeeping for one request at a time (cost-aware's
-shadow caches use it too). :func:`replay_stream`'s keys are ints ``0..n-1``
-(positions in ``sizes`` and ``costs``), so lookups hash ints. With a ``disk``
+shadow caches use it too); for the ``lru`` and ``fifo`` orders without a disk it
+also serves a whole stream in one loop (:meth:`StreamCache.serve_ordered`).
+:func:`replay_stream`'s keys are ints ``0..n-1`` (positions in ``sizes`` and
+``costs``), so lookups hash ints. With a ``disk``
 (:class:`~attnpolicy.cache.disk_mirror.DiskMirror`, the graph store modelled) a miss
 of a key on the disk is a load, any other a compile saved to the disk.
 """
@@ -136,8 +138,7 @@ class StreamCache:
         eviction is told ``cost`` either way, as the graph cache tells it."""
         self.misses += 1
         if size > self._limit and self._oversize == "raise":
-            raise GraphTooLargeError(
-                f"the graph for key {self._name(key)} needs {size} bytes, more than max_bytes={self.max_bytes}")
+            raise self._too_large(key, size)
         disk = self.disk
         if disk is None or disk.load(key) is None:
             self.compiles += 1
@@ -162,6 +163,60 @@ class StreamCache:
         if self.nbytes > self.peak_bytes:
             self.peak_bytes = self.nbytes
 
+    def _too_large(self, key: Hashable, size: int) -> GraphTooLargeError:
+        return GraphTooLargeError(
+            f"the graph for key {self._name(key)} needs {size} bytes, more than max_bytes={self.max_bytes}")
+
+    def serve_ordered(self, stream: Sequence[int], sizes: Sequence[int], costs: Sequence[float]) -> int:
+        """Serve every request of ``stream`` (key ids) in order, each a :meth:`touch` and,
+        when that misses, a :meth:`miss` with ``sizes[key]`` and ``costs[key]``; returns the hits.
+        Only for the ``lru`` and ``fifo`` orders (an ``OrderedDict``), whose
+        bookkeeping this is with :meth:`miss` inlined: the same victims, counters and
+        sums in the same order, without a call per miss."""
+        order = self.order
+        assert isinstance(order, OrderedDict), "serve_ordered needs the lru or fifo order"
+        touch, pop, held = self.touch, order.popitem, self._sizes
+        cap, limit, refuse = self._cap, self._limit, self._oversize == "raise"
+        misses = compiles = evictions = uncached = 0
+        seconds, nbytes, peak_graphs, peak_bytes = self.compile_seconds, self.nbytes, self.peak_graphs, self.peak_bytes
+        try:
+            for key in stream:
+                try:
+                    touch(key)
+                    continue
+                except KeyError:
+                    pass
+                misses += 1
+                size = sizes[key]
+                if size > limit:
+                    if refuse:
+                        raise self._too_large(key, size)
+                    compiles += 1
+                    seconds += costs[key]
+                    uncached += 1
+                    continue
+                compiles += 1
+                seconds += costs[key]
+                while len(order) >= cap or nbytes + size > limit:
+                    victim, _ = pop(last=False)
+                    evictions += 1
+                    nbytes -= held.pop(victim)
+                order[key] = key
+                held[key] = size
+                nbytes += size
+                if len(order) > peak_graphs:
+                    peak_graphs = len(order)
+                if nbytes > peak_bytes:
+                    peak_bytes = nbytes
+        finally:
+            self.misses += misses
+            self.compiles += compiles
+            self.evictions += evictions
+            self.uncached += uncached
+            self.compile_seconds, self.nbytes = seconds, nbytes
+            self.peak_graphs, self.peak_bytes = peak_graphs, peak_bytes
+        return len(stream) - misses
+
 
 def replay_stream(
     stream: Sequence[int],
@@ -178,25 +233,29 @@ def replay_stream(
 ) -> StreamStats:
     """Serve ``stream`` (key ids) in order through a :class:`StreamCache`; key ``i`` has
     ``sizes[i]`` bytes and costs ``costs[i]`` compile seconds. ``belady`` gets its
-    ``next_use`` oracle from the stream itself. ``disk``: the graph store modelled (its
-    counters are this replay's: zero them before a replay that reuses one)."""
+    ``next_use`` oracle from the stream itself; ``lru`` and ``fifo`` without a ``disk``
+    are served by :meth:`StreamCache.serve_ordered`. ``disk``: the graph store
+    modelled (its counters are this replay's: zero them before a replay that reuses one)."""
     upcoming: list[float] = [math.inf] * len(sizes)
     if eviction == BELADY:
         eviction_options = {"next_use": upcoming.__getitem__}
     cache = StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize=oversize,
                         eviction_options=eviction_options, name=name, disk=disk)
-    touch, miss = cache.touch, cache.miss
-    hits = 0
-    futures = next_uses(stream) if eviction == BELADY else None
-    for i, key in enumerate(stream):
-        if futures is not None:
-            upcoming[key] = futures[i]
-        try:
-            touch(key)
-        except KeyError:
-            miss(key, sizes[key], costs[key])
-        else:
-            hits += 1
+    if disk is None and isinstance(cache.order, OrderedDict):
+        hits = cache.serve_ordered(stream, sizes, costs)
+    else:
+        touch, miss = cache.touch, cache.miss
+        hits = 0
+        futures = next_uses(stream) if eviction == BELADY else None
+        for i, key in enumerate(stream):
+            if futures is not None:
+                upcoming[key] = futures[i]
+            try:
+                touch(key)
+            except KeyError:
+                miss(key, sizes[key], costs[key])
+            else:
+                hits += 1
     if disk is None:
         return StreamStats(hits, cache.misses, cache.compiles, cache.compile_seconds, cache.evictions,
                            cache.uncached, cache.peak_graphs, cache.peak_bytes)

@@ -181,21 +181,27 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     best = np.full((max_buckets + 1, m + 1), np.inf)
     arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
     best[0, 0] = 0.0
+    # a family without square (rectangular) shapes adds exact zeros for them: skipped
+    present = [(code, sq[code, -1] > 0, rq_n[code, -1] > 0) for code in range(nf)]
+    present = [p for p in present if p[1] or p[2]]
     for j in range(1, m + 1):
         b = lengths[j - 1]
-        i = np.arange(j)
         seg = np.zeros(j)  # cost of one bucket at cand[j-1] serving candidates i..j-1
-        for code in range(nf):
+        for code, squares, rects in present:
             base, cell, token = run[code]
-            n_sq = sq[code, j] - sq[code, i]
-            n_kv = rkv_n[code, j] - rkv_n[code, i]
-            seg += n_sq * (base + cell * b * b + 2 * token * b)
-            seg += (rq_n[code, j] - rq_n[code, i]) * token * b + (rq_kv[code, j] - rq_kv[code, i]) * cell * b
-            seg += n_kv * (base + token * b)
+            n_sq = sq[code, j] - sq[code, :j]
+            if squares:
+                seg += n_sq * (base + cell * b * b + 2 * token * b)
+            if rects:
+                n_kv = rkv_n[code, j] - rkv_n[code, :j]
+                seg += (rq_n[code, j] - rq_n[code, :j]) * token * b + (rq_kv[code, j] - rq_kv[code, :j]) * cell * b
+                seg += n_kv * (base + token * b)
             if compiles:
                 cb, cc, ct = comp[code]
-                seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
-                seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
+                if squares:
+                    seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
+                if rects:
+                    seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
         total = best[:max_buckets, :j] + seg  # row k-1: a plan of k buckets ending at cand[j-1]
         at = np.argmin(total, axis=1)
         best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
@@ -212,7 +218,92 @@ def _boundaries(arg: np.ndarray, cand: np.ndarray, k: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,
+@dataclass(frozen=True)
+class _Priced:
+    """Shapes with each one's run coefficients (base, per cell, per token) and the
+    families' compile coefficients (``None``: nothing compiles), to price many bucket
+    lists: the run and compile seconds :func:`evaluate` gives, call overheads left out."""
+
+    family: np.ndarray
+    q: np.ndarray
+    kv: np.ndarray
+    count: np.ndarray
+    run: np.ndarray  # (shape, coefficient)
+    comp: np.ndarray | None  # (family, coefficient)
+
+    @classmethod
+    def of(cls, shapes: CallShapes, model: CostModel) -> _Priced:
+        comp = np.array(_fits(model, "compile")) if model.backend != "none" else None
+        return cls(shapes.family, shapes.q, shapes.kv, shapes.count.astype(float),
+                   np.array(_fits(model, "run"))[shapes.family], comp)
+
+    def select(self, sel: np.ndarray) -> _Priced:
+        return _Priced(self.family[sel], self.q[sel], self.kv[sel], self.count[sel], self.run[sel], self.comp)
+
+    def moves(self, sizes: tuple[int, ...], pos: int, bounds: Sequence[int]) -> list[float]:
+        """The run and compile seconds under ``sizes`` with boundary ``pos`` moved to each
+        of ``bounds`` (ascending, between its neighbours ``lo`` and ``hi``), every move at once.
+
+        A length in ``(lo, hi]`` goes to the moved boundary ``c`` when at most ``c``, else
+        to ``hi``; any other keeps its bucket. A shape with no length in ``(bounds[0],
+        bounds[-1]]`` goes the same way under every move: its run seconds are a
+        quadratic in ``c`` (summed once) and its graph the same bucket indices (the
+        moved boundary keeps index ``pos``). The other shapes are priced per move."""
+        s = np.asarray(sizes, dtype=np.int64)
+        k, t = s.size, len(bounds)
+        lo, hi, first, last = (s[pos - 1] if pos else 0), s[pos + 1], bounds[0], bounds[-1]
+        index, offset, moved, switch = [], [], [], np.zeros(self.q.size, dtype=bool)
+        for x in (self.q, self.kv):
+            inside = (x > lo) & (x <= hi)
+            switch |= inside & (x > first) & (x <= last)
+            m = inside & (x <= first)
+            i = np.where(inside, pos + 1, np.searchsorted(s, x))  # inside and beyond the last move: hi
+            index.append(np.where(m, pos, i))
+            offset.append(np.where(m, 0.0, s[i].astype(float)))  # bucket = offset + moved·c
+            moved.append(m.astype(float))
+        (aq, akv), (mq, mkv) = offset, moved
+        n = np.where(switch, 0.0, self.count)
+        base, cell, token = self.run.T
+        c = np.asarray(bounds, dtype=float)
+        total = ((n * (base + cell * aq * akv + token * (aq + akv))).sum()
+                 + (n * (cell * (aq * mkv + mq * akv) + token * (mq + mkv))).sum() * c
+                 + (n * cell * mq * mkv).sum() * c * c)
+        per = self.select(switch)
+        trial = np.tile(s, (t, 1))
+        trial[:, pos] = bounds
+        iq, ikv = (np.where((i == pos) | (i == pos + 1), np.where(x <= trial[:, pos, None], pos, pos + 1), i)
+                   for x in (per.q, per.kv) for i in [np.searchsorted(s, x)])
+        value = trial.astype(float)
+        row = np.arange(t)[:, None]
+        bq, bkv = value[row, iq], value[row, ikv]
+        base, cell, token = per.run.T
+        total += (per.count * (base + cell * bq * bkv + token * (bq + bkv))).sum(axis=1)
+        if self.comp is None:
+            return list(total.tolist())
+        graphs = len(FAMILIES) * k * k
+        used = np.bincount((((row * len(FAMILIES) + per.family) * k + iq) * k + ikv).ravel(),
+                           minlength=t * graphs).reshape(t, graphs) > 0
+        used |= np.bincount((self.family * k + index[0]) * k + index[1], weights=~switch, minlength=graphs) > 0
+        cb, cc, ct = self.comp.T[:, None, :, None, None]
+        price = cb + cc * (value[:, None, :, None] * value[:, None, None, :]) \
+            + ct * (value[:, None, :, None] + value[:, None, None, :])
+        return list((total + np.where(used, price.reshape(t, graphs), 0.0).sum(axis=1)).tolist())
+
+
+def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
+    """``shapes`` with each length rounded up to the next of the sorted boundaries
+    ``cand``, equal shapes merged: any bucket list drawn from ``cand`` gives them the
+    same buckets, hence the same modelled seconds (not the same padding)."""
+    q, kv = cand[np.searchsorted(cand, shapes.q)], cand[np.searchsorted(cand, shapes.kv)]
+    code = (shapes.family * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
+    u, inverse = np.unique(code, return_inverse=True)
+    count = np.bincount(inverse, weights=shapes.count).astype(np.int64)
+    rest, ukv = np.divmod(u, cand[-1] + 1)
+    fam, uq = np.divmod(rest, cand[-1] + 1)
+    return CallShapes(fam, uq, ukv, count)
+
+
+def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,
              window: int = 4) -> tuple[int, ...]:
     """Move each boundary (but the largest) to a nearby candidate (``window`` steps either
     way) while that lowers the exact modelled time. Only rectangular shapes need it:
@@ -220,34 +311,49 @@ def _improve(shapes: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model
 
     Moving boundary ``pos`` between its neighbours ``lo`` and ``hi`` changes only the
     shapes with a length in ``(lo, hi]`` and the graphs of buckets ``pos`` and ``pos+1``,
-    which only those shapes use: a move is priced on them alone. A move whose price is
-    within rounding of the threshold, and every accepted one, is priced on the whole
-    workload, so the moves taken are those whole-workload pricing takes."""
+    which only those shapes use: a move is priced on them alone, taken from ``grid``
+    (``shapes`` :func:`on_grid` of ``cand``: fewer shapes, the same seconds). A move whose
+    price is within rounding of the threshold (``1e-9`` of the total) is priced on the
+    whole workload (:func:`evaluate`) and taken when it lowers that by more than
+    ``1e-12``; one clearly cheaper is taken and one clearly dearer is not, as
+    whole-workload pricing would decide, so the moves taken are those whole-workload
+    pricing takes."""
     if bool((shapes.q == shapes.kv).all()):
         return sizes
-    current = evaluate(shapes, sizes, model).total_seconds
+    priced = _Priced.of(grid, model)
+    current = evaluate(shapes, sizes, model).total_seconds  # the total, exact or up to rounding
+    exact: float | None = current  # None: not priced on the whole workload since the last move
     improved = True
     while improved:
         improved = False
         for pos in range(len(sizes) - 1):
             lo = sizes[pos - 1] if pos else 0
             hi = sizes[pos + 1]
-            near = ((shapes.q > lo) & (shapes.q <= hi)) | ((shapes.kv > lo) & (shapes.kv <= hi))
-            if not near.any():
-                continue
-            part = CallShapes(shapes.family[near], shapes.q[near], shapes.kv[near], shapes.count[near])
-            part_now = evaluate(part, sizes, model).total_seconds
             at = int(np.searchsorted(cand, sizes[pos]))
-            for c in cand[max(at - window, 0):at + window + 1]:
-                if not lo < c < sizes[pos + 1] or c == sizes[pos]:
-                    continue
-                trial = (*sizes[:pos], int(c), *sizes[pos + 1:])
-                part_trial = evaluate(part, trial, model).total_seconds
-                if part_trial - part_now > 1e-9 * max(current, 1.0):
+            moves = [int(c) for c in cand[max(at - window, 0):at + window + 1] if lo < c < hi and c != sizes[pos]]
+            near = ((grid.q > lo) & (grid.q <= hi)) | ((grid.kv > lo) & (grid.kv <= hi))
+            if not moves or not near.any():
+                continue
+            bounds = sorted({sizes[pos], *moves})
+            prices = dict(zip(bounds, priced.select(near).moves(sizes, pos, bounds), strict=True))
+            part_now = prices[sizes[pos]]
+            for c in moves:
+                trial = (*sizes[:pos], c, *sizes[pos + 1:])
+                part_trial = prices[c]
+                delta = part_trial - part_now
+                margin = 1e-9 * max(current, 1.0)
+                if delta > margin:
                     continue  # clearly no better
-                total = evaluate(shapes, trial, model).total_seconds
-                if total < current - 1e-12:
-                    sizes, current, part_now, improved = trial, total, part_trial, True
+                if delta >= -margin:  # within rounding: the whole workload decides
+                    if exact is None:
+                        exact = evaluate(shapes, sizes, model).total_seconds
+                    total = evaluate(shapes, trial, model).total_seconds
+                    if not total < exact - 1e-12:
+                        continue
+                    exact = current = total
+                else:
+                    exact, current = None, current + delta
+                sizes, part_now, improved = trial, part_trial, True
     return sizes
 
 
@@ -277,9 +383,10 @@ def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align:
     kmax = min(max_buckets, cand.size)
     overhead = model.call_overhead_seconds * shapes.calls  # the same for every plan
     bound, arg = _program(shapes, cand, model, kmax)
+    grid = on_grid(shapes, cand)
     plans = []
     for k in range(1, kmax + 1):
-        sizes = _improve(shapes, _boundaries(arg, cand, k), cand, model)
+        sizes = _improve(shapes, grid, _boundaries(arg, cand, k), cand, model)
         plans.append(SizePlan(k, evaluate(shapes, sizes, model), float(bound[k, cand.size]) + overhead))
     return plans
 

@@ -190,22 +190,32 @@ class CallTable:
         kernels = KernelChoice(config.kernels, config.attn_impl or "sdpa", compiled=config.backend != "none",
                                measured=getattr(model, "kernel_seconds", None))
         kind = (fam * 2 + self.causal[rows]) * 2 + self.context[rows]
-        impl_code = np.zeros(rows.size, dtype=np.int64)
+        kinds = len(FAMILIES) * 4
+        first_of = np.full(kinds, rows.size)
+        np.minimum.at(first_of, kind, np.arange(rows.size))
+        impl_of = np.zeros(kinds, dtype=np.int64)
         impls: dict[str, int] = {}
-        for k in np.unique(kind):
-            r = int(rows[np.flatnonzero(kind == k)[0]])
+        for k in np.flatnonzero(first_of < rows.size):  # each kind's kernel, asked of its first call
+            r = int(rows[first_of[k]])
             call, layout = self._call(r, int(qb[r]), int(kvb[r]))
-            impl_code[kind == k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
+            impl_of[k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
+        impl_code = impl_of[kind]
         key_causal = self.causal[rows] & (fam != _MASK)
         code = ((impl_code * 3 + fam) * 2 + key_causal) << 48 | qb[rows] << 24 | kvb[rows]
         crow = np.flatnonzero(compiled)
-        _, first_at, inverse = np.unique(code[crow], return_index=True, return_inverse=True)
-        order = np.argsort(first_at, kind="stable")
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        ids = rank[inverse]
-        first = rows[crow[first_at[order]]]
-        uses = np.bincount(ids, minlength=order.size)
+        # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
+        # unless there are no tables or so many buckets that the count would outweigh a sort
+        sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
+        span = 2 * len(FAMILIES) * len(impls) * sizes.size ** 2 if sizes is not None else 0
+        if sizes is None or span > max(4 * crow.size, 1 << 16):
+            ids, first_at = _first_order(code[crow])
+        else:
+            key_kind = ((impl_code * 3 + fam) * 2 + key_causal)[crow]
+            dense = (key_kind * sizes.size + np.searchsorted(sizes, qb[rows[crow]])) * sizes.size \
+                + np.searchsorted(sizes, kvb[rows[crow]])
+            ids, first_at = _first_order(dense, span)
+        first = rows[crow[first_at]]
+        uses = np.bincount(ids, minlength=first.size)
         keys = []
         for r in first:
             call, layout = self._call(int(r), int(qb[r]), int(kvb[r]))
@@ -237,18 +247,23 @@ class CallTable:
     def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,
                kvb: np.ndarray) -> tuple[int, float]:
         """Dense mask builds of the MASK ``rows``: the dispatcher's mask cache (LRU within
-        ``max_mask_bytes``, keyed by layout and shape) replayed as a key stream."""
+        ``max_mask_bytes``, keyed by layout and shape) replayed as a key stream. When no
+        key repeats (each step's layout its own), every request builds: the builds are
+        the requests and their seconds the costs summed in request order, as the
+        replay adds them."""
         if not rows.size:
             return 0, 0.0
-        code = self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows]
-        _, first_at, inverse = np.unique(code, return_index=True, return_inverse=True)
-        order = np.argsort(first_at, kind="stable")
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        first = rows[first_at[order]]
-        sizes = [int(qb[r]) * int(kvb[r]) for r in first]
-        costs = [self.model.mask_build_seconds(int(qb[r]), int(kvb[r]), self.spec.features.window) for r in first]
-        stats = replay_stream(rank[inverse].tolist(), sizes, costs, max_bytes=config.max_mask_bytes,
+        ids, first_at = _first_order(self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows])
+        first = rows[first_at]
+        window = self.spec.features.window
+        shape, which = np.unique(qb[first] << 21 | kvb[first], return_inverse=True)
+        build = self.model.mask_build_seconds
+        seconds = np.array([build(int(c >> 21), int(c & 0x1FFFFF), window) for c in shape.tolist()])
+        costs = seconds[which]
+        if first.size == rows.size:  # no repeats
+            return int(rows.size), float(np.cumsum(costs)[-1])
+        sizes = (qb[first] * kvb[first]).tolist()
+        stats = replay_stream(ids.tolist(), sizes, costs.tolist(), max_bytes=config.max_mask_bytes,
                               oversize="uncached")
         return stats.misses, stats.compile_seconds
 
@@ -281,6 +296,24 @@ class CallTable:
             hit = self.memo[memo_key] = stream.replay(config, eviction)
         assert isinstance(hit, StreamStats)
         return hit
+
+
+def _first_order(code: np.ndarray, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of ``code``'s values numbered in order of first occurrence, and each id's first
+    position. ``size``: every code is below it (counted densely, without a sort)."""
+    if size is None:
+        _, first_at, inverse = np.unique(code, return_index=True, return_inverse=True)
+        order = np.argsort(first_at, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        return rank[inverse], first_at[order]
+    first = np.full(size, code.size)
+    np.minimum.at(first, code, np.arange(code.size))
+    order = np.flatnonzero(first < code.size)
+    order = order[np.argsort(first[order], kind="stable")]
+    rank = np.empty(size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    return rank[code], first[order]
 
 
 def _table(config: AttnPolicyConfig, max_len: int) -> np.ndarray | None:
