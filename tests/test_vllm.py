@@ -620,3 +620,29 @@ def test_vllm_warms_a_planned_config_then_compiles_nothing(llama_dir, generated,
     [run] = read_layout_stream(tmp_path / "layouts.jsonl")
     assert run.config.warmup == planned.warmup and run.config.strict == "warn"
     assert {s.misses for s in run.steps} == {len(planned.warmup)}  # the warm-up's misses, then none
+
+
+def _stats(log: Path) -> list[dict]:
+    return [json.loads(s)["stats"] for s in log.read_text().splitlines() if json.loads(s)["event"] == "stats"]
+
+
+def test_vllm_second_engine_against_one_store_loads_its_graphs(llama_dir, generated, tmp_path):
+    """Two engine processes against one graph store: the first compiles attnpolicy's
+    MASK and CAUSAL graphs and saves them, the second loads every one of them and
+    compiles none, and both serve stock vLLM's tokens."""
+    stock = generated[0]["stock"]["packed"]
+    config = tmp_path / "attnpolicy_config.json"
+    config.write_text(json.dumps({"backend": "aot_eager", "policy": "always-mask",
+                                  "store_dir": str(tmp_path / "store")}))
+    runs = []
+    for name in ("cold", "warm"):
+        (tmp_path / name).mkdir()
+        result = _run_child("inproc-planned", llama_dir, tmp_path / name, {**INPROC, "ATTNPOLICY_CONFIG": str(config)})
+        assert [r["tokens"] for r in result["attnpolicy"]["packed"]] == [r["tokens"] for r in stock]
+        [stats] = _stats(tmp_path / name / "decisions.jsonl")
+        runs.append(stats)
+    cold, warm = runs
+    assert cold["disk"]["saves"] > 0 and cold["cache"]["loads"] == 0
+    assert warm["cache"]["loads"] == cold["disk"]["saves"]
+    assert warm["disk"]["saves"] == 0 and warm["disk"]["corrupt"] == 0
+    assert warm["cache"]["compiles"] == cold["cache"]["compiles"] - cold["disk"]["saves"]
