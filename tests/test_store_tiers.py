@@ -153,7 +153,8 @@ config = AttnPolicyConfig(backend="aot_eager", buckets=Buckets(kind="pow2", min=
                           max_batch_tokens=128, store_dir=store)
 runner = StaticModelRunner(model, config)
 logits, err = [], 0.0
-for lens, mode in (([12], MaskMode.CAUSAL), ([9, 14], MaskMode.MASK), ([30], MaskMode.CAUSAL)):
+for lens, mode in (([12], MaskMode.CAUSAL), ([9, 14], MaskMode.MASK), ([30], MaskMode.CAUSAL),
+                   ([9, 14], MaskMode.VARLEN), ([12, 30], MaskMode.VARLEN)):
     layout = BatchLayout.from_lens(lens)
     ids = torch.randint(0, 64, (layout.q_tokens,), generator=torch.Generator().manual_seed(sum(lens)))
     got = runner.run(ids, layout, mode)
@@ -180,8 +181,9 @@ def test_model_graphs_persist_a_second_process_loads_them(tmp_path):
     store = tmp_path / "store"
     cold = _model_run(store, tmp_path / "cold.pt")
     warm = _model_run(store, tmp_path / "warm.pt")
-    assert (cold["compiles"], cold["loads"], cold["saves"]) == (3, 0, 3)
-    assert (warm["compiles"], warm["loads"], warm["hits"], warm["saves"]) == (0, 3, 3, 0)
+    # CAUSAL 16 and 32, MASK 32, VARLEN 16+16 and 32+16
+    assert (cold["compiles"], cold["loads"], cold["saves"]) == (5, 0, 5)
+    assert (warm["compiles"], warm["loads"], warm["hits"], warm["saves"]) == (0, 5, 5, 0)
     assert cold["err"] < 1e-4 and warm["err"] < 1e-4  # against the eager model, per sequence
     for a, b in zip(torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt"), strict=True):
         assert torch.equal(a, b)
