@@ -54,7 +54,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
-from attnpolicy.graphs import aot
+from attnpolicy.graphs import aot, backend_setup
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.model_background import BackgroundStats, ModelBackground
@@ -416,13 +416,18 @@ class StaticModelRunner:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
-        """Compile the graph of each ``(layout, mode)`` not cached yet (counted as
-        misses, as requests would be; compiled now in every ``compile_mode``);
-        afterwards ``strict`` applies to compiles."""
+        """Compile (or load from the store) the graph of each ``(layout, mode)`` not
+        cached yet (counted as misses, as requests would be; compiled now in every
+        ``compile_mode``), the backend's per-process set-up started ahead (see
+        :mod:`~attnpolicy.graphs.backend_setup`); afterwards ``strict`` applies to compiles."""
         keys = []
-        for layout, mode in layouts:
-            self._run(torch.zeros(layout.q_tokens, dtype=torch.long), layout, mode, background=False)
-            keys.append(self.key_for(layout, mode))
+        setup = backend_setup.start(self.config.backend, str(self.device))
+        try:
+            for layout, mode in layouts:
+                self._run(torch.zeros(layout.q_tokens, dtype=torch.long), layout, mode, background=False)
+                keys.append(self.key_for(layout, mode))
+        finally:
+            setup.join()  # its seconds are the warm-up's
         self.warm = True
         return keys
 
