@@ -51,7 +51,8 @@ def start(backend: str, device: str) -> Setup:
         importlib.import_module(module)
     from torch._inductor import cpu_vec_isa
 
-    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:  # probed already
+    info = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)  # inductor's own cache of the answer
+    if info is None or info().currsize:  # probed already (or a torch that keeps no answer: nothing to start)
         return Setup(None)
     thread = threading.Thread(target=_probe_vec_isa, name="attnpolicy-vec-isa-probe", daemon=True)
     thread.start()
