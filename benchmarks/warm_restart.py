@@ -82,9 +82,11 @@ def attention_run(work: Path, store: Path, backend: str, env: dict[str, str], na
                     *RUN_ARGS, "--store", str(store), "--json", str(out)],
                    env=env, capture_output=True, text=True, check=True)
     r = json.loads(out.read_text())
+    each = sorted((k["compile_seconds"] + k["load_seconds"] for k in r["cache"]["per_key"].values()), reverse=True)
     return {"startup_s": r["startup_seconds"], "graphs": r["warmup_graphs"], "compiles": r["cache"]["compiles"],
-            "loads": r["cache"]["loads"], "passed": r["passed"], "max_abs_err": r["max_abs_err"],
-            "disk_bytes": r["disk"]["bytes"]}
+            "loads": r["cache"]["loads"], "slowest_graphs_s": [round(s, 3) for s in each[:2]],
+            "other_graphs_s": [round(each[-1], 3), round(each[2], 3)] if len(each) > 2 else [],
+            "passed": r["passed"], "max_abs_err": r["max_abs_err"], "disk_bytes": r["disk"]["bytes"]}
 
 
 def model_run(store: Path, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
