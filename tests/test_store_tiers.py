@@ -18,6 +18,7 @@ from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.graph_source import example_inputs
 from attnpolicy.errors import GraphCompileError
+from attnpolicy.graphs import backend_setup
 from attnpolicy.graphs.aot import aot_compile_graph
 from attnpolicy.graphs.execute import graph_fn
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
@@ -153,7 +154,8 @@ config = AttnPolicyConfig(backend="aot_eager", buckets=Buckets(kind="pow2", min=
                           max_batch_tokens=128, store_dir=store)
 runner = StaticModelRunner(model, config)
 logits, err = [], 0.0
-for lens, mode in (([12], MaskMode.CAUSAL), ([9, 14], MaskMode.MASK), ([30], MaskMode.CAUSAL)):
+for lens, mode in (([12], MaskMode.CAUSAL), ([9, 14], MaskMode.MASK), ([30], MaskMode.CAUSAL),
+                   ([9, 14], MaskMode.VARLEN), ([12, 30], MaskMode.VARLEN)):
     layout = BatchLayout.from_lens(lens)
     ids = torch.randint(0, 64, (layout.q_tokens,), generator=torch.Generator().manual_seed(sum(lens)))
     got = runner.run(ids, layout, mode)
@@ -180,11 +182,41 @@ def test_model_graphs_persist_a_second_process_loads_them(tmp_path):
     store = tmp_path / "store"
     cold = _model_run(store, tmp_path / "cold.pt")
     warm = _model_run(store, tmp_path / "warm.pt")
-    assert (cold["compiles"], cold["loads"], cold["saves"]) == (3, 0, 3)
-    assert (warm["compiles"], warm["loads"], warm["hits"], warm["saves"]) == (0, 3, 3, 0)
+    # CAUSAL 16 and 32, MASK 32, VARLEN 16+16 and 32+16
+    assert (cold["compiles"], cold["loads"], cold["saves"]) == (5, 0, 5)
+    assert (warm["compiles"], warm["loads"], warm["hits"], warm["saves"]) == (0, 5, 5, 0)
     assert cold["err"] < 1e-4 and warm["err"] < 1e-4  # against the eager model, per sequence
     for a, b in zip(torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt"), strict=True):
         assert torch.equal(a, b)
+
+
+def test_only_inductor_on_cpu_has_a_setup_to_start_ahead():
+    for backend, device in (("aot_eager", "cpu"), ("eager", "cpu"), ("none", "cpu"), ("inductor", "cuda")):
+        setup = backend_setup.start(backend, device)
+        assert setup.thread is None, (backend, device)
+        setup.join()  # a no-op
+
+
+PICK = """
+import sys
+from attnpolicy.graphs import backend_setup
+from torch._inductor import cpu_vec_isa
+if sys.argv[1] == "ahead":
+    setup = backend_setup.start("inductor", "cpu")
+    assert setup.thread is not None
+    setup.join()
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1  # inductor's own answer, kept
+    assert backend_setup.start("inductor", "cpu").thread is None  # probed once per process
+print(cpu_vec_isa.pick_vec_isa())
+"""
+
+
+@pytest.mark.inductor
+def test_the_vector_isa_probed_ahead_is_the_one_inductor_picks_itself():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    picks = [subprocess.run([sys.executable, "-c", PICK, how], env=env, capture_output=True, text=True,
+                            timeout=600, check=True).stdout.strip() for how in ("ahead", "inductor")]
+    assert picks[0] == picks[1] != ""
 
 
 def test_the_cache_counts_a_load_apart_from_a_compile():

@@ -16,6 +16,7 @@ from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.batch_plan import Planner, warm_call
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs import backend_setup
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
 log = logging.getLogger("attnpolicy.dispatch")
@@ -33,15 +34,21 @@ class WarmSets:
     def warm(self, batches: Iterable[BatchLayout], spec: TensorSpec,
              preview: Callable[[BatchLayout, TensorSpec], Decision]) -> list[GraphKey]:
         """Compile or load the config's warm set for ``spec`` (once per spec) and the
-        graphs of ``batches`` as ``preview`` decides them; log how long it took and
-        whether it was a warm start (every graph loaded, none compiled)."""
+        graphs of ``batches`` as ``preview`` decides them (the backend's per-process
+        set-up started ahead, see :mod:`~attnpolicy.graphs.backend_setup`); log how long
+        it took and whether it was a warm start (every graph loaded, none compiled)."""
         fresh = bool(self.config.warmup) and spec not in self.planner.warmed
         warm_set = self.resident(spec) if fresh else {}
         calls = self.planner.warm_calls(batches, spec, preview)
         if self.background is not None:
             calls = self.background.settled(calls)
         before, start = self.cache.stats(), perf_counter()
-        keys = self.source.warm_up(calls, spec)
+        real = fresh and self.source.custom_builder is None  # a custom builder (the simulator's) compiles nothing
+        setup = backend_setup.start(self.config.backend, spec.device) if real else backend_setup.Setup(None)
+        try:
+            keys = self.source.warm_up(calls, spec)
+        finally:
+            setup.join()  # its seconds are the warm-up's
         after = self.cache.stats()
         log.info("attnpolicy: warm set of %d graphs ready in %.3f s (%s start: %d loaded from the store, "
                  "%d compiled)", len(keys), perf_counter() - start,

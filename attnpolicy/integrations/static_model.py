@@ -54,7 +54,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
-from attnpolicy.graphs import aot
+from attnpolicy.graphs import aot, backend_setup
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.model_background import BackgroundStats, ModelBackground
@@ -234,8 +234,8 @@ class StaticModelRunner:
         self._modes: Counter[str] = Counter()
         self._batches = self._strict_violations = 0
         self.warm = False
-        #: with ``store_dir``: CAUSAL and MASK graphs persist there, keyed by the model's
-        #: code and config (``code_hash``); a miss loads them (VARLEN graphs compile only)
+        #: with ``store_dir``: every graph persists there, keyed by the model's code and
+        #: config (``code_hash``); a miss loads it
         self.store = DiskStore(cfg.store_dir, cfg.max_disk_bytes) if cfg.store_dir is not None else None
         self._code = source_hash(sys.modules[type(model).__module__], sys.modules[__name__], c.to_json_string(),
                                  str(self.dtype), str(self.device)) if self.store is not None else ""
@@ -359,34 +359,39 @@ class StaticModelRunner:
         return unmasked
 
     def _stored(self, key: ModelKey) -> bool:
-        return self.store is not None and key.mode is not MaskMode.VARLEN and key.backend != "none"
+        return self.store is not None and key.backend != "none"
 
     def _identity(self, key: ModelKey) -> ArtifactIdentity:
         return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
                                 str(self.device), str(self.dtype).removeprefix("torch."), self._code)
 
-    def _aot_graph(self, compiled: Any, backend: str) -> CompiledGraph:
+    def _bound(self, key: ModelKey) -> tuple[Any, ...]:
+        """The leading inputs of ``key``'s stored graph: the model, and a VARLEN graph's
+        segments (static: baked into the graph, pinned by the key)."""
+        return (self.model, key.segments) if key.mode is MaskMode.VARLEN else (self.model,)
+
+    def _aot_graph(self, compiled: Any, key: ModelKey) -> CompiledGraph:
         """A graph compiled ahead of time (or loaded) taking the model first, as the
         cache holds graphs: called directly (it checks no guards)."""
-        graph = CompiledGraph(partial(compiled, self.model), None, backend)
+        graph = CompiledGraph(partial(compiled, *self._bound(key)), None, key.backend)
         graph.direct = True
         return graph
 
     def _load(self, key: ModelKey) -> CompiledGraph | None:
         assert self.store is not None  # only stored keys are loaded
         loaded = self.store.load(self._identity(key), aot.load_graph)
-        return None if loaded is None else self._aot_graph(loaded, key.backend)
+        return None if loaded is None else self._aot_graph(loaded, key)
 
     def _compiled(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
         """The graph of ``key`` compiled now: ahead of time and saved when it is stored."""
         if self.store is None or not self._stored(key):
             return compile_graph(self.forward(key), self.config.backend, counter=self._counter,
                                  example_inputs=inputs)
-        fn = _masked_forward if key.mode is MaskMode.MASK else _causal_forward
+        fn = _FORWARDS[key.mode]
         with torch.no_grad():
-            compiled = aot.aot_compile_graph(fn, key.backend, (self.model, *inputs))
+            compiled = aot.aot_compile_graph(fn, key.backend, (*self._bound(key), *inputs))
         self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
-        return self._aot_graph(compiled, key.backend)
+        return self._aot_graph(compiled, key)
 
     def build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
         cuda = self.device.type == "cuda"
@@ -411,13 +416,18 @@ class StaticModelRunner:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
-        """Compile the graph of each ``(layout, mode)`` not cached yet (counted as
-        misses, as requests would be; compiled now in every ``compile_mode``);
-        afterwards ``strict`` applies to compiles."""
+        """Compile (or load from the store) the graph of each ``(layout, mode)`` not
+        cached yet (counted as misses, as requests would be; compiled now in every
+        ``compile_mode``), the backend's per-process set-up started ahead (see
+        :mod:`~attnpolicy.graphs.backend_setup`); afterwards ``strict`` applies to compiles."""
         keys = []
-        for layout, mode in layouts:
-            self._run(torch.zeros(layout.q_tokens, dtype=torch.long), layout, mode, background=False)
-            keys.append(self.key_for(layout, mode))
+        setup = backend_setup.start(self.config.backend, str(self.device))
+        try:
+            for layout, mode in layouts:
+                self._run(torch.zeros(layout.q_tokens, dtype=torch.long), layout, mode, background=False)
+                keys.append(self.key_for(layout, mode))
+        finally:
+            setup.join()  # its seconds are the warm-up's
         self.warm = True
         return keys
 
@@ -444,6 +454,19 @@ def _masked_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.
     """A MASK graph's forward, the model its first input."""
     out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
     return out.logits[0]
+
+
+def _varlen_forward(model: torch.nn.Module, segments: tuple[int, ...], ids: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+    """A VARLEN graph's forward, the model its first input and its segments (Python ints,
+    constants of the graph) its second."""
+    out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, **{SEGMENTS_KWARG: segments})
+    return out.logits[0]
+
+
+#: The forward a stored graph of each mode is compiled from (see :meth:`StaticModelRunner._bound`).
+_FORWARDS: dict[MaskMode, Callable[..., torch.Tensor]] = {
+    MaskMode.CAUSAL: _causal_forward, MaskMode.MASK: _masked_forward, MaskMode.VARLEN: _varlen_forward}
 
 
 def eager_logits(model: torch.nn.Module, token_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
