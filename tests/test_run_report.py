@@ -148,3 +148,31 @@ def test_a_crash_while_writing_the_report_leaves_the_previous_report_whole(tmp_p
               "--kernel-lengths", "32", "--kernel-skip", "flex"])
     assert {name: (out / name).read_text() for name in old} == old
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def _priced(tmp_path, family: str, scale: float):
+    """The built-in cost model with ``family``'s run fit scaled by ``scale``."""
+    from attnpolicy.graphs.costmodel import CostModel
+
+    data = CostModel.default().model_dump(mode="json")
+    data["run"][family] = {term: value * scale for term, value in data["run"][family].items()}
+    path = tmp_path / f"model_{family}_{scale:g}.json"
+    path.write_text(json.dumps(data))
+    return CostModel.load(path)
+
+
+def test_run_prices_cost_aware_with_the_cost_model_it_is_given(tmp_path):
+    """cost-aware decides on the run's cost model: a model whose MASK calls are 100×
+    dearer makes other decisions than the built-in one, and the run given it decides
+    and misses exactly as the simulation with it does."""
+    former = BatchFormer(**FORMER)
+    requests = [Request(0.1 * i, n, 2) for i, n in enumerate((40, 150, 7, 90, 33, 120, 64, 18, 200, 75))]
+    config = AttnPolicyConfig(policy="cost-aware", backend="aot_eager", max_graphs=2, max_seq_len=512,
+                              max_batch_tokens=2048)
+    dear = _priced(tmp_path, "mask", 100.0)
+    (cheap_row,) = simulate(requests, ["cost-aware"], [2], ["lru"], config, None, FORMER)
+    (dear_row,) = simulate(requests, ["cost-aware"], [2], ["lru"], config, dear, FORMER)
+    assert cheap_row.modes != dear_row.modes  # the model changes the decisions
+    result = run_workload(requests, config, SPEC, former, check=True, cost_model=dear)
+    assert result.modes == dear_row.modes
+    assert (result.cache["hits"], result.cache["misses"]) == (dear_row.hits, dear_row.misses)

@@ -21,6 +21,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatch import Dispatcher
+from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.workloads.batching import BatchFormer, Step
@@ -78,7 +79,8 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
                  former: BatchFormer | None = None, *, check: bool = False, seed: int = 0,
                  progress: Callable[[str], None] | None = None,
                  steps: Sequence[Step] | None = None,
-                 observe: Callable[[Dispatcher, BatchLayout], object] | None = None) -> RunResult:
+                 observe: Callable[[Dispatcher, BatchLayout], object] | None = None,
+                 cost_model: CostModel | None = None) -> RunResult:
     """Run every step of ``requests`` (or the given ``steps``) through a Dispatcher;
     with ``check``, compare every output with the float64 reference. A config with a
     warm set (``warmup``) is warmed first: its compile seconds are
@@ -87,11 +89,13 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
     its warm set is ready (loaded from ``store_dir``, or compiled), ``warmup_loads``
     counts the warm graphs loaded, ``disk`` is the store's stats (``None`` without one).
     ``observe(dispatcher, layout)`` is called after each batch has run (e.g.
-    :meth:`Replanner.observe <attnpolicy.planning.replan.Replanner.observe>`)."""
+    :meth:`Replanner.observe <attnpolicy.planning.replan.Replanner.observe>`).
+    ``cost_model``: the dispatcher's (cost-aware's prices, the cost eviction's), the
+    built-in one if None."""
     if steps is None:
         steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
     start = time.perf_counter()
-    with Dispatcher(config) as dispatcher:
+    with Dispatcher(config, cost_model=cost_model) as dispatcher:
         return _run(dispatcher, steps, config, spec, check, seed, progress, start, observe)
 
 

@@ -199,7 +199,7 @@ def validate(model: CostModel, requests: Sequence[Request], s: ReportSettings,
         config = simulation_config(model, former, policy=policy, max_graphs=s.validate_capacity,
                                    policy_options=s.policy_options.get(policy, {}))
         (predicted,) = simulate(requests, [policy], [s.validate_capacity], ["lru"], config, model, s.former)
-        measured = run_workload(requests, config, model.spec, steps=steps, check=True)
+        measured = run_workload(requests, config, model.spec, steps=steps, check=True, cost_model=model)
         warm = predicted.warmup_seconds
         compile_s, total_s = predicted.compile_seconds - warm, predicted.total_seconds - warm
         rows.append(ValidationRow(
