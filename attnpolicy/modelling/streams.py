@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property, partial
+from functools import cached_property
 
 from attnpolicy.cache.disk_mirror import DiskMirror
 from attnpolicy.cache.key_stream import StreamStats, replay_stream
@@ -60,9 +60,7 @@ class KeyStream:
         if store is None:
             return set()
         disk = self._disk(store)
-        replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs, max_bytes=config.max_bytes,
-                      eviction=eviction, oversize=config.oversize, eviction_options=reload_option(eviction, disk),
-                      name=self.keys.__getitem__, disk=disk)
+        self._replay(config, eviction, disk)
         return {k for k in disk if isinstance(k, int)}
 
     def _disk(self, store: StoreModel) -> DiskMirror:
@@ -77,18 +75,17 @@ class KeyStream:
         ``config``'s graph store if it has one (``store_warm``: filled by a first replay)."""
         store = StoreModel.of(config, store_warm)
         if store is None:
-            return replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
-                                 max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
-                                 name=self.keys.__getitem__)
+            return self._replay(config, eviction, None)
         disk = self._disk(store)
-        loads = self._store[1]
-        run = partial(replay_stream, self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
-                      max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
-                      eviction_options=reload_option(eviction, disk), name=self.keys.__getitem__, disk=disk)
         if not store_warm:
-            return run()
-        run()
+            return self._replay(config, eviction, disk)
+        self._replay(config, eviction, disk)
         disk.reset_counters()
-        held = set(disk)
-        first = compulsory_seconds(range(len(self.keys)), self.costs, held, loads.__getitem__)
-        return replace(run(), first_miss_seconds=first)
+        first = compulsory_seconds(range(len(self.keys)), self.costs, set(disk), self._store[1].__getitem__)
+        return replace(self._replay(config, eviction, disk), first_miss_seconds=first)
+
+    def _replay(self, config: AttnPolicyConfig, eviction: str, disk: DiskMirror | None) -> StreamStats:
+        """One replay from the cache empty, bounded like ``config``, over ``disk`` if given."""
+        return replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
+                             max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
+                             eviction_options=reload_option(eviction, disk), name=self.keys.__getitem__, disk=disk)
