@@ -249,18 +249,18 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
                               dispatcher.cache.counters())
         return step, group
 
-    def _sink_logits(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def _sink_logits(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The layer's sink logits for vLLM's kernel (bf16 or fp32, as stock casts them)
-        and, in ``dtype``, for attnpolicy's graphs; None without sinks."""
+        and, in ``dtype``, for attnpolicy's graphs; ``(None, None)`` without sinks."""
         sinks: torch.Tensor | None = getattr(self, "sinks")  # noqa: B009  (vLLM leaves it untyped)
         if sinks is None:
-            return None
+            return None, None
         if sinks.dtype not in (torch.bfloat16, torch.float32):
             sinks = sinks.to(torch.float32)
             self.sinks = sinks
         if self._sinks is None or self._sinks.dtype is not dtype:
             self._sinks = sinks.to(dtype)
-        return sinks
+        return sinks, self._sinks
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata | None,
@@ -282,7 +282,7 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             self._dtype = query.dtype
             if self.config.warmup:  # first use: the planned warm set (once per spec), then strict
                 self.dispatcher.warmup(spec)
-        sinks = self._sink_logits(query.dtype)
+        sinks, graph_sinks = self._sink_logits(query.dtype)
         group = self._group_of(md)
         step = group.steps.get(spec) if group is not None else None
         if step is None:
@@ -298,6 +298,6 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             k, v = group.gather(kv_cache)
         else:
             k, v = key[:n], value[:n]
-        out = step.run(query[:n], k, v, self._sinks if sinks is not None else None)
+        out = step.run(query[:n], k, v, graph_sinks)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
