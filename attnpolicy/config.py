@@ -42,6 +42,7 @@ from attnpolicy.core.names import (
     Oversize,
     Strict,
 )
+from attnpolicy.core.paths import why_not_a_directory
 from attnpolicy.errors import AttnPolicyError
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
 
@@ -123,7 +124,8 @@ class AttnPolicyConfig(BaseModel):
     #: graphs to compile at warm-up (``Dispatcher.warmup(spec)``, integrations at first use)
     warmup: tuple[WarmShape, ...] = ()
     #: a graph store directory: compiled graphs persist there and a miss loads them
-    #: instead of compiling (see docs/store.md); None: graphs live as long as the process
+    #: instead of compiling (see docs/store.md); None: graphs live as long as the process.
+    #: Kept as written; a leading ``~`` is expanded where the store opens it
     store_dir: str | None = None
     #: the store's bound on disk (artifacts and manifests), least recently used evicted
     max_disk_bytes: PositiveInt = 2 << 30
@@ -142,6 +144,14 @@ class AttnPolicyConfig(BaseModel):
             raise ValueError("eviction 'belady' is simulation-only: it needs an oracle of future "
                              "requests (next_use), which a live runtime does not have")
         return name
+
+    @field_validator("store_dir")
+    @classmethod
+    def _a_directory(cls, path: str | None) -> str | None:
+        why = None if path is None else why_not_a_directory(path)
+        if why is not None:
+            raise ValueError(f"store_dir {why}")
+        return path
 
     @field_validator("kernels")
     @classmethod

@@ -21,6 +21,8 @@ import json
 import logging
 import os
 import platform
+import re
+import stat
 import sys
 import threading
 import warnings
@@ -30,6 +32,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, TypeVar
 
+from attnpolicy.core.paths import why_not_a_directory
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import GraphKey
 
@@ -39,6 +42,15 @@ T = TypeVar("T")
 
 FORMAT = 1  # of the manifest and the layout; part of every identity
 _MANIFEST = ".json"
+#: The only names the store writes, and so the only ones it ever removes: in objects/
+#: ``<digest><suffix>``, in tmp/ ``<digest or "index">.<pid>.<thread><suffix>``.
+_OBJECT = re.compile(r"([0-9a-f]{64})\..+", re.DOTALL)
+_TMP = re.compile(r"(?:[0-9a-f]{64}|index)\.[0-9]+\.[0-9]+\..+", re.DOTALL)
+#: How the store's own index.json starts (json.dumps with sorted keys): another file
+#: there is not the store's and is never replaced.
+_INDEX_HEAD = b'{"clock": '
+#: What parsing a tampered JSON file can raise (nesting, Infinity, wrong types).
+_BAD_JSON = (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError)
 
 
 def _torch_version() -> str:
@@ -128,11 +140,12 @@ class StoreStats:
     saves: int
     save_seconds: float
     evictions: int  # artifacts this process removed to stay under max_bytes
-    corrupt: int  # truncated, byte-flipped or unreadable artifacts or manifests
+    corrupt: int  # truncated, byte-flipped or unreadable artifacts, manifests or index
     stale: int  # a manifest whose identity differs from the one asked for
     load_failures: int  # the reader raised on a verified artifact
     write_failures: int  # a save that could not write (read-only, full, missing directory)
     oversize: int  # an artifact larger than max_bytes alone: not stored
+    index_failures: int  # index.json not written (full, read-only, not the store's): recency lost
     entries: int
     bytes: int
     max_bytes: int
@@ -146,6 +159,45 @@ class _Entry:
     digest: str
     bytes: int
     used: int
+    names: list[str] = field(default_factory=list)  # its files in objects/
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of the regular file ``path``, never through a link (``OSError`` for a
+    link, a directory or anything else)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EISDIR, "not a regular file", str(path))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def _own_dir(path: Path) -> None:
+    """Raise ``OSError`` unless ``path`` is a directory itself, not a link to one."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise OSError(errno.ELOOP, "a symbolic link, not the store's own directory", str(path))
+    if not stat.S_ISDIR(mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+
+
+def _valid_suffix(suffix: object) -> bool:
+    return (isinstance(suffix, str) and suffix.startswith(".") and suffix != _MANIFEST
+            and "/" not in suffix and "\0" not in suffix)
+
+
+def _fresh_index() -> dict[str, Any]:
+    return {"clock": 0, "used": {}}
+
+
+def _valid_index(data: object) -> bool:
+    def count(n: object) -> bool:
+        return type(n) is int and n >= 0
+    return (isinstance(data, dict) and set(data) == {"clock", "used"} and count(data["clock"])
+            and isinstance(data["used"], dict) and all(count(n) for n in data["used"].values()))
 
 
 class DiskStore:
@@ -156,25 +208,32 @@ class DiskStore:
     clock) for least-recently-used eviction; ``root/lock`` is taken with
     ``fcntl.flock`` (shared to read, exclusive to write or evict), so no process reads
     a half-written artifact; ``root/tmp`` holds writes in flight (same filesystem, so
-    ``os.replace`` is atomic). The bound counts every file under ``objects/``.
+    ``os.replace`` is atomic). The bound counts the store's files under ``objects/``.
 
-    A store that cannot be written (read-only, full, no directory) degrades: saves
+    The store only ever removes or replaces files of its own names in its own
+    directories, never through a link: whatever else lies there (a user's files, stray
+    directories, links) is left alone and ignored. A store that cannot be written
+    (read-only, full, no directory, ``objects/`` or ``tmp/`` a link) degrades: saves
     return False, are counted in ``write_failures`` and warn once; loads of what is
-    there still work.
+    there still work. Unreadable metadata is a counted miss, never an exception.
     """
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ConfigError(f"max_disk_bytes must be a positive integer, got {max_bytes!r}")
-        self.root = Path(root)
+        path = os.fspath(root)
+        why = why_not_a_directory(path) if isinstance(path, str) else "is not a str"
+        if why is not None:
+            raise ConfigError(f"store_dir {path!r} {why}")
+        self.root = Path(os.path.expanduser(path))
         self.max_bytes = max_bytes
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
         self._index = self.root / "index.json"
         self._mutex = threading.Lock()
         self._warned = False
-        self._counts = dict.fromkeys(("hits", "misses", "saves", "evictions", "corrupt", "stale",
-                                      "load_failures", "write_failures", "oversize"), 0)
+        self._counts = dict.fromkeys(("hits", "misses", "saves", "evictions", "corrupt", "stale", "load_failures",
+                                      "write_failures", "oversize", "index_failures"), 0)
         self._seconds = {"load": 0.0, "save": 0.0}
         with contextlib.suppress(OSError):  # a read-only store is still readable
             self._objects.mkdir(parents=True, exist_ok=True)
@@ -192,10 +251,10 @@ class DiskStore:
         write there either: reads go ahead unlocked."""
         path = self.root / "lock"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         except OSError:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
                 if exclusive:
                     raise
@@ -207,48 +266,96 @@ class DiskStore:
         finally:
             os.close(fd)  # releases the lock
 
-    def _read_index(self) -> dict[str, Any]:
+    def _read_index(self) -> tuple[dict[str, Any], bool]:
+        """The index and whether it is the store's to replace. Missing: a fresh one.
+        Unreadable or malformed: a fresh one, counted corrupt (ages restart, the files
+        are the truth). Not the store's (a directory, a link, another file): a fresh one
+        that is never written over it."""
         try:
-            data = json.loads(self._index.read_text())
-            if isinstance(data, dict) and isinstance(data.get("used"), dict):
-                return data
-        except (OSError, ValueError):
-            pass
-        return {"clock": 0, "used": {}}  # missing or unreadable: ages restart, files are the truth
+            raw = _read(self._index)
+        except FileNotFoundError:
+            return _fresh_index(), True
+        except OSError:
+            return _fresh_index(), False
+        if not raw.startswith(_INDEX_HEAD):
+            return _fresh_index(), False
+        try:
+            data = json.loads(raw)
+        except _BAD_JSON:
+            data = None
+        if not _valid_index(data):
+            self._count("corrupt")
+            return _fresh_index(), True
+        return data, True
 
-    def _write_index(self, index: dict[str, Any]) -> None:
-        self._replace_bytes(self._index, json.dumps(index, sort_keys=True).encode())
+    def _write_index(self, index: dict[str, Any], ours: bool) -> None:
+        """Write the index after a load or a committed save. A failure is counted in
+        ``index_failures`` (warned once): every artifact stays whole and valid, only
+        the recency eviction goes by is lost (the index is rebuilt from the files)."""
+        try:
+            if not ours:
+                raise FileExistsError(errno.EEXIST, "another file, left as it is", str(self._index))
+            self._replace_bytes(self._index, json.dumps(index, sort_keys=True).encode())
+        except OSError as e:
+            self._count("index_failures")
+            self._warn_once(e, "its index.json is not written: stored graphs stay valid, least-recently-used "
+                               "order restarts (further failures are counted in index_failures)")
+
+    def _tmp_path(self, stem: str, suffix: str) -> Path:
+        return self._tmp / f"{stem}.{os.getpid()}.{threading.get_ident()}{suffix}"
 
     def _replace_bytes(self, path: Path, data: bytes) -> None:
-        tmp = self._tmp / f"{path.name}.{os.getpid()}.{threading.get_ident()}"
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        tmp = self._tmp_path(path.name.removesuffix(_MANIFEST), _MANIFEST)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def _touch(self, index: dict[str, Any], digest: str) -> None:
-        index["clock"] = int(index.get("clock", 0)) + 1
+        index["clock"] += 1
         index["used"][digest] = index["clock"]
 
-    def _scan(self, index: dict[str, Any]) -> dict[str, _Entry]:
-        """Every artifact on disk (manifest and file sizes summed), by digest."""
+    def _scan(self, used: Mapping[str, int]) -> dict[str, _Entry]:
+        """Every artifact on disk (the sizes of its regular files of the store's names
+        summed), by digest; anything else under objects/ is ignored."""
         entries: dict[str, _Entry] = {}
         try:
-            names = os.listdir(self._objects)
+            _own_dir(self._objects)
+            with os.scandir(self._objects) as found:
+                for item in found:
+                    match = _OBJECT.fullmatch(item.name)
+                    if match is None:
+                        continue
+                    try:
+                        st = item.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        digest = match.group(1)
+                        entry = entries.setdefault(digest, _Entry(digest, 0, used.get(digest, 0)))
+                        entry.bytes += st.st_size
+                        entry.names.append(item.name)
         except OSError:
-            return entries
-        for name in names:
-            digest = name.split(".", 1)[0]
-            try:
-                size = (self._objects / name).stat().st_size
-            except OSError:
-                continue
-            entry = entries.setdefault(digest, _Entry(digest, 0, int(index["used"].get(digest, 0))))
-            entry.bytes += size
+            pass  # no objects/ (yet), or not the store's own: nothing stored there
         return entries
 
-    def _remove(self, digest: str) -> None:
-        for path in self._objects.glob(f"{digest}.*"):
+    def _remove(self, entry: _Entry | None) -> None:
+        for name in entry.names if entry is not None else ():
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+                os.unlink(self._objects / name)  # unlink never follows a link
+
+    def _sweep_tmp(self, keep: Path) -> None:
+        """Remove a crashed writer's files from tmp/ (writes happen under the exclusive
+        lock): regular files of the store's own names only."""
+        with os.scandir(self._tmp) as found:
+            for item in found:
+                if (item.name != keep.name and _TMP.fullmatch(item.name) is not None
+                        and item.is_file(follow_symlinks=False)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._tmp / item.name)
 
     # --- load -----------------------------------------------------------------------
 
@@ -258,21 +365,24 @@ class DiskStore:
     def _verify(self, ident: ArtifactIdentity, manifest_path: Path) -> tuple[str, Path | None, str]:
         """("ok" | "missing" | "corrupt" | "stale", artifact path, manifest sha)."""
         try:
-            raw = manifest_path.read_bytes()
-        except OSError:  # none, or a store that cannot be read: compile
+            _own_dir(self._objects)
+            raw = _read(manifest_path)
+        except OSError:  # none, not a file, or a store that cannot be read: compile
             return "missing", None, ""
         msha = hashlib.sha256(raw).hexdigest()
         try:
             manifest = json.loads(raw)
             found = ArtifactIdentity.from_json(manifest["identity"])
-            suffix, size, sha = str(manifest["suffix"]), int(manifest["bytes"]), str(manifest["sha256"])
-        except (ValueError, KeyError, TypeError):
+            suffix, size, sha = manifest["suffix"], manifest["bytes"], manifest["sha256"]
+        except _BAD_JSON:
+            return "corrupt", None, msha
+        if not (_valid_suffix(suffix) and type(size) is int and isinstance(sha, str)):
             return "corrupt", None, msha
         if found != ident:
             return "stale", None, msha
         path = self._objects / f"{ident.digest()}{suffix}"
         try:
-            data = path.read_bytes()
+            data = _read(path)
         except OSError:
             return "corrupt", None, msha
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
@@ -286,13 +396,15 @@ class DiskStore:
         The manifest's identity must equal ``ident`` and the file its recorded size and
         SHA-256; a corrupt or stale artifact, or one the reader fails on, is counted,
         removed and reported as a miss, so it is never used as a graph. The reader runs
-        under the shared lock: no writer replaces or evicts the file meanwhile.
+        under the shared lock: no writer replaces or evicts the file meanwhile. Bad
+        metadata or a lock that cannot be taken never raises: it is a miss.
         """
         digest = ident.digest()
         manifest_path = self._objects / f"{digest}{_MANIFEST}"
         t0 = perf_counter()
         failure: Exception | None = None
-        with self._locked(exclusive=False):
+        status, path, msha = "missing", None, ""
+        with contextlib.suppress(OSError), self._locked(exclusive=False):
             status, path, msha = self._verify(ident, manifest_path)
             if path is not None:
                 try:
@@ -314,25 +426,29 @@ class DiskStore:
         return None
 
     def _record_use(self, digest: str) -> None:
-        with contextlib.suppress(OSError), self._locked(exclusive=True):
-            index = self._read_index()
-            self._touch(index, digest)
-            self._write_index(index)
+        try:
+            with self._locked(exclusive=True):
+                index, ours = self._read_index()
+                self._touch(index, digest)
+                self._write_index(index, ours)
+        except OSError as e:  # no lock to take: a store that cannot be written
+            self._count("index_failures")
+            self._warn_once(e, "its index.json is not written (further failures are counted in index_failures)")
 
     def _discard(self, digest: str, manifest_path: Path, msha: str) -> None:
         """Remove a bad artifact unless another process replaced it since it was read."""
         with contextlib.suppress(OSError), self._locked(exclusive=True):
             try:
-                if hashlib.sha256(manifest_path.read_bytes()).hexdigest() != msha:
+                if hashlib.sha256(_read(manifest_path)).hexdigest() != msha:
                     return
             except FileNotFoundError:
                 pass
-            self._remove(digest)
+            self._remove(self._scan({}).get(digest))
 
     def holds(self, ident: ArtifactIdentity) -> bool:
         """Whether an artifact of ``ident`` is on disk now (its manifest is there; not
         verified, nothing counted): what the ``cost`` eviction asks before it chooses."""
-        return (self._objects / f"{ident.digest()}{_MANIFEST}").exists()
+        return (self._objects / f"{ident.digest()}{_MANIFEST}").is_file()
 
     # --- save -----------------------------------------------------------------------
 
@@ -344,25 +460,30 @@ class DiskStore:
         (read-only or full store) is counted and warned about once; an artifact larger
         than ``max_bytes`` is counted in ``oversize``. Any other exception of the writer
         propagates. Two processes saving one identity at once store one of the two
-        whole artifacts.
+        whole artifacts. Once its manifest is in place the artifact is stored, whatever
+        happens to the index after it (:meth:`_write_index`).
         """
-        if not suffix.startswith(".") or suffix == _MANIFEST or "/" in suffix:
-            raise ConfigError(f"suffix must start with '.' and not be {_MANIFEST!r}, got {suffix!r}")
+        if not _valid_suffix(suffix):
+            raise ConfigError(f"suffix must start with '.', name no directory and not be {_MANIFEST!r}, "
+                              f"got {suffix!r}")
         digest = ident.digest()
         t0 = perf_counter()
-        tmp = self._tmp / f"{digest}.{os.getpid()}.{threading.get_ident()}{suffix}"
+        tmp = self._tmp_path(digest, suffix)
         try:
             with self._locked(exclusive=True):
+                _own_dir(self._tmp)
+                _own_dir(self._objects)
                 try:
                     writer(tmp)
-                    data = tmp.read_bytes()
+                    data = _read(tmp)
                     stored = self._commit(ident, digest, tmp, data, suffix)
                 finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        tmp.unlink()
+                    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                        os.unlink(tmp)
         except OSError as e:
             self._count("write_failures")
-            self._warn_once(e)
+            self._warn_once(e, "graphs are compiled and not stored (further failures are counted in "
+                               "write_failures, not warned about)")
             return False
         if stored:
             self._count("saves", save=perf_counter() - t0)
@@ -378,19 +499,15 @@ class DiskStore:
             log.warning("the artifact of %s (%d bytes) is larger than max_disk_bytes=%d; not stored",
                         ident.key, need, self.max_bytes)
             return False
-        for leftover in self._tmp.iterdir():  # a crashed writer's (writes happen under this lock)
-            if leftover != tmp:
-                with contextlib.suppress(FileNotFoundError):
-                    leftover.unlink()
-        index = self._read_index()
-        entries = self._scan(index)
-        entries.pop(digest, None)
-        self._remove(digest)  # the old artifact of this identity, whatever its suffix
+        self._sweep_tmp(tmp)
+        index, ours = self._read_index()
+        entries = self._scan(index["used"])
+        self._remove(entries.pop(digest, None))  # the old artifact of this identity, whatever its suffix
         total = sum(e.bytes for e in entries.values())
         for victim in sorted(entries.values(), key=lambda e: (e.used, e.digest)):
             if total + need <= self.max_bytes:
                 break
-            self._remove(victim.digest)
+            self._remove(victim)
             index["used"].pop(victim.digest, None)
             total -= victim.bytes
             self._count("evictions")
@@ -400,18 +517,18 @@ class DiskStore:
         for gone in set(index["used"]) - set(entries) - {digest}:
             del index["used"][gone]
         self._touch(index, digest)
-        self._write_index(index)
+        self._write_index(index, ours)
         return True
 
-    def _warn_once(self, error: OSError) -> None:
+    def _warn_once(self, error: OSError, consequence: str) -> None:
         why = {errno.EROFS: "read-only", errno.ENOSPC: "full", errno.EDQUOT: "over quota",
-               errno.EACCES: "not writable", errno.EPERM: "not writable"}.get(error.errno or 0, "unusable")
+               errno.EACCES: "not writable", errno.EPERM: "not writable",
+               errno.ELOOP: "a symbolic link where its own directory belongs",
+               errno.EEXIST: "an index.json that is not its own"}.get(error.errno or 0, "unusable")
         with self._mutex:
             first, self._warned = not self._warned, True
         if first:
-            warnings.warn(f"graph store {self.root} is {why} ({error}); graphs are compiled and not "
-                          "stored (further failures are counted in write_failures, not warned about)",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(f"graph store {self.root}: {why} ({error}); {consequence}", RuntimeWarning, stacklevel=3)
 
     # --- stats ----------------------------------------------------------------------
 
@@ -423,8 +540,9 @@ class DiskStore:
 
     def stats(self) -> StoreStats:
         """This process's counters and the store's entries and bytes as on disk now."""
-        with self._locked(exclusive=False):
-            entries = self._scan({"used": {}})
+        entries: dict[str, _Entry] = {}
+        with contextlib.suppress(OSError), self._locked(exclusive=False):
+            entries = self._scan({})
         with self._mutex:
             counts, seconds = dict(self._counts), dict(self._seconds)
         return StoreStats(**counts, load_seconds=seconds["load"], save_seconds=seconds["save"],
