@@ -65,7 +65,8 @@ class ArtifactIdentity:
 
     ``key`` is the graph's stable name (``repr(GraphKey)`` for attention graphs: every
     field, the scale to full precision; the model runner's own for model graphs);
-    ``code_hash`` a hash of the model or kernel code (:func:`source_hash`); ``config``
+    ``code_hash`` a hash of all the code the graph runs (:mod:`~attnpolicy.cache.code_identity`,
+    or :func:`source_hash` of a graph's own sources); ``config``
     the compiler settings that change the generated code. ``torch_version``, ``python`` and ``machine`` default to this
     process's.
     """
@@ -146,6 +147,7 @@ class StoreStats:
     write_failures: int  # a save that could not write (read-only, full, missing directory)
     oversize: int  # an artifact larger than max_bytes alone: not stored
     index_failures: int  # index.json not written (full, read-only, not the store's): recency lost
+    unidentified: int  # graphs compiled, not stored: their code has no stable identity
     entries: int
     bytes: int
     max_bytes: int
@@ -232,8 +234,9 @@ class DiskStore:
         self._index = self.root / "index.json"
         self._mutex = threading.Lock()
         self._warned = False
+        self._refused: set[str] = set()
         self._counts = dict.fromkeys(("hits", "misses", "saves", "evictions", "corrupt", "stale", "load_failures",
-                                      "write_failures", "oversize", "index_failures"), 0)
+                                      "write_failures", "oversize", "index_failures", "unidentified"), 0)
         self._seconds = {"load": 0.0, "save": 0.0}
         with contextlib.suppress(OSError):  # a read-only store is still readable
             self._objects.mkdir(parents=True, exist_ok=True)
@@ -529,6 +532,19 @@ class DiskStore:
             first, self._warned = not self._warned, True
         if first:
             warnings.warn(f"graph store {self.root}: {why} ({error}); {consequence}", RuntimeWarning, stacklevel=3)
+
+    # --- graphs not stored ----------------------------------------------------------
+
+    def refuse(self, name: str, why: str) -> None:
+        """Count a graph compiled without being stored because the code of ``name`` (a
+        kernel, a model) has no stable identity; ``why`` (naming it) is warned once per name."""
+        with self._mutex:
+            self._counts["unidentified"] += 1
+            first = name not in self._refused
+            self._refused.add(name)
+        if first:
+            warnings.warn(f"{why}; its graphs are compiled and not stored in {self.root} (counted in "
+                          "unidentified)", RuntimeWarning, stacklevel=3)
 
     # --- stats ----------------------------------------------------------------------
 

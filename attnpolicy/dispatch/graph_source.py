@@ -7,13 +7,14 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable, Iterable
-from functools import cache, partial
+from functools import partial
 from operator import is_
 from time import perf_counter
 from typing import Any, cast
 
 import torch
 
+from attnpolicy.cache.code_identity import graph_code
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -22,14 +23,15 @@ from attnpolicy.core.modes import GraphFamily
 from attnpolicy.dispatch.batch_plan import Planned
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import ConfigError, GraphCompileError, KernelError, StrictModeError
-from attnpolicy.graphs import aot, execute
+from attnpolicy.graphs import aot
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
 from attnpolicy.graphs.execute import GraphFn, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.kernels import attention, isolation, masks
+from attnpolicy.kernels import attention
 from attnpolicy.kernels.flex import BlockMaskCache, build_block_mask, flex_graph
+from attnpolicy.plugins.kernels import kernel_code
 from attnpolicy.plugins.observers import Observers
 
 #: Builds the graph of a key: ``builder(call, key, spec) -> callable``. The default
@@ -209,9 +211,13 @@ class GraphSource:
         """Whether the graph of ``key`` goes through the store: a store is configured, the
         graph is compiled ahead of time (not flex, a backend) and is not the host's lazy
         VARLEN graph."""
+        return self._storable(key) and kernel_hash(key.impl) is not None
+
+    def _storable(self, key: GraphKey) -> bool:
+        """Whether the graph of ``key`` would go through the store if its kernel's code
+        has a stable identity."""
         return (self.store is not None and key.impl != "flex" and key.backend != "none"
-                and not (self._host_varlen and key.family is GraphFamily.VARLEN)
-                and kernel_hash(key.impl) is not None)
+                and not (self._host_varlen and key.family is GraphFamily.VARLEN))
 
     def identity(self, key: GraphKey) -> ArtifactIdentity:
         """What makes the stored artifact of ``key`` valid (see docs/store.md)."""
@@ -244,32 +250,33 @@ class GraphSource:
             return FlexGraph(graph, self.block_masks, feats.window)
         fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len, feats)
         assert not isinstance(fn, FlexGraph)  # flex is compiled above
-        if self.store is not None and self.stored(key):  # compiled ahead of time, saved for the next miss
-            compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec))
-            self.store.save(self.identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
-            return _aot_graph(compiled, key.backend)
+        if self.store is not None and self._storable(key):
+            code, why = code_hash_of(key.impl)
+            if code is not None:  # compiled ahead of time, saved for the next miss
+                compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec))
+                self.store.save(self.identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+                return _aot_graph(compiled, key.backend)
+            self.store.refuse(f"kernel {key.impl!r}", why)
         if self._host_varlen and key.family is GraphFamily.VARLEN:  # the host's kernel runs it: lazy
             return compile_graph(fn, key.backend, counter=counter)
         return compile_graph(fn, key.backend, counter=counter, example_inputs=example_inputs(call, spec))
 
 
 def kernel_hash(impl: str) -> str | None:
-    """The ``code_hash`` of graphs of kernel ``impl``: the source of the kernels, masks,
-    graph functions and the AOT mechanism, and a plugin kernel's own function (``None``
-    when it has no source to hash: its graphs are compiled, not stored)."""
-    fn = None if impl in attention.BUILTIN_IMPLS else attention._IMPL_FNS.get(impl)
-    return _code_hash(fn)
+    """The ``code_hash`` of graphs of kernel ``impl``, or ``None`` when its code has no
+    stable identity (its graphs are compiled, not stored): :func:`code_hash_of`."""
+    return code_hash_of(impl)[0]
 
 
-@cache
-def _code_hash(fn: Callable[..., Any] | None) -> str | None:
-    parts: list[object] = [attention, masks, isolation, execute, aot]
-    if fn is not None:
-        parts.append(fn)
+def code_hash_of(impl: str) -> tuple[str | None, str]:
+    """``(code_hash, "")`` of graphs of kernel ``impl``: attnpolicy's graph code
+    (:func:`~attnpolicy.cache.code_identity.graph_code`) and, for a plugin kernel, its
+    own (:func:`~attnpolicy.plugins.kernels.kernel_code`); ``(None, why)`` when the
+    plugin kernel's has no stable identity."""
     try:
-        return source_hash(*parts)
-    except ConfigError:
-        return None
+        return source_hash(graph_code(), *([] if impl in attention.BUILTIN_IMPLS else [kernel_code(impl)])), ""
+    except ConfigError as e:
+        return None, str(e)
 
 
 def _aot_graph(compiled: Any, backend: str) -> CompiledGraph:

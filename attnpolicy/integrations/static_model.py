@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from attnpolicy.cache.code_identity import graph_code, module_code
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, StoreStats, source_hash
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -237,8 +238,8 @@ class StaticModelRunner:
         #: with ``store_dir``: every graph persists there, keyed by the model's code and
         #: config (``code_hash``); a miss loads it
         self.store = DiskStore(cfg.store_dir, cfg.max_disk_bytes) if cfg.store_dir is not None else None
-        self._code = source_hash(sys.modules[type(model).__module__], sys.modules[__name__], c.to_json_string(),
-                                 str(self.dtype), str(self.device)) if self.store is not None else ""
+        self._code, self._unstored = (model_code(model, c.to_json_string(), self.dtype, self.device)
+                                      if self.store is not None else ("", ""))
         self._background = ModelBackground(self) if cfg.compile_mode == "background" else None
 
     # -- serving -------------------------------------------------------------------
@@ -359,9 +360,10 @@ class StaticModelRunner:
         return unmasked
 
     def _stored(self, key: ModelKey) -> bool:
-        return self.store is not None and key.backend != "none"
+        return self.store is not None and key.backend != "none" and self._code is not None
 
     def _identity(self, key: ModelKey) -> ArtifactIdentity:
+        assert self._code is not None  # only stored keys have an identity
         return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
                                 str(self.device), str(self.dtype).removeprefix("torch."), self._code)
 
@@ -385,6 +387,8 @@ class StaticModelRunner:
     def _compiled(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
         """The graph of ``key`` compiled now: ahead of time and saved when it is stored."""
         if self.store is None or not self._stored(key):
+            if self.store is not None and key.backend != "none":
+                self.store.refuse(f"model {type(self.model).__name__}", self._unstored)
             return compile_graph(self.forward(key), self.config.backend, counter=self._counter,
                                  example_inputs=inputs)
         fn = _FORWARDS[key.mode]
@@ -462,6 +466,20 @@ def _varlen_forward(model: torch.nn.Module, segments: tuple[int, ...], ids: torc
     constants of the graph) its second."""
     out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, **{SEGMENTS_KWARG: segments})
     return out.logits[0]
+
+
+def model_code(model: torch.nn.Module, config: str, dtype: torch.dtype,
+               device: torch.device) -> tuple[str | None, str]:
+    """``(code_hash, "")`` of ``model``'s stored graphs: attnpolicy's graph code (the
+    kernels every attention call binds), this runner, the model's module with the
+    modules of its package it reaches and that package's installed version
+    (:mod:`~attnpolicy.cache.code_identity`), the model ``config`` (its JSON), dtype and device;
+    ``(None, why)`` when the model's code has no source to hash."""
+    try:
+        return source_hash(graph_code(), sys.modules[__name__], module_code(type(model).__module__),
+                           config, str(dtype), str(device)), ""
+    except ConfigError as e:
+        return None, f"model {type(model).__name__}: {e}"
 
 
 #: The forward a stored graph of each mode is compiled from (see :meth:`StaticModelRunner._bound`).

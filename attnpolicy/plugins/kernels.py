@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from attnpolicy.cache.code_identity import callable_code
 from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.errors import ConfigError, PluginError
 from attnpolicy.kernels.attention import _BUILTIN_FNS, _IMPL_FNS, BUILTIN_IMPLS, bind, register_impl
@@ -63,6 +64,9 @@ class KernelInfo:
     softcap: bool = False  # a logit soft cap (the softcap= keyword)
     sinks: bool = False  # per-head sink logits (the sinks= keyword)
     description: str = ""
+    #: the kernel's own version: part of its stored graphs' identity beside its package's
+    #: source; give one when it runs code of another library (docs/store.md)
+    version: str = ""
     plugin: str = field(default="", compare=False)
 
     @property
@@ -196,6 +200,8 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
                               f"plugins: {holder.plugin!r} and {plugin!r}")
         if info.fn is None and info.name != "flex":
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} needs fn")
+        if not isinstance(info.version, str):
+            raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has version {info.version!r}, not a str")
         others = [i for (_, n), i in (*registry.items(), *staged.items()) if n == info.name]
         builtin = _IMPL_FNS[info.name] if info.name in BUILTIN_IMPLS else None  # not a gone plugin's
         if any(i.fn is not info.fn for i in others) or (builtin is not None and not others
@@ -220,6 +226,24 @@ def kernel_registry() -> dict[tuple[str, str], KernelInfo]:
     from attnpolicy.plugins.registry import cached_registry
 
     return cached_registry("attnpolicy_register_kernels", "kernels", _kernel_adder, _register_impls)
+
+
+def kernel_code(name: str) -> str:
+    """The code identity of plugin kernel ``name`` (what its stored graphs' ``code_hash``
+    covers besides attnpolicy's own code): its package's source, that package's installed
+    version, what its function captures and the ``version`` it declares
+    (:func:`~attnpolicy.cache.code_identity.callable_code`). Raises
+    :class:`~attnpolicy.errors.ConfigError` naming the kernel when that has no stable identity."""
+    infos = [info for (_, n), info in kernel_registry().items() if n == name]  # registers their functions
+    fn = _IMPL_FNS.get(name)
+    if fn is None:
+        raise ConfigError(f"kernel {name!r} has no function of its own to hash")
+    try:
+        code = callable_code(fn)
+    except ConfigError as e:
+        plugin = f" of plugin {infos[0].plugin!r}" if infos else ""
+        raise ConfigError(f"kernel {name!r}{plugin}: {e}") from None
+    return repr((code, *sorted({info.version for info in infos})))
 
 
 def check_kernel_names(kernels: dict[str, str]) -> None:
