@@ -142,11 +142,8 @@ class Background:
         if error is not None:
             c.background_failed += 1
             count_violation(c, error)
-
-            def fail() -> Any:
-                raise error
             try:
-                source.cache.get_or_compile(key, fail, seconds=0.0)
+                failed(source, key, error)
             except GraphCompileError:
                 if self.config.on_compile_error == "raise":
                     raise
@@ -219,6 +216,15 @@ def insert(source: GraphSource, key: GraphKey, built: Built) -> None:
         raise
     if kept is not value:  # cached meanwhile by another user of a shared cache
         _release_any(key, value)
+
+
+def failed(source: GraphSource, key: GraphKey, error: BaseException) -> None:
+    """Count the worker's failed build of ``key`` in the source's cache, as a miss whose
+    build failed there (``compile_failures``): raises the cache's
+    :class:`GraphCompileError`; returns only when ``key`` was cached meanwhile."""
+    def fail() -> Any:
+        raise error
+    source.cache.get_or_compile(key, fail, seconds=0.0)
 
 
 def discard(key: GraphKey, future: Future[Built]) -> bool:

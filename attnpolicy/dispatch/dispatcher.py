@@ -273,7 +273,7 @@ class Dispatcher:
         a new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
         if self.background is not None:
             self.background.close()
-        self.switcher.close()
+        self.switcher.close(self)
 
     def __enter__(self) -> Dispatcher:
         return self

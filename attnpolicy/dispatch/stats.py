@@ -50,6 +50,7 @@ class Counters:
     switch_compiled: int = 0
     switch_loaded: int = 0
     switch_batches: int = 0
+    switch_discarded: int = 0
     modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
 
     def count(self, step: Any) -> None:
@@ -82,7 +83,8 @@ class Counters:
                 self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
                 self.pad_up_tokens, self.background_loaded),
             switch=SwitchStats(self.switch_requested, self.switch_replaced, self.switch_failed, self.switches,
-                               switching, self.switch_compiled, self.switch_loaded, self.switch_batches),
+                               switching, self.switch_compiled, self.switch_loaded, self.switch_batches,
+                               self.switch_discarded),
             disk=disk)
 
 
@@ -156,7 +158,8 @@ class SwitchStats:
     of the switch set failed to build: the switch was dropped), ``switches`` applied,
     ``pending`` now (0 or 1); the switch-set graphs the worker ``compiled`` and
     ``loaded`` from the store; ``batches`` served by the old config while a switch was
-    pending."""
+    pending; ``discarded``: graphs the worker compiled that never entered the cache (of a
+    replaced, failed or closed switch, or cached meanwhile by the running config)."""
 
     requested: int
     replaced: int
@@ -166,6 +169,7 @@ class SwitchStats:
     compiled: int
     loaded: int
     batches: int
+    discarded: int
 
 
 @dataclass(frozen=True, slots=True)
