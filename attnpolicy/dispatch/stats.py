@@ -33,6 +33,7 @@ class Counters:
     mask_fallbacks: int = 0
     compile_error_fallbacks: int = 0
     strict_violations: int = 0
+    loaded_after_warmup: int = 0
     direct_call_fallbacks: int = 0
     kernel_violations: int = 0
     layers_elsewhere: int = 0
@@ -74,6 +75,7 @@ class Counters:
             batches=self.batches, calls=self.calls, modes=dict(self.modes), guard_fallbacks=guard_fallbacks,
             overflow=self.overflow, mask_fallbacks=self.mask_fallbacks,
             compile_error_fallbacks=self.compile_error_fallbacks, strict_violations=self.strict_violations,
+            loaded_after_warmup=self.loaded_after_warmup,
             direct_call_fallbacks=self.direct_call_fallbacks, kernel_violations=self.kernel_violations,
             layers_elsewhere=self.layers_elsewhere, observer_errors=observer_errors,
             padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
@@ -186,6 +188,9 @@ class DispatcherStats:
     mask_fallbacks: int
     compile_error_fallbacks: int
     strict_violations: int
+    #: graphs loaded from the store after warm-up (no compile: no strict violation),
+    #: counted under strict "warn" and "raise"
+    loaded_after_warmup: int
     direct_call_fallbacks: int
     #: plugin kernels caught breaking their contract: a failed probe, a bad output
     #: at run time, a compile that failed on one
