@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -241,6 +242,23 @@ def test_artifact_larger_than_the_store_is_not_stored(tmp_path):
     assert not save_bytes(store, ident(), b"x" * 200)
     s = store.stats()
     assert (s.oversize, s.entries, s.bytes) == (1, 0, 0)
+
+
+def test_oversize_artifacts_are_warned_about_once_per_store_and_counted(tmp_path, caplog):
+    """Five oversize graphs (attention graph keys, whose identity key is the full repr),
+    from two store objects on one directory: one short warning, five counted."""
+    spec = TensorSpec("float32", 2, 2, 16)
+    keys = [GraphKey(GraphFamily.CAUSAL, n, n, True, spec, "sdpa", None, "aot_eager") for n in (16, 32, 64, 128, 256)]
+    stores = [DiskStore(tmp_path, 100), DiskStore(tmp_path, 100)]
+    caplog.set_level(logging.WARNING, logger="attnpolicy.cache.disk_store")
+    for i, key in enumerate(keys):
+        identity = ArtifactIdentity.for_graph(key, mechanism="bytes", code_hash="c0")
+        assert not save_bytes(stores[i % 2], identity, b"x" * 200)
+    [record] = caplog.records
+    message = record.getMessage()
+    assert "larger than max_disk_bytes=100; not stored" in message and "counted in stats().disk.oversize" in message
+    assert repr(keys[0]) not in message and len(message) < 300
+    assert sum(store.stats().oversize for store in stores) == 5
 
 
 # --- two processes share one store ----------------------------------------------------

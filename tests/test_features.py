@@ -131,6 +131,19 @@ def test_sinks_must_match_the_graphs():
         attend(q, k, v, layout, "mask", sinks=torch.zeros(3))
 
 
+@pytest.mark.parametrize("sinks", [[0.5, -1.0, 0.0, 2.0], (0.5,) * 4, 1.5])
+def test_sinks_that_are_no_tensor_are_refused_before_any_work(sinks):
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+
+    layout = BatchLayout.from_lens([4, 3])
+    q, k, v = _qkv(layout, 0)
+    d = Dispatcher(AttnPolicyConfig(backend="aot_eager", max_seq_len=64))
+    with pytest.raises(LayoutError, match=rf"sinks must be a tensor \[Hq=4\] of sink logits, got "
+                                          rf"{type(sinks).__name__}"):
+        d.attend(q, k, v, layout, sinks=sinks)
+    assert d.stats().batches == 0 and d.stats().cache.misses == 0
+
+
 def _uncapped(q, k, v, causal, mask, scale, partition_len, softcap=None, sinks=None):
     return _eager(q, k, v, causal, mask, scale, partition_len, None, sinks)  # ignores the cap
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.cli import main
-from attnpolicy.errors import GraphTooLargeError
+from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
@@ -160,3 +160,67 @@ def test_the_replan_command_writes_the_drift_and_the_refit_config(tmp_path):
     assert report["replan"] and report["drift"] > report["threshold"]
     assert report["current_total_seconds"] > report["refit_total_seconds"] and report["switch"]
     assert AttnPolicyConfig.load(out).buckets != old.buckets
+
+
+def test_drift_is_never_negative_when_the_refit_models_slower():
+    """A refit that plans only other policies (or misses the current buckets) may model
+    slower than the current config: the current config is the best plan known, drift 0."""
+    model, base = _base(max_graphs=4)
+    steps = _steps([20, 300, 45, 700, 90, 33, 512, 128])
+    current = plan_graphs(steps, base, model, ["dynamic"]).config
+    drift = measure_drift(steps, current, model, ["varlen"])
+    assert drift.refit.chosen.row.total_seconds > drift.current.total_seconds  # varlen is slower here
+    assert drift.drift == 0.0 and not drift.replan
+
+
+def _recorded(tmp_path, config: AttnPolicyConfig, name: str = "layouts") -> str:
+    """A layout stream of long prompts recorded under ``config`` (in ``name``.jsonl)."""
+    path = tmp_path / f"{name}.jsonl"
+    writer = LayoutStreamWriter(path, config, SPEC)
+    counters = {"hits": 0, "misses": 0, "evictions": 0, "graphs": 0}
+    for layout in _steps([600 + 29 * i for i in range(12)]):
+        writer.write_step(layout, Dispatcher(config).preview(layout, SPEC).mode, [], counters)
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize(("args", "flag"), [(["--policies", "varlen,cost-aware"], "--policies"),
+                                            ([], "--config")])
+def test_replan_refuses_a_policy_plan_refuses(tmp_path, capsys, args, flag):
+    model, base = _base(max_graphs=4)
+    config = with_fields(base, policy="cost-aware") if flag == "--config" else base
+    config.save(tmp_path / "current")
+    layouts = _recorded(tmp_path, config)
+    assert main(["plan", "--layouts", layouts, "--out", str(tmp_path / "plan"), "--policies", "cost-aware"]) == 2
+    refused = capsys.readouterr().err
+    assert main(["replan", "--config", str(tmp_path / "current"), "--layouts", layouts,
+                 "--out", str(tmp_path / "new"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"attnpolicy: error: argument {flag}: policy 'cost-aware' decides from the cache state")
+    assert err.split(": ", 3)[3] == refused.split(": ", 3)[3]  # the message plan gives
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ConfigError, match="'cost-aware' decides from the cache state"):
+        measure_drift(_steps([30, 40]), with_fields(base, policy="cost-aware"), model)
+    if flag == "--config":  # re-planning at run time: refused before the run
+        assert main(["run", "--config", str(tmp_path / "current"), "--replan-every", "5", "--limit", "3",
+                     "--backend", "none"]) == 2
+        assert "argument --replan-every: policy 'cost-aware' decides" in capsys.readouterr().err
+
+
+def test_replan_says_when_the_stream_was_recorded_under_another_config(tmp_path, capsys):
+    model, base = _base(max_graphs=4)
+    old = plan_graphs(_steps([30 + 7 * i for i in range(12)]), base, model, ["varlen"], max_buckets=4).config
+    old.save(tmp_path / "current")
+    for i, (recorded, said) in enumerate(((old, ""), (with_fields(old, policy="dynamic", eviction="fifo"),
+                                                         "policy, eviction"))):
+        layouts = _recorded(tmp_path, recorded, f"layouts{i}")
+        assert main(["replan", "--config", str(tmp_path / "current"), "--layouts", layouts,
+                     "--out", str(tmp_path / "new")]) == 0
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        report = json.loads((tmp_path / "new" / "replan.json").read_text())
+        assert report["recorded_config_differs"] == (said.split(", ") if said else [])
+        if said:
+            assert warnings == [f"attnpolicy: warning: the layout stream was recorded under a config that differs "
+                                f"from --config in {said}: the drift is that of --config on the recorded traffic"]
+        else:
+            assert warnings == []

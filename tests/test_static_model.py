@@ -295,3 +295,50 @@ def test_background_compiles_pad_up_then_switch_in(models, policy, steps):
     assert bg.compile_seconds > 0
     runner.close()
     assert len(runner.cache) == 0
+
+
+def _fill_store(model, store, *lens: int) -> None:
+    """Graphs of one sequence of each of ``lens`` (CAUSAL) saved in ``store``."""
+    runner = StaticModelRunner(model, config(store_dir=str(store)))
+    for n in lens:
+        layout = BatchLayout.from_lens([n])
+        runner.run(token_ids(layout, n), layout, MaskMode.CAUSAL)
+    assert runner.stats().disk.saves == len(lens)
+    runner.close()
+
+
+def test_a_graph_loaded_after_warm_up_is_no_strict_violation(models, tmp_path):
+    model, reference = models
+    _fill_store(model, tmp_path, 30)  # t32
+    runner = StaticModelRunner(model, config("always-causal", strict="raise", store_dir=str(tmp_path)))
+    warm = BatchLayout.from_lens([10])
+    runner.warmup([(warm, MaskMode.CAUSAL)])  # t16, compiled
+    layout = BatchLayout.from_lens([25])
+    ids = token_ids(layout, 3)
+    with pytest.warns(RuntimeWarning, match="model/causal/t32/aot_eager loaded from the store after warm-up"):
+        got = runner.logits(ids, layout)  # t32: loaded, no compile: allowed under strict="raise"
+    torch.testing.assert_close(got, eager_logits(reference, ids, layout), rtol=0, atol=1e-5)
+    stats = runner.stats()
+    assert stats.strict_violations == 0 and stats.loaded_after_warmup == 1
+    assert (stats.cache.compiles, stats.cache.loads) == (1, 1)
+    with pytest.raises(StrictModeError, match="model/causal/t64"):  # not in the store: a compile
+        runner.logits(token_ids(BatchLayout.from_lens([50]), 0), BatchLayout.from_lens([50]))
+    assert runner.stats().strict_violations == 1
+    runner.close()
+
+
+def test_background_compiles_load_what_the_store_holds(models, tmp_path):
+    model, reference = models
+    _fill_store(model, tmp_path, 30, 10)  # t32 and t16
+    runner = StaticModelRunner(model, config("always-causal", compile_mode="background", switch_after=1,
+                                             store_dir=str(tmp_path)))
+    for step, n in enumerate((30, 10, 12)):  # eager while t32 loads; padded up to t32 while t16 loads; t16
+        layout = BatchLayout.from_lens([n])
+        ids = token_ids(layout, step)
+        torch.testing.assert_close(runner.logits(ids, layout), eager_logits(reference, ids, layout),
+                                   rtol=0, atol=1e-5)
+    stats = runner.stats()
+    bg = stats.background
+    assert bg is not None and (bg.requested, bg.switched, bg.loaded, bg.padded_up) == (2, 2, 2, 1)
+    assert (stats.cache.compiles, stats.cache.loads, stats.disk.hits, stats.disk.saves) == (0, 2, 2, 0)
+    runner.close()

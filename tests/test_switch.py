@@ -229,6 +229,9 @@ def test_a_switch_changes_the_policy_and_keeps_counting():
     ({"policy": "no-such-policy"}, r"policy='no-such-policy'"),
     ({"policy": "dynamic", "policy_options": {"no_such_option": 1}}, r"policy_options="),
     ({"eviction": "no-such-eviction"}, r"eviction='no-such-eviction'"),
+    ({"buckets": _sizes(16, 32), "warmup": _causal(16, 32)},
+     r"buckets=list\(sizes=\[16, 32\]\) serve lengths up to 32 of max_seq_len 256, the running config's "
+     r"list\(sizes=\[64, 256\]\) up to 256"),
 ])
 def test_an_invalid_switch_raises_before_any_work_and_changes_nothing(fields, match):
     d, builder = _warm()
@@ -369,3 +372,66 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
     assert s["compiled"] + s["loaded"] > 0 and s["failed"] == 0
     assert data["config"] == old.model_dump(mode="json")  # the config the run began with
     assert f"attnpolicy: switched from policy varlen, buckets {old.buckets.describe()}" in caplog.text
+
+
+def _every_build_counted_once(d: Dispatcher, builds: int) -> None:
+    """Every build ran is counted exactly once: inserted (a cache compile), failed (a
+    cache compile failure) or built and dropped (``switch.discarded``)."""
+    s = d.stats()
+    assert builds == s.cache.compiles + s.cache.compile_failures + s.switch.discarded
+
+
+def test_the_builds_of_a_replaced_switch_are_counted():
+    d, builder = _warm()
+    d.switch_to(NEW)  # builds 32 and 128
+    builder.gate.set()
+    _built(d)  # both ran
+    d.switch_to(_with(NEW, buckets=_sizes(32, 256), warmup=_causal(32, 256)))  # 128 is dropped
+    _built(d)
+    _serve(d)  # the newer switch applies; the dropped build is released
+    s = d.stats().switch
+    assert s.switches == 1 and s.compiled == 1 and s.discarded == 1
+    _every_build_counted_once(d, len(builder.builds))
+    d.close()
+    _every_build_counted_once(d, len(builder.builds))
+
+
+def test_the_builds_of_a_switch_pending_at_close_are_counted():
+    d, builder = _warm()
+    d.switch_to(NEW)
+    builder.gate.set()
+    _built(d)
+    d.close()
+    assert d.stats().switch.discarded == 2 and d.stats().switch.switches == 0
+    _every_build_counted_once(d, len(builder.builds))
+
+
+def test_the_builds_of_a_failed_switch_are_counted():
+    d, builder = _warm(OLD, Builder(fail=128), on_compile_error="eager")
+    d.switch_to(_with(NEW, on_compile_error="eager"))
+    builder.gate.set()
+    _built(d)
+    _serve(d)  # the failure is met: the switch is dropped
+    s = d.stats()
+    assert s.switch.failed == 1 and s.cache.compile_failures == 1
+    d.close()
+    assert d.stats().switch.discarded == 1  # the build of 32, done but never used
+    _every_build_counted_once(d, len(builder.builds))
+
+
+def test_stats_count_every_real_backend_compile_through_replaced_and_closed_switches():
+    """The real backend (``compile_counter``), no custom builder: each compile of a
+    replaced or abandoned switch appears in the stats exactly once."""
+    counter: list[object] = []
+    real = {"backend": "aot_eager"}
+    d = Dispatcher(_with(OLD, **real), compile_counter=counter.append)
+    _serve(d)
+    d.switch_to(_with(NEW, **real))
+    _built(d)
+    d.switch_to(_with(NEW, buckets=_sizes(32, 256), warmup=_causal(32, 256), **real))  # drops 128
+    _built(d)
+    d.switch_to(_with(NEW, buckets=_sizes(16, 256), warmup=_causal(16, 256), **real))  # drops 32
+    _built(d)
+    d.close()  # drops 16
+    _every_build_counted_once(d, len(counter))
+    assert d.stats().switch.discarded == 3

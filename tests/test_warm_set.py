@@ -4,13 +4,14 @@ count) or at warm-up for the runtime's tensor spec (bytes), before anything comp
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
 from pydantic import ValidationError
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import ConfigError, StrictModeError
 from attnpolicy.graphs.execute import graph_fn
 from attnpolicy.graphs.keys import TensorSpec
 
@@ -87,3 +88,59 @@ def test_a_refused_warm_set_refuses_every_attend():
         with pytest.raises(ConfigError, match="max_bytes=1000000"):
             d.attend(q, k, v, layout)
     assert d.stats().batches == 0 and d.stats().cache.compiles == 0
+
+
+def _stored(tmp_path, *lens: int) -> dict[str, object]:
+    """A store holding the graphs of one sequence of each of ``lens`` (aot_eager), and
+    the config fields that use it."""
+    fields = {"backend": "aot_eager", "store_dir": str(tmp_path), "max_seq_len": 256}
+    with Dispatcher(AttnPolicyConfig(**fields)) as first:
+        for n in lens:
+            first.prepare(BatchLayout.from_lens([n]), SMALL)
+    return fields
+
+
+@pytest.mark.parametrize("strict", ["warn", "raise"])
+def test_a_graph_loaded_from_the_store_after_warm_up_is_no_strict_violation(tmp_path, strict):
+    """A load after warm-up compiles nothing: allowed under every ``strict``, counted in
+    ``loaded_after_warmup`` and said once; a compile is still a violation."""
+    fields = _stored(tmp_path, 100, 200)  # q128 and q256 in the store
+    d = Dispatcher(AttnPolicyConfig(**fields, warmup=WARM[:1], strict=strict))  # warms q64
+    d.warmup(SMALL)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in (100, 200, 110):  # two loads, then a hit
+            d.prepare(BatchLayout.from_lens([n]), SMALL)
+    s = d.stats()
+    assert s.loaded_after_warmup == 2 and s.strict_violations == 0
+    assert s.cache.loads == 2 and s.cache.compiles == 1  # the warm set's q64
+    assert [str(w.message) for w in seen] == [
+        f"graph causal/q128/float32/h4kv2d16/sdpa/aot_eager loaded from the store after warm-up (strict={strict!r} "
+        "allows loads: they compile nothing); further loads after warm-up are counted in "
+        "stats().loaded_after_warmup, not warned about"]
+    compile_after = BatchLayout.from_lens([20])  # q32: not in the store
+    if strict == "raise":
+        with pytest.raises(StrictModeError, match="q32.*compiled after warm-up"):
+            d.prepare(compile_after, SMALL)
+    else:
+        with pytest.warns(RuntimeWarning, match="q32.*compiled after warm-up"):
+            d.prepare(compile_after, SMALL)
+    assert d.stats().strict_violations == 1 and d.stats().loaded_after_warmup == 2
+
+
+def test_a_background_load_after_warm_up_is_no_strict_violation(tmp_path):
+    """In background mode a stored key requested after warm-up pads up and loads in the
+    worker: no violation under ``strict="raise"``, counted when it switches in."""
+    from test_background import PRICEY
+
+    fields = _stored(tmp_path, 100)  # q128
+    d = Dispatcher(AttnPolicyConfig(**fields, strict="raise", compile_mode="background", switch_after=1,
+                                    warmup=WARM[2:]), cost_model=PRICEY)  # warms q256
+    d.warmup(SMALL)
+    with pytest.warns(RuntimeWarning, match="q128.* loaded from the store after warm-up"):
+        for _ in range(2):  # padded up to q256 while q128 loads, then switched in
+            d.prepare(BatchLayout.from_lens([100]), SMALL)
+    s = d.stats()
+    d.close()
+    assert s.background.pad_up_calls == 1 and s.background.loaded == 1
+    assert s.strict_violations == 0 and s.loaded_after_warmup == 1 and s.cache.loads == 1

@@ -41,6 +41,9 @@ log = logging.getLogger("attnpolicy.cache.disk_store")
 T = TypeVar("T")
 
 FORMAT = 1  # of the manifest and the layout; part of every identity
+#: store directories this process has warned about an oversize artifact in
+_OVERSIZE_WARNED: set[Path] = set()
+_OVERSIZE_LOCK = threading.Lock()
 _MANIFEST = ".json"
 #: The only names the store writes, and so the only ones it ever removes: in objects/
 #: ``<digest><suffix>``, in tmp/ ``<digest or "index">.<pid>.<thread><suffix>``.
@@ -499,8 +502,7 @@ class DiskStore:
         need = len(data) + len(manifest)
         if need > self.max_bytes:
             self._count("oversize")
-            log.warning("the artifact of %s (%d bytes) is larger than max_disk_bytes=%d; not stored",
-                        ident.key, need, self.max_bytes)
+            self._warn_oversize(ident, need)
             return False
         self._sweep_tmp(tmp)
         index, ours = self._read_index()
@@ -522,6 +524,20 @@ class DiskStore:
         self._touch(index, digest)
         self._write_index(index, ours)
         return True
+
+    def _warn_oversize(self, ident: ArtifactIdentity, need: int) -> None:
+        """One warning per store directory and process, the key shortened; each one
+        logged in full at DEBUG and counted in ``oversize``."""
+        log.debug("the artifact of %s (%d bytes) is larger than max_disk_bytes=%d; not stored", ident.key, need,
+                  self.max_bytes)
+        with _OVERSIZE_LOCK:
+            first = self.root not in _OVERSIZE_WARNED
+            _OVERSIZE_WARNED.add(self.root)
+        if first:
+            key = ident.key if len(ident.key) <= 64 else f"{ident.key[:63]}…"
+            log.warning("graph store %s: the artifact of %s (%d bytes) is larger than max_disk_bytes=%d; not stored "
+                        "(further oversize artifacts are counted in stats().disk.oversize, not warned about)",
+                        self.root, key, need, self.max_bytes)
 
     def _warn_once(self, error: OSError, consequence: str) -> None:
         why = {errno.EROFS: "read-only", errno.ENOSPC: "full", errno.EDQUOT: "over quota",

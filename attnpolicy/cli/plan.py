@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             warn(f"{rejected} of {len(requests)} requests need more than --max-seq-len {args.max_seq_len} "
                  "tokens: left out of the plan (counted in plan.json 'rejected')")
         spec, source = None, args.trace + (f" (first {args.limit} requests)" if args.limit else "")
-    for name in args.policies:
-        try:
-            plannable(name, base)
-        except (ConfigError, PolicyError) as exc:
-            fail(f"argument --policies: {exc}")
+    check_plannable("--policies", args.policies, base)
     base = with_store(args, base, model)
     try:
         with progress(None, "plan") as advance:
@@ -162,6 +159,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0
+
+
+def check_plannable(flag: str, policies: Sequence[str], base: AttnPolicyConfig) -> None:
+    """Refuse (exit 2, naming ``flag``) a policy whose graph set cannot be planned."""
+    for name in policies:
+        try:
+            plannable(name, base)
+        except (ConfigError, PolicyError) as exc:
+            fail(f"argument {flag}: {exc}")
 
 
 def print_plan(plan: GraphPlan, source: str) -> None:

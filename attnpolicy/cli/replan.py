@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.cli.common import check_output, command, fail, positive_int, str_list
-from attnpolicy.cli.plan import print_plan, seconds
+from attnpolicy.cli.common import check_output, command, fail, positive_int, str_list, warn
+from attnpolicy.cli.plan import check_plannable, print_plan, seconds
 from attnpolicy.cli.simulate import cost_model
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
@@ -49,7 +49,13 @@ def cmd_replan(args: argparse.Namespace) -> int:
         run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
     except ConfigError as exc:
         fail(f"argument --layouts: {exc}")
+    check_plannable("--config", [current.policy], current)
+    check_plannable("--policies", args.policies or [], current)
     steps = run.layouts[-args.window:] if args.window else run.layouts
+    differs = [name for name in type(current).model_fields if getattr(run.config, name) != getattr(current, name)]
+    if differs:
+        warn(f"the layout stream was recorded under a config that differs from --config in {', '.join(differs)}: "
+             "the drift is that of --config on the recorded traffic")
     try:
         drift = measure_drift(steps, current, model, args.policies, run.spec, args.threshold)
     except (ConfigError, PolicyError) as exc:
@@ -59,7 +65,8 @@ def cmd_replan(args: argparse.Namespace) -> int:
     switch = switch_set(current, new) if drift.replan else ()
     source = f"{args.layouts} run {run.run}, last {len(steps)} steps"
     write_json(out / "replan.json", {
-        "source": source, "steps": len(steps), "drift": drift.drift, "threshold": drift.threshold,
+        "source": source, "recorded_config_differs": differs, "steps": len(steps), "drift": drift.drift,
+        "threshold": drift.threshold,
         "replan": drift.replan, "current_total_seconds": drift.current.total_seconds,
         "refit_total_seconds": drift.refit.chosen.row.total_seconds,
         "switch": [w.model_dump(mode="json") for w in switch]})

@@ -23,7 +23,7 @@ from attnpolicy.cli.common import (
     progress,
     warn,
 )
-from attnpolicy.cli.plan import seconds
+from attnpolicy.cli.plan import check_plannable, seconds
 from attnpolicy.cli.simulate import former_from, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
@@ -112,12 +112,14 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
         fail(str(exc))
 
 
-def replanner_from(args: argparse.Namespace, spec: TensorSpec) -> Replanner | None:
-    """The re-planning of --replan-every (``None`` without it); its other flags need it."""
+def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolicyConfig) -> Replanner | None:
+    """The re-planning of --replan-every (``None`` without it); its other flags need it,
+    and ``config``'s policy must be one a plan can refit."""
     if args.replan_every is None:
         if args.replan_window is not None or args.replan_threshold != DRIFT_THRESHOLD:
             fail("argument --replan-window/--replan-threshold: needs --replan-every N")
         return None
+    check_plannable("--replan-every", [config.policy], config)
     return Replanner(spec, every=args.replan_every, window=args.replan_window, threshold=args.replan_threshold)
 
 
@@ -135,7 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     requests = workload(args, former)
     steps = list(former.steps(requests))
     spec = TensorSpec(args.dtype, args.heads, args.kv_heads, args.head_dim)
-    replanner = replanner_from(args, spec)
+    replanner = replanner_from(args, spec, config)
     with progress(len(steps), "run") as advance:
         result = run_workload(requests, config, spec, check=args.check, steps=steps, progress=advance,
                               observe=None if replanner is None else replanner.observe)

@@ -64,9 +64,12 @@ class Background:
         larger = self._pad_up(call, key)
         if larger is not None:
             if pending is None:
-                if source.warm and self.config.strict != "off":
+                # after warm-up: a stored graph loads in the worker (no compile), any other is a violation
+                after = source.warm and self.config.strict != "off"
+                held = after and source.holds(key)
+                if after and not held:
                     source.strict(key)
-                self._request(call, key, spec)
+                self._request(call, key, spec, held)
             big = dataclasses.replace(call, q_bucket=larger.q_len, kv_bucket=larger.kv_len)
             graph = source.graph(big, larger, spec, pin=True)[0]
             c = self.counters
@@ -124,10 +127,11 @@ class Background:
             self._pad_model = self._cost_model or CostModel.default()
         return self._pad_model
 
-    def _request(self, call: Call, key: GraphKey, spec: TensorSpec) -> None:
-        """Start compiling ``key`` in the worker; it switches in ``switch_after`` batches."""
+    def _request(self, call: Call, key: GraphKey, spec: TensorSpec, held: bool = False) -> None:
+        """Start compiling ``key`` in the worker; it switches in ``switch_after`` batches.
+        ``held``: requested after warm-up as a load from the store (see :meth:`serve`)."""
         future = self.worker.submit(call, key, spec)
-        self.pending[key] = _Pending(future, self.batch + self.config.switch_after)
+        self.pending[key] = _Pending(future, self.batch + self.config.switch_after, held)
         self.counters.background_requested += 1
 
     def _switch_in(self, key: GraphKey, pending: _Pending) -> bool:
@@ -142,11 +146,8 @@ class Background:
         if error is not None:
             c.background_failed += 1
             count_violation(c, error)
-
-            def fail() -> Any:
-                raise error
             try:
-                source.cache.get_or_compile(key, fail, seconds=0.0)
+                failed(source, key, error)
             except GraphCompileError:
                 if self.config.on_compile_error == "raise":
                     raise
@@ -157,6 +158,11 @@ class Background:
             c.background_loaded += 1
         else:
             self.seconds += built.seconds
+        if pending.held:  # requested after warm-up as a load
+            if built.loaded:
+                source.loaded_after_warm_up(key)
+            else:  # the stored artifact was not valid: the worker compiled it
+                source.strict(key, done=True)
         c.background_switched += 1
         insert(source, key, built)
         return True
@@ -221,6 +227,15 @@ def insert(source: GraphSource, key: GraphKey, built: Built) -> None:
         _release_any(key, value)
 
 
+def failed(source: GraphSource, key: GraphKey, error: BaseException) -> None:
+    """Count the worker's failed build of ``key`` in the source's cache, as a miss whose
+    build failed there (``compile_failures``): raises the cache's
+    :class:`GraphCompileError`; returns only when ``key`` was cached meanwhile."""
+    def fail() -> Any:
+        raise error
+    source.cache.get_or_compile(key, fail, seconds=0.0)
+
+
 def discard(key: GraphKey, future: Future[Built]) -> bool:
     """Drop a build never inserted: cancelled if not started, else waited for and
     released. Returns whether it ran (built or failed)."""
@@ -232,13 +247,15 @@ def discard(key: GraphKey, future: Future[Built]) -> bool:
 
 
 class _Pending:
-    """A background compile: its future ``(graph, seconds)`` and the batch it switches at."""
+    """A background compile: its future ``(graph, seconds)``, the batch it switches at,
+    and whether it was requested after warm-up as a load from the store."""
 
-    __slots__ = ("due", "future")
+    __slots__ = ("due", "future", "held")
 
-    def __init__(self, future: Future[Built], due: int) -> None:
+    def __init__(self, future: Future[Built], due: int, held: bool = False) -> None:
         self.future = future
         self.due = due
+        self.held = held
 
 
 def _timed(source: GraphSource, builder: Builder, call: Call, key: GraphKey, spec: TensorSpec) -> Built:

@@ -21,7 +21,7 @@ from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
 from attnpolicy.dispatch.switch import Switcher
 from attnpolicy.dispatch.warm_set import WarmSets
-from attnpolicy.errors import KernelError
+from attnpolicy.errors import KernelError, LayoutError
 from attnpolicy.graphs.execute import check_inputs
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -102,6 +102,9 @@ class Dispatcher:
         if given (:mod:`attnpolicy.core.features`: they are part of the spec, so of
         every graph key)."""
         check_inputs(q, k, v, layout, scale)
+        if sinks is not None and not isinstance(sinks, torch.Tensor):
+            raise LayoutError(f"sinks must be a tensor [Hq={q.shape[1]}] of sink logits, got "
+                              f"{type(sinks).__name__}")
         feats = PLAIN if window is None and softcap is None and sinks is None else Features(
             window, softcap, sinks is not None)
         step = self.prepare(layout, self._spec_of(q, k, scale, feats))
@@ -273,7 +276,7 @@ class Dispatcher:
         a new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
         if self.background is not None:
             self.background.close()
-        self.switcher.close()
+        self.switcher.close(self)
 
     def __enter__(self) -> Dispatcher:
         return self

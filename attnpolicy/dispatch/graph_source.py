@@ -135,18 +135,23 @@ class GraphSource:
         if not call.compiled:  # longer than the largest bucket, on_overflow="eager"
             self.counters.overflow += 1
             return self.uncompiled(call, spec, key.impl), None
-        if self.warm and self.config.strict != "off" and key not in self.cache:
-            self.strict(key)
+        load: Callable[[], Any] | None = partial(self._timed_load, call, key, spec) if self.stored(key) else None
+        seconds: float | None = None
+        loaded: Any = None
         try:
-            load = partial(self._timed_load, call, key, spec) if self.stored(key) else None
+            if self.warm and self.config.strict != "off" and key not in self.cache:
+                loaded, seconds = after_warm_up(key, load, self.strict, self.loaded_after_warm_up)
+                load = None if loaded is None else lambda: loaded
             graph = self.cache.get_or_compile(key, partial(self._timed_build, call, key, spec), pin=pin,
-                                              load=load)
+                                              seconds=seconds, load=load)
         except GraphCompileError as exc:
             count_violation(self.counters, exc)
             if self.config.on_compile_error == "raise":
                 raise
             self.counters.compile_error_fallbacks += 1
             return self.uncompiled(call, spec, key.impl), None
+        if loaded is not None and graph is not loaded:  # cached meanwhile by another user of a shared cache
+            release(key, loaded)
         if pin:
             self.pinned.append(key)
         return runnable(graph), graph
@@ -157,13 +162,27 @@ class GraphSource:
             return FlexGraph(flex_graph(spec.scale, feats.softcap, feats.sinks), self.block_masks, feats.window)
         return graph_fn(call, impl, spec.scale, self.config.partition_len, spec.features)
 
-    def strict(self, key: GraphKey) -> None:
-        """A compile after warm-up: counted, then warned or raised (``strict``)."""
+    def strict(self, key: GraphKey, *, done: bool = False) -> None:
+        """A compile after warm-up: counted, then warned or raised (``strict``; ``done``:
+        the worker has compiled it already, a stored graph it could not load: warned)."""
         self.counters.strict_violations += 1
         message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
-        if self.config.strict == "raise":
+        if self.config.strict == "raise" and not done:
             raise StrictModeError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def loaded_after_warm_up(self, key: GraphKey) -> None:
+        """A load from the store after warm-up (no compile: ``strict`` allows it): counted,
+        the first one warned about."""
+        c = self.counters
+        c.loaded_after_warmup += 1
+        if c.loaded_after_warmup == 1:
+            warn_loaded(key, self.config.strict)
+
+    def holds(self, key: GraphKey) -> bool:
+        """Whether the store holds an artifact of ``key`` now (not verified: a load may
+        still fail and compile)."""
+        return self.store is not None and self.stored(key) and self.store.holds(self.identity(key))
 
     def warm_up(self, calls: Iterable[tuple[Call, GraphKey, bool]], spec: TensorSpec) -> list[GraphKey]:
         """Fetch (compile) the graph of every ``(call, key, listed)``, then turn strict
@@ -260,6 +279,32 @@ class GraphSource:
         if self._host_varlen and key.family is GraphFamily.VARLEN:  # the host's kernel runs it: lazy
             return compile_graph(fn, key.backend, counter=counter)
         return compile_graph(fn, key.backend, counter=counter, example_inputs=example_inputs(call, spec))
+
+
+def after_warm_up(key: Any, load: Callable[[], Any] | None, strict: Callable[[Any], None],
+                  loaded: Callable[[Any], None]) -> tuple[Any, float | None]:
+    """A miss of ``key`` after warm-up under strict "warn" or "raise": a load is no
+    compile, so ``load`` is tried first (``loaded(key)`` counts it) and ``strict(key)``
+    governs only a compile. Returns the graph loaded and the load's seconds (``None,
+    None``: compile it)."""
+    start = perf_counter()
+    try:
+        graph = None if load is None else load()
+    except Exception as exc:  # what the cache makes of a raising load
+        raise GraphCompileError(f"loading the graph for key {key} failed: {type(exc).__name__}: {exc}") from exc
+    if graph is None:
+        strict(key)
+        return None, None
+    loaded(key)
+    return graph, perf_counter() - start
+
+
+def warn_loaded(key: Any, strict: str) -> None:
+    """The one warning of the first load from the store after warm-up (of a dispatcher
+    or a model runner; the later ones are counted)."""
+    warnings.warn(f"graph {key} loaded from the store after warm-up (strict={strict!r} allows loads: they compile "
+                  "nothing); further loads after warm-up are counted in stats().loaded_after_warmup, not warned "
+                  "about", RuntimeWarning, stacklevel=5)
 
 
 def kernel_hash(impl: str) -> str | None:

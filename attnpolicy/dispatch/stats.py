@@ -33,6 +33,7 @@ class Counters:
     mask_fallbacks: int = 0
     compile_error_fallbacks: int = 0
     strict_violations: int = 0
+    loaded_after_warmup: int = 0
     direct_call_fallbacks: int = 0
     kernel_violations: int = 0
     layers_elsewhere: int = 0
@@ -50,6 +51,7 @@ class Counters:
     switch_compiled: int = 0
     switch_loaded: int = 0
     switch_batches: int = 0
+    switch_discarded: int = 0
     modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
 
     def count(self, step: Any) -> None:
@@ -73,6 +75,7 @@ class Counters:
             batches=self.batches, calls=self.calls, modes=dict(self.modes), guard_fallbacks=guard_fallbacks,
             overflow=self.overflow, mask_fallbacks=self.mask_fallbacks,
             compile_error_fallbacks=self.compile_error_fallbacks, strict_violations=self.strict_violations,
+            loaded_after_warmup=self.loaded_after_warmup,
             direct_call_fallbacks=self.direct_call_fallbacks, kernel_violations=self.kernel_violations,
             layers_elsewhere=self.layers_elsewhere, observer_errors=observer_errors,
             padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
@@ -82,7 +85,8 @@ class Counters:
                 self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
                 self.pad_up_tokens, self.background_loaded),
             switch=SwitchStats(self.switch_requested, self.switch_replaced, self.switch_failed, self.switches,
-                               switching, self.switch_compiled, self.switch_loaded, self.switch_batches),
+                               switching, self.switch_compiled, self.switch_loaded, self.switch_batches,
+                               self.switch_discarded),
             disk=disk)
 
 
@@ -156,7 +160,8 @@ class SwitchStats:
     of the switch set failed to build: the switch was dropped), ``switches`` applied,
     ``pending`` now (0 or 1); the switch-set graphs the worker ``compiled`` and
     ``loaded`` from the store; ``batches`` served by the old config while a switch was
-    pending."""
+    pending; ``discarded``: graphs the worker compiled that never entered the cache (of a
+    replaced, failed or closed switch, or cached meanwhile by the running config)."""
 
     requested: int
     replaced: int
@@ -166,6 +171,7 @@ class SwitchStats:
     compiled: int
     loaded: int
     batches: int
+    discarded: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +188,9 @@ class DispatcherStats:
     mask_fallbacks: int
     compile_error_fallbacks: int
     strict_violations: int
+    #: graphs loaded from the store after warm-up (no compile: no strict violation),
+    #: counted under strict "warn" and "raise"
+    loaded_after_warmup: int
     direct_call_fallbacks: int
     #: plugin kernels caught breaking their contract: a failed probe, a bad output
     #: at run time, a compile that failed on one

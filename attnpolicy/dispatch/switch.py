@@ -2,7 +2,9 @@
 
 :meth:`Dispatcher.switch_to <attnpolicy.dispatch.dispatcher.Dispatcher.switch_to>`
 checks the new config against the running one before any work: only the fields of
-:data:`SWITCHABLE` may differ, its policy and eviction must resolve, and its warm
+:data:`SWITCHABLE` may differ, under ``on_overflow="raise"`` its buckets must serve
+every length the running ones serve (up to ``max_seq_len`` for a sequence,
+``max_batch_tokens`` for a MASK call's rows), its policy and eviction must resolve, and its warm
 set must stay resident for every tensor spec the dispatcher serves (the checks of
 start-up); each failure is a :class:`~attnpolicy.errors.ConfigError` naming the field
 and value, and the dispatcher is left as it was. Then the new warm set's graphs not
@@ -42,11 +44,12 @@ from typing import TYPE_CHECKING, Any
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.dispatch.background import Built, Worker, discard, insert
+from attnpolicy.dispatch.background import Built, Worker, discard, failed, insert
 from attnpolicy.dispatch.batch_plan import Planner
 from attnpolicy.dispatch.graph_source import count_violation, eviction_of
 from attnpolicy.dispatch.warm_set import WarmSets
 from attnpolicy.errors import ConfigError, GraphCompileError, PolicyError
+from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.plugins.registry import make_eviction
 from attnpolicy.policies.guard import Guard
@@ -96,6 +99,13 @@ class Switcher:
             if name not in SWITCHABLE and new != old:
                 raise ConfigError(f"switch_to: {name}={new!r} differs from the running config's {old!r}; a switch "
                                   f"changes only {', '.join(SWITCHABLE)}")
+        for name in ("max_seq_len", "max_batch_tokens") if running.on_overflow == "raise" else ():
+            limit = getattr(running, name)
+            old, new = longest(running.buckets, limit), longest(config.buckets, limit)
+            if new < old:
+                raise ConfigError(f"switch_to: buckets={config.buckets.describe()} serve lengths up to {new} of "
+                                  f"{name} {limit}, the running config's {running.buckets.describe()} up to {old}: "
+                                  "batches that run now would overflow (on_overflow='raise')")
         pending = self.target
         if pending is not None and config == pending.config:
             return tuple(pending.builds)
@@ -158,7 +168,7 @@ class Switcher:
         if self._dropped:
             done = [(key, f) for key, f in self._dropped if f.done()]
             for key, future in done:
-                discard(key, future)
+                _settle(d, key, future)
             self._dropped = [item for item in self._dropped if item not in done]
         target = self.target
         if target is None:
@@ -190,7 +200,7 @@ class Switcher:
         built_here = loaded = 0
         for key, future in target.builds.items():
             if key in cache:  # compiled meanwhile by the running config
-                discard(key, future)
+                _settle(d, key, future)
                 continue
             built = future.result()
             _make_room(cache, key, keep)
@@ -216,7 +226,9 @@ class Switcher:
                  config.eviction, len(target.calls), built_here - loaded, loaded)
 
     def _failed(self, d: Dispatcher, target: _Target, key: GraphKey, error: BaseException) -> None:
-        """Drop the switch whose graph ``key`` failed to build (see the module docstring)."""
+        """Drop the switch whose graph ``key`` failed to build (see the module docstring);
+        the failure is counted in the cache's ``compile_failures``."""
+        _settle(d, key, target.builds.pop(key))
         self._drop(target)
         c = d.counters
         c.switch_failed += 1
@@ -233,16 +245,41 @@ class Switcher:
         self.target = None
         self.busy = bool(self._dropped)
 
-    def close(self) -> None:
+    def close(self, d: Dispatcher) -> None:
         """Stop the worker (waiting for its build), drop the pending switch and release
-        every build not inserted."""
+        every build not inserted (counted)."""
         if self._worker is not None:
             self._worker.close()
         if self.target is not None:
             self._drop(self.target)
         for key, future in self._dropped:
-            discard(key, future)
+            _settle(d, key, future)
         self._dropped, self.busy = [], False
+
+
+def _settle(d: Dispatcher, key: GraphKey, future: Future[Built]) -> None:
+    """Release a build of the switch worker that never enters the cache, counted once: a
+    compile in ``switch.discarded``, a failure in the cache's ``compile_failures`` (in
+    ``switch.discarded`` when the running config has cached ``key`` meanwhile); a build
+    cancelled before it ran, or a load, compiled nothing."""
+    if future.cancel():
+        return
+    error = future.exception()  # waits for a build in flight
+    if error is not None:
+        try:
+            failed(d.source, key, error)
+        except GraphCompileError:
+            return
+        d.counters.switch_discarded += 1
+        return
+    if not future.result().loaded:
+        d.counters.switch_discarded += 1
+    discard(key, future)
+
+
+def longest(buckets: Buckets, limit: int) -> int:
+    """The longest length ``buckets`` serve under ``limit`` (above it a call overflows)."""
+    return limit if buckets.kind == "exact" else buckets.sizes_up_to(limit)[-1]
 
 
 def _make_room(cache: GraphCache[Any], key: GraphKey, keep: KeysView[GraphKey]) -> None:

@@ -4,7 +4,8 @@ A miss of a :class:`~attnpolicy.integrations.static_model.StaticModelRunner` doe
 block: its graph compiles in one worker thread while the batch runs on a resident graph
 of the same mode with larger buckets (pad-up: a larger token bucket for ``CAUSAL`` and
 ``MASK``; for ``VARLEN`` a segment tuple of as many segments that dominates the key's
-element-wise), else on the eager model. As in the attention-level dispatcher, a compile
+element-wise), else on the eager model. The worker loads a graph the runner's store
+holds instead of compiling it. As in the attention-level dispatcher, a compile
 requested in batch ``n`` enters the cache at the start of batch ``n + switch_after``,
 waiting for the worker if it is not done (that wait is counted as stall), so what serves
 a batch never depends on when a compile finishes."""
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class BackgroundStats:
     """Background compiles requested, switched in and failed; batches served padded up
-    to a larger graph and served eagerly; seconds the worker compiled and batches waited."""
+    to a larger graph and served eagerly; seconds the worker compiled and batches waited;
+    of those switched in, the graphs the worker ``loaded`` from the store."""
 
     requested: int = 0
     switched: int = 0
@@ -38,6 +40,7 @@ class BackgroundStats:
     eager_served: int = 0
     compile_seconds: float = 0.0
     stall_seconds: float = 0.0
+    loaded: int = 0
 
 
 def dominates(other: ModelKey, key: ModelKey) -> bool:
@@ -57,15 +60,17 @@ class ModelBackground:
     def __init__(self, runner: StaticModelRunner) -> None:
         self.runner = runner
         self.batch = 0
-        self.pending: dict[ModelKey, tuple[Future[tuple[CompiledGraph, float]], int]] = {}
-        self._counts = dict.fromkeys(("requested", "switched", "failed", "padded_up", "eager_served"), 0)
+        #: key -> (its build: graph, seconds, loaded; the batch it switches at; requested
+        #: after warm-up as a load from the store)
+        self.pending: dict[ModelKey, tuple[Future[tuple[CompiledGraph, float, bool]], int, bool]] = {}
+        self._counts = dict.fromkeys(("requested", "switched", "failed", "padded_up", "eager_served", "loaded"), 0)
         self._seconds = self._stall = 0.0
         self._executor: ThreadPoolExecutor | None = None
 
     def tick(self) -> None:
         """Start a batch: every compile due now switches in, in request order."""
         self.batch += 1
-        for key, (_, due) in list(self.pending.items()):
+        for key, (_, due, _) in list(self.pending.items()):
             if due <= self.batch:
                 self._switch_in(key)
 
@@ -75,9 +80,12 @@ class ModelBackground:
         exact graph is requested from the worker unless pending."""
         runner, key = self.runner, batch.key
         if key not in self.pending:
-            if runner.warm and runner.config.strict != "off":
+            # after warm-up: a stored graph loads in the worker (no compile), any other is a violation
+            after = runner.warm and runner.config.strict != "off"
+            held = after and runner.holds(key)
+            if after and not held:
                 runner.strict(key)
-            self._request(batch)
+            self._request(batch, held)
         resident = runner.cache.keys()  # a snapshot (the cache is not iterable)
         larger = [k for k in resident if isinstance(k, type(key)) and dominates(k, key)]
         if larger:
@@ -88,19 +96,19 @@ class ModelBackground:
         self._counts["eager_served"] += 1
         return batch, runner.forward(key)
 
-    def _request(self, batch: Placed) -> None:
+    def _request(self, batch: Placed, held: bool) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnpolicy-model-compile")
             weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
-        future = self._executor.submit(_timed, self.runner.build, batch.key, batch.inputs)
-        self.pending[batch.key] = (future, self.batch + self.runner.config.switch_after)
+        future = self._executor.submit(_timed, self.runner, batch.key, batch.inputs)
+        self.pending[batch.key] = (future, self.batch + self.runner.config.switch_after, held)
         self._counts["requested"] += 1
 
     def _switch_in(self, key: ModelKey) -> None:
         """Insert ``key``'s graph into the cache, waiting for the worker; a failed compile
         raises (``on_compile_error="raise"``) or is counted and requested again at the
         next miss."""
-        future, _ = self.pending.pop(key)
+        future, _, held = self.pending.pop(key)
         start = perf_counter()
         error = future.exception()
         self._stall += perf_counter() - start
@@ -116,10 +124,19 @@ class ModelBackground:
                 if self.runner.config.on_compile_error == "raise":
                     raise
             return
-        graph, seconds = future.result()
-        self._seconds += seconds
+        graph, seconds, loaded = future.result()
+        if loaded:
+            self._counts["loaded"] += 1
+        else:
+            self._seconds += seconds
         self._counts["switched"] += 1
-        if cache.get_or_compile(key, lambda: graph, seconds=seconds) is not graph:
+        if held:  # requested after warm-up as a load
+            if loaded:
+                self.runner.loaded_after_warm_up(key)
+            else:  # the stored artifact was not valid: the worker compiled it
+                self.runner.strict(key, done=True)
+        if cache.get_or_compile(key, lambda: graph, seconds=seconds,
+                                load=(lambda: graph) if loaded else None) is not graph:
             release_graph(graph)
 
     def stats(self) -> BackgroundStats:
@@ -130,7 +147,7 @@ class ModelBackground:
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
-        for future, _ in self.pending.values():
+        for future, _, _ in self.pending.values():
             if future.done() and not future.cancelled() and future.exception() is None:
                 release_graph(future.result()[0])
         self.pending.clear()
@@ -140,8 +157,12 @@ def _absent() -> CompiledGraph:
     raise AssertionError("a resident graph left the cache between its lookup and its use")
 
 
-def _timed(build: Callable[[ModelKey, tuple[Any, ...]], CompiledGraph], key: ModelKey,
-           inputs: tuple[Any, ...]) -> tuple[CompiledGraph, float]:
+def _timed(runner: StaticModelRunner, key: ModelKey, inputs: tuple[Any, ...]) -> tuple[CompiledGraph, float, bool]:
+    """In the worker: ``key``'s graph loaded from the runner's store, else built; its
+    seconds; whether it was loaded."""
     start = perf_counter()
-    graph = build(key, inputs)
-    return graph, perf_counter() - start
+    graph = runner.load(key)
+    loaded = graph is not None
+    if graph is None:
+        graph = runner.build(key, inputs)
+    return graph, perf_counter() - start, loaded

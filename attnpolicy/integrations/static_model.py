@@ -54,6 +54,7 @@ from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, check_legal
+from attnpolicy.dispatch.graph_source import after_warm_up, warn_loaded
 from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
 from attnpolicy.graphs import aot, backend_setup
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
@@ -110,6 +111,9 @@ class RunnerStats:
     memory: tuple[GraphMemory, ...]
     disk: StoreStats | None = None  # the graph store's, with ``store_dir``
     background: BackgroundStats | None = None
+    #: graphs loaded from the store after warm-up (no compile: no strict violation),
+    #: counted under strict "warn" and "raise"
+    loaded_after_warmup: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -233,7 +237,7 @@ class StaticModelRunner:
         self._counter = compile_counter
         self._memory: list[GraphMemory] = []
         self._modes: Counter[str] = Counter()
-        self._batches = self._strict_violations = 0
+        self._batches = self._strict_violations = self._loaded_after_warmup = 0
         self.warm = False
         #: with ``store_dir``: every graph persists there, keyed by the model's code and
         #: config (``code_hash``); a miss loads it
@@ -290,10 +294,13 @@ class StaticModelRunner:
         """The compiled graph of ``batch.key`` from the cache, compiled on a miss
         (``strict`` applies after :meth:`warmup`); ``pin`` as ``GraphCache.get_or_compile``."""
         key = batch.key
+        load: Callable[[], CompiledGraph | None] | None = partial(self.load, key) if self._stored(key) else None
+        seconds = None
         if self.warm and self.config.strict != "off" and key not in self.cache:
-            self.strict(key)
-        load = partial(self._load, key) if self._stored(key) else None
-        return self.cache.get_or_compile(key, lambda: self.build(key, batch.inputs), pin=pin, load=load)
+            loaded, seconds = after_warm_up(key, load, self.strict, self.loaded_after_warm_up)
+            load = None if loaded is None else lambda: loaded
+        return self.cache.get_or_compile(key, lambda: self.build(key, batch.inputs), pin=pin, seconds=seconds,
+                                         load=load)
 
     def key_for(self, layout: BatchLayout, mode: MaskMode) -> ModelKey:
         """The graph key ``layout`` runs under in ``mode`` (:func:`model_key_for`)."""
@@ -362,6 +369,11 @@ class StaticModelRunner:
     def _stored(self, key: ModelKey) -> bool:
         return self.store is not None and key.backend != "none" and self._code is not None
 
+    def holds(self, key: ModelKey) -> bool:
+        """Whether the store holds an artifact of ``key`` now (not verified: a load may
+        still fail and compile)."""
+        return self.store is not None and self._stored(key) and self.store.holds(self._identity(key))
+
     def _identity(self, key: ModelKey) -> ArtifactIdentity:
         assert self._code is not None  # only stored keys have an identity
         return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
@@ -379,8 +391,11 @@ class StaticModelRunner:
         graph.direct = True
         return graph
 
-    def _load(self, key: ModelKey) -> CompiledGraph | None:
-        assert self.store is not None  # only stored keys are loaded
+    def load(self, key: ModelKey) -> CompiledGraph | None:
+        """The graph of ``key`` from the store (``None``: no store, not there or not
+        valid); no runner state touched: also runs in the background worker."""
+        if self.store is None or not self._stored(key):
+            return None
         loaded = self.store.load(self._identity(key), aot.load_graph)
         return None if loaded is None else self._aot_graph(loaded, key)
 
@@ -412,12 +427,21 @@ class StaticModelRunner:
             perf_counter() - t0))
         return graph
 
-    def strict(self, key: ModelKey) -> None:
+    def strict(self, key: ModelKey, *, done: bool = False) -> None:
+        """A compile after warm-up: counted, then warned or raised (``strict``; ``done``:
+        the worker has compiled it already, a stored graph it could not load: warned)."""
         self._strict_violations += 1
         message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
-        if self.config.strict == "raise":
+        if self.config.strict == "raise" and not done:
             raise StrictModeError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def loaded_after_warm_up(self, key: ModelKey) -> None:
+        """A load from the store after warm-up (no compile: ``strict`` allows it): counted,
+        the first one warned about."""
+        self._loaded_after_warmup += 1
+        if self._loaded_after_warmup == 1:
+            warn_loaded(key, self.config.strict)
 
     def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
         """Compile (or load from the store) the graph of each ``(layout, mode)`` not
@@ -439,7 +463,7 @@ class StaticModelRunner:
         bg = self._background.stats() if self._background is not None else None
         return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, self._strict_violations,
                            self.cache.stats(), tuple(self._memory),
-                           None if self.store is None else self.store.stats(), bg)
+                           None if self.store is None else self.store.stats(), bg, self._loaded_after_warmup)
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""

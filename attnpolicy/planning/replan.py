@@ -4,11 +4,15 @@ A plan is fitted to the traffic it saw. On a recent window of the layout stream,
 :func:`measure_drift` compares the modelled total (compile + run, at the plan's
 capacity) of the current config with that of a plan refitted on the window itself:
 
-    drift = total(current config, window) / total(refit plan, window) - 1
+    drift = total(current config, window) / min(total(current config, window), total(refit plan, window)) - 1
 
-0 means the current plan is as good as any the planner finds for the window (identical
-traffic gives 0, up to the candidates the planner searches); 0.1 means the window
-would run 10 % faster on a refit plan. The refit is worth switching to when drift is
+so drift >= 0: the current config is a candidate too. 0 means the current plan is as
+good as any the planner finds for the window (identical traffic gives 0); a refit that
+models slower (it plans only the policies asked for, or its bucket search misses the
+current buckets) is no drift. 0.1 means the window would run 10 % faster on the refit
+plan. Both policies must be stateless (:func:`~attnpolicy.planning.graph_set.plannable`,
+the rule ``attnpolicy plan`` applies): a policy that decides from the cache state has
+no modelled row on a window. The refit is worth switching to when drift is
 above a threshold (:data:`DRIFT_THRESHOLD` by default): the switch costs compiles, and
 a small drift is sampling noise. :func:`switch_set` gives what the runtime needs to
 switch without a stall: the new config, and the graphs of its warm set the current
@@ -34,7 +38,7 @@ from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.bucket_schemes import base_scheme
 from attnpolicy.modelling.simulation import SimRow
 from attnpolicy.planning.call_table import CallTable
-from attnpolicy.planning.graph_set import GraphPlan, layouts_of, plan_graphs
+from attnpolicy.planning.graph_set import GraphPlan, layouts_of, plan_graphs, plannable
 from attnpolicy.workloads.batching import Step
 
 #: Drift above which a refit plan replaces the current one (10 % modelled time).
@@ -67,10 +71,14 @@ def measure_drift(window: Sequence[Step | BatchLayout], current: AttnPolicyConfi
                   policies: Sequence[str] | None = None, spec: TensorSpec | None = None,
                   threshold: float = DRIFT_THRESHOLD) -> Drift:
     """The drift of ``current`` on ``window`` (module docstring); the refit plan keeps
-    ``current``'s capacity and plans ``policies`` (default: ``current``'s policy)."""
+    ``current``'s capacity and plans ``policies`` (default: ``current``'s policy).
+    :class:`ConfigError` for a policy :func:`plannable` refuses, before any work."""
+    policies = policies or [current.policy]
+    for name in dict.fromkeys((current.policy, *policies)):
+        plannable(name, current)
     row = modelled_row(window, current, model, spec)
-    refit = plan_graphs(window, current, model, policies or [current.policy], spec=spec)
-    best = refit.chosen.row.total_seconds
+    refit = plan_graphs(window, current, model, policies, spec=spec)
+    best = min(row.total_seconds, refit.chosen.row.total_seconds)
     return Drift(row, refit, row.total_seconds / best - 1 if best > 0 else 0.0, threshold)
 
 
