@@ -351,19 +351,22 @@ def plan_markdown(plan: GraphPlan, source: str) -> str:
         (f"Capacity: max_graphs {cap}, max_bytes {nbytes}. Chosen policy **{plan.policy}**, buckets "
         f"{list(chosen.buckets)}, eviction **{chosen.eviction}**{fits}."), "",
         "## Predicted totals (modelled seconds, compile + run)", "",
-        (f"| policy | planned buckets | eviction | graphs used | plan total | {base} + lru | {base} + belady "
-        "| vs lru | vs belady |"),
-        "|---|---|---|---|---|---|---|---|---|",
+        (f"| policy | planned buckets | eviction | distinct graphs | peak graphs held | plan total | {base} + lru "
+         f"| {base} + belady | vs lru | vs belady |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in plan.policies:
         lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
         total = p.row.total_seconds
-        lines.append(f"| {p.policy} | {list(p.buckets)} | {p.eviction} | {p.row.distinct_keys} | {_seconds(total)} "
-                     f"| {_seconds(lru)} | {_seconds(bel)} | {lru / total:.2f}× | {bel / total:.2f}× |")
+        lines.append(f"| {p.policy} | {list(p.buckets)} | {p.eviction} | {p.row.distinct_keys} | {p.row.peak_graphs} "
+                     f"| {_seconds(total)} | {_seconds(lru)} | {_seconds(bel)} | {lru / total:.2f}× "
+                     f"| {bel / total:.2f}× |")
     lines += [
         "",
-        ("vs lru, vs belady: the baseline's total over the plan's (above 1: the plan is faster). Belady is "
-        "the offline optimum of eviction for the baseline buckets."),
+        ("distinct graphs: the graphs the plan's calls ask for over the whole run, each compiled at least once "
+         "(more than the capacity holds: some are evicted and compiled again); peak graphs held: the most the "
+         "cache held at once, within the capacity. vs lru, vs belady: the baseline's total over the plan's "
+         "(above 1: the plan is faster). Belady is the offline optimum of eviction for the baseline buckets."),
         "",
         f"## Warm-up set: {len(plan.warm)} graphs, {_seconds(plan.warm_compile_seconds)} modelled compile seconds"
         + (f", {_seconds(plan.warm_load_seconds)} load seconds ({sum(w.load_seconds is not None for w in plan.warm)}"
