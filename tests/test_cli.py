@@ -13,9 +13,10 @@ import pytest
 from attnpolicy import __version__
 from attnpolicy.bench.mode_timing import BenchRow, speedups
 from attnpolicy.cli import build_parser, main
+from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.modelling.simulation import extrapolation
+from attnpolicy.modelling.simulation import extrapolation, simulation_config
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.workloads.batching import BatchFormer
@@ -130,6 +131,32 @@ def test_plan_reports_the_requests_it_leaves_out(capsys, tmp_path):
     assert main(["simulate", "--trace", str(trace), "--max-seq-len", "4096", "--json", str(tmp_path / "s.json"),
                  "--policies", "varlen", "--capacities", "4", "--evictions", "lru"]) == 0
     assert json.loads((tmp_path / "s.json").read_text())["rows"][0]["rejected"] == plan["rejected"]
+
+
+def test_a_configs_warm_set_neither_crashes_nor_changes_a_sweep_under_other_buckets(tmp_path, capsys):
+    model = CostModel.default()
+    shapes = [WarmShape(family="causal", q_bucket=n, kv_bucket=n, causal=True, context=False) for n in (16, 48)]
+    shapes.append(WarmShape(family="varlen", q_bucket=16, kv_bucket=48, causal=True, context=True))
+    warm = simulation_config(model, BatchFormer(), buckets={"kind": "list", "sizes": [16, 48, 8192, 131072]},
+                             warmup=shapes)
+    warm.save(tmp_path / "warm")
+    warm.model_copy(update={"warmup": ()}).save(tmp_path / "cold")
+    sweep = ["simulate", *SMALL, "--policies", "varlen", "--buckets", "pow2", "--capacities", "2,inf",
+             "--evictions", "lru", "--workers", "1"]
+    for name in ("warm", "cold"):
+        assert main([*sweep, "--config", str(tmp_path / name), "--json", str(tmp_path / f"{name}.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warm-up set") == 1
+    assert f"the warm-up set of --config {tmp_path / 'warm'} (3 graphs) is not simulated" in err
+    rows = {name: json.loads((tmp_path / f"{name}.json").read_text())["rows"] for name in ("warm", "cold")}
+    assert rows["warm"] == rows["cold"] and {r["buckets"] for r in rows["warm"]} == {"pow2"}
+    # stalls warms the config's set up: a capacity below it is one line naming the flag and the value
+    line = one_error_line(capsys, ["stalls", *SMALL, "--config", str(tmp_path / "warm"), "--capacities", "8,2"])
+    assert "argument --capacities: capacity 2: warmup has 3 distinct graphs, more than max_graphs=2" in line
+    # plan chooses its own warm set: a previous one need not fit the new capacity
+    assert main(["plan", *SMALL, "--policies", "varlen", "--config", str(tmp_path / "warm"), "--max-graphs", "2",
+                 "--out", str(tmp_path / "plan")]) == 0
+    assert len(AttnPolicyConfig.load(tmp_path / "plan").warmup) <= 2
 
 
 def test_plan_warns_when_its_byte_budget_holds_no_graph(capsys, tmp_path):

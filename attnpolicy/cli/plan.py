@@ -89,11 +89,14 @@ def register(subparsers: Any) -> None:
 
 
 def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConfig:
+    """The base config at the flags' capacity, without a warm-up set (the plan chooses
+    its own: a previous plan's need not fit the new capacity or buckets)."""
     try:
         base = AttnPolicyConfig.load(args.config) if args.config else default
     except ConfigError as exc:
         fail(f"argument --config: {exc}")
-    data = {**base.model_dump(mode="json"), "max_graphs": args.max_graphs, "max_bytes": args.max_bytes}
+    data = {**base.model_dump(mode="json"), "max_graphs": args.max_graphs, "max_bytes": args.max_bytes,
+            "warmup": []}
     try:
         return jsonfile.validate(AttnPolicyConfig, data, "--config and flags", "config", 1)
     except ConfigError as exc:

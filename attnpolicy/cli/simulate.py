@@ -182,6 +182,14 @@ def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
     return requests
 
 
+def note_warmup(base: AttnPolicyConfig, what: str) -> None:
+    """Say once that ``base``'s warm-up set is not simulated (the rows start with an
+    empty cache, whatever their buckets and bounds), when it has one."""
+    if base.warmup:
+        warn(f"the warm-up set of {what} ({len(base.warmup)} graphs) is not simulated: every row starts with an "
+             "empty cache, under any --buckets and --capacities ('attnpolicy stalls' models warm-up)")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.model_cost:
         from attnpolicy.cli.model_graphs import cmd_simulate_model
@@ -200,10 +208,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
     check_model(base, model)
+    buckets = schemes(args, base)
     requests = workload(args, former)
     if (warning := extrapolation(model, requests, former)) is not None:
         warn(warning)
-    buckets = schemes(args, base)
+    note_warmup(base, f"--config {args.config}")
     with progress(sweep_size(args), "simulate") as advance:
         rows = simulate(requests, args.policies, args.capacities, args.evictions, base, model,
                         former_options(args), advance, options, buckets=buckets, max_bytes=args.max_bytes,
@@ -228,6 +237,7 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
     except ConfigError as exc:
         fail(f"argument --layouts: {exc}")
     base = with_store(args, AttnPolicyConfig.load(args.config) if args.config else run.config, model)
+    note_warmup(base, f"--config {args.config}" if args.config else f"the recorded config of run {run.run}")
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
     rec = run.config

@@ -25,7 +25,7 @@ from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import check_model, simulation_config
-from attnpolicy.modelling.stalls import StallRow, compare_stalls, warm_layouts
+from attnpolicy.modelling.stalls import StallRow, compare_stalls, stall_configs, warm_layouts
 from attnpolicy.workloads.batching import BatchFormer
 
 POLICIES = ("varlen",)
@@ -76,6 +76,10 @@ def cmd_stalls(args: argparse.Namespace) -> int:
             warm_layouts([], warm)
         except ConfigError as exc:
             fail(f"argument --warm: {exc}")
+    try:
+        stall_configs(base, args.policies, args.capacities, args.switch_after)
+    except ConfigError as exc:
+        fail(f"argument --capacities: {exc}" + (f" (the config of --config {args.config})" if args.config else ""))
     requests = workload(args, former)
     steps = list(former.steps(requests))
     total = len(args.policies) * len(args.capacities) * len(args.warm) * 2

@@ -424,7 +424,10 @@ def simulate_layouts(
     ``spec`` (default: the model's) is the tensor spec of the graph keys: give the
     recorded one to reproduce a recorded run's keys, and with them its hits, misses
     and ``max_bytes`` evictions exactly. Costs are the model's, whatever its backend.
-    ``rejected`` is reported in every row (requests the caller left out).
+    ``rejected`` is reported in every row (requests the caller left out). Every row
+    starts with an empty cache: ``config_base``'s warm-up set is not modelled (it is
+    left out of the rows' configs, whose buckets and capacities it may not fit; see
+    :mod:`attnpolicy.modelling.stalls` for warm-up).
     """
     model = model or CostModel.default()
     _check_evictions(evictions)
@@ -433,7 +436,7 @@ def simulate_layouts(
     base = config_base
     if base.store_dir is not None or store_warm:
         StoreModel.of(base, store_warm).disk(model)  # type: ignore[union-attr]  # refused up front
-    fields = base.model_dump(mode="json")
+    fields = {**base.model_dump(mode="json"), "warmup": []}
     schemes = list(buckets) if buckets else [base_scheme(base)]
     bounds = list(enumerate(capacities)), list(enumerate([base.max_bytes] if max_bytes is None else max_bytes))
     jobs: list[_Job] = []
