@@ -335,15 +335,6 @@ def check_model(config: AttnPolicyConfig, model: CostModel) -> None:
                           "model for this config or change it")
 
 
-def _rejections(former: BatchFormer) -> str:
-    """Why the former rejected its requests, e.g. ``3 need more than max_model_len=8192
-    tokens (the first: 1e+23 prompt + 10 output)``."""
-    first = former.rejected[0]
-    need = "prompt" if former.prefill_only else "prompt + output"
-    return (f"{len(former.rejected)} need more than max_model_len={former.max_model_len} tokens "
-            f"({need}; the first: {first.prompt_tokens} prompt + {first.output_tokens} output)")
-
-
 def _check_evictions(evictions: Iterable[str]) -> None:
     known = set(eviction_registry())
     for name in evictions:
@@ -394,8 +385,8 @@ def simulate(
     steps = list(former.steps(requests))
     rejected = former.rejected
     if rejected and len(rejected) == len(requests):
-        raise ConfigError(f"every request ({len(requests)}) was rejected: {_rejections(former)}; "
-                          "nothing to simulate (raise max_model_len or check the trace)")
+        raise ConfigError(f"{former.rejections(len(requests))}: nothing to simulate (raise max_model_len "
+                          "or check the trace)")
     return simulate_layouts(steps, policies, capacities, evictions, base, model, progress=progress,
                             policy_options=policy_options, rejected=len(rejected), buckets=buckets,
                             max_bytes=max_bytes, workers=workers, store_warm=store_warm)
