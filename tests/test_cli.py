@@ -4,6 +4,8 @@ errors before any work, per-policy options, discoverability, help texts, outputs
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
 
@@ -13,13 +15,14 @@ import pytest
 from attnpolicy import __version__
 from attnpolicy.bench.mode_timing import BenchRow, speedups
 from attnpolicy.cli import build_parser, main
+from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.modelling.simulation import extrapolation
+from attnpolicy.modelling.simulation import extrapolation, simulation_config
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.workloads.batching import BatchFormer
-from attnpolicy.workloads.traces import Request
+from attnpolicy.workloads.traces import Request, load_trace
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
@@ -116,20 +119,104 @@ def test_an_unwritable_output_path_is_one_line_before_any_work(capsys, tmp_path,
     assert ran == []
 
 
-def test_plan_reports_the_requests_it_leaves_out(capsys, tmp_path):
-    trace = tmp_path / "mixed.csv"
-    trace.write_text(CSV_HEADER + "2023-11-16 18:17:03.9799600,100,3\n2023-11-16 18:17:04.9799600,9000,3\n"
-                     "2023-11-16 18:17:05.9799600,200,5\n")
-    out = tmp_path / "plan"
-    assert main(["plan", "--trace", str(trace), "--max-seq-len", "4096", "--out", str(out)]) == 0
+# -- one workload by default, and no request dropped unsaid ----------------------------------------
+
+#: 12 short requests (more than the report's former used to run at once) and one over max_model_len 8192.
+ONE_TOO_LONG = CSV_HEADER + "".join(f"2023-11-16 18:17:{i:02d}.0000000,{20 + i},30\n" for i in range(12)) + (
+    "2023-11-16 18:17:30.0000000,9000,3\n")
+#: The cheapest report: no calibration, no real-compute validation (always-mask is not validated).
+CHEAP_REPORT = ["--no-calibrate", "--policies", "always-mask", "--buckets", "pow2", "--capacities", "inf",
+                "--evictions", "lru", "--workers", "1", "--bench-lengths", "64", "--bench-repeats", "1",
+                "--kernel-lengths", "64", "--kernel-skip", "flex", "--plan-max-buckets", "2"]
+REJECTED = "1 of 13 requests rejected: longer than max_model_len=8192 tokens (prompt + output; the first: 9000 + 3)"
+
+
+@pytest.fixture(scope="module")
+def one_trace(tmp_path_factory):
+    """simulate, stalls, plan, report and run with their defaults on one trace: per command
+    its stdout, stderr and the folder of its files."""
+    out = tmp_path_factory.mktemp("one-trace")
+    trace = out / "trace.csv"
+    trace.write_text(ONE_TOO_LONG)
+    commands = {
+        "simulate": ["simulate", "--policies", "varlen", "--capacities", "4", "--evictions", "lru", "--workers", "1",
+                     "--json", str(out / "simulate.json")],
+        "stalls": ["stalls", "--capacities", "4", "--warm", "none", "--json", str(out / "stalls.json")],
+        "plan": ["plan", "--policies", "varlen", "--out", str(out / "plan")],
+        "report": ["report", "--out", str(out / "report"), *CHEAP_REPORT],
+        "run": ["run", "--backend", "none", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+                "--json", str(out / "run.json")],
+    }
+    printed = {}
+    for name, argv in commands.items():
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            assert main([*argv, "--trace", str(trace)]) == 0, stderr.getvalue()
+        printed[name] = stdout.getvalue(), stderr.getvalue()
+    return trace, out, printed
+
+
+def test_every_command_forms_one_workload_by_default_and_prints_it_first(one_trace):
+    trace, out, printed = one_trace
+    batches = len(list(BatchFormer().steps(load_trace(str(trace)))))
+    firsts = {name: stdout.splitlines()[0] for name, (stdout, _) in printed.items()}
+    assert set(firsts.values()) == {
+        f"workload: {trace}: 13 requests (12 admitted, 1 rejected) → {batches} batches; batch former "
+        "max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=8192, chunked_prefill=True"}, firsts
+    assert json.loads((out / "report" / "report.json").read_text())["workload"]["batches"] == batches
+    assert f"→ {batches} batches" in (out / "report" / "report.md").read_text().splitlines()[2]
+
+
+def test_a_rejected_request_is_warned_once_and_counted_in_every_output(one_trace):
+    _, out, printed = one_trace
+    for name, (stdout, stderr) in printed.items():
+        warnings = [line for line in stderr.splitlines() if "rejected" in line]
+        assert warnings == [f"attnpolicy: warning: {REJECTED}: left out of every figure (raise --max-seq-len to "
+                            "admit them)"], (name, stderr)
+        assert "(12 admitted, 1 rejected)" in stdout, name
+    simulate_out = " ".join(printed["simulate"][0].split())
+    assert "simulated 12 requests of" in simulate_out and "(1 rejected," in simulate_out
+    assert "(1 rejected," in " ".join(printed["stalls"][0].split())
+    assert re.search(r"requests \(rejected\)\s+│\s+13 \(1\)", printed["run"][0])
+    for path in ("simulate.json", "stalls.json", "run.json", "plan/plan.json", "report/report.json",
+                 "report/config/plan.json"):
+        data = json.loads((out / path).read_text())
+        assert (data["workload"]["rejected"], data["workload"]["why_rejected"]) == (1, REJECTED), path
+    assert {r["rejected"] for r in json.loads((out / "simulate.json").read_text())["rows"]} == {1}
+    for path in ("plan/plan.json", "report/config/plan.json"):
+        plan = json.loads((out / path).read_text())
+        assert plan["rejected"] == 1 and {p["row"]["rejected"] for p in plan["policies"]} == {1}, path
+    for path in ("plan/plan.md", "report/config/plan.md"):
+        assert "(12 admitted, 1 rejected)" in (out / path).read_text() and REJECTED in (out / path).read_text()
+    top = "\n".join((out / "report" / "report.md").read_text().splitlines()[:6])
+    assert "(12 admitted, 1 rejected)" in top and f"WARNING: {REJECTED}" in top
+    assert "(12 admitted, 1 rejected)" in printed["report"][0].splitlines()[0]
+
+
+def test_a_configs_warm_set_neither_crashes_nor_changes_a_sweep_under_other_buckets(tmp_path, capsys):
+    model = CostModel.default()
+    shapes = [WarmShape(family="causal", q_bucket=n, kv_bucket=n, causal=True, context=False) for n in (16, 48)]
+    shapes.append(WarmShape(family="varlen", q_bucket=16, kv_bucket=48, causal=True, context=True))
+    warm = simulation_config(model, BatchFormer(), buckets={"kind": "list", "sizes": [16, 48, 8192, 131072]},
+                             warmup=shapes)
+    warm.save(tmp_path / "warm")
+    warm.model_copy(update={"warmup": ()}).save(tmp_path / "cold")
+    sweep = ["simulate", *SMALL, "--policies", "varlen", "--buckets", "pow2", "--capacities", "2,inf",
+             "--evictions", "lru", "--workers", "1"]
+    for name in ("warm", "cold"):
+        assert main([*sweep, "--config", str(tmp_path / name), "--json", str(tmp_path / f"{name}.json")]) == 0
     err = capsys.readouterr().err
-    assert "1 of 3 requests need more than --max-seq-len 4096" in err
-    plan = json.loads((out / "plan.json").read_text())
-    assert plan["rejected"] == 1
-    assert {p["row"]["rejected"] for p in plan["policies"]} == {1}
-    assert main(["simulate", "--trace", str(trace), "--max-seq-len", "4096", "--json", str(tmp_path / "s.json"),
-                 "--policies", "varlen", "--capacities", "4", "--evictions", "lru"]) == 0
-    assert json.loads((tmp_path / "s.json").read_text())["rows"][0]["rejected"] == plan["rejected"]
+    assert err.count("warm-up set") == 1
+    assert f"the warm-up set of --config {tmp_path / 'warm'} (3 graphs) is not simulated" in err
+    rows = {name: json.loads((tmp_path / f"{name}.json").read_text())["rows"] for name in ("warm", "cold")}
+    assert rows["warm"] == rows["cold"] and {r["buckets"] for r in rows["warm"]} == {"pow2"}
+    # stalls warms the config's set up: a capacity below it is one line naming the flag and the value
+    line = one_error_line(capsys, ["stalls", *SMALL, "--config", str(tmp_path / "warm"), "--capacities", "8,2"])
+    assert "argument --capacities: capacity 2: warmup has 3 distinct graphs, more than max_graphs=2" in line
+    # plan chooses its own warm set: a previous one need not fit the new capacity
+    assert main(["plan", *SMALL, "--policies", "varlen", "--config", str(tmp_path / "warm"), "--max-graphs", "2",
+                 "--out", str(tmp_path / "plan")]) == 0
+    assert len(AttnPolicyConfig.load(tmp_path / "plan").warmup) <= 2
 
 
 def test_plan_warns_when_its_byte_budget_holds_no_graph(capsys, tmp_path):

@@ -19,6 +19,7 @@ from attnpolicy.planning.graph_set import (
     decided_shapes,
     graph_uses,
     plan_graphs,
+    plan_markdown,
     warm_set,
 )
 from attnpolicy.workloads.batching import BatchFormer
@@ -168,3 +169,18 @@ def test_plan_a_recorded_layout_stream_keeps_its_config_and_spec(tmp_path):
     config = AttnPolicyConfig.load(out)
     assert (config.max_seq_len, config.max_batch_tokens, config.max_graphs) == (128, 512, 4)
     assert 0 < len(config.warmup) <= 4 and config.buckets.sizes[-2:] == (128, 512)
+
+
+def test_plan_md_counts_distinct_graphs_apart_from_the_peak_the_cache_held():
+    model, base = _base(max_graphs=1)
+    plan = plan_graphs(_steps(), base, model, ["varlen", "always-mask"], max_buckets=4)
+    text = plan_markdown(plan, "eight prompts")
+    header = next(line for line in text.splitlines() if line.startswith("| policy |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in text.splitlines() if line.startswith(("| varlen", "| always-mask"))}
+    for p in plan.policies:
+        row = dict(zip(columns, cells[p.policy]))
+        assert int(row["distinct graphs"]) == p.row.distinct_keys
+        assert int(row["peak graphs held"]) == p.row.peak_graphs == 1 < p.row.distinct_keys
+    assert "graphs used" not in text

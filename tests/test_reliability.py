@@ -255,9 +255,9 @@ def test_a_failed_cost_model_save_keeps_the_previous_file(tmp_path, monkeypatch)
 
 def test_simulate_reports_a_trace_whose_every_request_is_rejected():
     requests = [Request(0.0, 10**23, 5), Request(1.0, 9000, 1)]
-    with pytest.raises(ConfigError, match=r"every request \(2\) was rejected: 2 need more than "
-                                          r"max_model_len=8192 tokens \(prompt \+ output; the first: "
-                                          r"100000000000000000000000 prompt \+ 5 output\)"):
+    with pytest.raises(ConfigError, match=r"2 of 2 requests rejected: longer than max_model_len=8192 tokens "
+                                          r"\(prompt \+ output; the first: 100000000000000000000000 \+ 5\): "
+                                          r"nothing to simulate"):
         simulate(requests, ["dynamic"], [4], ["lru"])
     (row,) = simulate([*requests, Request(2.0, 100, 5)], ["dynamic"], [4], ["lru"])
     assert row.rejected == 2 and row.batches > 0

@@ -16,6 +16,7 @@ from attnpolicy.report.build import ValidationRow
 from attnpolicy.report.markdown import first_screen, markdown
 from attnpolicy.report.plots import MIB, TT_XLA, Marked, best_rows, plot_bench, plot_hit_rate, plot_sweep
 from attnpolicy.report.recommend import TOLERANCE, plan_bound, simulator_error
+from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request
 
 REQUESTS = [Request(0.0, 40, 3), Request(0.1, 150, 2), Request(0.2, 7, 4), Request(0.3, 90, 1),
@@ -139,13 +140,17 @@ def test_first_screen_warns_when_the_simulator_is_off():
            "apply": ["attnpolicy run --config r/config", "ATTNPOLICY_CONFIG=r/config vllm serve MODEL"],
            "saving_vs_defaults": 0.2, "saving_vs_pow2_lru": 1 - 8 / 9,
            "simulator_error": {"compile": -0.6, "total": 0.1, "trusted": False}}
-    text = "\n".join(first_screen({"recommendation": rec, "cost_model_source": "built-in"}))
+    workload = {"settings": {"trace": "default", "limit": None},
+                "workload": Workload(400, 0, 2173, BatchFormer().knobs).to_json()}
+    text = "\n".join(first_screen({**workload, "recommendation": rec, "cost_model_source": "built-in"}))
     assert "WARNING" in text and "compile seconds -60%" in text and "20% less than the defaults" in text
     assert "attnpolicy calibrate" in text
-    calibrated = "\n".join(first_screen({"recommendation": rec, "cost_model_source": "calibrated now"}))
+    assert text.startswith("**Workload:** `default`: 400 requests (400 admitted, 0 rejected) → 2173 batches")
+    calibrated = "\n".join(first_screen({**workload, "recommendation": rec, "cost_model_source": "calibrated now"}))
     assert "WARNING" in calibrated and "quieter machine" in calibrated
     rec["simulator_error"] = {"compile": 0.05, "total": -0.1, "trusted": True}
-    assert "WARNING" not in "\n".join(first_screen({"recommendation": rec, "cost_model_source": "built-in"}))
+    assert "WARNING" not in "\n".join(first_screen({**workload, "recommendation": rec,
+                                                     "cost_model_source": "built-in"}))
 
 
 def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path):

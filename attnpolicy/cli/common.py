@@ -24,6 +24,8 @@ from rich.progress import (
 from rich.table import Table
 
 from attnpolicy.bench.mode_timing import DTYPES
+from attnpolicy.workloads.batching import BatchFormer, Step, Workload
+from attnpolicy.workloads.traces import Request
 
 console = Console(stderr=True)
 T = TypeVar("T")
@@ -191,22 +193,23 @@ def check_spec_args(args: argparse.Namespace) -> None:
         fail(f"argument --kv-heads: {args.kv_heads} must divide --heads {args.heads}")
 
 
-def add_workload_args(p: argparse.ArgumentParser, max_num_seqs: int, max_num_batched_tokens: int,
-                      max_seq_len: int) -> None:
-    """--trace/--limit and the batch former's knobs (simulate, run, report)."""
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """--trace/--limit and the batch former's knobs, defaults :class:`BatchFormer`'s own
+    (one workload for simulate, stalls, plan, run and report)."""
+    f = BatchFormer()
     p.add_argument("--trace", default="default", metavar="default|PATH",
                    help="'default' (the built-in synthetic trace, 400 requests) or an Azure-format "
                         "CSV (TIMESTAMP,ContextTokens,GeneratedTokens) (default: default)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="first N requests only (default: all)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, metavar="N",
-                   help=f"most requests running at once, as vLLM's max_num_seqs (default: {max_num_seqs})")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=max_num_batched_tokens, metavar="N",
+    p.add_argument("--max-num-seqs", type=positive_int, default=f.max_num_seqs, metavar="N",
+                   help=f"most requests running at once, as vLLM's max_num_seqs (default: {f.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=f.max_num_batched_tokens, metavar="N",
                    help="most query tokens per step, as vLLM's max_num_batched_tokens "
-                        f"(default: {max_num_batched_tokens})")
-    p.add_argument("--max-seq-len", type=positive_int, default=max_seq_len, metavar="N",
+                        f"(default: {f.max_num_batched_tokens})")
+    p.add_argument("--max-seq-len", type=positive_int, default=f.max_model_len, metavar="N",
                    help=f"longest request (prompt + output) admitted, as vLLM's max_model_len "
-                        f"(default: {max_seq_len})")
+                        f"(default: {f.max_model_len})")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step (default: chunked prefill on)")
 
@@ -230,6 +233,24 @@ def add_option_arg(p: argparse.ArgumentParser) -> None:
 def former_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_seq_len, "chunked_prefill": not args.no_chunked_prefill}
+
+
+def source_name(args: argparse.Namespace) -> str:
+    """The workload's name: ``--trace``, and ``--limit`` when given."""
+    limit = f" (first {args.limit} requests)" if args.limit else ""
+    return f"{args.trace}{limit}"
+
+
+def formed(args: argparse.Namespace, former: BatchFormer, requests: Sequence[Request]) -> tuple[list[Step], Workload]:
+    """The batches of ``requests``; prints the workload (stdout, one line: requests,
+    rejected, batches, the former's knobs) and, when requests are rejected, one warning
+    line saying how many and why."""
+    steps = list(former.steps(requests))
+    w = Workload.of(len(requests), former, len(steps))
+    print(f"workload: {source_name(args)}: {w.describe()}")
+    if w.why_rejected:
+        warn(f"{w.why_rejected}: left out of every figure (raise --max-seq-len to admit them)")
+    return steps, w
 
 
 def policy_options(args: argparse.Namespace, flag: str, policies: Sequence[str],

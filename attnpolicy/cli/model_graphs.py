@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnpolicy.cli.common import check_output, console, fail, print_table, progress, settings, warn
+from attnpolicy.cli.common import check_output, console, fail, formed, print_table, progress, settings, warn
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.layout import BatchLayout
@@ -24,6 +24,7 @@ from attnpolicy.modelling.model_simulation import (
 from attnpolicy.modelling.model_stalls import ModelStallRow, compare_model_stalls
 from attnpolicy.planning.host_settings import host_settings
 from attnpolicy.planning.model_plan import plan_model_graphs
+from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.traces import TraceError, load_trace
 
 DEFAULT_MODEL_COSTMODEL_PATH = "attnpolicy_model_costmodel.json"
@@ -66,8 +67,9 @@ def load_model_cost(path: str) -> ModelCostModel:
         fail(f"argument --model-cost: {exc}")
 
 
-def model_workload(args: argparse.Namespace) -> list[BatchLayout]:
-    """The prefill-only batches of --trace/--limit and the batch former's knobs."""
+def model_workload(args: argparse.Namespace) -> tuple[list[BatchLayout], Workload]:
+    """The prefill-only batches of --trace/--limit and the batch former's knobs, and
+    what the former made of the trace (printed, rejections warned about)."""
     try:
         former = model_former(args.max_num_seqs, args.max_num_batched_tokens, args.max_seq_len)
     except ConfigError as exc:
@@ -76,13 +78,10 @@ def model_workload(args: argparse.Namespace) -> list[BatchLayout]:
         requests = load_trace(args.trace, args.limit)
     except TraceError as exc:
         fail(f"argument --trace: {exc}")
-    layouts = model_layouts(list(former.steps(requests)))
-    if former.rejected:
-        warn(f"{len(former.rejected)} of {len(requests)} requests have prompts over --max-seq-len "
-             f"{args.max_seq_len}: left out")
-    if not layouts:
+    if not any(former.fits(r) for r in requests):
         fail(f"argument --trace: no request of {args.trace!r} fits --max-seq-len {args.max_seq_len}")
-    return layouts
+    steps, w = formed(args, former, requests)
+    return model_layouts(steps), w
 
 
 def _attention_only(args: argparse.Namespace) -> None:
@@ -113,7 +112,7 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
     check_output("--json", args.json)
     _attention_only(args)
     model = load_model_cost(args.model_cost)
-    layouts = model_workload(args)
+    layouts, w = model_workload(args)
     schemes = args.buckets or ("pow2",)
     configs = []
     try:
@@ -129,15 +128,15 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
         fail(str(exc))
     print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                      f"({model.backend}, {model.clock} s)", rows)
-    return _write_rows(args, layouts, model, rows)
+    return _write_rows(args, layouts, w, model, rows)
 
 
-def _write_rows(args: argparse.Namespace, layouts: list[BatchLayout], model: ModelCostModel,
+def _write_rows(args: argparse.Namespace, layouts: list[BatchLayout], w: Workload, model: ModelCostModel,
                 rows: list[ModelSimRow] | list[ModelStallRow]) -> int:
     """Write ``rows`` to --json, if given, with the workload and the model."""
     if args.json:
         write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
-                               "model": model.spec, "rows": [r.to_json() for r in rows]})
+                               "workload": w.to_json(), "model": model.spec, "rows": [r.to_json() for r in rows]})
     return 0
 
 
@@ -152,7 +151,7 @@ def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...]
     if tuple(args.warm) != tuple(default_warm):
         fail("argument --warm: not taken with --model-cost (no warm-up is modelled)")
     model = load_model_cost(args.model_cost)
-    layouts = model_workload(args)
+    layouts, w = model_workload(args)
     fields = {} if args.switch_after is None else {"switch_after": args.switch_after}
     try:
         configs = [model_config(model, args.max_seq_len, args.max_num_batched_tokens, policy=policy,
@@ -163,7 +162,7 @@ def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...]
         fail(str(exc))
     print_model_stalls(f"modelled {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                        f"({model.backend}), switch_after={rows[0].switch_after}", rows)
-    return _write_rows(args, layouts, model, rows)
+    return _write_rows(args, layouts, w, model, rows)
 
 
 def print_model_stalls(title: str, rows: list[ModelStallRow]) -> None:
@@ -180,7 +179,7 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
     check_output("--out", args.out, directory=True)
     _attention_only(args)
     model = load_model_cost(args.model_cost)
-    layouts = model_workload(args)
+    layouts, w = model_workload(args)
     evictions = [e for e in args.evictions if e != "belady"]
     try:
         base = model_config(model, args.max_seq_len, args.max_num_batched_tokens, max_graphs=args.max_graphs,
@@ -194,6 +193,7 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
     plan.config.save(out)
     source = args.trace + (f" (first {args.limit} requests)" if args.limit else "")
     write_json(out / "plan.json", {"source": source, "model": model.spec, "batches": len(layouts),
+                                   "rejected": w.rejected, "workload": w.to_json(),
                                    **plan.to_json()})
     write_host_settings(out, plan.chosen.buckets, args.max_num_batched_tokens)
     cap = "∞" if args.max_graphs is None else args.max_graphs
@@ -224,7 +224,7 @@ def cmd_run_model(args: argparse.Namespace, config: AttnPolicyConfig) -> int:
         config = AttnPolicyConfig(**{**config.model_dump(), "max_batch_tokens": args.max_num_batched_tokens})
     if cost is not None and cost.backend != config.backend:
         warn(f"--model-cost was calibrated with backend {cost.backend}, the run uses {config.backend}")
-    layouts = model_workload(args)
+    layouts, w = model_workload(args)
     try:
         with progress(len(layouts), "run --model") as advance:
             result = replay_model(args.model, layouts, config, check=args.check, cost=cost, clock=args.clock,
@@ -248,7 +248,8 @@ def cmd_run_model(args: argparse.Namespace, config: AttnPolicyConfig) -> int:
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {TOLERANCE:g})")]
     print_table(f"attnpolicy run --model: {args.trace}", ("", "value"), rows)
     if args.json:
-        write_json(args.json, {"trace": args.trace, "limit": args.limit, "config": config.model_dump(mode="json"),
+        write_json(args.json, {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
+                               "config": config.model_dump(mode="json"),
                                **result.to_json()})
     if result.passed is False:
         warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {TOLERANCE:g}")

@@ -14,15 +14,23 @@ from attnpolicy.cli.common import (
     check_output,
     command,
     fail,
+    formed,
     positive_int,
     print_table,
     progress,
     shown,
+    source_name,
     str_list,
     warn,
 )
 from attnpolicy.cli.model_graphs import write_host_settings
-from attnpolicy.cli.simulate import add_store_args, cost_model, former_from, with_store, workload
+from attnpolicy.cli.simulate import (
+    add_store_args,
+    cost_model,
+    former_from,
+    with_store,
+    workload,
+)
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
@@ -37,7 +45,7 @@ from attnpolicy.planning.graph_set import (
     plan_markdown,
     plannable,
 )
-from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
 
 EVICTIONS = ("lru", "lfu", "fifo", "cost")
@@ -55,10 +63,9 @@ def seconds(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
-    f = BatchFormer()
     p = command(subparsers, "plan", "plan buckets, policy, eviction and warm-up set from a workload",
                 "attnpolicy plan --limit 100 --max-graphs 8 --out plan", cmd_plan)
-    add_workload_args(p, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
+    add_workload_args(p)
     p.add_argument("--layouts", metavar="FILE",
                    help="plan a recorded layout stream (ATTNPOLICY_LAYOUT_LOG) instead of --trace (default: none)")
     p.add_argument("--run", metavar="RUN",
@@ -90,11 +97,14 @@ def register(subparsers: Any) -> None:
 
 
 def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConfig:
+    """The base config at the flags' capacity, without a warm-up set (the plan chooses
+    its own: a previous plan's need not fit the new capacity or buckets)."""
     try:
         base = AttnPolicyConfig.load(args.config) if args.config else default
     except ConfigError as exc:
         fail(f"argument --config: {exc}")
-    data = {**base.model_dump(mode="json"), "max_graphs": args.max_graphs, "max_bytes": args.max_bytes}
+    data = {**base.model_dump(mode="json"), "max_graphs": args.max_graphs, "max_bytes": args.max_bytes,
+            "warmup": []}
     try:
         return jsonfile.validate(AttnPolicyConfig, data, "--config and flags", "config", 1)
     except ConfigError as exc:
@@ -121,8 +131,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
             run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
         except ConfigError as exc:
             fail(f"argument --layouts: {exc}")
-        steps: list[Any] = run.layouts
-        rejected = 0
         base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
     else:
         former = former_from(args)
@@ -131,19 +139,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
             check_model(base, model)
         except ConfigError as exc:
             fail(f"argument --config: {exc}")
-        requests = workload(args, former)
-        steps = list(former.steps(requests))
-        rejected = len(former.rejected)
-        if rejected:
-            warn(f"{rejected} of {len(requests)} requests need more than --max-seq-len {args.max_seq_len} "
-                 "tokens: left out of the plan (counted in plan.json 'rejected')")
-        spec, source = None, args.trace + (f" (first {args.limit} requests)" if args.limit else "")
+        spec, source = None, source_name(args)
     check_plannable("--policies", args.policies, base)
     base = with_store(args, base, model)
+    steps: list[Any]
+    w: Workload | None = None
+    if args.layouts:
+        steps = run.layouts
+    else:
+        steps, w = formed(args, former, workload(args, former))
     try:
         with progress(None, "plan") as advance:
             plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
-                               args.max_buckets, spec, advance, rejected, args.store_warm)
+                               args.max_buckets, spec, advance, w.rejected if w else 0, args.store_warm)
     except ConfigError as exc:
         fail(str(exc))
     if plan.max_bytes is not None and plan.chosen.row.peak_graphs == 0:
@@ -152,8 +160,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "the config caches nothing and every call compiles")
     out = Path(args.out)
     plan.config.save(out)
-    write_json(out / "plan.json", {"source": source, "rejected": rejected, **plan.to_json()})
-    write_text_atomic(out / "plan.md", plan_markdown(plan, source))
+    write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
+                                   **({"workload": w.to_json()} if w else {}), **plan.to_json()})
+    write_text_atomic(out / "plan.md", plan_markdown(plan, source, w))
     write_host_settings(out, plan.chosen.buckets, args.max_num_batched_tokens)
     print_plan(plan, source)
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "

@@ -19,6 +19,7 @@ from attnpolicy.cli.common import (
     command,
     console,
     describe_options,
+    formed,
     former_options,
     int_list,
     policy_options,
@@ -48,7 +49,7 @@ def register(subparsers: Any) -> None:
                 cmd_report)
     p.add_argument("--out", default=str(d.out), metavar="DIR",
                    help=f"output directory: report.md, report.json, PNGs (default: {d.out})")
-    add_workload_args(p, d.former["max_num_seqs"], d.former["max_num_batched_tokens"], 8192)
+    add_workload_args(p)
     add_sweep_args(p, d.policies, d.capacities, d.evictions, d.buckets)
     p.add_argument("--cost-model", default=None, metavar="PATH",
                    help="a cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
@@ -99,6 +100,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  model=args.model, model_lengths=tuple(args.model_lengths), model_backend=args.model_backend,
                  bench=bench, former=former_options(args), policy_options=options)
+    formed(args, former, requests)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
              + (len(s.model_lengths) if s.model else 0)
              + len(s.validated_policies) + int(s.calibrates) + 1)

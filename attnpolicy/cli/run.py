@@ -17,6 +17,7 @@ from attnpolicy.cli.common import (
     command,
     describe_options,
     fail,
+    formed,
     policy_options,
     positive_int,
     print_table,
@@ -38,7 +39,7 @@ DEFAULTS = AttnPolicyConfig.model_fields
 def register(subparsers: Any) -> None:
     p = command(subparsers, "run", "replay a workload through the Dispatcher with real tensors and compiles",
                 "attnpolicy run --limit 10 --policy varlen --backend aot_eager --check", cmd_run)
-    add_workload_args(p, 16, 2048, 8192)
+    add_workload_args(p)
     add_spec_args(p)
     p.add_argument("--config", metavar="PATH",
                    help="a saved attnpolicy config (directory or file); the flags below override it "
@@ -135,9 +136,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config_from(args)
     former = former_from(args)
     requests = workload(args, former)
-    steps = list(former.steps(requests))
     spec = TensorSpec(args.dtype, args.heads, args.kv_heads, args.head_dim)
     replanner = replanner_from(args, spec, config)
+    steps, w = formed(args, former, requests)
     with progress(len(steps), "run") as advance:
         result = run_workload(requests, config, spec, check=args.check, steps=steps, progress=advance,
                               observe=None if replanner is None else replanner.observe)
@@ -145,7 +146,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     rows: list[tuple[str, Any]] = [
         ("policy", config.policy), ("policy options", describe_options({config.policy: config.policy_options})
                                     or "none"),
-        ("backend", config.backend), ("batches", result.batches), ("graph calls", result.calls),
+        ("backend", config.backend), ("requests (rejected)", f"{w.requests} ({w.rejected})"),
+        ("batches", result.batches), ("graph calls", result.calls),
         ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
         ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]), ("loads", c["loads"]),
         ("evictions", c["evictions"]), ("peak graph MiB", c["peak_bytes"] / MIB),
@@ -180,7 +182,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]
     print_table(f"attnpolicy run: {args.trace}, {config.policy}", ("", "value"), rows)
     if args.json:
-        write_json(args.json, {**result.to_json(), **({"replan": replanner.to_json()} if replanner else {})})
+        write_json(args.json, {**result.to_json(), "workload": w.to_json(),
+                               **({"replan": replanner.to_json()} if replanner else {})})
     if result.passed is False:
         warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {result.tolerance:g}")
         return 1

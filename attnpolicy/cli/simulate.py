@@ -16,6 +16,7 @@ from attnpolicy.cli.common import (
     check_output,
     describe_options,
     fail,
+    formed,
     former_options,
     policy_options,
     positive_int,
@@ -35,7 +36,7 @@ from attnpolicy.modelling.simulation import (
     check_model,
     extrapolation,
     lower_bounds,
-    simulate,
+    simulate_layouts,
     simulate_run,
     simulation_config,
 )
@@ -57,11 +58,10 @@ FORMER_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--m
 def register(subparsers: Any) -> None:
     from attnpolicy.cli.common import command
 
-    f = BatchFormer()
     s = command(subparsers, "simulate", "replay a workload with a cost model: policies × capacities × evictions",
                 "attnpolicy simulate --limit 20 --policies dynamic,varlen --capacities 4,inf",
                 cmd_simulate)
-    add_workload_args(s, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
+    add_workload_args(s)
     add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS, ())
     add_store_args(s)
     s.add_argument("--cost-model", metavar="PATH",
@@ -182,6 +182,14 @@ def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
     return requests
 
 
+def note_warmup(base: AttnPolicyConfig, what: str) -> None:
+    """Say once that ``base``'s warm-up set is not simulated (the rows start with an
+    empty cache, whatever their buckets and bounds), when it has one."""
+    if base.warmup:
+        warn(f"the warm-up set of {what} ({len(base.warmup)} graphs) is not simulated: every row starts with an "
+             "empty cache, under any --buckets and --capacities ('attnpolicy stalls' models warm-up)")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.model_cost:
         from attnpolicy.cli.model_graphs import cmd_simulate_model
@@ -200,21 +208,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
     check_model(base, model)
+    buckets = schemes(args, base)
     requests = workload(args, former)
+    steps, w = formed(args, former, requests)
     if (warning := extrapolation(model, requests, former)) is not None:
         warn(warning)
-    buckets = schemes(args, base)
+    note_warmup(base, f"--config {args.config}")
     with progress(sweep_size(args), "simulate") as advance:
-        rows = simulate(requests, args.policies, args.capacities, args.evictions, base, model,
-                        former_options(args), advance, options, buckets=buckets, max_bytes=args.max_bytes,
-                        workers=args.workers, store_warm=args.store_warm)
+        rows = simulate_layouts(steps, args.policies, args.capacities, args.evictions, base, model,
+                                progress=advance, policy_options=options, rejected=w.rejected, buckets=buckets,
+                                max_bytes=args.max_bytes, workers=args.workers, store_warm=args.store_warm)
     ran = describe_options(options)
-    print_sweep(f"simulated {len(requests)} requests of {args.trace} ({rows[0].batches} batches), "
-                f"cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
+    print_sweep(f"simulated {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
+                f"batches), cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
     if args.json:
         write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
-                               "config": base.model_dump(mode="json"), "policy_options": options,
-                               "rows": [r.to_json() for r in rows]})
+                               "workload": w.to_json(), "config": base.model_dump(mode="json"),
+                               "policy_options": options, "rows": [r.to_json() for r in rows]})
     if args.plot:
         plot_sweep(rows, args.plot)
     return 0
@@ -228,6 +238,7 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
     except ConfigError as exc:
         fail(f"argument --layouts: {exc}")
     base = with_store(args, AttnPolicyConfig.load(args.config) if args.config else run.config, model)
+    note_warmup(base, f"--config {args.config}" if args.config else f"the recorded config of run {run.run}")
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
     check_evictions("--evictions", args.evictions, simulation=True)
     rec = run.config

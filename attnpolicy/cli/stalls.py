@@ -12,6 +12,7 @@ from attnpolicy.cli.common import (
     add_workload_args,
     check_output,
     fail,
+    formed,
     former_options,
     positive_int,
     print_table,
@@ -19,14 +20,19 @@ from attnpolicy.cli.common import (
     shown,
     str_list,
 )
-from attnpolicy.cli.simulate import add_store_args, cost_model, former_from, with_store, workload
+from attnpolicy.cli.simulate import (
+    add_store_args,
+    cost_model,
+    former_from,
+    with_store,
+    workload,
+)
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import check_model, simulation_config
-from attnpolicy.modelling.stalls import StallRow, compare_stalls, warm_layouts
-from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.modelling.stalls import StallRow, compare_stalls, stall_configs, warm_layouts
 
 POLICIES = ("varlen",)
 CAPACITIES = (8, 16, None)
@@ -36,11 +42,10 @@ WARM = ("none", "prefix:20", "all")
 def register(subparsers: Any) -> None:
     from attnpolicy.cli.common import command
 
-    f = BatchFormer()
     s = command(subparsers, "stalls",
                 "model compile stalls per batch: synchronous compiles against background compiles with pad-up",
                 "attnpolicy stalls --limit 100 --capacities 8,inf --warm prefix:20", cmd_stalls)
-    add_workload_args(s, f.max_num_seqs, f.max_num_batched_tokens, f.max_model_len)
+    add_workload_args(s)
     add_policies_arg(s, POLICIES)
     add_capacities_arg(s, CAPACITIES)
     s.add_argument("--warm", type=str_list, default=WARM, metavar="W[,W...]",
@@ -76,17 +81,23 @@ def cmd_stalls(args: argparse.Namespace) -> int:
             warm_layouts([], warm)
         except ConfigError as exc:
             fail(f"argument --warm: {exc}")
+    try:
+        stall_configs(base, args.policies, args.capacities, args.switch_after)
+    except ConfigError as exc:
+        fail(f"argument --capacities: {exc}" + (f" (the config of --config {args.config})" if args.config else ""))
     requests = workload(args, former)
-    steps = list(former.steps(requests))
+    steps, w = formed(args, former, requests)
     total = len(args.policies) * len(args.capacities) * len(args.warm) * 2
     with progress(total, "stalls") as advance:
         rows = compare_stalls(steps, base, args.policies, args.capacities, args.warm, args.switch_after, model,
                               progress=advance, store_warm=args.store_warm)
-    print_stalls(f"modelled {len(requests)} requests of {args.trace} ({len(steps)} batches), cost model "
-                 f"{model.impl}/{model.backend}, switch_after={rows[0].switch_after if rows else '-'}", rows)
+    print_stalls(f"modelled {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
+                 f"batches), cost model {model.impl}/{model.backend}, "
+                 f"switch_after={rows[0].switch_after if rows else '-'}", rows)
     if args.json:
         write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
-                               "config": base.model_dump(mode="json"), "rows": [r.to_json() for r in rows]})
+                               "workload": w.to_json(), "config": base.model_dump(mode="json"),
+                               "rows": [r.to_json() for r in rows]})
     return 0
 
 

@@ -335,15 +335,6 @@ def check_model(config: AttnPolicyConfig, model: CostModel) -> None:
                           "model for this config or change it")
 
 
-def _rejections(former: BatchFormer) -> str:
-    """Why the former rejected its requests, e.g. ``3 need more than max_model_len=8192
-    tokens (the first: 1e+23 prompt + 10 output)``."""
-    first = former.rejected[0]
-    need = "prompt" if former.prefill_only else "prompt + output"
-    return (f"{len(former.rejected)} need more than max_model_len={former.max_model_len} tokens "
-            f"({need}; the first: {first.prompt_tokens} prompt + {first.output_tokens} output)")
-
-
 def _check_evictions(evictions: Iterable[str]) -> None:
     known = set(eviction_registry())
     for name in evictions:
@@ -394,8 +385,8 @@ def simulate(
     steps = list(former.steps(requests))
     rejected = former.rejected
     if rejected and len(rejected) == len(requests):
-        raise ConfigError(f"every request ({len(requests)}) was rejected: {_rejections(former)}; "
-                          "nothing to simulate (raise max_model_len or check the trace)")
+        raise ConfigError(f"{former.rejections(len(requests))}: nothing to simulate (raise max_model_len "
+                          "or check the trace)")
     return simulate_layouts(steps, policies, capacities, evictions, base, model, progress=progress,
                             policy_options=policy_options, rejected=len(rejected), buckets=buckets,
                             max_bytes=max_bytes, workers=workers, store_warm=store_warm)
@@ -424,7 +415,10 @@ def simulate_layouts(
     ``spec`` (default: the model's) is the tensor spec of the graph keys: give the
     recorded one to reproduce a recorded run's keys, and with them its hits, misses
     and ``max_bytes`` evictions exactly. Costs are the model's, whatever its backend.
-    ``rejected`` is reported in every row (requests the caller left out).
+    ``rejected`` is reported in every row (requests the caller left out). Every row
+    starts with an empty cache: ``config_base``'s warm-up set is not modelled (it is
+    left out of the rows' configs, whose buckets and capacities it may not fit; see
+    :mod:`attnpolicy.modelling.stalls` for warm-up).
     """
     model = model or CostModel.default()
     _check_evictions(evictions)
@@ -433,7 +427,7 @@ def simulate_layouts(
     base = config_base
     if base.store_dir is not None or store_warm:
         StoreModel.of(base, store_warm).disk(model)  # type: ignore[union-attr]  # refused up front
-    fields = base.model_dump(mode="json")
+    fields = {**base.model_dump(mode="json"), "warmup": []}
     schemes = list(buckets) if buckets else [base_scheme(base)]
     bounds = list(enumerate(capacities)), list(enumerate([base.max_bytes] if max_bytes is None else max_bytes))
     jobs: list[_Job] = []

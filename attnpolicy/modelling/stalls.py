@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from pydantic import ValidationError
+
 from attnpolicy.cache.disk_mirror import DiskMirror
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -203,25 +205,42 @@ def _stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model
     return row, sum(loaded for _, loaded in warmed), sum(s for s, loaded in warmed if loaded)
 
 
+def stall_configs(base: AttnPolicyConfig, policies: Sequence[str], capacities: Sequence[int | None],
+                  switch_after: int | None = None) -> dict[tuple[str, int | None, str], AttnPolicyConfig]:
+    """The config of each (policy, capacity, compile mode) of :func:`compare_stalls`,
+    every one validated before any is run: :class:`ConfigError` names the capacity
+    of one that is invalid (e.g. fewer graphs than the base config's warm-up set)."""
+    fields = base.model_dump(mode="json")
+    configs = {}
+    for policy in policies:
+        for capacity in capacities:
+            for mode in ("sync", "background"):
+                try:
+                    configs[policy, capacity, mode] = AttnPolicyConfig.model_validate(
+                        {**fields, "policy": policy, "policy_options": fields["policy_options"]
+                         if policy == base.policy else {}, "max_graphs": capacity, "compile_mode": mode,
+                         "switch_after": switch_after or base.switch_after})
+                except ValidationError as exc:
+                    message = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+                    raise ConfigError(f"capacity {'inf' if capacity is None else capacity}: {message}") from None
+    return configs
+
+
 def compare_stalls(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, policies: Sequence[str],
                    capacities: Sequence[int | None], warm: Sequence[str], switch_after: int | None = None,
                    model: CostModel | None = None, spec: TensorSpec | None = None,
                    progress: Callable[[str], None] | None = None, store_warm: bool = False) -> list[StallRow]:
     """For each policy × capacity × warm set, the ``sync`` row then the
-    ``background`` row (``switch_after``: default the base config's);
-    ``progress(label)`` after each row."""
-    fields = base.model_dump(mode="json")
+    ``background`` row (``switch_after``: default the base config's; configs as
+    :func:`stall_configs` checks them); ``progress(label)`` after each row."""
+    configs = stall_configs(base, policies, capacities, switch_after)
     rows = []
     for policy in policies:
         for capacity in capacities:
             for warm_set in warm:
                 for mode in ("sync", "background"):
-                    cfg = AttnPolicyConfig.model_validate(
-                        {**fields, "policy": policy, "policy_options": fields["policy_options"]
-                         if policy == base.policy else {}, "max_graphs": capacity, "compile_mode": mode,
-                         "switch_after": switch_after or base.switch_after})
-                    rows.append(model_stalls(steps, cfg, model, spec, warm_set, store_warm))
+                    rows.append(model_stalls(steps, configs[policy, capacity, mode], model, spec, warm_set,
+                                             store_warm))
                     if progress:
                         progress(f"{policy} capacity={capacity} warm={warm_set} {mode}")
     return rows
-

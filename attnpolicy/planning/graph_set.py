@@ -47,7 +47,7 @@ from attnpolicy.planning.bucket_search import CallShapes, PlanCost, evaluate, pl
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
-from attnpolicy.workloads.batching import Step
+from attnpolicy.workloads.batching import Step, Workload
 
 #: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
 POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
@@ -336,9 +336,10 @@ def _seconds(x: float) -> str:
     return f"{x:.4g}"
 
 
-def plan_markdown(plan: GraphPlan, source: str) -> str:
-    """The plan report (``plan.md``): what was chosen and the predicted totals against
-    the base buckets with LRU and with Belady at the same capacity."""
+def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None) -> str:
+    """The plan report (``plan.md``): the workload planned (when given: its requests,
+    rejections and batches), what was chosen and the predicted totals against the base
+    buckets with LRU and with Belady at the same capacity."""
     cap = "∞" if plan.max_graphs is None else str(plan.max_graphs)
     nbytes = "∞" if plan.max_bytes is None else str(plan.max_bytes)
     chosen = plan.chosen
@@ -346,24 +347,30 @@ def plan_markdown(plan: GraphPlan, source: str) -> str:
     base = plan.base_buckets
     budget = "none (the capacity)" if plan.warmup_seconds is None else f"{_seconds(plan.warmup_seconds)} s"
     served = sum(w.uses for w in plan.warm)
-    lines = [
-        f"# Graph plan: {source}", "",
+    lines = [f"# Graph plan: {source}", ""]
+    if workload is not None:
+        lines += [f"Workload: {workload.describe()}."
+                  + (f" **{workload.why_rejected}**: left out of the plan." if workload.why_rejected else ""), ""]
+    lines += [
         (f"Capacity: max_graphs {cap}, max_bytes {nbytes}. Chosen policy **{plan.policy}**, buckets "
         f"{list(chosen.buckets)}, eviction **{chosen.eviction}**{fits}."), "",
         "## Predicted totals (modelled seconds, compile + run)", "",
-        (f"| policy | planned buckets | eviction | graphs used | plan total | {base} + lru | {base} + belady "
-        "| vs lru | vs belady |"),
-        "|---|---|---|---|---|---|---|---|---|",
+        (f"| policy | planned buckets | eviction | distinct graphs | peak graphs held | plan total | {base} + lru "
+         f"| {base} + belady | vs lru | vs belady |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in plan.policies:
         lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
         total = p.row.total_seconds
-        lines.append(f"| {p.policy} | {list(p.buckets)} | {p.eviction} | {p.row.distinct_keys} | {_seconds(total)} "
-                     f"| {_seconds(lru)} | {_seconds(bel)} | {lru / total:.2f}× | {bel / total:.2f}× |")
+        lines.append(f"| {p.policy} | {list(p.buckets)} | {p.eviction} | {p.row.distinct_keys} | {p.row.peak_graphs} "
+                     f"| {_seconds(total)} | {_seconds(lru)} | {_seconds(bel)} | {lru / total:.2f}× "
+                     f"| {bel / total:.2f}× |")
     lines += [
         "",
-        ("vs lru, vs belady: the baseline's total over the plan's (above 1: the plan is faster). Belady is "
-        "the offline optimum of eviction for the baseline buckets."),
+        ("distinct graphs: the graphs the plan's calls ask for over the whole run, each compiled at least once "
+         "(more than the capacity holds: some are evicted and compiled again); peak graphs held: the most the "
+         "cache held at once, within the capacity. vs lru, vs belady: the baseline's total over the plan's "
+         "(above 1: the plan is faster). Belady is the offline optimum of eviction for the baseline buckets."),
         "",
         f"## Warm-up set: {len(plan.warm)} graphs, {_seconds(plan.warm_compile_seconds)} modelled compile seconds"
         + (f", {_seconds(plan.warm_load_seconds)} load seconds ({sum(w.load_seconds is not None for w in plan.warm)}"

@@ -39,12 +39,12 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.integrations.model_specs import parse_spec
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
-from attnpolicy.modelling.simulation import SimRow, lower_bounds, simulate, simulation_config
+from attnpolicy.modelling.simulation import SimRow, lower_bounds, simulate, simulate_layouts, simulation_config
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
 from attnpolicy.report.plots import MIB, Marked, plot_bench, plot_hit_rate, plot_sweep
 from attnpolicy.report.recommend import Recommendation, recommend
-from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request, load_trace
 
 #: The fixed policies cost-aware is compared with in the summary.
@@ -91,8 +91,9 @@ class ReportSettings:
     #: Policies of the sweep also replayed with real compute (always-mask is left out:
     #: its dense masks over every sequence's context make real decode batches slow).
     validate_policies: tuple[str, ...] = ("dynamic", "varlen", "cost-aware")
-    former: dict[str, Any] = dataclasses.field(
-        default_factory=lambda: {"max_num_seqs": 8, "max_num_batched_tokens": 2048})
+    #: :class:`BatchFormer` keyword arguments (default: none, its own defaults, as
+    #: ``simulate``, ``plan``, ``stalls`` and ``run``).
+    former: dict[str, Any] = dataclasses.field(default_factory=dict)
     policy_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -279,12 +280,17 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     former = BatchFormer(**s.former)
     base = simulation_config(model, former)
     schemes = [bucket_scheme(b, base.max_seq_len, base.max_batch_tokens) for b in s.buckets]
-    sweep = simulate(requests, s.policies, s.capacities, s.evictions, base, model, s.former, progress,
-                     s.policy_options, buckets=schemes, max_bytes=s.max_bytes, workers=s.workers)
+    steps = list(former.steps(requests))
+    workload = Workload.of(len(requests), former, len(steps))
+    if workload.rejected and not workload.admitted:
+        raise ConfigError(f"{workload.why_rejected}: nothing to report (raise max_model_len or check the trace)")
+    sweep = simulate_layouts(steps, s.policies, s.capacities, s.evictions, base, model, progress=progress,
+                             policy_options=s.policy_options, rejected=workload.rejected, buckets=schemes,
+                             max_bytes=s.max_bytes, workers=s.workers)
     validation = validate(model, requests[:s.validate_requests], s, progress)
     workload_name = s.trace + ("" if s.limit is None else f" (first {s.limit} requests)")
-    rec, plan = recommend(list(former.steps(requests)), sweep, base, model, s.policies, s.evictions, validation,
-                          s.out, s.plan_max_buckets, workload_name)
+    rec, plan = recommend(steps, sweep, base, model, s.policies, s.evictions, validation, s.out,
+                          s.plan_max_buckets, workload_name, workload)
     progress(f"planned {rec.policy}")
     bench_speedups = speedups(bench_rows)
     s.out.mkdir(parents=True, exist_ok=True)
@@ -300,7 +306,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
         "model_bench": None if model_bench is None else model_bench.to_json(),
         "cost_model_source": source,
         "cost_model": model.model_dump(mode="json", exclude={"samples"}),
-        "workload": {"requests": len(requests), "batches": sweep[0].batches if sweep else 0},
+        "workload": workload.to_json(),
         "sweep": [r.to_json() for r in sweep],
         "summary": [asdict(r) for r in summarize(sweep)],
         "bounds": [asdict(b) for b in lower_bounds(sweep)],

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from attnpolicy.report.plots import TT_XLA
+from attnpolicy.workloads.batching import Workload
 
 MIB = 2**20
 
@@ -82,14 +83,24 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / MIB:.0f} MiB"
 
 
+def _workload(data: dict[str, Any]) -> str:
+    """The workload line: the trace, its requests, rejections and batches, the former's knobs."""
+    s = data["settings"]
+    limit = "" if s["limit"] is None else f" (first {s['limit']} requests)"
+    return f"`{s['trace']}`{limit}: {Workload.from_json(data['workload']).describe()}"
+
+
 def first_screen(data: dict[str, Any]) -> list[str]:
-    """The answer: the recommended configuration, its predicted total against the
-    defaults and pow2 + LRU, peak graph memory, the simulator's error here and the
-    commands that apply it (also what ``attnpolicy report`` prints)."""
+    """The answer: the workload, the recommended configuration, its predicted total
+    against the defaults and pow2 + LRU, peak graph memory, the simulator's error here
+    and the commands that apply it (also what ``attnpolicy report`` prints)."""
     r = data["recommendation"]
     err = r["simulator_error"]
     bound = f"{_cap(r['max_graphs'])} graphs" + ("" if r["max_bytes"] is None else f", {_mib(r['max_bytes'])}")
+    why_rejected = data["workload"]["why_rejected"]
     lines = [
+        f"**Workload:** {_workload(data)}.", "",
+        *([f"> **WARNING: {why_rejected}**: left out of every figure below.", ""] if why_rejected else []),
         ("**Recommended for this workload on this machine** (`attnpolicy plan` at the leanest cache bound "
         "within 10 % of the sweep's best total):"), "",
         "| setting | value |", "|---|---|",
@@ -170,7 +181,6 @@ def markdown(data: dict[str, Any]) -> str:
     env = data["env"]
     model = data["cost_model"]
     rec = data["recommendation"]
-    limit = "" if s["limit"] is None else f" (first {s['limit']} requests)"
     lines = [
         "# attnpolicy report", "",
         *first_screen(data), "",
@@ -203,9 +213,7 @@ def markdown(data: dict[str, Any]) -> str:
                 r["median_ms"], f"{r['vs_loop']:.2f}x", r["build_ms"]) for r in data["kernels"]["rows"]]), "",
         "## 2. Bucket schemes × policies × graph-cache bounds × eviction (simulated)", "",
         f"**Takeaway:** {_plot_title(data, 'frontier.png')}; {_plot_title(data, 'hit_rate.png')}.", "",
-        f"Workload: `{s['trace']}`{limit}, "
-        f"{data['workload']['requests']} requests → {data['workload']['batches']} batches "
-        f"(batch former {s['former']}). Cost model: {data['cost_model_source']} "
+        f"Workload: {_workload(data)}. Cost model: {data['cost_model_source']} "
         f"({model['backend']}, {model['impl']}, H={model['heads']}/{model['kv_heads']} D={model['head_dim']}, "
         f"{model['threads']} thread(s)). Buckets: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
         "exact (one graph per length) or a config's. Total = attention (incl. dispatch overhead and mask "

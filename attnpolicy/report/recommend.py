@@ -25,7 +25,7 @@ from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import SimRow, simulate_layouts
 from attnpolicy.planning.graph_set import POLICIES, GraphPlan, plan_graphs, plan_markdown, plannable, with_fields
-from attnpolicy.workloads.batching import Step
+from attnpolicy.workloads.batching import Step, Workload
 
 #: A bound is "as good" as the sweep's best when its best total is within this fraction.
 TOLERANCE = 0.10
@@ -151,21 +151,25 @@ def apply_commands(config_dir: Path) -> tuple[str, ...]:
 
 def recommend(steps: Sequence[Step], rows: Sequence[SimRow], base: AttnPolicyConfig, model: CostModel,
               policies: Sequence[str], evictions: Sequence[str], validation: Sequence[Checked], out: Path,
-              max_buckets: int, source: str) -> tuple[Recommendation, GraphPlan]:
+              max_buckets: int, source: str, workload: Workload | None = None) -> tuple[Recommendation, GraphPlan]:
     """Plan ``steps`` at the sweep's :func:`plan_bound`, save the config (and the plan's
     ``plan.md``, ``plan.json``) under ``out / CONFIG_DIR``, and compare it with the
-    defaults and with pow2 + LRU at the same bound."""
+    defaults and with pow2 + LRU at the same bound. ``workload``: what the batch
+    former made of the trace (its rejected requests are counted in every row)."""
+    rejected = workload.rejected if workload else 0
     start = time.perf_counter()
     candidates = plannable_policies(policies, base)
     capacity, nbytes = plan_bound(rows, candidates)
     live = [e for e in evictions if e != BELADY] or ["lru"]
     plan = plan_graphs(steps, with_fields(base, max_graphs=capacity, max_bytes=nbytes), model, candidates,
-                       live, None, max_buckets)
-    (defaults,) = simulate_layouts(steps, ["varlen"], [None], ["lru"], base, model)
+                       live, None, max_buckets, rejected=rejected)
+    (defaults,) = simulate_layouts(steps, ["varlen"], [None], ["lru"], base, model, rejected=rejected)
     config_dir = out / CONFIG_DIR
     plan.config.save(config_dir)
-    write_json(config_dir / "plan.json", {"source": source, **plan.to_json()})
-    write_text_atomic(config_dir / "plan.md", plan_markdown(plan, source))
+    write_json(config_dir / "plan.json", {"source": source, "rejected": rejected,
+                                          **({"workload": workload.to_json()} if workload else {}),
+                                          **plan.to_json()})
+    write_text_atomic(config_dir / "plan.md", plan_markdown(plan, source, workload))
     chosen, pow2 = plan.chosen, plan.chosen.baseline("lru")
     rec = Recommendation(
         policy=plan.policy, buckets=chosen.buckets, max_graphs=capacity, max_bytes=nbytes,

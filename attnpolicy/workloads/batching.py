@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -127,6 +127,25 @@ class BatchFormer:
         #: Requests the latest :meth:`steps` call skipped as too long for max_model_len.
         self.rejected: tuple[Request, ...] = ()
 
+    @property
+    def knobs(self) -> dict[str, Any]:
+        """The keyword arguments that build this former (defaults included)."""
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_model_len": self.max_model_len, "chunked_prefill": self.chunked_prefill,
+                "prefill_only": self.prefill_only, "causal": self.causal}
+
+    def rejections(self, requests: int) -> str | None:
+        """What the latest :meth:`steps` call rejected of its ``requests`` and why, e.g.
+        ``1 of 20 requests rejected: longer than max_model_len=8192 tokens (prompt +
+        output; the first: 9000 + 3)``; ``None`` when it rejected none."""
+        if not self.rejected:
+            return None
+        first = self.rejected[0]
+        need, tokens = (("prompt", f"{first.prompt_tokens}") if self.prefill_only else
+                        ("prompt + output", f"{first.prompt_tokens} + {first.output_tokens}"))
+        return (f"{len(self.rejected)} of {requests} requests rejected: longer than max_model_len="
+                f"{self.max_model_len} tokens ({need}; the first: {tokens})")
+
     def fits(self, r: Request) -> bool:
         """Whether ``r`` is admitted (not longer than ``max_model_len``)."""
         need = r.prompt_tokens if self.prefill_only else r.prompt_tokens + r.output_tokens
@@ -192,3 +211,45 @@ class BatchFormer:
         if r.prefilled == r.prompt and r.output:
             r.generated = 1  # the prefill step samples the first output token
         return chunk
+
+
+#: A default former's knobs (:meth:`Workload.describe` shows the rare ones only when they differ).
+_DEFAULTS = BatchFormer().knobs
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a batch former made of a trace: the requests it was given, how many it
+    rejected (longer than ``max_model_len``) and why (:meth:`BatchFormer.rejections`),
+    the batches it formed and its knobs."""
+
+    requests: int
+    rejected: int
+    batches: int
+    former: dict[str, Any]
+    why_rejected: str | None = None
+
+    @classmethod
+    def of(cls, requests: int, former: BatchFormer, batches: int) -> Workload:
+        """The workload of ``former``'s latest :meth:`~BatchFormer.steps` call."""
+        return cls(requests, len(former.rejected), batches, former.knobs, former.rejections(requests))
+
+    @property
+    def admitted(self) -> int:
+        return self.requests - self.rejected
+
+    def describe(self) -> str:
+        """``20 requests (19 admitted, 1 rejected) → 336 batches; batch former
+        max_num_seqs=16, ...`` (``prefill_only``, ``causal`` only when not the default)."""
+        shown = {k: v for k, v in self.former.items()
+                 if k not in ("prefill_only", "causal") or v != _DEFAULTS[k]}
+        return (f"{self.requests} requests ({self.admitted} admitted, {self.rejected} rejected) → "
+                f"{self.batches} batches; batch former " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "admitted": self.admitted}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Workload:
+        """The workload of :meth:`to_json`'s ``data``."""
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
