@@ -173,6 +173,25 @@ def test_bad_input_is_refused_before_any_work(models, layout, ids, match):
     assert runner.stats().cache.misses == 0 and runner.stats().batches == 0
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(models):
+    warm = StaticModelRunner(models[0], config("always-mask"))
+    layout = BatchLayout.from_lens([3, 4], padded_to=9)
+    ids = token_ids(layout, 0)
+    ids[7:] = 2**50  # garbage in the layout's padding rows is never read: no error
+    warm.logits(ids, layout)
+    for bad in (64, -1, 2**40):
+        ids[5] = bad
+        for runner in (warm, StaticModelRunner(models[0], config("always-mask"))):  # graph cached, and not
+            before = runner.stats()
+            with pytest.raises(LayoutError, match=rf"token_ids outside the vocabulary \[0, 64\): {bad} at row 5$"):
+                runner.logits(ids, layout)
+            with pytest.raises(LayoutError, match=rf"{bad} at row 5"):
+                runner.run(ids, layout, MaskMode.VARLEN)
+            after = runner.stats()
+            assert (after.batches, after.modes, after.cache.misses, after.cache.hits) == (
+                before.batches, before.modes, before.cache.misses, before.cache.hits)
+
+
 def test_an_illegal_mode_is_refused(models):
     runner = StaticModelRunner(models[0], config())
     with pytest.raises(IllegalModeError, match="2 sequences packed"):

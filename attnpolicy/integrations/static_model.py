@@ -27,7 +27,8 @@ Inside a graph attention is a plain kernel call (:func:`attnpolicy.kernels.atten
 attention implementation is set to :data:`NAME`, registered with transformers'
 ``AttentionInterface`` (no mask function: HF builds no mask, the runner's 4-D mask
 arrives as-is). Serves prefill of causal layouts without cached context; other
-layouts raise :class:`~attnpolicy.errors.LayoutError` before any work.
+layouts, and a real row's token id outside the vocabulary (the input embedding's
+rows), raise :class:`~attnpolicy.errors.LayoutError` before any work.
 
 Memory per graph is measured around its build (compile and first run): the RSS
 delta of the process, and on CUDA the ``torch.cuda.memory_allocated`` delta, beside
@@ -231,6 +232,9 @@ class StaticModelRunner:
                                       fallback=MaskMode(cfg.fallback_mode))
         self._context = PolicyContext(config=cfg, spec=self.spec)
         self._itemsize = itemsize = param.element_size()
+        #: token ids index the input embedding: each real row's id must be below its size
+        hf: Any = model
+        self._vocab: int = hf.get_input_embeddings().num_embeddings
         self.cache: GraphCache[CompiledGraph] = GraphCache.from_config(
             cfg, sizeof=lambda key: estimate_bytes(key, c, itemsize),
             release=lambda key, graph: release_graph(graph))
@@ -321,6 +325,14 @@ class StaticModelRunner:
         if layout.has_context:
             raise LayoutError(f"the runner serves prefill without cached context, got kv_lens "
                               f"{list(layout.kv_lens)} for q_lens {list(layout.q_lens)}")
+        real = torch.zeros(layout.q_tokens, dtype=torch.bool, device=token_ids.device)
+        for s, n in zip(layout.q_starts, layout.q_lens):
+            real[s:s + n] = True
+        bad = (real & ((token_ids < 0) | (token_ids >= self._vocab))).nonzero().flatten().tolist()
+        if bad:
+            shown = ", ".join(f"{int(token_ids[i])} at row {i}" for i in bad[:4])
+            more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+            raise LayoutError(f"token_ids outside the vocabulary [0, {self._vocab}): {shown}{more}")
 
     def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode,
                key: ModelKey | None = None) -> Placed:
