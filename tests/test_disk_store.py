@@ -257,7 +257,7 @@ def test_oversize_artifacts_are_warned_about_once_per_store_and_counted(tmp_path
     [record] = caplog.records
     message = record.getMessage()
     assert "larger than max_disk_bytes=100; not stored" in message and "counted in stats().disk.oversize" in message
-    assert repr(keys[0]) not in message and len(message) < 300
+    assert repr(keys[0]) not in message and len(message.replace(str(tmp_path), "")) < 300
     assert sum(store.stats().oversize for store in stores) == 5
 
 
