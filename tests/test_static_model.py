@@ -163,7 +163,10 @@ def test_strict_raise_after_warmup(models):
 @pytest.mark.parametrize("layout,ids,match", [
     (BatchLayout.from_lens([4], causal=False), torch.zeros(4, dtype=torch.long), "causal=False"),
     (BatchLayout.from_lens([4], [6]), torch.zeros(4, dtype=torch.long), "cached context"),
-    (BatchLayout.from_lens([4]), torch.zeros(4, dtype=torch.int32), "int64"),
+    (BatchLayout.from_lens([4]), torch.zeros(4), "integer dtype, got torch.float32"),
+    (BatchLayout.from_lens([4]), torch.zeros(4, dtype=torch.bool), "integer dtype, got torch.bool"),
+    (BatchLayout.from_lens([4]), torch.zeros(4, 1, dtype=torch.long), r"1-D tensor .* \(4, 1\)"),
+    (BatchLayout.from_lens([4]), torch.zeros(4, dtype=torch.long, device="meta"), "token_ids are on meta"),
     (BatchLayout.from_lens([4]), torch.zeros(5, dtype=torch.long), "5 rows"),
 ])
 def test_bad_input_is_refused_before_any_work(models, layout, ids, match):
@@ -190,6 +193,27 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(models):
             after = runner.stats()
             assert (after.batches, after.modes, after.cache.misses, after.cache.hits) == (
                 before.batches, before.modes, before.cache.misses, before.cache.hits)
+
+
+@pytest.mark.parametrize("form", ["int32", "int16", "uint8", "strided", "expanded"])
+def test_token_ids_of_any_integer_form_run_as_int64(served, form):
+    """Token ids of another integer dtype, a strided view or an expanded tensor reach the
+    compiled graphs as the contiguous int64 ids on the model's device they were compiled
+    for: the logits are those of the int64 ids, and the eager model's."""
+    runner, reference, _ = served
+    layout = BatchLayout.from_lens([5, 3])
+    ids = token_ids(layout, 3)
+    given = {"int32": ids.int(), "int16": ids.short(), "uint8": ids.to(torch.uint8),
+             "strided": torch.stack([ids, torch.full_like(ids, -1)], 1)[:, 0],
+             "expanded": ids[:1].expand(layout.q_tokens)}[form]
+    plain = given.long().contiguous()
+    for mode in legal_modes(layout):
+        placed = runner.prepare(given, layout, mode)
+        assert all(t.is_contiguous() and t.device == runner.device for t in placed.inputs)
+        assert placed.inputs[0].dtype == placed.inputs[1].dtype == torch.long
+        got = runner.run(given, layout, mode)
+        assert torch.equal(got, runner.run(plain, layout, mode)), mode
+        torch.testing.assert_close(got, eager_logits(reference, plain, layout), rtol=0, atol=1e-5)
 
 
 def test_an_illegal_mode_is_refused(models):

@@ -21,8 +21,8 @@ from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
 from attnpolicy.dispatch.switch import Switcher
 from attnpolicy.dispatch.warm_set import WarmSets
-from attnpolicy.errors import KernelError, LayoutError
-from attnpolicy.graphs.execute import check_inputs
+from attnpolicy.errors import KernelError
+from attnpolicy.graphs.execute import check_inputs, graph_sinks
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.flex import BlockMaskCache
@@ -100,16 +100,17 @@ class Dispatcher:
         """Attention for ``layout``, computed in the mode the (guarded) policy chose,
         under a sliding ``window``, a logit ``softcap`` and sink logits ``sinks[Hq]``
         if given (:mod:`attnpolicy.core.features`: they are part of the spec, so of
-        every graph key)."""
+        every graph key). Every input is checked, or brought to the form its graphs were
+        compiled for, before any work (see docs/reliability.md)."""
         check_inputs(q, k, v, layout, scale)
-        if sinks is not None and not isinstance(sinks, torch.Tensor):
-            raise LayoutError(f"sinks must be a tensor [Hq={q.shape[1]}] of sink logits, got "
-                              f"{type(sinks).__name__}")
-        feats = PLAIN if window is None and softcap is None and sinks is None else Features(
-            window, softcap, sinks is not None)
+        if sinks is None:
+            feats = PLAIN if window is None and softcap is None else Features(window, softcap)
+        else:
+            sinks = graph_sinks(sinks, q)
+            feats = Features(window, softcap, True)
         step = self.prepare(layout, self._spec_of(q, k, scale, feats))
         try:
-            return step.run(q, k, v, sinks)
+            return step.run(q, k, v, sinks, checked=True)
         finally:
             self.source.release()
 

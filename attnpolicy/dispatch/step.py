@@ -13,7 +13,7 @@ attnpolicy's to run.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -21,8 +21,8 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
 from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
 from attnpolicy.dispatch.stats import Counters
-from attnpolicy.errors import KernelError
-from attnpolicy.graphs.execute import GraphFn, execute
+from attnpolicy.errors import KernelError, LayoutError
+from attnpolicy.graphs.execute import GraphFn, check_inputs, execute
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels.masks import MaskCache
@@ -37,8 +37,8 @@ class Step:
     its graphs refreshed from the cache: run a Step before the next ``prepare``
     without a decision (which drops the graphs of the steps before it)."""
 
-    __slots__ = ("asked", "counters", "decision", "direct", "fell_back", "graphs", "layout", "masks", "mode_name",
-                 "n_calls", "padded_tokens", "plan", "spec", "values", "whole_mask")
+    __slots__ = ("asked", "counters", "decision", "direct", "fell_back", "form", "graphs", "layout", "masks",
+                 "mode_name", "n_calls", "padded_tokens", "plan", "spec", "values", "whole_mask")
 
     def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
                  masks: MaskCache) -> None:
@@ -59,6 +59,9 @@ class Step:
         self.whole_mask: tuple[int, int] | None = None
         #: the dispatcher's counters: a plugin kernel's bad output (KernelError) counts there
         self.counters: Counters | None = None
+        #: what ``run`` takes: q, k, v's dtype and device, q's shape, k's and v's shape
+        self.form = (getattr(torch, spec.dtype), torch.device(spec.device),
+                     (layout.q_tokens, spec.heads, spec.head_dim), (layout.kv_tokens, spec.kv_heads, spec.head_dim))
 
     def use(self, graphs: list[tuple[Call, GraphFn]], values: tuple[Any, ...]) -> None:
         """Run ``graphs`` from now on (``values``: the cache's values behind them).
@@ -87,11 +90,18 @@ class Step:
         self.direct = self.whole_mask = None
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """The batch's attention over packed ``q``, ``k``, ``v`` (checked by the caller),
-        with the sink logits ``sinks[Hq]`` when the spec's features have sinks. A plugin
-        kernel's output of the wrong shape, dtype or device raises
-        :class:`~attnpolicy.errors.KernelError`, counted in ``kernel_violations``."""
+            sinks: torch.Tensor | None = None, *, checked: bool = False) -> torch.Tensor:
+        """The batch's attention over packed ``q``, ``k``, ``v``, with the sink logits
+        ``sinks[Hq]`` when the spec's features have sinks (cast and made contiguous as
+        :func:`~attnpolicy.graphs.execute.graph_sinks` does). Tensors that do not fit the
+        layout, or whose dtype, device, heads or head_dim are not the spec's, raise
+        :class:`~attnpolicy.errors.LayoutError` naming the field (the graphs run without
+        guards); ``checked``: the caller made the spec from these tensors and checked them
+        (as ``Dispatcher.attend`` does). A plugin kernel's output of the wrong shape, dtype
+        or device raises :class:`~attnpolicy.errors.KernelError`, counted in
+        ``kernel_violations``."""
+        if not checked and not self.fits(q, k, v):
+            self.refuse(q, k, v)
         direct = self.direct
         try:
             if (direct is None or torch.is_grad_enabled() or not q.is_contiguous() or not k.is_contiguous()
@@ -107,6 +117,30 @@ class Step:
             if self.counters is not None:
                 self.counters.kernel_violations += 1
             raise
+
+    def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether ``q``, ``k``, ``v`` are tensors of this step's :attr:`form`."""
+        dtype, device, q_shape, kv_shape = self.form
+        try:
+            return (q.dtype is dtype and k.dtype is dtype and v.dtype is dtype and q.shape == q_shape
+                    and k.shape == kv_shape and v.shape == kv_shape
+                    and q.device == device and k.device == device and v.device == device)
+        except AttributeError:  # not tensors: refuse says what they are
+            return False
+
+    def refuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> NoReturn:
+        """Raise :class:`LayoutError` naming the first field in which ``q``, ``k``, ``v``
+        differ from the layout or the spec (call when :meth:`fits` is false)."""
+        check_inputs(q, k, v, self.layout)  # tensors that do not fit the layout, or each other
+        spec, (dtype, device, _, _) = self.spec, self.form
+        for name, field, got, want in (("q", "dtype", q.dtype, dtype), ("q", "device", q.device, device),
+                                       ("q", "heads", q.shape[1], spec.heads),
+                                       ("k", "heads", k.shape[1], spec.kv_heads),
+                                       ("q", "head_dim", q.shape[2], spec.head_dim)):
+            if got != want:
+                raise LayoutError(f"{name} has {field} {got}, but this step's graphs were compiled for {want} "
+                                  "(prepare the step with TensorSpec.of(q, k))")
+        raise LayoutError(f"q, k, v do not fit this step's graphs ({spec})")
 
     def __iter__(self) -> Iterator[tuple[Call, GraphFn]]:
         return iter(self.graphs)
@@ -133,7 +167,7 @@ class HostStep(Step):
         self.call_of = call_of
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
+            sinks: torch.Tensor | None = None, *, checked: bool = False) -> torch.Tensor:
         raise RuntimeError(f"this {self.mode_name} step of {self.layout.describe()} runs on the host's own "
                            "kernel (a dispatcher built with host_varlen=True): the host calls it")
 

@@ -143,17 +143,36 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayo
     graphs isolate themselves the same way.
 
     ``features`` are those the graphs were built for (their window shapes the masks
-    and the isolation); ``sinks[Hq]`` (when they take sinks) goes to every graph."""
+    and the isolation); ``sinks[Hq]`` (when they take sinks) goes to every graph, as
+    :func:`graph_sinks` makes it."""
     if features.sinks != (sinks is not None):
         raise LayoutError("sinks must be given exactly when the graphs take them (features.sinks="
                           f"{features.sinks}), got {'a tensor' if sinks is not None else None}")
-    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device):
-        raise LayoutError(f"sinks must be a tensor [Hq={q.shape[1]}] on {q.device}, got shape "
-                          f"{tuple(sinks.shape)} on {sinks.device}")
+    if sinks is not None:
+        sinks = graph_sinks(sinks, q)
     if torch.is_grad_enabled():
         with torch.no_grad():
             return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks, features, sinks)
     return _execute(q.contiguous(), k.contiguous(), v.contiguous(), layout, graphs, masks, features, sinks)
+
+
+def graph_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor:
+    """``sinks`` in the form every graph over ``q`` is compiled for: a contiguous ``[Hq]``
+    tensor of ``q``'s dtype on ``q``'s device. Another real dtype (fp64, bf16, an integer
+    one) is cast and a strided or expanded tensor copied, only when needed; anything else
+    raises :class:`LayoutError` naming ``sinks`` and what it got."""
+    if (isinstance(sinks, torch.Tensor) and sinks.dtype is q.dtype and sinks.shape == q.shape[1:2]
+            and sinks.device == q.device and sinks.is_contiguous()):
+        return sinks  # the common case: as compiled, no copy
+    if not isinstance(sinks, torch.Tensor):
+        raise LayoutError(f"sinks must be a tensor [Hq={q.shape[1]}] of sink logits, got {type(sinks).__name__}")
+    if sinks.shape != q.shape[1:2]:
+        raise LayoutError(f"sinks must have shape [Hq={q.shape[1]}], got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise LayoutError(f"sinks are on {sinks.device}, q on {q.device}: give them on q's device")
+    if sinks.dtype is torch.bool or sinks.is_complex():
+        raise LayoutError(f"sinks must be real sink logits, got dtype {sinks.dtype}")
+    return sinks.to(q.dtype).contiguous()  # each a no-op when already so
 
 
 def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,

@@ -256,8 +256,9 @@ class StaticModelRunner:
         return self.guard.decide(layout, self._context)
 
     def logits(self, token_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """The logits of every row of ``layout`` (``token_ids[layout.q_tokens]``), run as
-        the policy decides, through the graph of its key."""
+        """The logits of every row of ``layout`` (``token_ids[layout.q_tokens]`` of any
+        integer dtype and stride, on the model's device or the CPU), run as the policy
+        decides, through the graph of its key."""
         self._check(token_ids, layout)
         decision = self.decide(layout)
         self._modes[decision.mode.value] += 1
@@ -276,7 +277,7 @@ class StaticModelRunner:
             bg.tick()
         graph: Callable[..., torch.Tensor]
         if bg is not None and background and batch.key not in self.cache:
-            batch, graph = bg.serve(batch, lambda key: self._place(token_ids.to(self.device), layout, mode, key))
+            batch, graph = bg.serve(batch, lambda key: self._place(token_ids, layout, mode, key))
         else:
             graph = self.graph_for(batch, pin=True)
         try:
@@ -292,7 +293,7 @@ class StaticModelRunner:
         (inputs checked, ``mode`` legal for ``layout``; nothing compiled)."""
         self._check(token_ids, layout)
         check_legal(mode, layout)
-        return self._place(token_ids.to(self.device), layout, mode)
+        return self._place(token_ids, layout, mode)
 
     def graph_for(self, batch: Placed, *, pin: bool = False) -> CompiledGraph:
         """The compiled graph of ``batch.key`` from the cache, compiled on a miss
@@ -313,10 +314,14 @@ class StaticModelRunner:
     def _check(self, token_ids: torch.Tensor, layout: BatchLayout) -> None:
         if not isinstance(layout, BatchLayout):
             raise LayoutError(f"layout must be a BatchLayout, got {type(layout).__name__}")
-        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.long:
+        if (not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.is_floating_point()
+                or token_ids.is_complex() or token_ids.dtype is torch.bool):
             what = f"{token_ids.dtype} {tuple(token_ids.shape)}" if isinstance(token_ids, torch.Tensor) \
                 else type(token_ids).__name__
-            raise LayoutError(f"token_ids must be a 1-D int64 tensor, got {what}")
+            raise LayoutError(f"token_ids must be a 1-D tensor of an integer dtype, got {what}")
+        if token_ids.device != self.device and token_ids.device.type != "cpu":
+            raise LayoutError(f"token_ids are on {token_ids.device}: give them on the model's device "
+                              f"({self.device}) or the CPU")
         if token_ids.shape[0] != layout.q_tokens:
             raise LayoutError(f"token_ids has {token_ids.shape[0]} rows, the layout {layout.q_tokens} "
                               f"({layout.describe()})")
@@ -337,8 +342,11 @@ class StaticModelRunner:
     def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode,
                key: ModelKey | None = None) -> Placed:
         """``layout`` placed in the graph of ``key`` (default: its own key; else one
-        that dominates it, as :func:`~attnpolicy.integrations.model_background.dominates`)."""
+        that dominates it, as :func:`~attnpolicy.integrations.model_background.dominates`).
+        The inputs are built here in the form every graph is compiled for, whatever the
+        form of ``token_ids``: int64, contiguous, on the model's device."""
         key = key or self.key_for(layout, mode)
+        token_ids = token_ids.to(device=self.device, dtype=torch.long)
         order = range(layout.num_seqs)
         if mode is MaskMode.VARLEN:  # largest bucket first, as the key's segments
             order = sorted(order, key=lambda i: -self.config.bucket(layout.q_lens[i]))  # type: ignore[assignment]

@@ -184,5 +184,5 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if window is not None and window >= layout.max_kv_len:
         window = None  # no key is outside it: the plain graphs serve the call exactly
     out = dispatcher().attend(q, k, v, layout, scale=scaling, window=window, softcap=features.softcap,
-                              sinks=None if sinks is None else sinks.to(q.dtype))
+                              sinks=sinks)  # cast to q's dtype by attend
     return out.reshape(batch, lq, heads, -1), None
