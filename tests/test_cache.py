@@ -276,9 +276,12 @@ def test_oversize_uncached_builds_every_time_and_counts():
 
 # -- threads -----------------------------------------------------------------------------
 
-def wait_for_waiters(cache, n, timeout=5.0):
+def wait_for_waiters(cache, n, timeout=120.0):
+    """Poll until ``n`` threads wait on the build (the condition, not a time: the bound
+    only turns a hang into a failure, far past any loaded machine's delay)."""
     deadline = time.monotonic() + timeout
-    while cache.stats().waits < n and time.monotonic() < deadline:
+    while cache.stats().waits < n:
+        assert time.monotonic() < deadline, f"{cache.stats().waits} of {n} threads waiting after {timeout} s"
         time.sleep(0.005)
 
 
@@ -297,7 +300,8 @@ def in_threads(n, target):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=10)
+        t.join(timeout=120)  # joined: the bound only turns a hang into a failure
+        assert not t.is_alive()
     return results
 
 
