@@ -206,3 +206,13 @@ def test_fallback_must_be_always_legal():
 def test_on_illegal_is_validated():
     with pytest.raises(PolicyError, match="on_illegal.*'ignore'"):
         guard(make_policy("dynamic"), on_illegal="ignore")
+
+
+@pytest.mark.usefixtures("fresh_plugins")
+def test_modes_are_the_declared_ones_and_the_fallback():
+    C, M, V = MaskMode.CAUSAL, MaskMode.MASK, MaskMode.VARLEN
+    assert Guard.for_policy("varlen").modes == {C, V}
+    assert Guard.for_policy("dynamic").modes == {C, M, V}  # a raising policy falls back to varlen
+    assert Guard.for_policy("always-causal", on_illegal="raise").modes == {C}
+    assert Guard.for_policy("always-causal", fallback=M).modes == {C, M}
+    assert Guard(Raises(), "raises", "test").modes == set(MaskMode)  # no declaration: every mode

@@ -246,6 +246,17 @@ def test_an_invalid_switch_raises_before_any_work_and_changes_nothing(fields, ma
     assert d.config is OLD
 
 
+def test_only_a_policy_that_can_run_mask_needs_buckets_up_to_max_batch_tokens():
+    running = AttnPolicyConfig(backend="eager", policy="varlen", max_seq_len=256, max_batch_tokens=1024)
+    d = Dispatcher(running)  # pow2: buckets up to max_batch_tokens
+    seq_only = _with(running, buckets=_sizes(64, 256))
+    with pytest.raises(ConfigError, match=r"serve lengths up to 256 of max_batch_tokens 1024"):
+        d.switch_to(_with(seq_only, policy="dynamic"))  # MASK calls: packed rows above 256 would overflow
+    assert d.switch_to(seq_only) == ()  # varlen makes no MASK call: nothing to build, switches next batch
+    d.attend(*_qkv(LAYOUTS[0], 0), LAYOUTS[0])
+    assert d.config == seq_only
+
+
 def test_a_warm_set_that_cannot_stay_resident_for_every_spec_served_is_refused():
     d, builder = _warm()
     other = TensorSpec("float32", 2, 2, 8)

@@ -4,7 +4,8 @@
 checks the new config against the running one before any work: only the fields of
 :data:`SWITCHABLE` may differ, under ``on_overflow="raise"`` its buckets must serve
 every length the running ones serve (up to ``max_seq_len`` for a sequence,
-``max_batch_tokens`` for a MASK call's rows), its policy and eviction must resolve, and its warm
+``max_batch_tokens`` for a MASK call's rows, when its policy can run MASK: see
+:attr:`~attnpolicy.policies.guard.Guard.modes`), its policy and eviction must resolve, and its warm
 set must stay resident for every tensor spec the dispatcher serves (the checks of
 start-up); each failure is a :class:`~attnpolicy.errors.ConfigError` naming the field
 and value, and the dispatcher is left as it was. Then the new warm set's graphs not
@@ -99,13 +100,6 @@ class Switcher:
             if name not in SWITCHABLE and new != old:
                 raise ConfigError(f"switch_to: {name}={new!r} differs from the running config's {old!r}; a switch "
                                   f"changes only {', '.join(SWITCHABLE)}")
-        for name in ("max_seq_len", "max_batch_tokens") if running.on_overflow == "raise" else ():
-            limit = getattr(running, name)
-            old, new = longest(running.buckets, limit), longest(config.buckets, limit)
-            if new < old:
-                raise ConfigError(f"switch_to: buckets={config.buckets.describe()} serve lengths up to {new} of "
-                                  f"{name} {limit}, the running config's {running.buckets.describe()} up to {old}: "
-                                  "batches that run now would overflow (on_overflow='raise')")
         pending = self.target
         if pending is not None and config == pending.config:
             return tuple(pending.builds)
@@ -120,6 +114,15 @@ class Switcher:
         except PolicyError as exc:
             raise ConfigError(f"switch_to: policy={config.policy!r} with policy_options="
                               f"{config.policy_options!r}: {exc}") from exc
+        # a MASK call's packed rows bucket under max_batch_tokens: only a config that can run MASK needs them
+        limits = ("max_seq_len", "max_batch_tokens") if MaskMode.MASK in guard.modes else ("max_seq_len",)
+        for name in limits if running.on_overflow == "raise" else ():
+            limit = getattr(running, name)
+            old, new = longest(running.buckets, limit), longest(config.buckets, limit)
+            if new < old:
+                raise ConfigError(f"switch_to: buckets={config.buckets.describe()} serve lengths up to {new} of "
+                                  f"{name} {limit}, the running config's {running.buckets.describe()} up to {old}: "
+                                  "batches that run now would overflow (on_overflow='raise')")
         try:
             make_eviction(config.eviction)
         except ConfigError as exc:

@@ -32,7 +32,9 @@ class Policy(Protocol):
 
     A policy whose decision depends on the layout and the config alone may set the
     class attribute ``stateless = True``: the dispatcher then asks it once per layout
-    and reuses the decision.
+    and reuses the decision. It may also set ``modes``, the frozenset of
+    :class:`MaskMode` it ever decides: the planner then adds no bucket for the packed
+    rows of MASK calls a policy never makes (without it, every mode is assumed).
     """
 
     name: str

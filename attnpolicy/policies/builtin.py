@@ -29,6 +29,7 @@ class AlwaysMask:
     stateless = True  # the decision is a function of the layout: dispatchers reuse it
 
     name = "always-mask"
+    modes = frozenset({MaskMode.MASK})
     description = "MASK for every batch: one call with a dense mask (always legal)"
 
     _decision = Decision(MaskMode.MASK, "always mask")
@@ -46,6 +47,7 @@ class AlwaysCausal:
     stateless = True  # the decision is a function of the layout: dispatchers reuse it
 
     name = "always-causal"
+    modes = frozenset({MaskMode.CAUSAL})
     description = ("CAUSAL for every batch (max_num_seqs=1 runtimes); on any other "
                    "batch the guard raises or falls back to its safe mode")
 
@@ -73,6 +75,7 @@ class Dynamic(_CausalWhenLegal):
     """CAUSAL for a single unpadded causal sequence, a dense MASK otherwise."""
 
     name = "dynamic"
+    modes = frozenset({MaskMode.CAUSAL, MaskMode.MASK})
     description = "CAUSAL when legal (one unpadded causal sequence), MASK otherwise"
     otherwise = MaskMode.MASK
 
@@ -82,6 +85,7 @@ class Varlen(_CausalWhenLegal):
     causal sequences without context reuse the CAUSAL graph of their length bucket."""
 
     name = "varlen"
+    modes = frozenset({MaskMode.CAUSAL, MaskMode.VARLEN})
     description = "CAUSAL when legal, otherwise VARLEN: one call per sequence, no host-built mask"
     otherwise = MaskMode.VARLEN
 

@@ -129,6 +129,15 @@ class Guard:
         decision depends on the layout and the config only, so it may be reused."""
         return getattr(self.policy, "stateless", False) is True
 
+    @property
+    def modes(self) -> frozenset[MaskMode]:
+        """The modes a batch can run in under this guard: those the policy declares
+        (class attribute ``modes``, every mode when it declares none), and the
+        fallback when ``on_illegal="fallback"`` (a raising policy falls back too)."""
+        declared = getattr(self.policy, "modes", None)
+        modes = frozenset(MaskMode) if declared is None else frozenset(MaskMode(m) for m in declared)
+        return modes | {self.fallback} if self.on_illegal == "fallback" else modes
+
     def replay(self, layout: BatchLayout, decision: Decision) -> None:
         """Report a reused decision of a stateless policy, as :meth:`decide` would
         (the observers call nothing when no plugin implements the hook)."""
