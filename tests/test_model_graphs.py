@@ -149,8 +149,10 @@ def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):
     assert main(["plan", "--model-cost", str(path), "--max-graphs", "4", "--out", str(out), *flags]) == 0
     plan = json.loads((out / "plan.json").read_text())
     host = json.loads((out / "host_settings.json").read_text())
-    assert host["token_padding"] == plan["buckets"]
-    assert host["vllm"]["compilation_config"]["compile_sizes"] == [n for n in plan["buckets"] if n <= 2048]
+    assert host["static"]["packed_padding"] == plan["buckets"]
+    vllm = host["vllm"]["compilation_config"]  # step token counts, not the buckets: see test_host_settings.py
+    sizes = vllm["cudagraph_capture_sizes"]
+    assert vllm["compile_sizes"] == sizes == sorted(sizes) and vllm["max_cudagraph_capture_size"] == sizes[-1] <= 2048
     saved = AttnPolicyConfig.load(out)
     assert saved.buckets.sizes == tuple(plan["buckets"]) and saved.max_graphs == 4
     assert main(["simulate", "--model-cost", str(path), "--capacities", "4", "--policies", "dynamic",

@@ -8,18 +8,20 @@ import pytest
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cli import main
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.simulation import simulation_config
 from attnpolicy.planning.graph_set import (
     candidate_lists,
-    covering,
+    completed,
     decided_shapes,
     graph_uses,
+    longest_sequence,
     plan_graphs,
     plan_markdown,
+    plannable,
     warm_set,
 )
 from attnpolicy.workloads.batching import BatchFormer
@@ -50,7 +52,8 @@ def test_plan_buckets_come_from_the_planner_and_the_warm_set_fits(max_graphs):
     plan = plan_graphs(steps, base, model, ["varlen", "always-mask"], warmup_seconds=0.5, max_buckets=4)
     chosen = plan.chosen
     shapes = decided_shapes([s.layout for s in steps], chosen.policy, base, model)
-    lists = {covering(c.sizes, base) for c in candidate_lists(shapes, base, model, 4)}
+    modes, longest = plannable(chosen.policy, base).modes, longest_sequence(shapes)
+    lists = {completed(c.sizes, base, modes, longest)[0] for c in candidate_lists(shapes, base, model, 4)}
     assert chosen.buckets in lists and chosen.buckets == plan.config.buckets.sizes
     assert chosen.row.total_seconds == min(p.row.total_seconds for p in plan.policies)
     assert chosen.row.total_seconds <= min(c.totals.get(e, float("inf")) for c in chosen.candidates
@@ -168,7 +171,8 @@ def test_plan_a_recorded_layout_stream_keeps_its_config_and_spec(tmp_path):
                  "--out", str(out)]) == 0
     config = AttnPolicyConfig.load(out)
     assert (config.max_seq_len, config.max_batch_tokens, config.max_graphs) == (128, 512, 4)
-    assert 0 < len(config.warmup) <= 4 and config.buckets.sizes[-2:] == (128, 512)
+    assert 0 < len(config.warmup) <= 4 and config.buckets.sizes[-1] == 128  # varlen: no MASK rows, no 512
+    assert json.loads((out / "plan.json").read_text())["policies"][0]["cover"] == [128]
 
 
 def test_plan_md_counts_distinct_graphs_apart_from_the_peak_the_cache_held():
@@ -184,3 +188,16 @@ def test_plan_md_counts_distinct_graphs_apart_from_the_peak_the_cache_held():
         assert int(row["distinct graphs"]) == p.row.distinct_keys
         assert int(row["peak graphs held"]) == p.row.peak_graphs == 1 < p.row.distinct_keys
     assert "graphs used" not in text
+
+
+def test_the_planned_list_is_completed_by_cover_buckets_no_planned_call_uses():
+    raise_ = AttnPolicyConfig(max_seq_len=128, max_batch_tokens=512)
+    eager = AttnPolicyConfig(max_seq_len=128, max_batch_tokens=512, on_overflow="eager")
+    no_mask, mask = frozenset({MaskMode.CAUSAL, MaskMode.VARLEN}), frozenset(MaskMode)
+    assert completed([16, 96], raise_, no_mask, 93) == ((16, 96, 128), (128,))  # no MASK rows: no 512
+    assert completed([16, 96], raise_, mask, 93) == ((16, 96, 128, 512), (128, 512))
+    assert completed([16, 128], raise_, no_mask, 120) == ((16, 128), ())
+    # a sequence of 100 has no planned bucket within max_seq_len (300 is a MASK row's): 128 serves it
+    assert completed([16, 64, 300], raise_, mask, 100) == ((16, 64, 128, 300, 512), (512,))
+    assert completed([16, 96], eager, mask, 93) == ((16, 96), ())  # longer calls run uncompiled, counted
+    assert completed([300], eager, mask, 0) == ((128, 300), (128,))  # a config needs a size within max_seq_len

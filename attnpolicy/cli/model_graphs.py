@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from attnpolicy.cli.common import check_output, console, fail, formed, print_table, progress, settings, warn
@@ -186,7 +187,7 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
                             max_bytes=args.max_bytes)
         with progress(None, "plan --model-cost") as advance:
             plan = plan_model_graphs(layouts, base, model, _policies(args, default_policies), evictions,
-                                     args.max_buckets, advance)
+                                     args.max_buckets, advance, args.align)
     except ConfigError as exc:
         fail(str(exc))
     out = Path(args.out)
@@ -195,7 +196,7 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
     write_json(out / "plan.json", {"source": source, "model": model.spec, "batches": len(layouts),
                                    "rejected": w.rejected, "workload": w.to_json(),
                                    **plan.to_json()})
-    write_host_settings(out, plan.chosen.buckets, args.max_num_batched_tokens)
+    write_host_settings(out, [layout.q_tokens for layout in layouts], plan.chosen.buckets, plan.config, args)
     cap = "∞" if args.max_graphs is None else args.max_graphs
     print_table(f"attnpolicy plan on model graphs: {source}, {model.spec}, max_graphs {cap}",
                 ("policy", "buckets", "eviction", "plan s", "pow2 lru s", "pow2 belady s", "× lru", "× belady"),
@@ -208,10 +209,14 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
     return 0
 
 
-def write_host_settings(out: Path, buckets: tuple[int, ...] | list[int], max_num_batched_tokens: int) -> Path:
-    """``host_settings.json`` of a planned bucket list, next to ``plan.json``."""
+def write_host_settings(out: Path, step_tokens: list[int], buckets: Sequence[int], config: AttnPolicyConfig,
+                        args: argparse.Namespace) -> Path:
+    """``host_settings.json`` next to ``plan.json``: vLLM's sizes from the planned steps'
+    token counts (at most ``--max-buckets`` of them, under ``--max-num-batched-tokens``),
+    static runtimes' paddings from the planned ``buckets`` under ``config``'s ``max_seq_len``."""
     path = out / "host_settings.json"
-    write_json(path, host_settings(buckets, max_num_batched_tokens))
+    write_json(path, host_settings(step_tokens, buckets, args.max_num_batched_tokens, config.max_seq_len,
+                                   args.max_buckets))
     return path
 
 

@@ -34,13 +34,16 @@ from attnpolicy.cli.simulate import (
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import check_model, simulation_config
+from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     POLICIES,
     GraphPlan,
     graph_uses,
+    layouts_of,
     plan_graphs,
     plan_markdown,
     plannable,
@@ -84,7 +87,11 @@ def register(subparsers: Any) -> None:
                    help=f"live eviction strategies to try (default: {shown(EVICTIONS)})")
     add_store_args(p)
     p.add_argument("--max-buckets", type=positive_int, default=16, metavar="K",
-                   help="most bucket sizes per candidate list (default: 16)")
+                   help="most bucket sizes per candidate list, and most vLLM capture sizes in host_settings.json "
+                        "(default: 16)")
+    p.add_argument("--align", type=positive_int, default=ALIGN, metavar="N",
+                   help="planned buckets are multiples of N, or max_seq_len (max_batch_tokens for a MASK call's "
+                        f"packed rows) where that is smaller (default: {ALIGN})")
     p.add_argument("--cost-model", metavar="PATH",
                    help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
     p.add_argument("--model-cost", metavar="PATH",
@@ -146,12 +153,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     w: Workload | None = None
     if args.layouts:
         steps = run.layouts
+        check_step_budget(steps, args.max_num_batched_tokens)
     else:
         steps, w = formed(args, former, workload(args, former))
     try:
         with progress(None, "plan") as advance:
             plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
-                               args.max_buckets, spec, advance, w.rejected if w else 0, args.store_warm)
+                               args.max_buckets, spec, advance, w.rejected if w else 0, args.store_warm, args.align)
     except ConfigError as exc:
         fail(str(exc))
     if plan.max_bytes is not None and plan.chosen.row.peak_graphs == 0:
@@ -163,11 +171,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
                                    **({"workload": w.to_json()} if w else {}), **plan.to_json()})
     write_text_atomic(out / "plan.md", plan_markdown(plan, source, w))
-    write_host_settings(out, plan.chosen.buckets, args.max_num_batched_tokens)
+    write_host_settings(out, [layout.q_tokens for layout in layouts_of(steps)], plan.chosen.buckets, plan.config,
+                        args)
     print_plan(plan, source)
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0
+
+
+def check_step_budget(layouts: Sequence[BatchLayout], budget: int) -> None:
+    """Refuse (exit 2) a recorded step with more tokens than ``--max-num-batched-tokens``:
+    vLLM's sizes in host_settings.json are chosen under that budget."""
+    for i, layout in enumerate(layouts):
+        if layout.q_tokens > budget:
+            fail(f"argument --max-num-batched-tokens: step {i} of the recorded run holds {layout.q_tokens} tokens, "
+                 f"more than {budget}; give the recorded run's step budget")
 
 
 def check_plannable(flag: str, policies: Sequence[str], base: AttnPolicyConfig) -> None:
@@ -184,12 +202,15 @@ def print_plan(plan: GraphPlan, source: str) -> None:
     rows = []
     for p in plan.policies:
         lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
-        rows.append((p.policy + (" *" if p.policy == plan.policy else ""), ",".join(map(str, p.buckets)),
+        planned = ",".join(str(b) for b in p.buckets if b not in p.cover)
+        rows.append((p.policy + (" *" if p.policy == plan.policy else ""),
+                     planned + (f" +{','.join(map(str, p.cover))}" if p.cover else ""),
                      p.eviction, p.row.total_seconds, lru, bel, lru / p.row.total_seconds,
                      bel / p.row.total_seconds))
     print_table(f"attnpolicy plan: {source}, max_graphs {cap}",
                 ("policy", "buckets", "eviction", "plan s", f"{plan.base_buckets} lru s",
                  f"{plan.base_buckets} belady s", "× lru", "× belady"), rows,
-                caption=f"* chosen; warm-up set: {len(plan.warm)} graphs, "
+                caption="* chosen; +N: a cover bucket (max_seq_len, max_batch_tokens) no planned call uses; "
+                        f"warm-up set: {len(plan.warm)} graphs, "
                         f"{plan.warm_compile_seconds:.3g} modelled compile s"
                         + (f", {plan.warm_load_seconds:.3g} load s" if plan.config.store_dir is not None else ""))

@@ -9,7 +9,9 @@ workload is then
 
 (every graph compiled once: the cache holds the whole plan). :func:`plan_sizes`
 finds, for every number of buckets ``k`` up to a limit, the best list whose sizes
-are multiples of ``align`` (plus the largest length):
+are multiples of ``align`` (:data:`ALIGN` by default; a length's round-up is held to
+its family's limit, ``max_seq_len`` or ``max_batch_tokens``, when that is not a
+multiple), the largest one included:
 
 - *square* shapes (``q == kv``: prefills without context, packed MASK rows) are
   padded on both sides by the same bucket, so a bucket's cost depends only on its
@@ -28,7 +30,7 @@ are multiples of ``align`` (plus the largest length):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +41,9 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.costmodel import CostModel
 
+#: The default alignment of planned buckets: a multiple of vLLM's capture-size
+#: strides (8 below 256 tokens, 16 from 256) and the planner's historical grid.
+ALIGN = 16
 #: Graph families in the order of :attr:`CallShapes.family` codes.
 FAMILIES: tuple[GraphFamily, ...] = (GraphFamily.CAUSAL, GraphFamily.MASK, GraphFamily.VARLEN)
 _CODE = {family: code for code, family in enumerate(FAMILIES)}
@@ -136,14 +141,24 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
     return PlanCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)
 
 
-def candidates(shapes: CallShapes, align: int) -> np.ndarray:
-    """Candidate boundaries: every multiple of ``align`` that rounds up some length,
-    and the longest length itself."""
+def candidates(shapes: CallShapes, align: int, limits: Mapping[GraphFamily, int] | None = None) -> np.ndarray:
+    """Candidate boundaries: every length rounded up to a multiple of ``align``, or to
+    its family's limit in ``limits`` when the multiple is above it (a family not
+    named there is not held)."""
     if align < 1:
         raise ConfigError(f"align must be >= 1, got {align}")
-    lengths = np.concatenate([shapes.q, shapes.kv])
-    up = -(-lengths // align) * align
-    return np.unique(np.minimum(up, shapes.max_len))
+    cap = np.full(shapes.family.size, np.iinfo(np.int64).max, dtype=np.int64)
+    for family, limit in (limits or {}).items():
+        if limit < 1:
+            raise ConfigError(f"the limit of family {family.value} must be >= 1, got {limit}")
+        cap[shapes.family == _CODE[family]] = limit
+    up = [np.minimum(-(-x // align) * align, cap) for x in (shapes.q, shapes.kv)]
+    over = np.flatnonzero(up[1] < shapes.kv)
+    if over.size:
+        i = int(over[0])
+        raise ConfigError(f"a {FAMILIES[int(shapes.family[i])].value} call of length {int(shapes.kv[i])} is above "
+                          f"its family's limit {int(cap[i])}")
+    return np.unique(np.concatenate(up))
 
 
 def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets: int
@@ -371,15 +386,16 @@ class SizePlan:
         return self.cost.total_seconds / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
 
 
-def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align: int = 16
-               ) -> list[SizePlan]:
+def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align: int = ALIGN,
+               limits: Mapping[GraphFamily, int] | None = None) -> list[SizePlan]:
     """The best list of ``k`` bucket sizes found for each ``k`` in ``1..max_buckets``
     (fewer when there are fewer candidate boundaries), with the program's lower bound:
     the program's plan, improved locally on the exact objective when the workload
-    has rectangular shapes (on square shapes alone it is already optimal)."""
+    has rectangular shapes (on square shapes alone it is already optimal). Every size
+    is a :func:`candidates` boundary of ``align`` and ``limits``."""
     if max_buckets < 1:
         raise ConfigError(f"max_buckets must be >= 1, got {max_buckets}")
-    cand = candidates(shapes, align)
+    cand = candidates(shapes, align, limits)
     kmax = min(max_buckets, cand.size)
     overhead = model.call_overhead_seconds * shapes.calls  # the same for every plan
     bound, arg = _program(shapes, cand, model, kmax)

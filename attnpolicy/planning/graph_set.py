@@ -37,13 +37,13 @@ from typing import Any
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import MaskMode
+from attnpolicy.core.modes import GraphFamily, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.bucket_schemes import base_scheme
 from attnpolicy.modelling.simulation import SimRow, simulate_layouts
-from attnpolicy.planning.bucket_search import CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import ALIGN, FAMILIES, CallShapes, PlanCost, evaluate, plan_sizes
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
@@ -94,10 +94,12 @@ class WarmGraph:
 class PolicyPlan:
     """The best bucket list and eviction found for one policy, the simulated row of
     that plan, the baselines (the base buckets with LRU and with Belady at the same
-    capacity) and every candidate tried. ``fits``: the plan never evicts."""
+    capacity) and every candidate tried. ``fits``: the plan never evicts. ``buckets``
+    holds ``cover``, the sizes :func:`completed` added that no planned call uses."""
 
     policy: str
     buckets: tuple[int, ...]
+    cover: tuple[int, ...]
     eviction: str
     fits: bool
     row: SimRow
@@ -173,10 +175,43 @@ def decided_shapes(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicy
     return CallShapes.from_layouts((layout, guard.decide(layout, ctx).mode) for layout in layouts)
 
 
-def covering(sizes: Sequence[int], config: AttnPolicyConfig) -> tuple[int, ...]:
-    """``sizes`` plus ``max_seq_len`` and ``max_batch_tokens``: traffic longer than the
-    trace's still has a bucket (it compiles on demand, a strict-mode warning)."""
-    return tuple(sorted({*sizes, config.max_seq_len, config.max_batch_tokens}))
+def completed(sizes: Sequence[int], config: AttnPolicyConfig, modes: frozenset[MaskMode],
+              longest_seq: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The bucket list of the planned ``sizes`` under ``config``, and its *cover*: the
+    sizes added that no call of the trace uses (its longest sequence: ``longest_seq``).
+
+    A sequence is bucketed within ``max_seq_len``: when the planned sizes within it
+    stop below ``longest_seq`` (the search gave the longest sequences a bucket above
+    it, which only packed MASK rows may use), ``max_seq_len`` serves them. Under
+    ``on_overflow="raise"`` a call longer than the trace's must still have a bucket
+    (it compiles on demand, a strict-mode warning) rather than fail, which the cover
+    holds: ``max_seq_len`` for a sequence, and ``max_batch_tokens`` for the packed rows
+    of a MASK call when a batch can run in MASK mode (``modes``, see
+    :attr:`~attnpolicy.policies.guard.Guard.modes`). Under ``"eager"`` such a call runs
+    uncompiled and counted, and only a list with no size within ``max_seq_len`` gets
+    it in its cover (a config needs one)."""
+    seq = max((s for s in sizes if s <= config.max_seq_len), default=0)
+    used, cover = set(sizes), set()
+    if longest_seq > seq:
+        used.add(config.max_seq_len)
+    elif seq == 0 or (config.on_overflow == "raise" and seq < config.max_seq_len):
+        cover.add(config.max_seq_len)
+    if config.on_overflow == "raise" and MaskMode.MASK in modes and max(used) < config.max_batch_tokens:
+        cover.add(config.max_batch_tokens)
+    cover -= used
+    return tuple(sorted(used | cover)), tuple(sorted(cover))
+
+
+def longest_sequence(shapes: CallShapes) -> int:
+    """The longest key length of ``shapes``' sequence calls (CAUSAL, VARLEN; 0: none)."""
+    seq = shapes.family != FAMILIES.index(GraphFamily.MASK)
+    return int(shapes.kv[seq].max()) if seq.any() else 0
+
+
+def limits(config: AttnPolicyConfig) -> dict[GraphFamily, int]:
+    """The longest bucket each graph family's lengths may round up to under ``config``."""
+    return {GraphFamily.CAUSAL: config.max_seq_len, GraphFamily.VARLEN: config.max_seq_len,
+            GraphFamily.MASK: config.max_batch_tokens}
 
 
 def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
@@ -184,19 +219,21 @@ def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
 
 
 def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel,
-                    max_buckets: int) -> list[PlanCost]:
+                    max_buckets: int, align: int = ALIGN) -> list[PlanCost]:
     """The bucket lists to simulate, each with its capacity-free modelled time: for
-    every number of buckets up to ``max_buckets``, the planner's best list under the
-    model, and under the model with compiles :data:`COMPILE_WEIGHTS` times dearer
-    (a bounded cache compiles a graph more than once: fewer, wider buckets); and the
-    base config's own buckets, so that the plan is never worse than them under the
-    same evictions."""
+    every number of buckets up to ``max_buckets``, the planner's best list of sizes
+    aligned to ``align`` (see :func:`~attnpolicy.planning.bucket_search.candidates`)
+    under the model, and under the model with compiles :data:`COMPILE_WEIGHTS` times
+    dearer (a bounded cache compiles a graph more than once: fewer, wider buckets);
+    and the base config's own buckets, so that the plan is never worse than them
+    under the same evictions."""
     lists: dict[tuple[int, ...], None] = {}
     for weight in COMPILE_WEIGHTS:
         weighted = model if weight == 1 else model.model_copy(update={"compile": {
             f: Fit(base=fit.base * weight, per_cell=fit.per_cell * weight, per_token=fit.per_token * weight)
             for f, fit in model.compile.items()}})
-        lists.update((p.cost.sizes, None) for p in plan_sizes(shapes, weighted, max_buckets))
+        lists.update((p.cost.sizes, None)
+                     for p in plan_sizes(shapes, weighted, max_buckets, align=align, limits=limits(base)))
     if base.buckets.kind != "exact":
         own = base.buckets.sizes_up_to(base.max_batch_tokens)
         lists[own[:bisect_left(own, shapes.max_len) + 1]] = None
@@ -206,18 +243,21 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
 def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
                 evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
                 progress: Callable[[str], None] | None = None, rejected: int = 0,
-                table: CallTable | None = None) -> PolicyPlan:
-    """The best bucket list and eviction for ``policy`` at ``base``'s capacity
-    (``max_graphs``, ``max_bytes``), searched as the module docstring says;
-    ``progress(label)`` is called after each simulation. ``table``: the policy's
-    :class:`CallTable` of ``steps`` (built here when not given)."""
+                table: CallTable | None = None, align: int = ALIGN) -> PolicyPlan:
+    """The best bucket list (sizes aligned to ``align``) and eviction for ``policy`` at
+    ``base``'s capacity (``max_graphs``, ``max_bytes``), searched as the module
+    docstring says, :func:`completed`; ``progress(label)`` is called after each
+    simulation. ``table``: the policy's :class:`CallTable` of ``steps`` (built here
+    when not given)."""
     capacity = base.max_graphs
+    modes = plannable(policy, base).modes
     table = table or CallTable(layouts_of(steps), policy, base, model, spec)
-    shapes_key = ("candidates", max_buckets)
+    shapes_key = ("candidates", max_buckets, align)
     plans = table.memo.get(shapes_key)
     if plans is None:
-        plans = table.memo[shapes_key] = candidate_lists(table.shapes(), base, model, max_buckets)
+        plans = table.memo[shapes_key] = candidate_lists(table.shapes(), base, model, max_buckets, align)
     assert isinstance(plans, list)
+    longest = longest_sequence(table.shapes())
     options = base.policy_options if policy == base.policy else {}
 
     def rows_of(cfg: AttnPolicyConfig, names: Sequence[str]) -> list[SimRow]:
@@ -227,7 +267,8 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
         return table.rows(cfg, names, base_scheme(cfg).name, rejected)
 
     def simulate(sizes: tuple[int, ...], names: Sequence[str]) -> list[SimRow]:
-        rows = rows_of(with_fields(base, buckets={"kind": "list", "sizes": list(covering(sizes, base))}), names)
+        full = completed(sizes, base, modes, longest)[0]
+        rows = rows_of(with_fields(base, buckets={"kind": "list", "sizes": list(full)}), names)
         if progress:
             progress(f"{policy} {len(sizes)} buckets {','.join(names)}")
         return rows
@@ -252,7 +293,8 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
     candidates = tuple(Candidate(p.sizes, p.graphs, p.total_seconds,
                                  {e: r.total_seconds for e, r in rows.get(p.sizes, {}).items()})
                        for p in plans)
-    return PolicyPlan(policy, covering(sizes, base), eviction, row.evictions == 0, row, baselines, candidates)
+    return PolicyPlan(policy, *completed(sizes, base, modes, longest), eviction, row.evictions == 0, row, baselines,
+                      candidates)
 
 
 def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
@@ -300,14 +342,14 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
                 policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
                 warmup_seconds: float | None = None, max_buckets: int = 16,
                 spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
-                rejected: int = 0, store_warm: bool = False) -> GraphPlan:
+                rejected: int = 0, store_warm: bool = False, align: int = ALIGN) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
     best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
     ``None``: as many as the capacity holds), and the config applying it (strict mode
     :data:`STRICT` after warm-up). ``rejected`` (requests the caller left out) is
     reported in every row. With ``base.store_dir`` the rows model its store (empty at
     start) and, with ``store_warm``, the warm-up set loads what it holds (see
-    :func:`graph_uses`)."""
+    :func:`graph_uses`). Planned sizes are multiples of ``align`` (or a family's limit)."""
     if not steps:
         raise ConfigError("a plan needs at least one step, got none (empty workload)")
     if warmup_seconds is not None and warmup_seconds < 0:
@@ -319,7 +361,7 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
         for other in tables.values():
             table.share(other)
     per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress, rejected,
-                                   tables[p]) for p in policies)
+                                   tables[p], align) for p in policies)
     chosen = min(per_policy, key=lambda p: p.row.total_seconds)
     config = with_fields(base, policy=chosen.policy,
                          policy_options=base.policy_options if chosen.policy == base.policy else {},
@@ -334,6 +376,12 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
 
 def _seconds(x: float) -> str:
     return f"{x:.4g}"
+
+
+def describe_buckets(plan: PolicyPlan) -> str:
+    """``plan``'s buckets, the cover (:func:`completed`) apart: ``[16, 880] + cover [8192]``."""
+    planned = [b for b in plan.buckets if b not in plan.cover]
+    return f"{planned}" + (f" + cover {list(plan.cover)}" if plan.cover else "")
 
 
 def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None) -> str:
@@ -353,7 +401,7 @@ def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None
                   + (f" **{workload.why_rejected}**: left out of the plan." if workload.why_rejected else ""), ""]
     lines += [
         (f"Capacity: max_graphs {cap}, max_bytes {nbytes}. Chosen policy **{plan.policy}**, buckets "
-        f"{list(chosen.buckets)}, eviction **{chosen.eviction}**{fits}."), "",
+        f"{describe_buckets(chosen)} ({len(chosen.buckets)} buckets), eviction **{chosen.eviction}**{fits}."), "",
         "## Predicted totals (modelled seconds, compile + run)", "",
         (f"| policy | planned buckets | eviction | distinct graphs | peak graphs held | plan total | {base} + lru "
          f"| {base} + belady | vs lru | vs belady |"),
@@ -362,12 +410,16 @@ def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None
     for p in plan.policies:
         lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
         total = p.row.total_seconds
-        lines.append(f"| {p.policy} | {list(p.buckets)} | {p.eviction} | {p.row.distinct_keys} | {p.row.peak_graphs} "
-                     f"| {_seconds(total)} | {_seconds(lru)} | {_seconds(bel)} | {lru / total:.2f}× "
-                     f"| {bel / total:.2f}× |")
+        lines.append(f"| {p.policy} | {describe_buckets(p)} | {p.eviction} | {p.row.distinct_keys} "
+                     f"| {p.row.peak_graphs} | {_seconds(total)} | {_seconds(lru)} | {_seconds(bel)} "
+                     f"| {lru / total:.2f}× | {bel / total:.2f}× |")
     lines += [
         "",
-        ("distinct graphs: the graphs the plan's calls ask for over the whole run, each compiled at least once "
+        ("planned buckets: multiples of the alignment that serve every call of the trace, the last one its "
+         "longest length rounded up; cover: sizes added so that, under on_overflow=\"raise\", a longer call "
+         "than the trace's still has a bucket (max_seq_len for a sequence, max_batch_tokens for the packed rows "
+         "of a policy that makes MASK calls); no planned call uses them. "
+         "distinct graphs: the graphs the plan's calls ask for over the whole run, each compiled at least once "
          "(more than the capacity holds: some are evicted and compiled again); peak graphs held: the most the "
          "cache held at once, within the capacity. vs lru, vs belady: the baseline's total over the plan's "
          "(above 1: the plan is faster). Belady is the offline optimum of eviction for the baseline buckets."),

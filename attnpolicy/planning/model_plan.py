@@ -4,8 +4,9 @@ Whole-model graphs cost seconds each to compile, so the number of distinct graph
 (buckets × modes, VARLEN: combinations of buckets) weighs on the plan far more than
 padding. For each stateless policy the planner decides every batch's mode once, then
 grows a bucket list greedily: it starts from the buckets the largest batch needs and
-adds, one at a time, the candidate size (every needed length rounded up to
-``align``) that most lowers the simulated total at the given capacity (best of the
+adds, one at a time, the candidate size (every needed length rounded up to a
+multiple of ``align``, :data:`~attnpolicy.planning.bucket_search.ALIGN` by default, or
+to its limit) that most lowers the simulated total at the given capacity (best of the
 live evictions tried), until no size lowers it or ``max_buckets`` is reached. Every
 candidate is costed by a real replay of its key stream
 (:func:`~attnpolicy.modelling.model_simulation.replay_keys`). The plan is compared
@@ -21,12 +22,11 @@ from typing import Any
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import ModelSimRow, decided_modes, key_stream, replay_keys, spec_of
-
-#: Candidate sizes are needed lengths rounded up to this.
-ALIGN = 16
+from attnpolicy.planning.bucket_search import ALIGN
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,15 @@ def _needs(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode]) -> tuple[l
     return seq, batch
 
 
-def _up(n: int, limit: int) -> int:
-    return min(-(-n // ALIGN) * ALIGN, limit)
-
-
 def plan_policy(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig, model: ModelCostModel,
-                evictions: Sequence[str], max_buckets: int) -> ModelPolicyPlan:
+                evictions: Sequence[str], max_buckets: int, align: int = ALIGN) -> ModelPolicyPlan:
     """The greedy bucket list of ``policy`` (see the module docstring)."""
+    if align < 1:
+        raise ConfigError(f"align must be >= 1, got {align}")
+
+    def _up(n: int, limit: int) -> int:
+        return min(-(-n // align) * align, limit)
+
     with_policy = base.model_copy(update={"policy": policy})
     modes = decided_modes(layouts, with_policy, spec_of(model))
     seq, batch = _needs(layouts, modes)
@@ -119,11 +121,12 @@ def plan_policy(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyCon
 
 def plan_model_graphs(layouts: Sequence[BatchLayout], base: AttnPolicyConfig, model: ModelCostModel,
                       policies: Sequence[str], evictions: Sequence[str], max_buckets: int,
-                      progress: Callable[[str], None] | None = None) -> ModelPlan:
-    """Plan every policy of ``policies``; the config is the best one's (buckets, policy, eviction)."""
+                      progress: Callable[[str], None] | None = None, align: int = ALIGN) -> ModelPlan:
+    """Plan every policy of ``policies``, sizes aligned to ``align``; the config is the
+    best one's (buckets, policy, eviction)."""
     plans = []
     for policy in policies:
-        plans.append(plan_policy(layouts, policy, base, model, evictions, max_buckets))
+        plans.append(plan_policy(layouts, policy, base, model, evictions, max_buckets, align))
         if progress:
             progress(policy)
     best = min(plans, key=lambda p: p.row.total_seconds)
