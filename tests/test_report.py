@@ -5,17 +5,31 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from dataclasses import replace
 
 import pytest
 
 from attnpolicy.bench.mode_timing import Speedup
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.modelling.simulation import simulate
+from attnpolicy.graphs.costmodel import CostModel, Fit
+from attnpolicy.modelling.bucket_schemes import bucket_scheme
+from attnpolicy.modelling.simulation import simulate, simulate_layouts, simulation_config
 from attnpolicy.report.build import ValidationRow
-from attnpolicy.report.markdown import first_screen, markdown
+from attnpolicy.report.markdown import first_screen, markdown, sizes_text
 from attnpolicy.report.plots import MIB, TT_XLA, Marked, best_rows, plot_bench, plot_hit_rate, plot_sweep
-from attnpolicy.report.recommend import TOLERANCE, plan_bound, simulator_error
+from attnpolicy.report.recommend import (
+    FASTEST,
+    LEANEST,
+    RECOMMENDED,
+    TOLERANCE,
+    Named,
+    explain,
+    plan_bound,
+    recommend,
+    simulator_error,
+)
+from attnpolicy.report.units import human_bytes
 from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request
 
@@ -23,7 +37,7 @@ REQUESTS = [Request(0.0, 40, 3), Request(0.1, 150, 2), Request(0.2, 7, 4), Reque
             Request(0.4, 300, 2), Request(0.5, 64, 3)]
 FORMER = {"max_num_seqs": 3, "max_num_batched_tokens": 256}
 SMALL = ["--limit", "8", "--policies", "dynamic,varlen", "--capacities", "2,inf", "--evictions", "lru,lfu,belady",
-         "--buckets", "pow2", "--bench-lengths", "64", "--bench-repeats", "1", "--validate-requests", "1",
+         "--buckets", "pow2,vllm", "--bench-lengths", "64", "--bench-repeats", "1", "--validate-requests", "1",
          "--kernel-lengths", "64", "--kernel-skip", "flex"]
 MODEL = ["--model", "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
          "--model-lengths", "16,128", "--model-backend", "aot_eager"]
@@ -44,14 +58,15 @@ def test_first_40_lines_hold_the_answer_and_agree_with_the_json(small_report):
     assert data["cost_model_source"].startswith("calibrated now on this machine")  # the default
     top = "\n".join((out / "report.md").read_text().splitlines()[:40])
     assert f"| policy | `{rec['policy']}` |" in top
-    assert f"| buckets | {', '.join(map(str, rec['buckets']))} |" in top
+    assert f"| buckets | {sizes_text(rec['buckets'], ', ')} |" in top
     assert f"| eviction | `{rec['eviction']}` |" in top
     assert f"| warm set | {rec['warm_graphs']} graphs" in top
     assert f"**Predicted total {rec['total_seconds']:.4g} s**" in top
     saving = rec["saving_vs_defaults"]
     assert f"{abs(saving):.0%} {'less' if saving >= 0 else 'more'} than the defaults" in top
     assert f"({rec['default_total_seconds']:.4g} s: varlen" in top
-    assert f"**Peak graph memory {rec['peak_bytes'] / MIB:.0f} MiB**" in top
+    assert f"**Peak graph memory {human_bytes(rec['peak_bytes'])}**" in top
+    assert f"than {rec['base_buckets']} buckets + LRU at the same capacity ({rec['base_lru_total_seconds']:.4g} s)" in top
     err = rec["simulator_error"]
     assert f"compile seconds {err['compile']:+.0%}, total seconds {err['total']:+.0%}" in top
     assert ("WARNING" in top) == (not err["trusted"])
@@ -69,6 +84,86 @@ def test_first_40_lines_hold_the_answer_and_agree_with_the_json(small_report):
     assert rec["total_seconds"] == pytest.approx(
         next(p["total_seconds"] for p in data["plan"] if p["policy"] == rec["policy"]))
     assert rec["total_seconds"] == min(p["total_seconds"] for p in data["plan"])
+
+
+IDENTITY = ("policy", "buckets", "capacity", "max_bytes", "eviction")
+
+
+def _online(rows):
+    return [r for r in rows if r["eviction"] != "belady"]
+
+
+def _fastest_and_leanest(rows):
+    """The fastest online row of a sweep (JSON rows) and its leanest within 10 %, first of equals."""
+    runnable = _online(rows)
+    fastest = min(runnable, key=lambda r: r["total_seconds"])
+    good = [r for r in runnable if r["total_seconds"] <= 1.1 * fastest["total_seconds"]]
+    return fastest, min(good, key=lambda r: (r["peak_bytes"], r["total_seconds"]))
+
+
+def _undominated(rows):
+    """(peak MiB, total s) of the online rows that no other online row beats on one and equals on the other."""
+    runnable = _online(rows)
+    return sorted({(r["peak_bytes"] / MIB, r["total_seconds"]) for r in runnable if not any(
+        (o["peak_bytes"], o["total_seconds"]) != (r["peak_bytes"], r["total_seconds"])
+        and o["peak_bytes"] <= r["peak_bytes"] and o["total_seconds"] <= r["total_seconds"] for o in runnable)})
+
+
+def test_first_screen_names_the_recommendation_the_fastest_and_the_leanest_rows(small_report):
+    out, data, printed = small_report
+    rec = data["recommendation"]
+    fastest, leanest = _fastest_and_leanest(data["sweep"])
+    named = {r["name"]: r for r in data["frontier"]["rows"]}
+    assert list(named) == [RECOMMENDED, FASTEST, LEANEST]
+    for name, row in ((FASTEST, fastest), (LEANEST, leanest)):
+        got = named[name]
+        assert [got[k] for k in IDENTITY] == [row[k] for k in IDENTITY]
+        assert (got["total_seconds"], got["peak_bytes"], got["peak_graphs"], got["distinct_graphs"]) == (
+            row["total_seconds"], row["peak_bytes"], row["peak_graphs"], row["distinct_keys"])
+        assert got["vs_fastest"] == pytest.approx(row["total_seconds"] / fastest["total_seconds"])
+    mine = named[RECOMMENDED]
+    assert (mine["policy"], mine["capacity"], mine["max_bytes"], mine["eviction"], mine["total_seconds"],
+            mine["peak_bytes"]) == (rec["policy"], rec["max_graphs"], rec["max_bytes"], rec["eviction"],
+                                    rec["total_seconds"], rec["peak_bytes"])
+    assert mine["vs_fastest"] == pytest.approx(rec["total_seconds"] / fastest["total_seconds"])
+    # coherent: the plan runs at the leanest good bound and is no slower than the sweep's best row there
+    assert (rec["max_graphs"], rec["max_bytes"]) == (leanest["capacity"], leanest["max_bytes"])
+    at = [r for r in _online(data["sweep"]) if (r["capacity"], r["max_bytes"]) == (rec["max_graphs"], rec["max_bytes"])]
+    assert rec["total_seconds"] <= min(r["total_seconds"] for r in at) * (1 + 1e-9)
+    # the first screen: right after the workload line, before every other table
+    lines = (out / "report.md").read_text().splitlines()
+    assert lines[2].startswith("**Workload:**")
+    head = next(i for i, line in enumerate(lines) if line.startswith("| row | policy | buckets |"))
+    assert head <= 6
+    later = min(i for i, line in enumerate(lines) if line.startswith("| ") and i > head + 4)
+    assert lines[later].startswith("| setting | value |")
+    for i, row in enumerate(named.values()):
+        line = lines[head + 2 + i]
+        assert line.startswith(f"| {row['name']} | `{row['policy']}` | {row['buckets']} |")
+        assert (f"| {row['total_seconds']:.4g} | {row['vs_fastest']:.2f}× | {human_bytes(row['peak_bytes'])} "
+                f"| {row['peak_graphs']} | {row['distinct_graphs']} |") in line
+    why = data["frontier"]["why"]
+    assert (why is None) == (abs(mine["vs_fastest"] - 1) <= 0.005 and mine["peak_bytes"] == leanest["peak_bytes"])
+    if why is not None:
+        assert lines[head + 6] == why
+    for row in named.values():  # the command prints the first screen (rich draws the table)
+        assert f"{row['name']} {row['policy']} {row['buckets']}" in printed
+
+
+def test_frontier_plot_marks_the_three_rows_and_draws_the_pareto_frontier(small_report):
+    _, data, _ = small_report
+    plot = next(p for p in data["plots"] if p["file"] == "frontier.png")
+    assert [m["name"] for m in plot["marks"]] == [RECOMMENDED, FASTEST, LEANEST]
+    for row, mark in zip(data["frontier"]["rows"], plot["marks"]):
+        assert [mark["x"], mark["y"]] == pytest.approx([row["peak_bytes"] / MIB, row["total_seconds"]])
+        assert mark["label"].startswith(f"{row['name']}: {row['policy']}, {row['buckets']}, ")
+        assert f"{row['name']} {row['total_seconds']:.4g} s at {row['peak_bytes'] / MIB:.0f} MiB" in plot["title"]
+    drawn = sorted(map(tuple, plot["frontier"]))
+    expected = _undominated(data["sweep"])
+    assert len(drawn) == len(expected) > 0
+    assert [v for p in drawn for v in p] == pytest.approx([v for p in expected for v in p])
+    hits = next(p for p in data["plots"] if p["file"] == "hit_rate.png")
+    assert [m["name"] for m in hits["marks"]] == [RECOMMENDED, FASTEST, LEANEST]  # no byte bound: all three
 
 
 def test_saved_config_applies_the_recommendation(small_report):
@@ -136,14 +231,21 @@ def test_first_screen_warns_when_the_simulator_is_off():
     rec = {"policy": "varlen", "buckets": [16, 64], "max_graphs": 4, "max_bytes": None, "eviction": "lfu",
            "warm_graphs": 2, "warm_compile_seconds": 0.5, "warm_calls": 9, "calls": 10, "total_seconds": 8.0,
            "peak_bytes": 3 * MIB, "default_total_seconds": 10.0, "default_peak_bytes": 5 * MIB,
-           "pow2_lru_total_seconds": 9.0, "pow2_lru_peak_bytes": 4 * MIB, "config_dir": "r/config",
+           "base_buckets": "pow2", "base_lru_total_seconds": 9.0, "base_lru_peak_bytes": 4 * MIB,
+           "config_dir": "r/config",
            "apply": ["attnpolicy run --config r/config", "ATTNPOLICY_CONFIG=r/config vllm serve MODEL"],
-           "saving_vs_defaults": 0.2, "saving_vs_pow2_lru": 1 - 8 / 9,
+           "saving_vs_defaults": 0.2, "saving_vs_base_lru": 1 - 8 / 9,
            "simulator_error": {"compile": -0.6, "total": 0.1, "trusted": False}}
+    row = {"name": RECOMMENDED, "policy": "varlen", "buckets": "pow2", "capacity": 4, "max_bytes": None,
+           "eviction": "lfu", "total_seconds": 8.0, "vs_fastest": 1.0, "peak_bytes": 3 * MIB, "peak_graphs": 4,
+           "distinct_graphs": 7, "hit_rate": 0.9}
     workload = {"settings": {"trace": "default", "limit": None},
-                "workload": Workload(400, 0, 2173, BatchFormer().knobs).to_json()}
+                "workload": Workload(400, 0, 2173, BatchFormer().knobs).to_json(),
+                "frontier": {"rows": [row, {**row, "name": FASTEST}, {**row, "name": LEANEST}], "why": None}}
     text = "\n".join(first_screen({**workload, "recommendation": rec, "cost_model_source": "built-in"}))
     assert "WARNING" in text and "compile seconds -60%" in text and "20% less than the defaults" in text
+    assert "11% less than pow2 buckets + LRU at the same capacity (9 s)" in text
+    assert "| fastest | `varlen` | pow2 | 4 graphs | `lfu` | 8 | 1.00× | 3 MiB | 4 | 7 |" in text
     assert "attnpolicy calibrate" in text
     assert text.startswith("**Workload:** `default`: 400 requests (400 admitted, 0 rejected) → 2173 batches")
     calibrated = "\n".join(first_screen({**workload, "recommendation": rec, "cost_model_source": "calibrated now"}))
@@ -157,9 +259,12 @@ def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path)
     rows = _sweep()
     per_policy = best_rows(rows, "pow2")
     assert all(len(rs) == 4 for rs in per_policy.values())  # one point per capacity, belady left out
-    mark = Marked(2, None, 1.5, 3.0, 0.8, "varlen, 2 graphs")
-    frontier = plot_sweep(rows, tmp_path / "f.png", mark)
-    assert frontier.marked == (1.5, 3.0) and "recommended: varlen, 2 graphs" in frontier.title
+    mark = Marked(RECOMMENDED, "varlen, 2 graphs", 1.5, 3.0, 2, 2, None, 0.8)
+    frontier = plot_sweep(rows, tmp_path / "f.png", [mark])
+    assert frontier.marked == (1.5, 3.0) and "recommended 3 s at 2 MiB" in frontier.title
+    assert [(p.name, p.label) for p in frontier.marks] == [(RECOMMENDED, "recommended: varlen, 2 graphs")]
+    drawn = [v for p in sorted(frontier.frontier) for v in p]
+    assert drawn == pytest.approx([v for p in _undominated([r.to_json() for r in rows]) for v in p])
     wins = {}
     for cap in (1, 2, 4, None):
         winner = min((r for rs in per_policy.values() for r in rs if r.capacity == cap),
@@ -167,14 +272,14 @@ def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path)
         wins[winner.policy] = wins.get(winner.policy, 0) + 1
     top = max(wins, key=wins.get)
     assert frontier.title.startswith(f"{top} is fastest at {wins[top]} of 4 cache bounds")
-    hits = plot_hit_rate(rows, tmp_path / "h.png", mark)
+    hits = plot_hit_rate(rows, tmp_path / "h.png", [mark])
     assert hits.marked == (1.0, 80.0)  # capacity 2 is the second of 1, 2, 4, ∞
     for policy, rs in per_policy.items():
         by_capacity = sorted(rs, key=lambda r: (r.capacity is None, r.capacity or 0))
         enough = [r.capacity for r in by_capacity if r.hit_rate >= 0.9]
         expected = "never" if not enough else ("∞" if enough[0] is None else str(enough[0]))
         assert f"{policy} {expected}" in hits.title
-    assert plot_hit_rate(rows, tmp_path / "h2.png", Marked(3, None, 1.0, 1.0, 0.5, "x")).marked is None
+    assert plot_hit_rate(rows, tmp_path / "h2.png", [Marked("x", "x", 1.0, 1.0, 3, 3, None, 0.5)]).marked is None
     bench = plot_bench([Speedup(128, 1, "causal", "mask", 1.3), Speedup(1024, 1, "causal", "mask", 2.1),
                         Speedup(128, 4, "varlen", "mask", 1.5)], tmp_path / "b.png")
     assert bench.title.startswith(f"one sequence at L 1024: MASK costs 2.10× causal here, {TT_XLA[1024]:.2f}× on tt-xla")
@@ -201,4 +306,71 @@ def test_report_model_adds_the_whole_model_table_beside_tt_xla(small_report):
 def test_report_model_refuses_a_bad_spec_before_any_work(capsys, tmp_path):
     assert main(["report", "--out", str(tmp_path / "r"), "--model", "qwen3:depth=2", *SMALL]) == 2
     assert "unknown field 'depth'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+LONG = [Request(0.1 * i, n, 2) for i, n in enumerate((1100, 1500, 600, 700, 1030, 530, 2100, 1300))]
+
+
+def _cheap_compiles(scale: float = 1e-3) -> CostModel:
+    """The built-in cost model with compiles ``scale`` times as dear: padding dominates."""
+    model = CostModel.default()
+    return model.model_copy(update={"compile": {
+        f: Fit(base=fit.base * scale, per_cell=fit.per_cell * scale, per_token=fit.per_token * scale)
+        for f, fit in model.compile.items()}})
+
+
+def test_the_plan_is_not_slower_than_the_sweeps_best_row_at_its_bound(tmp_path):
+    """With compiles nearly free, vLLM's fine buckets beat pow2's severalfold; a plan of
+    one-size lists started from pow2 was far above the sweep's best at its bound, and
+    the report said nothing. The plan now starts from the bucket scheme of that row."""
+    model = _cheap_compiles()
+    former = BatchFormer(max_num_seqs=3, max_num_batched_tokens=4096)
+    base = simulation_config(model, former)
+    schemes = [bucket_scheme(b, base.max_seq_len, base.max_batch_tokens) for b in ("pow2", "vllm")]
+    steps = list(former.steps(LONG))
+    rows = simulate_layouts(steps, ["varlen", "dynamic"], [2, None], ["lru", "belady"], base, model, buckets=schemes)
+    rec, _, frontier = recommend(steps, rows, base, model, ["varlen", "dynamic"], ["lru", "belady"], [], tmp_path,
+                                 1, "test", schemes)
+    online = [r for r in rows if r.eviction != "belady"]
+    at = min((r for r in online if (r.capacity, r.max_bytes) == (rec.max_graphs, rec.max_bytes)),
+             key=lambda r: r.total_seconds)
+    pow2 = min((r for r in online if r.buckets == "pow2"), key=lambda r: r.total_seconds)
+    assert at.buckets == "vllm" and pow2.total_seconds > 2 * at.total_seconds  # the case
+    assert rec.total_seconds <= at.total_seconds * (1 + 1e-9)
+    assert rec.total_seconds <= (1 + TOLERANCE) * min(r.total_seconds for r in online)
+    assert rec.base_buckets == "vllm" and frontier.rows[0].buckets == "vllm (kept by the plan)"
+    config = AttnPolicyConfig.load(tmp_path / "config")
+    assert tuple(config.buckets.sizes_up_to(config.max_batch_tokens)) == rec.buckets
+
+
+def test_explain_says_why_the_recommendation_is_not_the_fastest_or_the_leanest_row():
+    rows = _sweep()
+    leanest = next(r for r in rows if (r.policy, r.capacity, r.eviction) == ("varlen", None, "lru"))
+    fastest = replace(leanest, policy="cost-aware", total_seconds=leanest.total_seconds / 2)
+    seed = replace(leanest, buckets="exact", capacity=2, total_seconds=fastest.total_seconds * 2)
+    rec = Named(RECOMMENDED, "varlen", "planned: 16, 64 (2 sizes)", 2, None, "lru", fastest.total_seconds * 3, 3.0,
+                leanest.peak_bytes * 2, 2, 5, 0.9)
+    why = explain(rec, fastest, leanest, seed, ["varlen", "dynamic"], 4)
+    assert why is not None and why.startswith(
+        f"The recommendation is 200% slower than the fastest row ({fastest.total_seconds:.4g} s): ")
+    assert "the fastest row's `cost-aware` decides from the cache state" in why
+    assert "the plan runs at 2 graphs, the leanest bound within 10%" in why and "holds ∞ graphs" in why
+    assert "lists of at most 4 planned sizes" in why and "are 50% slower than the sweep's exact row" in why
+    assert "as exact buckets, one graph per length, are no list a plan can hold" in why
+    assert (f"holds {human_bytes(rec.peak_bytes)} of graphs at peak (2 held, 5 compiled) against the leanest row's "
+            f"{human_bytes(leanest.peak_bytes)}") in why and why.endswith("the plan minimises time at its bound, not memory.")
+    same = replace(rec, total_seconds=fastest.total_seconds, vs_fastest=1.0, peak_bytes=leanest.peak_bytes)
+    assert explain(same, fastest, leanest, seed, ["varlen"], 4) is None  # as fast and as lean: nothing to say
+    faster = explain(replace(same, vs_fastest=0.9, peak_bytes=MIB), fastest, leanest, seed, ["varlen"], 4)
+    assert faster == (f"The recommendation is 10% faster than the fastest row ({fastest.total_seconds:.4g} s): "
+                      f"its planned buckets beat every swept scheme; it holds less: 1 MiB of graphs at peak "
+                      f"(2 held, 5 compiled) against the leanest row's {human_bytes(leanest.peak_bytes)} "
+                      f"({leanest.peak_graphs} held, {leanest.distinct_keys} compiled).")
+
+
+def test_report_refuses_a_sweep_without_a_live_eviction_before_any_work(capsys, tmp_path):
+    assert main(["report", "--out", str(tmp_path / "r"), *SMALL, "--evictions", "belady"]) == 2
+    err = capsys.readouterr().err
+    assert "--evictions" in err and "live eviction" in err and "belady" in err
     assert not (tmp_path / "r").exists()

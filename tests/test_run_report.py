@@ -73,6 +73,13 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
                     "### Bucket schemes side by side", "## 3. Simulator vs real compute"):
         assert section in text
     assert (out / "frontier.png").stat().st_size > 1000 and (out / "bench.png").stat().st_size > 1000
+    # the first screen names the fastest online row of every scheme and policy (cost-aware's included)
+    fastest = min((r for r in data["sweep"] if r["eviction"] != "belady"), key=lambda r: r["total_seconds"])
+    recommended, first, _ = data["frontier"]["rows"]
+    assert (first["buckets"], first["policy"], first["total_seconds"]) == (
+        fastest["buckets"], fastest["policy"], fastest["total_seconds"])
+    assert recommended["policy"] in ("dynamic", "varlen")  # a plan runs stateless policies only
+    assert "| recommended |" in text[:text.index("## 1. Mask vs mask-free")]
 
 
 def test_report_kernel_table_has_a_row_for_a_plugin_kernel(tmp_path, fresh_plugins):

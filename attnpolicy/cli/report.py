@@ -35,6 +35,9 @@ from attnpolicy.modelling.simulation import extrapolation
 from attnpolicy.report import ReportSettings, make_report
 from attnpolicy.report.markdown import first_screen
 
+#: The least width the first screen is printed at (a pipe's default, 80, splits the table's cells).
+WIDTH = 160
+
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
          "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets",
@@ -114,5 +117,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     ran = describe_options(options)
     if ran:
         console.print(f"policy options: {ran}")
-    Console().print(Markdown("\n".join(first_screen(data))))  # the answer, on stdout
+    # the answer, on stdout; wide enough for the first screen's table to keep its cells whole
+    Console(width=max(Console().width, WIDTH)).print(Markdown("\n".join(first_screen(data))))
     return 0

@@ -10,7 +10,8 @@
 4. the simulator checked against real compute on a prefix of the workload:
    predicted vs measured misses and seconds, side by side (``attnpolicy run``);
 5. the recommendation: ``attnpolicy plan`` at the sweep's leanest good bound, its
-   config saved under ``DIR/config`` (:mod:`~attnpolicy.report.recommend`).
+   config saved under ``DIR/config``, named beside the sweep's fastest row and its
+   leanest row within 10 % of it (:mod:`~attnpolicy.report.recommend`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.bench.calibration import CalibrationSettings, calibrate, warm_up
@@ -33,6 +34,7 @@ from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
 from attnpolicy.bench.mode_timing import BenchSettings, run_bench, speedups
 from attnpolicy.bench.model_timing import MODEL_LENGTHS, run_model_bench
 from attnpolicy.bench.replay import run_workload
+from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.names import BACKENDS
 from attnpolicy.errors import ConfigError
@@ -42,8 +44,9 @@ from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.simulation import SimRow, lower_bounds, simulate, simulate_layouts, simulation_config
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
-from attnpolicy.report.plots import MIB, Marked, plot_bench, plot_hit_rate, plot_sweep
-from attnpolicy.report.recommend import Recommendation, recommend
+from attnpolicy.report.plots import Marked, plot_bench, plot_hit_rate, plot_sweep
+from attnpolicy.report.recommend import Named, recommend
+from attnpolicy.report.units import MIB, bound_text
 from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request, load_trace
 
@@ -95,6 +98,14 @@ class ReportSettings:
     #: ``simulate``, ``plan``, ``stalls`` and ``run``).
     former: dict[str, Any] = dataclasses.field(default_factory=dict)
     policy_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @field_validator("evictions")
+    @classmethod
+    def _live(cls, evictions: tuple[str, ...]) -> tuple[str, ...]:
+        if all(e == BELADY for e in evictions):
+            raise ValueError("must hold a live eviction besides belady (the offline bound): the report "
+                             "recommends what a runtime can run")
+        return evictions
 
     @model_validator(mode="after")
     def _former(self) -> ReportSettings:
@@ -254,12 +265,10 @@ def summarize(rows: Sequence[SimRow]) -> list[SummaryRow]:
     return out
 
 
-def marked(rec: Recommendation) -> Marked:
-    """The recommendation as the plots mark it."""
-    bound = ("∞" if rec.max_graphs is None else str(rec.max_graphs)) + " graphs" + (
-        "" if rec.max_bytes is None else f", {rec.max_bytes / MIB:.0f} MiB")
-    return Marked(rec.max_graphs, rec.max_bytes, rec.peak_bytes / MIB, rec.total_seconds, rec.hit_rate,
-                  f"{rec.policy}, {bound}, {rec.eviction}, planned buckets")
+def marked(row: Named) -> Marked:
+    """A first-screen row as the plots mark it."""
+    return Marked(row.name, f"{row.policy}, {row.buckets}, {bound_text(row.capacity, row.max_bytes)}, {row.eviction}",
+                  row.peak_bytes / MIB, row.total_seconds, row.peak_graphs, row.capacity, row.max_bytes, row.hit_rate)
 
 
 def make_report(s: ReportSettings, command: str, progress: Callable[[str], None],
@@ -289,8 +298,8 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
                              max_bytes=s.max_bytes, workers=s.workers)
     validation = validate(model, requests[:s.validate_requests], s, progress)
     workload_name = s.trace + ("" if s.limit is None else f" (first {s.limit} requests)")
-    rec, plan = recommend(steps, sweep, base, model, s.policies, s.evictions, validation, s.out,
-                          s.plan_max_buckets, workload_name, workload)
+    rec, plan, frontier = recommend(steps, sweep, base, model, s.policies, s.evictions, validation, s.out,
+                                    s.plan_max_buckets, workload_name, schemes, workload)
     progress(f"planned {rec.policy}")
     bench_speedups = speedups(bench_rows)
     s.out.mkdir(parents=True, exist_ok=True)
@@ -312,13 +321,14 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
         "bounds": [asdict(b) for b in lower_bounds(sweep)],
         "validation": [asdict(v) for v in validation],
         "recommendation": rec.to_json(),
+        "frontier": frontier.to_json(),
         "plan": [{"policy": p.policy, "buckets": list(p.buckets), "eviction": p.eviction,
                   "total_seconds": p.row.total_seconds, "peak_bytes": p.row.peak_bytes,
-                  "pow2_lru_seconds": p.baseline("lru").total_seconds,
-                  "pow2_belady_seconds": p.baseline("belady").total_seconds} for p in plan.policies],
+                  "base_lru_seconds": p.baseline("lru").total_seconds,
+                  "base_belady_seconds": p.baseline("belady").total_seconds} for p in plan.policies],
     }
-    mark = marked(rec)
-    plots = [plot_sweep(sweep, s.out / "frontier.png", mark), plot_hit_rate(sweep, s.out / "hit_rate.png", mark),
+    marks = [marked(row) for row in frontier.rows]
+    plots = [plot_sweep(sweep, s.out / "frontier.png", marks), plot_hit_rate(sweep, s.out / "hit_rate.png", marks),
              plot_bench(bench_speedups, s.out / "bench.png")]
     data["plots"] = [asdict(p) for p in plots]
     data["seconds"] = time.perf_counter() - start

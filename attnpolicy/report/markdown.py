@@ -1,7 +1,8 @@
 """report.md, rendered from the report's JSON data alone: first the answer (the
-recommended configuration, what it saves, how far to trust it, how to apply it),
-then the measurements, each section opening with its takeaway, then the full sweep
-as an appendix."""
+recommendation beside the sweep's fastest and leanest good rows, the recommended
+configuration, what it saves, how far to trust it, how to apply it), then the
+measurements, each section opening with its takeaway, then the full sweep as an
+appendix."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from attnpolicy.report.plots import TT_XLA
+from attnpolicy.report.units import MIB, bound_text, capacity_text, human_bytes
 from attnpolicy.workloads.batching import Workload
-
-MIB = 2**20
 
 
 def _fmt(v: Any) -> str:
@@ -22,13 +22,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _cap(capacity: int | None) -> str:
-    return "∞" if capacity is None else str(capacity)
-
-
 def _bound(row: dict[str, Any]) -> str:
     nbytes = row.get("max_bytes")
-    return _cap(row["capacity"]) + ("" if nbytes is None else f", {nbytes / MIB:.4g} MiB")
+    return capacity_text(row["capacity"]) + ("" if nbytes is None else f", {nbytes / MIB:.4g} MiB")
 
 
 def _bounds(data: dict[str, Any]) -> list[str]:
@@ -79,10 +75,6 @@ def _err(x: float | None) -> str:
     return "not measured" if x is None else f"{x:+.0%}"
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / MIB:.0f} MiB"
-
-
 def _workload(data: dict[str, Any]) -> str:
     """The workload line: the trace, its requests, rejections and batches, the former's knobs."""
     s = data["settings"]
@@ -90,32 +82,50 @@ def _workload(data: dict[str, Any]) -> str:
     return f"`{s['trace']}`{limit}: {Workload.from_json(data['workload']).describe()}"
 
 
+def frontier_table(data: dict[str, Any]) -> list[str]:
+    """The recommendation, the sweep's fastest row and its leanest row within 10 %,
+    side by side, then the sentence saying why the recommendation is neither."""
+    f = data["frontier"]
+    return [
+        table(("row", "policy", "buckets", "capacity", "eviction", "total s", "× fastest", "graph memory (peak)",
+               "graphs held (peak)", "graphs compiled"),
+              [(r["name"], f"`{r['policy']}`", r["buckets"], bound_text(r["capacity"], r["max_bytes"]),
+                f"`{r['eviction']}`", f"{r['total_seconds']:.4g}", f"{r['vs_fastest']:.2f}×",
+                human_bytes(r["peak_bytes"]), r["peak_graphs"], r["distinct_graphs"]) for r in f["rows"]]),
+        *(["", f["why"]] if f["why"] else []),
+    ]
+
+
 def first_screen(data: dict[str, Any]) -> list[str]:
-    """The answer: the workload, the recommended configuration, its predicted total
-    against the defaults and pow2 + LRU, peak graph memory, the simulator's error here
-    and the commands that apply it (also what ``attnpolicy report`` prints)."""
+    """The answer: the workload, the recommendation beside the sweep's fastest and
+    leanest good rows, the recommended configuration, its predicted total against the
+    defaults and its base buckets + LRU, peak graph memory, the simulator's error
+    here and the commands that apply it (also what ``attnpolicy report`` prints)."""
     r = data["recommendation"]
     err = r["simulator_error"]
-    bound = f"{_cap(r['max_graphs'])} graphs" + ("" if r["max_bytes"] is None else f", {_mib(r['max_bytes'])}")
+    bound = bound_text(r["max_graphs"], r["max_bytes"])
+    base = f"{r['base_buckets']} buckets + LRU at the same capacity"
     why_rejected = data["workload"]["why_rejected"]
     lines = [
         f"**Workload:** {_workload(data)}.", "",
         *([f"> **WARNING: {why_rejected}**: left out of every figure below.", ""] if why_rejected else []),
+        ("**The choice** (the sweep's online rows, simulated; `frontier.png` draws them with the Pareto "
+         "frontier):"), "",
+        *frontier_table(data), "",
         ("**Recommended for this workload on this machine** (`attnpolicy plan` at the leanest cache bound "
-        "within 10 % of the sweep's best total):"), "",
+         "within 10 % of the sweep's best total):"), "",
         "| setting | value |", "|---|---|",
         f"| policy | `{r['policy']}` |",
-        f"| buckets | {', '.join(map(str, r['buckets']))} |",
+        f"| buckets | {sizes_text(r['buckets'], ', ')} |",
         f"| capacity | {bound} |",
         f"| eviction | `{r['eviction']}` |",
         (f"| warm set | {r['warm_graphs']} graphs compiled at start ({r['warm_compile_seconds']:.3g} modelled "
          f"compile s), serving {r['warm_calls']} of {r['calls']} calls |"), "",
         (f"**Predicted total {r['total_seconds']:.4g} s**: {_pct(r['saving_vs_defaults'])} than the defaults "
          f"({r['default_total_seconds']:.4g} s: varlen, pow2 buckets, unbounded, LRU) and "
-         f"{_pct(r['saving_vs_pow2_lru'])} than pow2 + LRU at the same capacity "
-         f"({r['pow2_lru_total_seconds']:.4g} s)."), "",
-        (f"**Peak graph memory {_mib(r['peak_bytes'])}** (defaults: {_mib(r['default_peak_bytes'])}; "
-         f"pow2 + LRU at the same capacity: {_mib(r['pow2_lru_peak_bytes'])})."), "",
+         f"{_pct(r['saving_vs_base_lru'])} than {base} ({r['base_lru_total_seconds']:.4g} s)."), "",
+        (f"**Peak graph memory {human_bytes(r['peak_bytes'])}** (defaults: {human_bytes(r['default_peak_bytes'])}; "
+         f"{base}: {human_bytes(r['base_lru_peak_bytes'])})."), "",
         (f"**Simulator error on this machine** (predicted / measured − 1, section 3): compile seconds "
          f"{_err(err['compile'])}, total seconds {_err(err['total'])}."),
     ]
@@ -139,6 +149,12 @@ def _kernel_takeaway(rows: Sequence[dict[str, Any]]) -> str:
             best[r["family"]] = r
     return "Fastest per family: " + ", ".join(f"{f} `{r['impl']}` ({r['vs_loop']:.2f}× the loop)"
                                                for f, r in best.items()) + "."
+
+
+def sizes_text(sizes: Sequence[int], sep: str = ",") -> str:
+    """A bucket list, shortened past 12 sizes (a scheme kept by the plan can hold hundreds)."""
+    shown = sizes if len(sizes) <= 12 else [*sizes[:6], "…", *sizes[-2:]]
+    return sep.join(map(str, shown)) + ("" if len(sizes) <= 12 else f" ({len(sizes)} sizes)")
 
 
 def _plot_title(data: dict[str, Any], name: str) -> str:
@@ -224,7 +240,7 @@ def markdown(data: dict[str, Any]) -> str:
         ("### Best policy per capacity (first bucket scheme, best online eviction; belady = offline bound "
          "on misses)"), "",
         table(("capacity", "best policy", "total s", "cost-aware vs best fixed policy"),
-              [(_cap(c["capacity"]), c["best_policy"], c["total_seconds"], c["vs_best_fixed"])
+              [(capacity_text(c["capacity"]), c["best_policy"], c["total_seconds"], c["vs_best_fixed"])
                for c in data["summary"]]), "",
         *_bounds(data), "",
         "## 3. Simulator vs real compute (same prefix, config and batches)", "",
@@ -239,13 +255,14 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{v['predicted_total_seconds']:.3g} / {v['measured_total_seconds']:.3g}",
                 v["max_abs_err"]) for v in data["validation"]]), "",
         "## 4. The plan per policy (attnpolicy plan)", "",
-        (f"**Takeaway:** `{rec['policy']}` with planned buckets takes {_pct(rec['saving_vs_pow2_lru'])} time than "
-         f"pow2 + LRU at {_cap(rec['max_graphs'])} graphs. The full plan (warm set, candidates) is "
+        (f"**Takeaway:** `{rec['policy']}` with the plan's buckets takes {_pct(rec['saving_vs_base_lru'])} time "
+         f"than {rec['base_buckets']} buckets + LRU at {bound_text(rec['max_graphs'], rec['max_bytes'])} (the plan "
+         f"tries those buckets beside its own lists). The full plan (warm set, candidates) is "
          f"`{rec['config_dir']}/plan.md`."), "",
-        table(("policy", "planned buckets", "eviction", "plan total s", "peak MiB", "pow2 + lru s",
-               "pow2 + belady s"),
-              [(p["policy"], ",".join(map(str, p["buckets"])), p["eviction"], p["total_seconds"],
-                p["peak_bytes"] / MIB, p["pow2_lru_seconds"], p["pow2_belady_seconds"]) for p in data["plan"]]), "",
+        table(("policy", "planned buckets", "eviction", "plan total s", "peak MiB", f"{rec['base_buckets']} + lru s",
+               f"{rec['base_buckets']} + belady s"),
+              [(p["policy"], sizes_text(p["buckets"]), p["eviction"], p["total_seconds"],
+                p["peak_bytes"] / MIB, p["base_lru_seconds"], p["base_belady_seconds"]) for p in data["plan"]]), "",
         "## Appendix: every sweep row", "",
         ("Bound = max graphs (∞: unbounded), max bytes. Modes c/m/v: batches run causal / mask / varlen."), "",
         table(("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s", "attention s",

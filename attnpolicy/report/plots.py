@@ -1,13 +1,15 @@
 """The report's plots, each titled with what it shows (computed from the data):
-the memory-vs-time frontier of a sweep per policy at its best bucket scheme (also
-drawn by ``attnpolicy simulate --plot``), the graph-cache hit rate against the
-capacity, and the bench ratios next to tt-xla's. Each returns a :class:`Plot`
-holding the data coordinates of the point it marks (the recommendation)."""
+the memory-vs-time plane of a sweep with its Pareto frontier, per policy at its
+best bucket scheme (also drawn by ``attnpolicy simulate --plot``), the graph-cache
+hit rate against the capacity, and the bench ratios next to tt-xla's. Each returns
+a :class:`Plot` holding, read back from the drawn artists, the data coordinates
+and labels of the rows it marks (the recommendation, the fastest and the leanest
+good row) and the frontier it draws."""
 
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,36 +17,58 @@ from typing import Any
 from attnpolicy.bench.mode_timing import Speedup
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.modelling.simulation import SimRow
+from attnpolicy.report.units import MIB, capacity_text
 
 #: tt-xla (Tenstorrent's XLA compiler), 1 sequence: masked / mask-free time on their
 #: accelerator, as published in their issue tracker (tenstorrent/tt-xla#1784).
 TT_XLA = {128: 1.12, 1024: 1.26, 4096: 1.50, 16384: 1.82}
 #: The hit rate a capacity must reach to count as enough in the hit-rate plot's title.
 ENOUGH_HITS = 0.9
-MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Point:
+    """A marked point as drawn: its name, its legend label and its data coordinates."""
+
+    name: str
+    label: str
+    x: float
+    y: float
 
 
 @dataclass(frozen=True)
 class Plot:
-    """A drawn PNG: its file name, its title, and the data coordinates ``(x, y)`` of
-    the recommendation it marks (``None``: nothing marked)."""
+    """A drawn PNG: its file name, its title, the data coordinates ``(x, y)`` of the
+    first mark (the recommendation; ``None``: nothing marked), every mark drawn, and
+    the Pareto frontier's points (the frontier plot only)."""
 
     file: str
     title: str
     marked: tuple[float, float] | None = None
+    marks: tuple[Point, ...] = ()
+    frontier: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class Marked:
-    """The recommendation as the plots mark it: its bound, peak MiB, total seconds and
-    hit rate, and a short label."""
+    """A row as the plots mark it: its name, a short label, peak graph MiB, total
+    seconds, the most graphs it held, and its bound and hit rate (the hit-rate plot
+    marks it at its capacity when it has no byte bound)."""
 
-    capacity: int | None
-    max_bytes: int | None
+    name: str
+    label: str
     peak_mib: float
     total_seconds: float
-    hit_rate: float
-    label: str
+    graphs: int | None = None
+    capacity: int | None = None
+    max_bytes: int | None = None
+    hit_rate: float | None = None
+
+
+#: Marker and colour of the 1st, 2nd and 3rd mark (the recommendation, the fastest
+#: row, the leanest good row), and of any further one.
+STYLES = (("*", "black", 16), ("^", "tab:red", 11), ("D", "tab:green", 9))
+OTHER_STYLE = ("X", "tab:purple", 9)
 
 
 def _pyplot() -> Any:
@@ -77,12 +101,9 @@ def best_rows(rows: Sequence[SimRow], scheme: str) -> dict[str, list[SimRow]]:
     return {p: sorted(rs, key=lambda r: (r.peak_bytes, r.total_seconds)) for p, rs in out.items()}
 
 
-def _cap(capacity: int | None) -> str:
-    return "∞" if capacity is None else str(capacity)
-
-
 def _label(row: SimRow) -> str:
-    return _cap(row.capacity) if row.max_bytes is None else f"{_cap(row.capacity)}/{row.max_bytes / MIB:.0f}M"
+    cap = capacity_text(row.capacity)
+    return cap if row.max_bytes is None else f"{cap}/{row.max_bytes / MIB:.0f}M"
 
 
 def _log(axis: Any, set_scale: Any) -> None:
@@ -100,6 +121,39 @@ def _spread(values: Sequence[float]) -> bool:
     return bool(pos) and max(pos) > 10 * min(pos)
 
 
+def pareto(rows: Sequence[SimRow]) -> list[SimRow]:
+    """The online rows no other online row beats on both peak graph bytes and total
+    seconds (of equal peaks the fastest, first of equals), by peak bytes."""
+    out: list[SimRow] = []
+    for r in sorted((r for r in rows if r.eviction != BELADY), key=lambda r: (r.peak_bytes, r.total_seconds)):
+        if not out or r.total_seconds < out[-1].total_seconds:
+            if out and out[-1].peak_bytes == r.peak_bytes:
+                continue
+            out.append(r)
+    return out
+
+
+def _mark(ax: Any, marks: Sequence[Marked], at: Callable[[Marked], tuple[float, float] | None]) -> list[Point]:
+    """Draw ``marks`` where ``at`` puts them (``None``: not on this plot), each
+    labelled beside it; returns what the artists hold."""
+    points = []
+    for i, m in enumerate(marks):
+        xy = at(m)
+        if xy is None:
+            continue
+        marker, color, size = STYLES[i] if i < len(STYLES) else OTHER_STYLE
+        (artist,) = ax.plot(*xy, marker=marker, markersize=size, color=color, linestyle="none",
+                            label=f"{m.name}: {m.label}", zorder=5)
+        held = "" if m.graphs is None else f", {m.graphs} graphs held"
+        ax.annotate(f"{m.name}: {m.total_seconds:.4g} s, {m.peak_mib:.0f} MiB{held}", xy, fontsize=8,
+                    color=color, xytext=(0.98, 0.96 - 0.07 * i), textcoords="axes fraction", ha="right", va="top",
+                    bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": color, "alpha": 0.9},
+                    arrowprops={"arrowstyle": "->", "color": color, "linewidth": 0.8}, zorder=6)
+        x, y = artist.get_xdata()[0], artist.get_ydata()[0]
+        points.append(Point(m.name, str(artist.get_label()), float(x), float(y)))
+    return points
+
+
 def frontier_finding(per_policy: dict[str, list[SimRow]], scheme: str) -> str:
     """Which policy has the lowest total at most of the bounds swept."""
     bounds: dict[tuple[int | None, int | None], SimRow] = {}
@@ -115,32 +169,34 @@ def frontier_finding(per_policy: dict[str, list[SimRow]], scheme: str) -> str:
     return f"{winner} is fastest at {wins[winner]} of {len(bounds)} cache bounds ({scheme} buckets)"
 
 
-def plot_sweep(rows: Sequence[SimRow], path: str | Path, marked: Marked | None = None) -> Plot:
-    """Peak graph MiB (x) vs total seconds (y): one line per policy at the best bucket
-    scheme, through its best online eviction at each bound (points labelled by
-    capacity); ``marked``: the recommendation, a star."""
+def plot_sweep(rows: Sequence[SimRow], path: str | Path, marks: Sequence[Marked] = ()) -> Plot:
+    """Peak graph MiB (x) vs total seconds (y): every online row (grey), the Pareto
+    frontier over them (dashed), one line per policy at the best bucket scheme through
+    its best online eviction at each bound (points labelled by capacity), and
+    ``marks`` (the recommendation first), each named beside its point."""
     plt = _pyplot()
     scheme = best_scheme(rows)
     per_policy = best_rows(rows, scheme)
     title = frontier_finding(per_policy, scheme)
-    fig, ax = plt.subplots(figsize=(8.5, 5.4))
-    xs, ys = [], []
+    fig, ax = plt.subplots(figsize=(8.5, 5.8))
+    runnable = [r for r in rows if r.eviction != BELADY]
+    xs, ys = [r.peak_bytes / MIB for r in runnable], [r.total_seconds for r in runnable]
+    ax.plot(xs, ys, marker=".", linestyle="none", color="lightgrey", label="every online row", zorder=1)
     for policy, rs in per_policy.items():
         x, y = [r.peak_bytes / MIB for r in rs], [r.total_seconds for r in rs]
-        xs += x
-        ys += y
-        (line,) = ax.plot(x, y, marker="o", label=policy)
+        (line,) = ax.plot(x, y, marker="o", markersize=4, linewidth=1, label=f"{policy} ({scheme})", zorder=2)
         for r, xi, yi in zip(rs, x, y):
             ax.annotate(_label(r), (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points",
                         color=line.get_color())
-    point = None
-    if marked is not None:
-        point = (marked.peak_mib, marked.total_seconds)
-        xs.append(point[0])
-        ys.append(point[1])
-        ax.plot(*point, marker="*", markersize=16, color="black", linestyle="none",
-                label=f"recommended: {marked.label}")
-        title += f"; recommended: {marked.label}, {marked.total_seconds:.3g} s at {marked.peak_mib:.0f} MiB"
+    edge = pareto(rows)
+    (front,) = ax.plot([r.peak_bytes / MIB for r in edge], [r.total_seconds for r in edge], drawstyle="steps-post",
+                       linestyle="--", color="black", linewidth=1, label="Pareto frontier of the online rows",
+                       zorder=3)
+    points = _mark(ax, marks, lambda m: (m.peak_mib, m.total_seconds))
+    xs += [p.x for p in points]
+    ys += [p.y for p in points]
+    if points:
+        title += "; " + ", ".join(f"{p.name} {p.y:.4g} s at {p.x:.0f} MiB" for p in points)
     if _spread(xs):
         _log(ax.xaxis, ax.set_xscale)
     if _spread(ys):
@@ -149,14 +205,16 @@ def plot_sweep(rows: Sequence[SimRow], path: str | Path, marked: Marked | None =
     ax.set_xlabel("peak graph MiB held (labels: max graphs)")
     ax.set_ylabel("total seconds (attention + compiles)")
     ax.grid(True, which="both", alpha=0.3)
-    _legend(ax)
-    return _save(fig, plt, path, title, point)
+    _legend(ax, ncol=2)
+    drawn = tuple((float(x), float(y)) for x, y in zip(front.get_xdata(), front.get_ydata()))
+    return _save(fig, plt, path, title, points, drawn)
 
 
-def plot_hit_rate(rows: Sequence[SimRow], path: str | Path, marked: Marked | None = None) -> Plot:
+def plot_hit_rate(rows: Sequence[SimRow], path: str | Path, marks: Sequence[Marked] = ()) -> Plot:
     """Graph-cache hit rate (y) against the capacity (x, evenly spaced, ∞ last): one
     line per policy at the best bucket scheme, its best online eviction at each
-    capacity (rows without a byte bound); ``marked``: the recommendation."""
+    capacity (rows without a byte bound); ``marks`` (the recommendation first) at
+    their capacity, those without a byte bound."""
     plt = _pyplot()
     scheme = best_scheme(rows)
     caps = sorted({r.capacity for r in rows if r.max_bytes is None}, key=lambda c: (c is None, c or 0))
@@ -167,22 +225,19 @@ def plot_hit_rate(rows: Sequence[SimRow], path: str | Path, marked: Marked | Non
         pts = sorted(((pos[r.capacity], r.hit_rate, r.capacity) for r in rs), key=lambda p: p[0])
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=policy)
         enough = [p[2] for p in pts if p[1] >= ENOUGH_HITS]
-        reached.append(f"{policy} {_cap(enough[0])}" if enough else f"{policy} never")
+        reached.append(f"{policy} {capacity_text(enough[0])}" if enough else f"{policy} never")
     title = f"graphs needed for {ENOUGH_HITS:.0%} hits ({scheme} buckets): " + ", ".join(reached)
-    point = None
-    if marked is not None and marked.max_bytes is None and marked.capacity in pos:
-        point = (float(pos[marked.capacity]), 100 * marked.hit_rate)
-        ax.plot(*point, marker="*", markersize=16, color="black", linestyle="none",
-                label=f"recommended: {marked.label}")
+    points = _mark(ax, marks, lambda m: None if m.max_bytes is not None or m.capacity not in pos
+                   or m.hit_rate is None else (float(pos[m.capacity]), 100 * m.hit_rate))
     ax.axhline(100 * ENOUGH_HITS, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xticks(range(len(caps)), [_cap(c) for c in caps])
+    ax.set_xticks(range(len(caps)), [capacity_text(c) for c in caps])
     ax.set_xlabel("graph-cache capacity (max graphs)")
     ax.set_ylabel("hit rate %")
     ax.set_ylim(0, 102)
     ax.set_title(textwrap.fill(title, 90), fontsize=10)
     ax.grid(True, alpha=0.3)
     _legend(ax)
-    return _save(fig, plt, path, title, point)
+    return _save(fig, plt, path, title, points)
 
 
 def mask_ratios(speedups: Sequence[Speedup], num_seqs: int) -> list[tuple[int, float]]:
@@ -223,18 +278,19 @@ def plot_bench(speedups: Sequence[Speedup], path: str | Path) -> Plot:
     ax.set_title(textwrap.fill(title, 90), fontsize=10)
     _legend(ax)
     ax.grid(True, alpha=0.3)
-    return _save(fig, plt, path, title, None)
+    return _save(fig, plt, path, title, [])
 
 
-def _legend(ax: Any) -> None:
+def _legend(ax: Any, ncol: int = 3) -> None:
     """The legend below the axes, where it covers no data."""
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=ncol, frameon=False)
 
 
-def _save(fig: Any, plt: Any, path: str | Path, title: str, marked: tuple[float, float] | None) -> Plot:
+def _save(fig: Any, plt: Any, path: str | Path, title: str, points: Sequence[Point],
+          frontier: tuple[tuple[float, float], ...] = ()) -> Plot:
     path = Path(path)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return Plot(path.name, title, marked)
+    return Plot(path.name, title, (points[0].x, points[0].y) if points else None, tuple(points), frontier)
