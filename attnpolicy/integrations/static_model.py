@@ -58,7 +58,7 @@ from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.dispatch.graph_source import after_warm_up, warn_loaded
 from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
 from attnpolicy.graphs import aot, backend_setup
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
+from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.model_background import BackgroundStats, ModelBackground
 from attnpolicy.kernels.attention import bind
@@ -416,7 +416,8 @@ class StaticModelRunner:
         valid); no runner state touched: also runs in the background worker."""
         if self.store is None or not self._stored(key):
             return None
-        loaded = self.store.load(self._identity(key), aot.load_graph)
+        with compile_lock():  # taken before the store's file lock, as by every load and save
+            loaded = self.store.load(self._identity(key), aot.load_graph)
         return None if loaded is None else self._aot_graph(loaded, key)
 
     def _compiled(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
@@ -427,9 +428,9 @@ class StaticModelRunner:
             return compile_graph(self.forward(key), self.config.backend, counter=self._counter,
                                  example_inputs=inputs)
         fn = _FORWARDS[key.mode]
-        with torch.no_grad():
+        with torch.no_grad(), compile_lock():
             compiled = aot.aot_compile_graph(fn, key.backend, (*self._bound(key), *inputs))
-        self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+            self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
         return self._aot_graph(compiled, key)
 
     def build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
