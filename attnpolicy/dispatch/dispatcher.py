@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,7 +42,10 @@ class Dispatcher:
     ``[q_tokens, Hq, D]`` (padding rows zero): it is ``prepare(layout, spec).run(q, k, v)``.
     Decisions and graph keys are a pure function of the layout, the config and the
     sequence of earlier calls, so tensor-parallel ranks replaying the same batches
-    agree. Not thread-safe (its graph cache is): use one per thread, or lock around it.
+    agree. Threads may share one: each call holds the dispatcher's lock, so one batch runs
+    at a time (for attention in parallel, one dispatcher per thread, sharing a ``store_dir``);
+    a batch a caller runs itself, from :meth:`prepare` to :meth:`release_batch`, is the
+    caller's to keep to one thread.
 
     Everything it keeps is its own and bounded: graphs (``max_graphs``, ``max_bytes``),
     dense masks (``max_mask_bytes``), small mask tensors, and memos of plans, steps,
@@ -92,6 +96,7 @@ class Dispatcher:
         self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
         self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
         self._batch: list[Step] = []  # the steps prepared since the last prepare without a decision
+        self._lock = threading.RLock()  # held by every public call: one batch at a time
 
     # -- the front door -----------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -108,11 +113,12 @@ class Dispatcher:
         else:
             sinks = graph_sinks(sinks, q)
             feats = Features(window, softcap, True)
-        step = self.prepare(layout, self._spec_of(q, k, scale, feats))
-        try:
-            return step.run(q, k, v, sinks, checked=True)
-        finally:
-            self.source.release()
+        with self._lock:
+            step = self._prepare(layout, self._spec_of(q, k, scale, feats), None)
+            try:
+                return step.run(q, k, v, sinks, checked=True)
+            finally:
+                self.source.release()
 
     def prepare(self, layout: BatchLayout, spec: TensorSpec, decision: Decision | None = None) -> Step:
         """Decide, plan and fetch (or compile) the graphs of ``layout``: everything
@@ -122,6 +128,10 @@ class Dispatcher:
         ``decision``: plan ``layout`` in an already taken decision instead (e.g. a layer
         with another tensor spec in the same step): no policy is asked, and the graphs
         are pinned with those of the batch prepared before."""
+        with self._lock:
+            return self._prepare(layout, spec, decision)
+
+    def _prepare(self, layout: BatchLayout, spec: TensorSpec, decision: Decision | None) -> Step:
         if decision is not None:
             step = self._step_of(layout, spec, decision)
             self._batch.append(step)
@@ -157,7 +167,8 @@ class Dispatcher:
 
     def release_batch(self) -> None:
         """Unpin the graphs of the batch last prepared (it has run)."""
-        self.source.release()
+        with self._lock:
+            self.source.release()
 
     def _step_of(self, layout: BatchLayout, spec: TensorSpec, decision: Decision) -> Step:
         """The step of ``decision`` for ``layout``: the one kept for its mode if it was
@@ -225,22 +236,26 @@ class Dispatcher:
         """The decision that runs for ``layout`` on tensors of ``spec`` (after the guard).
         A real decision: a stateful policy advances and ``attnpolicy_on_decision`` fires
         (``prepare`` calls it once per batch)."""
-        return self.guard.decide(layout, self.context_for(spec))
+        with self._lock:
+            return self.guard.decide(layout, self.context_for(spec))
 
     def preview(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
         """The decision a batch of ``layout`` on tensors of ``spec`` would get now, with
         no side effect: no policy state advances, no hook fires, nothing is counted
         (:meth:`Guard.preview <attnpolicy.policies.guard.Guard.preview>`)."""
-        return self.guard.preview(layout, self.context_for(spec))
+        with self._lock:
+            return self.guard.preview(layout, self.context_for(spec))
 
     def context_for(self, spec: TensorSpec) -> PolicyContext:
         """The policy context of calls on tensors of ``spec`` (one kept per spec)."""
-        return self.planner.context(spec, self.cache.__contains__, self._cost_model)
+        with self._lock:
+            return self.planner.context(spec, self.cache.__contains__, self._cost_model)
 
     def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec) -> tuple[GraphKey, ...]:
         """The graph keys a batch of ``layout`` would use now (from :meth:`preview`: no
         side effect, so any rank may call it any number of times)."""
-        return self.context_for(spec).keys_for(layout, self.preview(layout, spec).mode)
+        with self._lock:
+            return self.context_for(spec).keys_for(layout, self.preview(layout, spec).mode)
 
     # -- warm-up and background compiles ------------------------------------------------
     def warmup(self, layouts: Iterable[BatchLayout] | TensorSpec,
@@ -255,29 +270,36 @@ class Dispatcher:
 
         :meth:`attend` warms the config's warm set itself the first time it sees a
         spec; runtimes that call :meth:`prepare` call ``warmup(spec)`` at first use."""
+        batches: Iterable[BatchLayout] = ()
         if isinstance(layouts, TensorSpec):
-            return self.warm_sets.warm((), layouts, self.preview)
-        if spec is None:
+            spec = layouts
+        elif spec is None:
             raise TypeError("warmup needs the tensor spec of the graphs: warmup(spec) or warmup(layouts, spec)")
-        return self.warm_sets.warm(layouts, spec, self.preview)
+        else:
+            batches = layouts
+        with self._lock:
+            return self.warm_sets.warm(batches, spec, self.preview)
 
     def switch_to(self, config: AttnPolicyConfig, specs: Iterable[TensorSpec] | None = None) -> tuple[GraphKey, ...]:
         """Switch to the re-planned ``config``, checked now, at the first batch once its warm set
         is built in the background for ``specs`` (default: those served); returns the keys being
         built. See :mod:`~attnpolicy.dispatch.switch`."""
-        return self.switcher.request(self, config, specs)
+        with self._lock:
+            return self.switcher.request(self, config, specs)
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``, in request
         order (batches are numbered from 1 by :meth:`prepare`)."""
-        return () if self.background is None else tuple((k, p.due) for k, p in self.background.pending.items())
+        with self._lock:
+            return () if self.background is None else tuple((k, p.due) for k, p in self.background.pending.items())
 
     def close(self) -> None:
         """Stop the background worker (waiting for its compile), drop pending compiles;
         a new miss starts a new worker. Also on ``with Dispatcher(...)`` exit."""
-        if self.background is not None:
-            self.background.close()
-        self.switcher.close(self)
+        with self._lock:
+            if self.background is not None:
+                self.background.close()
+            self.switcher.close(self)
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -293,6 +315,10 @@ class Dispatcher:
 
     def stats(self) -> DispatcherStats:
         """Counters of this dispatcher, its graph cache and its masks (see docs/cache.md)."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> DispatcherStats:
         bg, blocks = self.background, self.block_masks
         return self.counters.snapshot(
             self.config, guard_fallbacks=self.guard.fallbacks, observer_errors=dict(self.observers.errors),

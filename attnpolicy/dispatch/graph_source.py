@@ -24,7 +24,7 @@ from attnpolicy.dispatch.batch_plan import Planned
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import ConfigError, GraphCompileError, KernelError, StrictModeError
 from attnpolicy.graphs import aot
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
+from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
 from attnpolicy.graphs.execute import GraphFn, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.footprint import graph_bytes
@@ -223,7 +223,8 @@ class GraphSource:
         """The graph of stored ``key`` from the store (``None``: not there or not valid);
         no dispatcher state touched: also runs in the background worker."""
         assert self.store is not None  # only stored keys are loaded
-        loaded = self.store.load(self.identity(key), aot.load_graph)
+        with compile_lock():  # taken before the store's file lock, as by every load and save
+            loaded = self.store.load(self.identity(key), aot.load_graph)
         return None if loaded is None else _aot_graph(loaded, key.backend)
 
     def stored(self, key: GraphKey) -> bool:
@@ -272,8 +273,9 @@ class GraphSource:
         if self.store is not None and self._storable(key):
             code, why = code_hash_of(key.impl)
             if code is not None:  # compiled ahead of time, saved for the next miss
-                compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec))
-                self.store.save(self.identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+                with compile_lock():
+                    compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec))
+                    self.store.save(self.identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
                 return _aot_graph(compiled, key.backend)
             self.store.refuse(f"kernel {key.impl!r}", why)
         if self._host_varlen and key.family is GraphFamily.VARLEN:  # the host's kernel runs it: lazy

@@ -11,6 +11,9 @@ does): Dynamo's ``ID_MATCH`` guards on globals cannot be serialized, and whateve
 the guards would check (shapes, strides, dtype, device) is pinned by the graph key
 the artifact is stored under. A loaded graph must therefore only be called with
 inputs of its key's shapes and strides.
+
+Each function here holds :func:`~attnpolicy.graphs.compile.compile_lock`: torch's
+ahead-of-time compile and load are not safe from several threads at once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from attnpolicy.core.names import BACKENDS
 from attnpolicy.errors import ConfigError, GraphCompileError
+from attnpolicy.graphs.compile import compile_lock
 
 MECHANISM = "aot_compile"
 SUFFIX = ".aot"
@@ -35,11 +39,12 @@ def aot_compile_graph(fn: Callable[..., Any], backend: str, example_inputs: tupl
         raise ConfigError(f"backend must be one of {', '.join(b for b in BACKENDS if b != 'none')} "
                           f"to compile ahead of time, got {backend!r}")
     try:
-        with torch._dynamo.config.patch(enable_aot_compile=True):
-            compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
-                                     options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
-        with torch.no_grad():
-            return compiled.aot_compile((example_inputs, {}))  # type: ignore[attr-defined]
+        with compile_lock():
+            with torch._dynamo.config.patch(enable_aot_compile=True):
+                compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
+                                         options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+            with torch.no_grad():
+                return compiled.aot_compile((example_inputs, {}))  # type: ignore[attr-defined]
     except Exception as e:
         raise GraphCompileError(f"aot_compile of {getattr(fn, '__qualname__', fn)!r} with backend "
                                 f"{backend!r} failed: {type(e).__name__}: {e}") from e
@@ -47,13 +52,14 @@ def aot_compile_graph(fn: Callable[..., Any], backend: str, example_inputs: tupl
 
 def save_graph(compiled: Any, path: Path) -> None:
     """Write ``compiled`` (from :func:`aot_compile_graph`) to ``path``: a store writer."""
-    compiled.save_compiled_function(str(path))
+    with compile_lock():
+        compiled.save_compiled_function(str(path))
 
 
 def load_graph(path: Path) -> Callable[..., Any]:
     """The graph saved at ``path``, ready to call: a store reader. Its (empty) guard
     check is switched off: nothing is checked per call, as when it was compiled."""
-    with path.open("rb") as f:
+    with compile_lock(), path.open("rb") as f:
         graph = torch.compiler.load_compiled_function(f)
-    graph.disable_guard_check()  # type: ignore[attr-defined]
+        graph.disable_guard_check()  # type: ignore[attr-defined]
     return graph

@@ -12,6 +12,9 @@ of more than 8 shapes of one attention function would silently stop compiling.
 object, so each graph owns its Dynamo cache entries: 20 keys are 20 real
 compiles, and :func:`release_graph` frees exactly one graph's compiled code with
 ``torch._dynamo.reset_code``.
+
+Every compile, ahead-of-time save and load of this package holds :func:`compile_lock`,
+torch's own process-wide compile lock: torch's tracing keeps process-global state.
 """
 
 from __future__ import annotations
@@ -65,6 +68,20 @@ class CompiledGraph:
     def __repr__(self) -> str:
         name = getattr(self.code, "co_name", getattr(self._dynamo, "__name__", "?"))
         return f"CompiledGraph({name}, backend={self.backend!r}, direct={self.direct})"
+
+
+def compile_lock() -> contextlib.AbstractContextManager[Any]:
+    """Torch's process-wide compile lock (Dynamo's re-entrant ``convert_frame.compile_lock``,
+    which Dynamo holds while it compiles a frame). Torch's ahead-of-time compile, save and
+    load do not take it, yet their tracing uses process-global state (``torch.fx``'s
+    ``CURRENT_PATCHER``, inductor's and functorch's patched configs): two threads compiling
+    at once failed. Held around each of them here (and around the store I/O of a load or
+    save, taken before the store's file lock), they run one at a time in the process, and
+    never beside another thread's lazy Dynamo compile."""
+    from torch._dynamo import convert_frame
+
+    lock: contextlib.AbstractContextManager[Any] = convert_frame.compile_lock
+    return lock
 
 
 def _fresh_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -252,7 +269,7 @@ def compile_graph(
     graph = CompiledGraph(compiled, _code_of(fresh), backend)
     graph._capture = box
     if example_inputs is not None:
-        with torch.no_grad():
+        with torch.no_grad(), compile_lock():  # the config patch is process-wide too
             with _codegen_options(backend):
                 compiled(*example_inputs)
             direct = _direct(box, backend, _argnames(fresh))
@@ -273,4 +290,5 @@ def release_graph(graph: CompiledGraph) -> None:
     """
     graph._drop_direct()
     if graph.code is not None:
-        torch._dynamo.reset_code(graph.code)  # type: ignore[attr-defined]
+        with compile_lock():  # as Dynamo's own reset_code_caches
+            torch._dynamo.reset_code(graph.code)  # type: ignore[attr-defined]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -58,7 +59,7 @@ from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.dispatch.graph_source import after_warm_up, warn_loaded
 from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
 from attnpolicy.graphs import aot, backend_setup
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph, release_graph
+from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.model_background import BackgroundStats, ModelBackground
 from attnpolicy.kernels.attention import bind
@@ -209,9 +210,12 @@ class StaticModelRunner:
 
     ``logits(token_ids, layout)`` returns ``[layout.q_tokens, vocab]`` (padding rows
     zero); ``run`` does the same in a given mode; ``prepare`` and ``graph_for`` are its
-    two halves (key and inputs, then the cached graph). The runner is not thread-safe
-    (its cache is). The policy decides in a context holding the config and the attention
-    tensor spec; it sees no graph keys (no model-level cost model is given to it).
+    two halves (key and inputs, then the cached graph). Threads may share a runner: its
+    decisions, counters and (``compile_mode="background"``) pending compiles are kept under
+    one lock, held while a batch's graph is chosen (and a due background compile is waited
+    for), never while a graph compiles synchronously or runs. The policy decides in a context
+    holding the config and the attention tensor spec; it sees no graph keys (no model-level
+    cost model is given to it).
     """
 
     def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig | None = None, *,
@@ -242,6 +246,7 @@ class StaticModelRunner:
         self._memory: list[GraphMemory] = []
         self._modes: Counter[str] = Counter()
         self._batches = self._strict_violations = self._loaded_after_warmup = 0
+        self._lock = threading.RLock()  # the policy, the counters, the background's pending compiles
         self.warm = False
         #: with ``store_dir``: every graph persists there, keyed by the model's code and
         #: config (``code_hash``); a miss loads it
@@ -260,9 +265,10 @@ class StaticModelRunner:
         integer dtype and stride, on the model's device or the CPU), run as the policy
         decides, through the graph of its key."""
         self._check(token_ids, layout)
-        decision = self.decide(layout)
-        self._modes[decision.mode.value] += 1
-        self._batches += 1
+        with self._lock:
+            decision = self.decide(layout)
+            self._modes[decision.mode.value] += 1
+            self._batches += 1
         return self.run(token_ids, layout, decision.mode)
 
     def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> torch.Tensor:
@@ -273,18 +279,22 @@ class StaticModelRunner:
              background: bool) -> torch.Tensor:
         batch = self.prepare(token_ids, layout, mode)
         bg = self._background
-        if bg is not None and background:
-            bg.tick()
         graph: Callable[..., torch.Tensor]
-        if bg is not None and background and batch.key not in self.cache:
-            batch, graph = bg.serve(batch, lambda key: self._place(token_ids, layout, mode, key))
+        if bg is not None and background:
+            with self._lock:
+                bg.tick()
+                if batch.key in self.cache:
+                    graph = self.graph_for(batch, pin=True)
+                else:
+                    batch, graph = bg.serve(batch, lambda key: self._place(token_ids, layout, mode, key))
         else:
             graph = self.graph_for(batch, pin=True)
+        pinned = isinstance(graph, CompiledGraph)  # a cached graph (pinned), else the eager forward
         try:
             with torch.no_grad():
                 out = graph(*batch.inputs)
         finally:
-            if batch.key in self.cache:
+            if pinned:
                 self.cache.unpin([batch.key])
         return batch.scatter(out, layout.q_tokens)
 
@@ -416,7 +426,8 @@ class StaticModelRunner:
         valid); no runner state touched: also runs in the background worker."""
         if self.store is None or not self._stored(key):
             return None
-        loaded = self.store.load(self._identity(key), aot.load_graph)
+        with compile_lock():  # taken before the store's file lock, as by every load and save
+            loaded = self.store.load(self._identity(key), aot.load_graph)
         return None if loaded is None else self._aot_graph(loaded, key)
 
     def _compiled(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
@@ -427,9 +438,9 @@ class StaticModelRunner:
             return compile_graph(self.forward(key), self.config.backend, counter=self._counter,
                                  example_inputs=inputs)
         fn = _FORWARDS[key.mode]
-        with torch.no_grad():
+        with torch.no_grad(), compile_lock():
             compiled = aot.aot_compile_graph(fn, key.backend, (*self._bound(key), *inputs))
-        self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+            self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
         return self._aot_graph(compiled, key)
 
     def build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
@@ -450,7 +461,8 @@ class StaticModelRunner:
     def strict(self, key: ModelKey, *, done: bool = False) -> None:
         """A compile after warm-up: counted, then warned or raised (``strict``; ``done``:
         the worker has compiled it already, a stored graph it could not load: warned)."""
-        self._strict_violations += 1
+        with self._lock:
+            self._strict_violations += 1
         message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
         if self.config.strict == "raise" and not done:
             raise StrictModeError(message)
@@ -459,8 +471,10 @@ class StaticModelRunner:
     def loaded_after_warm_up(self, key: ModelKey) -> None:
         """A load from the store after warm-up (no compile: ``strict`` allows it): counted,
         the first one warned about."""
-        self._loaded_after_warmup += 1
-        if self._loaded_after_warmup == 1:
+        with self._lock:
+            self._loaded_after_warmup += 1
+            first = self._loaded_after_warmup == 1
+        if first:
             warn_loaded(key, self.config.strict)
 
     def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
@@ -480,10 +494,11 @@ class StaticModelRunner:
         return keys
 
     def stats(self) -> RunnerStats:
-        bg = self._background.stats() if self._background is not None else None
-        return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, self._strict_violations,
-                           self.cache.stats(), tuple(self._memory),
-                           None if self.store is None else self.store.stats(), bg, self._loaded_after_warmup)
+        with self._lock:
+            bg = self._background.stats() if self._background is not None else None
+            return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, self._strict_violations,
+                               self.cache.stats(), tuple(self._memory),
+                               None if self.store is None else self.store.stats(), bg, self._loaded_after_warmup)
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""

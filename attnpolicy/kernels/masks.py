@@ -64,7 +64,7 @@ class MaskCache:
     built and returned uncached); and small tensors (real-row masks, VARLEN bounds,
     zero padding blocks), least recently used first out, at most ``max_small`` of
     them and ``max_small_bytes`` bytes together (default: :data:`SMALL_CACHE_BYTES`,
-    at most ``max_bytes``). Not thread-safe (nor is its owner)."""
+    at most ``max_bytes``). Not thread-safe: its dispatcher uses it under its own lock."""
 
     def __init__(self, max_bytes: int | None = DEFAULT_MAX_MASK_BYTES, max_small: int = SMALL_CACHE_SIZE,
                  max_small_bytes: int | None = None) -> None:
