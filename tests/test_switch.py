@@ -185,6 +185,7 @@ def test_the_new_warm_set_is_made_room_for_in_a_full_cache():
     assert d.stats().switch.switches == 1
     assert set(map(str, d.cache.keys())) == _keys(d, NEW)
     assert builder.foreground() == 3
+    d.close()
 
 
 def test_a_warm_graph_evicted_while_the_switch_is_pending_is_built_before_it_applies():
@@ -267,6 +268,7 @@ def test_a_switch_changes_the_policy_and_keeps_counting():
     assert s.guard_fallbacks == len(LAYOUTS) - 2  # packed batches are no causal call: varlen
     assert s.modes["causal"] == before.modes["causal"] + 2
     assert builder.foreground() == 2
+    d.close()
 
 
 @pytest.mark.parametrize(("fields", "match"), [
@@ -291,6 +293,7 @@ def test_an_invalid_switch_raises_before_any_work_and_changes_nothing(fields, ma
     assert d.stats().switch.requested == 0
     _serve(d)
     assert d.config is OLD
+    d.close()
 
 
 def test_a_warm_set_that_cannot_stay_resident_for_every_spec_served_is_refused():
@@ -303,12 +306,15 @@ def test_a_warm_set_that_cannot_stay_resident_for_every_spec_served_is_refused()
         d.switch_to(NEW)
     assert d.switcher.target is None and builder.builds == builds
     assert len(d.switch_to(NEW, specs=[SPEC])) == 2  # for one of them it fits
+    builder.gate.set()  # the builds run, and close joins the worker
+    d.close()
 
 
 def test_a_warm_set_with_no_spec_served_needs_specs():
     d = Dispatcher(OLD, builder=Builder())
     with pytest.raises(ConfigError, match=r"no tensor spec yet: pass specs"):
         d.switch_to(NEW)
+    d.close()
     builder = Builder()
     d = Dispatcher(OLD, builder=builder)
     assert len(d.switch_to(NEW, specs=[SPEC])) == 3  # nothing cached yet
@@ -316,6 +322,7 @@ def test_a_warm_set_with_no_spec_served_needs_specs():
     _built(d)
     _serve(d)  # the first attend warms the running config's warm set, then the switch applies
     assert d.config == NEW and builder.foreground() == 2 and d.stats().switch.compiled == 2
+    d.close()
 
 
 def test_a_request_while_one_is_pending_replaces_it():
@@ -358,6 +365,7 @@ def test_a_failed_build_drops_the_switch(on_compile_error, caplog):
     assert d.config is running and s.failed == 1 and s.switches == 0 and s.pending == 0
     assert "the switch to policy varlen, buckets list(sizes=[32, 128, 256]) was dropped" in caplog.text
     assert builder.foreground() == 2
+    d.close()
 
 
 def test_a_stored_switch_set_is_loaded_not_compiled(tmp_path):
