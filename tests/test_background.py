@@ -23,8 +23,10 @@ SPEC = TensorSpec("float32", 4, 2, 16)
 PRICEY = CostModel.default().model_copy(update={"compile": {f: Fit(base=1e6) for f in CostModel.default().compile}})
 
 
-def _workers() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("attnpolicy-compile")]
+def _workers(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    """The compile threads alive now that were not in ``before`` (a worker of another
+    test's dispatcher left to the garbage collector may still be winding down)."""
+    return [t for t in threading.enumerate() if t.name.startswith("attnpolicy-compile") and t not in before]
 
 
 def _uncompiled(call, key, spec):
@@ -110,13 +112,14 @@ def test_switches_are_deterministic_whatever_the_compile_speed():
             requested.setdefault(key, (i + 1, due))
     for key, (batch, due) in requested.items():
         assert due == batch + 2
-    # the slow compiles were waited for at their switch points: stalls
-    assert slow_stats.stalls.stalled > 0 and slow_stats.stalls.max > 0.01
+    # the same graphs at every batch: each slow compile was waited for at its switch point
+    # (how long that wait was depends on the machine: not asserted); its seconds are the worker's
     assert slow_stats.background.compile_seconds >= 0.05 * slow_stats.background.switched
 
 
 def test_sync_compiles_stall_their_batch():
     cfg = AttnPolicyConfig(backend="eager", max_seq_len=256)
+    before = frozenset(_workers())
     d = Dispatcher(cfg, builder=_slow(0.02))
     for layout in [BatchLayout.from_lens([20]), BatchLayout.from_lens([20]), BatchLayout.from_lens([20, 100]),
                    BatchLayout.from_lens([30])]:
@@ -125,7 +128,7 @@ def test_sync_compiles_stall_their_batch():
     assert (stalls.batches, stalls.stalled) == (4, 2)  # batches 1 and 3 compiled
     assert stalls.max >= 0.02 and stalls.seconds >= 0.04
     assert stalls.p99 == stalls.max and stalls.p50 == 0.0
-    assert d.stats().background.requested == 0 and not _workers()
+    assert d.stats().background.requested == 0 and not _workers(before)
 
 
 def test_no_resident_larger_graph_compiles_now():
@@ -188,13 +191,14 @@ def test_strict_mode_counts_a_background_compile_after_warmup():
 
 def test_close_shuts_the_worker_down_and_drops_pending_compiles():
     cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", switch_after=50)
+    before = frozenset(_workers())
     d = Dispatcher(cfg, builder=_slow(0.05), cost_model=PRICEY)
     d.warmup([BatchLayout.from_lens([256])], SPEC)
     for n in (20, 40, 70):
         d.prepare(BatchLayout.from_lens([n]), SPEC)
-    assert len(d.pending()) == 3 and len(_workers()) == 1
-    d.close()
-    assert not d.pending() and not _workers()
+    assert len(d.pending()) == 3 and len(_workers(before)) == 1
+    d.close()  # joins the worker
+    assert not d.pending() and not _workers(before)
     assert d.stats().background.pending == 0
 
 
@@ -206,6 +210,7 @@ def test_background_compile_really_compiles_and_switches():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(70, 4, 16, generator=g), torch.randn(70, 2, 16, generator=g), torch.randn(70, 2, 16,
                                                                                                     generator=g)
+    before = frozenset(_workers())
     with Dispatcher(cfg) as d:
         d.warmup([BatchLayout.from_lens([128], causal=False)], TensorSpec.of(q, k))
         for _ in range(3):
@@ -214,7 +219,7 @@ def test_background_compile_really_compiles_and_switches():
         stats = d.stats()
     assert stats.background.switched == 2 and stats.background.pad_up_calls == 2  # q32, q64: 1 batch each
     assert stats.cache.compiles == 3 and stats.background.compile_seconds > 0
-    assert not _workers()
+    assert not _workers(before)
 
 
 def test_config_names_bad_compile_mode_and_switch_after():

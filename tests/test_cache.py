@@ -311,8 +311,7 @@ def test_single_flight_eight_threads_one_build():
 
     def build():
         builds.append(1)
-        wait_for_waiters(cache, 7)
-        time.sleep(0.1)
+        wait_for_waiters(cache, 7)  # each counted waiter gets this build's graph
         return object()
 
     results = in_threads(8, lambda: cache.get_or_compile("fresh", build))
@@ -345,17 +344,17 @@ def test_other_keys_proceed_while_one_builds():
 
     def slow():
         started.set()
-        release.wait(5)
+        assert release.wait(120)  # the bounds only turn a hang into a failure
         return "slow"
 
     t = threading.Thread(target=cache.get_or_compile, args=("slow", slow))
     t.start()
-    started.wait(5)
+    assert started.wait(120)
     assert cache.get_or_compile("fast", lambda: "fast") == "fast"
     assert "slow" not in cache
     release.set()
-    t.join(5)
-    assert "slow" in cache
+    t.join(timeout=120)
+    assert not t.is_alive() and "slow" in cache and cache.stats().compile_failures == 0
 
 
 def test_a_failing_eviction_strategy_does_not_leave_waiters_hanging():
@@ -573,7 +572,7 @@ def test_a_build_requesting_its_own_key_raises_instead_of_hanging():
 
     t = threading.Thread(target=request)
     t.start()
-    t.join(5)
+    t.join(timeout=120)  # the bound only turns a hang into a failure
     assert not t.is_alive(), "a re-entrant build hangs"
     assert "re-entrant build" in str(done[0].value) and "key A" in str(done[0].value)
     assert cache.get_or_compile("A", build_of("A")) == ("graph", "A")  # the key still works

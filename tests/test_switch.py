@@ -185,6 +185,7 @@ def test_the_new_warm_set_is_made_room_for_in_a_full_cache():
     assert d.stats().switch.switches == 1
     assert set(map(str, d.cache.keys())) == _keys(d, NEW)
     assert builder.foreground() == 3
+    d.close()
 
 
 def test_a_warm_graph_evicted_while_the_switch_is_pending_is_built_before_it_applies():
@@ -209,6 +210,53 @@ def test_a_warm_graph_evicted_while_the_switch_is_pending_is_built_before_it_app
     d.close()
 
 
+def test_finish_switch_waits_for_the_builds_and_applies_without_a_batch():
+    d, builder = _warm()
+    assert d.finish_switch() is False  # none pending
+    keys = d.switch_to(NEW)
+    builder.gate.set()  # the builds may still be running: finish_switch waits for them
+    assert d.finish_switch() is True
+    s = d.stats().switch
+    assert d.config == NEW and s.switches == 1 and s.pending == 0 and s.batches == 0
+    assert s.compiled == len(keys) == 2 and d.finish_switch() is False
+    _serve(d)  # the new config serves from its warm set: no batch compiles
+    assert builder.foreground() == 2 and set(map(str, d.cache.keys())) >= _keys(d, NEW)
+    d.close()
+
+
+def test_finish_switch_builds_a_warm_graph_evicted_while_the_switch_was_pending():
+    builder = Builder()
+    d = Dispatcher(_with(OLD, max_graphs=2, buckets=_sizes(64, 160, 256)), builder=builder)
+    d.warmup(SPEC)
+    new = _with(NEW, max_graphs=2, warmup=_causal(32, 256))
+    assert len(d.switch_to(new)) == 1  # builds 32 only: 256 is cached
+    for n in (60, 150):  # 64 used last, then 160 compiled by the running config, evicting 256
+        layout = BatchLayout.from_lens([n])
+        d.attend(*_qkv(layout, 0), layout)
+    builder.gate.set()
+    assert d.finish_switch() is True  # 256 built too, then applied
+    s = d.stats().switch
+    assert d.config == new and s.switches == 1 and s.compiled == 2 and s.batches == 2  # the two attends
+    assert set(map(str, d.cache.keys())) == _keys(d, new)
+    d.close()
+
+
+@pytest.mark.parametrize("on_compile_error", ["eager", "raise"])
+def test_finish_switch_drops_a_switch_whose_build_failed(on_compile_error):
+    d, builder = _warm(OLD, Builder(fail=128), on_compile_error=on_compile_error)
+    running = d.config
+    d.switch_to(_with(NEW, on_compile_error=on_compile_error))
+    builder.gate.set()
+    if on_compile_error == "raise":
+        with pytest.raises(GraphCompileError, match=r"switch set failed: RuntimeError: no graph for 128"):
+            d.finish_switch()
+    else:
+        assert d.finish_switch() is False
+    s = d.stats().switch
+    assert d.config is running and s.failed == 1 and s.switches == 0 and s.pending == 0
+    d.close()
+
+
 def test_a_switch_changes_the_policy_and_keeps_counting():
     d, builder = _warm()
     before = d.stats()
@@ -220,6 +268,7 @@ def test_a_switch_changes_the_policy_and_keeps_counting():
     assert s.guard_fallbacks == len(LAYOUTS) - 2  # packed batches are no causal call: varlen
     assert s.modes["causal"] == before.modes["causal"] + 2
     assert builder.foreground() == 2
+    d.close()
 
 
 @pytest.mark.parametrize(("fields", "match"), [
@@ -244,6 +293,7 @@ def test_an_invalid_switch_raises_before_any_work_and_changes_nothing(fields, ma
     assert d.stats().switch.requested == 0
     _serve(d)
     assert d.config is OLD
+    d.close()
 
 
 def test_only_a_policy_that_can_run_mask_needs_buckets_up_to_max_batch_tokens():
@@ -267,12 +317,15 @@ def test_a_warm_set_that_cannot_stay_resident_for_every_spec_served_is_refused()
         d.switch_to(NEW)
     assert d.switcher.target is None and builder.builds == builds
     assert len(d.switch_to(NEW, specs=[SPEC])) == 2  # for one of them it fits
+    builder.gate.set()  # the builds run, and close joins the worker
+    d.close()
 
 
 def test_a_warm_set_with_no_spec_served_needs_specs():
     d = Dispatcher(OLD, builder=Builder())
     with pytest.raises(ConfigError, match=r"no tensor spec yet: pass specs"):
         d.switch_to(NEW)
+    d.close()
     builder = Builder()
     d = Dispatcher(OLD, builder=builder)
     assert len(d.switch_to(NEW, specs=[SPEC])) == 3  # nothing cached yet
@@ -280,6 +333,7 @@ def test_a_warm_set_with_no_spec_served_needs_specs():
     _built(d)
     _serve(d)  # the first attend warms the running config's warm set, then the switch applies
     assert d.config == NEW and builder.foreground() == 2 and d.stats().switch.compiled == 2
+    d.close()
 
 
 def test_a_request_while_one_is_pending_replaces_it():
@@ -322,6 +376,7 @@ def test_a_failed_build_drops_the_switch(on_compile_error, caplog):
     assert d.config is running and s.failed == 1 and s.switches == 0 and s.pending == 0
     assert "the switch to policy varlen, buckets list(sizes=[32, 128, 256]) was dropped" in caplog.text
     assert builder.foreground() == 2
+    d.close()
 
 
 def test_a_stored_switch_set_is_loaded_not_compiled(tmp_path):
@@ -341,11 +396,17 @@ def test_a_stored_switch_set_is_loaded_not_compiled(tmp_path):
     d.close()
 
 
-def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog):
+@pytest.mark.parametrize("held", [False, True], ids=["builds-free", "builds-held-to-the-end"])
+def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog, capsys, monkeypatch, held):
     """A trace whose prompts grow tenfold halfway, run on a plan fitted to its first
     half: the drift measured on the second half triggers a switch, whose graphs build
-    in the background; every output stays within the float64 reference's tolerance."""
+    in the background; every output stays within the float64 reference's tolerance.
+    However fast the builds run, the run ends with the switch applied (waited for after
+    the last batch if it is still pending); ``held``: the switch's builds wait until the
+    replay has run its last batch, so the switch applies after it."""
     import json
+
+    from attnpolicy.dispatch.graph_source import GraphSource
 
     from attnpolicy.cli import main
     from attnpolicy.graphs.costmodel import CostModel
@@ -367,6 +428,19 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
     old = plan_graphs(steps[:10], simulation_config(model, BatchFormer(**former), max_graphs=4, backend="eager"),
                       model, ["varlen"], max_buckets=4).config
     old.save(tmp_path / "plan")
+    if held:
+        replayed, build, finish = threading.Event(), GraphSource.build, Dispatcher.finish_switch
+
+        def held_build(self, call, key, spec):
+            if threading.current_thread() is not threading.main_thread():
+                assert replayed.wait(60)  # the bound only turns a hang into a failure
+            return build(self, call, key, spec)
+
+        def finish_after_replay(self):
+            replayed.set()
+            return finish(self)
+        monkeypatch.setattr(GraphSource, "build", held_build)
+        monkeypatch.setattr(Dispatcher, "finish_switch", finish_after_replay)
     out = tmp_path / "run.json"
     assert main(["run", "--config", str(tmp_path / "plan"), "--trace", str(trace), "--max-num-seqs", "4",
                  "--max-num-batched-tokens", "256", "--max-seq-len", "1024", "--heads", "2", "--kv-heads", "2",
@@ -379,8 +453,14 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
     switched = [c for c in checks if c["switch"] is not None]
     assert switched and switched[0]["batch"] == 20 and switched[0]["drift"] > 0.1  # the second half
     s = data["switch"]
-    assert s["requested"] == len(switched) and s["switches"] >= 1 and s["pending"] <= 1
-    assert s["compiled"] + s["loaded"] > 0 and s["failed"] == 0
+    assert s["requested"] == len(switched) and s["failed"] == 0
+    # every request applied or replaced by the next, the last applied: however fast the builds ran
+    assert s["switches"] >= 1 and s["switches"] + s["replaced"] == s["requested"] and s["pending"] == 0
+    assert s["compiled"] + s["loaded"] > 0
+    if held:  # pending from the first request on, each later one replacing it, applied after the last batch
+        assert data["switch_at_end"] and s["switches"] == 1 and s["replaced"] == len(switched) - 1
+        assert s["batches"] == data["batches"] - switched[0]["batch"]
+        assert f"{len(switched)} / {len(switched) - 1} / 1 (1 after the last batch)" in capsys.readouterr().out
     assert data["config"] == old.model_dump(mode="json")  # the config the run began with
     assert f"attnpolicy: switched from policy varlen, buckets {old.buckets.describe()}" in caplog.text
 

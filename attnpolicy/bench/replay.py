@@ -38,7 +38,9 @@ class RunResult:
     compiles, ``stalls`` and ``background`` the dispatcher's figures (see
     docs/cache.md); ``max_abs_err``, ``tolerance`` and ``passed`` are
     ``None`` unless outputs were checked against the reference; ``switch`` counts the
-    switches to re-planned configs (see docs/plan.md)."""
+    switches to re-planned configs (see docs/plan.md), a switch still pending after the
+    last batch waited for and applied then (``switch_at_end``): the figures do not
+    depend on how fast its graphs built."""
 
     cache: dict[str, Any]
     modes: dict[str, int]
@@ -65,6 +67,7 @@ class RunResult:
     warmup_loads: int = 0
     disk: dict[str, Any] | None = None
     switch: dict[str, Any] | None = None
+    switch_at_end: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON: one key per field."""
@@ -91,7 +94,8 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
     ``observe(dispatcher, layout)`` is called after each batch has run (e.g.
     :meth:`Replanner.observe <attnpolicy.planning.replan.Replanner.observe>`).
     ``cost_model``: the dispatcher's (cost-aware's prices, the cost eviction's), the
-    built-in one if None."""
+    built-in one if None. A switch ``observe`` requested that is still pending after the
+    last batch is waited for and applied (``switch_at_end``)."""
     if steps is None:
         steps = list((former or BatchFormer(max_model_len=config.max_seq_len)).steps(requests))
     start = time.perf_counter()
@@ -129,6 +133,7 @@ def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig
                 observe(dispatcher, lay)
             if progress:
                 progress(f"step {step.index}")
+    finished = dispatcher.finish_switch()
     stats = dispatcher.stats().to_json()
     tolerance = TOLERANCE[spec.dtype] if check else None
     return RunResult(
@@ -158,4 +163,5 @@ def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig
         warmup_loads=warm.loads,
         disk=None if stats["disk"] is None else dict(stats["disk"]),
         switch=dict(stats["switch"]),
+        switch_at_end=finished,
     )

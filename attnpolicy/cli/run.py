@@ -172,6 +172,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if replanner is not None:
         sw = result.switch or {}
         asked = " / ".join(str(sw[n]) for n in ("requested", "replaced", "switches"))
+        if result.switch_at_end:  # its builds waited for once the replay had run
+            asked += " (1 after the last batch)"
         drifts = ", ".join(f"{c.drift:.3g}" for c in replanner.checks) or "none"
         rows += [("re-plan drift checks", f"{len(replanner.checks)} ({drifts})"),
                  ("switches requested / replaced / applied", asked),

@@ -287,6 +287,15 @@ class Dispatcher:
         with self._lock:
             return self.switcher.request(self, config, specs)
 
+    def finish_switch(self) -> bool:
+        """Wait for the pending switch's graphs and apply it now, a batch boundary without a
+        batch (the end of a replay; the graphs of the batch last prepared are released, as
+        by the next :meth:`prepare`); returns whether one applied. See
+        :mod:`~attnpolicy.dispatch.switch`."""
+        if self.source.pinned:
+            self.source.release()
+        return self.switcher.finish(self)
+
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``, in request
         order (batches are numbered from 1 by :meth:`prepare`)."""

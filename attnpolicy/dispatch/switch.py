@@ -25,6 +25,9 @@ applies. Whether the switch set is built is
 checked without waiting: no batch waits on a switch's compile. The batch a switch
 applies at depends on how fast its graphs build, so ranks that must take the same
 decisions (tensor parallelism) should not switch this way.
+:meth:`Dispatcher.finish_switch <attnpolicy.dispatch.dispatcher.Dispatcher.finish_switch>`
+waits for the pending switch's builds and applies it at once (a replay's end: a run
+does not end with its switch's outcome depending on how fast the builds ran).
 
 A request while a switch is pending replaces it (the newer plan fits the more recent
 traffic): builds both need are kept, the others are dropped and released once done;
@@ -177,22 +180,37 @@ class Switcher:
         if target is None:
             self.busy = bool(self._dropped)
             return
-        if not all(f.done() for f in target.builds.values()):
+        if all(f.done() for f in target.builds.values()) and self._ready(d, target):
+            self._apply(d, target)
+        elif self.target is target:  # not dropped by a failed build
             d.counters.switch_batches += 1
-            return
+
+    def finish(self, d: Dispatcher) -> bool:
+        """Wait for the pending switch's builds and apply it now, as the next batch
+        boundary would (the end of a replay, whose figures must not depend on how fast
+        the builds ran); returns whether a switch applied. A failed build drops it as
+        at a boundary (raising under ``on_compile_error="raise"``)."""
+        target = self.target
+        while target is not None and self.target is target:
+            if self._ready(d, target):
+                self._apply(d, target)
+                return True
+        return False
+
+    def _ready(self, d: Dispatcher, target: _Target) -> bool:
+        """Whether ``target``'s switch set is built (waiting for its builds): a failed
+        build drops the switch; a warm graph cached at the request and evicted since is
+        submitted, to be built too before the switch applies."""
         for key, future in target.builds.items():
             error = future.exception()
             if error is not None:
                 self._failed(d, target, key, error)
-                return
+                return False
         evicted = [(key, call_spec) for key, call_spec in target.calls.items()
                    if key not in target.builds and key not in d.cache]
-        if evicted:  # cached at the request, evicted since: built too before the switch
-            for key, (call, spec) in evicted:
-                target.builds[key] = self.worker(d).submit(call, key, spec)
-            d.counters.switch_batches += 1
-            return
-        self._apply(d, target)
+        for key, (call, spec) in evicted:
+            target.builds[key] = self.worker(d).submit(call, key, spec)
+        return not evicted
 
     def _apply(self, d: Dispatcher, target: _Target) -> None:
         self.target, self.busy = None, bool(self._dropped)
