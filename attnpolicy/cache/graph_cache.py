@@ -69,6 +69,8 @@ class CacheStats:
     per_key: dict[str, KeyStats]
     loads: int = 0  # misses served by a load (a disk tier) instead of a build
     load_seconds: float = 0.0
+    deferred: int = 0  # misses entered without a graph (reserve)
+    deferred_built: int = 0  # builds (or loads) of deferred entries begun: their requests are hits
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +118,9 @@ class _Bounds(BaseModel):
             raise ConfigError(f"invalid GraphCache bounds: {problems}") from None
 
 
+#: The value of a deferred entry (:meth:`GraphCache.reserve`): no graph built yet.
+_UNBUILT: Any = object()
+
 #: Eviction orders for which touching a run of keys equals touching each distinct key
 #: once, in the order of its last touch (see ``GraphCache.hit_many``).
 _TOUCH_ONCE = (cachetools.LRUCache, cachetools.FIFOCache)
@@ -147,6 +152,12 @@ class GraphCache(Generic[V]):
     always hold), but it is not released: it stays *held*, callable without a
     recompile, until its last pin goes. The Dispatcher pins the graphs of the batch it
     prepares until the batch has run; ``held_*`` statistics report that transient excess.
+
+    Deferred entries: :meth:`reserve` requests a key whose graph the caller does not
+    run (a host's own kernel runs it) and, on a miss, enters it without building: it
+    counts and takes its place (count, bytes, eviction order) exactly as a built
+    graph would, and ``deferred`` counts it. The first ``get_or_compile`` of it, a
+    hit, builds or loads the graph in place (counted in ``compiles`` or ``loads``).
 
     Thread-safe. A key missing in several threads at once is built once (single
     flight); the other threads wait and count as hits and as waits. Builds run
@@ -190,6 +201,7 @@ class GraphCache(Generic[V]):
         self._per_key: dict[Hashable, _KeyCounters] = {}
         self._pins: dict[Hashable, int] = {}  # key -> pins (a plain dict: the hot path)
         self._held: list[tuple[Hashable, _Entry[V]]] = []
+        self._unbuilt: dict[Hashable, _Entry[V]] = {}  # the cached deferred entries
         self._bytes = self._held_bytes = 0
         self._zero_counters()
 
@@ -206,7 +218,7 @@ class GraphCache(Generic[V]):
         self._hits = self._misses = self._evictions = self._refused = 0
         self._compiles = self._compile_failures = self._waits = self._uncached = 0
         self._compile_seconds = self._load_seconds = 0.0
-        self._loads = 0
+        self._loads = self._deferred = self._deferred_built = 0
         self._peak_graphs = len(self._order)
         self._peak_bytes = self._bytes
         self._peak_held = len(self._held)
@@ -221,19 +233,153 @@ class GraphCache(Generic[V]):
         ``seconds``: the build's (or load's) measured seconds when it ran elsewhere
         (``build`` returns a graph compiled in the background); default: timed around it.
         ``load()``: tried first on a miss (a lower tier, e.g. a disk store); a graph it
-        returns is counted in ``loads`` and ``load_seconds``, ``None`` means build."""
+        returns is counted in ``loads`` and ``load_seconds``, ``None`` means build.
+        A deferred entry (:meth:`reserve`) is a hit whose graph is built (or loaded) now."""
         with self._lock:
-            try:
-                entry = self._order[key]
-            except KeyError:
-                pass
+            entry = self._order.get(key)
+            if entry is not None:
+                if entry.value is not _UNBUILT:
+                    self._hits += 1
+                    entry.stats.hits += 1
+                    if pin:
+                        self._pin(key)
+                    return entry.value
+                flight = self._claim(key, entry)
+        if entry is None:
+            return self._miss(key, build, pin, seconds, load)
+        return self._fill(key, entry, flight, build, pin, seconds, load)
+
+    def reserve(self, key: Hashable) -> None:
+        """Request ``key`` as :meth:`get_or_compile` would, for a caller that does not
+        run its graph: a hit when it is cached (deferred or not) or being built; else a
+        miss that enters it *deferred*, without building (counted in ``deferred``): sized,
+        evicting and evicted (``on_evict`` included) as its graph would be. An oversize
+        key is refused (raises) or counted ``uncached``, as its build would be."""
+        with self._lock:
+            if self._reserved_hit(key):
+                return
+        error: BaseException | None = None
+        try:  # outside the lock, as a build's
+            nbytes, cached = self._size(key)
+            cost = 0.0 if self._compile_cost is None else self._compile_cost(key, 0.0)
+        except BaseException as exc:
+            error = exc
+        victims: list[tuple[Hashable, _Entry[V], bool]] = []
+        with self._lock:
+            if self._reserved_hit(key):  # entered by another thread meanwhile
+                return
+            stats = self._per_key.setdefault(key, _KeyCounters())
+            self._misses += 1
+            stats.misses += 1
+            if error is None:
+                self._deferred += 1
+                stats.bytes = nbytes
+                if cached:
+                    entry: _Entry[V] = _Entry(_UNBUILT, nbytes, stats)
+                    self._insert(key, entry, cost, victims)
+                    self._unbuilt[key] = entry
+                else:
+                    self._uncached += 1
             else:
-                self._hits += 1
-                entry.stats.hits += 1
-                if pin:
+                self._refused += 1
+        self._released(victims, evicted=True)
+        if error is not None:
+            raise error
+
+    def _reserved_hit(self, key: Hashable) -> bool:
+        """Count a request of :meth:`reserve` as a hit if ``key`` is cached or being
+        built (its recency refreshed as a hit's). Lock held."""
+        order = self._order
+        if key in order:
+            entry = order[key]
+            self._hits += 1
+            entry.stats.hits += 1
+            return True
+        if key in self._inflight:
+            self._hits += 1
+            self._per_key[key].hits += 1
+            return True
+        return False
+
+    def _claim(self, key: Hashable, entry: _Entry[V]) -> tuple[Future[V], bool]:
+        """A request of deferred ``key`` (a hit): the future of its build and whether this
+        thread builds it (else it waits; counted in ``waits``). The builder pins it, so
+        that an eviction meanwhile holds the entry. Lock held."""
+        inflight = self._inflight.get(key)
+        if inflight is not None and inflight[1] == threading.get_ident():
+            raise GraphCompileError(
+                f"re-entrant build: building the graph for key {key} requested key {key} again "
+                "in the same thread (a build must not request its own key)")
+        self._hits += 1
+        entry.stats.hits += 1
+        if inflight is not None:
+            self._waits += 1
+            return inflight[0], False
+        future: Future[V] = Future()
+        self._inflight[key] = (future, threading.get_ident())
+        self._deferred_built += 1
+        self._pin(key)
+        return future, True
+
+    def _fill(self, key: Hashable, entry: _Entry[V], flight: tuple[Future[V], bool], build: Callable[[], V],
+              pin: bool, measured: float | None, load: Callable[[], V | None] | None) -> V:
+        """Build (or load) the graph of deferred ``entry`` in place, or wait for the
+        thread that does (``flight``: see :meth:`_claim`)."""
+        future, owner = flight
+        if not owner:
+            value = self._wait(key, future)
+            if pin:
+                with self._lock:
                     self._pin(key)
-                return entry.value
-        return self._miss(key, build, pin, seconds, load)
+            return value
+        try:
+            start = perf_counter()
+            loaded = None if load is None else load()
+            seconds = perf_counter() - start if measured is None else measured
+            if loaded is None:
+                start = perf_counter()
+                value = build()
+                seconds = perf_counter() - start if measured is None else measured
+                if self._compile_cost is not None:
+                    seconds = self._compile_cost(key, seconds)
+            else:
+                value = loaded
+        except BaseException as exc:  # the entry stays deferred: the next request builds again
+            error = exc
+            if isinstance(exc, Exception):
+                error = GraphCompileError(f"building the graph for key {key} failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+            with self._lock:
+                del self._inflight[key]
+                self._compile_failures += 1
+            self.unpin((key,))
+            future.set_exception(error)
+            if error is exc:
+                raise
+            raise error from exc
+        stats = entry.stats
+        with self._lock:
+            del self._inflight[key]
+            entry.value = value
+            if self._unbuilt.get(key) is entry:
+                del self._unbuilt[key]
+            if loaded is None:
+                self._compiles += 1
+                self._compile_seconds += seconds
+                stats.compiles += 1
+                stats.compile_seconds += seconds
+            else:
+                self._loads += 1
+                self._load_seconds += seconds
+                stats.loads += 1
+                stats.load_seconds += seconds
+            if pin:
+                self._pin(key)
+        self.unpin((key,))  # the build's own pin: an entry evicted meanwhile is released here
+        future.set_result(value)
+        if loaded is None and self._on_compile is not None:
+            self._on_compile(key, seconds, entry.nbytes)
+        return value
 
     def hit_many(self, keys: Sequence[Hashable], start: int = 0, *, pin: bool = False,
                  values: list[V] | None = None) -> int:
@@ -241,12 +387,14 @@ class GraphCache(Generic[V]):
         one lock: each counts a hit, refreshes its recency and takes a pin (``pin``)
         exactly as ``get_or_compile(key, build, pin=pin)`` would, and its graph is
         appended to ``values`` (if given). Returns the index of the first key not cached
-        (``len(keys)`` when all were), for the caller to fetch with ``get_or_compile``."""
+        (``len(keys)`` when all were; with ``values``, a deferred entry counts as not
+        cached), for the caller to fetch with ``get_or_compile``."""
         order = self._order
+        unbuilt = self._unbuilt if values is not None else {}
         with self._lock:
             stop = len(keys)
             for key in dict.fromkeys(keys[start:stop]):
-                if key not in order:
+                if key not in order or key in unbuilt:
                     stop = keys.index(key, start)
                     break
             hits = keys[start:stop]
@@ -292,32 +440,34 @@ class GraphCache(Generic[V]):
     def _miss(self, key: Hashable, build: Callable[[], V], pin: bool, measured: float | None = None,
               load: Callable[[], V | None] | None = None) -> V:
         with self._lock:
-            if key in self._order:  # built by another thread since the hot path looked
-                entry = self._order[key]
+            entry = self._order.get(key)  # cached by another thread since the hot path looked?
+            if entry is not None and entry.value is not _UNBUILT:
                 self._hits += 1
                 entry.stats.hits += 1
                 if pin:
                     self._pin(key)
                 return entry.value
-            inflight = self._inflight.get(key)
-            if inflight is not None and inflight[1] == threading.get_ident():
-                raise GraphCompileError(
-                    f"re-entrant build: building the graph for key {key} requested key {key} again "
-                    "in the same thread (a build must not request its own key)")
-            stats = self._per_key.get(key)
-            if stats is None:
-                stats = self._per_key[key] = _KeyCounters()
-            if inflight is None:
-                self._misses += 1
-                stats.misses += 1
-                future: Future[V] = Future()
-                self._inflight[key] = (future, threading.get_ident())
+            if entry is not None:  # deferred
+                flight = self._claim(key, entry)
             else:
-                future = inflight[0]
-                self._hits += 1
-                self._waits += 1
-                stats.hits += 1
-        assert future is not None
+                inflight = self._inflight.get(key)
+                if inflight is not None and inflight[1] == threading.get_ident():
+                    raise GraphCompileError(
+                        f"re-entrant build: building the graph for key {key} requested key {key} again "
+                        "in the same thread (a build must not request its own key)")
+                stats = self._per_key.setdefault(key, _KeyCounters())
+                if inflight is None:
+                    self._misses += 1
+                    stats.misses += 1
+                    future: Future[V] = Future()
+                    self._inflight[key] = (future, threading.get_ident())
+                else:
+                    future = inflight[0]
+                    self._hits += 1
+                    self._waits += 1
+                    stats.hits += 1
+        if entry is not None:
+            return self._fill(key, entry, flight, build, pin, measured, load)
         if inflight is None:
             return self._compile(key, build, future, stats, pin, measured, load)
         value = self._wait(key, future)
@@ -463,6 +613,8 @@ class GraphCache(Generic[V]):
     def _remove(self, key: Hashable, entry: _Entry[V], victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
         """Account ``entry`` leaving the cache; a pinned one is held, not released. Lock held."""
         self._bytes -= entry.nbytes
+        if self._unbuilt.get(key) is entry:
+            del self._unbuilt[key]
         held = key in self._pins
         if held:
             self._held.append((key, entry))
@@ -492,7 +644,7 @@ class GraphCache(Generic[V]):
     def _released(self, entries: Iterable[tuple[Hashable, _Entry[V]] | tuple[Hashable, _Entry[V], bool]],
                   *, evicted: bool) -> None:
         for key, entry, *held in entries:
-            if self._release is not None and not (held and held[0]):
+            if self._release is not None and not (held and held[0]) and entry.value is not _UNBUILT:
                 self._release(key, entry.value)
             if evicted and self._on_evict is not None:
                 self._on_evict(key, entry.nbytes)
@@ -557,9 +709,14 @@ class GraphCache(Generic[V]):
     # -- inspection -----------------------------------------------------------------
 
     def __contains__(self, key: Hashable) -> bool:
-        """Whether ``key`` is cached now; no statistics or recency side effect."""
+        """Whether ``key`` is cached now (deferred or not); no statistics or recency side effect."""
         with self._lock:
             return key in self._order
+
+    def has_graph(self, key: Hashable) -> bool:
+        """Whether ``key`` is cached now with its graph built (not deferred); no side effect."""
+        with self._lock:
+            return key in self._order and key not in self._unbuilt
 
     def __len__(self) -> int:
         with self._lock:
@@ -589,5 +746,6 @@ class GraphCache(Generic[V]):
                 peak_held_graphs=self._peak_held, peak_held_bytes=self._peak_held_bytes,
                 max_graphs=self.max_graphs, max_bytes=self.max_bytes, eviction=self.eviction,
                 per_key={str(key): stats.snapshot() for key, stats in self._per_key.items()},
-                loads=self._loads, load_seconds=self._load_seconds,
+                loads=self._loads, load_seconds=self._load_seconds, deferred=self._deferred,
+                deferred_built=self._deferred_built,
             )
