@@ -122,6 +122,12 @@ def test_truncated_artifact_is_detected_counted_warned_and_recompiled(tmp_path, 
                     "corrupt (truncated, altered or unreadable: its manifest's size or SHA-256 does not match); "
                     "removed, its graph is compiled again (counted in stats().disk.corrupt)")
     assert save_bytes(store, ident(), b"x" * 100) and load_bytes(store, ident()) == b"x" * 100
+    path.write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="attnpolicy.cache.disk_store"):
+        assert store.load(ident(), lambda p: p.read_bytes(), name="causal/q64 of a model") is None
+    [line] = caplog.messages
+    assert "the artifact of causal/q64 of a model (" in line and "is corrupt" in line
 
 
 @pytest.mark.parametrize("where", ["artifact", "manifest"])

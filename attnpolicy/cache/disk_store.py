@@ -403,9 +403,10 @@ class DiskStore:
             return "corrupt", None, msha
         return "ok", path, msha
 
-    def load(self, ident: ArtifactIdentity, reader: Callable[[Path], T]) -> T | None:
+    def load(self, ident: ArtifactIdentity, reader: Callable[[Path], T], name: str | None = None) -> T | None:
         """``reader(path)`` of the verified artifact of ``ident``, or None (a miss: the
-        caller compiles, then saves).
+        caller compiles, then saves). ``name``: the graph's in warnings (default: its
+        key, shortened).
 
         The manifest's identity must equal ``ident`` and the file its recorded size and
         SHA-256; a corrupt or stale artifact, or one the reader fails on, is counted,
@@ -436,7 +437,7 @@ class DiskStore:
                         ident.key, path, type(failure).__name__, failure)
         elif status in _BAD:
             log.warning("graph store %s: the artifact of %s (%s) is %s; removed, its graph is compiled again "
-                        "(counted in stats().disk.%s)", self.root, _short(ident.key), digest[:16], _BAD[status],
+                        "(counted in stats().disk.%s)", self.root, name or _short(ident.key), digest[:16], _BAD[status],
                         status)
         if status != "missing":
             self._count(status)

@@ -229,7 +229,7 @@ class GraphSource:
         """The graph of stored ``key`` from the store (``None``: not there or not valid);
         no dispatcher state touched: also runs in the background worker."""
         assert self.store is not None  # only stored keys are loaded
-        loaded = self.store.load(self.identity(key), aot.load_graph)
+        loaded = self.store.load(self.identity(key), aot.load_graph, str(key))
         return None if loaded is None else _aot_graph(loaded, key.backend)
 
     def stored(self, key: GraphKey) -> bool:
