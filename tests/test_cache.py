@@ -251,6 +251,108 @@ def test_hit_many_is_get_or_compile_key_by_key(before, batches, max_graphs, evic
     assert caches[0] == caches[1]
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(0, 6), st.booleans()), max_size=40),
+    max_graphs=st.integers(1, 4),
+    eviction=st.sampled_from(["lru", "lfu", "fifo", "cost"]),
+)
+def test_a_deferred_entry_counts_and_evicts_as_its_graph_and_builds_only_to_run(requests, max_graphs, eviction):
+    """``reserve`` (a request whose graph the caller does not run) leaves hits, misses,
+    evictions and contents exactly as ``get_or_compile`` would; a graph is built only
+    when ``get_or_compile`` asks for a key holding none, and nothing unbuilt is released."""
+    caches, built, released = [], [], []
+    for defer in (False, True):
+        cache = GraphCache(max_graphs=max_graphs, eviction=eviction, compile_cost=lambda key, seconds: 1.0 + key,
+                           release=lambda key, value: released.append(value))
+        states, builds = [], []
+        for key, runs in requests:
+            holds = cache.has_graph(key)
+            if defer and not runs:
+                cache.reserve(key)
+                assert key in cache and cache.has_graph(key) == holds
+            else:
+                before = len(builds)
+                value = cache.get_or_compile(key, lambda key=key, out=builds: out.append(key) or ("graph", key))
+                assert value == ("graph", key) and cache.has_graph(key)
+                assert len(builds) == before + (not holds)  # built exactly when it held no graph
+            s = cache.stats()
+            states.append((s.hits, s.misses, s.evictions, sorted(cache.keys())))
+        caches.append(states)
+        built.append(builds)
+        s = cache.stats()
+        assert s.compiles == len(builds)
+        assert s.misses + s.deferred_built == s.compiles + s.deferred
+    assert caches[0] == caches[1]
+    assert set(built[1]) == {key for key, runs in requests if runs}
+    assert all(value is not None for value in released)
+
+
+def test_a_deferred_entry_is_built_in_place_by_its_first_get():
+    loads, on_compile = [], []
+    cache = GraphCache(on_compile=lambda key, seconds, nbytes: on_compile.append(key))
+    cache.reserve("a")
+    cache.reserve("a")  # a hit: cached, deferred
+    cache.reserve("b")
+    s = cache.stats()
+    assert (s.misses, s.hits, s.deferred, s.compiles, s.graphs) == (2, 1, 2, 0, 2)
+    values = []
+    assert cache.hit_many(["a", "b"], values=values) == 0 and values == []  # a graph is wanted: not cached
+    assert cache.hit_many(["a", "b"]) == 2  # only requested: both hits
+    assert cache.get_or_compile("a", build_of("a")) == ("graph", "a")
+    assert cache.get_or_compile("b", build_of("b"), load=lambda: loads.append("b") or "loaded") == "loaded"
+    assert cache.get_or_compile("a", lambda: pytest.fail("built twice")) == ("graph", "a")
+    s = cache.stats()
+    assert (s.misses, s.compiles, s.loads, s.deferred_built, on_compile) == (2, 1, 1, 2, ["a"])
+    assert s.per_key["a"].compiles == 1 and s.per_key["b"].loads == 1 and s.hits == 6
+
+
+def test_a_failed_build_of_a_deferred_entry_leaves_it_deferred():
+    cache = GraphCache()
+    cache.reserve("k")
+
+    def failing():
+        raise RuntimeError("no")
+
+    with pytest.raises(GraphCompileError, match="building the graph for key k failed: RuntimeError: no"):
+        cache.get_or_compile("k", failing)
+    assert "k" in cache and not cache.has_graph(key="k")
+    assert cache.get_or_compile("k", build_of("k")) == ("graph", "k")
+    s = cache.stats()
+    assert (s.compile_failures, s.compiles, s.deferred_built, s.misses) == (1, 1, 2, 1)
+
+
+def test_a_deferred_entry_is_built_once_for_several_threads():
+    cache = GraphCache()
+    cache.reserve("k")
+    builds = []
+
+    def build():
+        builds.append(1)
+        wait_for_waiters(cache, 3)
+        return object()
+
+    results = in_threads(4, lambda: cache.get_or_compile("k", build, pin=True))
+    s = cache.stats()
+    assert len(builds) == 1 and all(r is results[0] for r in results)
+    assert (s.compiles, s.waits, s.hits) == (1, 3, 4)
+    cache.unpin(["k"] * 4)  # each thread's pin, none of the build's own left
+
+
+def test_a_deferred_entry_evicted_while_it_builds_is_released_when_built():
+    released = []
+    cache = GraphCache(max_graphs=1, release=lambda key, value: released.append(value))
+    cache.reserve("k")
+
+    def build():
+        cache.get_or_compile("other", build_of("other"))  # evicts "k" while it builds
+        return "graph"
+
+    assert cache.get_or_compile("k", build) == "graph"
+    assert released == ["graph"] and cache.keys() == ["other"]
+    assert cache.stats().held_graphs == 0
+
+
 # -- oversize --------------------------------------------------------------------------
 
 def test_oversize_raise_refuses_without_building():

@@ -108,15 +108,26 @@ def test_saving_again_replaces_the_artifact(tmp_path):
 
 # --- faults: each gives a counted miss (the caller recompiles), never a wrong graph -----
 
-def test_truncated_artifact_is_detected_counted_and_recompiled(tmp_path):
+def test_truncated_artifact_is_detected_counted_warned_and_recompiled(tmp_path, caplog):
     store = DiskStore(tmp_path, 10_000)
     save_bytes(store, ident(), b"x" * 100)
     path = artifact_path(store, ident())
     path.write_bytes(path.read_bytes()[:60])
-    assert load_bytes(store, ident()) is None
+    with caplog.at_level(logging.WARNING, logger="attnpolicy.cache.disk_store"):
+        assert load_bytes(store, ident()) is None
     s = store.stats()
     assert (s.corrupt, s.hits, s.misses, s.entries) == (1, 0, 1, 0)  # removed, not loaded
+    [line] = caplog.messages  # one line: which artifact, what is wrong, what happens
+    assert line == (f"graph store {tmp_path}: the artifact of causal/q64/float32 ({ident().digest()[:16]}) is "
+                    "corrupt (truncated, altered or unreadable: its manifest's size or SHA-256 does not match); "
+                    "removed, its graph is compiled again (counted in stats().disk.corrupt)")
     assert save_bytes(store, ident(), b"x" * 100) and load_bytes(store, ident()) == b"x" * 100
+    path.write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="attnpolicy.cache.disk_store"):
+        assert store.load(ident(), lambda p: p.read_bytes(), name="causal/q64 of a model") is None
+    [line] = caplog.messages
+    assert "the artifact of causal/q64 of a model (" in line and "is corrupt" in line
 
 
 @pytest.mark.parametrize("where", ["artifact", "manifest"])

@@ -359,10 +359,11 @@ def test_unknown_kernel_in_config_is_refused():
 
 
 def _decode_steps():
-    """A generation's steps: prefills, decodes whose keys grow by one per step (their
-    layouts never repeat), a chunk with cached context, one sequence over the largest bucket."""
+    """A generation's steps: prefills, a lone prompt (CAUSAL), decodes whose keys grow
+    by one per step (their layouts never repeat), a chunk with cached context, one
+    sequence over the largest bucket."""
     lens = [20, 70, 130, 33]
-    steps = [BatchLayout.from_lens(lens), BatchLayout.from_lens([1, 1, 5], [21, 71, 40])]
+    steps = [BatchLayout.from_lens(lens), BatchLayout.from_lens([33]), BatchLayout.from_lens([1, 1, 5], [21, 71, 40])]
     for i in range(6):
         steps.append(BatchLayout.from_lens([1] * 4, [n + 1 + i for n in lens]))
     steps.append(BatchLayout.from_lens([1, 1, 300], [30, 40, 300]))  # 300 > max_seq_len 256: eager
@@ -381,18 +382,29 @@ def _untimed(stats):
             "cache": {**cache, **held, "compile_seconds": None, "per_key": per_key}}
 
 
+def _unbuilt(stats):
+    """``_untimed`` stats without what depends on which graphs were built: compiles,
+    deferred entries, stalls."""
+    stats = _untimed(stats)
+    cache = {k: v for k, v in stats["cache"].items() if k not in ("compiles", "deferred", "deferred_built")}
+    cache["per_key"] = {k: {**v, "compiles": None} for k, v in cache["per_key"].items()}
+    return {**stats, "stalls": None, "cache": cache}
+
+
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("policy", ["varlen", "dynamic"])
 def test_a_host_step_fetches_and_counts_as_a_planned_step(policy, eviction):
     """A dispatcher whose host runs VARLEN on its own kernel (host_varlen=True) takes
-    the same decisions and leaves the same statistics and cache as planning every
-    call; its VARLEN steps are HostSteps with no graph (none pinned), its other steps
-    return (and pin) their graphs."""
+    the same decisions and leaves the same hits, misses, evictions and cache contents
+    as planning every call; its VARLEN steps are HostSteps with no graph (none pinned,
+    none built: their keys enter the cache deferred), its other steps return (and pin)
+    their graphs, and it builds exactly the graphs those steps run."""
     cfg = AttnPolicyConfig(policy=policy, backend="aot_eager", max_seq_len=256, max_graphs=3,
                            eviction=eviction, on_overflow="eager")
     built = [[], []]
     ds = [Dispatcher(cfg, builder=lambda call, key, spec, out=out: out.append(key) or (lambda *a: None),
                      host_varlen=host) for out, host in zip(built, (False, True))]
+    ran = set()
     for layout in _decode_steps():
         full = ds[0].prepare(layout, SPEC)
         fast = ds[1].prepare(layout, SPEC)
@@ -401,14 +413,21 @@ def test_a_host_step_fetches_and_counts_as_a_planned_step(policy, eviction):
         assert isinstance(fast, HostStep) == varlen
         calls = [call for call, _ in full]
         assert [call for call, _ in fast] == ([] if varlen else calls)
+        if not varlen:
+            ran.update(key for call, key in full.plan.calls if call.compiled)
         # the batch's graphs stay pinned until it has run; a VARLEN step run elsewhere uses none
         assert ds[1].source.pinned == ([] if varlen else ds[0].source.pinned)
         for mode in (MaskMode.VARLEN, full.decision.mode):
             keys = ds[1].context_for(SPEC).keys_for(layout, mode)
             assert keys == tuple(k for c, k in ds[0].planner.plan(layout, mode, SPEC).calls if c.compiled)
-        stats = [_untimed(d.stats().to_json()) for d in ds]
+        stats = [_unbuilt(d.stats().to_json()) for d in ds]
         assert stats[1] == stats[0]
-    assert built[1] == built[0]
+    assert set(built[1]) == ran <= set(built[0])  # the host's dispatcher builds what runs
+    host = ds[1].stats().cache
+    assert host.compiles == len(built[1])
+    assert host.misses + host.deferred_built == host.compiles + host.deferred  # every miss accounted for
+    if policy == "varlen":  # keys deferred by host steps, one built when the lone prompt ran it
+        assert ran < set(built[0]) and host.deferred > 0 and host.deferred_built > 0
     assert stats[0]["cache"]["evictions"] > 0 and stats[0]["cache"]["hits"] > 0
     assert stats[0]["modes"][policy if policy == "varlen" else "mask"] > 0
     assert stats[0]["overflow"] > 0 or policy != "varlen"

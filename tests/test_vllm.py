@@ -125,6 +125,46 @@ class _StepCounter:
         CPUAttentionMetadataBuilder.build = counted
 
 
+class _GraphsRun:
+    """Records, per dispatcher (its counters), the graph keys every Step that runs
+    executes: what ran, counted independently of the graph cache."""
+
+    def __init__(self) -> None:
+        from attnpolicy.dispatch.step import Step
+
+        self.ran: dict[int, set[str]] = {}
+        run = Step.run
+
+        def recorded(step, *args, **kwargs):
+            self.ran.setdefault(id(step.counters), set()).update(
+                str(key) for call, key in step.plan.calls if call.compiled)
+            return run(step, *args, **kwargs)
+
+        Step.run = recorded
+
+    def counts(self) -> dict[str, dict]:
+        """Per dispatcher's policy: the keys that ran, the graphs its cache built or
+        loaded (per key), its deferred entries and evictions."""
+        from attnpolicy.integrations.runtime import dispatchers
+
+        out = {}
+        for d in dispatchers():
+            cache = d.stats().cache
+            out[d.config.policy] = {"ran": sorted(self.ran.get(id(d.counters), ())),
+                                    "built": {k: s.compiles + s.loads for k, s in cache.per_key.items()
+                                              if s.compiles or s.loads},
+                                    "deferred": cache.deferred, "evictions": cache.evictions}
+        return out
+
+
+def _built_now() -> dict[str, int]:
+    """What the graph caches of this process hold built or deferred now (summed)."""
+    from attnpolicy.integrations.runtime import dispatchers
+
+    stats = [d.stats().cache for d in dispatchers()]
+    return {name: sum(getattr(s, name) for s in stats) for name in ("compiles", "loads", "deferred")}
+
+
 def _engine(model: str, pooling: bool):
     from vllm import LLM
 
@@ -169,7 +209,7 @@ def _child(scenario: str, model: str, out: str) -> None:
 
         from attnpolicy.integrations import vllm as integration
 
-        counter = _StepCounter()
+        counter, graphs = _StepCounter(), _GraphsRun()
         log = Path(os.environ["ATTNPOLICY_DECISIONS_LOG"])
         for policy in ("stock", *FEATURE_POLICIES):
             if policy != "stock":
@@ -183,7 +223,8 @@ def _child(scenario: str, model: str, out: str) -> None:
             _shutdown(llm)
             records = [json.loads(s) for s in log.read_text().splitlines()[seen:]] if log.exists() else []
             result[policy] = {"outputs": [_result(o) for o in outs], "metadata": counter.count - before,
-                              "records": records}
+                              "records": records,
+                              "graphs": graphs.counts().get("varlen" if policy == "default" else policy)}
     elif scenario == "inproc-elsewhere":  # every layer of the model runs on vLLM's own code
         from vllm import LLM
 
@@ -206,6 +247,7 @@ def _child(scenario: str, model: str, out: str) -> None:
 
             integration.register()
         llm = _engine(model, pooling)
+        result["init"] = _built_now()  # what engine start built: the warm set
         result["attnpolicy"] = _scenarios(llm, only_packed=True)
         _shutdown(llm)
     Path(out).write_text(json.dumps(result))
@@ -234,7 +276,7 @@ def _run_child(scenario: str, model: Path, tmp: Path, extra_env: dict[str, str])
     proc = subprocess.run([sys.executable, __file__, scenario, str(model), str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "output": proc.stdout}  # vLLM logs to stdout
 
 
 def _decisions(log: Path) -> list[dict]:
@@ -286,6 +328,33 @@ def test_vllm_register_refuses_a_bad_environment_config_before_any_engine(vllm_i
         integration.register()
     assert str(exc.value).startswith(next(iter(env)))  # the first line names the variable
     assert not integration.is_registered()
+
+
+def test_vllm_logging_shows_attnpolicys_lines_once_and_is_undone(vllm_installed):
+    """``route_logs`` (``register`` calls it) hands attnpolicy's records to vLLM's
+    logger, once each, at the level vLLM's logger has when they are logged (vLLM
+    configures it after plugins load); ``unroute_logs`` restores the logger."""
+    from attnpolicy.integrations import vllm as integration
+
+    seen: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    vllm_logger, ours = logging.getLogger("vllm"), logging.getLogger("attnpolicy")
+    vllm_logger.addHandler(catch)
+    level = vllm_logger.level
+    try:
+        assert integration.route_logs() and not integration.route_logs()  # routed once
+        vllm_logger.setLevel(logging.WARNING)
+        logging.getLogger("attnpolicy.dispatch").info("not shown: vLLM shows warnings only")
+        vllm_logger.setLevel(logging.INFO)  # as vLLM configures it when it builds an engine
+        logging.getLogger("attnpolicy.dispatch").info("attnpolicy: warm set of 1 graphs ready")
+        logging.getLogger("attnpolicy.cache.disk_store").debug("not shown: below INFO")
+        assert seen == ["attnpolicy: warm set of 1 graphs ready"] and not ours.propagate
+    finally:
+        integration.unroute_logs()
+        vllm_logger.removeHandler(catch)
+        vllm_logger.setLevel(level)
+    assert ours.propagate and not ours.handlers and ours.level == logging.NOTSET
 
 
 def test_fit_to_runtime_takes_unset_limits_from_the_runtime():
@@ -435,8 +504,9 @@ def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_gr
                                                                                   family):
     """A sliding-window Mistral, a soft-capped Gemma2 and a GPT-OSS with sinks (sliding
     and full layers alternating: two KV-cache groups) under every policy: the same
-    greedy tokens and prompt logprobs as stock vLLM, and one decision per attention
-    step of every group, recorded with the group's window, cap and sinks."""
+    greedy tokens and prompt logprobs as stock vLLM, one decision per attention step
+    of every group, recorded with the group's window, cap and sinks, and no graph
+    compiled that never ran (vLLM's kernel runs VARLEN steps: their keys are deferred)."""
     import tiny_models
 
     model = getattr(tiny_models, family)(tmp_path / family, window=WINDOW)
@@ -467,6 +537,12 @@ def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_gr
         if policy in ("default", "varlen", "dynamic"):  # the lone prompt: attnpolicy's CAUSAL graph
             lone = [d for d in decisions if d["q_lens"] == d["kv_lens"] == [SINGLE_LEN]]
             assert {(d["group"], d["mode"]) for d in lone} == {(g, "causal") for g in groups}, policy
+        # attnpolicy built (compiled or loaded) exactly the graphs its steps ran, each once
+        graphs = got["graphs"]
+        assert graphs["ran"] and sorted(graphs["built"]) == graphs["ran"], policy
+        assert set(graphs["built"].values()) == {1} and graphs["evictions"] == 0, policy
+        if policy in ("default", "varlen"):  # vLLM's kernel ran the packed steps: their keys deferred
+            assert graphs["deferred"] > 0, policy
 
 
 def test_vllm_layers_that_run_elsewhere_are_warned_once_and_counted(vllm_installed, tmp_path):
@@ -602,24 +678,61 @@ def test_vllm_entry_point_reaches_engine_process(llama_dir, generated, tmp_path)
     assert {d["pid"] for d in decisions} - {result["pid"]}, "decisions came only from the front-end process"
 
 
-def test_vllm_warms_a_planned_config_then_compiles_nothing(llama_dir, generated, tmp_path):
-    """Plan a recorded run, serve its packed prompts again under the plan: the backend
-    warms the planned set at its first step and every step after hits."""
+def _flip_a_byte(store: Path) -> None:
+    """Corrupt one graph artifact of ``store`` (a byte in its middle)."""
+    path = sorted(p for p in (store / "objects").iterdir() if p.suffix != ".json")[0]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_vllm_builds_a_planned_warm_set_at_engine_start_says_so_and_compiles_nothing_after(llama_dir, generated,
+                                                                                           tmp_path):
+    """Plan a recorded run and serve its packed prompts again under the plan with a
+    graph store, three times: with the store empty, filled, and with one artifact
+    corrupted. Engine start (``LLM(...)``) builds the warm set (its CAUSAL graphs
+    compiled, then loaded, then one recompiled; its VARLEN graphs deferred: vLLM's
+    kernel runs them), and every step after hits. vLLM's own output says it in one line
+    each: the warm set's, and the corrupt artifact's."""
     from attnpolicy.cli import main
     from attnpolicy.config import AttnPolicyConfig
+    from attnpolicy.core.modes import GraphFamily
     from attnpolicy.workloads.layout_stream import read_layout_stream
 
     stock = generated[0]["stock"]["packed"]
     recorded = _stream_runs(generated[1])["varlen"]
-    out = tmp_path / "plan"
     assert main(["plan", "--layouts", str(generated[1] / "layouts.jsonl"), "--run", recorded.run,
-                 "--policies", "varlen", "--max-buckets", "4", "--out", str(out)]) == 0
-    planned = AttnPolicyConfig.load(out)
-    result = _run_child("inproc-planned", llama_dir, tmp_path, {**INPROC, "ATTNPOLICY_CONFIG": str(out)})
-    assert [r["tokens"] for r in result["attnpolicy"]["packed"]] == [r["tokens"] for r in stock]
-    [run] = read_layout_stream(tmp_path / "layouts.jsonl")
-    assert run.config.warmup == planned.warmup and run.config.strict == "warn"
-    assert {s.misses for s in run.steps} == {len(planned.warmup)}  # the warm-up's misses, then none
+                 "--policies", "varlen", "--max-buckets", "4", "--out", str(tmp_path / "plan")]) == 0
+    planned = AttnPolicyConfig.load(tmp_path / "plan")
+    config = tmp_path / "planned_with_store.json"
+    fields = json.loads((tmp_path / "plan" / "attnpolicy_config.json").read_text())
+    config.write_text(json.dumps({**fields, "store_dir": str(tmp_path / "store")}))
+    deferred = sum(shape.family is GraphFamily.VARLEN for shape in planned.warmup)
+    built = len(planned.warmup) - deferred
+    assert built > 0 and deferred > 0
+    expected = {"cold": ({"compiles": built, "loads": 0}, f"cold start: 0 loaded from the store, {built} compiled"),
+                "warm": ({"compiles": 0, "loads": built}, f"warm start: {built} loaded from the store, 0 compiled"),
+                "corrupt": ({"compiles": 1, "loads": built - 1},
+                            f"cold start: {built - 1} loaded from the store, 1 compiled")}
+    for name, (init, said) in expected.items():
+        if name == "corrupt":
+            _flip_a_byte(tmp_path / "store")
+        (tmp_path / name).mkdir()
+        result = _run_child("inproc-planned", llama_dir, tmp_path / name, {**INPROC, "ATTNPOLICY_CONFIG": str(config)})
+        assert [r["tokens"] for r in result["attnpolicy"]["packed"]] == [r["tokens"] for r in stock], name
+        assert result["init"] == {**init, "deferred": deferred}, name  # engine start built the warm set
+        [run] = read_layout_stream(tmp_path / name / "layouts.jsonl")
+        assert run.config.warmup == planned.warmup and run.config.strict == "warn"
+        assert {s.misses for s in run.steps} == {len(planned.warmup)}, name  # the warm-up's misses, then none
+        [stats] = _stats(tmp_path / name / "decisions.jsonl")
+        assert stats["cache"]["compiles"] == init["compiles"] and stats["strict_violations"] == 0, name
+        assert stats["disk"]["saves"] == init["compiles"] and stats["disk"]["corrupt"] == (name == "corrupt")
+        lines = result["output"].splitlines()
+        [line] = [line for line in lines if "attnpolicy: warm set of" in line]
+        assert f"warm set of {len(planned.warmup)} graphs" in line and said in line, name
+        assert f"{deferred} left to the host's own kernel" in line and "INFO" in line, name  # vLLM's format
+        warned = [line for line in lines if "is corrupt" in line]
+        assert len(warned) == (name == "corrupt") and all("compiled again" in w and "WARNING" in w for w in warned)
 
 
 def _stats(log: Path) -> list[dict]:

@@ -144,3 +144,23 @@ def test_a_background_load_after_warm_up_is_no_strict_violation(tmp_path):
     d.close()
     assert s.background.pad_up_calls == 1 and s.background.loaded == 1
     assert s.strict_violations == 0 and s.loaded_after_warmup == 1 and s.cache.loads == 1
+
+
+def test_a_host_runs_varlen_keys_deferred_and_a_step_that_runs_one_compiles_it():
+    """With ``host_varlen`` (vLLM's kernel runs VARLEN steps) nothing the host runs is
+    built: the warm set's VARLEN graph and a host step's keys enter the cache deferred,
+    no strict violation; a step that runs a deferred key compiles it then, which after
+    warm-up is one."""
+    varlen = {"family": "varlen", "q_bucket": 16, "kv_bucket": 64, "context": True}
+    config = AttnPolicyConfig(policy="varlen", warmup=[WARM[0], varlen], strict="raise", backend="eager",
+                              max_seq_len=256)
+    builder = _Counted()
+    d = Dispatcher(config, builder=builder, host_varlen=True)
+    d.warmup(SMALL)
+    assert builder.built == 1 and d.stats().cache.deferred == 1  # the causal q64 compiled, the varlen one not
+    d.prepare(BatchLayout.from_lens([100, 20]), SMALL)  # run by the host: q128 and q32 deferred
+    s = d.stats()
+    assert builder.built == 1 and s.cache.deferred == 3 and s.strict_violations == 0
+    with pytest.raises(StrictModeError, match="q128.*compiled after warm-up"):
+        d.prepare(BatchLayout.from_lens([100]), SMALL)  # attnpolicy's CAUSAL graph runs it: built now
+    assert d.stats().strict_violations == 1

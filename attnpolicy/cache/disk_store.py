@@ -52,6 +52,9 @@ _TMP = re.compile(r"(?:[0-9a-f]{64}|index)\.[0-9]+\.[0-9]+\..+", re.DOTALL)
 #: How the store's own index.json starts (json.dumps with sorted keys): another file
 #: there is not the store's and is never replaced.
 _INDEX_HEAD = b'{"clock": '
+#: Why a load found no valid artifact, by status (warned about; "missing" is a plain miss).
+_BAD = {"corrupt": "corrupt (truncated, altered or unreadable: its manifest's size or SHA-256 does not match)",
+        "stale": "stale (its manifest names another identity)"}
 #: What parsing a tampered JSON file can raise (nesting, Infinity, wrong types).
 _BAD_JSON = (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError)
 
@@ -165,6 +168,11 @@ class _Entry:
     bytes: int
     used: int
     names: list[str] = field(default_factory=list)  # its files in objects/
+
+
+def _short(key: str) -> str:
+    """An artifact's key for a warning: its first 64 characters."""
+    return key if len(key) <= 64 else f"{key[:63]}…"
 
 
 def _read(path: Path) -> bytes:
@@ -395,13 +403,15 @@ class DiskStore:
             return "corrupt", None, msha
         return "ok", path, msha
 
-    def load(self, ident: ArtifactIdentity, reader: Callable[[Path], T]) -> T | None:
+    def load(self, ident: ArtifactIdentity, reader: Callable[[Path], T], name: str | None = None) -> T | None:
         """``reader(path)`` of the verified artifact of ``ident``, or None (a miss: the
-        caller compiles, then saves).
+        caller compiles, then saves). ``name``: the graph's in warnings (default: its
+        key, shortened).
 
         The manifest's identity must equal ``ident`` and the file its recorded size and
         SHA-256; a corrupt or stale artifact, or one the reader fails on, is counted,
-        removed and reported as a miss, so it is never used as a graph. The reader runs
+        removed and reported as a miss, so it is never used as a graph (a corrupt or
+        stale one, and one the reader fails on, warned about: one line each). The reader runs
         under the shared lock: no writer replaces or evicts the file meanwhile. Bad
         metadata or a lock that cannot be taken never raises: it is a miss.
         """
@@ -425,6 +435,10 @@ class DiskStore:
         if failure is not None:
             log.warning("the artifact of %s at %s failed to load (%s: %s); compiling it instead",
                         ident.key, path, type(failure).__name__, failure)
+        elif status in _BAD:
+            log.warning("graph store %s: the artifact of %s (%s) is %s; removed, its graph is compiled again "
+                        "(counted in stats().disk.%s)", self.root, name or _short(ident.key), digest[:16], _BAD[status],
+                        status)
         if status != "missing":
             self._count(status)
             self._discard(digest, manifest_path, msha)
@@ -534,10 +548,9 @@ class DiskStore:
             first = self.root not in _OVERSIZE_WARNED
             _OVERSIZE_WARNED.add(self.root)
         if first:
-            key = ident.key if len(ident.key) <= 64 else f"{ident.key[:63]}…"
             log.warning("graph store %s: the artifact of %s (%d bytes) is larger than max_disk_bytes=%d; not stored "
                         "(further oversize artifacts are counted in stats().disk.oversize, not warned about)",
-                        self.root, key, need, self.max_bytes)
+                        self.root, _short(ident.key), need, self.max_bytes)
 
     def _warn_once(self, error: OSError, consequence: str) -> None:
         why = {errno.EROFS: "read-only", errno.ENOSPC: "full", errno.EDQUOT: "over quota",

@@ -8,121 +8,34 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Generic, TypeVar
 
 import cachetools
-from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
+from attnpolicy.cache.cache_types import Bounds, CacheStats, KeyCounters, KeyStats
 from attnpolicy.core.names import Oversize
-from attnpolicy.errors import (
-    AttnPolicyError,
-    ConfigError,
-    GraphCompileError,
-    GraphTooLargeError,
-)
+from attnpolicy.errors import AttnPolicyError, ConfigError, GraphCompileError, GraphTooLargeError
 from attnpolicy.plugins.registry import make_eviction
 
 V = TypeVar("V")
-
-
-@dataclass(frozen=True, slots=True)
-class KeyStats:
-    """The figures of one key (see docs/cache.md)."""
-
-    hits: int
-    misses: int
-    compiles: int
-    evictions: int
-    compile_seconds: float
-    bytes: int
-    loads: int = 0
-    load_seconds: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    """A snapshot of a :class:`GraphCache` (see docs/cache.md for each figure).
-    ``to_json()`` gives the dict of the JSON outputs."""
-
-    hits: int
-    misses: int
-    evictions: int
-    compiles: int
-    compile_failures: int
-    compile_seconds: float
-    waits: int
-    uncached: int
-    refused: int
-    graphs: int
-    bytes: int
-    peak_graphs: int
-    peak_bytes: int
-    held_graphs: int
-    held_bytes: int
-    peak_held_graphs: int
-    peak_held_bytes: int
-    max_graphs: int | None
-    max_bytes: int | None
-    eviction: str
-    per_key: dict[str, KeyStats]
-    loads: int = 0  # misses served by a load (a disk tier) instead of a build
-    load_seconds: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(slots=True)
-class _KeyCounters:
-    hits: int = 0
-    misses: int = 0
-    compiles: int = 0
-    evictions: int = 0
-    compile_seconds: float = 0.0
-    bytes: int = 0
-    loads: int = 0
-    load_seconds: float = 0.0
-
-    def snapshot(self) -> KeyStats:
-        return KeyStats(self.hits, self.misses, self.compiles, self.evictions, self.compile_seconds, self.bytes,
-                        self.loads, self.load_seconds)
+__all__ = ["CacheStats", "GraphCache", "KeyStats"]
 
 
 @dataclass(slots=True)
 class _Entry(Generic[V]):
     value: V
     nbytes: int
-    stats: _KeyCounters
+    stats: KeyCounters
 
 
-class _Bounds(BaseModel):
-    """The validated bounds of a cache."""
-
-    model_config = ConfigDict(strict=True, frozen=True)
-
-    max_graphs: PositiveInt | None = None
-    max_bytes: PositiveInt | None = None
-    oversize: Oversize = "raise"
-
-    @classmethod
-    def of(cls, **fields: Any) -> _Bounds:
-        try:
-            return cls(**fields)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])} {e['msg'].lower()}, got {e['input']!r}"
-                                 for e in exc.errors())
-            raise ConfigError(f"invalid GraphCache bounds: {problems}") from None
-
+#: The value of a deferred entry (:meth:`GraphCache.reserve`): no graph built yet.
+_UNBUILT: Any = object()
 
 #: Eviction orders for which touching a run of keys equals touching each distinct key
 #: once, in the order of its last touch (see ``GraphCache.hit_many``).
 _TOUCH_ONCE = (cachetools.LRUCache, cachetools.FIFOCache)
-
-
-def _zero_bytes(key: Hashable) -> int:
-    return 0
 
 
 class GraphCache(Generic[V]):
@@ -148,6 +61,10 @@ class GraphCache(Generic[V]):
     recompile, until its last pin goes. The Dispatcher pins the graphs of the batch it
     prepares until the batch has run; ``held_*`` statistics report that transient excess.
 
+    Deferred entries: :meth:`reserve` requests a key whose graph the caller does not run
+    (a host's own kernel runs it); a miss enters it unbuilt, counted and placed as its
+    graph would be. The first ``get_or_compile`` of it (a hit) builds or loads it in place.
+
     Thread-safe. A key missing in several threads at once is built once (single
     flight); the other threads wait and count as hits and as waits. Builds run
     outside the lock, so other keys proceed. A failed build caches nothing and
@@ -169,7 +86,7 @@ class GraphCache(Generic[V]):
         eviction_options: dict[str, Any] | None = None,
         compile_cost: Callable[[Hashable, float], float] | None = None,
     ) -> None:
-        bounds = _Bounds.of(max_graphs=max_graphs, max_bytes=max_bytes, oversize=oversize)
+        bounds = Bounds.of(max_graphs=max_graphs, max_bytes=max_bytes, oversize=oversize)
         for field, fn in (("sizeof", sizeof), ("on_compile", on_compile),
                           ("on_evict", on_evict), ("release", release), ("compile_cost", compile_cost)):
             if fn is not None and not callable(fn):
@@ -180,16 +97,17 @@ class GraphCache(Generic[V]):
         self.oversize = bounds.oversize
         self._order: cachetools.Cache[Hashable, _Entry[V]] = make_eviction(eviction, eviction_options)
         self._note = getattr(self._order, "note", None)
-        self._sizeof = sizeof or _zero_bytes
+        self._sizeof: Callable[[Hashable], int] = sizeof or (lambda key: 0)
         self._on_compile = on_compile
         self._on_evict = on_evict
         self._release = release
         self._compile_cost = compile_cost
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, tuple[Future[V], int]] = {}
-        self._per_key: dict[Hashable, _KeyCounters] = {}
+        self._per_key: dict[Hashable, KeyCounters] = {}
         self._pins: dict[Hashable, int] = {}  # key -> pins (a plain dict: the hot path)
         self._held: list[tuple[Hashable, _Entry[V]]] = []
+        self._unbuilt: dict[Hashable, _Entry[V]] = {}  # the cached deferred entries
         self._bytes = self._held_bytes = 0
         self._zero_counters()
 
@@ -206,7 +124,7 @@ class GraphCache(Generic[V]):
         self._hits = self._misses = self._evictions = self._refused = 0
         self._compiles = self._compile_failures = self._waits = self._uncached = 0
         self._compile_seconds = self._load_seconds = 0.0
-        self._loads = 0
+        self._loads = self._deferred = self._deferred_built = 0
         self._peak_graphs = len(self._order)
         self._peak_bytes = self._bytes
         self._peak_held = len(self._held)
@@ -221,19 +139,79 @@ class GraphCache(Generic[V]):
         ``seconds``: the build's (or load's) measured seconds when it ran elsewhere
         (``build`` returns a graph compiled in the background); default: timed around it.
         ``load()``: tried first on a miss (a lower tier, e.g. a disk store); a graph it
-        returns is counted in ``loads`` and ``load_seconds``, ``None`` means build."""
+        returns is counted in ``loads`` and ``load_seconds``, ``None`` means build.
+        A deferred entry (:meth:`reserve`) is a hit whose graph is built (or loaded) now."""
         with self._lock:
-            try:
-                entry = self._order[key]
-            except KeyError:
-                pass
-            else:
+            entry = self._order.get(key)
+            if entry is None:
+                claim = None
+            elif entry.value is not _UNBUILT:
                 self._hits += 1
                 entry.stats.hits += 1
                 if pin:
                     self._pin(key)
                 return entry.value
-        return self._miss(key, build, pin, seconds, load)
+            else:
+                claim = self._claim(key, entry)
+        if claim is None:
+            return self._miss(key, build, pin, seconds, load)
+        return self._settle(key, entry, *claim, build, pin, seconds, load)
+
+    def reserve(self, key: Hashable) -> None:
+        """Request ``key`` as :meth:`get_or_compile` would, for a caller that does not
+        run its graph: a hit when it is cached (deferred or not) or being built; else a
+        miss that enters it *deferred*, without building (counted in ``deferred``): sized,
+        evicting and evicted (``on_evict`` included) as its graph would be. An oversize
+        key is refused (raises) or counted ``uncached``, as its build would be."""
+        error: BaseException | None = None
+        try:  # outside the lock, as a build's (a reserved key is almost always a miss)
+            nbytes, cached = self._size(key)
+            cost = 0.0 if self._compile_cost is None else self._compile_cost(key, 0.0)
+        except BaseException as exc:
+            error = exc
+        victims: list[tuple[Hashable, _Entry[V], bool]] = []
+        with self._lock:
+            stats = self._per_key.setdefault(key, KeyCounters())
+            if self._order.get(key) is not None or key in self._inflight:  # cached or being built: a hit
+                self._hits += 1
+                stats.hits += 1
+                return
+            self._misses += 1
+            stats.misses += 1
+            if error is not None:
+                self._refused += 1
+            else:
+                self._deferred += 1
+                stats.bytes = nbytes
+                if cached:
+                    entry: _Entry[V] = _Entry(_UNBUILT, nbytes, stats)
+                    self._insert(key, entry, cost, victims)
+                    self._unbuilt[key] = entry
+                else:
+                    self._uncached += 1
+        self._released(victims, evicted=True)
+        if error is not None:
+            raise error
+
+    def _claim(self, key: Hashable, entry: _Entry[V]) -> tuple[Future[V], bool]:
+        """A request of deferred ``key`` (a hit): the future of its build and whether this
+        thread builds it (else it waits; counted in ``waits``). The builder pins it until
+        done (see :meth:`_settle`), so that an eviction meanwhile holds the entry. Lock held."""
+        inflight = self._inflight.get(key)
+        if inflight is not None and inflight[1] == threading.get_ident():
+            raise GraphCompileError(
+                f"re-entrant build: building the graph for key {key} requested key {key} again "
+                "in the same thread (a build must not request its own key)")
+        self._hits += 1
+        entry.stats.hits += 1
+        if inflight is not None:
+            self._waits += 1
+            return inflight[0], False
+        future: Future[V] = Future()
+        self._inflight[key] = (future, threading.get_ident())
+        self._deferred_built += 1
+        self._pin(key)
+        return future, True
 
     def hit_many(self, keys: Sequence[Hashable], start: int = 0, *, pin: bool = False,
                  values: list[V] | None = None) -> int:
@@ -241,12 +219,14 @@ class GraphCache(Generic[V]):
         one lock: each counts a hit, refreshes its recency and takes a pin (``pin``)
         exactly as ``get_or_compile(key, build, pin=pin)`` would, and its graph is
         appended to ``values`` (if given). Returns the index of the first key not cached
-        (``len(keys)`` when all were), for the caller to fetch with ``get_or_compile``."""
+        (``len(keys)`` when all were; with ``values``, a deferred entry counts as not
+        cached), for the caller to fetch with ``get_or_compile``."""
         order = self._order
+        unbuilt = self._unbuilt if values is not None else {}
         with self._lock:
             stop = len(keys)
             for key in dict.fromkeys(keys[start:stop]):
-                if key not in order:
+                if key not in order or key in unbuilt:
                     stop = keys.index(key, start)
                     break
             hits = keys[start:stop]
@@ -292,34 +272,45 @@ class GraphCache(Generic[V]):
     def _miss(self, key: Hashable, build: Callable[[], V], pin: bool, measured: float | None = None,
               load: Callable[[], V | None] | None = None) -> V:
         with self._lock:
-            if key in self._order:  # built by another thread since the hot path looked
-                entry = self._order[key]
+            entry = self._order.get(key)  # cached by another thread since the hot path looked?
+            if entry is not None and entry.value is not _UNBUILT:
                 self._hits += 1
                 entry.stats.hits += 1
                 if pin:
                     self._pin(key)
                 return entry.value
-            inflight = self._inflight.get(key)
-            if inflight is not None and inflight[1] == threading.get_ident():
-                raise GraphCompileError(
-                    f"re-entrant build: building the graph for key {key} requested key {key} again "
-                    "in the same thread (a build must not request its own key)")
-            stats = self._per_key.get(key)
-            if stats is None:
-                stats = self._per_key[key] = _KeyCounters()
-            if inflight is None:
-                self._misses += 1
-                stats.misses += 1
-                future: Future[V] = Future()
-                self._inflight[key] = (future, threading.get_ident())
+            if entry is not None:  # deferred
+                future, owner = self._claim(key, entry)
             else:
-                future = inflight[0]
-                self._hits += 1
-                self._waits += 1
-                stats.hits += 1
-        assert future is not None
-        if inflight is None:
-            return self._compile(key, build, future, stats, pin, measured, load)
+                inflight = self._inflight.get(key)
+                if inflight is not None and inflight[1] == threading.get_ident():
+                    raise GraphCompileError(
+                        f"re-entrant build: building the graph for key {key} requested key {key} again "
+                        "in the same thread (a build must not request its own key)")
+                stats = self._per_key.setdefault(key, KeyCounters())
+                owner = inflight is None
+                if inflight is None:
+                    self._misses += 1
+                    stats.misses += 1
+                    future = Future()
+                    self._inflight[key] = (future, threading.get_ident())
+                else:
+                    future = inflight[0]
+                    self._hits += 1
+                    self._waits += 1
+                    stats.hits += 1
+        return self._settle(key, entry, future, owner, build, pin, measured, load)
+
+    def _settle(self, key: Hashable, entry: _Entry[V] | None, future: Future[V], owner: bool,
+                build: Callable[[], V], pin: bool, measured: float | None, load: Callable[[], V | None] | None) -> V:
+        """Build (or load) the graph of ``key`` when this thread owns ``future`` (into the
+        deferred ``entry`` when given, then the build's pin dropped), else wait for it."""
+        if owner:
+            try:
+                return self._compile(key, build, future, pin, measured, load, entry)
+            finally:
+                if entry is not None:
+                    self.unpin((key,))  # an entry evicted meanwhile is released here
         value = self._wait(key, future)
         if pin:
             with self._lock:
@@ -367,13 +358,17 @@ class GraphCache(Generic[V]):
                 self._compile_failures += 1
         future.set_exception(exc)
 
-    def _compile(self, key: Hashable, build: Callable[[], V], future: Future[V], stats: _KeyCounters,
-                 pin: bool, measured: float | None = None, load: Callable[[], V | None] | None = None) -> V:
-        try:
-            nbytes, cached = self._size(key)
-        except BaseException as exc:
-            self._abandon(key, future, exc, refused=True)
-            raise
+    def _compile(self, key: Hashable, build: Callable[[], V], future: Future[V], pin: bool, measured: float | None,
+                 load: Callable[[], V | None] | None, entry: _Entry[V] | None) -> V:
+        stats = self._per_key[key]
+        if entry is not None:  # deferred: sized and placed already
+            nbytes, cached = entry.nbytes, True
+        else:
+            try:
+                nbytes, cached = self._size(key)
+            except BaseException as exc:
+                self._abandon(key, future, exc, refused=True)
+                raise
         loaded: V | None = None
         try:
             start = perf_counter()
@@ -391,7 +386,7 @@ class GraphCache(Generic[V]):
             self._abandon(key, future, exc, refused=False)
             raise
         if loaded is not None:
-            return self._loaded(key, loaded, load_seconds, future, stats, nbytes, cached, pin)
+            return self._loaded(key, loaded, load_seconds, future, stats, nbytes, cached, pin, entry)
 
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         inserted = False
@@ -405,7 +400,7 @@ class GraphCache(Generic[V]):
                 self._compile_seconds += seconds
                 stats.compiles += 1
                 stats.compile_seconds += seconds
-                inserted = self._enter(key, value, nbytes, cached, stats, seconds, victims, pin)
+                inserted = self._enter(key, value, nbytes, cached, stats, seconds, victims, pin, entry)
         except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
             with self._lock:
                 if self._inflight.get(key, (None, 0))[0] is future:  # compile_cost raised
@@ -423,8 +418,8 @@ class GraphCache(Generic[V]):
             self._on_compile(key, seconds, nbytes)
         return value
 
-    def _loaded(self, key: Hashable, value: V, seconds: float, future: Future[V], stats: _KeyCounters,
-                nbytes: int, cached: bool, pin: bool) -> V:
+    def _loaded(self, key: Hashable, value: V, seconds: float, future: Future[V], stats: KeyCounters,
+                nbytes: int, cached: bool, pin: bool, entry: _Entry[V] | None) -> V:
         """Account a miss that ``load()`` served: counted as a load, inserted as a build is
         (ranked for eviction by ``compile_cost`` as a build, so that ranks agree)."""
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
@@ -436,7 +431,7 @@ class GraphCache(Generic[V]):
                 self._load_seconds += seconds
                 stats.loads += 1
                 stats.load_seconds += seconds
-                self._enter(key, value, nbytes, cached, stats, cost, victims, pin)
+                self._enter(key, value, nbytes, cached, stats, cost, victims, pin, entry)
         except BaseException as exc:  # a failing eviction strategy or compile_cost: nothing leaks
             with self._lock:
                 self._inflight.pop(key, None)
@@ -447,12 +442,16 @@ class GraphCache(Generic[V]):
         self._released(victims, evicted=True)
         return value
 
-    def _enter(self, key: Hashable, value: V, nbytes: int, cached: bool, stats: _KeyCounters, seconds: float,
-               victims: list[tuple[Hashable, _Entry[V], bool]], pin: bool) -> bool:
-        """A new graph into the cache (or counted ``uncached``), pinned if asked; returns
-        whether it was inserted. Lock held."""
+    def _enter(self, key: Hashable, value: V, nbytes: int, cached: bool, stats: KeyCounters, seconds: float,
+               victims: list[tuple[Hashable, _Entry[V], bool]], pin: bool, entry: _Entry[V] | None = None) -> bool:
+        """A new graph into the cache (or counted ``uncached``; into the deferred
+        ``entry`` when given), pinned if asked; returns whether it was inserted. Lock held."""
         stats.bytes = nbytes
-        if cached:
+        if entry is not None:
+            entry.value = value
+            if self._unbuilt.get(key) is entry:
+                del self._unbuilt[key]
+        elif cached:
             self._insert(key, _Entry(value, nbytes, stats), seconds, victims)
         else:
             self._uncached += 1
@@ -463,6 +462,8 @@ class GraphCache(Generic[V]):
     def _remove(self, key: Hashable, entry: _Entry[V], victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
         """Account ``entry`` leaving the cache; a pinned one is held, not released. Lock held."""
         self._bytes -= entry.nbytes
+        if self._unbuilt.get(key) is entry:
+            del self._unbuilt[key]
         held = key in self._pins
         if held:
             self._held.append((key, entry))
@@ -492,7 +493,7 @@ class GraphCache(Generic[V]):
     def _released(self, entries: Iterable[tuple[Hashable, _Entry[V]] | tuple[Hashable, _Entry[V], bool]],
                   *, evicted: bool) -> None:
         for key, entry, *held in entries:
-            if self._release is not None and not (held and held[0]):
+            if self._release is not None and not (held and held[0]) and entry.value is not _UNBUILT:
                 self._release(key, entry.value)
             if evicted and self._on_evict is not None:
                 self._on_evict(key, entry.nbytes)
@@ -557,9 +558,14 @@ class GraphCache(Generic[V]):
     # -- inspection -----------------------------------------------------------------
 
     def __contains__(self, key: Hashable) -> bool:
-        """Whether ``key`` is cached now; no statistics or recency side effect."""
+        """Whether ``key`` is cached now (deferred or not); no statistics or recency side effect."""
         with self._lock:
             return key in self._order
+
+    def has_graph(self, key: Hashable) -> bool:
+        """Whether ``key`` is cached now with its graph built (not deferred); no side effect."""
+        with self._lock:
+            return key in self._order and key not in self._unbuilt
 
     def __len__(self) -> int:
         with self._lock:
@@ -589,5 +595,6 @@ class GraphCache(Generic[V]):
                 peak_held_graphs=self._peak_held, peak_held_bytes=self._peak_held_bytes,
                 max_graphs=self.max_graphs, max_bytes=self.max_bytes, eviction=self.eviction,
                 per_key={str(key): stats.snapshot() for key, stats in self._per_key.items()},
-                loads=self._loads, load_seconds=self._load_seconds,
+                loads=self._loads, load_seconds=self._load_seconds, deferred=self._deferred,
+                deferred_built=self._deferred_built,
             )

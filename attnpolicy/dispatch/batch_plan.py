@@ -28,8 +28,8 @@ from attnpolicy.policies.base import PolicyContext
 
 Planned = tuple[tuple[Call, GraphKey], ...]
 #: One sequence's VARLEN-mode plan: its graph key (``None`` when the call runs
-#: uncompiled), a call of the same key and its query bucket.
-SeqPlan = tuple[GraphKey | None, Call, int]
+#: uncompiled) and its query bucket.
+SeqPlan = tuple[GraphKey | None, int]
 
 
 class BatchPlan:
@@ -56,7 +56,7 @@ class BatchPlan:
     @classmethod
     def of_seqs(cls, seqs: list[SeqPlan], layout: BatchLayout) -> BatchPlan:
         """A VARLEN plan from its per-sequence plans, for a host that runs it (no calls)."""
-        return cls(MaskMode.VARLEN, (), (), len(seqs), sum(q for _, _, q in seqs) - layout.total_tokens)
+        return cls(MaskMode.VARLEN, (), (), len(seqs), sum(q for _, q in seqs) - layout.total_tokens)
 
 
 class Planner:
@@ -115,7 +115,7 @@ class Planner:
         """The graph keys of ``layout``'s compiled calls in ``mode`` (VARLEN: from the
         per-sequence plans, building no call)."""
         if mode is MaskMode.VARLEN:
-            return tuple(key for key, _, _ in self.seq_plans(layout, spec) if key is not None)
+            return tuple(key for key, _ in self.seq_plans(layout, spec) if key is not None)
         return tuple(key for call, key in self.plan(layout, mode, spec).calls if call.compiled)
 
     def seq_plans(self, layout: BatchLayout, spec: TensorSpec) -> list[SeqPlan]:
@@ -138,11 +138,6 @@ class Planner:
                 plan = seqs[seq_key] = self._seq_plan(layout.q_lens[i], layout.kv_lens[i], causal, spec)
                 plans.append(plan)
         return plans
-
-    def seq_call(self, layout: BatchLayout, i: int, plan: SeqPlan) -> Call:
-        """The call :func:`plan_calls` makes for sequence ``i`` of ``layout`` (of ``plan``)."""
-        return dataclasses.replace(plan[1], q_start=layout.q_starts[i], q_len=layout.q_lens[i],
-                                   kv_start=layout.kv_starts[i], kv_len=layout.kv_lens[i])
 
     def key_for(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> GraphKey:
         """The graph key of ``call``: one instance per distinct key, remembered per call
@@ -230,7 +225,7 @@ class Planner:
     def _seq_plan(self, q_len: int, kv_len: int, causal: bool, spec: TensorSpec) -> SeqPlan:
         one = BatchLayout.from_lens([q_len], [kv_len], causal=causal)
         (call,) = map(self._fits, plan_calls(one, MaskMode.VARLEN, self._bucket, self._batch_bucket))
-        return (self.key_for(call, one, spec) if call.compiled else None), call, call.q_bucket
+        return (self.key_for(call, one, spec) if call.compiled else None), call.q_bucket
 
 
 def warm_call(shape: WarmShape) -> tuple[Call, BatchLayout]:

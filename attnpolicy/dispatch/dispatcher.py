@@ -59,7 +59,8 @@ class Dispatcher:
     which the cache counts in ``compiles``, its loads in ``loads``); ``builder`` replaces compilation (simulation).
     ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's paged
     kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for
-    them, and VARLEN graphs compile only if ever called. ``compile_mode="background"``
+    them, whose keys enter the graph cache deferred: a graph is built (or loaded) only
+    when a batch that runs it is prepared. ``compile_mode="background"``
     serves misses by pad-up while they compile in a worker
     (:mod:`~attnpolicy.dispatch.background`); :meth:`close` stops it. :meth:`switch_to`
     moves to a re-planned config without a stall (:mod:`~attnpolicy.dispatch.switch`).
@@ -198,7 +199,7 @@ class Dispatcher:
             if self.background is not None:
                 step.use(*self.background.fetch(step.plan.calls, spec))
             elif isinstance(step, HostStep):
-                source.touch(step.keys, step.call_of, spec)
+                source.touch(step.keys)
             else:
                 fetched = source.fetch(step.plan.calls, step.plan.keys, spec, step.values)
                 if fetched is not None:  # else every graph is the one the step holds

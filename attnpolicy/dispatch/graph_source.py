@@ -47,9 +47,12 @@ _ONE_ROW = BatchLayout.from_lens([1])
 class GraphSource:
     """The graphs of planned calls, from ``cache``, built by ``builder`` on a miss.
 
-    ``host_varlen``: the host runs VARLEN batches on a kernel of its own, so the
-    default builder compiles VARLEN-family graphs lazily (only if ever called) and
-    refuses FlexAttention (the host feeds MASK graphs keys of its own cache).
+    ``host_varlen``: the host runs VARLEN batches on a kernel of its own. The keys of
+    such a batch (:meth:`touch`) and the VARLEN keys of a warm-up enter the cache
+    *deferred* (:meth:`GraphCache.reserve <attnpolicy.cache.graph_cache.GraphCache.reserve>`):
+    counted and placed as graphs, none built; a graph is built (or loaded) only when a
+    batch that runs it fetches it. FlexAttention is refused (the host feeds MASK
+    graphs keys of its own cache).
 
     With ``config.store_dir`` (and the default builder) a miss of a stored graph
     (any but flex, backend not ``"none"``) loads it from the :class:`DiskStore`
@@ -107,18 +110,17 @@ class GraphSource:
             values.append(value)
         return out, tuple(values)
 
-    def touch(self, keys: list[GraphKey | None], call_of: Callable[[int], Call],
-              spec: TensorSpec) -> None:
-        """Request ``keys`` from the cache as :meth:`fetch` would (hits under one lock,
-        each other one through :meth:`graph`, ``call_of(i)`` its call; ``None``: an
-        uncompiled call), for a batch the host runs itself: nothing is returned or pinned."""
+    def touch(self, keys: list[GraphKey | None]) -> None:
+        """Request ``keys`` from the cache as :meth:`fetch` would (hits under one lock;
+        ``None``: an uncompiled call), for a batch the host runs itself: nothing is
+        built, returned or pinned; a miss enters the cache deferred."""
         cache, n, i = self.cache, len(keys), 0
         while (j := cache.hit_many(keys, i)) < n:  # None is never cached
             key = keys[j]
             if key is None:  # longer than the largest bucket: runs uncompiled
                 self.counters.overflow += 1
             else:
-                self.graph(call_of(j), key, spec)
+                cache.reserve(key)
             i = j + 1
 
     def release(self) -> None:
@@ -139,7 +141,7 @@ class GraphSource:
         seconds: float | None = None
         loaded: Any = None
         try:
-            if self.warm and self.config.strict != "off" and key not in self.cache:
+            if self.warm and self.config.strict != "off" and not self.cache.has_graph(key):
                 loaded, seconds = after_warm_up(key, load, self.strict, self.loaded_after_warm_up)
                 load = None if loaded is None else lambda: loaded
             graph = self.cache.get_or_compile(key, partial(self._timed_build, call, key, spec), pin=pin,
@@ -187,12 +189,16 @@ class GraphSource:
     def warm_up(self, calls: Iterable[tuple[Call, GraphKey, bool]], spec: TensorSpec) -> list[GraphKey]:
         """Fetch (compile) the graph of every ``(call, key, listed)``, then turn strict
         mode on; returns the keys of the listed ones. The warm-up's own compiles are no
-        violations."""
+        violations. Under ``host_varlen`` a VARLEN key enters the cache deferred (the
+        host's kernel runs it)."""
         keys: dict[GraphKey, None] = {}
         warm, self.warm = self.warm, False
         try:
             for call, key, listed in calls:
-                self.graph(call, key, spec)
+                if self._host_varlen and key.family is GraphFamily.VARLEN and call.compiled:
+                    self.cache.reserve(key)
+                else:
+                    self.graph(call, key, spec)
                 if listed:
                     keys[key] = None
         except BaseException:
@@ -224,7 +230,7 @@ class GraphSource:
         no dispatcher state touched: also runs in the background worker."""
         assert self.store is not None  # only stored keys are loaded
         with compile_lock():  # taken before the store's file lock, as by every load and save
-            loaded = self.store.load(self.identity(key), aot.load_graph)
+            loaded = self.store.load(self.identity(key), aot.load_graph, str(key))
         return None if loaded is None else _aot_graph(loaded, key.backend)
 
     def stored(self, key: GraphKey) -> bool:

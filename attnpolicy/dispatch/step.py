@@ -152,19 +152,18 @@ class Step:
 class HostStep(Step):
     """A batch the host runs on its own kernel: decided, counted and its graph keys
     requested from the cache (hits, misses, recency, evictions) exactly as a
-    :class:`Step`'s, without a graph to run or pin (under ``compile_mode="background"``
-    its graphs are fetched and pinned: pad-up and switches need them).
+    :class:`Step`'s, without a graph to build, run or pin: a missing key enters the
+    cache deferred (under ``compile_mode="background"`` its graphs are fetched and
+    pinned: pad-up and switches need them).
 
-    ``keys``: each call's key in order (``None``: runs uncompiled); ``call_of(i)``:
-    the call of ``keys[i]``, built only when it misses."""
+    ``keys``: each call's key in order (``None``: runs uncompiled)."""
 
-    __slots__ = ("call_of", "keys")
+    __slots__ = ("keys",)
 
     def __init__(self, layout: BatchLayout, spec: TensorSpec, asked: Decision, plan: BatchPlan,
-                 masks: MaskCache, keys: list[GraphKey | None], call_of: Callable[[int], Call]) -> None:
+                 masks: MaskCache, keys: list[GraphKey | None]) -> None:
         super().__init__(layout, spec, asked, plan, masks)
         self.keys = keys
-        self.call_of = call_of
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             sinks: torch.Tensor | None = None, *, checked: bool = False) -> torch.Tensor:
@@ -180,11 +179,8 @@ def new_step(planner: Planner, layout: BatchLayout, spec: TensorSpec, asked: Dec
     layouts never repeat, their sequences' shapes do), else a :class:`Step`."""
     if host_varlen and per_sequence and asked.mode is MaskMode.VARLEN:
         seqs = planner.seq_plans(layout, spec)
-        return HostStep(layout, spec, asked, BatchPlan.of_seqs(seqs, layout), masks,
-                        [key for key, _, _ in seqs], lambda i: planner.seq_call(layout, i, seqs[i]))
+        return HostStep(layout, spec, asked, BatchPlan.of_seqs(seqs, layout), masks, [key for key, _ in seqs])
     plan = planner.plan(layout, asked.mode, spec)
     if host_varlen and plan.mode is MaskMode.VARLEN:
-        calls = plan.calls
-        return HostStep(layout, spec, asked, plan, masks, [key if call.compiled else None for call, key in calls],
-                        lambda i: calls[i][0])
+        return HostStep(layout, spec, asked, plan, masks, [key if call.compiled else None for call, key in plan.calls])
     return Step(layout, spec, asked, plan, masks)

@@ -35,8 +35,9 @@ class WarmSets:
              preview: Callable[[BatchLayout, TensorSpec], Decision]) -> list[GraphKey]:
         """Compile or load the config's warm set for ``spec`` (once per spec) and the
         graphs of ``batches`` as ``preview`` decides them (the backend's per-process
-        set-up started ahead, see :mod:`~attnpolicy.graphs.backend_setup`); log how long
-        it took and whether it was a warm start (every graph loaded, none compiled)."""
+        set-up started ahead, see :mod:`~attnpolicy.graphs.backend_setup`); log one line
+        (when it warmed anything) with how long it took and whether it was a warm start
+        (no graph compiled)."""
         fresh = bool(self.config.warmup) and spec not in self.planner.warmed
         warm_set = self.resident(spec) if fresh else {}
         calls = self.planner.warm_calls(batches, spec, preview)
@@ -50,10 +51,14 @@ class WarmSets:
         finally:
             setup.join()  # its seconds are the warm-up's
         after = self.cache.stats()
-        log.info("attnpolicy: warm set of %d graphs ready in %.3f s (%s start: %d loaded from the store, "
-                 "%d compiled)", len(keys), perf_counter() - start,
-                 "warm" if after.compiles == before.compiles else "cold",
-                 after.loads - before.loads, after.compiles - before.compiles)
+        loaded, compiled = after.loads - before.loads, after.compiles - before.compiles
+        deferred = after.deferred - before.deferred
+        if fresh or loaded or compiled or deferred:
+            host = f", {deferred} left to the host's own kernel" if deferred else ""
+            log.info("attnpolicy: warm set of %d graphs for %s h%dkv%dd%d (%s) ready in %.3f s (%s start: %d loaded "
+                     "from the store, %d compiled%s)", len(keys), spec.dtype, spec.heads, spec.kv_heads,
+                     spec.head_dim, spec.features.describe(), perf_counter() - start,
+                     "cold" if compiled else "warm", loaded, compiled, host)
         self.keys.update(warm_set)
         return keys
 

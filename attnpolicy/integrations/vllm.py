@@ -8,7 +8,8 @@ forward takes one guarded policy decision per attention step and KV-cache group
 windows, soft caps and sinks included) and runs the step in that mode: VARLEN on
 vLLM's own paged kernel, CAUSAL and MASK on attnpolicy's graphs.
 Configuration: see
-:mod:`attnpolicy.integrations.runtime`. Importing this module never imports vLLM.
+:mod:`attnpolicy.integrations.runtime`. attnpolicy's log lines go through vLLM's
+logging configuration (:func:`route_logs`). Importing this module never imports vLLM.
 """
 
 from __future__ import annotations
@@ -18,12 +19,59 @@ import logging
 log = logging.getLogger(__name__)
 
 BACKEND_PATH = "attnpolicy.integrations.vllm_backend.AttnPolicyCPUBackend"
+#: The vLLM logger attnpolicy's records are handed to (vLLM configures its parent ``vllm``).
+VLLM_LOGGER = "vllm.attnpolicy"
+
+
+class _ToVllm(logging.Handler):
+    """Hands every record of the ``attnpolicy`` loggers that vLLM's logger
+    :data:`VLLM_LOGGER` is enabled for to it: shown where, as and at the levels vLLM's
+    own lines are, as vLLM configures them (vLLM configures its logging when it builds
+    an engine, after plugins may have loaded). Keeps the ``attnpolicy`` logger's
+    settings from before, for :func:`unroute_logs`."""
+
+    def __init__(self, propagate: bool, level: int) -> None:
+        super().__init__()
+        self.before = (propagate, level)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger(VLLM_LOGGER)
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
+def route_logs() -> bool:
+    """Send attnpolicy's log lines (the warm set's, the graph store's, the backend's)
+    through vLLM's logging configuration, once each: a handler on the ``attnpolicy``
+    logger hands them to :data:`VLLM_LOGGER` at the levels vLLM shows, the logger stops
+    propagating to the root (vLLM's own loggers do not either) and, unless it has a
+    level, passes INFO and above.
+    Returns whether it routed them now: not when done already, nor when the application
+    gave the ``attnpolicy`` logger handlers of its own (its configuration stays)."""
+    root = logging.getLogger("attnpolicy")
+    if root.handlers:
+        return False
+    root.addHandler(_ToVllm(root.propagate, root.level))
+    root.propagate = False
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    return True
+
+
+def unroute_logs() -> None:
+    """Undo :func:`route_logs` (the ``attnpolicy`` logger as it was before)."""
+    root = logging.getLogger("attnpolicy")
+    for handler in [h for h in root.handlers if isinstance(h, _ToVllm)]:
+        root.removeHandler(handler)
+        root.propagate, level = handler.before
+        root.setLevel(level)
 
 
 def register() -> None:
     """Install the attnpolicy backend in place of ``CPU_ATTN`` (idempotent).
 
-    Returns quietly (with a debug log) when vLLM cannot be imported. The configuration
+    Returns quietly (with a debug log) when vLLM cannot be imported; else also routes
+    attnpolicy's log lines through vLLM's logging (:func:`route_logs`). The configuration
     the environment gives (``ATTNPOLICY_CONFIG``, ``ATTNPOLICY_POLICY``: names and
     options included) is checked first: a bad one raises :class:`ConfigError` here,
     which vLLM calls in the front-end process before any engine process starts, so
@@ -45,17 +93,20 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     _forget_selected_backends()
     install_decision_log()
+    route_logs()
     log.info("attnpolicy: %s now runs %s", AttentionBackendEnum.CPU_ATTN.name, BACKEND_PATH)
 
 
 def unregister() -> None:
-    """Give ``CPU_ATTN`` back to vLLM's own backend (for engines built afterwards)."""
+    """Give ``CPU_ATTN`` back to vLLM's own backend (for engines built afterwards) and
+    attnpolicy's log lines back to the ``attnpolicy`` logger's settings."""
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
     except ImportError:
         return
     AttentionBackendEnum.CPU_ATTN.clear_override()
     _forget_selected_backends()
+    unroute_logs()
 
 
 def is_registered() -> bool:

@@ -34,8 +34,13 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
   context; keys a window has left behind may have been freed by vLLM, and the
   window masks them). The mode is the one that runs: a MASK decision whose mask
   would exceed ``max_mask_bytes`` runs as VARLEN under ``on_overflow='eager'``.
-- VARLEN-family keys (which the paged kernel runs) enter the graph cache and its
-  statistics without compiling; CAUSAL and MASK graphs compile when first planned.
+- Keys of a VARLEN step (which the paged kernel runs) enter the graph cache and its
+  statistics deferred: no graph is built for them. A CAUSAL or MASK graph compiles
+  (or loads from the store) when a step that runs it is first prepared, also when a
+  VARLEN step had deferred its key before.
+- The config's warm set (``warmup``) is compiled or loaded when the first layer is
+  built, during vLLM's engine start, for the tensor spec the layers will see (the
+  model's dtype): the first request pays nothing for it.
 - Layers the backend cannot run (ALiBi, KV sharing, cross-attention, a window on
   bidirectional attention, fp8 KV cache, AMX cache layout, per-request causality,
   fused output quantisation) run vLLM's own implementation. Those known when the
@@ -156,6 +161,14 @@ def runtime_limits() -> RuntimeLimits:
                          block_size=cfg.cache_config.block_size)
 
 
+def run_spec(impl: CPUAttentionBackendImpl, features: Features) -> TensorSpec:
+    """The tensor spec the layer of ``impl`` will run on: the engine's model dtype, the
+    layer's heads, head size and scale, on the CPU (what ``TensorSpec.of`` gives at run time)."""
+    dtype = get_current_vllm_config().model_config.dtype
+    return TensorSpec(str(dtype).removeprefix("torch."), impl.num_heads, impl.num_kv_heads, impl.head_size,
+                      impl.scale, "cpu", features)
+
+
 def layout_for(md: CPUAttentionMetadata) -> BatchLayout:
     """The step's layout: ``q_lens`` from ``query_start_loc``, ``kv_lens`` = ``seq_lens``
     (cached context + new tokens)."""
@@ -206,6 +219,8 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
         self.elsewhere = why_elsewhere(self)
         self.handles_layer = self.elsewhere is None
         self._unreported = True  # the layers that run elsewhere are reported at the first forward
+        if self.handles_layer and self.config.warmup:  # part of engine start (once per dispatcher and spec)
+            self.dispatcher.warmup(run_spec(self, self.features))
 
     def _group_of(self, md: CPUAttentionMetadata) -> _Current | None:
         for group in AttnPolicyCPUImpl._groups:
@@ -280,7 +295,7 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
         if spec is None or query.dtype is not self._dtype:
             spec = self._spec = TensorSpec.of(query, key, self.scale, self.features)
             self._dtype = query.dtype
-            if self.config.warmup:  # first use: the planned warm set (once per spec), then strict
+            if self.config.warmup:  # a spec not warmed at construction (another dtype): warmed now
                 self.dispatcher.warmup(spec)
         sinks, graph_sinks = self._sink_logits(query.dtype)
         group = self._group_of(md)
