@@ -406,9 +406,8 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
     replay has run its last batch, so the switch applies after it."""
     import json
 
-    from attnpolicy.dispatch.graph_source import GraphSource
-
     from attnpolicy.cli import main
+    from attnpolicy.dispatch.graph_source import GraphSource
     from attnpolicy.graphs.costmodel import CostModel
     from attnpolicy.modelling.simulation import simulation_config
     from attnpolicy.planning.graph_set import plan_graphs
