@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import re
 
 import cachetools
@@ -68,6 +69,21 @@ MISTAKES = [
     (["run", "--backend", "tpu"], ["--backend", "'tpu'"]),
     (["run", "--heads", "8", "--kv-heads", "3"], ["--kv-heads", "3", "--heads 8"]),
     (["run", "--limit", "0"], ["--limit", "'0'"]),
+    (["run", "--limit", "-1"], ["--limit", "'-1'"]),
+    (["run", "--model", ""], ["--model", "got ''"]),
+    (["run", "--model", "nope"], ["--model", "'nope'"]),
+    (["run", "--model", "qwen3:layers=0"], ["--model", "layers", "got 0"]),
+    (["run", "--model", "qwen3:layers=1,head_dim=3"], ["--model", "head_dim (3) must be even"]),
+    (["run", "--model", "qwen3:hidden=24,heads=8"], ["--model", "hidden/heads (24/8 = 3) must be even"]),
+    (["run", "--model", "qwen3:head_dim=1"], ["--model", "head_dim (1) must be even"]),
+    (["run", "--model", "qwen3:max_positions=1024"], ["--max-seq-len", "8192", "1024 positions"]),
+    (["run", "--model", "qwen3", "--max-num-batched-tokens", "1024"],
+     ["--max-num-batched-tokens", "1024", "--max-seq-len=8192", "whole-model graphs"]),
+    (["run", "--model", "qwen3", "--heads", "4"], ["--heads", "4", "not taken with --model"]),
+    (["run", "--model-cost", "m.json"], ["--model-cost", "m.json", "needs --model"]),
+    (["run", "--clock", "wall"], ["--clock", "wall", "needs --model"]),
+    (["stalls", "--policies", "varln"], ["--policies", "'varln'"]),
+    (["stalls", "--policies", "varln", "--model-cost", "m.json"], ["--policies", "'varln'"]),
     (["report", "--limit", "0"], ["--limit", "'0'"]),
     (["report", "--policies", "varln"], ["--policies", "'varln'"]),
     (["report", "--evictions", "mru"], ["--evictions", "'mru'"]),
@@ -76,6 +92,13 @@ MISTAKES = [
     (["bench", "--repeats", "0"], ["--repeats", "'0'"]),
     (["bench", "--kv-heads", "3"], ["--kv-heads", "3"]),
     (["bench", "--dtype", "float64"], ["--dtype", "'float64'"]),
+    (["bench", "--model", ""], ["--model", "got ''"]),
+    (["bench", "--model", "qwen3:head_dim=3"], ["--model", "head_dim (3) must be even"]),
+    (["bench", "--model", "qwen3", "--dtype", "float16"], ["--dtype", "float16", "not taken with --model"]),
+    (["calibrate", "--model", ""], ["--model", "got ''"]),
+    (["calibrate", "--model", "qwen3:head_dim=5"], ["--model", "head_dim (5) must be even"]),
+    (["calibrate", "--clock", "wall"], ["--clock", "wall", "needs --model"]),
+    (["report", "--model", ""], ["--model", "got ''"]),
     (["calibrate", "--impl", "flash"], ["--impl", "--partition-len"]),
     (["calibrate", "--max-len", "8"], ["--max-len", "8"]),
     (["decide", "--policy", "nope", "--seq-lens", "8"], ["'nope'"]),
@@ -97,26 +120,102 @@ def test_mistakes_exit_2_with_one_line_before_any_work(capsys, tmp_path, argv, n
     assert not out.exists()  # nothing written, no folder left behind
 
 
-UNWRITABLE = [["simulate", "--json"], ["simulate", "--plot"], ["stalls", "--json"], ["plan", "--out"],
-              ["run", "--json"], ["report", "--out"], ["bench", "--json"], ["calibrate", "--out"]]
+#: (argv before the path, the flag, whether the path is a folder): every output path, and --store.
+UNWRITABLE = [(["simulate", "--json"], False), (["simulate", "--plot"], False), (["stalls", "--json"], False),
+              (["plan", "--out"], True), (["run", "--json"], False), (["run", "--store"], True),
+              (["report", "--out"], True), (["bench", "--json"], False), (["calibrate", "--out"], False),
+              (["calibrate", "--model", "qwen3", "--out"], False), (["bench", "--model", "qwen3", "--json"], False),
+              (["run", "--model", "qwen3", "--json"], False),
+              (["replan", "--config", "c", "--layouts", "l", "--out"], True)]
 
 
-@pytest.mark.parametrize("argv", UNWRITABLE, ids=" ".join)
-def test_an_unwritable_output_path_is_one_line_before_any_work(capsys, tmp_path, monkeypatch, argv):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
+@pytest.fixture
+def no_work(monkeypatch):
+    """What ran: any work at all (a trace read, a cost model loaded) is recorded here."""
     ran: list[str] = []
-    # any work at all (a trace read, a cost model loaded) would be recorded here
     monkeypatch.setattr("attnpolicy.workloads.traces.synthetic_default", lambda *a: ran.append("trace") or [])
     monkeypatch.setattr("attnpolicy.graphs.costmodel.CostModel.default", lambda: ran.append("model"))
+    monkeypatch.setattr("attnpolicy.integrations.model_specs.ModelSpec.build", lambda *a: ran.append("build"))
+    return ran
+
+
+@pytest.mark.parametrize(("argv", "folder"), UNWRITABLE, ids=[" ".join(a) for a, _ in UNWRITABLE])
+def test_an_unwritable_output_path_is_one_line_before_any_work(capsys, tmp_path, no_work, argv, folder):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    flag = argv[-1]
     line = one_error_line(capsys, [*argv, str(blocker / "sub" / "out.json")])
-    assert argv[1] in line and "a-file is not a directory" in line, line
-    assert ran == []
-    folder = argv in (["plan", "--out"], ["report", "--out"])
+    assert flag in line and "a-file is not a directory" in line, line
     wrong_kind = blocker if folder else tmp_path  # a file where a folder goes, or the reverse
     line = one_error_line(capsys, [*argv, str(wrong_kind)])
-    assert f"{argv[1]}: {wrong_kind} is {'not ' if folder else ''}a directory" in line, line
-    assert ran == []
+    assert f"{flag}: {wrong_kind} is {'not ' if folder else ''}a directory" in line, line
+    assert no_work == []
+
+
+def test_run_refuses_a_configs_store_dir_that_is_a_file_before_any_work(capsys, tmp_path, no_work):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "c.json").write_text(json.dumps({"store_dir": str(tmp_path / "a-file")}))
+    line = one_error_line(capsys, ["run", "--config", str(tmp_path / "c.json")])
+    assert f"--config {tmp_path / 'c.json'} (its store_dir): {tmp_path / 'a-file'} is not a directory" in line, line
+    assert no_work == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize(("argv", "folder"), UNWRITABLE, ids=[" ".join(a) for a, _ in UNWRITABLE])
+def test_a_folder_no_file_can_be_made_in_is_refused_before_any_work_even_for_root(capsys, no_work, argv, folder):
+    # the permission bits of /proc let root write; creating a file there fails for anyone
+    line = one_error_line(capsys, [*argv, "/proc/attnpolicy-test/out"])
+    assert f"{argv[-1]}: cannot write /proc/attnpolicy-test/out: /proc is not writable" in line, line
+    assert no_work == []
+
+
+#: Cheap runs of the commands that write files (flag, path under tmp_path, folder).
+WRITERS = [(["simulate", *SMALL, "--policies", "varlen", "--capacities", "4", "--evictions", "lru", "--workers", "1"],
+            "--json", "s.json"),
+           (["stalls", *SMALL, "--capacities", "4", "--warm", "none"], "--json", "s.json"),
+           (["plan", *SMALL, "--policies", "varlen", "--evictions", "lru", "--max-buckets", "2"], "--out", "plan"),
+           (["run", *SMALL, "--backend", "none", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"],
+            "--json", "r.json"),
+           (["bench", "--lengths", "16", "--seqs", "1", "--repeats", "1", "--warmup", "0", "--heads", "2",
+             "--kv-heads", "1", "--head-dim", "8"], "--json", "b.json")]
+
+
+@pytest.mark.parametrize(("argv", "flag", "name"), WRITERS, ids=[a[0] for a, _, _ in WRITERS])
+def test_a_write_that_fails_after_the_work_is_one_line_and_exit_1(capsys, tmp_path, monkeypatch, argv, flag, name):
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr("attnpolicy.core.jsonfile.write_text_atomic", full_disk)
+    assert main([*argv, flag, str(tmp_path / name)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"attnpolicy: error: argument {flag}: cannot write {tmp_path / name}\S*: "
+                        "No space left on device", last), last
+
+
+def test_run_model_with_the_default_workload_flags_runs_and_checks(capsys, tmp_path):
+    """The model-graph workload runs each prompt in one step: --max-num-batched-tokens
+    defaults, as vLLM's without chunked prefill, to at least --max-seq-len."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(CSV_HEADER + "".join(f"2023-11-16 18:17:0{i}.0,{20 + 9 * i},3\n" for i in range(3)))
+    out = tmp_path / "run.json"
+    spec = "qwen3:layers=1,hidden=32,heads=2,kv_heads=1,intermediate=32,vocab=64"
+    assert main(["run", "--model", spec, "--trace", str(trace), "--limit", "3", "--backend", "eager", "--check",
+                 "--json", str(out)]) == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    former = result["workload"]["former"]
+    assert (former["max_num_batched_tokens"], former["max_model_len"]) == (8192, 8192)
+    assert result["config"]["max_batch_tokens"] == 8192 and result["passed"] is True
+    assert result["workload"]["admitted"] == 3
+
+
+def test_no_chunked_prefill_takes_the_default_token_budget_of_vllm(capsys, tmp_path):
+    out = tmp_path / "s.json"
+    assert main(["simulate", "--limit", "8", "--no-chunked-prefill", "--policies", "varlen", "--capacities", "4",
+                 "--evictions", "lru", "--workers", "1", "--json", str(out)]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["former"]["max_num_batched_tokens"] == 8192
+    capsys.readouterr()
+    line = one_error_line(capsys, ["simulate", "--no-chunked-prefill", "--max-num-batched-tokens", "4096"])
+    assert "--max-num-batched-tokens=4096 must be >= --max-seq-len=8192 with --no-chunked-prefill" in line, line
 
 
 # -- one workload by default, and no request dropped unsaid ----------------------------------------

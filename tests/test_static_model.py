@@ -290,7 +290,8 @@ def test_bench_model_reports_both_modes_per_length_beside_tt_xla(capsys, tmp_pat
 
 def test_bench_model_refuses_a_bad_spec(capsys):
     assert main(["bench", "--model", "qwen3:depth=2", "--lengths", "16"]) == 2
-    assert "attnpolicy: error: model spec 'qwen3:depth=2': unknown field 'depth'" in capsys.readouterr().err
+    assert "attnpolicy: error: argument --model: model spec 'qwen3:depth=2': unknown field 'depth'" in (
+        capsys.readouterr().err)
 
 
 def test_the_docs_example_runs():

@@ -10,8 +10,10 @@ from attnpolicy.bench.model_timing import MODEL_LENGTHS
 from attnpolicy.cli.common import (
     add_spec_args,
     check_output,
+    check_spec_args,
     command,
     int_list,
+    model_spec,
     natural_int,
     positive_int,
     print_table,
@@ -19,6 +21,7 @@ from attnpolicy.cli.common import (
     settings,
     shown,
     warn,
+    writing,
 )
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.names import IMPLS
@@ -50,7 +53,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--overhead", action="store_true",
                    help="instead: time Dispatcher.attend against the bare kernel per backend, policy and "
                         "batch (default: off)")
-    p.add_argument("--model", metavar="SPEC",
+    p.add_argument("--model", type=model_spec, metavar="SPEC",
                    help="instead: a whole model's forward, CAUSAL vs MASK, one sequence per length, compiled; "
                         "SPEC is qwen3, llama, qwen3:layers=2,hidden=128,... or a local HF directory "
                         "(default: off)")
@@ -63,7 +66,8 @@ def register(subparsers: Any) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     check_output("--json", args.json)
-    if args.model:
+    if args.model is not None:
+        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
         return cmd_model_bench(args)
     args.lengths = args.lengths or BenchSettings().lengths
     s = settings(BenchSettings, FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
@@ -95,7 +99,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warn(f"a median is more than {NOISY:g}× its minimum at {', '.join(noisy)}: the machine was busy, "
              "the speedup is unreliable (rerun with more --repeats)")
     if args.json:
-        write_json(args.json, to_json(s, rows))
+        with writing("--json", args.json):
+            write_json(args.json, to_json(s, rows))
     return 0
 
 
@@ -118,5 +123,6 @@ def cmd_model_bench(args: argparse.Namespace) -> int:
                 caption="medians of --repeats runs; compile s and RSS: the graph's build (the first build "
                         "in a process also pays the backend's start-up)")
     if args.json:
-        write_json(args.json, bench.to_json())
+        with writing("--json", args.json):
+            write_json(args.json, bench.to_json())
     return 0

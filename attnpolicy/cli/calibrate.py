@@ -9,13 +9,17 @@ from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes,
 from attnpolicy.cli.common import (
     add_spec_args,
     check_output,
+    check_spec_args,
     command,
     console,
+    fail,
     int_list,
+    model_spec,
     positive_int,
     print_table,
     progress,
     settings,
+    writing,
 )
 
 DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
@@ -51,11 +55,11 @@ def register(subparsers: Any) -> None:
     c.add_argument("--statistic", choices=("min", "mean"), default=d.statistic,
                    help="a call's sample: its fastest run, or its mean run (what a replay on this machine "
                         f"pays now, interference included) (default: {d.statistic})")
-    c.add_argument("--model", metavar="SPEC", default=None,
+    c.add_argument("--model", type=model_spec, metavar="SPEC", default=None,
                    help="fit a model-level cost model of whole-model graphs of SPEC (qwen3, llama, sizes, or a "
                         "local HF directory) through the StaticModelRunner; --out defaults to "
                         "attnpolicy_model_costmodel.json (default: none, attention calls)")
-    c.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+    c.add_argument("--clock", choices=("cpu", "wall"), default=None,
                    help="with --model: process CPU seconds (stable on a loaded machine) or wall seconds "
                         "(default: cpu)")
     c.add_argument("--no-store", action="store_true",
@@ -66,10 +70,13 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    if args.model:
+    if args.model is not None:
+        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
         from attnpolicy.cli.model_graphs import cmd_calibrate_model
 
         return cmd_calibrate_model(args, DEFAULT_COSTMODEL_PATH)
+    if args.clock is not None:
+        fail(f"argument --clock: {args.clock}: needs --model SPEC (the attention calls are timed in wall seconds)")
     check_output("--out", args.out)
     s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
@@ -79,7 +86,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     stored = len(store_shapes(s)) if s.store and s.backend != "none" else 0
     with progress(len(shapes(s)) + s.repeats + stored, "calibrate") as advance:
         model = calibrate(s, advance)
-    path = model.save(args.out)
+    with writing("--out", args.out):
+        path = model.save(args.out)
     rows = []
     for x in model.samples:
         fit = getattr(model, x.what) if x.kind is None else getattr(model, x.what)[x.kind]

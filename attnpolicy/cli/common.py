@@ -1,5 +1,6 @@
 """Helpers shared by the subcommands: the parser class (one error style), argument
-types, the shared argument groups, per-policy options, progress, the one table."""
+types, the shared argument groups and their checks, output paths, per-policy
+options, progress, the one table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
@@ -24,6 +26,9 @@ from rich.progress import (
 from rich.table import Table
 
 from attnpolicy.bench.mode_timing import DTYPES
+from attnpolicy.errors import ConfigError
+from attnpolicy.integrations.model_specs import parse_spec
+from attnpolicy.modelling.model_simulation import model_former
 from attnpolicy.workloads.batching import BatchFormer, Step, Workload
 from attnpolicy.workloads.traces import Request
 
@@ -44,10 +49,11 @@ class Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def fail(message: str) -> NoReturn:
-    """Print ``attnpolicy: error: message`` (one line) on stderr and exit with status 2."""
+def fail(message: str, status: int = 2) -> NoReturn:
+    """Print ``attnpolicy: error: message`` (one line) on stderr and exit with ``status``
+    (2, a mistake on the command line; 1, a failure after the work, as a write)."""
     print(f"attnpolicy: error: {' '.join(str(message).split())}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def warn(message: str) -> None:
@@ -68,19 +74,37 @@ def command(subparsers: Any, name: str, summary: str, example: str,
 def check_output(flag: str, path: str | os.PathLike[str] | None, *, directory: bool = False) -> None:
     """Fail (one line, exit 2) unless ``path`` can be written, before any work: an
     existing ``path`` must be a file (a directory when ``directory``), and its nearest
-    existing parent a directory this process may write in. Nothing is created."""
+    existing parent a directory this process can create a file in (tried: a probe file
+    made and removed, as permission bits do not tell for root or a read-only or
+    virtual file system). Nothing is left behind."""
     if path is None:
         return
-    target = os.path.abspath(os.fspath(path))
+    shown_path = os.fspath(path)
+    target = os.path.abspath(os.path.expanduser(shown_path))
     if os.path.exists(target) and os.path.isdir(target) != directory:
-        fail(f"argument {flag}: {os.fspath(path)} is {'not ' if directory else ''}a directory")
+        fail(f"argument {flag}: {shown_path} is {'not ' if directory else ''}a directory")
     parent = target if directory and os.path.isdir(target) else os.path.dirname(target)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        fail(f"argument {flag}: cannot write {os.fspath(path)}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        fail(f"argument {flag}: cannot write {os.fspath(path)}: {parent} is not writable")
+        fail(f"argument {flag}: cannot write {shown_path}: {parent} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".attnpolicy-probe.", dir=parent)
+    except OSError as exc:
+        fail(f"argument {flag}: cannot write {shown_path}: {parent} is not writable ({exc.strerror or exc})")
+    os.close(fd)
+    os.unlink(probe)
+
+
+@contextmanager
+def writing(flag: str, path: str | os.PathLike[str]) -> Iterator[None]:
+    """The writes of ``flag``'s output (checked by :func:`check_output` before the
+    work): one that still fails (a full disk, the folder removed meanwhile) is one
+    line naming the flag and the file, exit 1."""
+    try:
+        yield
+    except OSError as exc:
+        fail(f"argument {flag}: cannot write {exc.filename or os.fspath(path)}: {exc.strerror or exc}", status=1)
 
 
 # -- argument types -------------------------------------------------------------------
@@ -155,6 +179,16 @@ def byte_list(text: str) -> tuple[int | None, ...]:
     return tuple(out)
 
 
+def model_spec(text: str) -> str:
+    """argparse type: a model SPEC (``qwen3``, ``llama:layers=2,...`` or a local HF
+    directory), checked whole before any work; the text is kept as given."""
+    try:
+        parse_spec(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def option(text: str) -> tuple[str, str, Any]:
     """argparse type: ``POLICY:KEY=VALUE`` (VALUE parsed as JSON when it can be)."""
     head, sep, raw = text.partition("=")
@@ -178,17 +212,30 @@ def shown(value: Any) -> str:
 # -- shared argument groups -----------------------------------------------------------
 
 
+#: The defaults of --heads, --kv-heads, --head-dim and --dtype.
+SPEC_DEFAULTS: dict[str, Any] = {"heads": 8, "kv_heads": 8, "head_dim": 64, "dtype": "float32"}
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     """The tensor spec of one attention layer: --heads, --kv-heads, --head-dim, --dtype."""
-    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default: 8)")
-    p.add_argument("--kv-heads", type=positive_int, default=8,
-                   help="key/value heads; must divide --heads (default: 8)")
-    p.add_argument("--head-dim", type=positive_int, default=64, help="channels per head (default: 64)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="tensor dtype (default: float32)")
+    d = SPEC_DEFAULTS
+    p.add_argument("--heads", type=positive_int, default=d["heads"], help=f"query heads (default: {d['heads']})")
+    p.add_argument("--kv-heads", type=positive_int, default=d["kv_heads"],
+                   help=f"key/value heads; must divide --heads (default: {d['kv_heads']})")
+    p.add_argument("--head-dim", type=positive_int, default=d["head_dim"],
+                   help=f"channels per head (default: {d['head_dim']})")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d["dtype"],
+                   help=f"tensor dtype (default: {d['dtype']})")
 
 
-def check_spec_args(args: argparse.Namespace) -> None:
+def check_spec_args(args: argparse.Namespace, *, not_with: str | None = None) -> None:
+    """--kv-heads must divide --heads; with ``not_with`` (what the spec comes from
+    instead, e.g. ``--model``) a spec flag set off its default is refused."""
+    if not_with is not None:
+        for name, default in SPEC_DEFAULTS.items():
+            if getattr(args, name) != default:
+                fail(f"argument --{name.replace('_', '-')}: {getattr(args, name)}: not taken with {not_with}")
+        return
     if args.heads % args.kv_heads:
         fail(f"argument --kv-heads: {args.kv_heads} must divide --heads {args.heads}")
 
@@ -204,9 +251,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="first N requests only (default: all)")
     p.add_argument("--max-num-seqs", type=positive_int, default=f.max_num_seqs, metavar="N",
                    help=f"most requests running at once, as vLLM's max_num_seqs (default: {f.max_num_seqs})")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=f.max_num_batched_tokens, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                    help="most query tokens per step, as vLLM's max_num_batched_tokens "
-                        f"(default: {f.max_num_batched_tokens})")
+                        f"(default: {f.max_num_batched_tokens}; without chunked prefill, as with "
+                        "--no-chunked-prefill and on whole-model graphs, at least --max-seq-len, as vLLM)")
     p.add_argument("--max-seq-len", type=positive_int, default=f.max_model_len, metavar="N",
                    help=f"longest request (prompt + output) admitted, as vLLM's max_model_len "
                         f"(default: {f.max_model_len})")
@@ -230,9 +278,42 @@ def add_option_arg(p: argparse.ArgumentParser) -> None:
                         "parsed as JSON when it can be) (default: none)")
 
 
-def former_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_seq_len, "chunked_prefill": not args.no_chunked_prefill}
+#: BatchFormer argument → the flag that sets it.
+FORMER_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+                "max_model_len": "--max-seq-len"}
+
+
+def former_options(args: argparse.Namespace, *, prefill_only: bool = False) -> dict[str, Any]:
+    """The batch former's knobs of the workload flags. ``--max-num-batched-tokens``
+    defaults as vLLM's: 2048, and without chunked prefill (``--no-chunked-prefill``,
+    or ``prefill_only``: the whole-model-graph workload, each prompt in one step) at
+    least ``--max-seq-len``, so that every admitted prompt fits one step."""
+    chunked = not (args.no_chunked_prefill or prefill_only)
+    tokens = args.max_num_batched_tokens
+    if tokens is None:
+        default = BatchFormer().max_num_batched_tokens
+        tokens = default if chunked else max(default, args.max_seq_len)
+    return {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": tokens,
+            "max_model_len": args.max_seq_len, "chunked_prefill": chunked}
+
+
+def former_from(args: argparse.Namespace, *, prefill_only: bool = False) -> BatchFormer:
+    """The batch former of the workload flags (``prefill_only``: the whole-model-graph
+    workload, see :func:`~attnpolicy.modelling.model_simulation.model_former`); an error
+    names the flags."""
+    o = former_options(args, prefill_only=prefill_only)
+    try:
+        if prefill_only:
+            return model_former(o["max_num_seqs"], o["max_num_batched_tokens"], o["max_model_len"])
+        return BatchFormer(**o)
+    except ConfigError as exc:
+        message = str(exc).replace(
+            "without chunked_prefill (a whole prompt must fit one step)",
+            "on whole-model graphs (each prompt runs in one step)" if prefill_only
+            else "with --no-chunked-prefill (a whole prompt must fit one step)")
+        for name, flag in FORMER_FLAGS.items():
+            message = message.replace(name, flag)
+        fail(f"argument {message.split('=')[0].split()[0]}: {message}")
 
 
 def source_name(args: argparse.Namespace) -> str:
@@ -258,12 +339,9 @@ def policy_options(args: argparse.Namespace, flag: str, policies: Sequence[str],
     """Per-policy options from ``--option`` (over ``base``), each checked by building
     the policy; errors name the flag and the value."""
     from attnpolicy.errors import PolicyError
-    from attnpolicy.plugins.registry import make_policy, policy_registry
+    from attnpolicy.plugins.registry import make_policy
 
-    known = policy_registry()
-    for name in policies:
-        if name not in known:
-            fail(f"argument {flag}: {name!r} is not a registered policy; known policies: {', '.join(sorted(known))}")
+    check_policies(flag, policies)
     out: dict[str, dict[str, Any]] = {p: dict((base or {}).get(p, {})) for p in policies}
     for policy, key, value in args.option:
         if policy not in out:
@@ -276,6 +354,16 @@ def policy_options(args: argparse.Namespace, flag: str, policies: Sequence[str],
         except PolicyError as exc:
             fail(f"argument --option: {exc}")
     return out
+
+
+def check_policies(flag: str, names: Sequence[str]) -> None:
+    """Refuse (exit 2, naming ``flag``) a name that is not a registered policy."""
+    from attnpolicy.plugins.registry import policy_registry
+
+    known = policy_registry()
+    for name in names:
+        if name not in known:
+            fail(f"argument {flag}: {name!r} is not a registered policy; known policies: {', '.join(sorted(known))}")
 
 
 def check_evictions(flag: str, names: Sequence[str], simulation: bool) -> None:

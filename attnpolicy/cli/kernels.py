@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from attnpolicy.bench.kernel_timing import bench_kernels
-from attnpolicy.cli.common import command, print_table, progress
+from attnpolicy.cli.common import (
+    command,
+    print_table,
+    progress,
+    writing,
+)
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.plugins.kernels import check_kernel
 
@@ -61,6 +66,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
                 ("batch", "heads q:kv", "family", "impl", "backend", "median ms", "vs loop", "mask build ms"),
                 table)
     if args.json:
-        write_json(args.json, {"machine": machine, "date": when, "threads": torch.get_num_threads(),
-                               "rows": [asdict(r) for r in rows]})
+        with writing("--json", args.json):
+            write_json(args.json, {"machine": machine, "date": when, "threads": torch.get_num_threads(),
+                                   "rows": [asdict(r) for r in rows]})
     return 0

@@ -8,24 +8,35 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from attnpolicy.cli.common import check_output, console, fail, formed, print_table, progress, settings, warn
+from attnpolicy.cli.common import (
+    check_output,
+    console,
+    fail,
+    formed,
+    former_from,
+    print_table,
+    progress,
+    settings,
+    warn,
+    writing,
+)
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, GraphTooLargeError
+from attnpolicy.integrations.model_specs import max_positions
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import (
     ModelSimRow,
     model_config,
-    model_former,
     model_layouts,
     simulate_model,
 )
 from attnpolicy.modelling.model_stalls import ModelStallRow, compare_model_stalls
 from attnpolicy.planning.host_settings import host_settings
 from attnpolicy.planning.model_plan import plan_model_graphs
-from attnpolicy.workloads.batching import Workload
+from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import TraceError, load_trace
 
 DEFAULT_MODEL_COSTMODEL_PATH = "attnpolicy_model_costmodel.json"
@@ -40,13 +51,14 @@ def cmd_calibrate_model(args: argparse.Namespace, default_out: str) -> int:
     check_output("--out", out)
     s = settings(ModelCalibrationSettings, {"spec": "--model"}, spec=args.model, backend=args.backend,
                  sizes=tuple(args.sizes) if args.sizes else None, repeats=args.repeats, threads=args.threads,
-                 clock=args.clock, quick=args.quick)
+                 clock=args.clock or "cpu", quick=args.quick)
     try:
         with progress(len(grid(s)) + s.repeats, "calibrate --model") as advance:
             model = calibrate_model(s, advance)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
-    path = model.save(out)
+    with writing("--out", out):
+        path = model.save(out)
     rows = []
     for x in model.samples:
         key = x.key(model.backend)
@@ -68,19 +80,16 @@ def load_model_cost(path: str) -> ModelCostModel:
         fail(f"argument --model-cost: {exc}")
 
 
-def model_workload(args: argparse.Namespace) -> tuple[list[BatchLayout], Workload]:
-    """The prefill-only batches of --trace/--limit and the batch former's knobs, and
-    what the former made of the trace (printed, rejections warned about)."""
-    try:
-        former = model_former(args.max_num_seqs, args.max_num_batched_tokens, args.max_seq_len)
-    except ConfigError as exc:
-        fail(f"the model-graph workload (prefill only, each prompt in one step): {exc}")
+def model_workload(args: argparse.Namespace, former: BatchFormer) -> tuple[list[BatchLayout], Workload]:
+    """The prefill-only batches ``former`` (``former_from(args, prefill_only=True)``)
+    makes of --trace/--limit, and what it made of the trace (printed, rejections
+    warned about)."""
     try:
         requests = load_trace(args.trace, args.limit)
     except TraceError as exc:
         fail(f"argument --trace: {exc}")
     if not any(former.fits(r) for r in requests):
-        fail(f"argument --trace: no request of {args.trace!r} fits --max-seq-len {args.max_seq_len}")
+        fail(f"argument --trace: no request of {args.trace!r} fits --max-seq-len {former.max_model_len}")
     steps, w = formed(args, former, requests)
     return model_layouts(steps), w
 
@@ -112,16 +121,18 @@ def print_model_rows(title: str, rows: list[ModelSimRow]) -> None:
 def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
     check_output("--json", args.json)
     _attention_only(args)
+    former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)
-    layouts, w = model_workload(args)
+    layouts, w = model_workload(args, former)
     schemes = args.buckets or ("pow2",)
     configs = []
+    max_len, tokens = former.max_model_len, former.max_num_batched_tokens
     try:
         for policy in _policies(args, default_policies):
             for scheme in schemes:
-                buckets = bucket_scheme(scheme, args.max_seq_len, args.max_num_batched_tokens).buckets
+                buckets = bucket_scheme(scheme, max_len, tokens).buckets
                 for capacity in args.capacities:
-                    configs += [model_config(model, args.max_seq_len, args.max_num_batched_tokens, policy=policy,
+                    configs += [model_config(model, max_len, tokens, policy=policy,
                                              buckets=buckets, max_graphs=capacity, max_bytes=max_bytes)
                                 for max_bytes in args.max_bytes or (None,)]
         rows = simulate_model(layouts, model, configs, args.evictions)
@@ -136,8 +147,9 @@ def _write_rows(args: argparse.Namespace, layouts: list[BatchLayout], w: Workloa
                 rows: list[ModelSimRow] | list[ModelStallRow]) -> int:
     """Write ``rows`` to --json, if given, with the workload and the model."""
     if args.json:
-        write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
-                               "workload": w.to_json(), "model": model.spec, "rows": [r.to_json() for r in rows]})
+        with writing("--json", args.json):
+            write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
+                                   "workload": w.to_json(), "model": model.spec, "rows": [r.to_json() for r in rows]})
     return 0
 
 
@@ -151,11 +163,12 @@ def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...]
                  "from the model cost model and the flags)")
     if tuple(args.warm) != tuple(default_warm):
         fail("argument --warm: not taken with --model-cost (no warm-up is modelled)")
+    former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)
-    layouts, w = model_workload(args)
+    layouts, w = model_workload(args, former)
     fields = {} if args.switch_after is None else {"switch_after": args.switch_after}
     try:
-        configs = [model_config(model, args.max_seq_len, args.max_num_batched_tokens, policy=policy,
+        configs = [model_config(model, former.max_model_len, former.max_num_batched_tokens, policy=policy,
                                 max_graphs=capacity, **fields)
                    for policy in _policies(args, default_policies) for capacity in args.capacities]
         rows = compare_model_stalls(layouts, model, configs)
@@ -179,24 +192,27 @@ def print_model_stalls(title: str, rows: list[ModelStallRow]) -> None:
 def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
     check_output("--out", args.out, directory=True)
     _attention_only(args)
+    former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)
-    layouts, w = model_workload(args)
+    layouts, w = model_workload(args, former)
     evictions = [e for e in args.evictions if e != "belady"]
     try:
-        base = model_config(model, args.max_seq_len, args.max_num_batched_tokens, max_graphs=args.max_graphs,
-                            max_bytes=args.max_bytes)
+        base = model_config(model, former.max_model_len, former.max_num_batched_tokens,
+                            max_graphs=args.max_graphs, max_bytes=args.max_bytes)
         with progress(None, "plan --model-cost") as advance:
             plan = plan_model_graphs(layouts, base, model, _policies(args, default_policies), evictions,
                                      args.max_buckets, advance, args.align)
     except ConfigError as exc:
         fail(str(exc))
     out = Path(args.out)
-    plan.config.save(out)
     source = args.trace + (f" (first {args.limit} requests)" if args.limit else "")
-    write_json(out / "plan.json", {"source": source, "model": model.spec, "batches": len(layouts),
-                                   "rejected": w.rejected, "workload": w.to_json(),
-                                   **plan.to_json()})
-    write_host_settings(out, [layout.q_tokens for layout in layouts], plan.chosen.buckets, plan.config, args)
+    with writing("--out", out):
+        plan.config.save(out)
+        write_json(out / "plan.json", {"source": source, "model": model.spec, "batches": len(layouts),
+                                       "rejected": w.rejected, "workload": w.to_json(),
+                                       **plan.to_json()})
+        write_host_settings(out, [layout.q_tokens for layout in layouts], plan.chosen.buckets, plan.config,
+                            former.max_num_batched_tokens, args.max_buckets)
     cap = "∞" if args.max_graphs is None else args.max_graphs
     print_table(f"attnpolicy plan on model graphs: {source}, {model.spec}, max_graphs {cap}",
                 ("policy", "buckets", "eviction", "plan s", "pow2 lru s", "pow2 belady s", "× lru", "× belady"),
@@ -210,29 +226,34 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
 
 
 def write_host_settings(out: Path, step_tokens: list[int], buckets: Sequence[int], config: AttnPolicyConfig,
-                        args: argparse.Namespace) -> Path:
+                        max_num_batched_tokens: int, max_buckets: int) -> Path:
     """``host_settings.json`` next to ``plan.json``: vLLM's sizes from the planned steps'
     token counts (at most ``--max-buckets`` of them, under ``--max-num-batched-tokens``),
     static runtimes' paddings from the planned ``buckets`` under ``config``'s ``max_seq_len``."""
     path = out / "host_settings.json"
-    write_json(path, host_settings(step_tokens, buckets, args.max_num_batched_tokens, config.max_seq_len,
-                                   args.max_buckets))
+    write_json(path, host_settings(step_tokens, buckets, max_num_batched_tokens, config.max_seq_len,
+                                   max_buckets))
     return path
 
 
 
-def cmd_run_model(args: argparse.Namespace, config: AttnPolicyConfig) -> int:
+def cmd_run_model(args: argparse.Namespace, former: BatchFormer, config: AttnPolicyConfig) -> int:
+    """``run --model SPEC``: the prefill-only batches of ``former`` through a runner of
+    SPEC's model under ``config``; --max-seq-len must fit the model's positions."""
     from attnpolicy.bench.model_replay import TOLERANCE, replay_model
 
+    positions = max_positions(args.model)
+    if positions is not None and former.max_model_len > positions:
+        fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
+             f"{args.model}: set --max-seq-len {positions} or less")
     cost = load_model_cost(args.model_cost) if args.model_cost else None
-    if not args.config:  # a MASK graph's bucket is of the step's token budget, as in simulate --model-cost
-        config = AttnPolicyConfig(**{**config.model_dump(), "max_batch_tokens": args.max_num_batched_tokens})
+    clock = args.clock or "cpu"
     if cost is not None and cost.backend != config.backend:
         warn(f"--model-cost was calibrated with backend {cost.backend}, the run uses {config.backend}")
-    layouts, w = model_workload(args)
+    layouts, w = model_workload(args, former)
     try:
         with progress(len(layouts), "run --model") as advance:
-            result = replay_model(args.model, layouts, config, check=args.check, cost=cost, clock=args.clock,
+            result = replay_model(args.model, layouts, config, check=args.check, cost=cost, clock=clock,
                                   progress=advance)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
@@ -253,9 +274,10 @@ def cmd_run_model(args: argparse.Namespace, config: AttnPolicyConfig) -> int:
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {TOLERANCE:g})")]
     print_table(f"attnpolicy run --model: {args.trace}", ("", "value"), rows)
     if args.json:
-        write_json(args.json, {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
-                               "config": config.model_dump(mode="json"),
-                               **result.to_json()})
+        with writing("--json", args.json):
+            write_json(args.json, {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
+                                   "config": config.model_dump(mode="json"),
+                                   **result.to_json()})
     if result.passed is False:
         warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {TOLERANCE:g}")
         return 1

@@ -10,7 +10,11 @@ from dataclasses import asdict
 import torch
 
 from attnpolicy.bench.overhead import BACKENDS, POLICIES, SHAPES, measure_decisions, run_overhead
-from attnpolicy.cli.common import print_table, progress
+from attnpolicy.cli.common import (
+    print_table,
+    progress,
+    writing,
+)
 from attnpolicy.core.jsonfile import write_json
 
 
@@ -35,8 +39,9 @@ def cmd_overhead(args: argparse.Namespace) -> int:
                 ("policy", "cold µs", "warm µs"),
                 [(r.policy, f"{r.cold_us:.1f}", f"{r.warm_us:.1f}") for r in decisions])
     if args.json:
-        write_json(args.json, {"machine": platform.processor() or platform.machine(),
-                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                               "threads": threads, "rows": [asdict(r) for r in rows],
-                               "decisions": [asdict(r) for r in decisions]})
+        with writing("--json", args.json):
+            write_json(args.json, {"machine": platform.processor() or platform.machine(),
+                                   "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                                   "threads": threads, "rows": [asdict(r) for r in rows],
+                                   "decisions": [asdict(r) for r in decisions]})
     return 0

@@ -12,9 +12,12 @@ from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
     check_output,
+    check_policies,
     command,
     fail,
     formed,
+    former_from,
+    former_options,
     positive_int,
     print_table,
     progress,
@@ -22,12 +25,12 @@ from attnpolicy.cli.common import (
     source_name,
     str_list,
     warn,
+    writing,
 )
 from attnpolicy.cli.model_graphs import write_host_settings
 from attnpolicy.cli.simulate import (
     add_store_args,
     cost_model,
-    former_from,
     with_store,
     workload,
 )
@@ -119,8 +122,7 @@ def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConf
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from attnpolicy.plugins.registry import policy_registry
-
+    check_policies("--policies", args.policies)
     if args.model_cost:
         from attnpolicy.cli.model_graphs import cmd_plan_model
 
@@ -128,11 +130,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_output("--out", args.out, directory=True)
     model = cost_model(args) or CostModel.default()
     check_evictions("--evictions", args.evictions, simulation=False)
-    known = policy_registry()
-    for name in args.policies:
-        if name not in known:
-            fail(f"argument --policies: {name!r} is not a registered policy; known policies: "
-                 f"{', '.join(sorted(known))}")
     if args.layouts:
         try:
             run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
@@ -153,7 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     w: Workload | None = None
     if args.layouts:
         steps = run.layouts
-        check_step_budget(steps, args.max_num_batched_tokens)
+        check_step_budget(steps, former_options(args)["max_num_batched_tokens"])
     else:
         steps, w = formed(args, former, workload(args, former))
     try:
@@ -167,12 +164,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         warn(f"--max-bytes {plan.max_bytes}: no graph of this plan fits (the smallest needs {smallest} bytes); "
              "the config caches nothing and every call compiles")
     out = Path(args.out)
-    plan.config.save(out)
-    write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
-                                   **({"workload": w.to_json()} if w else {}), **plan.to_json()})
-    write_text_atomic(out / "plan.md", plan_markdown(plan, source, w))
-    write_host_settings(out, [layout.q_tokens for layout in layouts_of(steps)], plan.chosen.buckets, plan.config,
-                        args)
+    with writing("--out", out):
+        plan.config.save(out)
+        write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
+                                       **({"workload": w.to_json()} if w else {}), **plan.to_json()})
+        write_text_atomic(out / "plan.md", plan_markdown(plan, source, w))
+        write_host_settings(out, [layout.q_tokens for layout in layouts_of(steps)], plan.chosen.buckets,
+                            plan.config, former_options(args)["max_num_batched_tokens"], args.max_buckets)
     print_plan(plan, source)
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")

@@ -6,7 +6,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.cli.common import check_output, command, fail, positive_int, str_list, warn
+from attnpolicy.cli.common import (
+    check_output,
+    command,
+    fail,
+    positive_int,
+    str_list,
+    warn,
+    writing,
+)
 from attnpolicy.cli.plan import check_plannable, print_plan, seconds
 from attnpolicy.cli.simulate import cost_model
 from attnpolicy.config import AttnPolicyConfig
@@ -64,18 +72,20 @@ def cmd_replan(args: argparse.Namespace) -> int:
     new = drift.refit.config
     switch = switch_set(current, new) if drift.replan else ()
     source = f"{args.layouts} run {run.run}, last {len(steps)} steps"
-    write_json(out / "replan.json", {
-        "source": source, "recorded_config_differs": differs, "steps": len(steps), "drift": drift.drift,
-        "threshold": drift.threshold,
-        "replan": drift.replan, "current_total_seconds": drift.current.total_seconds,
-        "refit_total_seconds": drift.refit.chosen.row.total_seconds,
-        "switch": [w.model_dump(mode="json") for w in switch]})
+    with writing("--out", out):
+        write_json(out / "replan.json", {
+            "source": source, "recorded_config_differs": differs, "steps": len(steps), "drift": drift.drift,
+            "threshold": drift.threshold,
+            "replan": drift.replan, "current_total_seconds": drift.current.total_seconds,
+            "refit_total_seconds": drift.refit.chosen.row.total_seconds,
+            "switch": [w.model_dump(mode="json") for w in switch]})
     print(f"drift {drift.drift:.4f} (current {drift.current.total_seconds:.4g} s, refit "
           f"{drift.refit.chosen.row.total_seconds:.4g} s modelled on {len(steps)} steps; threshold {drift.threshold})")
     if drift.replan:
-        new.save(out)
-        write_json(out / "plan.json", {"source": source, "rejected": 0, **drift.refit.to_json()})
-        write_text_atomic(out / "plan.md", plan_markdown(drift.refit, source))
+        with writing("--out", out):
+            new.save(out)
+            write_json(out / "plan.json", {"source": source, "rejected": 0, **drift.refit.to_json()})
+            write_text_atomic(out / "plan.md", plan_markdown(drift.refit, source))
         print_plan(drift.refit, source)
         print(f"replan: {len(switch)} new warm graphs to compile in the background; "
               f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, {out / 'replan.json'}")

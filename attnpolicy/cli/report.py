@@ -20,8 +20,10 @@ from attnpolicy.cli.common import (
     console,
     describe_options,
     formed,
+    former_from,
     former_options,
     int_list,
+    model_spec,
     policy_options,
     positive_int,
     progress,
@@ -29,8 +31,9 @@ from attnpolicy.cli.common import (
     shown,
     str_list,
     warn,
+    writing,
 )
-from attnpolicy.cli.simulate import add_sweep_args, cost_model, former_from, sweep_size, workload
+from attnpolicy.cli.simulate import add_sweep_args, cost_model, sweep_size, workload
 from attnpolicy.modelling.simulation import extrapolation
 from attnpolicy.report import ReportSettings, make_report
 from attnpolicy.report.markdown import first_screen
@@ -72,7 +75,7 @@ def register(subparsers: Any) -> None:
                    help="first N requests replayed with real compute to check the simulator "
                         f"(default: {d.validate_requests})")
 
-    p.add_argument("--model", default=None, metavar="SPEC",
+    p.add_argument("--model", type=model_spec, default=None, metavar="SPEC",
                    help="also time a whole model's forward, MASK vs CAUSAL per --model-lengths, as 'attnpolicy "
                         "bench --model'; SPEC: a built-in spec or a directory (default: off)")
     p.add_argument("--model-lengths", type=int_list, default=d.model_lengths, metavar="L[,L...]",
@@ -108,7 +111,7 @@ def cmd_report(args: argparse.Namespace) -> int:
              + (len(s.model_lengths) if s.model else 0)
              + len(s.validated_policies) + int(s.calibrates) + 1)
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    with progress(total, "report") as advance:
+    with progress(total, "report") as advance, writing("--out", s.out):  # report.md, plots, the config
         data = make_report(s, command_line, advance, requests)
     console.print(f"wrote {s.out / 'report.md'}, {s.out / 'report.json'}, "
                   f"{', '.join(str(s.out / p['file']) for p in data['plots'])} and the config "

@@ -18,14 +18,17 @@ from attnpolicy.cli.common import (
     describe_options,
     fail,
     formed,
+    former_from,
+    model_spec,
     policy_options,
     positive_int,
     print_table,
     progress,
     warn,
+    writing,
 )
 from attnpolicy.cli.plan import check_plannable, seconds
-from attnpolicy.cli.simulate import former_from, workload
+from attnpolicy.cli.simulate import workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
@@ -69,13 +72,13 @@ def register(subparsers: Any) -> None:
                    help="compare every output with the float64 reference and print pass or fail against "
                         f"the dtype's tolerance ({', '.join(f'{d} {t:g}' for d, t in TOLERANCE.items())}) "
                         "(default: off)")
-    p.add_argument("--model", metavar="SPEC", default=None,
+    p.add_argument("--model", type=model_spec, metavar="SPEC", default=None,
                    help="replay prefill-only batches through whole-model graphs of SPEC (StaticModelRunner); "
                         "--check compares with the eager model (default: none, attention calls)")
     p.add_argument("--model-cost", metavar="PATH", default=None,
                    help="with --model: a model cost model whose simulated prediction for the same batches is "
                         "compared with the measurement (default: none)")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+    p.add_argument("--clock", choices=("cpu", "wall"), default=None,
                    help="with --model: time compiles and runs in process CPU or wall seconds (default: cpu)")
     p.add_argument("--replan-every", type=positive_int, default=None, metavar="N",
                    help="every N batches, measure the drift of the running config on the recent batches and, "
@@ -90,8 +93,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the result as JSON (default: none)")
 
 
-def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
-    """The config of --config and the flags; every name and value checked, errors name the flag."""
+def config_from(args: argparse.Namespace, max_batch_tokens: int | None = None) -> AttnPolicyConfig:
+    """The config of --config and the flags; every name and value checked, errors name
+    the flag. ``max_batch_tokens``: the default of that field (else the most keys of a
+    packed MASK call)."""
     base = AttnPolicyConfig.load(args.config).model_dump() if args.config else {}
     policy = args.policy or base.get("policy", DEFAULTS["policy"].default)
     own = base.get("policy_options", {}) if base.get("policy", policy) == policy else {}
@@ -105,12 +110,15 @@ def config_from(args: argparse.Namespace) -> AttnPolicyConfig:
     base.update({k: v for k, v in overrides.items() if v is not None})
     base.setdefault("max_seq_len", args.max_seq_len)
     # a packed MASK call's keys are every running sequence's context: as in `simulate`
-    base.setdefault("max_batch_tokens", max(DEFAULTS["max_batch_tokens"].default,
-                                            args.max_num_seqs * base["max_seq_len"]))
+    base.setdefault("max_batch_tokens", max_batch_tokens or max(DEFAULTS["max_batch_tokens"].default,
+                                                                args.max_num_seqs * base["max_seq_len"]))
     try:
-        return jsonfile.validate(AttnPolicyConfig, base, "--config and flags", "config", base.get("version", 1))
+        config = jsonfile.validate(AttnPolicyConfig, base, "--config and flags", "config", base.get("version", 1))
     except ConfigError as exc:
         fail(str(exc))
+    if args.store is None:  # --store is checked with the outputs
+        check_output(f"--config {args.config} (its store_dir)", config.store_dir, directory=True)
+    return config
 
 
 def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolicyConfig) -> Replanner | None:
@@ -126,12 +134,20 @@ def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolic
 
 def cmd_run(args: argparse.Namespace) -> int:
     check_output("--json", args.json)
-    if args.model:
+    check_output("--store", args.store, directory=True)
+    if args.model is not None:
         if args.replan_every is not None:
             fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
+        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
         from attnpolicy.cli.model_graphs import cmd_run_model
 
-        return cmd_run_model(args, config_from(args))
+        former = former_from(args, prefill_only=True)
+        # a MASK graph's bucket is of the step's token budget, as in simulate --model-cost
+        return cmd_run_model(args, former, config_from(args, former.max_num_batched_tokens))
+    needs_model = {"--model-cost": args.model_cost, "--clock": args.clock}
+    for flag, value in needs_model.items():
+        if value is not None:
+            fail(f"argument {flag}: {value}: needs --model SPEC (without it the run replays attention calls)")
     check_spec_args(args)
     config = config_from(args)
     former = former_from(args)
@@ -184,8 +200,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                  ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]
     print_table(f"attnpolicy run: {args.trace}, {config.policy}", ("", "value"), rows)
     if args.json:
-        write_json(args.json, {**result.to_json(), "workload": w.to_json(),
-                               **({"replan": replanner.to_json()} if replanner else {})})
+        with writing("--json", args.json):
+            write_json(args.json, {**result.to_json(), "workload": w.to_json(),
+                                   **({"replan": replanner.to_json()} if replanner else {})})
     if result.passed is False:
         warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {result.tolerance:g}")
         return 1

@@ -14,9 +14,11 @@ from attnpolicy.cli.common import (
     byte_list,
     check_evictions,
     check_output,
+    check_policies,
     describe_options,
     fail,
     formed,
+    former_from,
     former_options,
     policy_options,
     positive_int,
@@ -25,6 +27,7 @@ from attnpolicy.cli.common import (
     shown,
     str_list,
     warn,
+    writing,
 )
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
@@ -50,9 +53,6 @@ CAPACITIES = (2, 4, 8, 16)
 EVICTIONS = ("lru", "belady")
 #: Worker processes of a sweep (this machine has 2 cores).
 WORKERS = 2
-#: BatchFormer argument → the flag that sets it.
-FORMER_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-                "max_model_len": "--max-seq-len", "chunked_prefill": "--no-chunked-prefill"}
 
 
 def register(subparsers: Any) -> None:
@@ -148,17 +148,6 @@ def schemes(args: argparse.Namespace, base: AttnPolicyConfig) -> list[BucketSche
         fail(f"argument --buckets: {exc}")
 
 
-def former_from(args: argparse.Namespace) -> BatchFormer:
-    """The batch former of the workload flags; an error names the flag."""
-    try:
-        return BatchFormer(**former_options(args))
-    except ConfigError as exc:
-        message = str(exc)
-        for name, flag in FORMER_FLAGS.items():
-            message = message.replace(name, flag)
-        fail(f"argument {message.split('=')[0].split()[0]}: {message}")
-
-
 def cost_model(args: argparse.Namespace) -> CostModel | None:
     """The model of --cost-model (``None`` without it); an error names the flag."""
     try:
@@ -191,6 +180,7 @@ def note_warmup(base: AttnPolicyConfig, what: str) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    check_policies("--policies", args.policies)
     if args.model_cost:
         from attnpolicy.cli.model_graphs import cmd_simulate_model
 
@@ -222,11 +212,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print_sweep(f"simulated {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
                 f"batches), cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
     if args.json:
-        write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
-                               "workload": w.to_json(), "config": base.model_dump(mode="json"),
-                               "policy_options": options, "rows": [r.to_json() for r in rows]})
+        with writing("--json", args.json):
+            write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
+                                   "workload": w.to_json(), "config": base.model_dump(mode="json"),
+                                   "policy_options": options, "rows": [r.to_json() for r in rows]})
     if args.plot:
-        plot_sweep(rows, args.plot)
+        with writing("--plot", args.plot):
+            plot_sweep(rows, args.plot)
     return 0
 
 
@@ -268,10 +260,11 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
             warn(f"not reproduced: the row {recorded_row} has {', '.join(f'{n} {c}' for c, n in got.items())}, "
                  f"the run recorded {recorded} (another attnpolicy version or plugin, or an edited stream)")
     if args.json:
-        write_json(args.json, {"layouts": args.layouts, "run": run.run, "steps": len(run.steps),
-                               "recorded_misses": run.misses, "recorded": run.recorded, "reproduced": reproduced,
-                               "config": base.model_dump(mode="json"),
-                               "policy_options": options, "rows": [r.to_json() for r in rows]})
+        with writing("--json", args.json):
+            write_json(args.json, {"layouts": args.layouts, "run": run.run, "steps": len(run.steps),
+                                   "recorded_misses": run.misses, "recorded": run.recorded, "reproduced": reproduced,
+                                   "config": base.model_dump(mode="json"),
+                                   "policy_options": options, "rows": [r.to_json() for r in rows]})
     return 1 if args.strict and not reproduced else 0
 
 

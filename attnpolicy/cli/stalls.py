@@ -11,19 +11,21 @@ from attnpolicy.cli.common import (
     add_policies_arg,
     add_workload_args,
     check_output,
+    check_policies,
     fail,
     formed,
+    former_from,
     former_options,
     positive_int,
     print_table,
     progress,
     shown,
     str_list,
+    writing,
 )
 from attnpolicy.cli.simulate import (
     add_store_args,
     cost_model,
-    former_from,
     with_store,
     workload,
 )
@@ -66,6 +68,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_stalls(args: argparse.Namespace) -> int:
+    check_policies("--policies", args.policies)
     if args.model_cost:
         from attnpolicy.cli.model_graphs import cmd_stalls_model
 
@@ -95,9 +98,10 @@ def cmd_stalls(args: argparse.Namespace) -> int:
                  f"batches), cost model {model.impl}/{model.backend}, "
                  f"switch_after={rows[0].switch_after if rows else '-'}", rows)
     if args.json:
-        write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
-                               "workload": w.to_json(), "config": base.model_dump(mode="json"),
-                               "rows": [r.to_json() for r in rows]})
+        with writing("--json", args.json):
+            write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
+                                   "workload": w.to_json(), "config": base.model_dump(mode="json"),
+                                   "rows": [r.to_json() for r in rows]})
     return 0
 
 

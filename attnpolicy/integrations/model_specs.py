@@ -14,6 +14,7 @@ fp32 and eval mode: the same SPEC always builds the same weights.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -50,6 +51,10 @@ class ModelSpec(BaseModel):
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}) "
                              "unless head_dim is given")
+        if self.dim % 2:  # an odd one fails to compile, or (1) silently computes another shape
+            given = f"head_dim ({self.dim})" if self.head_dim is not None else (
+                f"the head dim hidden/heads ({self.hidden}/{self.heads} = {self.dim})")
+            raise ValueError(f"{given} must be even: rotary position embeddings rotate pairs of channels")
         return self
 
     @property
@@ -116,6 +121,20 @@ def parse_spec(spec: str) -> ModelSpec | Path:
         problems = "; ".join(f"{e['loc'][0]} {e['msg'].lower()}, got {e['input']!r}" if e["loc"]
                              else e["msg"].removeprefix("Value error, ") for e in exc.errors())
         raise ConfigError(f"model spec {spec!r}: {problems}") from None
+
+
+def max_positions(spec: str) -> int | None:
+    """The most positions the model of a valid SPEC was built for: ``max_positions``
+    of a built-in one, ``max_position_embeddings`` of a directory's ``config.json``
+    (``None`` when it has none or cannot be read: the model load says why)."""
+    parsed = parse_spec(spec)
+    if isinstance(parsed, ModelSpec):
+        return parsed.max_positions
+    try:
+        value = json.loads((parsed / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def load_model(spec: str, attn_implementation: str = "sdpa") -> tuple[Any, str]:
