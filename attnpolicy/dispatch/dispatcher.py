@@ -293,9 +293,10 @@ class Dispatcher:
         batch (the end of a replay; the graphs of the batch last prepared are released, as
         by the next :meth:`prepare`); returns whether one applied. See
         :mod:`~attnpolicy.dispatch.switch`."""
-        if self.source.pinned:
-            self.source.release()
-        return self.switcher.finish(self)
+        with self._lock:
+            if self.source.pinned:
+                self.source.release()
+            return self.switcher.finish(self)
 
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``, in request
