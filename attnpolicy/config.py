@@ -121,7 +121,7 @@ class AttnPolicyConfig(BaseModel):
     #: graph compiles in a worker thread; it enters the cache switch_after batches later
     compile_mode: CompileMode = "sync"
     switch_after: PositiveInt = 8
-    #: graphs to compile at warm-up (``Dispatcher.warmup(spec)``, integrations at first use)
+    #: graphs to compile at warm-up (``Dispatcher.warmup(spec)``; transformers at first use, vLLM at engine start)
     warmup: tuple[WarmShape, ...] = ()
     #: a graph store directory: compiled graphs persist there and a miss loads them
     #: instead of compiling (see docs/store.md); None: graphs live as long as the process.
