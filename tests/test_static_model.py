@@ -386,3 +386,26 @@ def test_background_compiles_load_what_the_store_holds(models, tmp_path):
     assert bg is not None and (bg.requested, bg.switched, bg.loaded, bg.padded_up) == (2, 2, 2, 1)
     assert (stats.cache.compiles, stats.cache.loads, stats.disk.hits, stats.disk.saves) == (0, 2, 2, 0)
     runner.close()
+
+
+def test_a_resident_graph_runs_as_compiled_while_torch_fx_traces(models, monkeypatch):
+    """While any thread traces (the background worker compiling beside a batch served
+    padded up), torch.fx's tracer has replaced ``torch.nn.Module.__call__`` process-wide
+    with a pass-through wrapper: a resident graph called then checks nothing of it and
+    compiles nothing again."""
+    model, reference = models
+    counted = Counted()
+    runner = StaticModelRunner(model, config(), compile_counter=counted)
+    layout = BatchLayout.from_lens([9, 11])
+    ids = token_ids(layout, 0)
+    runner.run(ids, layout, MaskMode.VARLEN)
+    call = torch.nn.Module.__call__
+
+    def module_call_wrapper(mod, *args, **kwargs):  # as torch.fx.Tracer.trace installs it
+        return call(mod, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", module_call_wrapper)
+    got = runner.run(ids, layout, MaskMode.VARLEN)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, eager_logits(reference, ids, layout), rtol=0, atol=1e-5)
+    assert counted.n == runner.stats().cache.compiles == 1

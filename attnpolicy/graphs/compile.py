@@ -243,6 +243,7 @@ def compile_graph(
     *,
     counter: Callable[[torch.fx.GraphModule], None] | None = None,
     example_inputs: tuple[Any, ...] | None = None,
+    guards: bool = True,
 ) -> CompiledGraph:
     """Compile a private copy of ``fn`` with ``backend`` (``dynamic=False, fullgraph=True``).
 
@@ -254,6 +255,14 @@ def compile_graph(
     ``counter(graph_module)`` is called on every backend compile of this graph
     (a re-compile after :func:`release_graph` included). Backend ``"none"`` returns
     the plain function; nothing is compiled and ``counter`` is never called.
+
+    ``guards=False`` drops Dynamo's guards (``torch.compiler.skip_all_guards_unsafe``,
+    as for graphs compiled ahead of time): every call runs this compile, checking
+    nothing. For a caller whose key pins what the guards check, and that calls the
+    graph while another thread may compile: guards read process-global state that
+    torch changes while any thread traces (``torch.fx`` replaces ``torch.nn.Module.__call__``
+    for the length of a trace, and a module's graph guards on its code), so a call
+    checked then fails its guards and compiles again.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -265,7 +274,9 @@ def compile_graph(
         return graph
     fresh = _fresh_copy(fn)
     box = _Capture()
-    compiled = torch.compile(fresh, backend=_capturing(backend, counter, box), dynamic=False, fullgraph=True)
+    options = None if guards else {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    compiled = torch.compile(fresh, backend=_capturing(backend, counter, box), dynamic=False, fullgraph=True,
+                             options=options)
     graph = CompiledGraph(compiled, _code_of(fresh), backend)
     graph._capture = box
     if example_inputs is not None:

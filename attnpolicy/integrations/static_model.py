@@ -435,8 +435,10 @@ class StaticModelRunner:
         if self.store is None or not self._stored(key):
             if self.store is not None and key.backend != "none":
                 self.store.refuse(f"model {type(self.model).__name__}", self._unstored)
+            # no guards, as a stored graph: its key pins what they check, and a check made
+            # while the background worker (or any thread) traces fails (see compile_graph)
             return compile_graph(self.forward(key), self.config.backend, counter=self._counter,
-                                 example_inputs=inputs)
+                                 example_inputs=inputs, guards=False)
         fn = _FORWARDS[key.mode]
         with torch.no_grad(), compile_lock():
             compiled = aot.aot_compile_graph(fn, key.backend, (*self._bound(key), *inputs))
