@@ -13,6 +13,7 @@ from reference import reference_for
 from strategies import layouts, qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.dispatch import background, graph_source
 from attnpolicy.errors import ConfigError, GraphCompileError, StrictModeError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.execute import graph_fn
@@ -33,9 +34,35 @@ def _uncompiled(call, key, spec):
     return graph_fn(call, key.impl, spec.scale, None)
 
 
-def _slow(seconds):
+class ThreadClock:
+    """``perf_counter`` of the dispatcher's modules in these tests: each thread's clock
+    moves only by the builds that thread runs, so every measured second is exact."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self) -> float:
+        return getattr(self._local, "now", 0.0)
+
+    def advance(self, seconds: float) -> None:
+        self._local.now = self() + seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = ThreadClock()
+    for module in (graph_source, background):
+        monkeypatch.setattr(module, "perf_counter", fake)
+    return fake
+
+
+def _slow(seconds, clock, *, wall=False):
+    """A build that takes ``seconds`` on ``clock``; ``wall``: as long in wall time too
+    (a slow worker: what it changes must be nothing)."""
     def build(call, key, spec):
-        time.sleep(seconds)
+        if wall:
+            time.sleep(seconds)
+        clock.advance(seconds)
         return _uncompiled(call, key, spec)
     return build
 
@@ -99,9 +126,9 @@ def _trace(builder, switch_after=2, rounds=2):
         return out, d.stats()
 
 
-def test_switches_are_deterministic_whatever_the_compile_speed():
+def test_switches_are_deterministic_whatever_the_compile_speed(clock):
     fast, fast_stats = _trace(_uncompiled)
-    slow, slow_stats = _trace(_slow(0.05))
+    slow, slow_stats = _trace(_slow(0.05, clock, wall=True))
     assert fast == slow
     assert fast_stats.background.pad_up_calls > 0 and fast_stats.background.switched > 0
     assert slow_stats.background.switched == fast_stats.background.switched
@@ -114,19 +141,20 @@ def test_switches_are_deterministic_whatever_the_compile_speed():
         assert due == batch + 2
     # the same graphs at every batch: each slow compile was waited for at its switch point
     # (how long that wait was depends on the machine: not asserted); its seconds are the worker's
-    assert slow_stats.background.compile_seconds >= 0.05 * slow_stats.background.switched
+    assert fast_stats.background.compile_seconds == 0.0
+    assert slow_stats.background.compile_seconds == pytest.approx(0.05 * slow_stats.background.switched)
 
 
-def test_sync_compiles_stall_their_batch():
+def test_sync_compiles_stall_their_batch(clock):
     cfg = AttnPolicyConfig(backend="eager", max_seq_len=256)
     before = frozenset(_workers())
-    d = Dispatcher(cfg, builder=_slow(0.02))
+    d = Dispatcher(cfg, builder=_slow(0.02, clock))
     for layout in [BatchLayout.from_lens([20]), BatchLayout.from_lens([20]), BatchLayout.from_lens([20, 100]),
                    BatchLayout.from_lens([30])]:
         d.prepare(layout, SPEC)
     stalls = d.stats().stalls
     assert (stalls.batches, stalls.stalled) == (4, 2)  # batches 1 and 3 compiled
-    assert stalls.max >= 0.02 and stalls.seconds >= 0.04
+    assert stalls.max == pytest.approx(0.02) and stalls.seconds == pytest.approx(0.04)
     assert stalls.p99 == stalls.max and stalls.p50 == 0.0
     assert d.stats().background.requested == 0 and not _workers(before)
 
@@ -191,12 +219,22 @@ def test_strict_mode_counts_a_background_compile_after_warmup():
 
 def test_close_shuts_the_worker_down_and_drops_pending_compiles():
     cfg = AttnPolicyConfig(backend="eager", max_seq_len=256, compile_mode="background", switch_after=50)
+    started, release = threading.Event(), threading.Event()
+
+    def held(call, key, spec):  # the worker's first compile is in flight, the others queued
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            assert release.wait(120)  # the bound only turns a hang into a failure
+        return _uncompiled(call, key, spec)
+
     before = frozenset(_workers())
-    d = Dispatcher(cfg, builder=_slow(0.05), cost_model=PRICEY)
+    d = Dispatcher(cfg, builder=held, cost_model=PRICEY)
     d.warmup([BatchLayout.from_lens([256])], SPEC)
     for n in (20, 40, 70):
         d.prepare(BatchLayout.from_lens([n]), SPEC)
+    assert started.wait(120)
     assert len(d.pending()) == 3 and len(_workers(before)) == 1
+    release.set()
     d.close()  # joins the worker
     assert not d.pending() and not _workers(before)
     assert d.stats().background.pending == 0
