@@ -274,7 +274,8 @@ def compile_graph(
         return graph
     fresh = _fresh_copy(fn)
     box = _Capture()
-    options = None if guards else {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+        None if guards else {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
     compiled = torch.compile(fresh, backend=_capturing(backend, counter, box), dynamic=False, fullgraph=True,
                              options=options)
     graph = CompiledGraph(compiled, _code_of(fresh), backend)
