@@ -309,10 +309,21 @@ LIST_POLICIES = (
     "print(json.dumps({'policies': {n: i.plugin for n, i in policy_registry().items()}, "
     "'failed': sorted(failed_plugins())}))"
 )
+#: ``attnpolicy`` policy commands run one after the other in one process (one import of torch):
+#: argv[1] is a JSON list of argument lists; prints a JSON list of {status, stdout, stderr}.
 RUN_CLI = (
-    "import argparse, sys; from attnpolicy.cli.policies import register; "
-    "p = argparse.ArgumentParser(prog='attnpolicy'); register(p.add_subparsers(required=True)); "
-    "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+    "import argparse, contextlib, io, json, sys; from attnpolicy.cli.policies import register\n"
+    "def run(argv):\n"
+    "    p = argparse.ArgumentParser(prog='attnpolicy'); register(p.add_subparsers(required=True))\n"
+    "    out, err = io.StringIO(), io.StringIO()\n"
+    "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+    "        try:\n"
+    "            a = p.parse_args(argv)\n"
+    "            status = a.func(a)\n"
+    "        except SystemExit as exc:\n"
+    "            status = exc.code\n"
+    "    return {'status': status, 'stdout': out.getvalue(), 'stderr': err.getvalue()}\n"
+    "print(json.dumps([run(argv) for argv in json.loads(sys.argv[1])]))"
 )
 
 
@@ -425,20 +436,20 @@ def test_example_package_installs_and_is_used(tmp_path):
          "--target", str(target), str(src)],
         check=True, capture_output=True, text=True, timeout=300,
     )
-    rows = listed(run_python(RUN_CLI, target, args=["policies", "--json"]))
+    decide = ["decide", "--policy", "length-threshold", "--seq-lens", "100,200", "--json"]
+    ran = listed(run_python(RUN_CLI, target, args=[json.dumps([
+        ["policies", "--json"], decide, [*decide, "--option", "threshold=150"],
+        ["decide", "--policy", "length-threshold", "--seq-lens", "8", "--option", "threshold=0"]])]))
+    (listing, default, lower, bad) = ran
+    for good in (listing, default, lower):
+        assert good["status"] == 0, good["stderr"]
+    rows = json.loads(listing["stdout"])
     row = rows[[r["name"] for r in rows].index("length-threshold")]
     assert (row["plugin"], row["options"]) == ("length-threshold", {"threshold": 512})
-
-    def decide(*extra):
-        return listed(run_python(RUN_CLI, target, args=[
-            "decide", "--policy", "length-threshold", "--seq-lens", "100,200", "--json", *extra]))
-
-    assert decide() == {"policy": "length-threshold", "mode": "mask",
-                        "reason": "longest sequence < 512 tokens", "fell_back": False}
-    assert decide("--option", "threshold=150")["mode"] == "varlen"
-    bad = run_python(RUN_CLI, target, args=["decide", "--policy", "length-threshold",
-                                            "--seq-lens", "8", "--option", "threshold=0"])
-    assert bad.returncode == 2 and "threshold" in bad.stderr
+    assert json.loads(default["stdout"]) == {"policy": "length-threshold", "mode": "mask",
+                                             "reason": "longest sequence < 512 tokens", "fell_back": False}
+    assert json.loads(lower["stdout"])["mode"] == "varlen"
+    assert bad["status"] == 2 and "threshold" in bad["stderr"]
     assert "length-threshold" not in listed(run_python(LIST_POLICIES, target, load_plugins=""))["policies"]
 
 

@@ -43,19 +43,34 @@ MODEL = ["--model", "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=12
          "--model-lengths", "16,128", "--model-backend", "aot_eager"]
 
 
+#: The report the tests read: ``REQUESTS`` under ``FORMER`` (the 300-token prompt is chunked), a cost
+#: model calibrated on the smallest grid of every shape kind. Real compute (the validation, the
+#: calibration) runs on short sequences: on the default trace the first request alone is 3724 tokens.
+SMALL_WORKLOAD = ["--max-num-seqs", str(FORMER["max_num_seqs"]),
+                  "--max-num-batched-tokens", str(FORMER["max_num_batched_tokens"]), "--calibrate-sizes", "16,64"]
+
+
+def _trace(path):
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:{r.arrival:010.7f},{r.prompt_tokens},{r.output_tokens}\n" for r in REQUESTS))
+    return path
+
+
 @pytest.fixture(scope="module")
 def small_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
+    trace = _trace(out.parent / "trace.csv")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["report", "--out", str(out), *SMALL, *MODEL]) == 0
+        assert main(["report", "--out", str(out), "--trace", str(trace), *SMALL, *SMALL_WORKLOAD, *MODEL]) == 0
     return out, json.loads((out / "report.json").read_text()), " ".join(printed.getvalue().split())
 
 
 def test_first_40_lines_hold_the_answer_and_agree_with_the_json(small_report):
     out, data, _ = small_report
     rec = data["recommendation"]
-    assert data["cost_model_source"].startswith("calibrated now on this machine")  # the default
+    assert data["cost_model_source"].startswith("calibrated now on this machine (sizes 16,64, ")  # the default
+    assert data["workload"]["requests"] == len(REQUESTS) and data["workload"]["former"]["max_num_seqs"] == 3
     top = "\n".join((out / "report.md").read_text().splitlines()[:40])
     assert f"| policy | `{rec['policy']}` |" in top
     assert f"| buckets | {sizes_text(rec['buckets'], ', ')} |" in top
@@ -367,6 +382,12 @@ def test_explain_says_why_the_recommendation_is_not_the_fastest_or_the_leanest_r
                       f"its planned buckets beat every swept scheme; it holds less: 1 MiB of graphs at peak "
                       f"(2 held, 5 compiled) against the leanest row's {human_bytes(leanest.peak_bytes)} "
                       f"({leanest.peak_graphs} held, {leanest.distinct_keys} compiled).")
+
+
+def test_report_refuses_a_calibration_size_off_pow2_before_any_work(capsys, tmp_path):
+    assert main(["report", "--out", str(tmp_path / "r"), *SMALL, "--calibrate-sizes", "16,48"]) == 2
+    assert "argument --calibrate-sizes: must be one or more powers of two, got 16,48" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_report_refuses_a_sweep_without_a_live_eviction_before_any_work(capsys, tmp_path):

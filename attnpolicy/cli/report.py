@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,8 @@ WIDTH = 160
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
          "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets",
-         "model": "--model", "model_lengths": "--model-lengths", "model_backend": "--model-backend"}
+         "model": "--model", "model_lengths": "--model-lengths", "model_backend": "--model-backend",
+         "sizes": "--calibrate-sizes"}
 
 
 def register(subparsers: Any) -> None:
@@ -62,6 +65,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=d.calibrate,
                    help="calibrate a cost model on this machine now, a small grid; --no-calibrate uses the "
                         "built-in model; ignored with --cost-model (default: on)")
+    p.add_argument("--calibrate-sizes", type=int_list, default=d.calibration.sizes, metavar="N[,N...]",
+                   help="the pow2 bucket sizes of that grid, e.g. 16,64 for a quick look "
+                        f"(default: {shown(d.calibration.sizes)})")
     p.add_argument("--bench-lengths", type=int_list, default=d.bench.lengths, metavar="L[,L...]",
                    help=f"total lengths of the bench table (default: {shown(d.bench.lengths)})")
     p.add_argument("--bench-repeats", type=positive_int, default=d.bench.repeats, metavar="N",
@@ -97,11 +103,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     if model is not None and (warning := extrapolation(model, requests, former)) is not None:
         warn(warning)
     bench = settings(BenchSettings, FLAGS, lengths=tuple(args.bench_lengths), repeats=args.bench_repeats)
+    calibration = settings(partial(dataclasses.replace, ReportSettings().calibration), FLAGS,
+                           sizes=tuple(args.calibrate_sizes))
     s = settings(ReportSettings, FLAGS, out=Path(args.out), trace=args.trace, limit=args.limit,
                  policies=tuple(args.policies), capacities=tuple(args.capacities), evictions=tuple(args.evictions),
                  buckets=tuple(args.buckets) or ("pow2",), max_bytes=tuple(args.max_bytes or (None,)),
                  workers=args.workers,
-                 cost_model=args.cost_model, calibrate=args.calibrate, validate_requests=args.validate_requests,
+                 cost_model=args.cost_model, calibrate=args.calibrate, calibration=calibration,
+                 validate_requests=args.validate_requests,
                  plan_max_buckets=args.plan_max_buckets,
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  model=args.model, model_lengths=tuple(args.model_lengths), model_backend=args.model_backend,
