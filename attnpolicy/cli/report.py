@@ -129,6 +129,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     ran = describe_options(options)
     if ran:
         console.print(f"policy options: {ran}")
+    if data["cost_model_provenance"]["kind"] == "calibrated" and data["cost_model_provenance"]["file"] is None:
+        warn(f"the cost model was {data['cost_model_source']}")
     if (outside := data["outside_calibrated_range"]) and outside["outside"]:
         warn(OutsideRange(**outside).line())
     # the answer, on stdout; wide enough for the first screen's table to keep its cells whole
