@@ -21,3 +21,20 @@ def fresh_plugins(monkeypatch):
     reset_plugin_manager()
     yield
     reset_plugin_manager()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_calibration_cache(tmp_path_factory):
+    """Every test module has its own empty calibration cache, set before its module
+    fixtures run (they may calibrate): never the real home's."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("ATTNPOLICY_CACHE_DIR", str(tmp_path_factory.mktemp("calibration-cache")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def calibration_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test has its own empty calibration cache."""
+    path = tmp_path_factory.mktemp("calibration-cache")
+    monkeypatch.setenv("ATTNPOLICY_CACHE_DIR", str(path))
+    return path

@@ -19,11 +19,12 @@ from attnpolicy.cli import build_parser, main
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.modelling.simulation import extrapolation, simulation_config
+from attnpolicy.modelling.ranges import outside_range
+from attnpolicy.modelling.simulation import simulation_config
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.workloads.batching import BatchFormer
-from attnpolicy.workloads.traces import Request, load_trace
+from attnpolicy.workloads.traces import load_trace
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
@@ -258,7 +259,11 @@ def one_trace(tmp_path_factory):
 def test_every_command_forms_one_workload_by_default_and_prints_it_first(one_trace):
     trace, out, printed = one_trace
     batches = len(list(BatchFormer().steps(load_trace(str(trace)))))
-    firsts = {name: stdout.splitlines()[0] for name, (stdout, _) in printed.items()}
+    # the commands that price say their cost model first (run measures), then the workload
+    assert {name for name, (stdout, _) in printed.items() if stdout.startswith("cost model: built-in (")} == {
+        "simulate", "stalls", "plan", "report"}
+    firsts = {name: next(line for line in stdout.splitlines() if not line.startswith("cost model: "))
+              for name, (stdout, _) in printed.items()}
     assert set(firsts.values()) == {
         f"workload: {trace}: 13 requests (12 admitted, 1 rejected) → {batches} batches; batch former "
         "max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=8192, chunked_prefill=True"}, firsts
@@ -289,7 +294,7 @@ def test_a_rejected_request_is_warned_once_and_counted_in_every_output(one_trace
         assert "(12 admitted, 1 rejected)" in (out / path).read_text() and REJECTED in (out / path).read_text()
     top = "\n".join((out / "report" / "report.md").read_text().splitlines()[:6])
     assert "(12 admitted, 1 rejected)" in top and f"WARNING: {REJECTED}" in top
-    assert "(12 admitted, 1 rejected)" in printed["report"][0].splitlines()[0]
+    assert "(12 admitted, 1 rejected)" in printed["report"][0].splitlines()[1]
 
 
 def test_a_configs_warm_set_neither_crashes_nor_changes_a_sweep_under_other_buckets(tmp_path, capsys):
@@ -521,18 +526,29 @@ def test_run_check_prints_pass_against_its_tolerance(capsys):
     assert "peak graph MiB" in out
 
 
-def test_simulate_warns_when_the_cost_model_is_extrapolated(tmp_path, capsys):
+def test_simulate_counts_the_batches_priced_outside_the_calibrated_range(tmp_path, capsys):
     model = CostModel.default()
-    short = model.model_copy(update={"samples": tuple(s for s in model.samples if s.cols <= 256)})
+    short = model.model_copy(update={"samples": tuple(s for s in model.samples if s.cols <= 2048)})
     path = short.save(tmp_path / "short.json")
+    out = tmp_path / "sim.json"
     assert main(["simulate", "--limit", "5", "--policies", "varlen", "--capacities", "inf", "--evictions", "lru",
-                 "--cost-model", str(path)]) == 0
+                 "--cost-model", str(path), "--json", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "attnpolicy: warning: the cost model was calibrated up to 256 tokens" in err
-    former = BatchFormer()
-    assert extrapolation(model, [Request(0.0, 4000, 10)], former) is None
-    assert extrapolation(short, [Request(0.0, 4000, 10)], former) is not None
-    assert extrapolation(short, [Request(0.0, 9000, 10)], former) is None  # rejected: never simulated
+    steps = list(BatchFormer().steps(load_trace("default", 5)))
+    sizes = [max(s.layout.total_tokens, s.layout.max_kv_len) for s in steps]
+    outside = sum(n > 2048 for n in sizes)
+    assert 0 < outside < len(steps)
+    line = (f"{outside} of {len(steps)} batches priced outside the calibrated range (sizes up to {max(sizes)} "
+            "tokens, calibrated to 2048 tokens)")
+    assert [x for x in err.splitlines() if "calibrated range" in x] == [
+        f"attnpolicy: warning: {line}: their seconds are extrapolated ('attnpolicy calibrate --max-len N' covers "
+        "longer batches)"]
+    assert json.loads(out.read_text())["outside_calibrated_range"] == {
+        "outside": outside, "batches": len(steps), "largest": f"{max(sizes)} tokens", "calibrated": "2048 tokens"}
+    assert outside_range(short, steps).line() == line
+    assert outside_range(model.model_copy(update={"samples": ()}), steps) is None  # range unknown
+    assert outside_range(model, [s for s in steps if max(s.layout.total_tokens, s.layout.max_kv_len) <= 4096]
+                         ).outside == 0
 
 
 def test_plot_of_capacities_that_tie(tmp_path, capsys):

@@ -15,9 +15,10 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.integrations.static_model import model_key_for
-from attnpolicy.modelling.model_costmodel import ModelCostModel, ModelDims, ModelFit, key_of
+from attnpolicy.modelling.model_costmodel import ModelCostModel, ModelDims, ModelFit, ModelSample, key_of
 from attnpolicy.modelling.model_simulation import model_config, model_layouts, simulate_model
 from attnpolicy.modelling.model_stalls import compare_model_stalls
+from attnpolicy.modelling.ranges import model_outside_range
 from attnpolicy.planning.model_plan import plan_model_graphs
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
@@ -201,3 +202,27 @@ def test_cli_stalls_with_a_model_cost_model(tmp_path):
         ("sync", 3, 4), ("background", 3, 4)]
     assert rows[0]["stall_seconds"] == pytest.approx(rows[0]["compile_seconds"])
     assert main(["stalls", "--model-cost", str(path), "--warm", "all", *flags]) == 2
+
+
+def test_model_batches_outside_the_calibrated_tokens_or_segments_are_counted(tmp_path, capsys):
+    sample = {"compile_seconds": 1.0, "run_seconds": 1e-3, "rss_bytes": 1, "estimate_bytes": 1}
+    model = synthetic().model_copy(update={"samples": (
+        ModelSample(mode="causal", segments=(24,), **sample), ModelSample(mode="varlen", segments=(12, 6), **sample))})
+    assert model.calibrated_range == (24, 2)
+    # 40 tokens, and three segments, are beyond what was calibrated; [12, 30] both
+    outside = model_outside_range(model, LAYOUTS)
+    assert (outside.outside, outside.batches) == (3, len(LAYOUTS))
+    assert outside.line() == ("3 of 9 batches priced outside the calibrated range (sizes up to 42 tokens and 3 "
+                              "segments, calibrated to 24 tokens and 2 segments)")
+    assert model_outside_range(synthetic(), LAYOUTS) is None  # no samples: the range is unknown
+    path = model.save(tmp_path / "m.json")
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--model-cost", str(path), "--capacities", "4", "--policies", "dynamic", "--limit", "5",
+                 "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.splitlines()[0] == f"cost model: {path} (--model-cost)"
+    data = json.loads(out.read_text())
+    assert data["cost_model_provenance"] == {"kind": "file", "file": str(path), "created": None}
+    line = [x for x in printed.err.splitlines() if "calibrated range" in x]
+    assert len(line) == 1 and line[0].startswith(f"attnpolicy: warning: {data['outside_calibrated_range']['outside']} "
+                                                 f"of {data['batches']} batches priced outside")

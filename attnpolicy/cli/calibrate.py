@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes, store_shapes
+from attnpolicy.bench.calibration_cache import cache_dir, store
 from attnpolicy.cli.common import (
     add_spec_args,
     check_output,
@@ -19,6 +20,7 @@ from attnpolicy.cli.common import (
     print_table,
     progress,
     settings,
+    warn,
     writing,
 )
 
@@ -88,6 +90,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         model = calibrate(s, advance)
     with writing("--out", args.out):
         path = model.save(args.out)
+    try:
+        kept = f"; kept for plan, simulate and stalls on this machine in {store(s, model).path}"
+    except OSError as exc:
+        kept = ""
+        warn(f"the calibration is not kept in the calibration cache {cache_dir()}: {exc.strerror or exc}")
     rows = []
     for x in model.samples:
         fit = getattr(model, x.what) if x.kind is None else getattr(model, x.what)[x.kind]
@@ -100,5 +107,5 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 ("what", "kind", "rows", "cols", "measured ms", "model ms", "model/measured"), rows,
                 caption="store_bytes: bytes on disk, not ms")
     console.print(f"dispatch overhead per call: {model.call_overhead_seconds * 1e6:.1f} µs; the first compile "
-                  f"in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); wrote {path}")
+                  f"in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); wrote {path}{kept}")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from attnpolicy.cli.common import (
     check_output,
@@ -34,6 +35,7 @@ from attnpolicy.modelling.model_simulation import (
     simulate_model,
 )
 from attnpolicy.modelling.model_stalls import ModelStallRow, compare_model_stalls
+from attnpolicy.modelling.ranges import model_outside_range
 from attnpolicy.planning.host_settings import host_settings
 from attnpolicy.planning.model_plan import plan_model_graphs
 from attnpolicy.workloads.batching import BatchFormer, Workload
@@ -74,22 +76,36 @@ def cmd_calibrate_model(args: argparse.Namespace, default_out: str) -> int:
 
 
 def load_model_cost(path: str) -> ModelCostModel:
+    """The model of --model-cost; an error names the flag."""
     try:
         return ModelCostModel.load(path)
     except ConfigError as exc:
         fail(f"argument --model-cost: {exc}")
 
 
+def flag_model_range(model: ModelCostModel, path: str, layouts: Sequence[BatchLayout]) -> dict[str, Any]:
+    """Warn (one line) when some of ``layouts`` are priced outside ``model``'s calibrated
+    range; returns the JSON fields of the cost model (provenance and that count)."""
+    outside = model_outside_range(model, layouts)
+    if outside is not None and outside.outside:
+        warn(f"{outside.line()}: their seconds are extrapolated ('attnpolicy calibrate --model SPEC --sizes' "
+             "covers larger graphs)")
+    return {"cost_model_provenance": {"kind": "file", "file": path, "created": None},
+            "outside_calibrated_range": None if outside is None else outside.to_json()}
+
+
 def model_workload(args: argparse.Namespace, former: BatchFormer) -> tuple[list[BatchLayout], Workload]:
     """The prefill-only batches ``former`` (``former_from(args, prefill_only=True)``)
-    makes of --trace/--limit, and what it made of the trace (printed, rejections
-    warned about)."""
+    makes of --trace/--limit, and what it made of the trace (printed after the line
+    naming --model-cost, when given; rejections warned about)."""
     try:
         requests = load_trace(args.trace, args.limit)
     except TraceError as exc:
         fail(f"argument --trace: {exc}")
     if not any(former.fits(r) for r in requests):
         fail(f"argument --trace: no request of {args.trace!r} fits --max-seq-len {former.max_model_len}")
+    if args.model_cost:
+        print(f"cost model: {args.model_cost} (--model-cost)")
     steps, w = formed(args, former, requests)
     return model_layouts(steps), w
 
@@ -124,6 +140,7 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
     former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)
     layouts, w = model_workload(args, former)
+    fields = flag_model_range(model, args.model_cost, layouts)
     schemes = args.buckets or ("pow2",)
     configs = []
     max_len, tokens = former.max_model_len, former.max_num_batched_tokens
@@ -140,16 +157,18 @@ def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ..
         fail(str(exc))
     print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                      f"({model.backend}, {model.clock} s)", rows)
-    return _write_rows(args, layouts, w, model, rows)
+    return _write_rows(args, layouts, w, model, rows, fields)
 
 
 def _write_rows(args: argparse.Namespace, layouts: list[BatchLayout], w: Workload, model: ModelCostModel,
-                rows: list[ModelSimRow] | list[ModelStallRow]) -> int:
-    """Write ``rows`` to --json, if given, with the workload and the model."""
+                rows: list[ModelSimRow] | list[ModelStallRow], fields: dict[str, Any]) -> int:
+    """Write ``rows`` to --json, if given, with the workload, the model and its ``fields``
+    (:func:`flag_model_range`)."""
     if args.json:
         with writing("--json", args.json):
             write_json(args.json, {"trace": args.trace, "limit": args.limit, "batches": len(layouts),
-                                   "workload": w.to_json(), "model": model.spec, "rows": [r.to_json() for r in rows]})
+                                   "workload": w.to_json(), "model": model.spec, **fields,
+                                   "rows": [r.to_json() for r in rows]})
     return 0
 
 
@@ -166,6 +185,7 @@ def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...]
     former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)
     layouts, w = model_workload(args, former)
+    priced = flag_model_range(model, args.model_cost, layouts)
     fields = {} if args.switch_after is None else {"switch_after": args.switch_after}
     try:
         configs = [model_config(model, former.max_model_len, former.max_num_batched_tokens, policy=policy,
@@ -176,7 +196,7 @@ def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...]
         fail(str(exc))
     print_model_stalls(f"modelled {len(layouts)} model-graph batches of {args.trace}, {model.spec} "
                        f"({model.backend}), switch_after={rows[0].switch_after}", rows)
-    return _write_rows(args, layouts, w, model, rows)
+    return _write_rows(args, layouts, w, model, rows, priced)
 
 
 def print_model_stalls(title: str, rows: list[ModelStallRow]) -> None:
@@ -195,6 +215,7 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
     former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)
     layouts, w = model_workload(args, former)
+    fields = flag_model_range(model, args.model_cost, layouts)
     evictions = [e for e in args.evictions if e != "belady"]
     try:
         base = model_config(model, former.max_model_len, former.max_num_batched_tokens,
@@ -209,7 +230,7 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
     with writing("--out", out):
         plan.config.save(out)
         write_json(out / "plan.json", {"source": source, "model": model.spec, "batches": len(layouts),
-                                       "rejected": w.rejected, "workload": w.to_json(),
+                                       "rejected": w.rejected, "workload": w.to_json(), **fields,
                                        **plan.to_json()})
         write_host_settings(out, [layout.q_tokens for layout in layouts], plan.chosen.buckets, plan.config,
                             former.max_num_batched_tokens, args.max_buckets)

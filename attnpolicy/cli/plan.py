@@ -30,7 +30,9 @@ from attnpolicy.cli.common import (
 from attnpolicy.cli.model_graphs import write_host_settings
 from attnpolicy.cli.simulate import (
     add_store_args,
-    cost_model,
+    flag_range,
+    priced,
+    provenance_json,
     with_store,
     workload,
 )
@@ -39,7 +41,6 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import check_model, simulation_config
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
@@ -96,7 +97,8 @@ def register(subparsers: Any) -> None:
                    help="planned buckets are multiples of N, or max_seq_len (max_batch_tokens for a MASK call's "
                         f"packed rows) where that is smaller (default: {ALIGN})")
     p.add_argument("--cost-model", metavar="PATH",
-                   help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+                   help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
+                        "else the built-in one)")
     p.add_argument("--model-cost", metavar="PATH",
                    help="plan whole-model graphs with a model cost model from 'attnpolicy calibrate --model' "
                         "(prefill-only batches) (default: none, attention-call graphs)")
@@ -128,7 +130,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         return cmd_plan_model(args, POLICIES)
     check_output("--out", args.out, directory=True)
-    model = cost_model(args) or CostModel.default()
+    model, provenance = priced(args)
     check_evictions("--evictions", args.evictions, simulation=False)
     if args.layouts:
         try:
@@ -151,8 +153,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.layouts:
         steps = run.layouts
         check_step_budget(steps, former_options(args)["max_num_batched_tokens"])
+        print(provenance.line())
     else:
-        steps, w = formed(args, former, workload(args, former))
+        requests = workload(args, former)
+        print(provenance.line())
+        steps, w = formed(args, former, requests)
+    outside = flag_range(model, steps)
     try:
         with progress(None, "plan") as advance:
             plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
@@ -167,7 +173,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with writing("--out", out):
         plan.config.save(out)
         write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
-                                       **({"workload": w.to_json()} if w else {}), **plan.to_json()})
+                                       **({"workload": w.to_json()} if w else {}),
+                                       **provenance_json(provenance, outside), **plan.to_json()})
         write_text_atomic(out / "plan.md", plan_markdown(plan, source, w))
         write_host_settings(out, [layout.q_tokens for layout in layouts_of(steps)], plan.chosen.buckets,
                             plan.config, former_options(args)["max_num_batched_tokens"], args.max_buckets)

@@ -16,11 +16,10 @@ from attnpolicy.cli.common import (
     writing,
 )
 from attnpolicy.cli.plan import check_plannable, print_plan, seconds
-from attnpolicy.cli.simulate import cost_model
+from attnpolicy.cli.simulate import flag_range, priced, provenance_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.planning.graph_set import plan_markdown
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, measure_drift, switch_set
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
@@ -41,14 +40,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--policies", type=str_list, default=None, metavar="P[,P...]",
                    help="stateless policies the refit may choose (default: the config's policy)")
     p.add_argument("--cost-model", metavar="PATH",
-                   help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+                   help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
+                        "else the built-in one)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where to write replan.json, and the refit plan when it drifted (required)")
 
 
 def cmd_replan(args: argparse.Namespace) -> int:
     check_output("--out", args.out, directory=True)
-    model = cost_model(args) or CostModel.default()
+    model, provenance = priced(args)
     try:
         current = AttnPolicyConfig.load(args.config)
     except ConfigError as exc:
@@ -60,6 +60,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
     check_plannable("--config", [current.policy], current)
     check_plannable("--policies", args.policies or [], current)
     steps = run.layouts[-args.window:] if args.window else run.layouts
+    outside = flag_range(model, steps)
     differs = [name for name in type(current).model_fields if getattr(run.config, name) != getattr(current, name)]
     if differs:
         warn(f"the layout stream was recorded under a config that differs from --config in {', '.join(differs)}: "
@@ -75,10 +76,11 @@ def cmd_replan(args: argparse.Namespace) -> int:
     with writing("--out", out):
         write_json(out / "replan.json", {
             "source": source, "recorded_config_differs": differs, "steps": len(steps), "drift": drift.drift,
-            "threshold": drift.threshold,
+            "threshold": drift.threshold, **provenance_json(provenance, outside),
             "replan": drift.replan, "current_total_seconds": drift.current.total_seconds,
             "refit_total_seconds": drift.refit.chosen.row.total_seconds,
             "switch": [w.model_dump(mode="json") for w in switch]})
+    print(provenance.line())
     print(f"drift {drift.drift:.4f} (current {drift.current.total_seconds:.4g} s, refit "
           f"{drift.refit.chosen.row.total_seconds:.4g} s modelled on {len(steps)} steps; threshold {drift.threshold})")
     if drift.replan:

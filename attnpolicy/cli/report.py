@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.markdown import Markdown
 
+from attnpolicy.bench.calibration_cache import entry_path
 from attnpolicy.bench.mode_timing import BenchSettings
 from attnpolicy.cli.common import (
     add_workload_args,
@@ -21,6 +22,7 @@ from attnpolicy.cli.common import (
     command,
     console,
     describe_options,
+    fail,
     formed,
     former_from,
     former_options,
@@ -35,9 +37,11 @@ from attnpolicy.cli.common import (
     warn,
     writing,
 )
-from attnpolicy.cli.simulate import add_sweep_args, cost_model, sweep_size, workload
-from attnpolicy.modelling.simulation import extrapolation
+from attnpolicy.cli.simulate import add_sweep_args, sweep_size, workload
+from attnpolicy.errors import ConfigError
+from attnpolicy.modelling.ranges import OutsideRange
 from attnpolicy.report import ReportSettings, make_report
+from attnpolicy.report.build import known_model
 from attnpolicy.report.markdown import first_screen
 
 #: The least width the first screen is printed at (a pipe's default, 80, splits the table's cells).
@@ -61,10 +65,12 @@ def register(subparsers: Any) -> None:
     add_workload_args(p)
     add_sweep_args(p, d.policies, d.capacities, d.evictions, d.buckets)
     p.add_argument("--cost-model", default=None, metavar="PATH",
-                   help="a cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+                   help="a cost model JSON from 'attnpolicy calibrate' (default: calibrated on this machine, "
+                        "see --calibrate)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=d.calibrate,
-                   help="calibrate a cost model on this machine now, a small grid; --no-calibrate uses the "
-                        "built-in model; ignored with --cost-model (default: on)")
+                   help="calibrate a cost model on this machine, a small grid, reused from the calibration cache "
+                        "when it holds one (else kept there); --no-calibrate uses the built-in model; ignored with "
+                        "--cost-model (default: on)")
     p.add_argument("--calibrate-sizes", type=int_list, default=d.calibration.sizes, metavar="N[,N...]",
                    help="the pow2 bucket sizes of that grid, e.g. 16,64 for a quick look "
                         f"(default: {shown(d.calibration.sizes)})")
@@ -98,10 +104,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     former = former_from(args)
     options = policy_options(args, "--policies", args.policies)
     check_evictions("--evictions", args.evictions, simulation=True)
-    model = cost_model(args)
     requests = workload(args, former)
-    if model is not None and (warning := extrapolation(model, requests, former)) is not None:
-        warn(warning)
     bench = settings(BenchSettings, FLAGS, lengths=tuple(args.bench_lengths), repeats=args.bench_repeats)
     calibration = settings(partial(dataclasses.replace, ReportSettings().calibration), FLAGS,
                            sizes=tuple(args.calibrate_sizes))
@@ -115,13 +118,19 @@ def cmd_report(args: argparse.Namespace) -> int:
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  model=args.model, model_lengths=tuple(args.model_lengths), model_backend=args.model_backend,
                  bench=bench, former=former_options(args), policy_options=options)
+    try:
+        known = known_model(s, warn)
+    except ConfigError as exc:
+        fail(f"argument --cost-model: {exc}")
+    print(known[1].line() if known else
+          f"cost model: calibrated now on this machine, kept in {entry_path(s.calibration)}")
     formed(args, former, requests)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
              + (len(s.model_lengths) if s.model else 0)
              + len(s.validated_policies) + int(s.calibrates) + 1)
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance, writing("--out", s.out):  # report.md, plots, the config
-        data = make_report(s, command_line, advance, requests)
+        data = make_report(s, command_line, advance, requests, known)
     console.print(f"wrote {s.out / 'report.md'}, {s.out / 'report.json'}, "
                   f"{', '.join(str(s.out / p['file']) for p in data['plots'])} and the config "
                   f"{data['recommendation']['config_dir']} in {data['seconds']:.0f} s "
@@ -129,6 +138,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     ran = describe_options(options)
     if ran:
         console.print(f"policy options: {ran}")
+    if data["cost_model_provenance"]["kind"] == "calibrated" and data["cost_model_provenance"]["file"] is None:
+        warn(f"the cost model was {data['cost_model_source']}")
+    if (outside := data["outside_calibrated_range"]) and outside["outside"]:
+        warn(OutsideRange(**outside).line())
     # the answer, on stdout; wide enough for the first screen's table to keep its cells whole
     Console(width=max(Console().width, WIDTH)).print(Markdown("\n".join(first_screen(data))))
     return 0

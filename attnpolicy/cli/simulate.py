@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
+from attnpolicy.bench.calibration import CalibrationSettings
+from attnpolicy.bench.calibration_cache import Provenance, resolve
 from attnpolicy.cli.common import (
     MIB,
     add_capacities_arg,
@@ -31,20 +34,21 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
+from attnpolicy.modelling.ranges import OutsideRange, outside_range
 from attnpolicy.modelling.simulation import (
     SimRow,
     check_model,
-    extrapolation,
     lower_bounds,
     simulate_layouts,
     simulate_run,
     simulation_config,
 )
 from attnpolicy.report.plots import plot_sweep
-from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.batching import BatchFormer, Step
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
 from attnpolicy.workloads.traces import Request, TraceError, load_trace
 
@@ -65,7 +69,8 @@ def register(subparsers: Any) -> None:
     add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS, ())
     add_store_args(s)
     s.add_argument("--cost-model", metavar="PATH",
-                   help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+                   help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
+                        "else the built-in one)")
     s.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config; its policy_options apply to its own policy only "
                         "(default: derived from the cost model and the batch former)")
@@ -148,12 +153,41 @@ def schemes(args: argparse.Namespace, base: AttnPolicyConfig) -> list[BucketSche
         fail(f"argument --buckets: {exc}")
 
 
-def cost_model(args: argparse.Namespace) -> CostModel | None:
-    """The model of --cost-model (``None`` without it); an error names the flag."""
+def priced(args: argparse.Namespace) -> tuple[CostModel, Provenance]:
+    """The cost model of a run and where it comes from: the file of --cost-model (an
+    error names the flag), else this machine's newest cached calibration for the
+    backend and impl of --config (default: a calibration's), else the built-in model.
+    The command prints ``provenance.line()`` first, once its arguments are checked."""
+    d = CalibrationSettings()
+    backend, impl = d.backend, d.impl
+    if getattr(args, "config", None):
+        try:
+            config = AttnPolicyConfig.load(args.config)
+            backend, impl = config.backend, config.attn_impl or impl
+        except ConfigError:
+            pass  # the command reads --config itself and says what is wrong with it
     try:
-        return CostModel.load(args.cost_model) if args.cost_model else None
+        model, provenance = resolve(args.cost_model, backend, impl, warn)
     except ConfigError as exc:
         fail(f"argument --cost-model: {exc}")
+    return model, provenance
+
+
+def flag_range(model: CostModel, steps: Sequence[Step | BatchLayout]) -> OutsideRange | None:
+    """Warn (one line) when some of ``steps`` are priced outside ``model``'s calibrated
+    range; returns the count (``None``: the range is unknown)."""
+    outside = outside_range(model, steps)
+    if outside is not None and outside.outside:
+        warn(f"{outside.line()}: their seconds are extrapolated ('attnpolicy calibrate --max-len N' covers "
+             "longer batches)")
+    return outside
+
+
+def provenance_json(provenance: Provenance, outside: OutsideRange | None) -> dict[str, Any]:
+    """The --json fields of the cost model: where it comes from and the batches it
+    priced outside its calibrated range."""
+    return {"cost_model_provenance": provenance.to_json(),
+            "outside_calibrated_range": None if outside is None else outside.to_json()}
 
 
 def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
@@ -187,9 +221,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return cmd_simulate_model(args, POLICIES)
     check_output("--json", args.json)
     check_output("--plot", args.plot)
-    model = cost_model(args) or CostModel.default()
+    model, provenance = priced(args)
     if args.layouts:
-        return simulate_recorded(args, model)
+        return simulate_recorded(args, model, provenance)
     if args.strict:
         fail("argument --strict: compares a replay with its recording, it needs --layouts")
     former = former_from(args)
@@ -200,9 +234,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_model(base, model)
     buckets = schemes(args, base)
     requests = workload(args, former)
+    print(provenance.line())
     steps, w = formed(args, former, requests)
-    if (warning := extrapolation(model, requests, former)) is not None:
-        warn(warning)
+    outside = flag_range(model, steps)
     note_warmup(base, f"--config {args.config}")
     with progress(sweep_size(args), "simulate") as advance:
         rows = simulate_layouts(steps, args.policies, args.capacities, args.evictions, base, model,
@@ -215,6 +249,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         with writing("--json", args.json):
             write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
                                    "workload": w.to_json(), "config": base.model_dump(mode="json"),
+                                   **provenance_json(provenance, outside),
                                    "policy_options": options, "rows": [r.to_json() for r in rows]})
     if args.plot:
         with writing("--plot", args.plot):
@@ -222,7 +257,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
+def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Provenance) -> int:
     """``simulate --layouts FILE``: replay one recorded run (see docs/vllm.md) and say
     whether the row under the recorded config reproduces the recorded counters."""
     try:
@@ -239,6 +274,8 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
     why_not = _why_no_recorded_row(args, run.config, options)
     if args.strict and why_not:
         fail(f"argument --strict: the sweep has no row under the recorded config ({recorded_row}): {why_not}")
+    print(provenance.line())
+    outside = flag_range(model, run.layouts)
     with progress(sweep_size(args), "simulate") as advance:
         rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance, options,
                             buckets=schemes(args, base), max_bytes=args.max_bytes, workers=args.workers,
@@ -263,7 +300,7 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel) -> int:
         with writing("--json", args.json):
             write_json(args.json, {"layouts": args.layouts, "run": run.run, "steps": len(run.steps),
                                    "recorded_misses": run.misses, "recorded": run.recorded, "reproduced": reproduced,
-                                   "config": base.model_dump(mode="json"),
+                                   "config": base.model_dump(mode="json"), **provenance_json(provenance, outside),
                                    "policy_options": options, "rows": [r.to_json() for r in rows]})
     return 1 if args.strict and not reproduced else 0
 

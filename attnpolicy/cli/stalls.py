@@ -25,14 +25,15 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.cli.simulate import (
     add_store_args,
-    cost_model,
+    flag_range,
+    priced,
+    provenance_json,
     with_store,
     workload,
 )
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import check_model, simulation_config
 from attnpolicy.modelling.stalls import StallRow, compare_stalls, stall_configs, warm_layouts
 
@@ -57,7 +58,8 @@ def register(subparsers: Any) -> None:
                    help="batches from a background compile's request to its switch into the cache "
                         "(default: the config's switch_after)")
     s.add_argument("--cost-model", metavar="PATH",
-                   help="cost model JSON from 'attnpolicy calibrate' (default: the built-in one)")
+                   help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
+                        "else the built-in one)")
     s.add_argument("--model-cost", metavar="PATH",
                    help="model stalls on whole-model graphs with a model cost model from 'attnpolicy calibrate "
                         "--model', prefill-only batches (default: attention graphs)")
@@ -74,7 +76,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
 
         return cmd_stalls_model(args, POLICIES, WARM)
     check_output("--json", args.json)
-    model = cost_model(args) or CostModel.default()
+    model, provenance = priced(args)
     former = former_from(args)
     base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
     check_model(base, model)
@@ -89,7 +91,9 @@ def cmd_stalls(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         fail(f"argument --capacities: {exc}" + (f" (the config of --config {args.config})" if args.config else ""))
     requests = workload(args, former)
+    print(provenance.line())
     steps, w = formed(args, former, requests)
+    outside = flag_range(model, steps)
     total = len(args.policies) * len(args.capacities) * len(args.warm) * 2
     with progress(total, "stalls") as advance:
         rows = compare_stalls(steps, base, args.policies, args.capacities, args.warm, args.switch_after, model,
@@ -101,7 +105,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
         with writing("--json", args.json):
             write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
                                    "workload": w.to_json(), "config": base.model_dump(mode="json"),
-                                   "rows": [r.to_json() for r in rows]})
+                                   **provenance_json(provenance, outside), "rows": [r.to_json() for r in rows]})
     return 0
 
 

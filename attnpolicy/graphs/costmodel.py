@@ -179,6 +179,13 @@ class CostModel(BaseModel):
         """The tensor spec the model was calibrated with."""
         return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
 
+    @property
+    def calibrated_len(self) -> int | None:
+        """The largest length the run fits were calibrated on (the run samples' largest
+        bucket, rows or columns); longer calls are extrapolated. ``None``: a model
+        without samples, whose range is unknown."""
+        return max((max(x.rows, x.cols) for x in self.samples if x.what == "run"), default=None)
+
     # -- predictions -------------------------------------------------------------------
     def call_seconds(self, family: GraphFamily, q_len: int, kv_len: int) -> float:
         """Seconds of one call of graph ``family`` on a padded ``q_len × kv_len`` shape."""

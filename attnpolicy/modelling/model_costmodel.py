@@ -138,6 +138,14 @@ class ModelCostModel(BaseModel):
     warmup_seconds: NonNegative = 0.0
     samples: tuple[ModelSample, ...] = ()
 
+    @property
+    def calibrated_range(self) -> tuple[int, int] | None:
+        """The most tokens and the most segments of a calibrated graph; larger graphs are
+        extrapolated. ``None``: a model without samples, whose range is unknown."""
+        if not self.samples:
+            return None
+        return max(sum(x.segments) for x in self.samples), max(len(x.segments) for x in self.samples)
+
     def compile_seconds(self, key: ModelKey) -> float:
         """Seconds to build the graph of ``key`` (compile and first run)."""
         return self.compile[key.mode.value](key)

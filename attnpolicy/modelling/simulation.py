@@ -315,18 +315,6 @@ def lower_bounds(rows: Sequence[SimRow]) -> list[PolicyBound]:
     return out
 
 
-def extrapolation(model: CostModel, requests: Sequence[Request], former: BatchFormer) -> str | None:
-    """A warning when the longest admitted request is more than twice the longest
-    length ``model`` was calibrated on (its seconds are then extrapolated), else ``None``."""
-    measured = max((x.cols for x in model.samples), default=0)
-    longest = max((r.prompt_tokens + r.output_tokens for r in requests if former.fits(r)), default=0)
-    if measured and longest > 2 * measured:
-        return (f"the cost model was calibrated up to {measured} tokens but the workload holds "
-                f"requests of {longest} tokens: its seconds are extrapolated (calibrate with "
-                f"--max-len {1 << (longest - 1).bit_length()})")
-    return None
-
-
 def check_model(config: AttnPolicyConfig, model: CostModel) -> None:
     """:class:`ConfigError` unless ``model`` was calibrated for ``config``'s backend and impl."""
     if (config.backend, config.attn_impl) != (model.backend, model.impl):

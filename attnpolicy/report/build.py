@@ -3,8 +3,9 @@
 1. the mask-vs-mask-free table on this machine (``attnpolicy bench``), and every
    registered implementation per family against the per-sequence SDPA loop
    (``attnpolicy bench --kernels``; plugins' kernels included);
-2. a cost model: calibrated now on this machine (a small grid, mean call seconds:
-   what the replays of step 4 pay here), a given file, or the built-in one;
+2. a cost model: calibrated on this machine (a small grid, mean call seconds: what
+   the replays of step 4 pay here; reused from the calibration cache when it holds
+   one, else calibrated now and kept there), a given file, or the built-in one;
 3. the bucket scheme × policy × capacity × eviction sweep on the workload, with
    Belady's bound and the lower bound on total seconds (``attnpolicy simulate``);
 4. the simulator checked against real compute on a prefix of the workload:
@@ -30,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as validated
 
 from attnpolicy.bench.calibration import CalibrationSettings, calibrate, warm_up
+from attnpolicy.bench.calibration_cache import Provenance, lookup, store
 from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
 from attnpolicy.bench.mode_timing import BenchSettings, run_bench, speedups
 from attnpolicy.bench.model_timing import MODEL_LENGTHS, run_model_bench
@@ -41,7 +43,14 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.integrations.model_specs import parse_spec
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
-from attnpolicy.modelling.simulation import SimRow, lower_bounds, simulate, simulate_layouts, simulation_config
+from attnpolicy.modelling.ranges import outside_range
+from attnpolicy.modelling.simulation import (
+    SimRow,
+    lower_bounds,
+    simulate,
+    simulate_layouts,
+    simulation_config,
+)
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
 from attnpolicy.report.plots import Marked, plot_bench, plot_hit_rate, plot_sweep
@@ -174,17 +183,50 @@ class SummaryRow:
     vs_best_fixed: float | None
 
 
-def _model(s: ReportSettings, progress: Callable[[str], None]) -> tuple[CostModel, str]:
-    if s.cost_model:
-        return CostModel.load(s.cost_model), f"loaded from {s.cost_model}"
+def known_model(s: ReportSettings, warn: Callable[[str], None]) -> tuple[CostModel, Provenance] | None:
+    """The report's cost model when nothing need be measured: the file of ``cost_model``
+    (a problem raises :class:`ConfigError`), this machine's cached calibration with
+    ``calibration``'s grid, or (``calibrate`` off) the built-in model; ``None``: the
+    report calibrates now. ``warn`` says a cache file that cannot be read."""
     if s.calibrates:
-        c = s.calibration
+        hit = lookup(s.calibration, warn)
+        return None if hit is None else (hit.model, Provenance("calibrated", str(hit.path), hit.created))
+    return _uncalibrated(s)
+
+
+def _uncalibrated(s: ReportSettings) -> tuple[CostModel, Provenance]:
+    """The model of a report that does not calibrate: ``cost_model``'s file or the built-in one."""
+    if s.cost_model:
+        return CostModel.load(s.cost_model), Provenance("file", s.cost_model)
+    return CostModel.default(), Provenance("built-in")
+
+
+def _model(s: ReportSettings, progress: Callable[[str], None], known: tuple[CostModel, Provenance] | None
+           ) -> tuple[CostModel, Provenance, str]:
+    """The report's model, its provenance and its description: ``known``, else
+    calibrated now (and kept in the calibration cache)."""
+    c = s.calibration
+    sizes = ",".join(map(str, c.sizes)) if c.sizes else f"up to {c.max_len}"
+    grid = f"sizes {sizes}, {c.repeats} rounds, {c.statistic} call seconds, backend {c.backend}"
+    if known is None and not s.calibrates:
+        known = _uncalibrated(s)
+    if known is None:
         model = calibrate(c)
         progress("calibrated")
-        sizes = ",".join(map(str, c.sizes)) if c.sizes else f"up to {c.max_len}"
-        return model, (f"calibrated now on this machine (sizes {sizes}, {c.repeats} rounds, "
-                       f"{c.statistic} call seconds, backend {c.backend})")
-    return CostModel.default(), "built-in (attnpolicy/data/default_costmodel.json)"
+        try:
+            cached = store(c, model)
+        except OSError as exc:
+            return model, Provenance("calibrated"), (f"calibrated now on this machine ({grid}); not kept in the "
+                                                     f"calibration cache: {exc}")
+        return model, Provenance("calibrated", str(cached.path), cached.created), (
+            f"calibrated now on this machine ({grid}), kept in {cached.path}")
+    model, provenance = known
+    if provenance.kind == "calibrated":
+        progress("calibration reused")
+        return model, provenance, f"calibrated here {provenance.created} ({grid}), {provenance.file}"
+    if provenance.kind == "file":
+        return model, provenance, f"loaded from {provenance.file}"
+    return model, provenance, "built-in (attnpolicy/data/default_costmodel.json)"
 
 
 def kernel_table(s: ReportSettings, progress: Callable[[str], None]) -> list[KernelRow]:
@@ -272,9 +314,12 @@ def marked(row: Named) -> Marked:
 
 
 def make_report(s: ReportSettings, command: str, progress: Callable[[str], None],
-                requests: Sequence[Request] | None = None) -> dict[str, Any]:
+                requests: Sequence[Request] | None = None,
+                known: tuple[CostModel, Provenance] | None = None) -> dict[str, Any]:
     """Measure, then write ``report.json``, ``report.md`` and the PNGs under ``s.out``;
-    returns the JSON data. ``requests``: the workload if already loaded."""
+    returns the JSON data. ``requests``: the workload if already loaded; ``known``:
+    the cost model if already found (:func:`known_model`; ``None``: calibrate now
+    when ``s.calibrates``, else as :func:`known_model`)."""
     start = time.perf_counter()
     if requests is None:
         requests = load_trace(s.trace, s.limit)
@@ -285,11 +330,12 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     kernel_rows = kernel_table(s, progress)
     model_bench = None if s.model is None else run_model_bench(
         s.model, s.model_lengths, backend=s.model_backend, repeats=s.bench.repeats, threads=None, advance=progress)
-    model, source = _model(s, progress)
+    model, provenance, source = _model(s, progress, known)
     former = BatchFormer(**s.former)
     base = simulation_config(model, former)
     schemes = [bucket_scheme(b, base.max_seq_len, base.max_batch_tokens) for b in s.buckets]
     steps = list(former.steps(requests))
+    outside = outside_range(model, steps)
     workload = Workload.of(len(requests), former, len(steps))
     if workload.rejected and not workload.admitted:
         raise ConfigError(f"{workload.why_rejected}: nothing to report (raise max_model_len or check the trace)")
@@ -314,6 +360,8 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
         "kernels": {"rows": [asdict(r) for r in kernel_rows], "seqs": s.kernel_seqs, "skip": list(s.kernel_skip)},
         "model_bench": None if model_bench is None else model_bench.to_json(),
         "cost_model_source": source,
+        "cost_model_provenance": provenance.to_json(),
+        "outside_calibrated_range": None if outside is None else outside.to_json(),
         "cost_model": model.model_dump(mode="json", exclude={"samples"}),
         "workload": workload.to_json(),
         "sweep": [r.to_json() for r in sweep],

@@ -96,6 +96,15 @@ def frontier_table(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _outside(data: dict[str, Any]) -> str:
+    """`` **N of M batches priced outside the calibrated range (...)**: ...`` when some are, else ``""``."""
+    o = data.get("outside_calibrated_range")
+    if not o or not o["outside"]:
+        return ""
+    return (f" **{o['outside']} of {o['batches']} batches priced outside the calibrated range (sizes up to "
+            f"{o['largest']}, calibrated to {o['calibrated']})**: their seconds are extrapolated.")
+
+
 def first_screen(data: dict[str, Any]) -> list[str]:
     """The answer: the workload, the recommendation beside the sweep's fastest and
     leanest good rows, the recommended configuration, its predicted total against the
@@ -231,7 +240,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"**Takeaway:** {_plot_title(data, 'frontier.png')}; {_plot_title(data, 'hit_rate.png')}.", "",
         f"Workload: {_workload(data)}. Cost model: {data['cost_model_source']} "
         f"({model['backend']}, {model['impl']}, H={model['heads']}/{model['kv_heads']} D={model['head_dim']}, "
-        f"{model['threads']} thread(s)). Buckets: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
+        f"{model['threads']} thread(s)).{_outside(data)} Buckets: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
         "exact (one graph per length) or a config's. Total = attention (incl. dispatch overhead and mask "
         f"builds) + compiles. {len(data['sweep'])} rows: every one in the appendix and in report.json."
         + _options(data["sweep"]), "",
