@@ -184,25 +184,27 @@ class StreamCache:
         cap, limit, refuse = self._cap, self._limit, self._oversize == "raise"
         misses = compiles = evictions = uncached = 0
         seconds, nbytes, peak_graphs, peak_bytes = self.compile_seconds, self.nbytes, self.peak_graphs, self.peak_bytes
-        total = len(stream) if counts is None else sum(counts)
+        total = len(stream)
+        if counts is not None:
+            total = sum(counts)
+            if limit < math.inf and any(sizes[key] > limit for key in set(stream)):  # never kept: each misses
+                stream = [key for key, n in zip(stream, counts) for _ in range(n if sizes[key] > limit else 1)]
         try:
-            for i, key in enumerate(stream):
+            for key in stream:
                 try:
                     touch(key)
                     continue
                 except KeyError:
                     pass
+                misses += 1
                 size = sizes[key]
                 if size > limit:
                     if refuse:
                         raise self._too_large(key, size)
-                    for _ in range(1 if counts is None else counts[i]):  # never kept: every request misses
-                        misses += 1
-                        compiles += 1
-                        seconds += costs[key]
-                        uncached += 1
+                    compiles += 1
+                    seconds += costs[key]
+                    uncached += 1
                     continue
-                misses += 1
                 compiles += 1
                 seconds += costs[key]
                 while len(order) >= cap or nbytes + size > limit:
@@ -226,7 +228,7 @@ class StreamCache:
         return total - misses
 
 
-def runs(ids: Sequence[int]) -> tuple[list[int], list[int]]:
+def runs(ids: Sequence[int] | np.ndarray) -> tuple[list[int], list[int]]:
     """``ids`` as runs: each run's key and how many times it is requested in a row."""
     a = np.asarray(ids, dtype=np.int64)
     if not a.size:
