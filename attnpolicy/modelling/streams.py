@@ -46,7 +46,7 @@ class KeyStream:
         return cls.of_ids(ids, list(index), model)
 
     @classmethod
-    def of_ids(cls, ids: Sequence[int], keys: list[GraphKey], model: CostModel) -> KeyStream:
+    def of_ids(cls, ids: Sequence[int] | np.ndarray, keys: list[GraphKey], model: CostModel) -> KeyStream:
         """The stream of ``ids`` into ``keys`` (ids numbered in first-request order)."""
         costs = [model.compile_cost(key, 0.0) for key in keys]
         return cls(*runs(ids), keys, [model.graph_bytes(key) for key in keys], costs, sum(costs), model)

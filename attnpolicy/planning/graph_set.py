@@ -319,6 +319,18 @@ def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, mo
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
 
+def evaluated(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+              spec: TensorSpec | None = None, rejected: int = 0) -> SimRow:
+    """The simulated row of ``config`` (its policy, buckets, capacity and eviction) on
+    ``steps``: a plan's row, on steps other than those it was planned on."""
+    config = with_fields(config, warmup=[])
+    if not tabled(config):
+        return simulate_layouts(steps, [config.policy], [config.max_graphs], [config.eviction], config, model, spec,
+                                rejected=rejected)[0]
+    table = CallTable(layouts_of(steps), config.policy, config, model, spec)
+    return table.rows(config, [config.eviction], base_scheme(config).name, rejected)[0]
+
+
 def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int | None,
              budget_seconds: float | None) -> tuple[WarmGraph, ...]:
     """The graphs to compile (or load, from a warm store) at start: most uses per warm-up
