@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,22 @@ def test_plan_samples_only_above_the_threshold_and_says_so(tmp_path, capsys):
 def test_a_negative_sample_is_one_line_exit_2(tmp_path, capsys):
     assert main(["plan", "--sample", "-3", "--out", str(tmp_path / "p")]) == 2
     assert "argument --sample: expected a number of batches >= 0, got '-3'" in capsys.readouterr().err
+
+
+def test_jitter_trace_repeats_the_trace_shifted_with_jittered_lengths(tmp_path):
+    import subprocess
+    import sys
+
+    from attnpolicy.workloads.traces import load_trace
+
+    src, out = tmp_path / "t.csv", tmp_path / "big.csv"
+    src.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00.0,100,10\n"
+                   "2023-11-16 18:17:02.0,50,0\n")
+    tool = Path(__file__).parents[1] / "tools" / "jitter_trace.py"
+    subprocess.run([sys.executable, str(tool), str(src), str(out), "--requests", "5", "--output-scale", "2"],
+                   check=True, capture_output=True)
+    got = load_trace(str(out))
+    assert [r.arrival for r in got] == [0.0, 2.0, 4.0, 6.0, 8.0]  # each copy starts a mean gap after the last
+    assert [r.output_tokens == 0 for r in got] == [False, True, False, True, False]
+    assert all(90 <= r.prompt_tokens <= 110 and 18 <= r.output_tokens <= 22 for r in got[::2])
+    assert len({r.prompt_tokens for r in got[::2]}) > 1  # jittered
