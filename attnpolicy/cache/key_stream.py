@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 import cachetools
+import numpy as np
 
 from attnpolicy.cache.disk_mirror import DiskMirror
 from attnpolicy.core.names import Oversize
@@ -167,18 +168,27 @@ class StreamCache:
         return GraphTooLargeError(
             f"the graph for key {self._name(key)} needs {size} bytes, more than max_bytes={self.max_bytes}")
 
-    def serve_ordered(self, stream: Sequence[int], sizes: Sequence[int], costs: Sequence[float]) -> int:
+    def serve_ordered(self, stream: Sequence[int], sizes: Sequence[int], costs: Sequence[float],
+                      counts: Sequence[int] | None = None) -> int:
         """Serve every request of ``stream`` (key ids) in order, each a :meth:`touch` and,
         when that misses, a :meth:`miss` with ``sizes[key]`` and ``costs[key]``; returns the hits.
         Only for the ``lru`` and ``fifo`` orders (an ``OrderedDict``), whose
         bookkeeping this is with :meth:`miss` inlined: the same victims, counters and
-        sums in the same order, without a call per miss."""
+        sums in the same order, without a call per miss. ``counts``: ``stream[i]`` is
+        requested ``counts[i]`` times in a row (a run: after its first request the key
+        is held and last in the order, so the rest are hits that change nothing, unless
+        it is too large to keep: each request misses)."""
         order = self.order
         assert isinstance(order, OrderedDict), "serve_ordered needs the lru or fifo order"
         touch, pop, held = self.touch, order.popitem, self._sizes
         cap, limit, refuse = self._cap, self._limit, self._oversize == "raise"
         misses = compiles = evictions = uncached = 0
         seconds, nbytes, peak_graphs, peak_bytes = self.compile_seconds, self.nbytes, self.peak_graphs, self.peak_bytes
+        total = len(stream)
+        if counts is not None:
+            total = sum(counts)
+            if limit < math.inf and any(sizes[key] > limit for key in set(stream)):  # never kept: each misses
+                stream = [key for key, n in zip(stream, counts) for _ in range(n if sizes[key] > limit else 1)]
         try:
             for key in stream:
                 try:
@@ -215,7 +225,16 @@ class StreamCache:
             self.uncached += uncached
             self.compile_seconds, self.nbytes = seconds, nbytes
             self.peak_graphs, self.peak_bytes = peak_graphs, peak_bytes
-        return len(stream) - misses
+        return total - misses
+
+
+def runs(ids: Sequence[int] | np.ndarray) -> tuple[list[int], list[int]]:
+    """``ids`` as runs: each run's key and how many times it is requested in a row."""
+    a = np.asarray(ids, dtype=np.int64)
+    if not a.size:
+        return [], []
+    starts = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1])))
+    return a[starts].tolist(), np.diff(np.append(starts, a.size)).tolist()
 
 
 def replay_stream(
@@ -230,19 +249,24 @@ def replay_stream(
     eviction_options: dict[str, Any] | None = None,
     name: Callable[[int], object] = str,
     disk: DiskMirror | None = None,
+    counts: Sequence[int] | None = None,
 ) -> StreamStats:
     """Serve ``stream`` (key ids) in order through a :class:`StreamCache`; key ``i`` has
     ``sizes[i]`` bytes and costs ``costs[i]`` compile seconds. ``belady`` gets its
     ``next_use`` oracle from the stream itself; ``lru`` and ``fifo`` without a ``disk``
     are served by :meth:`StreamCache.serve_ordered`. ``disk``: the graph store
-    modelled (its counters are this replay's: zero them before a replay that reuses one)."""
+    modelled (its counters are this replay's: zero them before a replay that reuses one).
+    ``counts``: ``stream`` is runs (:func:`runs`), ``stream[i]`` requested ``counts[i]``
+    times in a row; the counters are those of the expanded stream. Belady's oracle
+    counts positions in runs (the same order of next uses: no key is evicted within a
+    run, which hits until its end)."""
     upcoming: list[float] = [math.inf] * len(sizes)
     if eviction == BELADY:
         eviction_options = {"next_use": upcoming.__getitem__}
     cache = StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize=oversize,
                         eviction_options=eviction_options, name=name, disk=disk)
     if disk is None and isinstance(cache.order, OrderedDict):
-        hits = cache.serve_ordered(stream, sizes, costs)
+        hits = cache.serve_ordered(stream, sizes, costs, counts)
     else:
         touch, miss = cache.touch, cache.miss
         hits = 0
@@ -250,12 +274,13 @@ def replay_stream(
         for i, key in enumerate(stream):
             if futures is not None:
                 upcoming[key] = futures[i]
-            try:
-                touch(key)
-            except KeyError:
-                miss(key, sizes[key], costs[key])
-            else:
-                hits += 1
+            for _ in range(1 if counts is None else counts[i]):  # a run: the same requests in order
+                try:
+                    touch(key)
+                except KeyError:
+                    miss(key, sizes[key], costs[key])
+                else:
+                    hits += 1
     if disk is None:
         return StreamStats(hits, cache.misses, cache.compiles, cache.compile_seconds, cache.evictions,
                            cache.uncached, cache.peak_graphs, cache.peak_bytes)

@@ -46,12 +46,14 @@ from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     POLICIES,
     GraphPlan,
+    evaluated,
     graph_uses,
     layouts_of,
     plan_graphs,
     plan_markdown,
     plannable,
 )
+from attnpolicy.planning.sample import SAMPLE, WINDOWS, sample_steps
 from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
 
@@ -66,6 +68,17 @@ def seconds(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def batches(text: str) -> int:
+    """argparse type: a number of batches >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of batches >= 0, got {text!r}")
     return value
 
 
@@ -96,6 +109,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--align", type=positive_int, default=ALIGN, metavar="N",
                    help="planned buckets are multiples of N, or max_seq_len (max_batch_tokens for a MASK call's "
                         f"packed rows) where that is smaller (default: {ALIGN})")
+    p.add_argument("--sample", type=batches, default=SAMPLE, metavar="N",
+                   help=f"plan on N batches in {WINDOWS} evenly spaced windows when the workload has more, then "
+                        f"evaluate the plan on every batch (default: {SAMPLE}; 0: plan on every batch)")
     p.add_argument("--cost-model", metavar="PATH",
                    help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
                         "else the built-in one)")
@@ -159,14 +175,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(provenance.line())
         steps, w = formed(args, former, requests)
     outside = flag_range(model, steps)
+    planned: list[Any]
+    planned, sample = sample_steps(steps, args.sample)
+    rejected = w.rejected if w else 0
     try:
         with progress(None, "plan") as advance:
-            plan = plan_graphs(steps, base, model, args.policies, args.evictions, args.warmup_seconds,
-                               args.max_buckets, spec, advance, w.rejected if w else 0, args.store_warm, args.align)
+            plan = plan_graphs(planned, base, model, args.policies, args.evictions, args.warmup_seconds,
+                               args.max_buckets, spec, advance, rejected, args.store_warm, args.align)
+            full = evaluated(steps, plan.config, model, spec, rejected) if sample else None
     except ConfigError as exc:
         fail(str(exc))
+    note = ""
+    if sample and full:
+        note = (f"{sample.describe()}; the plan on all {sample.of}: {full.total_seconds:.4g} modelled s "
+                f"(--sample 0 plans on every batch)")
     if plan.max_bytes is not None and plan.chosen.row.peak_graphs == 0:
-        smallest = min(g.bytes for g in graph_uses(steps, plan.config, model, spec))
+        smallest = min(g.bytes for g in graph_uses(planned, plan.config, model, spec))
         warn(f"--max-bytes {plan.max_bytes}: no graph of this plan fits (the smallest needs {smallest} bytes); "
              "the config caches nothing and every call compiles")
     out = Path(args.out)
@@ -174,11 +198,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.config.save(out)
         write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
                                        **({"workload": w.to_json()} if w else {}),
-                                       **provenance_json(provenance, outside), **plan.to_json()})
-        write_text_atomic(out / "plan.md", plan_markdown(plan, source, w))
+                                       **provenance_json(provenance, outside), **plan.to_json(),
+                                       **({"sample": {**sample.to_json(), "row": full.to_json()}}
+                                          if sample and full else {})})
+        write_text_atomic(out / "plan.md", plan_markdown(plan, source, w) + (f"\n{note[0].upper()}{note[1:]}.\n"
+                                                                            if note else ""))
         write_host_settings(out, [layout.q_tokens for layout in layouts_of(steps)], plan.chosen.buckets,
                             plan.config, former_options(args)["max_num_batched_tokens"], args.max_buckets)
     print_plan(plan, source)
+    if note:
+        print(note)
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0

@@ -9,12 +9,15 @@ its call table.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+import numpy as np
+
 from attnpolicy.cache.disk_mirror import DiskMirror
-from attnpolicy.cache.key_stream import StreamStats, replay_stream
+from attnpolicy.cache.key_stream import StreamStats, replay_stream, runs
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
@@ -23,11 +26,13 @@ from attnpolicy.modelling.tiers import StoreModel, compulsory_seconds, reload_op
 
 @dataclass(frozen=True)
 class KeyStream:
-    """A recorded key stream as ids (first request order) with each key's bytes and
-    compile seconds; ``compulsory`` is every distinct key compiled once. ``model``
-    sizes and times each key in a graph store, when one is modelled."""
+    """A recorded key stream as runs of ids (first request order): ``ids[i]`` requested
+    ``counts[i]`` times in a row (:func:`~attnpolicy.cache.key_stream.runs`), with each
+    key's bytes and compile seconds; ``compulsory`` is every distinct key compiled once.
+    ``model`` sizes and times each key in a graph store, when one is modelled."""
 
     ids: list[int]
+    counts: list[int]
     keys: list[GraphKey]
     sizes: list[int]
     costs: list[float]
@@ -41,10 +46,20 @@ class KeyStream:
         return cls.of_ids(ids, list(index), model)
 
     @classmethod
-    def of_ids(cls, ids: list[int], keys: list[GraphKey], model: CostModel) -> KeyStream:
+    def of_ids(cls, ids: Sequence[int] | np.ndarray, keys: list[GraphKey], model: CostModel) -> KeyStream:
         """The stream of ``ids`` into ``keys`` (ids numbered in first-request order)."""
         costs = [model.compile_cost(key, 0.0) for key in keys]
-        return cls(ids, keys, [model.graph_bytes(key) for key in keys], costs, sum(costs), model)
+        return cls(*runs(ids), keys, [model.graph_bytes(key) for key in keys], costs, sum(costs), model)
+
+    @cached_property
+    def fingerprint(self) -> tuple[tuple[GraphKey, ...], bytes]:
+        """Equal for two streams of the same requests of the same keys, bytes and seconds:
+        the keys, and a BLAKE2b digest of the runs, bytes and seconds."""
+        digest = hashlib.blake2b(digest_size=32)
+        for column, dtype in ((self.ids, np.int64), (self.counts, np.int64), (self.sizes, np.int64),
+                              (self.costs, np.float64)):
+            digest.update(np.asarray(column, dtype=dtype).tobytes())
+        return tuple(self.keys), digest.digest()
 
     @cached_property
     def _store(self) -> tuple[list[int], list[float], list[bool]]:
@@ -88,4 +103,5 @@ class KeyStream:
         """One replay from the cache empty, bounded like ``config``, over ``disk`` if given."""
         return replay_stream(self.ids, self.sizes, self.costs, max_graphs=config.max_graphs,
                              max_bytes=config.max_bytes, eviction=eviction, oversize=config.oversize,
-                             eviction_options=reload_option(eviction, disk), name=self.keys.__getitem__, disk=disk)
+                             eviction_options=reload_option(eviction, disk), name=self.keys.__getitem__, disk=disk,
+                             counts=self.counts)

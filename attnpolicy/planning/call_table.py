@@ -59,14 +59,16 @@ def tabled(config: AttnPolicyConfig) -> bool:
 @dataclass(frozen=True)
 class Bucketed:
     """One config's calls: the key stream (ids in first-request order into ``keys``),
-    each key's first call row and its uses, and the recording a dispatcher run makes."""
+    each key's first call row, its uses and buckets, and the recording a dispatcher run
+    makes. ``ids`` is one entry per call; :meth:`CallTable.cached` keeps the stream as
+    runs (:class:`~attnpolicy.modelling.streams.KeyStream`) and drops it."""
 
     ids: np.ndarray
     keys: list[GraphKey]
     first: np.ndarray
     uses: np.ndarray
-    q_bucket: np.ndarray
-    kv_bucket: np.ndarray
+    q_bucket: np.ndarray  # per key
+    kv_bucket: np.ndarray  # per key
     recording: Recording
 
 
@@ -126,11 +128,18 @@ class CallTable:
         self.max_kv = np.array([layout.max_kv_len for layout in self.layouts], dtype=np.int64)
         #: results shared by tables whose calls are equal (see :meth:`share`)
         self.memo: dict[object, object] = {}
+        #: results keyed by their inputs' content, shared by every table of a plan
+        #: (policies that decide differently may still make the same calls)
+        self.by_content: dict[object, object] = {}
 
     def share(self, other: CallTable) -> None:
-        """Reuse ``other``'s bucketings and memo when its calls equal this table's."""
+        """Reuse ``other``'s bucketings and memo when its calls equal this table's, and
+        its results keyed by content (candidate lists, replays) whatever its calls."""
+        if other is self:
+            return
         if other.signature == self.signature:
             self.memo = other.memo
+        self.by_content = other.by_content
 
     @property
     def signature(self) -> bytes:
@@ -236,7 +245,7 @@ class CallTable:
                  "modes": {m.value: int(counts[i]) for i, m in enumerate(_MODES)}}
         recording = Recording(keys=keys, attention_seconds=seconds + build_seconds, mask_builds=builds,
                               mask_build_seconds=build_seconds, overflow_calls=int((~compiled).sum()), stats=stats)
-        return Bucketed(ids, keys, first, uses, qb, kvb, recording)
+        return Bucketed(ids, keys, first, uses, qb[first], kvb[first], recording)
 
     def _call(self, r: int, qb: int, kvb: int) -> tuple[Call, BatchLayout]:
         """Row ``r`` as a call with buckets ``qb``, ``kvb``, and its step's layout."""
@@ -268,14 +277,16 @@ class CallTable:
         return stats.misses, stats.compile_seconds
 
     def cached(self, config: AttnPolicyConfig) -> tuple[Bucketed, KeyStream]:
-        """:meth:`bucketed` of ``config`` and its key stream, remembered per buckets and limits."""
+        """:meth:`bucketed` of ``config`` (without its per-call ``ids``) and its key stream,
+        remembered per buckets and limits."""
         memo_key = ("bucketed", config.buckets.model_dump_json(), config.max_seq_len, config.max_batch_tokens,
                     config.max_mask_bytes, config.on_overflow, config.backend, config.attn_impl,
                     tuple(sorted(config.kernels.items())), config.partition_len)
         hit = self.memo.get(memo_key)
         if hit is None:
             b = self.bucketed(config)
-            hit = self.memo[memo_key] = (b, KeyStream.of_ids(b.ids.tolist(), b.keys, self.model))
+            stream = KeyStream.of_ids(b.ids, b.keys, self.model)
+            hit = self.memo[memo_key] = (replace(b, ids=b.ids[:0]), stream)
         return hit  # type: ignore[return-value]
 
     def rows(self, config: AttnPolicyConfig, evictions: Sequence[str], scheme: str,
@@ -290,10 +301,11 @@ class CallTable:
 
     def _replayed(self, config: AttnPolicyConfig, eviction: str, stream: KeyStream) -> StreamStats:
         """``stream`` through ``config``'s bounds with ``eviction``, remembered."""
-        memo_key = ("replay", id(stream), config.max_graphs, config.max_bytes, config.oversize, eviction)
-        hit = self.memo.get(memo_key)
+        memo_key = ("replay", stream.fingerprint, config.max_graphs, config.max_bytes, config.oversize,
+                    config.store_dir is not None, config.max_disk_bytes, eviction)
+        hit = self.by_content.get(memo_key)
         if hit is None:
-            hit = self.memo[memo_key] = stream.replay(config, eviction)
+            hit = self.by_content[memo_key] = stream.replay(config, eviction)
         assert isinstance(hit, StreamStats)
         return hit
 

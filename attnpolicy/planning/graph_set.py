@@ -252,12 +252,14 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
     capacity = base.max_graphs
     modes = plannable(policy, base).modes
     table = table or CallTable(layouts_of(steps), policy, base, model, spec)
-    shapes_key = ("candidates", max_buckets, align)
-    plans = table.memo.get(shapes_key)
+    shapes = table.shapes()
+    shapes_key = ("candidates", shapes.family.tobytes(), shapes.q.tobytes(), shapes.kv.tobytes(),
+                  shapes.count.tobytes(), max_buckets, align)
+    plans = table.by_content.get(shapes_key)
     if plans is None:
-        plans = table.memo[shapes_key] = candidate_lists(table.shapes(), base, model, max_buckets, align)
+        plans = table.by_content[shapes_key] = candidate_lists(shapes, base, model, max_buckets, align)
     assert isinstance(plans, list)
-    longest = longest_sequence(table.shapes())
+    longest = longest_sequence(shapes)
     options = base.policy_options if policy == base.policy else {}
 
     def rows_of(cfg: AttnPolicyConfig, names: Sequence[str]) -> list[SimRow]:
@@ -310,11 +312,23 @@ def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, mo
     on_disk = stream.stored_after(config, config.eviction) if store_warm else set()
     graphs = []
     for i, (key, r, n) in enumerate(zip(b.keys, b.first.tolist(), b.uses.tolist())):
-        shape = WarmShape(family=key.family, q_bucket=int(b.q_bucket[r]), kv_bucket=int(b.kv_bucket[r]),
+        shape = WarmShape(family=key.family, q_bucket=int(b.q_bucket[i]), kv_bucket=int(b.kv_bucket[i]),
                           causal=bool(table.causal[r]), context=bool(table.context[r]))
         graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key),
                                 model.load_seconds(key) if i in on_disk else None))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
+
+
+def evaluated(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+              spec: TensorSpec | None = None, rejected: int = 0) -> SimRow:
+    """The simulated row of ``config`` (its policy, buckets, capacity and eviction) on
+    ``steps``: a plan's row, on steps other than those it was planned on."""
+    config = with_fields(config, warmup=[])
+    if not tabled(config):
+        return simulate_layouts(steps, [config.policy], [config.max_graphs], [config.eviction], config, model, spec,
+                                rejected=rejected)[0]
+    table = CallTable(layouts_of(steps), config.policy, config, model, spec)
+    return table.rows(config, [config.eviction], base_scheme(config).name, rejected)[0]
 
 
 def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int | None,
