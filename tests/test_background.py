@@ -413,3 +413,55 @@ def test_a_background_compile_of_a_stored_graph_is_a_load(tmp_path):
     assert stats.disk.saves == 0
     for out in outs:
         torch.testing.assert_close(out.double(), reference_for(q, k, v, small), atol=1e-5, rtol=1e-5)
+
+
+def _host_counted(switch_after: int) -> tuple[Dispatcher, list[object], TensorSpec]:
+    """A background-mode dispatcher whose host runs VARLEN steps (``host_varlen``), on
+    the real backend with its ``compile_counter``."""
+    counter: list[object] = []
+    cfg = AttnPolicyConfig(backend="eager", max_seq_len=128, compile_mode="background", switch_after=switch_after,
+                           policy="varlen")
+    return Dispatcher(cfg, cost_model=PRICEY, compile_counter=counter.append, host_varlen=True), counter, \
+        TensorSpec("float32", 2, 1, 8)
+
+
+def test_a_host_step_in_background_mode_defers_its_keys_and_a_step_that_runs_one_compiles_it_now():
+    """Under ``host_varlen`` a VARLEN step (vLLM's kernel runs it) compiles nothing in the
+    background either: its keys enter the cache deferred, counted as in synchronous mode; a
+    step that runs a deferred key with no larger built graph to pad up to compiles it now,
+    as a deferred build."""
+    d, counter, spec = _host_counted(switch_after=1)
+    for _ in range(3):  # q64 and q32 deferred, then hits
+        step = d.prepare(BatchLayout.from_lens([40, 20]), spec)
+        assert list(step) == [] and d.source.pinned == [] and not d.pending()
+    s = d.stats()
+    assert counter == [] and s.background.requested == 0 and s.background.pad_up_calls == 0
+    assert (s.cache.misses, s.cache.hits, s.cache.deferred, s.cache.compiles, s.cache.deferred_built) == (2, 4, 2, 0, 0)
+    d.prepare(BatchLayout.from_lens([40]), spec)  # attnpolicy's CAUSAL q64 runs it: built now, in place
+    s = d.stats()
+    assert len(counter) == 1 and (s.cache.compiles, s.cache.deferred_built, s.cache.misses) == (1, 1, 2)
+    assert s.background.requested == 0 and s.stalls.stalled == 1
+    d.close()
+
+
+def test_a_deferred_key_a_step_runs_compiles_in_the_worker_while_a_built_graph_serves_by_pad_up():
+    """A deferred key is never a pad-up target (its graph is not built); a step that runs
+    one pads up to a built larger graph while the worker compiles it, and it switches in
+    ``switch_after`` batches later as the deferred entry's build: every backend compile is
+    a graph that ran."""
+    d, counter, spec = _host_counted(switch_after=2)
+    d.warmup([BatchLayout.from_lens([128])], spec)  # CAUSAL q128, built
+    d.prepare(BatchLayout.from_lens([40, 20]), spec)  # host step: q64 and q32 deferred, none requested
+    s = d.stats()
+    assert len(counter) == 1 and s.cache.deferred == 2 and s.background.requested == 0
+    assert not d.pending() and s.background.pad_up_calls == 0
+    d.prepare(BatchLayout.from_lens([40]), spec)  # runs q64: padded up to q128 while q64 compiles
+    d.prepare(BatchLayout.from_lens([20, 10]), spec)  # host step: q32 a hit, q16 deferred
+    d.prepare(BatchLayout.from_lens([40]), spec)  # q64 switched in: runs exactly
+    s = d.stats()
+    d.close()
+    assert s.background.requested == s.background.switched == s.background.pad_up_calls == 1
+    assert len(counter) == s.cache.compiles == 2 and s.cache.deferred_built == 1 and s.cache.deferred == 3
+    assert s.cache.misses + s.cache.deferred_built == s.cache.compiles + s.cache.deferred
+    assert all(map(d.cache.has_graph, d.graph_keys_for(BatchLayout.from_lens([40]), spec)))  # q64, built
+    _accounted(s, len(counter))

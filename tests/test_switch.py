@@ -16,7 +16,7 @@ from strategies import layouts
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.errors import ConfigError, GraphCompileError
 from attnpolicy.graphs.execute import graph_fn
-from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
 SPEC = TensorSpec("float32", 2, 2, 16)
 LAYOUTS = [BatchLayout.from_lens(lens) for lens in ([20, 50], [100], [200, 10], [30], [7, 120, 3])]
@@ -87,10 +87,15 @@ def _warm(config: AttnPolicyConfig = OLD, builder: Builder | None = None, **fiel
     return d, builder
 
 
-def _keys(d: Dispatcher, config: AttnPolicyConfig) -> set[str]:
+def _warm_keys(d: Dispatcher, config: AttnPolicyConfig) -> list[GraphKey]:
+    """The keys of ``config``'s warm set for SPEC, in its order."""
     from attnpolicy.dispatch.batch_plan import warm_call
 
-    return {str(d.planner.key_for(*warm_call(w), SPEC)) for w in config.warmup}
+    return [d.planner.key_for(*warm_call(w), SPEC) for w in config.warmup]
+
+
+def _keys(d: Dispatcher, config: AttnPolicyConfig) -> set[str]:
+    return set(map(str, _warm_keys(d, config)))
 
 
 def test_outputs_stay_exact_and_no_batch_compiles_through_a_switch(caplog):
@@ -525,3 +530,39 @@ def test_stats_count_every_real_backend_compile_through_replaced_and_closed_swit
     d.close()  # drops 16
     _every_build_counted_once(d, len(counter))
     assert d.stats().switch.discarded == 3
+
+
+def _varlen(q: int, kv: int) -> dict[str, object]:
+    return {"family": "varlen", "q_bucket": q, "kv_bucket": kv, "context": True}
+
+
+#: a host runs the VARLEN steps (``host_varlen``): the warm sets' VARLEN graphs are deferred
+HOST_OLD = _with(OLD, backend="aot_eager", warmup=[*_causal(64), _varlen(256, 256)])
+HOST_NEW = _with(NEW, backend="aot_eager", warmup=[*_causal(32), _varlen(32, 128), _varlen(256, 256)])
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["kept", "deferred-entry-evicted"])
+def test_a_switch_carries_the_hosts_varlen_keys_over_deferred_and_compiles_none(evicted):
+    """Under ``host_varlen`` a switch builds only graphs attnpolicy runs: the new warm set's
+    VARLEN keys (vLLM's kernel runs them) enter the cache deferred when the switch applies,
+    counted as a warm-up's; one deferred by the running config stays deferred (evicted
+    meanwhile: deferred again), never built."""
+    counter: list[object] = []
+    d = Dispatcher(HOST_OLD, compile_counter=counter.append, host_varlen=True)
+    d.warmup(SPEC)  # CAUSAL q64 built, VARLEN q256 deferred
+    d.prepare(BatchLayout.from_lens([1, 1], [100, 20]), SPEC)  # decode, run by the host: deferred
+    before = d.stats().cache
+    assert len(counter) == before.compiles == 1 and before.deferred == 3
+    causal32, new_varlen, old_varlen = map(str, _warm_keys(d, HOST_NEW))
+    if evicted:
+        assert d.cache.evict(next(k for k in d.cache.keys() if str(k) == old_varlen))
+    keys = d.switch_to(HOST_NEW)
+    assert [str(k) for k in keys] == [causal32]  # the VARLEN graphs are not built
+    assert d.finish_switch()
+    s = d.stats()
+    d.close()
+    assert d.config == HOST_NEW and s.switch.compiled == 1 and len(counter) == s.cache.compiles == 2
+    deferred = {str(k) for k in d.cache.keys() if not d.cache.has_graph(k)}
+    assert {old_varlen, new_varlen} <= deferred
+    assert s.cache.deferred == before.deferred + 1 + evicted and s.cache.deferred_built == 0
+    _every_build_counted_once(d, len(counter))

@@ -45,20 +45,33 @@ class Background:
     def fetch(self, calls: Planned, spec: TensorSpec) -> Fetched:
         """The graphs of one batch's ``calls`` (pinned): first every compile due now
         switches in, in request order; then each call is served (see :meth:`serve`)."""
+        self._next_batch()
+        out = [self.serve(call, key, spec) for call, key in calls]
+        return out, (None,) * len(out)
+
+    def touch(self, keys: list[GraphKey | None]) -> None:
+        """The keys of a batch the host runs itself, counted as a batch (the compiles due
+        switch in first), then requested as :meth:`GraphSource.touch
+        <attnpolicy.dispatch.graph_source.GraphSource.touch>` does: a miss enters the cache
+        deferred; nothing is compiled in the worker."""
+        self._next_batch()
+        self.source.touch(keys)
+
+    def _next_batch(self) -> None:
+        """Start the next batch: every compile due now switches in, in request order."""
         self.batch += 1
         if self.pending:
             for key, pending in list(self.pending.items()):
                 if pending.due <= self.batch:
                     self._switch_in(key, pending)
-        out = [self.serve(call, key, spec) for call, key in calls]
-        return out, (None,) * len(out)
 
     def serve(self, call: Call, key: GraphKey, spec: TensorSpec) -> tuple[Call, GraphFn]:
-        """The call and graph that run ``call``: the exact graph when resident; else a
-        larger resident one (pad-up) while the exact one compiles in the background;
-        else the exact one, compiled now (a stall)."""
+        """The call and graph that run ``call``: the exact graph when built; else a
+        larger built one (pad-up) while the exact one compiles in the background;
+        else the exact one, compiled now (a stall). A deferred key is not built: it is
+        served as a miss, its graph built into its deferred entry."""
         source = self.source
-        if not call.compiled or key in source.cache:
+        if not call.compiled or source.cache.has_graph(key):
             return call, source.graph(call, key, spec, pin=True)[0]
         pending = self.pending.get(key)
         larger = self._pad_up(call, key)
@@ -96,18 +109,20 @@ class Background:
         one the cost model runs fastest (ties: the smaller buckets), when its extra run
         seconds over ``switch_after`` calls are less than compiling ``key``. A pure
         function of the cache contents, the config and the cost model. FlexAttention
-        graphs and MASK graphs whose mask would exceed ``max_mask_bytes`` never serve."""
+        graphs, MASK graphs whose mask would exceed ``max_mask_bytes`` and deferred
+        entries (no graph built) never serve."""
         if key.impl == "flex":
             return None
         best: tuple[float, int, int] | None = None
         found: GraphKey | None = None
         model = self._model()
-        resident = self.source.cache.keys()  # a snapshot (the cache is not iterable)
+        cache = self.source.cache
+        resident = cache.keys()  # a snapshot (the cache is not iterable)
         for other in resident:
             if (not isinstance(other, GraphKey) or other.family is not key.family or other.causal != key.causal
                     or other.q_len < key.q_len or other.kv_len < key.kv_len or other.spec != key.spec
                     or other.impl != key.impl or other.partition_len != key.partition_len
-                    or other.backend != key.backend or other == key):
+                    or other.backend != key.backend or other == key or not cache.has_graph(other)):
                 continue
             if key.family is GraphFamily.MASK and other.q_len * other.kv_len > self.config.max_mask_bytes:
                 continue

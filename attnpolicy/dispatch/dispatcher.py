@@ -182,8 +182,7 @@ class Dispatcher:
 
     def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:
         try:
-            step = new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen,
-                            per_sequence=self.background is None)
+            step = new_step(self.planner, layout, spec, asked, self.masks, host_varlen=self.host_varlen)
         except KernelError:  # a plugin kernel failed its probe when first chosen
             self.counters.kernel_violations += 1
             raise
@@ -196,10 +195,10 @@ class Dispatcher:
         source, spec = self.source, step.spec
         source.stall = 0.0
         try:
-            if self.background is not None:
+            if isinstance(step, HostStep):
+                (source if self.background is None else self.background).touch(step.keys)
+            elif self.background is not None:
                 step.use(*self.background.fetch(step.plan.calls, spec))
-            elif isinstance(step, HostStep):
-                source.touch(step.keys)
             else:
                 fetched = source.fetch(step.plan.calls, step.plan.keys, spec, step.values)
                 if fetched is not None:  # else every graph is the one the step holds

@@ -195,7 +195,7 @@ class GraphSource:
         warm, self.warm = self.warm, False
         try:
             for call, key, listed in calls:
-                if self._host_varlen and key.family is GraphFamily.VARLEN and call.compiled:
+                if self.host_runs(call, key):
                     self.cache.reserve(key)
                 else:
                     self.graph(call, key, spec)
@@ -206,6 +206,11 @@ class GraphSource:
             raise
         self.warm = True
         return list(keys)
+
+    def host_runs(self, call: Call, key: GraphKey) -> bool:
+        """Whether a warm set's ``call`` of ``key`` is the host's to run (``host_varlen``, a
+        compiled VARLEN call): its key enters the cache deferred, its graph is not built."""
+        return self._host_varlen and key.family is GraphFamily.VARLEN and call.compiled
 
     # -- building -----------------------------------------------------------------------
     def _timed_build(self, call: Call, key: GraphKey, spec: TensorSpec) -> Any:

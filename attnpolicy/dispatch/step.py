@@ -153,8 +153,8 @@ class HostStep(Step):
     """A batch the host runs on its own kernel: decided, counted and its graph keys
     requested from the cache (hits, misses, recency, evictions) exactly as a
     :class:`Step`'s, without a graph to build, run or pin: a missing key enters the
-    cache deferred (under ``compile_mode="background"`` its graphs are fetched and
-    pinned: pad-up and switches need them).
+    cache deferred (under ``compile_mode="background"`` too: none is compiled in the
+    worker).
 
     ``keys``: each call's key in order (``None``: runs uncompiled)."""
 
@@ -172,12 +172,12 @@ class HostStep(Step):
 
 
 def new_step(planner: Planner, layout: BatchLayout, spec: TensorSpec, asked: Decision, masks: MaskCache, *,
-             host_varlen: bool, per_sequence: bool) -> Step:
+             host_varlen: bool) -> Step:
     """The step of decision ``asked`` for ``layout``, planned by ``planner``: a
     :class:`HostStep` when ``host_varlen`` and the mode that runs is VARLEN (planned
-    sequence by sequence when ``per_sequence`` and the policy chose VARLEN: decode
-    layouts never repeat, their sequences' shapes do), else a :class:`Step`."""
-    if host_varlen and per_sequence and asked.mode is MaskMode.VARLEN:
+    sequence by sequence when the policy chose VARLEN: decode layouts never repeat,
+    their sequences' shapes do), else a :class:`Step`."""
+    if host_varlen and asked.mode is MaskMode.VARLEN:
         seqs = planner.seq_plans(layout, spec)
         return HostStep(layout, spec, asked, BatchPlan.of_seqs(seqs, layout), masks, [key for key, _ in seqs])
     plan = planner.plan(layout, asked.mode, spec)

@@ -11,7 +11,9 @@ start-up); each failure is a :class:`~attnpolicy.errors.ConfigError` naming the 
 and value, and the dispatcher is left as it was. Then the new warm set's graphs not
 cached yet (the *switch set*) are built on a worker thread of the switch's own (loaded
 from the store when it holds them, as a background compile is), while the running
-config keeps serving.
+config keeps serving. The graphs a host runs on its own kernel (``host_varlen``: the
+VARLEN ones) are no part of it: as at warm-up, their keys enter the cache deferred when
+the switch applies (those cached stay as they are, deferred or built).
 
 At the first batch boundary (the start of a ``prepare`` without a decision) at which
 every graph of the switch set is built, the switch is applied at once, before that
@@ -151,7 +153,7 @@ class Switcher:
                     self._dropped.append((key, future))
             d.counters.switch_replaced += 1
         for key, (call, spec) in calls.items():
-            if key not in builds and key not in d.cache:
+            if key not in builds and key not in d.cache and not d.source.host_runs(call, key):
                 builds[key] = self.worker(d).submit(call, key, spec)
         self.target = _Target(config, guard, planner, warm_sets, calls, builds)
         self.busy = True
@@ -206,8 +208,8 @@ class Switcher:
             if error is not None:
                 self._failed(d, target, key, error)
                 return False
-        evicted = [(key, call_spec) for key, call_spec in target.calls.items()
-                   if key not in target.builds and key not in d.cache]
+        evicted = [(key, (call, spec)) for key, (call, spec) in target.calls.items()
+                   if key not in target.builds and key not in d.cache and not d.source.host_runs(call, key)]
         for key, (call, spec) in evicted:
             target.builds[key] = self.worker(d).submit(call, key, spec)
         return not evicted
@@ -228,6 +230,12 @@ class Switcher:
             insert(d.source, key, built)
             built_here += 1
             loaded += built.loaded
+        deferred = 0
+        for key, (call, _) in target.calls.items():  # the host's graphs: entered deferred, as at warm-up
+            if key not in cache and d.source.host_runs(call, key):
+                _make_room(cache, key, keep)
+                cache.reserve(key)
+                deferred += 1
         c.switch_loaded += loaded
         c.switch_compiled += built_here - loaded
         target.guard.fallbacks = d.guard.fallbacks  # the count stays the dispatcher's
@@ -241,10 +249,11 @@ class Switcher:
         d._steps.clear()
         d._decided.clear()
         c.switches += 1
+        host = f", {deferred} left to the host's own kernel" if deferred else ""
         log.info("attnpolicy: switched from policy %s, buckets %s, eviction %s to policy %s, buckets %s, eviction "
-                 "%s (%d warm graphs; %d compiled and %d loaded from the store in the background)",
+                 "%s (%d warm graphs; %d compiled and %d loaded from the store in the background%s)",
                  old.policy, old.buckets.describe(), old.eviction, config.policy, config.buckets.describe(),
-                 config.eviction, len(target.calls), built_here - loaded, loaded)
+                 config.eviction, len(target.calls), built_here - loaded, loaded, host)
 
     def _failed(self, d: Dispatcher, target: _Target, key: GraphKey, error: BaseException) -> None:
         """Drop the switch whose graph ``key`` failed to build (see the module docstring);
