@@ -104,12 +104,24 @@ def test_cost_keeps_the_expensive_graph_lru_would_evict(clock):
     assert caches["cost"][0].stats().per_key["A"].compile_seconds == 5.0
 
 
-def test_cost_evicts_the_larger_of_equally_expensive_graphs(clock):
+def test_cost_evicts_the_larger_of_equally_expensive_graphs_under_a_byte_bound(clock):
     sizes = {"A": 100, "B": 10, "C": 10}
-    cache, victims = evicting_cache(max_graphs=2, eviction="cost", sizeof=sizes.__getitem__)
+    cache, victims = evicting_cache(max_bytes=115, eviction="cost", sizeof=sizes.__getitem__)
     for key in "BAC":
         cache.get_or_compile(key, clock.build(key, 1.0))
-    assert victims == ["A"]  # LRU would evict B
+    assert victims == ["A"]  # LRU would evict B, and C would then fit
+
+
+def test_cost_under_a_count_bound_ranks_a_large_graph_as_one_slot(clock):
+    """Under max_graphs alone a graph's bytes free no room: the often-used large graph
+    stays, the once-used small one goes (ranking by bytes evicted A, used three times)."""
+    sizes = {"A": 1000, "B": 10, "C": 10}
+    cache, victims = evicting_cache(max_graphs=2, eviction="cost", sizeof=sizes.__getitem__)
+    for key in "AAAB":
+        cache.get_or_compile(key, clock.build(key, 1.0))
+    cache.get_or_compile("C", clock.build("C", 1.0))
+    assert victims == ["B"]
+    assert sorted(cache.keys()) == ["A", "C"]
 
 
 def test_gdsf_priority_formula_and_aging():

@@ -9,7 +9,10 @@ touches a structure only through ``s[key]`` (a hit: updates recency/frequency),
 
 Per-entry metadata: a structure with a ``note(key, *, cost, size)`` method is
 told, just before each insert, the entry's measured compile seconds (``cost``)
-and its bytes (``size``). Strategies needing other inputs take them as factory
+and what it occupies of the bound that evicts (``size``): its bytes in a cache with
+a byte bound, 1 in a cache bounded by graph count alone (a large graph takes one
+slot like a small one, so ranking by bytes there would evict large graphs whatever
+their use). Strategies needing other inputs take them as factory
 options (``belady`` takes ``next_use``; ``cost`` takes ``reload``, the seconds to
 bring a key back from a graph store below the cache).
 
@@ -46,7 +49,7 @@ class GDSFCache(cachetools.Cache[Hashable, Any]):
     """Greedy-Dual-Size-Frequency ordering: evicts the entry with the lowest priority
 
     ``H = L + freq * cost / size``, where ``cost`` is the entry's compile seconds,
-    ``size`` its bytes (at least 1), ``freq`` its uses since it was inserted (the
+    ``size`` the size it was noted with (at least 1), ``freq`` its uses since it was inserted (the
     insert counts as 1) and ``L`` the priority of the last victim (aging: entries
     inserted or used later start higher, so old frequent entries eventually go).
     ``H`` is recomputed on every use. Ties go to the entry inserted first.

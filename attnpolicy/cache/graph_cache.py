@@ -484,7 +484,7 @@ class GraphCache(Generic[V]):
             victim.stats.evictions += 1
             self._remove(victim_key, victim, victims)
         if self._note is not None:
-            self._note(key, cost=seconds, size=entry.nbytes)
+            self._note(key, cost=seconds, size=self._footprint(entry))
         order[key] = entry
         self._bytes += entry.nbytes
         self._peak_graphs = max(self._peak_graphs, len(order))
@@ -505,6 +505,11 @@ class GraphCache(Generic[V]):
         for key, build in items:
             self.get_or_compile(key, build)
 
+    def _footprint(self, entry: _Entry[V]) -> int:
+        """What ``entry`` takes of the bound an eviction frees room under: its bytes under a
+        byte bound, one slot under a graph-count bound alone (``note``'s ``size``)."""
+        return entry.nbytes if self.max_bytes is not None else 1
+
     def reorder(self, eviction: str, compile_cost: Callable[[Hashable, float], float] | None = None,
                 eviction_options: dict[str, Any] | None = None) -> None:
         """Rank victims by strategy ``eviction`` from now on (``compile_cost`` and
@@ -517,7 +522,8 @@ class GraphCache(Generic[V]):
                 key, entry = self._order.popitem()
                 if note is not None:
                     spent = entry.stats.compile_seconds / max(entry.stats.compiles, 1)
-                    note(key, cost=spent if compile_cost is None else compile_cost(key, spent), size=entry.nbytes)
+                    note(key, cost=spent if compile_cost is None else compile_cost(key, spent),
+                         size=self._footprint(entry))
                 order[key] = entry
             self.eviction, self._order, self._note, self._compile_cost = eviction, order, note, compile_cost
 

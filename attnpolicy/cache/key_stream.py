@@ -155,7 +155,7 @@ class StreamCache:
             self.evictions += 1
             self.nbytes -= sizes.pop(victim)
         if self._note is not None:
-            self._note(key, cost=cost, size=size)
+            self._note(key, cost=cost, size=size if self.max_bytes is not None else 1)
         order[key] = key
         sizes[key] = size
         self.nbytes += size
