@@ -44,21 +44,28 @@ class CompiledGraph:
     True). That is sound because a graph key pins everything the guards check (shapes,
     strides, dtype, device); graphs are compiled and called in no-grad mode. When the
     capture fails, ``call`` is the Dynamo wrapper (``direct`` False): slower, as correct.
+    ``capture``: what the backend records on each compile of ``call`` (dropped with the
+    direct callable).
     """
 
     __slots__ = ("__weakref__", "_capture", "_dynamo", "backend", "call", "code", "direct")
 
-    def __init__(self, call: Callable[..., Any], code: types.CodeType | None, backend: str) -> None:
+    def __init__(self, call: Callable[..., Any], code: types.CodeType | None, backend: str, *,
+                 capture: _Capture | None = None) -> None:
         self._dynamo = self.call = call
         self.code = code
         self.backend = backend
         self.direct = backend == "none"
-        self._capture: _Capture | None = None
+        self._capture = capture
 
     def __call__(self, *args: Any) -> Any:
         return self.call(*args)
 
-    def _drop_direct(self) -> None:
+    def use_direct(self, call: Callable[..., Any]) -> None:
+        """Run ``call``, the backend's own callable captured for this graph, without Dynamo."""
+        self.call, self.direct = call, True
+
+    def drop_direct(self) -> None:
         """Forget the captured callable and graph: calls go through Dynamo again."""
         self.call = self._dynamo
         self.direct = self.backend == "none"
@@ -208,12 +215,9 @@ def _argnames(fn: Callable[..., Any]) -> tuple[str, ...]:
     return names[1:] if isinstance(fn, types.MethodType) else names
 
 
-def _verified(direct: Callable[..., Any] | None, dynamo: Callable[..., Any],
-              example_inputs: tuple[Any, ...]) -> bool:
+def _verified(direct: Callable[..., Any], dynamo: Callable[..., Any], example_inputs: tuple[Any, ...]) -> bool:
     """Whether ``direct`` computes what the Dynamo wrapper computes, on random values
     in the example inputs' shapes and strides (boolean and integer inputs kept)."""
-    if direct is None:
-        return False
     probe = tuple(torch.randn_like(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                   for t in example_inputs)
     try:
@@ -278,15 +282,14 @@ def compile_graph(
         None if guards else {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
     compiled = torch.compile(fresh, backend=_capturing(backend, counter, box), dynamic=False, fullgraph=True,
                              options=options)
-    graph = CompiledGraph(compiled, _code_of(fresh), backend)
-    graph._capture = box
+    graph = CompiledGraph(compiled, _code_of(fresh), backend, capture=box)
     if example_inputs is not None:
         with torch.no_grad(), compile_lock():  # the config patch is process-wide too
             with _codegen_options(backend):
                 compiled(*example_inputs)
             direct = _direct(box, backend, _argnames(fresh))
-            if _verified(direct, compiled, example_inputs):
-                graph.call, graph.direct = direct, True  # type: ignore[assignment]
+            if direct is not None and _verified(direct, compiled, example_inputs):
+                graph.use_direct(direct)
             else:
                 log.info("could not capture the %s graph of %s for direct calls; "
                             "calling it through Dynamo", backend, graph)
@@ -300,7 +303,7 @@ def release_graph(graph: CompiledGraph) -> None:
     The object stays callable: a thread that fetched it just before eviction still
     gets correct results (Dynamo compiles it again, which ``counter`` sees).
     """
-    graph._drop_direct()
+    graph.drop_direct()
     if graph.code is not None:
         with compile_lock():  # as Dynamo's own reset_code_caches
             torch._dynamo.reset_code(graph.code)  # type: ignore[attr-defined]
