@@ -197,12 +197,41 @@ class _Current:
         self.gather: PagedGather | None = None
 
 
+class _StepGroups:
+    """The KV-cache groups of the forward pass running now, and what identifies it
+    (:func:`_step_identity`)."""
+
+    __slots__ = ("groups", "step")
+
+    def __init__(self) -> None:
+        self.groups: list[_Current] = []
+        self.step: object | None = None
+
+    def of(self, md: CPUAttentionMetadata) -> _Current | None:
+        """The group of ``md`` in this step, if one of its layers prepared it."""
+        for group in self.groups:
+            if group.metadata is md:
+                return group
+        return None
+
+    def continues(self, now: object | None) -> bool:
+        """Whether ``now`` is the step whose groups these are (a later group joins them)."""
+        return now is not None and now is self.step and bool(self.groups)
+
+    def join(self, group: _Current) -> None:
+        """Add another group of this step."""
+        self.groups.append(group)
+
+    def begin(self, now: object | None, group: _Current) -> None:
+        """Start step ``now`` with its first group."""
+        self.groups, self.step = [group], now
+
+
 class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
     """Runs every step of the supported layers through attnpolicy's guarded policy."""
 
-    # class-level, shared by every layer: the current step's groups, and its identity
-    _groups: ClassVar[list[_Current]] = []
-    _step: ClassVar[object | None] = None
+    #: class-level, shared by every layer: the current step's groups
+    _current: ClassVar[_StepGroups] = _StepGroups()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -222,18 +251,13 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
         if self.handles_layer and self.config.warmup:  # part of engine start (once per dispatcher and spec)
             self.dispatcher.warmup(run_spec(self, self.features))
 
-    def _group_of(self, md: CPUAttentionMetadata) -> _Current | None:
-        for group in AttnPolicyCPUImpl._groups:
-            if group.metadata is md:
-                return group
-        return None
-
     def _step_for(self, layer: Any, md: CPUAttentionMetadata, spec: TensorSpec) -> tuple[Step, _Current]:
         """The Step of ``md`` for tensors of ``spec`` and its group: prepared by the
         group's first layer in this step, looked up by every other one (a layer of
         another spec prepares its own in the group's decision)."""
         dispatcher = self.dispatcher
-        group = self._group_of(md)
+        current = self._current
+        group = current.of(md)
         if group is not None:
             first = next(iter(group.steps.values()))
             step = group.steps[spec] = dispatcher.prepare(first.layout, spec, first.decision)
@@ -243,7 +267,7 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
         fields = {"group": getattr(layer, "layer_name", None), "window": feats.window,
                   "softcap": feats.softcap, "sinks": feats.sinks}
         now = _step_identity()
-        later = now is not None and now is AttnPolicyCPUImpl._step and bool(AttnPolicyCPUImpl._groups)
+        later = current.continues(now)
         with decision_fields(fields):
             if later:  # another group of this step: its own decision, pinned with the step's
                 step = dispatcher.prepare(layout, spec, dispatcher.decide(layout, spec))
@@ -251,10 +275,9 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
                 step = dispatcher.prepare(layout, spec)
         group = _Current(md, spec, step)
         if later:
-            AttnPolicyCPUImpl._groups.append(group)
+            current.join(group)
             return step, group
-        AttnPolicyCPUImpl._groups = [group]
-        AttnPolicyCPUImpl._step = now
+        current.begin(now, group)
         stream = self._stream
         if stream is False:
             stream = self._stream = layout_stream(dispatcher, spec, self.limits)
@@ -298,7 +321,8 @@ class AttnPolicyCPUImpl(CPUAttentionBackendImpl):
             if self.config.warmup:  # a spec not warmed at construction (another dtype): warmed now
                 self.dispatcher.warmup(spec)
         sinks, graph_sinks = self._sink_logits(query.dtype)
-        group = self._group_of(md)
+        current = self._current
+        group = current.of(md)
         step = group.steps.get(spec) if group is not None else None
         if step is None:
             step, group = self._step_for(layer, md, spec)
