@@ -297,6 +297,32 @@ class Dispatcher:
                 self.source.release()
             return self.switcher.finish(self)
 
+    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: Planner, warm_sets: WarmSets) -> None:
+        """Serve ``config`` with ``guard`` (its fallback count carried over), ``planner`` and
+        ``warm_sets`` from the next batch on: the steps, plans and contexts of the old
+        config go (what a switch calls once its graphs are cached)."""
+        with self._lock:
+            guard.fallbacks = self.guard.fallbacks  # the count stays the dispatcher's
+            self.config = self.source.config = config
+            if self.background is not None:
+                self.background.config = config
+            self.guard, self.planner, self.warm_sets = guard, planner, warm_sets
+            for step in self._batch:
+                step.forget()
+            self._batch, self._last = [], None
+            self._steps.clear()
+            self._decided.clear()
+
+    def served_specs(self) -> set[TensorSpec]:
+        """The tensor specs warmed or attended so far (what a switch builds its warm set for)."""
+        with self._lock:
+            return {*self.planner.warmed, *self._specs.values()}
+
+    @property
+    def cost_model(self) -> Any:
+        """The cost model given at construction (``None`` if none was)."""
+        return self._cost_model
+
     def pending(self) -> tuple[tuple[GraphKey, int], ...]:
         """Background compiles not switched in yet: ``(key, batch it switches at)``, in request
         order (batches are numbered from 1 by :meth:`prepare`)."""

@@ -37,6 +37,10 @@ a request for the running config only drops the pending switch. A graph of the s
 set that fails to build drops the switch (counted in ``failed``, logged); under
 ``on_compile_error="raise"`` the batch boundary that finds it raises the
 :class:`~attnpolicy.errors.GraphCompileError`, the running config unchanged.
+
+A switch sees its dispatcher as a :class:`SwitchOwner`: it reads the running config,
+cache, graph source, counters and served specs, and installs what it built with one
+call, :meth:`SwitchOwner.adopt` (which also drops the old config's steps).
 """
 
 from __future__ import annotations
@@ -45,28 +49,64 @@ import logging
 from collections.abc import Iterable, KeysView
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.core.modes import MaskMode
-from attnpolicy.dispatch.background import Built, Worker, discard, failed, insert
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import Decision, MaskMode
+from attnpolicy.dispatch.background import Background, Built, Worker, discard, failed, insert
 from attnpolicy.dispatch.batch_plan import Planner
-from attnpolicy.dispatch.graph_source import count_violation, eviction_of
+from attnpolicy.dispatch.graph_source import GraphSource, count_violation, eviction_of
+from attnpolicy.dispatch.stats import Counters
 from attnpolicy.dispatch.warm_set import WarmSets
 from attnpolicy.errors import ConfigError, GraphCompileError, PolicyError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import make_eviction
 from attnpolicy.policies.guard import Guard
-
-if TYPE_CHECKING:
-    from attnpolicy.dispatch.dispatcher import Dispatcher
 
 log = logging.getLogger("attnpolicy.dispatch")
 
 #: The fields a switch may change; every other one must equal the running config's.
 SWITCHABLE = ("policy", "policy_options", "buckets", "eviction", "warmup", "strict", "on_illegal", "fallback_mode")
+
+
+class SwitchOwner(Protocol):
+    """What a switch needs of the dispatcher it switches: what it reads to check and build
+    the new config, and :meth:`adopt` to install it."""
+
+    @property
+    def config(self) -> AttnPolicyConfig: ...
+    @property
+    def guard(self) -> Guard: ...
+    @property
+    def planner(self) -> Planner: ...
+    @property
+    def cache(self) -> GraphCache[Any]: ...
+    @property
+    def source(self) -> GraphSource: ...
+    @property
+    def background(self) -> Background | None: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def observers(self) -> Observers: ...
+    @property
+    def cost_model(self) -> Any: ...
+
+    def served_specs(self) -> set[TensorSpec]:
+        """The tensor specs warmed or attended so far."""
+        ...
+
+    def preview(self, layout: BatchLayout, spec: TensorSpec) -> Decision:
+        """The decision ``layout`` would get now, with no side effect."""
+        ...
+
+    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: Planner, warm_sets: WarmSets) -> None:
+        """Serve ``config`` with ``guard``, ``planner`` and ``warm_sets`` from the next batch on."""
+        ...
 
 
 @dataclass
@@ -92,7 +132,7 @@ class Switcher:
         self._worker: Worker | None = None
         self._dropped: list[tuple[GraphKey, Future[Built]]] = []
 
-    def request(self, d: Dispatcher, config: AttnPolicyConfig,
+    def request(self, d: SwitchOwner, config: AttnPolicyConfig,
                 specs: Iterable[TensorSpec] | None = None) -> tuple[GraphKey, ...]:
         """Check ``config`` and start building its switch set (module docstring);
         returns the keys being built. ``specs``: the tensor specs to build the new warm
@@ -132,7 +172,7 @@ class Switcher:
             make_eviction(config.eviction)
         except ConfigError as exc:
             raise ConfigError(f"switch_to: eviction={config.eviction!r}: {exc}") from exc
-        served = sorted(set(specs) if specs is not None else {*d.planner.warmed, *d._specs.values()}, key=repr)
+        served = sorted(set(specs) if specs is not None else d.served_specs(), key=repr)
         if config.warmup and not served:
             raise ConfigError(f"switch_to: warmup holds {len(config.warmup)} graphs but the dispatcher has served "
                               "no tensor spec yet: pass specs=[...] to build them for")
@@ -165,12 +205,12 @@ class Switcher:
         """The config of the pending switch (``None``: none pending)."""
         return None if self.target is None else self.target.config
 
-    def worker(self, d: Dispatcher) -> Worker:
+    def worker(self, d: SwitchOwner) -> Worker:
         if self._worker is None:
             self._worker = Worker(d.source)
         return self._worker
 
-    def boundary(self, d: Dispatcher) -> None:
+    def boundary(self, d: SwitchOwner) -> None:
         """At the start of a batch: apply the pending switch if its switch set is built,
         else count the batch as served during the switch; release dropped builds done."""
         if self._dropped:
@@ -187,7 +227,7 @@ class Switcher:
         elif self.target is target:  # not dropped by a failed build
             d.counters.switch_batches += 1
 
-    def finish(self, d: Dispatcher) -> bool:
+    def finish(self, d: SwitchOwner) -> bool:
         """Wait for the pending switch's builds and apply it now, as the next batch
         boundary would (the end of a replay, whose figures must not depend on how fast
         the builds ran); returns whether a switch applied. A failed build drops it as
@@ -199,7 +239,7 @@ class Switcher:
                 return True
         return False
 
-    def _ready(self, d: Dispatcher, target: _Target) -> bool:
+    def _ready(self, d: SwitchOwner, target: _Target) -> bool:
         """Whether ``target``'s switch set is built (waiting for its builds): a failed
         build drops the switch; a warm graph cached at the request and evicted since is
         submitted, to be built too before the switch applies."""
@@ -214,11 +254,11 @@ class Switcher:
             target.builds[key] = self.worker(d).submit(call, key, spec)
         return not evicted
 
-    def _apply(self, d: Dispatcher, target: _Target) -> None:
+    def _apply(self, d: SwitchOwner, target: _Target) -> None:
         self.target, self.busy = None, bool(self._dropped)
         cache, config, c = d.cache, target.config, d.counters
         old = d.config
-        cache.reorder(config.eviction, *eviction_of(config, d._cost_model))
+        cache.reorder(config.eviction, *eviction_of(config, d.cost_model))
         keep = target.calls.keys()
         built_here = loaded = 0
         for key, future in target.builds.items():
@@ -238,16 +278,7 @@ class Switcher:
                 deferred += 1
         c.switch_loaded += loaded
         c.switch_compiled += built_here - loaded
-        target.guard.fallbacks = d.guard.fallbacks  # the count stays the dispatcher's
-        d.config = d.source.config = config
-        if d.background is not None:
-            d.background.config = config
-        d.guard, d.planner, d.warm_sets = target.guard, target.planner, target.warm_sets
-        for step in d._batch:  # steps, plans and contexts of the old config go
-            step.forget()
-        d._batch, d._last = [], None
-        d._steps.clear()
-        d._decided.clear()
+        d.adopt(config, target.guard, target.planner, target.warm_sets)
         c.switches += 1
         host = f", {deferred} left to the host's own kernel" if deferred else ""
         log.info("attnpolicy: switched from policy %s, buckets %s, eviction %s to policy %s, buckets %s, eviction "
@@ -255,7 +286,7 @@ class Switcher:
                  old.policy, old.buckets.describe(), old.eviction, config.policy, config.buckets.describe(),
                  config.eviction, len(target.calls), built_here - loaded, loaded, host)
 
-    def _failed(self, d: Dispatcher, target: _Target, key: GraphKey, error: BaseException) -> None:
+    def _failed(self, d: SwitchOwner, target: _Target, key: GraphKey, error: BaseException) -> None:
         """Drop the switch whose graph ``key`` failed to build (see the module docstring);
         the failure is counted in the cache's ``compile_failures``."""
         _settle(d, key, target.builds.pop(key))
@@ -275,7 +306,7 @@ class Switcher:
         self.target = None
         self.busy = bool(self._dropped)
 
-    def close(self, d: Dispatcher) -> None:
+    def close(self, d: SwitchOwner) -> None:
         """Stop the worker (waiting for its build), drop the pending switch and release
         every build not inserted (counted)."""
         if self._worker is not None:
@@ -287,7 +318,7 @@ class Switcher:
         self._dropped, self.busy = [], False
 
 
-def _settle(d: Dispatcher, key: GraphKey, future: Future[Built]) -> None:
+def _settle(d: SwitchOwner, key: GraphKey, future: Future[Built]) -> None:
     """Release a build of the switch worker that never enters the cache, counted once: a
     compile in ``switch.discarded``, a failure in the cache's ``compile_failures`` (in
     ``switch.discarded`` when the running config has cached ``key`` meanwhile); a build
