@@ -1,7 +1,7 @@
 """Background compiles of whole-model graphs (``compile_mode="background"``).
 
-A miss of a :class:`~attnpolicy.integrations.static_model.StaticModelRunner` does not
-block: its graph compiles in one worker thread while the batch runs on a resident graph
+A miss of a :class:`~attnpolicy.integrations.static_model.StaticModelRunner` (seen here
+as a :class:`Runner`) does not block: its graph compiles in one worker thread while the batch runs on a resident graph
 of the same mode with larger buckets (pad-up: a larger token bucket for ``CAUSAL`` and
 ``MASK``; for ``VARLEN`` a segment tuple of as many segments that dominates the key's
 element-wise), else on the eager model. The worker loads a graph the runner's store
@@ -13,18 +13,83 @@ a batch never depends on when a compile finishes."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
+from attnpolicy.cache.graph_cache import GraphCache
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs.compile import CompiledGraph, release_graph
 
-if TYPE_CHECKING:
-    from attnpolicy.integrations.static_model import ModelKey, Placed, StaticModelRunner
+
+class RunnerKey(Hashable, Protocol):
+    """A whole-model graph's key: its mode, padded rows, (VARLEN) segments and backend."""
+
+    @property
+    def mode(self) -> MaskMode: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def segments(self) -> tuple[int, ...]: ...
+    @property
+    def backend(self) -> str: ...
+
+
+K = TypeVar("K", bound=RunnerKey)
+K_co = TypeVar("K_co", bound=RunnerKey, covariant=True)
+K_contra = TypeVar("K_contra", bound=RunnerKey, contravariant=True)
+
+
+class RunnerBatch(Protocol[K_co]):
+    """A batch placed in its graph: the graph's key and inputs."""
+
+    @property
+    def key(self) -> K_co: ...
+    @property
+    def inputs(self) -> tuple[Any, ...]: ...
+
+
+B = TypeVar("B", bound=RunnerBatch[Any])
+
+
+class Runner(Protocol[K_contra]):
+    """What the background needs of its runner: the config, the graph cache, whether
+    warm-up is over, and the runner's loads, builds, eager forward and strict-mode checks."""
+
+    @property
+    def config(self) -> AttnPolicyConfig: ...
+    @property
+    def cache(self) -> GraphCache[CompiledGraph]: ...
+    @property
+    def warm(self) -> bool: ...
+
+    def holds(self, key: K_contra) -> bool:
+        """Whether the runner's store holds ``key``'s graph."""
+        ...
+
+    def load(self, key: K_contra) -> CompiledGraph | None:
+        """``key``'s graph from the store, else ``None`` (safe in the worker)."""
+        ...
+
+    def build(self, key: K_contra, inputs: tuple[Any, ...]) -> CompiledGraph:
+        """Compile ``key``'s graph for ``inputs`` (safe in the worker)."""
+        ...
+
+    def forward(self, key: K_contra) -> Callable[..., Any]:
+        """The eager forward of a batch of ``key``."""
+        ...
+
+    def strict(self, key: K_contra, *, done: bool = False) -> None:
+        """Apply strict mode to a compile of ``key`` after warm-up."""
+        ...
+
+    def loaded_after_warm_up(self, key: K_contra) -> None:
+        """Count ``key``'s graph loaded from the store after warm-up."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +108,7 @@ class BackgroundStats:
     loaded: int = 0
 
 
-def dominates(other: ModelKey, key: ModelKey) -> bool:
+def dominates(other: RunnerKey, key: RunnerKey) -> bool:
     """Whether ``other``'s graph can serve ``key``'s batch: same mode and backend, at
     least as many rows (``VARLEN``: as many segments, each at least as long)."""
     if other.mode is not key.mode or other.backend != key.backend or other == key:
@@ -54,15 +119,15 @@ def dominates(other: ModelKey, key: ModelKey) -> bool:
     return other.tokens >= key.tokens
 
 
-class ModelBackground:
+class ModelBackground(Generic[K]):
     """The worker and pending compiles of one runner (batches numbered by :meth:`tick`)."""
 
-    def __init__(self, runner: StaticModelRunner) -> None:
+    def __init__(self, runner: Runner[K]) -> None:
         self.runner = runner
         self.batch = 0
         #: key -> (its build: graph, seconds, loaded; the batch it switches at; requested
         #: after warm-up as a load from the store)
-        self.pending: dict[ModelKey, tuple[Future[tuple[CompiledGraph, float, bool]], int, bool]] = {}
+        self.pending: dict[K, tuple[Future[tuple[CompiledGraph, float, bool]], int, bool]] = {}
         self._counts = dict.fromkeys(("requested", "switched", "failed", "padded_up", "eager_served", "loaded"), 0)
         self._seconds = self._stall = 0.0
         self._executor: ThreadPoolExecutor | None = None
@@ -74,7 +139,7 @@ class ModelBackground:
             if due <= self.batch:
                 self._switch_in(key)
 
-    def serve(self, batch: Placed, place: Callable[[ModelKey], Placed]) -> tuple[Placed, Callable[..., Any]]:
+    def serve(self, batch: B, place: Callable[[K], B]) -> tuple[B, Callable[..., Any]]:
         """The placed batch and the callable that run a miss of ``batch.key`` now:
         the smallest dominating resident graph (pinned), else the eager forward; the
         exact graph is requested from the worker unless pending."""
@@ -96,7 +161,7 @@ class ModelBackground:
         self._counts["eager_served"] += 1
         return batch, runner.forward(key)
 
-    def _request(self, batch: Placed, held: bool) -> None:
+    def _request(self, batch: RunnerBatch[K], held: bool) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnpolicy-model-compile")
             weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
@@ -104,7 +169,7 @@ class ModelBackground:
         self.pending[batch.key] = (future, self.batch + self.runner.config.switch_after, held)
         self._counts["requested"] += 1
 
-    def _switch_in(self, key: ModelKey) -> None:
+    def _switch_in(self, key: K) -> None:
         """Insert ``key``'s graph into the cache, waiting for the worker; a failed compile
         raises (``on_compile_error="raise"``) or is counted and requested again at the
         next miss."""
@@ -157,7 +222,7 @@ def _absent() -> CompiledGraph:
     raise AssertionError("a resident graph left the cache between its lookup and its use")
 
 
-def _timed(runner: StaticModelRunner, key: ModelKey, inputs: tuple[Any, ...]) -> tuple[CompiledGraph, float, bool]:
+def _timed(runner: Runner[K], key: K, inputs: tuple[Any, ...]) -> tuple[CompiledGraph, float, bool]:
     """In the worker: ``key``'s graph loaded from the runner's store, else built; its
     seconds; whether it was loaded."""
     start = perf_counter()

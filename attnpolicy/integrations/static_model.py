@@ -253,7 +253,8 @@ class StaticModelRunner:
         self.store = DiskStore(cfg.store_dir, cfg.max_disk_bytes) if cfg.store_dir is not None else None
         self._code, self._unstored = (model_code(model, c.to_json_string(), self.dtype, self.device)
                                       if self.store is not None else ("", ""))
-        self._background = ModelBackground(self) if cfg.compile_mode == "background" else None
+        self._background: ModelBackground[ModelKey] | None = (
+            ModelBackground(self) if cfg.compile_mode == "background" else None)
 
     # -- serving -------------------------------------------------------------------
     def decide(self, layout: BatchLayout) -> Decision:
