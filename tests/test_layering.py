@@ -1,8 +1,11 @@
-"""The package's layering, read from its source: no import cycle, no upward import, no long module.
+"""The package's layering and encapsulation, read from its source: no import cycle, no
+upward import, no two modules importing each other, no code writing another object's
+private state.
 
 Every module of ``attnpolicy`` is parsed; every import in it (at module level or inside
-a function, but not under ``if TYPE_CHECKING:``) is an edge of the import graph. The
-layer order is the one docs/design.md "Package layout" lists.
+a function, but not under ``if TYPE_CHECKING:``) is an edge of the import graph; the
+graph of every import (``TYPE_CHECKING`` ones too) has no two modules importing each
+other. The layer order is the one docs/design.md "Package layout" lists.
 """
 
 from __future__ import annotations
@@ -77,17 +80,24 @@ def _imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
 
 
 @cache
-def graph() -> dict[str, dict[str, int]]:
-    """module -> {imported module: line of the first such import}."""
+def tree(module: str) -> ast.Module:
+    """The parsed source of ``module``."""
+    path = modules()[module]
+    return ast.parse(path.read_text(), str(path))
+
+
+@cache
+def graph(type_checking: bool = False) -> dict[str, dict[str, int]]:
+    """module -> {imported module: line of the first such import}; the imports under
+    ``if TYPE_CHECKING:`` are edges only with ``type_checking``."""
     edges: dict[str, dict[str, int]] = {}
-    for module, path in modules().items():
+    for module in modules():
         out: dict[str, int] = {}
-        tree = ast.parse(path.read_text(), str(path))
         skipped: set[int] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and _type_checking(node.test):
+        for node in ast.walk(tree(module)):
+            if not type_checking and isinstance(node, ast.If) and _type_checking(node.test):
                 skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-        for node in ast.walk(tree):
+        for node in ast.walk(tree(module)):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
                 for target in _imported(module, node):
                     if target != module:
@@ -135,11 +145,78 @@ def upward() -> list[str]:
             for target, line in sorted(out.items()) if layer(target) > layer(m)]
 
 
+def mutual() -> list[str]:
+    """Every two modules importing each other, at any level (module, function or
+    ``TYPE_CHECKING``), as ``a:line <-> b:line``."""
+    edges = graph(type_checking=True)
+    return [f"{a}:{line} <-> {b}:{edges[b][a]}" for a, out in sorted(edges.items())
+            for b, line in sorted(out.items()) if a < b and a in edges[b]]
+
+
+#: Mutating methods of the builtin containers: calling one on ``x._name`` writes it.
+MUTATORS = frozenset({"clear", "append", "update", "pop", "add", "remove", "setdefault", "extend", "insert",
+                      "discard", "popitem"})
+
+#: (module, attribute) written from outside its owner because a third-party API requires it.
+FOREIGN_PRIVATE = {
+    # HF transformers selects a model's attention implementation by its config's
+    # ``_attn_implementation`` (what ``PreTrainedModel.set_attn_implementation`` writes)
+    ("attnpolicy.integrations.static_model", "_attn_implementation"),
+}
+
+
+def _private(node: ast.expr) -> ast.Attribute | None:
+    """``node`` as ``X._name`` (or ``X._name[...]``) with ``X`` not ``self``/``cls``, else None."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+        return None
+    if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+        return None
+    return node
+
+
+def private_writes(module: ast.Module) -> list[tuple[int, str, str]]:
+    """Every write of another object's private state in ``module``, as (line, attribute,
+    code): an assignment, augmented assignment or ``del`` of ``X._name`` or
+    ``X._name[...]``, a mutating method (:data:`MUTATORS`) called on ``X._name``, a
+    ``setattr``/``delattr`` of a private name; ``X`` not ``self``/``cls``."""
+    found: list[tuple[int, str, str]] = []
+    for node in ast.walk(module):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        while any(isinstance(t, ast.Tuple | ast.List | ast.Starred) for t in targets):
+            targets = [e for t in targets for e in (
+                t.elts if isinstance(t, ast.Tuple | ast.List) else [t.value] if isinstance(t, ast.Starred) else [t])]
+        found += [(node.lineno, a.attr, ast.unparse(t)) for t in targets if (a := _private(t)) is not None]
+        if not isinstance(node, ast.Call):
+            continue
+        func, args = node.func, node.args
+        if isinstance(func, ast.Attribute) and func.attr in MUTATORS and (a := _private(func.value)) is not None:
+            found.append((node.lineno, a.attr, ast.unparse(node)))
+        if (isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and len(args) >= 2
+                and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str)
+                and _private(ast.Attribute(args[0], args[1].value)) is not None):
+            found.append((node.lineno, args[1].value, ast.unparse(node)))
+    return found
+
+
+def foreign_writes() -> list[str]:
+    """:func:`private_writes` of every module of the package, less :data:`FOREIGN_PRIVATE`,
+    as ``module:line code``."""
+    return [f"{m}:{line} {code}" for m in modules() for line, attr, code in private_writes(tree(m))
+            if (m, attr) not in FOREIGN_PRIVATE]
+
+
 def test_the_graph_sees_lazy_imports_and_skips_type_checking():
     edges = graph()
     assert "attnpolicy.plugins.registry" in edges["attnpolicy.cache.graph_cache"]  # module level
     assert "attnpolicy.plugins.registry" in edges["attnpolicy.plugins.kernels"]  # inside a function
     assert "attnpolicy.config" not in edges["attnpolicy.policies.base"]  # under TYPE_CHECKING only
+    assert "attnpolicy.config" in graph(type_checking=True)["attnpolicy.policies.base"]  # counted when asked
     assert "attnpolicy.plugins.hookspecs" in edges["attnpolicy.policies.builtin"]  # a name from a package
 
 
@@ -159,6 +236,37 @@ def test_no_import_cycle():
 
 def test_no_upward_import():
     assert upward() == []
+
+
+def test_no_two_modules_import_each_other_at_any_level():
+    """A module seeing another through a Protocol of its own imports nothing back: not at
+    module level, not lazily in a function, not under ``TYPE_CHECKING``."""
+    assert mutual() == []
+
+
+def test_the_scan_sees_every_write_of_private_state():
+    source = """
+a._x = 1
+a.b._x, c = 1, 2
+a._x[k] += 1
+del a._x
+a._x.clear()
+a._x[k].append(1)
+setattr(a, "_x", 1)
+delattr(a.b, "_x")
+self._x = cls._x = 1
+self._x.clear()
+setattr(self, "_x", 1)
+a.x = a.__x__ = 1
+a._x.copy()
+"""
+    assert [line for line, _, _ in private_writes(ast.parse(source))] == [2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_no_code_writes_another_objects_private_state():
+    """An object's private state changes only through its own methods (a public method
+    of the owner does what another object needs)."""
+    assert foreign_writes() == []
 
 
 def test_layers_match_the_design_doc():
