@@ -97,7 +97,8 @@ def add_sweep_args(p: argparse.ArgumentParser, policies: tuple[str, ...], capaci
     add_policies_arg(p, policies)
     p.add_argument("--buckets", type=str_list, default=buckets, metavar="S[,S...]",
                    help="bucket schemes side by side: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
-                        "exact, or the path of an attnpolicy config (its buckets) "
+                        "exact, gaudi-linear, gaudi-exponential, rbln, tpu (those runtimes' prefill lengths), "
+                        "or the path of an attnpolicy config (its buckets) "
                         f"(default: {shown(buckets) if buckets else 'the base config’s, pow2'})")
     add_capacities_arg(p, capacities)
     p.add_argument("--max-bytes", type=byte_list, default=None, metavar="B[,B...]",

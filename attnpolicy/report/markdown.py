@@ -241,7 +241,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"Workload: {_workload(data)}. Cost model: {data['cost_model_source']} "
         f"({model['backend']}, {model['impl']}, H={model['heads']}/{model['kv_heads']} D={model['head_dim']}, "
         f"{model['threads']} thread(s)).{_outside(data)} Buckets: pow2 (tt-xla), vllm (vLLM's default capture sizes), "
-        "exact (one graph per length) or a config's. Total = attention (incl. dispatch overhead and mask "
+        "exact (one graph per length), gaudi-linear, gaudi-exponential, rbln, tpu (those runtimes' prefill "
+        "lengths) or a config's. Total = attention (incl. dispatch overhead and mask "
         f"builds) + compiles. {len(data['sweep'])} rows: every one in the appendix and in report.json."
         + _options(data["sweep"]), "",
         "![frontier](frontier.png)", "",

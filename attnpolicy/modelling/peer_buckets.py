@@ -1,0 +1,424 @@
+"""The graphs other runtimes' vLLM plugins compile at warm-up, re-implemented from their rules.
+
+For a server's limits (:class:`PeerLimits`: vLLM's ``max_num_seqs``,
+``max_num_batched_tokens``, ``max_model_len``, ``block_size``) each scheme gives a
+:class:`WarmupSet` of :class:`WarmupGraph` (phase, padded batch, padded query
+tokens, context blocks where the runtime pads them):
+
+- ``gaudi-linear``, ``gaudi-exponential``: vllm-gaudi's two generated strategies,
+  prompt graphs batch × query × context blocks and decode graphs batch × 1 × blocks
+  (:func:`gaudi_config`, :func:`gaudi_warmup`);
+- ``rbln``: vllm-rbln, one prefill graph at batch 1 padded to
+  ``max_num_batched_tokens`` and one decode graph per decode batch bucket
+  (:func:`rbln_warmup`);
+- ``tpu``: tpu-inference, one ragged graph per token padding × attention request
+  padding, serving prefill and decode alike; the request paddings of its sampling
+  graphs come with :func:`tpu_paddings`.
+
+Read (not copied) from vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+rebellions-sw/vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e and
+vllm-project/tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88; each function
+names its files. Modelled: every runtime's defaults (its environment variables
+unset), one device (no data or pipeline parallelism), no speculative decoding, LoRA,
+multimodal or mamba layers; for vllm-gaudi no merged prefill, no contiguous paged
+attention (its default under prefix caching, vLLM's default), no sliding-window
+slicing and no bucket file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from itertools import product
+from typing import Literal
+
+from attnpolicy.errors import ConfigError
+
+Phase = Literal["prefill", "decode", "mixed"]
+GaudiStrategy = Literal["linear", "exponential"]
+RblnStrategy = Literal["exponential", "linear"]
+
+#: vllm-gaudi's KV block size unless the user gives one (vllm_gaudi/platform.py).
+GAUDI_BLOCK_SIZE = 128
+#: vllm-gaudi's long-context threshold on ``max_model_len`` (bucketing/exponential.py, common.py).
+GAUDI_LONG_CONTEXT = 8192
+#: tpu-inference's smallest request padding (tpu_inference/runner/utils.py ``MIN_NUM_SEQS``).
+TPU_MIN_NUM_SEQS = 8
+#: tpu-inference's smallest token padding on one device with a bf16 KV cache
+#: (``max(MIN_TOKEN_BUCKET, next_power_of_2(dp_size * kv_packing))`` in tpu_runner.py).
+TPU_MIN_TOKEN_BUCKET = 16
+
+
+def _check_int(name: str, value: int, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def _ceil_log2(n: int) -> int:
+    """``ceil(log2(n))`` for ``n >= 1``, exactly."""
+    return (n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _ordered(graphs: Iterable[WarmupGraph]) -> tuple[WarmupGraph, ...]:
+    return tuple(sorted(set(graphs), key=WarmupGraph.sort_key))
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """The vLLM limits a runtime derives its warm-up set from; each an int >= 1
+    (else :class:`ConfigError` naming it)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int = GAUDI_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            _check_int(name, getattr(self, name), 1)
+
+
+@dataclass(frozen=True)
+class WarmupGraph:
+    """One compiled shape: a ``prefill`` or ``decode`` graph pads ``batch`` sequences
+    to ``query_tokens`` each; a ``mixed`` graph (tpu's ragged batch) takes up to
+    ``batch`` requests of ``query_tokens`` tokens in all. ``context_blocks`` is
+    ``None`` where the runtime does not pad the context (a whole-length KV cache)."""
+
+    phase: Phase
+    batch: int
+    query_tokens: int
+    context_blocks: int | None = None
+
+    def sort_key(self) -> tuple[str, int, int, int]:
+        return self.phase, self.batch, self.query_tokens, -1 if self.context_blocks is None else self.context_blocks
+
+
+@dataclass(frozen=True)
+class WarmupSet:
+    """The graphs a runtime compiles at warm-up, sorted by (phase, batch, query
+    tokens, context blocks), each once."""
+
+    scheme: str
+    graphs: tuple[WarmupGraph, ...]
+
+    @classmethod
+    def of(cls, scheme: str, graphs: Iterable[WarmupGraph]) -> WarmupSet:
+        return cls(scheme, _ordered(graphs))
+
+    def phase(self, phase: Phase) -> tuple[WarmupGraph, ...]:
+        return tuple(g for g in self.graphs if g.phase == phase)
+
+    def prefill_lengths(self) -> tuple[int, ...]:
+        """The query-token sizes of the graphs that serve prefill (every phase but decode), ascending."""
+        return tuple(sorted({g.query_tokens for g in self.graphs if g.phase != "decode"}))
+
+    def serves(self, phase: Phase, batch: int, query_tokens: int,
+               context_blocks: int | None = None) -> WarmupGraph | None:
+        """The first graph (in order) of ``phase`` at least as large in every
+        dimension, as vllm-gaudi's bucket lookup picks it; ``None``: the runtime
+        compiles a new graph. A graph without context blocks serves any context."""
+        for g in self.graphs:
+            if (g.phase == phase and g.batch >= batch and g.query_tokens >= query_tokens
+                    and (context_blocks is None or g.context_blocks is None or g.context_blocks >= context_blocks)):
+                return g
+        return None
+
+
+# -- vllm-gaudi ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinearRange:
+    """vllm-gaudi's linear warm-up range (vllm_gaudi/extension/bucketing/linear.py
+    ``warmup_range``; docs/features/bucketing_mechanism.md "Linear Strategy"): a
+    ramp-up doubling ``min`` while below ``step``, then the multiples of ``step`` up
+    to ``max`` (``max`` itself only when it is one), those below ``min`` left out;
+    ``min`` 0 ramps from ``step`` and adds a 0 bucket. None left is a
+    :class:`ConfigError` (vllm-gaudi would warm up nothing)."""
+
+    min: int
+    step: int
+    max: int
+
+    def values(self) -> tuple[int, ...]:
+        _check_int("step", self.step, 1)
+        _check_int("min", self.min, 0)
+        if self.min > self.max:
+            raise ConfigError(f"a bucket range's min must be <= its max, got min={self.min}, max={self.max}")
+        if self.max == 0:
+            return (0,)
+        start = self.min or self.step
+        ramp = [start << k for k in range(self.max.bit_length()) if (start << k) < self.step
+                and (start << k) <= self.max]
+        stable = range(self.step, self.max + 1, self.step)
+        values = sorted({v for v in (*ramp, *stable) if v >= start} | ({0} if self.min == 0 else set()))
+        if not values:
+            raise ConfigError(f"a linear bucket range has no bucket: min={self.min} is above step={self.step} "
+                              f"and no multiple of step lies in [min, max={self.max}]")
+        return tuple(values)
+
+
+@dataclass(frozen=True)
+class ExponentialRange:
+    """vllm-gaudi's exponential warm-up range (vllm_gaudi/extension/bucketing/exponential.py
+    ``warmup_range_with_limit``): ``limit`` points spaced geometrically from ``min``
+    to ``max``, each rounded up to a multiple of ``step``, duplicates dropped, the
+    largest cut to ``max``; ``min`` 0 or 1 starts the spacing at ``step`` and adds
+    ``min`` itself; ``limit`` 1 is ``max`` alone."""
+
+    min: int
+    step: int
+    max: int
+    limit: int
+
+    def values(self) -> tuple[int, ...]:
+        _check_int("step", self.step, 1)
+        _check_int("limit", self.limit, 1)
+        _check_int("max", self.max, 1)
+        if self.limit == 1:
+            return (self.max,)
+        lo = self.step if self.min in (0, 1) else self.min
+        points = {math.ceil(lo * (self.max / lo) ** ((1.0 / (self.limit - 1)) * i) / self.step) * self.step
+                  for i in range(self.limit)}
+        if self.min in (0, 1):
+            points.add(self.min)
+        out = sorted(points)
+        out[-1] = min(out[-1], self.max)
+        return tuple(sorted(set(out)))
+
+
+GaudiRange = LinearRange | ExponentialRange
+
+
+@dataclass(frozen=True)
+class GaudiConfig:
+    """vllm-gaudi's bucket settings for one server: the ranges of prompt batch,
+    query tokens and context blocks, and of decode batch and blocks (decode query is 1)."""
+
+    strategy: GaudiStrategy
+    prompt_batch: GaudiRange
+    prompt_query: GaudiRange
+    prompt_context: GaudiRange
+    decode_batch: GaudiRange
+    decode_blocks: GaudiRange
+
+
+def gaudi_config(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill_seqs: int = 1,
+                 num_kv_blocks: int | None = None) -> GaudiConfig:
+    """The settings vllm-gaudi derives (vllm_gaudi/extension/bucketing/linear.py and
+    exponential.py ``get_prompt_cfgs`` / ``get_decode_cfgs``, at the commit of the
+    module docstring):
+
+    - ``max_num_prefill_seqs``: the runner's ``VLLM_PROMPT_BS_BUCKET_MAX``, default 1
+      (vllm_gaudi/v1/worker/hpu_model_runner.py);
+    - ``num_kv_blocks``: the KV cache's blocks, known once it is allocated; exponential
+      decode clamps its blocks to three times it. ``None``: a cache holding
+      ``max_num_seqs`` sequences of ``max_model_len``, so the clamp never binds.
+
+    Exponential: prompt batch (1, 2, max_num_prefill_seqs, ⌈log2⌉+1), query (block,
+    block, max_num_batched_tokens, ⌈log2 max_num_batched_tokens⌉), context (0, 1,
+    max_ctx, ⌈log2 max_ctx⌉+1, 2 when max_ctx is 1) with max_ctx = (max_model_len −
+    block, or − max_num_batched_tokens from 8192 on) // block, at least 1; decode
+    batch (1, 2, max_num_seqs, ⌈log2⌉+1), blocks (1, max_num_seqs, ⌈max_model_len /
+    block⌉ · max_num_seqs clamped, ⌈log2⌉+1). Linear: prompt batch (1, 1,
+    max_num_prefill_seqs), query (block, block, max_num_batched_tokens), context (0,
+    1, (max_model_len − block) // block); decode batch (1, 32, max_num_seqs), blocks
+    (1, block, max(max_model_len · max_num_seqs // block, block)).
+    """
+    _check_int("max_num_prefill_seqs", max_num_prefill_seqs, 1)
+    if num_kv_blocks is not None:
+        _check_int("num_kv_blocks", num_kv_blocks, 1)
+    block, mml, tokens, seqs = (limits.block_size, limits.max_model_len, limits.max_num_batched_tokens,
+                                limits.max_num_seqs)
+    if strategy == "exponential":
+        if tokens < 2:
+            raise ConfigError(f"gaudi-exponential needs max_num_batched_tokens >= 2 (its query bucket limit is "
+                              f"ceil(log2(max_num_batched_tokens)) = 0), got max_num_batched_tokens={tokens}")
+        max_ctx = max(1, (mml - (tokens if mml >= GAUDI_LONG_CONTEXT else block)) // block)
+        worst = _cdiv(mml, block) * seqs
+        blocks = worst if num_kv_blocks is None else min(worst, 3 * num_kv_blocks)
+        return GaudiConfig(
+            strategy,
+            ExponentialRange(1, 2, max_num_prefill_seqs, _ceil_log2(max_num_prefill_seqs) + 1),
+            ExponentialRange(block, block, tokens, _ceil_log2(tokens)),
+            ExponentialRange(0, 1, max_ctx, 2 if max_ctx == 1 else _ceil_log2(max_ctx) + 1),
+            ExponentialRange(1, 2, seqs, _ceil_log2(seqs) + 1),
+            ExponentialRange(1, seqs, blocks, _ceil_log2(blocks) + 1))
+    if strategy == "linear":
+        for name, value in (("max_num_batched_tokens", tokens), ("max_model_len", mml)):
+            if value < block:
+                raise ConfigError(f"gaudi-linear needs {name} >= block_size={block} (its prompt query buckets "
+                                  f"are multiples of a block), got {name}={value}")
+        return GaudiConfig(
+            strategy, LinearRange(1, 1, max_num_prefill_seqs), LinearRange(block, block, tokens),
+            LinearRange(0, 1, (mml - block) // block), LinearRange(1, 32, seqs),
+            LinearRange(1, block, max(mml * seqs // block, block)))
+    raise ConfigError(f"unknown vllm-gaudi strategy {strategy!r}: give linear or exponential")
+
+
+def gaudi_prompt_graphs(limits: PeerLimits, batches: Iterable[int], queries: Iterable[int],
+                        contexts: Iterable[int]) -> tuple[WarmupGraph, ...]:
+    """vllm-gaudi's prompt buckets from its ranges (vllm_gaudi/extension/bucketing/common.py
+    ``generate_buckets``): every batch × query × context that keeps the context
+    within ⌈(max_model_len − 1) / block⌉ blocks, the query within max_model_len and
+    batch × query within max_num_batched_tokens. From max_model_len 8192 on, the
+    largest context becomes, for each query, (max_model_len − query) // block.
+    Sorted, each once, as every function here returns graphs."""
+    contexts = tuple(contexts)
+    top, mml, block = max(contexts), limits.max_model_len, limits.block_size
+    cap = _cdiv(mml - 1, block)
+    out = []
+    for b, c, q in product(batches, contexts, tuple(queries)):
+        if mml >= GAUDI_LONG_CONTEXT and c == top and mml >= q:
+            c = (mml - q) // block
+        if c <= cap and q <= mml and b * q <= limits.max_num_batched_tokens:
+            out.append(WarmupGraph("prefill", b, q, c))
+    return _ordered(out)
+
+
+def gaudi_decode_graphs(limits: PeerLimits, batches: Iterable[int], blocks: Iterable[int]) -> tuple[WarmupGraph, ...]:
+    """vllm-gaudi's decode buckets from its ranges (common.py ``generate_buckets``,
+    without contiguous paged attention): every batch × blocks with batch <= blocks,
+    the blocks cut to batch · ⌈max_model_len / block⌉."""
+    per_seq = _cdiv(limits.max_model_len, limits.block_size)
+    return _ordered(WarmupGraph("decode", b, 1, min(n, b * per_seq)) for b, n in product(batches, tuple(blocks))
+                    if b <= n)
+
+
+def gaudi_warmup(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill_seqs: int = 1,
+                 num_kv_blocks: int | None = None) -> WarmupSet:
+    """vllm-gaudi's prompt and decode buckets (:func:`gaudi_config`'s ranges through
+    :func:`gaudi_prompt_graphs` and :func:`gaudi_decode_graphs`); no prompt bucket
+    left by the filters is a :class:`ConfigError`, as vllm-gaudi refuses to start."""
+    cfg = gaudi_config(limits, strategy, max_num_prefill_seqs=max_num_prefill_seqs, num_kv_blocks=num_kv_blocks)
+    prompt = gaudi_prompt_graphs(limits, cfg.prompt_batch.values(), cfg.prompt_query.values(),
+                                 cfg.prompt_context.values())
+    if not prompt:
+        raise ConfigError(f"gaudi-{strategy}: no prompt bucket fits max_model_len={limits.max_model_len} "
+                          f"(its smallest query bucket is {min(cfg.prompt_query.values())} tokens)")
+    decode = gaudi_decode_graphs(limits, cfg.decode_batch.values(), cfg.decode_blocks.values())
+    return WarmupSet.of(f"gaudi-{strategy}", (*prompt, *decode))
+
+
+# -- vllm-rbln ----------------------------------------------------------------------------
+
+def rbln_decode_batches(max_batch_size: int, strategy: RblnStrategy = "exponential", *, min_batch: int = 1,
+                        step: int = 2, limit: int = 1) -> tuple[int, ...]:
+    """vllm-rbln's decode batch buckets, ascending (vllm_rbln/v1/worker/bucketing/
+    exponential_bucketing_manager.py, linear_bucketing_manager.py, bucketing_manager.py
+    ``check_config``): from ``max_batch_size`` down, each bucket the previous one
+    divided by ``step`` (exponential, integer division) or less ``step`` (linear),
+    until ``limit`` buckets or below ``min_batch``. Defaults are vllm_rbln/rbln_envs.py's
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_*``: exponential, min 1, step 2, limit 1."""
+    if strategy not in ("exponential", "linear"):
+        raise ConfigError(f"unknown vllm-rbln strategy {strategy!r}: give exponential or linear")
+    _check_int("min_batch", min_batch, 1)
+    _check_int("step", step, 2 if strategy == "exponential" else 1)
+    _check_int("limit", limit, 1)
+    if max_batch_size < min_batch:
+        raise ConfigError(f"vllm-rbln's max batch size (max_num_seqs // pipeline_parallel_size) must be >= "
+                          f"min_batch={min_batch}, got {max_batch_size}")
+    out = [max_batch_size]
+    while len(out) < limit:
+        nxt = out[-1] // step if strategy == "exponential" else out[-1] - step
+        if nxt < min_batch:
+            break
+        out.append(nxt)
+    return tuple(sorted(set(out)))
+
+
+def rbln_warmup(limits: PeerLimits, strategy: RblnStrategy = "exponential", *, min_batch: int = 1, step: int = 2,
+                limit: int = 1, pipeline_parallel_size: int = 1) -> WarmupSet:
+    """vllm-rbln's warm-up (vllm_rbln/v1/worker/rbln_model_runner.py ``warm_up_model``
+    and the prefill padding of its model step; docs/bucketing.md): one prefill graph
+    of one request padded to ``max_num_batched_tokens``, one decode graph per
+    :func:`rbln_decode_batches` bucket of ``max_num_seqs // pipeline_parallel_size``.
+    Neither pads a context: the KV cache spans ``max_model_len``."""
+    _check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
+    batches = rbln_decode_batches(limits.max_num_seqs // pipeline_parallel_size, strategy,
+                                  min_batch=min_batch, step=step, limit=limit)
+    return WarmupSet.of("rbln", (WarmupGraph("prefill", 1, limits.max_num_batched_tokens),
+                                 *(WarmupGraph("decode", b, 1) for b in batches)))
+
+
+# -- tpu-inference ------------------------------------------------------------------------
+
+def tpu_token_paddings(min_tokens: int, max_tokens: int, padding_gap: int = 0) -> tuple[int, ...]:
+    """tpu-inference's token paddings (tpu_inference/runner/utils.py ``get_token_paddings``):
+    gap 0, ``min_tokens`` doubling up to the first size >= ``max_tokens``; otherwise
+    doubling while <= ``padding_gap``, then steps of ``padding_gap`` up to the first
+    size >= ``max_tokens``. ``min_tokens`` must be a power of two."""
+    _check_int("min_tokens", min_tokens, 1)
+    _check_int("max_tokens", max_tokens, 1)
+    _check_int("padding_gap", padding_gap, 0)
+    if min_tokens & (min_tokens - 1):
+        raise ConfigError(f"tpu-inference's smallest token padding must be a power of two, got {min_tokens}")
+    if padding_gap == 0:
+        doublings = _ceil_log2(_cdiv(max_tokens, min_tokens))
+        return tuple(min_tokens << k for k in range(doublings + 1))
+    doubled = [min_tokens << k for k in range(padding_gap.bit_length()) if (min_tokens << k) <= padding_gap]
+    start = doubled[-1] if doubled else min_tokens // 2
+    steps = _cdiv(max_tokens - start, padding_gap) if max_tokens > start else 0
+    return (*doubled, *(start + padding_gap * k for k in range(1, steps + 1)))
+
+
+def tpu_request_paddings(min_reqs: int, max_reqs: int) -> tuple[int, ...]:
+    """tpu-inference's request paddings (tpu_inference/runner/utils.py ``get_req_paddings``):
+    powers of two from max(8, ``min_reqs``), the last cut to ``max_reqs``; none when
+    ``max_reqs`` is below the first."""
+    _check_int("min_reqs", min_reqs, 1)
+    _check_int("max_reqs", max_reqs, 1)
+    if min_reqs & (min_reqs - 1):
+        raise ConfigError(f"tpu-inference's smallest request padding must be a power of two, got {min_reqs}")
+    first = max(TPU_MIN_NUM_SEQS, min_reqs)
+    if max_reqs < first:
+        return ()
+    return (*(first << k for k in range(max_reqs.bit_length()) if (first << k) < max_reqs), max_reqs)
+
+
+@dataclass(frozen=True)
+class TpuPaddings:
+    """tpu-inference's paddings: ``tokens`` (every graph's token count),
+    ``requests`` (sampling and logits graphs) and ``attention_requests`` (the
+    model graph's request count)."""
+
+    tokens: tuple[int, ...]
+    requests: tuple[int, ...]
+    attention_requests: tuple[int, ...]
+
+    def warmup(self) -> WarmupSet:
+        """The model graphs tpu-inference compiles (tpu_inference/runner/compilation_manager.py
+        ``_precompile_backbone_text_only``): every token padding × attention request padding."""
+        return WarmupSet.of("tpu", (WarmupGraph("mixed", r, t) for t, r in product(self.tokens,
+                                                                                    self.attention_requests)))
+
+
+def tpu_paddings(limits: PeerLimits, *, padding_gap: int = 0, min_tokens: int = TPU_MIN_TOKEN_BUCKET,
+                 bucketize_attention_requests: bool = False) -> TpuPaddings:
+    """tpu-inference's paddings for one device (tpu_inference/runner/tpu_runner.py
+    ``_init_inputs``, utils.py ``get_attn_req_paddings``, envs.py): tokens up to
+    ``max_num_batched_tokens`` (``VLLM_TPU_BUCKET_PADDING_GAP``, default 0;
+    ``MIN_TOKEN_BUCKET``, default 16), requests up to max(``max_num_seqs``, 8), and
+    attention requests ``max_num_seqs`` alone unless ``ATTN_BUCKETIZED_NUM_REQS``
+    (then the request paddings up to ``max_num_seqs``, which ends them)."""
+    seqs = limits.max_num_seqs
+    attention: tuple[int, ...] = (seqs,)
+    if bucketize_attention_requests:
+        attention = tuple(sorted({*tpu_request_paddings(TPU_MIN_NUM_SEQS, seqs), seqs}))
+    return TpuPaddings(tpu_token_paddings(min_tokens, limits.max_num_batched_tokens, padding_gap),
+                       tpu_request_paddings(TPU_MIN_NUM_SEQS, max(seqs, TPU_MIN_NUM_SEQS)), attention)
+
+
+#: The schemes by name, each under its runtime's defaults.
+WARMUPS: dict[str, Callable[[PeerLimits], WarmupSet]] = {
+    "gaudi-linear": partial(gaudi_warmup, strategy="linear"),
+    "gaudi-exponential": partial(gaudi_warmup, strategy="exponential"),
+    "rbln": rbln_warmup,
+    "tpu": lambda limits: tpu_paddings(limits).warmup(),
+}
