@@ -95,11 +95,12 @@ def why_illegal(mode: MaskMode, layout: BatchLayout) -> str | None:
 
 
 def is_legal(mode: MaskMode, layout: BatchLayout) -> bool:
-    return why_illegal(mode, layout) is None
+    """Whether :func:`why_illegal` is ``None``, without building its message."""
+    return mode is not MaskMode.CAUSAL or why_not_causal(layout) is None
 
 
 def legal_modes(layout: BatchLayout) -> tuple[MaskMode, ...]:
-    return tuple(m for m in MaskMode if why_illegal(m, layout) is None)
+    return tuple(m for m in MaskMode if is_legal(m, layout))
 
 
 def check_legal(mode: MaskMode, layout: BatchLayout) -> None:

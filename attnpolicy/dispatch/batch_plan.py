@@ -74,7 +74,8 @@ class Planner:
         self._keys: LRUCache[tuple[object, ...], GraphKey] = memo()
         #: (causal, spec, own keys, q bucket, kv bucket) -> SeqPlan
         self._seqs: LRUCache[tuple[object, ...], SeqPlan] = memo()
-        self._buckets: LRUCache[int, int] = memo()  # length -> bucket
+        #: length -> bucket, for lengths up to the largest bucket (so at most that many)
+        self._buckets: dict[int, int] = {}
         self._contexts: LRUCache[TensorSpec, PolicyContext] = memo()
         self.warmed: set[TensorSpec] = set()  # specs whose warm set :meth:`warm_calls` gave
 
@@ -190,10 +191,11 @@ class Planner:
 
     def _length_bucket(self, n: int) -> int:
         try:
-            bucket: int = self._buckets[n]
-            return bucket
+            return self._buckets[n]
         except KeyError:
-            bucket = self._buckets[n] = self._bucket(n)
+            bucket = self._bucket(n)
+            if n <= self.largest:  # longer ones overflow: not kept, so the memo stays bounded
+                self._buckets[n] = bucket
             return bucket
 
     def _batch_bucket(self, n: int) -> int:

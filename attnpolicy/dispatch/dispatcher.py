@@ -49,7 +49,8 @@ class Dispatcher:
 
     Everything it keeps is its own and bounded: graphs (``max_graphs``, ``max_bytes``),
     dense masks (``max_mask_bytes``), small mask tensors, and memos of plans, steps,
-    keys, specs and buckets (:data:`~attnpolicy.dispatch.memo.MEMO_SIZE` each), all in
+    keys and specs (:data:`~attnpolicy.dispatch.memo.MEMO_SIZE` each) and of buckets (one per
+    length up to the largest bucket), all in
     :meth:`stats`; one float per batch that stalled. A batch's graphs are pinned from
     :meth:`prepare` until it has run (the end of :meth:`attend`, or the next
     :meth:`prepare`): evicting one then does not free it.

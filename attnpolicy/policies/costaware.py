@@ -213,12 +213,12 @@ class _Shadow:
         # every mask cached or too large to cache: repeating the step changes nothing
         # but the seconds
         self.quiet = all_hit and all(map(self.masks.settled, static.masks))
-        touch, request = self.cache.touch, self.request
+        touch, miss = self.cache.touch, self._miss
         for key in uses:  # misses charged one by one: a key may be evicted within the batch
             try:
                 touch(key)  # a hit: touched as the graph cache touches it
             except KeyError:
-                self.seconds += request(key)
+                self.seconds += miss(key)
         for need in static.masks:
             self.masks.use(need.key, need.nbytes)
         return mode, reason
@@ -230,7 +230,10 @@ class _Shadow:
             self.cache.touch(key)
             return 0.0
         except KeyError:
-            pass
+            return self._miss(key)
+
+    def _miss(self, key: GraphKey) -> float:
+        """Serve a miss of ``key`` (not held; a failed touch changes nothing); its compile seconds."""
         seconds = self._pricer.compile_seconds(key)
         self.cache.miss(key, self._pricer.graph_bytes(key), seconds)
         return seconds
