@@ -31,3 +31,30 @@ def test_a_recording_equals_itself_and_a_changed_row_is_found(tmp_path):
     (b / "simulate.json").write_text(json.dumps(data))
     (b / "plan" / "plan.md").write_text("changed")
     assert compare_outputs.compare(a, b) == ["plan/plan.md", "simulate.json"]
+
+
+def test_the_model_level_is_recorded_and_a_real_runs_seconds_are_not_compared(tmp_path):
+    from test_model_graphs import synthetic
+
+    cost = synthetic().save(tmp_path / "m.json")
+    a = tmp_path / "a"
+    compare_outputs.record(REPO, a, ["--trace", "default", "--limit", "12"], model_cost=cost)
+    recorded = {str(p.relative_to(a)) for p in a.rglob("*") if p.is_file()}
+    assert {"model_simulate.json", "model_stalls.json", "model_plan/plan.json"} <= recorded
+    model_rows = json.loads((a / "model_simulate.json").read_text())["rows"]
+    assert model_rows and json.loads((a / "simulate.json").read_text())["rows"] != model_rows
+
+    b = tmp_path / "b"
+    b.mkdir()
+    run = {"misses": 3, "compile_seconds": 1.0, "stalls": {"p99": 0.5, "batches": 4}, "max_abs_err": 1e-7}
+    (a / "run.json").write_text(json.dumps(run))
+    shutil.copytree(a, b, dirs_exist_ok=True)
+    (b / "run.json").write_text(json.dumps({**run, "compile_seconds": 2.0, "stalls": {"p99": 0.7, "batches": 4}}))
+    assert compare_outputs.compare(a, b) == []  # measured seconds differ run to run
+    (b / "run.json").write_text(json.dumps({**run, "misses": 4}))
+    assert compare_outputs.compare(a, b) == ["run.json"]
+    # in a modelled output, seconds are results and are compared
+    data = json.loads((b / "model_simulate.json").read_text())
+    data["rows"][0]["total_seconds"] += 1.0
+    (b / "model_simulate.json").write_text(json.dumps(data))
+    assert compare_outputs.compare(a, b) == ["model_simulate.json", "run.json"]

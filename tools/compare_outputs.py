@@ -1,14 +1,19 @@
-"""Record and compare the modelled outputs of ``simulate --json``, ``plan`` and ``stalls``.
+"""Record and compare the outputs of ``simulate --json``, ``stalls --json``, ``plan`` and
+``run --check --json``, at the attention-call and the whole-model level.
 
-A refactor that keeps behaviour leaves these outputs identical. ``record`` runs the three
+A refactor that keeps behaviour leaves these outputs identical. ``record`` runs the
 commands with a given checkout on ``PYTHONPATH`` and writes their outputs to a folder;
 ``compare`` says which outputs of two folders differ (timing-only fields are dropped first)::
 
-    python tools/compare_outputs.py record /path/to/base-checkout /tmp/out-base
-    python tools/compare_outputs.py record . /tmp/out-head
+    python tools/compare_outputs.py record /path/to/base-checkout /tmp/out-base --model-cost m.json --run
+    python tools/compare_outputs.py record . /tmp/out-head --model-cost m.json --run
     python tools/compare_outputs.py compare /tmp/out-base /tmp/out-head
 
 ``--trace PATH --limit N`` records an Azure-format trace instead of the built-in workload.
+``--model-cost PATH`` adds the three modelled commands on whole-model graphs with that model
+cost file; ``--run`` adds real ``run --check`` replays (a small spec, ``aot_eager``) at the
+attention level and, with ``--run-model SPEC``, at the model level. A real run's measured
+seconds differ between any two runs, so only its counts, modes, errors and config are compared.
 """
 
 from __future__ import annotations
@@ -23,43 +28,67 @@ from typing import Any
 
 #: Keys whose values are measured wall time, not modelled results.
 TIMING_KEYS = frozenset({"wall_seconds", "elapsed_seconds"})
+#: Keys of a real run's stall distribution (measured seconds).
+RUN_STALL_KEYS = frozenset({"p50", "p99", "max"})
+#: A small attention spec and limits for real runs: seconds of compile, not minutes.
+RUN_FLAGS = ["--backend", "aot_eager", "--max-seq-len", "512", "--max-num-batched-tokens", "512",
+             "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--check"]
 
 
-def _commands(workload: list[str]) -> dict[str, list[str]]:
-    """The three commands, by the name of the output folder each writes to."""
-    return {
+def _commands(workload: list[str], model_cost: Path | None = None, run: bool = False,
+              run_model: str | None = None) -> dict[str, list[str]]:
+    """The commands, by the name of the output each writes (stdout goes to ``NAME.stdout``)."""
+    commands = {
         "simulate": ["simulate", *workload, "--workers", "1", "--json", "simulate.json"],
         "stalls": ["stalls", *workload, "--json", "stalls.json"],
         "plan": ["plan", *workload, "--max-graphs", "8", "--out", "plan"],
     }
+    if model_cost is not None:
+        cost = ["--model-cost", str(model_cost.resolve())]
+        commands |= {
+            "model_simulate": ["simulate", *workload, *cost, "--json", "model_simulate.json"],
+            "model_stalls": ["stalls", *workload, *cost, "--json", "model_stalls.json"],
+            "model_plan": ["plan", *workload, *cost, "--max-graphs", "8", "--out", "model_plan"],
+        }
+    if run:
+        commands["run"] = ["run", *workload, *RUN_FLAGS, "--json", "run.json"]
+        if run_model is not None:
+            commands["model_run"] = ["run", *workload, "--model", run_model, *RUN_FLAGS[:6], "--check",
+                                     "--max-num-seqs", "1", "--json", "model_run.json"]
+    return commands
 
 
-def record(checkout: Path, out: Path, workload: list[str]) -> None:
-    """Run the commands with ``checkout`` first on the path; outputs and stdout go to ``out``."""
+def record(checkout: Path, out: Path, workload: list[str], model_cost: Path | None = None,
+           run: bool = False, run_model: str | None = None) -> None:
+    """Run the commands with ``checkout`` first on the path; outputs and stdout go to ``out``
+    (a real run's stdout, all measured seconds, is not kept)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
-    for name, args in _commands(workload).items():
+    for name, args in _commands(workload, model_cost, run, run_model).items():
         proc = subprocess.run(
             [sys.executable, "-m", "attnpolicy", *args],
             cwd=out, env=env, capture_output=True, text=True, check=False,
         )
-        (out / f"{name}.stdout").write_text(proc.stdout)
+        if args[0] != "run":
+            (out / f"{name}.stdout").write_text(proc.stdout)
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr}")
 
 
-def _strip(value: Any) -> Any:
-    """``value`` without timing-only keys, at any depth."""
+def _strip(value: Any, measured: bool = False) -> Any:
+    """``value`` without timing-only keys, at any depth; ``measured`` (a real run's output):
+    also without any key naming seconds and the stall distribution's quantiles."""
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in TIMING_KEYS}
+        return {k: _strip(v, measured) for k, v in value.items()
+                if k not in TIMING_KEYS and not (measured and ("seconds" in k or k in RUN_STALL_KEYS))}
     if isinstance(value, list):
-        return [_strip(v) for v in value]
+        return [_strip(v, measured) for v in value]
     return value
 
 
 def _load(path: Path) -> Any:
     if path.suffix == ".json":
-        return _strip(json.loads(path.read_text()))
+        return _strip(json.loads(path.read_text()), measured=path.name.endswith("run.json"))
     return path.read_text()
 
 
@@ -80,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("out", type=Path)
     rec.add_argument("--trace", default="default")
     rec.add_argument("--limit", type=int, default=None)
+    rec.add_argument("--model-cost", type=Path, default=None, help="also the whole-model level, with this file")
+    rec.add_argument("--run", action="store_true", help="also real run --check replays")
+    rec.add_argument("--run-model", default=None, metavar="SPEC", help="with --run: a real model-level run too")
     cmp = sub.add_parser("compare", help="compare two recorded folders")
     cmp.add_argument("a", type=Path)
     cmp.add_argument("b", type=Path)
@@ -88,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = ["--trace", args.trace]
         if args.limit is not None:
             workload += ["--limit", str(args.limit)]
-        record(args.checkout, args.out, workload)
+        record(args.checkout, args.out, workload, args.model_cost, args.run, args.run_model)
         return 0
     differ = compare(args.a, args.b)
     for name in differ:
