@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
                    help="torch.compile backend of --model (default: inductor)")
     p.add_argument("--kernels", action="store_true",
-                   help="instead: every registered implementation per family against the SDPA loop "
+                   help="instead: every registered implementation per call kind against the SDPA loop "
                         "(default: off)")
 
 

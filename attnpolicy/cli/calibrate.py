@@ -65,10 +65,10 @@ def register(subparsers: Any) -> None:
                    help="with --model: process CPU seconds (stable on a loaded machine) or wall seconds "
                         "(default: cpu)")
     c.add_argument("--no-store", action="store_true",
-                   help="skip saving and loading a few graphs per family through a graph store (the model then "
+                   help="skip saving and loading a few graphs per call kind through a graph store (the model then "
                         "cannot model one: no store_load, store_bytes) (default: off)")
     c.add_argument("--kernels", action="store_true",
-                   help="also time every registered kernel per family, for kernels 'auto' (default: off)")
+                   help="also time every registered kernel per call kind, for kernels 'auto' (default: off)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Run the report's measurements and write report.json, report.md and the plots.
 
 1. the mask-vs-mask-free table on this machine (``attnpolicy bench``), and every
-   registered implementation per family against the per-sequence SDPA loop
+   registered implementation per call kind against the per-sequence SDPA loop
    (``attnpolicy bench --kernels``; plugins' kernels included);
 2. a cost model: calibrated on this machine (a small grid, mean call seconds: what
    the replays of step 4 pay here; reused from the calibration cache when it holds
@@ -230,7 +230,7 @@ def _model(s: ReportSettings, progress: Callable[[str], None], known: tuple[Cost
 
 
 def kernel_table(s: ReportSettings, progress: Callable[[str], None]) -> list[KernelRow]:
-    """Every registered implementation per family (plugins' included) against the
+    """Every registered implementation per call kind (plugins' included) against the
     per-sequence SDPA loop, on each of ``s.kernel_lengths`` (``bench --kernels``)."""
     rows = []
     for total in s.kernel_lengths:
