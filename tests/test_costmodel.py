@@ -233,7 +233,7 @@ def test_calibration_statistic_and_warmup(monkeypatch, statistic):
 
 def test_validation_rows_carry_predictions_without_the_warmup_and_their_ratios():
     from attnpolicy.modelling.simulation import simulate, simulation_config
-    from attnpolicy.report.build import ReportSettings, validate
+    from attnpolicy.report.build import ReportSettings, validate_predictions
     from attnpolicy.workloads.batching import BatchFormer
     from attnpolicy.workloads.traces import Request
 
@@ -242,7 +242,7 @@ def test_validation_rows_carry_predictions_without_the_warmup_and_their_ratios()
                        policies=("dynamic", "varlen"))
     model = CostModel(run={f: Fit(base=1e-4) for f in CallKind}, compile={f: Fit(base=0.05) for f in CallKind},
                       mask_build=Fit(per_cell=1e-9), warmup_seconds=3.0, heads=2, kv_heads=1, head_dim=8)
-    rows = validate(model, requests, s, lambda label: None)
+    rows = validate_predictions(model, requests, s, lambda label: None)
     assert [v.policy for v in rows] == ["dynamic", "varlen"]
     former = BatchFormer(**s.former)
     for v in rows:

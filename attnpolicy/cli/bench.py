@@ -9,8 +9,8 @@ from attnpolicy.bench.mode_timing import NOISY, BenchSettings, run_bench, speedu
 from attnpolicy.bench.model_timing import MODEL_LENGTHS
 from attnpolicy.cli.common import (
     add_spec_args,
-    check_output,
     check_spec_args,
+    check_writable,
     command,
     int_list,
     model_spec,
@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    check_output("--json", args.json)
+    check_writable("--json", args.json)
     if args.model is not None:
         check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
         return cmd_model_bench(args)

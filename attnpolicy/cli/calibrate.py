@@ -9,8 +9,8 @@ from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes,
 from attnpolicy.bench.calibration_cache import cache_dir, store
 from attnpolicy.cli.common import (
     add_spec_args,
-    check_output,
     check_spec_args,
+    check_writable,
     command,
     console,
     fail,
@@ -79,7 +79,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return cmd_calibrate_model(args, DEFAULT_COSTMODEL_PATH)
     if args.clock is not None:
         fail(f"argument --clock: {args.clock}: needs --model SPEC (the attention calls are timed in wall seconds)")
-    check_output("--out", args.out)
+    check_writable("--out", args.out)
     s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
                  max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads,

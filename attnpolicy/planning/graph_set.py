@@ -47,7 +47,7 @@ from attnpolicy.planning.bucket_search import ALIGN, KINDS, CallShapes, PlanCost
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
-from attnpolicy.workloads.batching import Step, Workload
+from attnpolicy.workloads.batching import ScheduledBatch, Workload
 
 #: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
 POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
@@ -150,8 +150,8 @@ class GraphPlan:
         return out
 
 
-def layouts_of(steps: Sequence[Step | BatchLayout]) -> list[BatchLayout]:
-    return [s.layout if isinstance(s, Step) else s for s in steps]
+def layouts_of(steps: Sequence[ScheduledBatch | BatchLayout]) -> list[BatchLayout]:
+    return [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
 
 
 def plannable(policy: str, base: AttnPolicyConfig) -> Guard:
@@ -240,7 +240,7 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
     return sorted((evaluate(shapes, sizes, model) for sizes in lists), key=lambda c: (len(c.sizes), c.sizes))
 
 
-def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
+def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
                 evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
                 progress: Callable[[str], None] | None = None, rejected: int = 0,
                 table: CallTable | None = None, align: int = ALIGN) -> PolicyPlan:
@@ -299,7 +299,7 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
                       candidates)
 
 
-def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
                spec: TensorSpec | None = None, table: CallTable | None = None,
                store_warm: bool = False) -> list[WarmGraph]:
     """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
@@ -319,7 +319,7 @@ def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, mo
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
 
-def evaluated(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def evaluated(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
               spec: TensorSpec | None = None, rejected: int = 0) -> SimRow:
     """The simulated row of ``config`` (its policy, buckets, capacity and eviction) on
     ``steps``: a plan's row, on steps other than those it was planned on."""
@@ -352,7 +352,7 @@ def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int
     return tuple(chosen)
 
 
-def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, model: CostModel,
+def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, model: CostModel,
                 policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
                 warmup_seconds: float | None = None, max_buckets: int = 16,
                 spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
