@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from attnpolicy.core import jsonfile
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.core.names import (
     DEFAULT_MAX_MASK_BYTES,
     Backend,
@@ -54,12 +54,12 @@ logger = logging.getLogger("attnpolicy.config")
 
 class WarmShape(BaseModel):
     """One graph to compile at warm-up, without its tensor spec (known only at run
-    time): the graph family, its query and key buckets, causality and whether keys
+    time): the call kind, its query and key buckets, causality and whether keys
     include cached context (``attnpolicy plan`` writes these)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_by_name=True, serialize_by_alias=True)
 
-    family: GraphFamily
+    kind: CallKind = Field(alias="family")  # named "family" in the JSON
     q_bucket: PositiveInt
     kv_bucket: PositiveInt
     causal: bool = True
@@ -70,10 +70,10 @@ class WarmShape(BaseModel):
         q, kv = self.q_bucket, self.kv_bucket
         if q > kv:
             raise ValueError(f"q_bucket {q} must be <= kv_bucket {kv}")
-        if self.family is GraphFamily.CAUSAL and (q != kv or not self.causal or self.context):
+        if self.kind is CallKind.CAUSAL and (q != kv or not self.causal or self.context):
             raise ValueError(f"a causal graph has q_bucket == kv_bucket, causal true and context false, got "
                              f"q_bucket {q}, kv_bucket {kv}, causal {self.causal}, context {self.context}")
-        if self.family is GraphFamily.VARLEN and self.causal and not self.context:
+        if self.kind is CallKind.VARLEN and self.causal and not self.context:
             raise ValueError("a causal sequence without context runs the causal graph: a varlen graph "
                              "needs causal false or context true")
         if not self.context and q != kv:
@@ -105,8 +105,8 @@ class AttnPolicyConfig(BaseModel):
     backend: Backend = "inductor"
     attn_impl: Impl | None = None
     partition_len: PositiveInt | None = None
-    #: implementation per graph family ("causal", "mask", "varlen"): a registered kernel
-    #: name or "auto"; a family not listed uses attn_impl
+    #: implementation per call kind ("causal", "mask", "varlen"): a registered kernel
+    #: name or "auto"; a kind not listed uses attn_impl
     kernels: dict[str, str] = Field(default_factory=dict)
     max_seq_len: PositiveInt = 8192
     max_batch_tokens: PositiveInt = 65536
@@ -155,13 +155,13 @@ class AttnPolicyConfig(BaseModel):
 
     @field_validator("kernels")
     @classmethod
-    def _kernel_families(cls, kernels: dict[str, str]) -> dict[str, str]:
-        families = tuple(f.value for f in GraphFamily)
-        for family, name in kernels.items():
-            if family not in families:
-                raise ValueError(f"kernels: family {family!r} is not one of {', '.join(families)}")
+    def _kernel_kinds(cls, kernels: dict[str, str]) -> dict[str, str]:
+        kinds = tuple(f.value for f in CallKind)
+        for kind, name in kernels.items():
+            if kind not in kinds:
+                raise ValueError(f"kernels: family {kind!r} is not one of {', '.join(kinds)}")
             if not name.strip():
-                raise ValueError(f"kernels: {family} must name a registered kernel or 'auto', got {name!r}")
+                raise ValueError(f"kernels: {kind} must name a registered kernel or 'auto', got {name!r}")
         return kernels
 
     @model_validator(mode="after")
@@ -232,7 +232,7 @@ class AttnPolicyConfig(BaseModel):
             raise ValueError(f"warmup has {distinct} distinct graphs, more than max_graphs={self.max_graphs}: "
                              "warm-up would evict its own graphs")
         for i, shape in enumerate(self.warmup):
-            mask = shape.family is GraphFamily.MASK
+            mask = shape.kind is CallKind.MASK
             nbytes = shape.q_bucket * shape.kv_bucket
             if mask and nbytes > self.max_mask_bytes:
                 raise ValueError(f"warmup.{i}: a mask graph of {shape.q_bucket} x {shape.kv_bucket} needs a "

@@ -121,7 +121,7 @@ def _trace(builder, switch_after=2, rounds=2):
         d.warmup([BatchLayout.from_lens([256])], SPEC)
         for layout in STREAM * rounds:
             graphs = d.prepare(layout, SPEC)
-            out.append(([(c.family, c.q_bucket, c.kv_bucket) for c, _ in graphs],
+            out.append(([(c.kind, c.q_bucket, c.kv_bucket) for c, _ in graphs],
                         sorted(map(str, d.cache.keys())), [(str(k), due) for k, due in d.pending()]))
         return out, d.stats()
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnpolicy.errors import ConfigError
-from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request, load_azure_csv, synthetic_default
 
 AZURE_CODE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
@@ -16,7 +16,7 @@ def R(prompt: int, output: int, arrival: float = 0.0) -> Request:
     return Request(arrival, prompt, output)
 
 
-def shape(step: Step) -> list[tuple[int, int, int]]:
+def shape(step: ScheduledBatch) -> list[tuple[int, int, int]]:
     """(request id, q_len, kv_len) per sequence."""
     lay = step.layout
     return list(zip(step.seq_ids, lay.q_lens, lay.kv_lens))
@@ -185,7 +185,7 @@ def test_batch_former_invariants(scenario):
 # -- realistic workloads ------------------------------------------------------------------------
 
 
-def _check_accounts(former: BatchFormer, requests: list[Request]) -> list[Step]:
+def _check_accounts(former: BatchFormer, requests: list[Request]) -> list[ScheduledBatch]:
     steps = list(former.steps(requests))
     served = {i for s in steps for i in s.seq_ids}
     assert len(served) + len(former.rejected) == len(requests)

@@ -299,8 +299,8 @@ def test_a_rejected_request_is_warned_once_and_counted_in_every_output(one_trace
 
 def test_a_configs_warm_set_neither_crashes_nor_changes_a_sweep_under_other_buckets(tmp_path, capsys):
     model = CostModel.default()
-    shapes = [WarmShape(family="causal", q_bucket=n, kv_bucket=n, causal=True, context=False) for n in (16, 48)]
-    shapes.append(WarmShape(family="varlen", q_bucket=16, kv_bucket=48, causal=True, context=True))
+    shapes = [WarmShape(kind="causal", q_bucket=n, kv_bucket=n, causal=True, context=False) for n in (16, 48)]
+    shapes.append(WarmShape(kind="varlen", q_bucket=16, kv_bucket=48, causal=True, context=True))
     warm = simulation_config(model, BatchFormer(), buckets={"kind": "list", "sizes": [16, 48, 8192, 131072]},
                              warmup=shapes)
     warm.save(tmp_path / "warm")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.simulation import SimulatedGraph, simulate
@@ -30,10 +30,10 @@ def synthetic(compile_s: float, mask_cell: float, *, cell: float = 1e-9, varlen_
     """A cost model written by hand: every graph compiles in ``compile_s`` seconds; a
     MASK call costs ``mask_cell`` per score cell, CAUSAL and VARLEN ``cell`` (VARLEN
     also ``varlen_call`` per call); a mask build ``build_cell`` per cell."""
-    return CostModel(run={GraphFamily.CAUSAL: Fit(base=1e-4, per_cell=cell),
-                          GraphFamily.MASK: Fit(base=1e-4, per_cell=mask_cell),
-                          GraphFamily.VARLEN: Fit(base=varlen_call, per_cell=cell)},
-                     compile={f: Fit(base=compile_s) for f in GraphFamily},
+    return CostModel(run={CallKind.CAUSAL: Fit(base=1e-4, per_cell=cell),
+                          CallKind.MASK: Fit(base=1e-4, per_cell=mask_cell),
+                          CallKind.VARLEN: Fit(base=varlen_call, per_cell=cell)},
+                     compile={f: Fit(base=compile_s) for f in CallKind},
                      mask_build=Fit(per_cell=build_cell), call_overhead_seconds=1e-4)
 
 

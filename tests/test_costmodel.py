@@ -8,14 +8,14 @@ import pytest
 
 from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes
 from attnpolicy.cli import main
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import GraphKey
 
 
 def key(kind: str, q: int, kv: int, model: CostModel, backend: str = "aot_eager") -> GraphKey:
-    return GraphKey(GraphFamily(kind), q, kv, True, model.spec, model.impl, None, backend)
+    return GraphKey(CallKind(kind), q, kv, True, model.spec, model.impl, None, backend)
 
 
 def test_fit_recovers_exact_coefficients():
@@ -44,25 +44,25 @@ def test_fit_is_the_documented_formula():
     assert Fit(base=1.0, per_cell=2.0, per_token=3.0)(4, 5) == 68.0
 
 
-def test_predictions_use_the_fit_of_the_key_family():
-    """Each family has its own fit (distinct bases here); ``none`` compiles nothing."""
-    model = CostModel(run={f: Fit(base=b) for f, b in zip(GraphFamily, (1.0, 2.0, 3.0))},
-                      compile={f: Fit(base=b) for f, b in zip(GraphFamily, (10.0, 20.0, 30.0))},
+def test_predictions_use_the_fit_of_the_key_kind():
+    """Each kind has its own fit (distinct bases here); ``none`` compiles nothing."""
+    model = CostModel(run={f: Fit(base=b) for f, b in zip(CallKind, (1.0, 2.0, 3.0))},
+                      compile={f: Fit(base=b) for f, b in zip(CallKind, (10.0, 20.0, 30.0))},
                       mask_build=Fit(per_cell=0.5))
-    for family, run, compile_s in zip(GraphFamily, (1.0, 2.0, 3.0), (10.0, 20.0, 30.0)):
-        assert model.run_seconds(key(family, 64, 256, model)) == run
-        assert model.call_seconds(family, 64, 256) == run
-        assert model.compile_seconds(key(family, 64, 256, model)) == compile_s
-        assert model.compile_seconds(key(family, 64, 256, model, backend="none")) == 0.0
+    for kind, run, compile_s in zip(CallKind, (1.0, 2.0, 3.0), (10.0, 20.0, 30.0)):
+        assert model.run_seconds(key(kind, 64, 256, model)) == run
+        assert model.call_seconds(kind, 64, 256) == run
+        assert model.compile_seconds(key(kind, 64, 256, model)) == compile_s
+        assert model.compile_seconds(key(kind, 64, 256, model, backend="none")) == 0.0
     assert model.mask_build_seconds(4, 8) == 16.0
 
 
-def test_json_keys_are_the_family_names():
+def test_json_keys_are_the_kind_names():
     data = json.loads(CostModel.default().model_dump_json())
     assert sorted(data["run"]) == sorted(data["compile"]) == ["causal", "mask", "varlen"]
 
 
-@pytest.mark.parametrize("kind", list(GraphFamily))
+@pytest.mark.parametrize("kind", list(CallKind))
 def test_default_predictions_monotone_in_work(kind):
     model = CostModel.default()
     sizes = [16 << i for i in range(10)]
@@ -130,7 +130,7 @@ def test_quick_grid_is_a_subset_with_every_kind():
     full = shapes(CalibrationSettings())
     quick = shapes(CalibrationSettings(quick=True))
     assert set(quick) < set(full) and len(set(full)) == len(full)
-    assert {kind for kind, _, _ in quick} == set(GraphFamily)
+    assert {kind for kind, _, _ in quick} == set(CallKind)
     assert ("causal", 4096, 4096) in quick and ("varlen", 16, 4096) in quick
 
 
@@ -147,14 +147,14 @@ def test_calibrate_cli_measures_through_the_dispatcher(tmp_path):
     assert all(s.seconds > 0 for s in model.samples if s.what != "mask_build")
 
 
-def test_calibrate_fits_each_family_to_its_own_samples():
+def test_calibrate_fits_each_kind_to_its_own_samples():
     model = calibrate(CalibrationSettings(heads=2, kv_heads=2, head_dim=8, backend="eager", max_len=32,
                                           repeats=1))
-    for family in GraphFamily:
+    for kind in CallKind:
         for what in ("run", "compile"):
             mine = [(x.rows, x.cols, max(x.seconds, 1e-9)) for x in model.samples
-                    if x.what == what and x.kind is family]
-            assert mine and getattr(model, what)[family] == Fit.to_samples(mine), (what, family)
+                    if x.what == what and x.kind is kind]
+            assert mine and getattr(model, what)[kind] == Fit.to_samples(mine), (what, kind)
     builds = [(x.rows, x.cols, max(x.seconds, 1e-9)) for x in model.samples if x.what == "mask_build"]
     assert model.mask_build == Fit.to_samples(builds)
 
@@ -162,7 +162,7 @@ def test_calibrate_fits_each_family_to_its_own_samples():
 # -- the one-off backend start-up, call statistics, the report's validation ------------------
 
 def _model(warmup: float, backend: str = "aot_eager") -> CostModel:
-    return CostModel(run={f: Fit(base=1e-3) for f in GraphFamily}, compile={f: Fit(base=0.1) for f in GraphFamily},
+    return CostModel(run={f: Fit(base=1e-3) for f in CallKind}, compile={f: Fit(base=0.1) for f in CallKind},
                      mask_build=Fit(per_cell=1e-9), warmup_seconds=warmup, backend=backend)
 
 
@@ -209,7 +209,7 @@ def test_round_trip_keeps_the_warmup_and_older_files_load_without_it(tmp_path):
 
 def test_sizes_choose_the_grid():
     grid = shapes(CalibrationSettings(sizes=(256, 16)))
-    assert {kv for _, _, kv in grid} == {16, 256} and {k for k, _, _ in grid} == set(GraphFamily)
+    assert {kv for _, _, kv in grid} == {16, 256} and {k for k, _, _ in grid} == set(CallKind)
     with pytest.raises(ValueError, match="sizes\n.*powers of two"):
         CalibrationSettings(sizes=(16, 100))
 
@@ -228,21 +228,21 @@ def test_calibration_statistic_and_warmup(monkeypatch, statistic):
     runs = {x.seconds for x in model.samples if x.what == "run"}
     builds = {x.seconds for x in model.samples if x.what == "mask_build"}
     assert (runs, builds) == (({1.0}, {1.0}) if statistic == "min" else ({7 / 3}, {2.0}))
-    assert model.warmup_seconds == pytest.approx(9.0 - model.compile[GraphFamily.CAUSAL](16, 16))
+    assert model.warmup_seconds == pytest.approx(9.0 - model.compile[CallKind.CAUSAL](16, 16))
 
 
 def test_validation_rows_carry_predictions_without_the_warmup_and_their_ratios():
     from attnpolicy.modelling.simulation import simulate, simulation_config
-    from attnpolicy.report.build import ReportSettings, validate
+    from attnpolicy.report.build import ReportSettings, validate_predictions
     from attnpolicy.workloads.batching import BatchFormer
     from attnpolicy.workloads.traces import Request
 
     requests = [Request(0.0, 40, 3), Request(0.1, 90, 2)]
     s = ReportSettings(former={"max_num_seqs": 2, "max_num_batched_tokens": 128}, validate_capacity=2,
                        policies=("dynamic", "varlen"))
-    model = CostModel(run={f: Fit(base=1e-4) for f in GraphFamily}, compile={f: Fit(base=0.05) for f in GraphFamily},
+    model = CostModel(run={f: Fit(base=1e-4) for f in CallKind}, compile={f: Fit(base=0.05) for f in CallKind},
                       mask_build=Fit(per_cell=1e-9), warmup_seconds=3.0, heads=2, kv_heads=1, head_dim=8)
-    rows = validate(model, requests, s, lambda label: None)
+    rows = validate_predictions(model, requests, s, lambda label: None)
     assert [v.policy for v in rows] == ["dynamic", "varlen"]
     former = BatchFormer(**s.former)
     for v in rows:

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
@@ -59,12 +59,12 @@ def test_identity_covers_every_field_and_graph_keys():
                ident(python="3.12"), ident(machine="aarch64"), ident(config=(("max_autotune", "True"),))]
     assert len({base.digest(), *(c.digest() for c in changed)}) == len(changed) + 1
     assert ArtifactIdentity.from_json(json.loads(json.dumps(base.to_json()))) == base
-    key = GraphKey(GraphFamily.CAUSAL, 64, 64, True, TensorSpec("bfloat16", 4, 2, 32), "sdpa", None, "inductor")
+    key = GraphKey(CallKind.CAUSAL, 64, 64, True, TensorSpec("bfloat16", 4, 2, 32), "sdpa", None, "inductor")
     g = ArtifactIdentity.for_graph(key, mechanism="aot_compile", code_hash="h", config={"b": 1, "a": 2})
     assert (g.key, g.backend, g.device, g.dtype) == (repr(key), "inductor", "cpu", "bfloat16")
     assert g.config == (("a", "2"), ("b", "1"))
     # scales that print alike are different graphs
-    a, b = (GraphKey(GraphFamily.CAUSAL, 64, 64, True, TensorSpec("float32", 4, 2, 32, s), "sdpa", None, "inductor")
+    a, b = (GraphKey(CallKind.CAUSAL, 64, 64, True, TensorSpec("float32", 4, 2, 32, s), "sdpa", None, "inductor")
             for s in (0.125, 0.1250001))
     assert str(a) == str(b)
     assert (ArtifactIdentity.for_graph(a, mechanism="m", code_hash="h").digest()
@@ -259,7 +259,7 @@ def test_oversize_artifacts_are_warned_about_once_per_store_and_counted(tmp_path
     """Five oversize graphs (attention graph keys, whose identity key is the full repr),
     from two store objects on one directory: one short warning, five counted."""
     spec = TensorSpec("float32", 2, 2, 16)
-    keys = [GraphKey(GraphFamily.CAUSAL, n, n, True, spec, "sdpa", None, "aot_eager") for n in (16, 32, 64, 128, 256)]
+    keys = [GraphKey(CallKind.CAUSAL, n, n, True, spec, "sdpa", None, "aot_eager") for n in (16, 32, 64, 128, 256)]
     stores = [DiskStore(tmp_path, 100), DiskStore(tmp_path, 100)]
     caplog.set_level(logging.WARNING, logger="attnpolicy.cache.disk_store")
     for i, key in enumerate(keys):
@@ -419,7 +419,7 @@ def test_graph_saved_by_one_process_loads_in_another(tmp_path, monkeypatch, back
     from attnpolicy.graphs.keys import Call
     from attnpolicy.kernels import attention, masks
 
-    call = Call(GraphFamily.CAUSAL, 0, 64, 0, 64, 64, 64, True)
+    call = Call(CallKind.CAUSAL, 0, 64, 0, 64, 64, 64, True)
     spec = TensorSpec("float32", 4, 2, 32)
     key = GraphKey.for_call(call, spec, "sdpa", None, backend)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a restart on this machine

@@ -13,7 +13,7 @@ from reference import reference_for
 from strategies import layouts, qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch import HostStep
 from attnpolicy.errors import (
     BucketOverflowError,
@@ -82,11 +82,11 @@ def test_varlen_uses_only_causal_graphs_on_causal_prefills():
               ([37], [5, 20, 3], [100, 60], [20], [60, 9, 9, 9], [200], [17, 17])]
     varlen, d = _keys("varlen", stream)
     causal_only, _ = _keys("dynamic", [BatchLayout.from_lens([n]) for lay in stream for n in lay.q_lens])
-    assert {k.family for k in varlen} == {GraphFamily.CAUSAL}
+    assert {k.kind for k in varlen} == {CallKind.CAUSAL}
     assert varlen <= causal_only
     assert d.stats().modes["varlen"] == 4
     dynamic, _ = _keys("dynamic", stream)
-    assert {k.family for k in dynamic} == {GraphFamily.CAUSAL, GraphFamily.MASK}
+    assert {k.kind for k in dynamic} == {CallKind.CAUSAL, CallKind.MASK}
     # one graph per bucket for varlen; dynamic needs both kinds
     assert len(dynamic) > len(varlen)
 
@@ -228,7 +228,7 @@ def test_mask_calls_bucket_packed_rows_up_to_max_batch_tokens():
     lay = BatchLayout.from_lens([200, 200, 200])  # 600 packed rows > max_seq_len
     _check(d, lay, *_qkv(lay))
     (key,) = d.cache.keys()
-    assert key.family is GraphFamily.MASK and key.q_len == 1024
+    assert key.kind is CallKind.MASK and key.q_len == 1024
     big = BatchLayout.from_lens([250] * 5)
     with pytest.raises(BucketOverflowError, match=r"largest bucket 1024 \(buckets pow2\(min=16\), max_batch_tokens=1024\)"):
         d.attend(*_qkv(big), big)

@@ -15,7 +15,7 @@ from strategies import features, layouts
 
 from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, legal_modes
+from attnpolicy.core.modes import CallKind, legal_modes
 from attnpolicy.errors import ConfigError, KernelError, LayoutError
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.kernel_choice import KernelChoice
@@ -116,7 +116,7 @@ def test_features_are_validated_with_their_field_named():
 
 
 def test_graph_keys_tell_features_apart():
-    call = Call(GraphFamily.MASK, 0, 10, 0, 10, 16, 16, True)
+    call = Call(CallKind.MASK, 0, 10, 0, 10, 16, 16, True)
     keys = {GraphKey.for_call(call, TensorSpec("float32", 4, 2, 8, features=f), "sdpa", None, "none")
             for f in (PLAIN, Features(window=8), Features(window=16), Features(softcap=30.0), Features(sinks=True))}
     assert len(keys) == 5
@@ -165,14 +165,14 @@ def test_auto_never_picks_a_kernel_without_the_feature(monkeypatch):
     plain = KernelInfo("plainonly", "mask", _uncapped)
     monkeypatch.setitem(_IMPL_FNS, "plainonly", _uncapped)
     sdpa = kc.get_kernel("mask", "sdpa")
-    monkeypatch.setattr(kc, "impls_for", lambda family: [plain, sdpa])
+    monkeypatch.setattr(kc, "impls_for", lambda kind: [plain, sdpa])
     monkeypatch.setattr(kc, "check_kernel_names", lambda kernels: None)
     choice = KernelChoice({"mask": "auto"}, "sdpa", compiled=False, measured={"mask": {"plainonly": 0.0}})
     layout = BatchLayout.from_lens([4, 3])
-    call = Call(GraphFamily.MASK, 0, 7, 0, 7, 7, 7, True)
+    call = Call(CallKind.MASK, 0, 7, 0, 7, 7, 7, True)
     assert choice.impl(call, layout, TensorSpec("float32", 4, 2, 8)) == "plainonly"
     capped = TensorSpec("float32", 4, 2, 8, features=Features(softcap=5.0))
     assert choice.impl(call, layout, capped) == "sdpa"
-    monkeypatch.setattr(kc, "impls_for", lambda family: [plain])
+    monkeypatch.setattr(kc, "impls_for", lambda kind: [plain])
     with pytest.raises(ConfigError, match="soft cap 5"):
         KernelChoice({"mask": "auto"}, "sdpa", compiled=False).impl(call, layout, capped)

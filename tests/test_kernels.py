@@ -15,7 +15,7 @@ from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import IllegalModeError, LayoutError
 from attnpolicy.graphs.execute import attend
 from attnpolicy.kernels.attention import attention
-from attnpolicy.plugins.kernels import FAMILIES, get_kernel, impls_for, why_unfit
+from attnpolicy.plugins.kernels import KINDS, get_kernel, impls_for, why_unfit
 
 # fp32 kernels against a float64 reference: rounding only.
 FP32_TOL = 1e-5
@@ -152,24 +152,24 @@ def test_gqa_never_repeats_k_or_v(impl):
                 assert not shape or numel != hq * lk * d, (event.name, event.input_shapes)
 
 
-# Built-ins of every family run in the suite above; these are the other registered ones.
-EXTRA_KERNELS = [(f, info.name) for f in FAMILIES for info in impls_for(f) if info.name not in IMPLS]
+# Built-ins of every kind run in the suite above; these are the other registered ones.
+EXTRA_KERNELS = [(f, info.name) for f in KINDS for info in impls_for(f) if info.name not in IMPLS]
 
 
-def _fits(family, impl, layout, q, k):
-    return why_unfit(get_kernel(family, impl), causal=layout.causal, context=layout.has_context,
+def _fits(kind, impl, layout, q, k):
+    return why_unfit(get_kernel(kind, impl), causal=layout.causal, context=layout.has_context,
                      dtype=str(q.dtype).removeprefix("torch."), gqa=q.shape[1] != k.shape[1],
                      device="cpu", compiled=False) is None
 
 
-@pytest.mark.parametrize("family, impl", EXTRA_KERNELS)
+@pytest.mark.parametrize("kind, impl", EXTRA_KERNELS)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_every_registered_kernel_matches_reference(family, impl, data):
-    layout = data.draw(layouts(single=family == "causal", max_seqs=3))
+def test_every_registered_kernel_matches_reference(kind, impl, data):
+    layout = data.draw(layouts(single=kind == "causal", max_seqs=3))
     q, k, v = data.draw(qkv(layout, data.draw(st.sampled_from([torch.float32, torch.bfloat16]))))
-    assume(_fits(family, impl, layout, q, k))
-    _check(q, k, v, layout, MaskMode(family), impl, None)
+    assume(_fits(kind, impl, layout, q, k))
+    _check(q, k, v, layout, MaskMode(kind), impl, None)
 
 
 @settings(max_examples=25, deadline=None)
@@ -338,7 +338,7 @@ def test_a_long_varied_mask_run_stays_within_the_mask_budgets():
     assert masks.bytes <= budget and masks.small_bytes <= masks.max_small_bytes <= budget
 
 
-def _register_kernel(name, fn, family="varlen", **caps):
+def _register_kernel(name, fn, kind="varlen", **caps):
     from attnpolicy.plugins.hookspecs import hookimpl
     from attnpolicy.plugins.kernels import KernelInfo
     from attnpolicy.plugins.registry import get_plugin_manager
@@ -346,7 +346,7 @@ def _register_kernel(name, fn, family="varlen", **caps):
     class Plugin:
         @hookimpl
         def attnpolicy_register_kernels(self, register):
-            register(KernelInfo(name, family, fn, **caps))
+            register(KernelInfo(name, kind, fn, **caps))
     get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
 
 
@@ -363,14 +363,14 @@ def test_a_plugin_kernels_wrong_output_is_an_error_naming_plugin_and_kernel(fres
     from attnpolicy import AttnPolicyConfig, Dispatcher
     from attnpolicy.errors import GraphCompileError, KernelError
 
-    for family in FAMILIES:
-        _register_kernel(f"{broken}-{family}", BROKEN[broken], family)
+    for kind in KINDS:
+        _register_kernel(f"{broken}-{kind}", BROKEN[broken], kind)
     layout = BatchLayout.from_lens([3, 5, 4], [6, 5, 4])  # three VARLEN calls (context)
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(12, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g)
-    for family in FAMILIES:
+    for kind in KINDS:
         d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=16,
-                                        kernels={f: f"{broken}-{f}" for f in FAMILIES}))
+                                        kernels={f: f"{broken}-{f}" for f in KINDS}))
         with pytest.raises((KernelError, GraphCompileError)) as raised:
             d.attend(q, k, v, layout)
         assert f"kernel '{broken}-" in str(raised.value) and f"plugin '{broken}-" in str(raised.value)

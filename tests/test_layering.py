@@ -1,6 +1,6 @@
 """The package's layering and encapsulation, read from its source: no import cycle, no
 upward import, no two modules importing each other, no code writing another object's
-private state.
+private state, no public name defined in two modules.
 
 Every module of ``attnpolicy`` is parsed; every import in it (at module level or inside
 a function, but not under ``if TYPE_CHECKING:``) is an edge of the import graph; the
@@ -211,6 +211,27 @@ def foreign_writes() -> list[str]:
             if (m, attr) not in FOREIGN_PRIVATE]
 
 
+#: Public names defined at the top of several modules on purpose, each with its reason.
+SHARED_NAMES = {
+    "attnpolicy_register_policies": "pluggy matches a hook implementation to its hookspec by name",
+    "attnpolicy_register_evictions": "pluggy matches a hook implementation to its hookspec by name",
+    "attnpolicy_register_kernels": "pluggy matches a hook implementation to its hookspec by name",
+    "register": "one entry point per CLI subcommand module (attnpolicy.cli calls each one's register(subparsers)) "
+                "and per integration (vLLM's plugin entry point names attnpolicy.integrations.vllm:register)",
+}
+
+
+def public_definitions() -> dict[str, list[str]]:
+    """Public (no leading underscore) top-level function and class names of the package,
+    each with the ``module:line`` of every definition."""
+    found: dict[str, list[str]] = {}
+    for module in modules():
+        for node in tree(module).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                found.setdefault(node.name, []).append(f"{module}:{node.lineno}")
+    return found
+
+
 def test_the_graph_sees_lazy_imports_and_skips_type_checking():
     edges = graph()
     assert "attnpolicy.plugins.registry" in edges["attnpolicy.cache.graph_cache"]  # module level
@@ -276,3 +297,12 @@ def test_layers_match_the_design_doc():
         line = next((ln for ln in section.splitlines() if ln.startswith(f"{i}. ")), "")
         assert line, f"docs/design.md Package layout has no layer {i}"
         assert any(f"`{n}" in line for n in names), f"layer {i} of docs/design.md is not {names}: {line}"
+
+
+def test_no_public_name_is_defined_in_two_modules():
+    """One name, one concept: a public function or class name is defined once in the
+    package (the same meaning is one definition imported where needed; two meanings
+    are two names), :data:`SHARED_NAMES` excepted."""
+    defined = public_definitions()
+    assert {n: where for n, where in defined.items() if len(where) > 1 and n not in SHARED_NAMES} == {}
+    assert [n for n in SHARED_NAMES if len(defined.get(n, ())) < 2] == []  # no stale exception

@@ -12,7 +12,7 @@ import pytest
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -75,7 +75,7 @@ def test_stream_holds_several_runs_and_padded_layouts(tmp_path):
     second = LayoutStreamWriter(path, config.model_copy(update={"policy": "varlen"}), SPEC)
     padded = BatchLayout.from_lens([3, 5], padded_to=12)
     counters = {"hits": 0, "misses": 1, "evictions": 0, "graphs": 1}
-    key = str(GraphKey(GraphFamily.MASK, 16, 16, True, SPEC, "sdpa", None, "none"))
+    key = str(GraphKey(CallKind.MASK, 16, 16, True, SPEC, "sdpa", None, "none"))
     first.write_step(padded, Dispatcher(config).preview(padded, SPEC).mode, [key], counters)
     second.write_step(BatchLayout.from_lens([1, 1], [9, 4]), Dispatcher(config).preview(padded, SPEC).mode, [], counters)
     first.close()

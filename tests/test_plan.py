@@ -8,7 +8,7 @@ import pytest
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cli import main
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
@@ -113,7 +113,7 @@ def test_bad_warm_set_entries_name_the_field(tmp_path):
         with pytest.raises(ConfigError, match="warmup.0") as exc:
             AttnPolicyConfig.load(tmp_path)
         assert named in str(exc.value), (named, str(exc.value))
-    assert AttnPolicyConfig(warmup=[good]).warmup[0].family is GraphFamily.VARLEN
+    assert AttnPolicyConfig(warmup=[good]).warmup[0].kind is CallKind.VARLEN
 
 
 def test_plan_then_run_checks_and_compiles_nothing_after_warmup(tmp_path, capsys):

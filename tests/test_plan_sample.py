@@ -16,7 +16,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import simulation_config
 from attnpolicy.planning.graph_set import evaluated, plan_graphs
-from attnpolicy.planning.sample import Sample, sample_steps
+from attnpolicy.planning.sample import PlanSample, sample_steps
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
 
@@ -35,7 +35,7 @@ def test_a_sample_is_evenly_spaced_windows_of_consecutive_steps():
     steps = list(range(100))
     got, sample = sample_steps(steps, 20, windows=4)
     assert got == [*range(0, 5), *range(25, 30), *range(50, 55), *range(75, 80)]
-    assert sample == Sample(20, 100, 4)
+    assert sample == PlanSample(20, 100, 4)
     assert sample_steps(steps, 22, windows=4)[0][:7] == [0, 1, 2, 3, 4, 5, 25]  # the remainder to the first
     assert sample_steps(steps, 100) == (steps, None) and sample_steps(steps, 0) == (steps, None)
     with pytest.raises(ConfigError, match="size -1"):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.planning.bucket_search import (
@@ -44,7 +44,7 @@ def brute_force(shapes: CallShapes, cand, k: int, m: CostModel) -> float:
 
 
 square_shapes = st.dictionaries(
-    st.tuples(st.sampled_from([GraphFamily.CAUSAL, GraphFamily.MASK]), st.integers(1, 200)).map(lambda t: (t[0], t[1], t[1])),
+    st.tuples(st.sampled_from([CallKind.CAUSAL, CallKind.MASK]), st.integers(1, 200)).map(lambda t: (t[0], t[1], t[1])),
     st.integers(1, 50), min_size=1, max_size=8)
 
 
@@ -65,7 +65,7 @@ def test_program_is_exact_on_square_shapes(raw, k, backend):
 
 
 rect_shapes = st.dictionaries(
-    st.tuples(st.sampled_from(list(GraphFamily)), st.integers(1, 100), st.integers(0, 150)).map(
+    st.tuples(st.sampled_from(list(CallKind)), st.integers(1, 100), st.integers(0, 150)).map(
         lambda t: (t[0], t[1], t[1] + t[2])),
     st.integers(1, 20), min_size=1, max_size=8)
 
@@ -86,7 +86,7 @@ def test_bound_and_result_bracket_the_optimum(raw, k):
 
 def test_evaluate_counts_padding_graphs_and_seconds():
     m = model()
-    shapes = CallShapes.of(Counter({(GraphFamily.CAUSAL, 10, 10): 3, (GraphFamily.VARLEN, 1, 40): 2}))
+    shapes = CallShapes.of(Counter({(CallKind.CAUSAL, 10, 10): 3, (CallKind.VARLEN, 1, 40): 2}))
     cost = evaluate(shapes, (16, 64), m)
     run_c = m.run["causal"](16, 16) * 3
     run_v = m.run["varlen"](16, 64) * 2
@@ -100,14 +100,14 @@ def test_shapes_from_layouts_follow_the_plan():
     packed = BatchLayout.from_lens([5, 7])
     decode = BatchLayout.from_lens([1, 1], [9, 30])
     shapes = CallShapes.from_layouts([(packed, MaskMode.VARLEN), (packed, MaskMode.MASK), (decode, MaskMode.VARLEN)])
-    got = Counter({(int(f), int(q), int(kv)): int(n) for f, q, kv, n in zip(shapes.family, shapes.q, shapes.kv, shapes.count, strict=True)})
+    got = Counter({(int(f), int(q), int(kv)): int(n) for f, q, kv, n in zip(shapes.kind, shapes.q, shapes.kv, shapes.count, strict=True)})
     assert got == Counter({(0, 5, 5): 1, (0, 7, 7): 1, (1, 12, 12): 1, (2, 1, 9): 1, (2, 1, 30): 1})
 
 
 def test_errors_name_the_value():
     with pytest.raises(ConfigError, match="empty workload"):
         CallShapes.of(Counter())
-    shapes = CallShapes.of(Counter({(GraphFamily.CAUSAL, 100, 100): 1}))
+    shapes = CallShapes.of(Counter({(CallKind.CAUSAL, 100, 100): 1}))
     with pytest.raises(ConfigError, match="longest length 100"):
         evaluate(shapes, (64,), model())
     with pytest.raises(ConfigError, match="max_buckets must be >= 1, got 0"):
@@ -117,7 +117,7 @@ def test_errors_name_the_value():
 # -- the fast paths against the plain algorithms they replace ----------------------------
 
 def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_buckets: int):
-    """The program with every term added for every family, candidate by candidate."""
+    """The program with every term added for every kind, candidate by candidate."""
     nf = 3
     slot_q, slot_kv = np.searchsorted(cand, shapes.q) + 1, np.searchsorted(cand, shapes.kv) + 1
     square = shapes.q == shapes.kv
@@ -125,7 +125,7 @@ def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_bu
 
     def prefix(sel, slot, weights):
         out = np.zeros((nf, cand.size + 1))
-        np.add.at(out, (shapes.family[sel], slot[sel]), weights[sel])
+        np.add.at(out, (shapes.kind[sel], slot[sel]), weights[sel])
         return out.cumsum(-1)
 
     sq, rq_n = prefix(square, slot_kv, count), prefix(~square, slot_q, count)
@@ -176,8 +176,8 @@ def reference_improve(shapes: CallShapes, sizes, cand, m: CostModel, window: int
 
 
 many_shapes = st.dictionaries(
-    st.tuples(st.sampled_from(list(GraphFamily)), st.integers(1, 300), st.integers(0, 400)).map(
-        lambda t: (t[0], t[1], t[1] + t[2] * (t[0] is not GraphFamily.MASK or t[2] % 2))),
+    st.tuples(st.sampled_from(list(CallKind)), st.integers(1, 300), st.integers(0, 400)).map(
+        lambda t: (t[0], t[1], t[1] + t[2] * (t[0] is not CallKind.MASK or t[2] % 2))),
     st.integers(1, 30), min_size=1, max_size=60)
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import BucketOverflowError, ConfigError, LayoutError
 from attnpolicy.graphs.costmodel import CostModel
@@ -161,7 +161,7 @@ def test_an_oversized_mask_runs_in_varlen_under_on_overflow_eager():
     s = d.stats()
     assert s.mask_fallbacks == 1 and s.modes["varlen"] == 1 and s.modes["mask"] == 0
     cached = d.cache.keys()
-    assert {key.family for key in cached} == {GraphFamily.CAUSAL}
+    assert {key.kind for key in cached} == {CallKind.CAUSAL}
     assert s.to_json()["mask_fallbacks"] == 1
 
 

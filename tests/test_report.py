@@ -23,7 +23,7 @@ from attnpolicy.report.recommend import (
     LEANEST,
     RECOMMENDED,
     TOLERANCE,
-    Named,
+    NamedRow,
     explain,
     plan_bound,
     recommend,
@@ -364,7 +364,7 @@ def test_explain_says_why_the_recommendation_is_not_the_fastest_or_the_leanest_r
     leanest = next(r for r in rows if (r.policy, r.capacity, r.eviction) == ("varlen", None, "lru"))
     fastest = replace(leanest, policy="cost-aware", total_seconds=leanest.total_seconds / 2)
     seed = replace(leanest, buckets="exact", capacity=2, total_seconds=fastest.total_seconds * 2)
-    rec = Named(RECOMMENDED, "varlen", "planned: 16, 64 (2 sizes)", 2, None, "lru", fastest.total_seconds * 3, 3.0,
+    rec = NamedRow(RECOMMENDED, "varlen", "planned: 16, 64 (2 sizes)", 2, None, "lru", fastest.total_seconds * 3, 3.0,
                 leanest.peak_bytes * 2, 2, 5, 0.9)
     why = explain(rec, fastest, leanest, seed, ["varlen", "dynamic"], 4)
     assert why is not None and why.startswith(

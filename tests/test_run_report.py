@@ -84,7 +84,7 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
 
 def test_report_kernel_table_has_a_row_for_a_plugin_kernel(tmp_path, fresh_plugins):
     """A third-party kernel registered through ``attnpolicy_register_kernels`` is timed
-    in the report's kernel table (``bench --kernels``) in every family it serves."""
+    in the report's kernel table (``bench --kernels``) in every kind it serves."""
     from plugin_kernels import recording_sdpa
 
     from attnpolicy.plugins.hookspecs import hookimpl
@@ -96,8 +96,8 @@ def test_report_kernel_table_has_a_row_for_a_plugin_kernel(tmp_path, fresh_plugi
     class Plugin:
         @hookimpl
         def attnpolicy_register_kernels(self, register):
-            for family in ("causal", "varlen", "mask"):
-                register(KernelInfo("plain", family, plain, gqa=False))
+            for kind in ("causal", "varlen", "mask"):
+                register(KernelInfo("plain", kind, plain, gqa=False))
 
     get_plugin_manager().register(Plugin(), name="plain-plugin")
     out = tmp_path / "report"
@@ -111,8 +111,8 @@ def test_report_kernel_table_has_a_row_for_a_plugin_kernel(tmp_path, fresh_plugi
     assert rows[("mask", "plain")]["build_ms"] is not None and rows[("varlen", "plain")]["build_ms"] is None
     assert calls  # the rows timed the plugin's kernel
     section = (out / "report.md").read_text().split("### Implementations per family")[1]
-    for family in ("varlen", "mask"):
-        assert f"| 4x8 | {family} | plain | none |" in section
+    for kind in ("varlen", "mask"):
+        assert f"| 4x8 | {kind} | plain | none |" in section
 
 
 def test_report_kernel_skip_must_name_a_registered_kernel(tmp_path, capsys):
@@ -157,13 +157,13 @@ def test_a_crash_while_writing_the_report_leaves_the_previous_report_whole(tmp_p
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
-def _priced(tmp_path, family: str, scale: float):
-    """The built-in cost model with ``family``'s run fit scaled by ``scale``."""
+def _priced(tmp_path, kind: str, scale: float):
+    """The built-in cost model with ``kind``'s run fit scaled by ``scale``."""
     from attnpolicy.graphs.costmodel import CostModel
 
     data = CostModel.default().model_dump(mode="json")
-    data["run"][family] = {term: value * scale for term, value in data["run"][family].items()}
-    path = tmp_path / f"model_{family}_{scale:g}.json"
+    data["run"][kind] = {term: value * scale for term, value in data["run"][kind].items()}
+    path = tmp_path / f"model_{kind}_{scale:g}.json"
     path.write_text(json.dumps(data))
     return CostModel.load(path)
 

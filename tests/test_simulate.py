@@ -16,7 +16,7 @@ from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
@@ -41,7 +41,7 @@ SMALL = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 1024
 
 
 def gkey(i: int) -> GraphKey:
-    return GraphKey(GraphFamily.CAUSAL, 16 * (i + 1), 16 * (i + 1), True, MODEL.spec, "sdpa", None, "aot_eager")
+    return GraphKey(CallKind.CAUSAL, 16 * (i + 1), 16 * (i + 1), True, MODEL.spec, "sdpa", None, "aot_eager")
 
 
 def requests(n: int = 40) -> list[Request]:

@@ -11,7 +11,7 @@ from attnpolicy.cli import main
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
-from attnpolicy.modelling.stalls import compare_stalls, model_stalls, warm_layouts
+from attnpolicy.modelling.stalls import compare_stalls, stall_row, warm_layouts
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import load_trace
 
@@ -31,21 +31,21 @@ def test_the_clock_by_hand():
     """A miss at batch 2 pads up to the warm q256 graph; its compile (10 s from t=1)
     switches in at batch 4, which waits for it from t=3 to t=11."""
     stream = [BatchLayout.from_lens([256])] + [BatchLayout.from_lens([20])] * 4
-    bg = model_stalls(stream, _config("background"), FLAT, warm="prefix:1")
+    bg = stall_row(stream, _config("background"), FLAT, warm="prefix:1")
     assert (bg.warm_keys, bg.warmup_seconds) == (1, 10.0)
     assert (bg.pad_up_calls, bg.pad_up_tokens) == (2, 2 * (256 - 32))
     assert (bg.background_compiles, bg.compiles, bg.background_compile_seconds) == (1, 1, 10.0)
     assert bg.stall_seconds == 11 - 3  # requested at t=1, done at 11; batch 4 starts at t=3
     assert (bg.stalled_batches, bg.stall_max, bg.stall_p99, bg.stall_p50) == (1, 8.0, 8.0, 0.0)
     assert bg.total_seconds == 5 + 8
-    sync = model_stalls(stream, _config("sync"), FLAT, warm="prefix:1")
+    sync = stall_row(stream, _config("sync"), FLAT, warm="prefix:1")
     assert (sync.stall_seconds, sync.total_seconds, sync.compiles, sync.pad_up_calls) == (10.0, 15.0, 1, 0)
 
 
 def test_background_compiles_queue_on_one_worker():
     stream = [BatchLayout.from_lens([256]), BatchLayout.from_lens([20]), BatchLayout.from_lens([40])] + \
         [BatchLayout.from_lens([256])] * 3
-    row = model_stalls(stream, _config("background"), FLAT, warm="prefix:1")
+    row = stall_row(stream, _config("background"), FLAT, warm="prefix:1")
     # q32 requested at t=1 (done at 11), q64 at t=2 (queued: done at 21); switches at batches 4 and 5
     assert row.background_compiles == 2
     assert row.stall_seconds == (11 - 3) + (21 - 12)
@@ -68,7 +68,7 @@ def _steps(limit):
 
 def test_sync_rows_agree_with_the_simulation():
     steps, base = _steps(30)
-    row = model_stalls(steps, base.model_copy(update={"max_graphs": 8}))
+    row = stall_row(steps, base.model_copy(update={"max_graphs": 8}))
     sim = simulate_layouts(steps, [base.policy], [8], ["lru"], base)[0]
     assert row.compiles == sim.compiles
     assert row.compile_seconds == pytest.approx(sim.compile_seconds)

@@ -24,7 +24,7 @@ from attnpolicy.cache.code_identity import module_code, reached, stable_repr
 from attnpolicy.dispatch.graph_source import kernel_hash
 from attnpolicy.errors import ConfigError
 from attnpolicy.plugins.hookspecs import hookimpl
-from attnpolicy.plugins.kernels import FAMILIES, KernelInfo
+from attnpolicy.plugins.kernels import KINDS, KernelInfo
 from attnpolicy.plugins.registry import get_plugin_manager, reset_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,21 +32,21 @@ LAYOUTS = (BatchLayout.from_lens([12]), BatchLayout.from_lens([30]))
 
 
 def _register(name: str, fn: object, version: str = "") -> None:
-    """A fresh plugin manager holding one plugin with kernel ``name`` in every family
+    """A fresh plugin manager holding one plugin with kernel ``name`` in every kind
     (what a new process that installed the plugin sees)."""
     reset_plugin_manager()
 
     class Plugin:
         @hookimpl
         def attnpolicy_register_kernels(self, register):
-            for family in FAMILIES:
-                register(KernelInfo(name, family, fn, version=version))
+            for kind in KINDS:
+                register(KernelInfo(name, kind, fn, version=version))
     get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
 
 
 def _attend(store: Path, name: str, layouts: tuple[BatchLayout, ...] = LAYOUTS[:1]) -> Dispatcher:
     d = Dispatcher(AttnPolicyConfig(backend="aot_eager", max_seq_len=64, store_dir=str(store),
-                                    kernels=dict.fromkeys(FAMILIES, name)))
+                                    kernels=dict.fromkeys(KINDS, name)))
     for layout in layouts:
         g = torch.Generator().manual_seed(layout.q_tokens)
         q, k, v = (torch.randn(layout.q_tokens, 2, 16, generator=g) for _ in range(3))

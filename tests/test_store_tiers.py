@@ -15,7 +15,7 @@ import torch
 from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.dispatch.graph_source import example_inputs
 from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs import backend_setup
@@ -85,13 +85,13 @@ def test_an_evicted_graph_reloads_from_disk(tmp_path):
 
 
 def test_what_is_not_stored(tmp_path):
-    key = GraphKey(GraphFamily.MASK, 16, 16, False, SPEC, "flex", None, "aot_eager")
+    key = GraphKey(CallKind.MASK, 16, 16, False, SPEC, "flex", None, "aot_eager")
     d = Dispatcher(_config(tmp_path))
     assert not d.source.stored(key)  # flex graphs take a BlockMask: compiled, not stored
-    assert d.source.stored(GraphKey(GraphFamily.MASK, 16, 16, False, SPEC, "sdpa", None, "aot_eager"))
+    assert d.source.stored(GraphKey(CallKind.MASK, 16, 16, False, SPEC, "sdpa", None, "aot_eager"))
     assert Dispatcher(_config(tmp_path, backend="none")).source.store is not None
     assert not Dispatcher(_config(tmp_path, backend="none")).source.stored(
-        GraphKey(GraphFamily.MASK, 16, 16, False, SPEC, "sdpa", None, "none"))
+        GraphKey(CallKind.MASK, 16, 16, False, SPEC, "sdpa", None, "none"))
     custom = Dispatcher(_config(tmp_path), builder=lambda call, key, spec: graph_fn(call, "sdpa", None, None))
     assert custom.source.store is None and custom.stats().disk is None
     assert Dispatcher(AttnPolicyConfig(backend="aot_eager")).stats().disk is None
@@ -101,7 +101,7 @@ def test_aot_compile_leaves_the_functions_dynamo_cache_alone():
     """An ahead-of-time compile installs nothing on the code object's Dynamo cache
     (which holds 8 entries): any number of stored graphs of one function compile."""
     entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
-    call = Call(GraphFamily.MASK, 0, 16, 0, 16, 16, 16, True)
+    call = Call(CallKind.MASK, 0, 16, 0, 16, 16, 16, True)
     fn = graph_fn(call, "sdpa", None, None)
     graph = aot_compile_graph(fn, "aot_eager", example_inputs(call, SPEC))
     assert entries(fn.__code__) == []

@@ -15,7 +15,7 @@ from attnpolicy.cache.evictions import GDSFCache
 from attnpolicy.cache.key_stream import replay_stream
 from attnpolicy.cli import main
 from attnpolicy.config import WarmShape
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.simulation import simulate, simulation_config
@@ -24,11 +24,11 @@ from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
 
 COMPILE, LOAD = 1.0, 0.25
-#: every family compiles in 1 s and loads in 0.25 s; 1000 bytes on disk per graph
-MODEL = CostModel(run={f: Fit(base=1e-4, per_cell=1e-9) for f in GraphFamily},
-                  compile={f: Fit(base=COMPILE) for f in GraphFamily}, mask_build=Fit(per_cell=1e-10),
-                  store_load={f: Fit(base=LOAD) for f in GraphFamily},
-                  store_bytes={f: Fit(base=1000.0) for f in GraphFamily})
+#: every kind compiles in 1 s and loads in 0.25 s; 1000 bytes on disk per graph
+MODEL = CostModel(run={f: Fit(base=1e-4, per_cell=1e-9) for f in CallKind},
+                  compile={f: Fit(base=COMPILE) for f in CallKind}, mask_build=Fit(per_cell=1e-10),
+                  store_load={f: Fit(base=LOAD) for f in CallKind},
+                  store_bytes={f: Fit(base=1000.0) for f in CallKind})
 FORMER = {"max_num_seqs": 2, "max_num_batched_tokens": 128}
 
 
@@ -63,7 +63,7 @@ def test_a_model_saved_before_the_store_fields_still_loads():
         old.require_store("old.json")
 
 
-def test_store_fits_come_together_and_cover_every_family():
+def test_store_fits_come_together_and_cover_every_kind():
     fields = MODEL.model_dump()
     with pytest.raises(ConfigError, match="store_load and store_bytes"):
         CostModel.from_json(json.dumps({**fields, "store_bytes": {}}), "half.json")
@@ -76,10 +76,10 @@ def test_calibrate_saves_and_loads_through_a_store(tmp_path):
                                           repeats=1))
     assert model.knows_store
     for what in ("store_load", "store_bytes"):
-        for family in GraphFamily:
-            mine = [(x.rows, x.cols, x.seconds) for x in model.samples if x.what == what and x.kind is family]
+        for kind in CallKind:
+            mine = [(x.rows, x.cols, x.seconds) for x in model.samples if x.what == what and x.kind is kind]
             assert mine and all(s > 0 for *_, s in mine)
-            assert getattr(model, what)[family] == Fit.to_samples(mine)
+            assert getattr(model, what)[kind] == Fit.to_samples(mine)
     sizes = [x.seconds for x in model.samples if x.what == "store_bytes"]
     assert all(s > 1000 for s in sizes)  # a real artifact and its manifest
     assert CostModel.load(model.save(tmp_path / "m.json")) == model
@@ -230,7 +230,7 @@ def test_cost_eviction_asks_the_disk_when_it_chooses():
 # --- plan ----------------------------------------------------------------------------------------
 
 def test_a_warm_store_fits_more_graphs_into_the_warm_up_budget():
-    shape = WarmShape(family=GraphFamily.VARLEN, q_bucket=16, kv_bucket=64, causal=True, context=True)
+    shape = WarmShape(kind=CallKind.VARLEN, q_bucket=16, kv_bucket=64, causal=True, context=True)
     cold = [WarmGraph(shape, 10 - i, 1.0, 100) for i in range(6)]
     warm = [WarmGraph(shape, 10 - i, 1.0, 100, 0.1) for i in range(6)]
     assert len(warm_set(cold, None, None, 2.0)) == 2
@@ -255,12 +255,12 @@ def test_plan_with_a_warm_store_loads_its_warm_set(tmp_path):
 # --- stalls ----------------------------------------------------------------------------------------
 
 def test_stalls_with_a_store_wait_for_loads_instead_of_compiles():
-    from attnpolicy.modelling.stalls import model_stalls
+    from attnpolicy.modelling.stalls import stall_row
 
     steps = list(BatchFormer(**FORMER).steps(requests(40)))
     for mode in ("sync", "background"):
-        plain = model_stalls(steps, base(max_graphs=1, compile_mode=mode), MODEL, warm="prefix:3")
-        stored = model_stalls(steps, base(max_graphs=1, compile_mode=mode, store_dir="s", max_disk_bytes=1 << 20),
+        plain = stall_row(steps, base(max_graphs=1, compile_mode=mode), MODEL, warm="prefix:3")
+        stored = stall_row(steps, base(max_graphs=1, compile_mode=mode, store_dir="s", max_disk_bytes=1 << 20),
                               MODEL, warm="prefix:3")
         assert plain.store is None and "store" not in plain.to_json()
         assert stored.store is not None and stored.store.loads > 0
@@ -269,7 +269,7 @@ def test_stalls_with_a_store_wait_for_loads_instead_of_compiles():
         if mode == "sync":  # each load stalls for its load seconds instead of a compile's
             saved = stored.store.loads * (COMPILE - LOAD)
             assert plain.stall_seconds - stored.stall_seconds == pytest.approx(saved, rel=1e-9)
-    warm = model_stalls(steps, base(max_graphs=1, store_dir="s", max_disk_bytes=1 << 20), MODEL, store_warm=True)
+    warm = stall_row(steps, base(max_graphs=1, store_dir="s", max_disk_bytes=1 << 20), MODEL, store_warm=True)
     assert warm.compiles == 0 and warm.store.warm
 
 
@@ -286,7 +286,7 @@ def test_a_dispatcher_with_a_store_evicts_the_graph_that_reloads_cheapest(tmp_pa
     from attnpolicy import BatchLayout, Dispatcher
     from attnpolicy.graphs.keys import TensorSpec
 
-    model = MODEL.model_copy(update={"store_load": {f: Fit(base=0.01) for f in GraphFamily}})
+    model = MODEL.model_copy(update={"store_load": {f: Fit(base=0.01) for f in CallKind}})
     config = base(backend="aot_eager", attn_impl="sdpa", max_graphs=2, eviction="cost", max_seq_len=64,
                   store_dir=str(tmp_path))
     spec_layouts = [BatchLayout.from_lens([n]) for n in (12, 30, 50)]

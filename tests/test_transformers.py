@@ -260,7 +260,7 @@ def test_transformers_a_fallback_names_the_feature():
     hf._fallbacks.clear()
     module = torch.nn.Module()
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
-    hf.attention(module, q, k, k, None, dropout=0.1, sliding_window=8, softcap=None)
+    hf.dispatched_attention(module, q, k, k, None, dropout=0.1, sliding_window=8, softcap=None)
     assert hf.fallbacks() == {"sliding window 8 with dropout": 1}
 
 

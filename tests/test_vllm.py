@@ -696,7 +696,7 @@ def test_vllm_builds_a_planned_warm_set_at_engine_start_says_so_and_compiles_not
     each: the warm set's, and the corrupt artifact's."""
     from attnpolicy.cli import main
     from attnpolicy.config import AttnPolicyConfig
-    from attnpolicy.core.modes import GraphFamily
+    from attnpolicy.core.modes import CallKind
     from attnpolicy.workloads.layout_stream import read_layout_stream
 
     stock = generated[0]["stock"]["packed"]
@@ -707,7 +707,7 @@ def test_vllm_builds_a_planned_warm_set_at_engine_start_says_so_and_compiles_not
     config = tmp_path / "planned_with_store.json"
     fields = json.loads((tmp_path / "plan" / "attnpolicy_config.json").read_text())
     config.write_text(json.dumps({**fields, "store_dir": str(tmp_path / "store")}))
-    deferred = sum(shape.family is GraphFamily.VARLEN for shape in planned.warmup)
+    deferred = sum(shape.family is CallKind.VARLEN for shape in planned.warmup)
     built = len(planned.warmup) - deferred
     assert built > 0 and deferred > 0
     expected = {"cold": ({"compiles": built, "loads": 0}, f"cold start: 0 loaded from the store, {built} compiled"),

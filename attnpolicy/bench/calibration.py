@@ -8,7 +8,7 @@ so the timed calls pay a typical padding. The first compile in the process is ti
 too: what it pays over a later compile of its key is the model's ``warmup_seconds``.
 Each MASK shape's dense mask build is timed plain and under a sliding window
 (:func:`window`): ``mask_build`` and ``mask_build_window``.
-With ``store`` a few shapes per family (:func:`store_shapes`) are compiled ahead of
+With ``store`` a few shapes per call kind (:func:`store_shapes`) are compiled ahead of
 time into a fresh :class:`~attnpolicy.cache.disk_store.DiskStore` by a dispatcher
 configured with it, then loaded back by fresh dispatchers: the load seconds and the
 bytes on disk of each are the ``store_load`` and ``store_bytes`` samples.
@@ -31,7 +31,7 @@ from attnpolicy.bench.mode_timing import DTYPES, SpecSettings, split_lengths
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.compile import release_graph
 from attnpolicy.graphs.costmodel import CostModel, Fit, Sample
@@ -40,9 +40,9 @@ from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
 
-#: The policy that plans each graph family for the calibration layouts below.
-_POLICY: dict[GraphFamily, str] = {GraphFamily.CAUSAL: "dynamic", GraphFamily.MASK: "always-mask",
-                                   GraphFamily.VARLEN: "varlen"}
+#: The policy that plans each call kind for the calibration layouts below.
+_POLICY: dict[CallKind, str] = {CallKind.CAUSAL: "dynamic", CallKind.MASK: "always-mask",
+                                   CallKind.VARLEN: "varlen"}
 #: Hit-path dispatches averaged for the call overhead.
 OVERHEAD_CALLS = 2000
 MIN_REPEATS = 2
@@ -64,8 +64,8 @@ class CalibrationSettings(SpecSettings):
     #: a call's sample: its fastest run (``min``: the machine's own speed, stable on a
     #: shared machine) or its mean run (``mean``: what a replay on this machine now pays)
     statistic: Literal["min", "mean"] = "min"
-    kernels: bool = False  # also time every registered kernel per family (KERNEL_BATCH)
-    store: bool = True  # also save and load a few graphs per family through a DiskStore
+    kernels: bool = False  # also time every registered kernel per call kind (KERNEL_BATCH)
+    store: bool = True  # also save and load a few graphs per call kind through a DiskStore
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrationSettings:
@@ -95,8 +95,8 @@ def _real(bucket: int) -> int:
     return bucket - bucket // 4
 
 
-def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
-    """The (graph family, q bucket, kv bucket) grid: ``sizes``, or pow2 sizes from 16 to
+def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
+    """The (call kind, q bucket, kv bucket) grid: ``sizes``, or pow2 sizes from 16 to
     ``max_len`` (every other size with ``quick``); square shapes for CAUSAL and MASK,
     decode-like (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
     sizes = sorted(s.sizes or ())
@@ -106,24 +106,24 @@ def shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
         n *= 2
     if s.quick and not s.sizes:
         sizes = sorted({*sizes[::2], sizes[-1]})
-    grid: list[tuple[GraphFamily, int, int]] = []
+    grid: list[tuple[CallKind, int, int]] = []
     for n in sizes:
-        grid += [(GraphFamily.CAUSAL, n, n), (GraphFamily.MASK, n, n)]
+        grid += [(CallKind.CAUSAL, n, n), (CallKind.MASK, n, n)]
     for n in sizes:
         if n >= 64:
-            grid += [(GraphFamily.MASK, 16, n), (GraphFamily.VARLEN, 16, n),
-                     (GraphFamily.MASK, n // 4, n), (GraphFamily.VARLEN, n // 4, n)]
+            grid += [(CallKind.MASK, 16, n), (CallKind.VARLEN, 16, n),
+                     (CallKind.MASK, n // 4, n), (CallKind.VARLEN, n // 4, n)]
         if n >= 32:
-            grid.append((GraphFamily.VARLEN, n // 2, n))
+            grid.append((CallKind.VARLEN, n // 2, n))
     return list(dict.fromkeys(grid))
 
 
-def _layout(kind: GraphFamily, q_bucket: int, kv_bucket: int) -> BatchLayout:
-    """A layout whose single planned call has this graph family and buckets (pow2, min 16)."""
+def _layout(kind: CallKind, q_bucket: int, kv_bucket: int) -> BatchLayout:
+    """A layout whose single planned call has this call kind and buckets (pow2, min 16)."""
     rq, rkv = (1 if q_bucket == 16 and kv_bucket > 16 else _real(q_bucket)), _real(kv_bucket)
-    if kind is GraphFamily.CAUSAL:
+    if kind is CallKind.CAUSAL:
         return BatchLayout.from_lens([rq])
-    if kind is GraphFamily.VARLEN:
+    if kind is CallKind.VARLEN:
         return BatchLayout.from_lens([rq], [rkv])
     n = min(4, rq)
     q_lens = split_lengths(rq, n)
@@ -196,7 +196,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
     first = warm_up(s.backend) if s.backend != "none" else 0.0
     try:
         with torch.inference_mode():
-            runs: list[tuple[GraphFamily, GraphKey, Callable[[], object], tuple[Callable[[], object], ...]]] = []
+            runs: list[tuple[CallKind, GraphKey, Callable[[], object], tuple[Callable[[], object], ...]]] = []
             for kind, qb, kvb in grid:
                 layout = _layout(kind, qb, kvb)
                 tensors_ = tensors(layout)
@@ -206,7 +206,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                                       seconds=compiled[key]))
                 build: tuple[Callable[[], object], ...] = ((partial(mask_for(layout).materialize, qb, kvb),
                           partial(mask_for(layout, window(kvb)).materialize, qb, kvb))
-                         if kind is GraphFamily.MASK else ())
+                         if kind is CallKind.MASK else ())
                 runs.append((kind, key, partial(execute, *tensors_, layout, graphs, dispatchers[kind].masks), build))
                 if progress:
                     progress(f"compiled {key}")
@@ -218,7 +218,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
                         seconds += _run_seconds(fn)
                 if progress:
                     progress(f"timing round {r + 1}/{s.repeats}")
-            overhead = _call_overhead(dispatchers[GraphFamily.CAUSAL], spec)
+            overhead = _call_overhead(dispatchers[CallKind.CAUSAL], spec)
     finally:
         cache.clear()
     pick = min if s.statistic == "min" else statistics.fmean
@@ -226,12 +226,12 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=pick(run_s)))
         for what, seconds in zip(("mask_build", "mask_build_window"), build_s):
             samples.append(Sample(what=what, rows=key.q_len, cols=key.kv_len, seconds=pick(seconds)))
-    compile_fits = {kind: _fit(samples, "compile", kind) for kind in GraphFamily}
+    compile_fits = {kind: _fit(samples, "compile", kind) for kind in CallKind}
     tiers: dict[str, Any] = {}
     if s.store and s.backend != "none":
         stored = calibrate_store(s, progress)
         samples += stored
-        tiers = {field: {kind: _fit(stored, field, kind) for kind in GraphFamily}
+        tiers = {field: {kind: _fit(stored, field, kind) for kind in CallKind}
                  for field in ("store_load", "store_bytes")}
     return CostModel(
         **tiers,
@@ -239,22 +239,22 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         dtype=s.dtype, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, impl=s.impl,
         partition_len=s.partition_len if s.impl == "flash" else None, backend=s.backend,
         threads=torch.get_num_threads(), torch_version=torch.__version__,
-        run={kind: _fit(samples, "run", kind) for kind in GraphFamily},
-        compile=compile_fits, warmup_seconds=max(0.0, first - compile_fits[GraphFamily.CAUSAL](16, 16)),
+        run={kind: _fit(samples, "run", kind) for kind in CallKind},
+        compile=compile_fits, warmup_seconds=max(0.0, first - compile_fits[CallKind.CAUSAL](16, 16)),
         mask_build=_fit(samples, "mask_build", None), mask_build_window=_fit(samples, "mask_build_window", None),
         call_overhead_seconds=overhead, samples=tuple(samples))
 
 
-#: Shapes per graph family saved and loaded through a store by :func:`calibrate_store`.
+#: Shapes per call kind saved and loaded through a store by :func:`calibrate_store`.
 STORE_SHAPES = 3
 
 
-def store_shapes(s: CalibrationSettings) -> list[tuple[GraphFamily, int, int]]:
-    """The shapes :func:`calibrate_store` measures: per family the smallest, a middle and
+def store_shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
+    """The shapes :func:`calibrate_store` measures: per call kind the smallest, a middle and
     the largest shape of :func:`shapes` (by cells)."""
     grid = shapes(s)
-    out: list[tuple[GraphFamily, int, int]] = []
-    for kind in GraphFamily:
+    out: list[tuple[CallKind, int, int]] = []
+    for kind in CallKind:
         own = sorted((x for x in grid if x[0] is kind), key=lambda x: x[1] * x[2])
         picks = {0, len(own) // 2, len(own) - 1} if len(own) > STORE_SHAPES else set(range(len(own)))
         out += [own[i] for i in sorted(picks)]
@@ -301,7 +301,7 @@ KERNEL_BATCH = (1024, 4)
 
 
 def _kernel_seconds(s: CalibrationSettings) -> dict[str, dict[str, float]]:
-    """Median seconds of every registered kernel per family on :data:`KERNEL_BATCH`,
+    """Median seconds of every registered kernel per call kind on :data:`KERNEL_BATCH`,
     at most ``max_len`` tokens."""
     from attnpolicy.bench.kernel_timing import bench_kernels
 
@@ -315,7 +315,7 @@ def _kernel_seconds(s: CalibrationSettings) -> dict[str, dict[str, float]]:
     return out
 
 
-def _fit(samples: list[Sample], what: str, kind: GraphFamily | None) -> Fit:
+def _fit(samples: list[Sample], what: str, kind: CallKind | None) -> Fit:
     return Fit.to_samples([(x.rows, x.cols, max(x.seconds, 1e-9)) for x in samples
                            if x.what == what and x.kind == kind])
 

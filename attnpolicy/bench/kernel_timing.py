@@ -1,8 +1,8 @@
-"""Every registered implementation per graph family, timed side by side.
+"""Every registered implementation per call kind, timed side by side.
 
 For each batch (``n`` causal sequences of ``L/n`` tokens) the baseline is the
-per-sequence SDPA loop (no attnpolicy); each (family, implementation) runs through
-a :class:`~attnpolicy.dispatch.Dispatcher` whose policy forces the family
+per-sequence SDPA loop (no attnpolicy); each (kind, implementation) runs through
+a :class:`~attnpolicy.dispatch.Dispatcher` whose policy forces the kind
 (``varlen`` or ``always-mask``) and whose ``kernels`` pick the implementation.
 Graphs are compiled and masks cached before timing (steady state); the mask build
 (dense mask for MASK, block mask for ``flex``) is timed apart, uncached.
@@ -47,7 +47,7 @@ class KernelRow:
     total_tokens: int
     num_seqs: int
     kv_heads: int
-    family: str
+    family: str  # the call kind (``varlen``, ``mask``) or ``loop``; the JSON's name for it
     impl: str
     backend: str
     median_ms: float
@@ -68,7 +68,7 @@ def _build_ms(layout: BatchLayout, impl: str, repeats: int = 3) -> float:
     return min(_ms(lambda: mask_for(layout).materialize(layout.q_tokens, layout.kv_tokens)) for _ in range(repeats))
 
 
-def _runs(family: str, info: KernelInfo, gqa: bool, backend: str) -> bool:
+def _runs(kind: str, info: KernelInfo, gqa: bool, backend: str) -> bool:
     """Whether ``info`` computes the causal batches of :func:`bench_kernels` (see the module doc)."""
     if info.name == "flex":
         return True  # MASK only, compiled by inductor
@@ -77,29 +77,29 @@ def _runs(family: str, info: KernelInfo, gqa: bool, backend: str) -> bool:
         return why_unfit(k, causal=True, context=False, dtype="float32", gqa=gqa, device="cpu",
                          compiled=backend != "none") is None
     causal = kernel_registry().get(("causal", info.name))
-    return fits(info) and (family != "varlen" or (causal is not None and fits(causal)))
+    return fits(info) and (kind != "varlen" or (causal is not None and fits(causal)))
 
 
 def bench_kernels(total: int, num_seqs: int, *, heads: int = 8, kv_heads: int = 8, head_dim: int = 64,
                   repeats: int = 5, backend: str = "none", skip: Iterable[str] = (),
-                  families: Iterable[str] = ("varlen", "mask")) -> list[KernelRow]:
-    """Rows for one batch: the SDPA loop, then every registered (family, impl) of
-    ``families`` whose impl is not in ``skip``."""
+                  kinds: Iterable[str] = ("varlen", "mask")) -> list[KernelRow]:
+    """Rows for one batch: the SDPA loop, then every registered (kind, impl) of
+    ``kinds`` whose impl is not in ``skip``."""
     layout = BatchLayout.from_lens(split_lengths(total, num_seqs))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(total, h, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
     runs: dict[tuple[str, str, str], Callable[[], object]] = {
         ("loop", "sdpa", "none"): lambda: bare_kernel(layout, MaskMode.VARLEN)(q, k, v)}
     skip = set(skip)
-    for family in families:
-        for info in impls_for(family):
-            if info.name in skip or not _runs(family, info, heads != kv_heads, backend):
+    for kind in kinds:
+        for info in impls_for(kind):
+            if info.name in skip or not _runs(kind, info, heads != kv_heads, backend):
                 continue
             be = "inductor" if info.name == "flex" else backend
             causal = info.name if ("causal", info.name) in kernel_registry() else "sdpa"
-            kernels = {family: info.name, "causal": causal}
+            kernels = {kind: info.name, "causal": causal}
             cfg = AttnPolicyConfig.model_validate({
-                "policy": POLICY[family], "backend": be, "kernels": kernels, "max_seq_len": max(total, 16),
+                "policy": POLICY[kind], "backend": be, "kernels": kernels, "max_seq_len": max(total, 16),
                 "max_batch_tokens": max(total, 16), "buckets": {"kind": "exact"}})
             d = Dispatcher(cfg)
             with torch.inference_mode():
@@ -107,7 +107,7 @@ def bench_kernels(total: int, num_seqs: int, *, heads: int = 8, kv_heads: int = 
 
             def run(d: Dispatcher = d) -> object:
                 return d.attend(q, k, v, layout)
-            runs[(family, info.name, be)] = run
+            runs[(kind, info.name, be)] = run
     times: dict[tuple[str, str, str], list[float]] = {name: [] for name in runs}
     order = list(runs.items())
     with torch.inference_mode():
@@ -116,8 +116,8 @@ def bench_kernels(total: int, num_seqs: int, *, heads: int = 8, kv_heads: int = 
                 times[name].append(_ms(fn))
     loops = times[("loop", "sdpa", "none")]
     rows = []
-    for (family, impl, be), ts in times.items():
-        build = _build_ms(layout, impl) if family == "mask" else None
+    for (kind, impl, be), ts in times.items():
+        build = _build_ms(layout, impl) if kind == "mask" else None
         vs_loop = statistics.median(a / b for a, b in zip(loops, ts))  # per repeat: drift cancels
-        rows.append(KernelRow(total, num_seqs, kv_heads, family, impl, be, statistics.median(ts), vs_loop, build))
+        rows.append(KernelRow(total, num_seqs, kv_heads, kind, impl, be, statistics.median(ts), vs_loop, build))
     return rows

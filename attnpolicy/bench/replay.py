@@ -24,7 +24,7 @@ from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request
 
 #: Largest absolute error against the float64 reference that ``check`` accepts, per dtype.
@@ -81,7 +81,7 @@ def _pool(rows: int, heads: int, spec: TensorSpec, gen: torch.Generator) -> torc
 def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: TensorSpec,
                  former: BatchFormer | None = None, *, check: bool = False, seed: int = 0,
                  progress: Callable[[str], None] | None = None,
-                 steps: Sequence[Step] | None = None,
+                 steps: Sequence[ScheduledBatch] | None = None,
                  observe: Callable[[Dispatcher, BatchLayout], object] | None = None,
                  cost_model: CostModel | None = None) -> RunResult:
     """Run every step of ``requests`` (or the given ``steps``) through a Dispatcher;
@@ -103,7 +103,7 @@ def run_workload(requests: Sequence[Request], config: AttnPolicyConfig, spec: Te
         return _run(dispatcher, steps, config, spec, check, seed, progress, start, observe)
 
 
-def _run(dispatcher: Dispatcher, steps: Sequence[Step], config: AttnPolicyConfig, spec: TensorSpec,
+def _run(dispatcher: Dispatcher, steps: Sequence[ScheduledBatch], config: AttnPolicyConfig, spec: TensorSpec,
          check: bool, seed: int, progress: Callable[[str], None] | None, start: float,
          observe: Callable[[Dispatcher, BatchLayout], object] | None = None) -> RunResult:
     warm_keys = dispatcher.warmup(spec) if config.warmup else []

@@ -9,8 +9,8 @@ from attnpolicy.bench.mode_timing import NOISY, BenchSettings, run_bench, speedu
 from attnpolicy.bench.model_timing import MODEL_LENGTHS
 from attnpolicy.cli.common import (
     add_spec_args,
-    check_output,
     check_spec_args,
+    check_writable,
     command,
     int_list,
     model_spec,
@@ -60,12 +60,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
                    help="torch.compile backend of --model (default: inductor)")
     p.add_argument("--kernels", action="store_true",
-                   help="instead: every registered implementation per family against the SDPA loop "
+                   help="instead: every registered implementation per call kind against the SDPA loop "
                         "(default: off)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    check_output("--json", args.json)
+    check_writable("--json", args.json)
     if args.model is not None:
         check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
         return cmd_model_bench(args)

@@ -9,8 +9,8 @@ from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes,
 from attnpolicy.bench.calibration_cache import cache_dir, store
 from attnpolicy.cli.common import (
     add_spec_args,
-    check_output,
     check_spec_args,
+    check_writable,
     command,
     console,
     fail,
@@ -65,10 +65,10 @@ def register(subparsers: Any) -> None:
                    help="with --model: process CPU seconds (stable on a loaded machine) or wall seconds "
                         "(default: cpu)")
     c.add_argument("--no-store", action="store_true",
-                   help="skip saving and loading a few graphs per family through a graph store (the model then "
+                   help="skip saving and loading a few graphs per call kind through a graph store (the model then "
                         "cannot model one: no store_load, store_bytes) (default: off)")
     c.add_argument("--kernels", action="store_true",
-                   help="also time every registered kernel per family, for kernels 'auto' (default: off)")
+                   help="also time every registered kernel per call kind, for kernels 'auto' (default: off)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -79,7 +79,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return cmd_calibrate_model(args, DEFAULT_COSTMODEL_PATH)
     if args.clock is not None:
         fail(f"argument --clock: {args.clock}: needs --model SPEC (the attention calls are timed in wall seconds)")
-    check_output("--out", args.out)
+    check_writable("--out", args.out)
     s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
                  max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads,

@@ -29,7 +29,7 @@ from attnpolicy.bench.mode_timing import DTYPES
 from attnpolicy.errors import ConfigError
 from attnpolicy.integrations.model_specs import parse_spec
 from attnpolicy.modelling.model_simulation import model_former
-from attnpolicy.workloads.batching import BatchFormer, Step, Workload
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.traces import Request
 
 console = Console(stderr=True)
@@ -71,7 +71,7 @@ def command(subparsers: Any, name: str, summary: str, example: str,
     return p
 
 
-def check_output(flag: str, path: str | os.PathLike[str] | None, *, directory: bool = False) -> None:
+def check_writable(flag: str, path: str | os.PathLike[str] | None, *, directory: bool = False) -> None:
     """Fail (one line, exit 2) unless ``path`` can be written, before any work: an
     existing ``path`` must be a file (a directory when ``directory``), and its nearest
     existing parent a directory this process can create a file in (tried: a probe file
@@ -98,7 +98,7 @@ def check_output(flag: str, path: str | os.PathLike[str] | None, *, directory: b
 
 @contextmanager
 def writing(flag: str, path: str | os.PathLike[str]) -> Iterator[None]:
-    """The writes of ``flag``'s output (checked by :func:`check_output` before the
+    """The writes of ``flag``'s output (checked by :func:`check_writable` before the
     work): one that still fails (a full disk, the folder removed meanwhile) is one
     line naming the flag and the file, exit 1."""
     try:
@@ -322,7 +322,8 @@ def source_name(args: argparse.Namespace) -> str:
     return f"{args.trace}{limit}"
 
 
-def formed(args: argparse.Namespace, former: BatchFormer, requests: Sequence[Request]) -> tuple[list[Step], Workload]:
+def formed(args: argparse.Namespace, former: BatchFormer,
+           requests: Sequence[Request]) -> tuple[list[ScheduledBatch], Workload]:
     """The batches of ``requests``; prints the workload (stdout, one line: requests,
     rejected, batches, the former's knobs) and, when requests are rejected, one warning
     line saying how many and why."""

@@ -1,4 +1,4 @@
-"""``attnpolicy bench --kernels`` (every registered implementation per family, side by
+"""``attnpolicy bench --kernels`` (every registered implementation per call kind, side by
 side) and ``attnpolicy kernels check NAME`` (a kernel against the float64 reference in
 every case it declares)."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from attnpolicy.cli.common import (
-    check_output,
+    check_writable,
     console,
     fail,
     formed,
@@ -50,7 +50,7 @@ def cmd_calibrate_model(args: argparse.Namespace, default_out: str) -> int:
     from attnpolicy.bench.model_calibration import ModelCalibrationSettings, calibrate_model, grid
 
     out = DEFAULT_MODEL_COSTMODEL_PATH if args.out == default_out else args.out
-    check_output("--out", out)
+    check_writable("--out", out)
     s = settings(ModelCalibrationSettings, {"spec": "--model"}, spec=args.model, backend=args.backend,
                  sizes=tuple(args.sizes) if args.sizes else None, repeats=args.repeats, threads=args.threads,
                  clock=args.clock or "cpu", quick=args.quick)
@@ -135,7 +135,7 @@ def print_model_rows(title: str, rows: list[ModelSimRow]) -> None:
 
 
 def cmd_simulate_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
-    check_output("--json", args.json)
+    check_writable("--json", args.json)
     _attention_only(args)
     former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)
@@ -175,7 +175,7 @@ def _write_rows(args: argparse.Namespace, layouts: list[BatchLayout], w: Workloa
 def cmd_stalls_model(args: argparse.Namespace, default_policies: tuple[str, ...], default_warm: tuple[str, ...]
                      ) -> int:
     """``stalls --model-cost FILE``: sync against background compiles on whole-model graphs."""
-    check_output("--json", args.json)
+    check_writable("--json", args.json)
     for flag in ("config", "cost_model"):
         if getattr(args, flag):
             fail(f"argument --{flag.replace('_', '-')}: not taken with --model-cost (the config is derived "
@@ -210,7 +210,7 @@ def print_model_stalls(title: str, rows: list[ModelStallRow]) -> None:
 
 
 def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) -> int:
-    check_output("--out", args.out, directory=True)
+    check_writable("--out", args.out, directory=True)
     _attention_only(args)
     former = former_from(args, prefill_only=True)
     model = load_model_cost(args.model_cost)

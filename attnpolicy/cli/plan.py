@@ -11,8 +11,8 @@ from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
-    check_output,
     check_policies,
+    check_writable,
     command,
     fail,
     formed,
@@ -145,7 +145,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from attnpolicy.cli.model_graphs import cmd_plan_model
 
         return cmd_plan_model(args, POLICIES)
-    check_output("--out", args.out, directory=True)
+    check_writable("--out", args.out, directory=True)
     model, provenance = priced(args)
     check_evictions("--evictions", args.evictions, simulation=False)
     if args.layouts:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from attnpolicy.cli.common import (
-    check_output,
+    check_writable,
     command,
     fail,
     positive_int,
@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_replan(args: argparse.Namespace) -> int:
-    check_output("--out", args.out, directory=True)
+    check_writable("--out", args.out, directory=True)
     model, provenance = priced(args)
     try:
         current = AttnPolicyConfig.load(args.config)

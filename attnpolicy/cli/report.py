@@ -18,7 +18,7 @@ from attnpolicy.bench.mode_timing import BenchSettings
 from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
-    check_output,
+    check_writable,
     command,
     console,
     describe_options,
@@ -100,7 +100,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    check_output("--out", args.out, directory=True)
+    check_writable("--out", args.out, directory=True)
     former = former_from(args)
     options = policy_options(args, "--policies", args.policies)
     check_evictions("--evictions", args.evictions, simulation=True)

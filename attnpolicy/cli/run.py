@@ -12,8 +12,8 @@ from attnpolicy.cli.common import (
     add_spec_args,
     add_workload_args,
     check_evictions,
-    check_output,
     check_spec_args,
+    check_writable,
     command,
     describe_options,
     fail,
@@ -117,7 +117,7 @@ def config_from(args: argparse.Namespace, max_batch_tokens: int | None = None) -
     except ConfigError as exc:
         fail(str(exc))
     if args.store is None:  # --store is checked with the outputs
-        check_output(f"--config {args.config} (its store_dir)", config.store_dir, directory=True)
+        check_writable(f"--config {args.config} (its store_dir)", config.store_dir, directory=True)
     return config
 
 
@@ -133,8 +133,8 @@ def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolic
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    check_output("--json", args.json)
-    check_output("--store", args.store, directory=True)
+    check_writable("--json", args.json)
+    check_writable("--store", args.store, directory=True)
     if args.model is not None:
         if args.replan_every is not None:
             fail("argument --replan-every: re-planning runs attention calls, not --model graphs")

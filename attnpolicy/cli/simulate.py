@@ -16,8 +16,8 @@ from attnpolicy.cli.common import (
     add_workload_args,
     byte_list,
     check_evictions,
-    check_output,
     check_policies,
+    check_writable,
     describe_options,
     fail,
     formed,
@@ -48,7 +48,7 @@ from attnpolicy.modelling.simulation import (
     simulation_config,
 )
 from attnpolicy.report.plots import plot_sweep
-from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
 from attnpolicy.workloads.traces import Request, TraceError, load_trace
 
@@ -174,7 +174,7 @@ def priced(args: argparse.Namespace) -> tuple[CostModel, Provenance]:
     return model, provenance
 
 
-def flag_range(model: CostModel, steps: Sequence[Step | BatchLayout]) -> OutsideRange | None:
+def flag_range(model: CostModel, steps: Sequence[ScheduledBatch | BatchLayout]) -> OutsideRange | None:
     """Warn (one line) when some of ``steps`` are priced outside ``model``'s calibrated
     range; returns the count (``None``: the range is unknown)."""
     outside = outside_range(model, steps)
@@ -220,8 +220,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from attnpolicy.cli.model_graphs import cmd_simulate_model
 
         return cmd_simulate_model(args, POLICIES)
-    check_output("--json", args.json)
-    check_output("--plot", args.plot)
+    check_writable("--json", args.json)
+    check_writable("--plot", args.plot)
     model, provenance = priced(args)
     if args.layouts:
         return simulate_recorded(args, model, provenance)
@@ -330,7 +330,7 @@ def sweep_size(args: argparse.Namespace) -> int:
             * len(args.max_bytes or (None,)) * len(args.evictions))
 
 
-def bound_text(capacity: int | None, max_bytes: int | None) -> str:
+def bounds_cell(capacity: int | None, max_bytes: int | None) -> str:
     """A row's cache bounds: ``8``, ``∞``, ``8, 512 MiB``, ``∞, 512 MiB``."""
     graphs = "∞" if capacity is None else str(capacity)
     return graphs if max_bytes is None else f"{graphs}, {max_bytes / MIB:.4g} MiB"
@@ -341,7 +341,7 @@ def print_sweep(title: str, rows: list[SimRow]) -> None:
     schemes their totals side by side."""
     print_table(title, ("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s",
                         "attention s", "total s", "over lower bound", "peak MiB", "batches c/m/v"),
-                [(r.buckets, r.policy, bound_text(r.capacity, r.max_bytes), r.eviction, r.misses, r.hit_rate,
+                [(r.buckets, r.policy, bounds_cell(r.capacity, r.max_bytes), r.eviction, r.misses, r.hit_rate,
                   r.compile_seconds, r.attention_seconds, r.total_seconds, f"{r.bound_gap:+.1%}",
                   r.peak_bytes / MIB, "/".join(str(r.modes[m]) for m in ("causal", "mask", "varlen")))
                  for r in rows],
@@ -363,7 +363,7 @@ def print_sweep(title: str, rows: list[SimRow]) -> None:
         lines = list(dict.fromkeys((r.policy, r.capacity, r.max_bytes, r.eviction) for r in rows))
         print_table("total seconds per bucket scheme (same policy, bound and eviction)",
                     ("policy", "bound", "eviction", *names),
-                    [(p, bound_text(c, b), e, *(cells.get((p, c, b, e, n)) for n in names))
+                    [(p, bounds_cell(c, b), e, *(cells.get((p, c, b, e, n)) for n in names))
                      for p, c, b, e in lines])
 
 
@@ -379,7 +379,7 @@ def print_store(rows: list[SimRow]) -> None:
                 + ("warm (a previous run's graphs)" if store.warm else "empty at start"),
                 ("buckets", "policy", "bound", "eviction", "misses", "compiles", "compile s", "loads", "load s",
                  "disk evictions", "disk peak MiB"),
-                [(r.buckets, r.policy, bound_text(r.capacity, r.max_bytes), r.eviction, r.misses, r.compiles,
+                [(r.buckets, r.policy, bounds_cell(r.capacity, r.max_bytes), r.eviction, r.misses, r.compiles,
                   r.compile_seconds, r.store.loads, r.store.load_seconds, r.store.disk_evictions,
                   r.store.disk_peak_bytes / MIB) for r in stored if r.store is not None],
                 caption="a memory miss of a graph on the disk loads it (load s), any other compiles it and saves "

@@ -10,8 +10,8 @@ from attnpolicy.cli.common import (
     add_capacities_arg,
     add_policies_arg,
     add_workload_args,
-    check_output,
     check_policies,
+    check_writable,
     fail,
     formed,
     former_from,
@@ -75,7 +75,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
         from attnpolicy.cli.model_graphs import cmd_stalls_model
 
         return cmd_stalls_model(args, POLICIES, WARM)
-    check_output("--json", args.json)
+    check_writable("--json", args.json)
     model, provenance = priced(args)
     former = former_from(args)
     base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)

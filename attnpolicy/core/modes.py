@@ -1,5 +1,5 @@
-"""Mask modes (a policy's decision), graph families (what a compiled graph
-computes), and the one rule of which mode is legal for which layout."""
+"""Mask modes (a policy's decision), call kinds (what one compiled attention
+graph computes), and the one rule of which mode is legal for which layout."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ class Decision:
             object.__setattr__(self, "mode", MaskMode(self.mode))
 
 
-class GraphFamily(str, Enum):
-    """What one compiled graph computes (a :class:`MaskMode` plans calls of these).
+class CallKind(str, Enum):
+    """The kind of one attention call: what its compiled graph computes (a
+    :class:`MaskMode` plans calls of these kinds).
 
     - ``CAUSAL``: mask-free, ``is_causal``, query rows == key rows (CAUSAL plans it,
       and VARLEN for each causal sequence without cached context);

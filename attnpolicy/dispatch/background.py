@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from time import perf_counter
 from typing import Any, NamedTuple
 
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.dispatch.batch_plan import Planned
 from attnpolicy.dispatch.graph_source import Builder, Fetched, GraphSource, count_violation, release
 from attnpolicy.errors import GraphCompileError
@@ -104,7 +104,7 @@ class Background:
             yield call, key, listed
 
     def _pad_up(self, call: Call, key: GraphKey) -> GraphKey | None:
-        """The resident graph ``call`` may pad up to: of ``key``'s kind (family,
+        """The resident graph ``call`` may pad up to: of ``key``'s call kind,
         causality, spec, impl, partition, backend) with buckets at least ``call``'s, the
         one the cost model runs fastest (ties: the smaller buckets), when its extra run
         seconds over ``switch_after`` calls are less than compiling ``key``. A pure
@@ -119,12 +119,12 @@ class Background:
         cache = self.source.cache
         resident = cache.keys()  # a snapshot (the cache is not iterable)
         for other in resident:
-            if (not isinstance(other, GraphKey) or other.family is not key.family or other.causal != key.causal
+            if (not isinstance(other, GraphKey) or other.kind is not key.kind or other.causal != key.causal
                     or other.q_len < key.q_len or other.kv_len < key.kv_len or other.spec != key.spec
                     or other.impl != key.impl or other.partition_len != key.partition_len
                     or other.backend != key.backend or other == key or not cache.has_graph(other)):
                 continue
-            if key.family is GraphFamily.MASK and other.q_len * other.kv_len > self.config.max_mask_bytes:
+            if key.kind is CallKind.MASK and other.q_len * other.kv_len > self.config.max_mask_bytes:
                 continue
             rank = (model.run_seconds(other), other.q_len, other.kv_len)
             if best is None or rank < best:

@@ -17,7 +17,7 @@ from cachetools import LRUCache
 
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, Decision, MaskMode
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.errors import BucketOverflowError
 from attnpolicy.graphs.calls import plan_calls
@@ -121,8 +121,8 @@ class Planner:
 
     def seq_plans(self, layout: BatchLayout, spec: TensorSpec) -> list[SeqPlan]:
         """``layout``'s VARLEN plan, sequence by sequence: a VARLEN call depends only on
-        its sequence's family (``q_len == kv_len``) and buckets, so plans are remembered
-        per (family, q bucket, kv bucket) and buckets per length."""
+        its sequence's kind (``q_len == kv_len``) and buckets, so plans are remembered
+        per (kind, q bucket, kv bucket) and buckets per length."""
         buckets = self._buckets
         try:
             q_buckets = [buckets[n] for n in layout.q_lens]
@@ -144,7 +144,7 @@ class Planner:
         """The graph key of ``call``: one instance per distinct key, remembered per call
         shape, so that planning a new layout builds no key twice and cache lookups of
         equal keys succeed on identity."""
-        shape = (call.family, call.q_bucket, call.kv_bucket, *call_traits(call, layout), spec)
+        shape = (call.kind, call.q_bucket, call.kv_bucket, *call_traits(call, layout), spec)
         try:
             key: GraphKey = self._keys[shape]
             return key
@@ -219,7 +219,7 @@ class Planner:
     def _fits(self, call: Call) -> Call:
         """``call``, marked uncompiled when it is longer than its largest bucket (it runs
         uncompiled, on_overflow='eager')."""
-        limit = self.largest_batch if call.family is GraphFamily.MASK else self.largest
+        limit = self.largest_batch if call.kind is CallKind.MASK else self.largest
         if max(call.q_bucket, call.kv_bucket) <= limit:
             return call
         return dataclasses.replace(call, compiled=False)
@@ -235,7 +235,7 @@ def warm_call(shape: WarmShape) -> tuple[Call, BatchLayout]:
     context (what a MASK key and the kernel choice read from the layout)."""
     q, kv = shape.q_bucket, shape.kv_bucket
     q_len = q - 1 if shape.context and q == kv else q  # context: more keys than queries
-    call = Call(shape.family, 0, q_len, 0, kv, q, kv, shape.causal)
+    call = Call(shape.kind, 0, q_len, 0, kv, q, kv, shape.causal)
     layout = BatchLayout.from_lens([1], [2] if shape.context else None, causal=shape.causal)
     return call, layout
 

@@ -19,7 +19,7 @@ from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.dispatch.batch_plan import Planned
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import ConfigError, GraphCompileError, KernelError, StrictModeError
@@ -210,7 +210,7 @@ class GraphSource:
     def host_runs(self, call: Call, key: GraphKey) -> bool:
         """Whether a warm set's ``call`` of ``key`` is the host's to run (``host_varlen``, a
         compiled VARLEN call): its key enters the cache deferred, its graph is not built."""
-        return self._host_varlen and key.family is GraphFamily.VARLEN and call.compiled
+        return self._host_varlen and key.kind is CallKind.VARLEN and call.compiled
 
     # -- building -----------------------------------------------------------------------
     def _timed_build(self, call: Call, key: GraphKey, spec: TensorSpec) -> Any:
@@ -248,7 +248,7 @@ class GraphSource:
         """Whether the graph of ``key`` would go through the store if its kernel's code
         has a stable identity."""
         return (self.store is not None and key.impl != "flex" and key.backend != "none"
-                and not (self._host_varlen and key.family is GraphFamily.VARLEN))
+                and not (self._host_varlen and key.kind is CallKind.VARLEN))
 
     def identity(self, key: GraphKey) -> ArtifactIdentity:
         """What makes the stored artifact of ``key`` valid (see docs/store.md)."""
@@ -258,7 +258,7 @@ class GraphSource:
 
     def _compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
         graph = self.build(call, key, spec)
-        lazy = self._host_varlen and key.family is GraphFamily.VARLEN
+        lazy = self._host_varlen and key.kind is CallKind.VARLEN
         if isinstance(graph, CompiledGraph) and not graph.direct and not lazy:
             self.counters.direct_call_fallbacks += 1
         return graph
@@ -289,7 +289,7 @@ class GraphSource:
                     self.store.save(self.identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
                 return _aot_graph(compiled, key.backend)
             self.store.refuse(f"kernel {key.impl!r}", why)
-        if self._host_varlen and key.family is GraphFamily.VARLEN:  # the host's kernel runs it: lazy
+        if self._host_varlen and key.kind is CallKind.VARLEN:  # the host's kernel runs it: lazy
             return compile_graph(fn, key.backend, counter=counter)
         return compile_graph(fn, key.backend, counter=counter, example_inputs=example_inputs(call, spec))
 
@@ -427,8 +427,8 @@ def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:
     k, v = (torch.zeros(call.kv_bucket, spec.kv_heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
             for _ in range(2))  # distinct objects: Dynamo guards on aliasing
     sinks = (torch.zeros(spec.heads, dtype=dtype, device=dev),) if spec.features.sinks else ()
-    if call.family is GraphFamily.MASK:
+    if call.kind is CallKind.MASK:
         return q, k, v, torch.ones(call.q_bucket, call.kv_bucket, dtype=torch.bool, device=dev), *sinks
-    if call.family is GraphFamily.VARLEN:
+    if call.kind is CallKind.VARLEN:
         return q, k, v, torch.tensor([call.q_bucket, call.kv_bucket], device=dev), *sinks
     return q, k, v, *sinks

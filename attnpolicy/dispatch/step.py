@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, Decision, MaskMode
 from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import KernelError, LayoutError
@@ -77,10 +77,10 @@ class Step:
             return
         call, graph = graphs[0]
         if (isinstance(graph, FlexGraph) or call.q_bucket != layout.q_tokens or call.kv_bucket != layout.kv_tokens
-                or call.family is GraphFamily.VARLEN):
+                or call.kind is CallKind.VARLEN):
             return
         self.direct = graph
-        if call.family is GraphFamily.MASK:
+        if call.kind is CallKind.MASK:
             self.whole_mask = (call.q_bucket, call.kv_bucket)
 
     def forget(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey
 from attnpolicy.kernels.masks import MaskCache, mask_key
@@ -75,14 +75,14 @@ class BatchCost:
         with ``key`` None (uncompiled, longer than the largest bucket), its shape's."""
         if key is not None:
             return self.model.run_seconds(key) + self._overhead
-        return self.model.call_seconds(call.family, call.q_bucket, call.kv_bucket) + self._overhead
+        return self.model.call_seconds(call.kind, call.q_bucket, call.kv_bucket) + self._overhead
 
     def mask_seconds(self, layout: BatchLayout, call: Call, device: object,
                      window: int | None = None) -> float | None:
         """Build seconds of ``call``'s dense mask on ``device`` (under a sliding ``window``)
         when it is a MASK call whose mask the cache does not hold (None: nothing is
         built); records the use."""
-        if call.family is not GraphFamily.MASK:
+        if call.kind is not CallKind.MASK:
             return None
         rows, cols = call.q_bucket, call.kv_bucket
         key = mask_key(layout, rows, cols, device, window)

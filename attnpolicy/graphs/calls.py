@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode, check_legal
+from attnpolicy.core.modes import CallKind, MaskMode, check_legal
 from attnpolicy.graphs.keys import Call
 
 
@@ -30,16 +30,16 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
     if mode is MaskMode.CAUSAL:
         n = layout.q_tokens
         b = bucket(n)
-        return (Call(GraphFamily.CAUSAL, 0, n, 0, n, b, b, True),)
+        return (Call(CallKind.CAUSAL, 0, n, 0, n, b, b, True),)
     if mode is MaskMode.MASK:
         batch_bucket = batch_bucket or bucket
-        return (Call(GraphFamily.MASK, 0, layout.q_tokens, 0, layout.kv_tokens,
+        return (Call(CallKind.MASK, 0, layout.q_tokens, 0, layout.kv_tokens,
                      batch_bucket(layout.q_tokens), batch_bucket(layout.kv_tokens), layout.causal),)
     calls = []
     for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
         if layout.causal and ql == kl:
             b = bucket(ql)
-            calls.append(Call(GraphFamily.CAUSAL, qs, ql, ks, kl, b, b, True))
+            calls.append(Call(CallKind.CAUSAL, qs, ql, ks, kl, b, b, True))
         else:
-            calls.append(Call(GraphFamily.VARLEN, qs, ql, ks, kl, bucket(ql), bucket(kl), layout.causal))
+            calls.append(Call(CallKind.VARLEN, qs, ql, ks, kl, bucket(ql), bucket(kl), layout.causal))
     return tuple(calls)

@@ -4,10 +4,10 @@ A :class:`CostModel` holds, for the tensor spec, attention implementation and
 compile backend it was calibrated with (``attnpolicy calibrate``, see
 :mod:`attnpolicy.bench.calibration`), one :class:`Fit` per quantity:
 
-- ``run[family]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
-  shape), input padding and output copy included, for each :class:`GraphFamily`
+- ``run[kind]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
+  shape), input padding and output copy included, for each :class:`CallKind`
   (JSON keys ``causal``, ``mask``, ``varlen``);
-- ``compile[family]``: seconds to build one graph of a key (backend compile plus its
+- ``compile[kind]``: seconds to build one graph of a key (backend compile plus its
   first call on example inputs);
 - ``warmup_seconds``: what the first compile in a process pays on top of its key's
   ``compile`` seconds (the backend's one-off start-up: Dynamo, AOTAutograd), charged
@@ -18,9 +18,9 @@ compile backend it was calibrated with (``attnpolicy calibrate``, see
   price a windowed build as ``mask_build``);
 - ``call_overhead_seconds``: the dispatcher's own cost per call (decision, plan,
   cache lookup) on a cache hit;
-- ``store_load[family]``: seconds to load one graph of a key from a graph store
+- ``store_load[kind]``: seconds to load one graph of a key from a graph store
   (:class:`~attnpolicy.cache.disk_store.DiskStore`: read, verify, torch's load), and
-  ``store_bytes[family]``: the bytes its artifact and manifest take there.
+  ``store_bytes[kind]``: the bytes its artifact and manifest take there.
 
 ``store_load`` and ``store_bytes`` came later within format version 1: a model saved
 without them still loads, with both empty (the model knows no graph store, and
@@ -48,7 +48,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from attnpolicy.core import jsonfile
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.core.names import Backend, DType, Impl
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.footprint import graph_bytes
@@ -120,7 +120,7 @@ class Sample(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     what: Literal["run", "compile", "mask_build", "mask_build_window", "store_load", "store_bytes"]
-    kind: GraphFamily | None = None
+    kind: CallKind | None = None
     rows: Positive
     cols: Positive
     seconds: NonNegative  # for ``store_bytes``: the bytes
@@ -145,27 +145,27 @@ class CostModel(BaseModel):
     backend: Backend = "aot_eager"
     threads: Positive = 1
     torch_version: str = ""
-    run: dict[GraphFamily, Fit]
-    compile: dict[GraphFamily, Fit]
+    run: dict[CallKind, Fit]
+    compile: dict[CallKind, Fit]
     mask_build: Fit
     #: seconds to build a dense mask under a sliding window (``None``: as ``mask_build``)
     mask_build_window: Fit | None = None
     warmup_seconds: NonNegative = 0.0
     call_overhead_seconds: NonNegative = 0.0
     samples: tuple[Sample, ...] = ()
-    #: seconds per graph family and kernel on a reference batch (``calibrate --kernels``);
+    #: seconds per call kind and kernel on a reference batch (``calibrate --kernels``);
     #: the kernel ``auto`` picks the fastest that can serve a call
     kernel_seconds: dict[str, dict[str, NonNegative]] = {}
-    #: seconds to load a stored graph, per family (empty: not calibrated, see above)
-    store_load: dict[GraphFamily, Fit] = {}
-    #: bytes a stored graph takes on disk, artifact and manifest, per family (empty with ``store_load``)
-    store_bytes: dict[GraphFamily, Fit] = {}
+    #: seconds to load a stored graph, per call kind (empty: not calibrated, see above)
+    store_load: dict[CallKind, Fit] = {}
+    #: bytes a stored graph takes on disk, artifact and manifest, per call kind (empty with ``store_load``)
+    store_bytes: dict[CallKind, Fit] = {}
 
     @model_validator(mode="after")
-    def _every_family(self) -> CostModel:
+    def _every_kind(self) -> CostModel:
         for field in ("run", "compile", "store_load", "store_bytes"):
             fits = getattr(self, field)
-            missing = [f.value for f in GraphFamily if f not in fits]
+            missing = [f.value for f in CallKind if f not in fits]
             if missing and (fits or field in ("run", "compile")):
                 raise ValueError(f"{field} needs a fit for every graph family; missing: {', '.join(missing)}")
         if bool(self.store_load) != bool(self.store_bytes):
@@ -187,19 +187,19 @@ class CostModel(BaseModel):
         return max((max(x.rows, x.cols) for x in self.samples if x.what == "run"), default=None)
 
     # -- predictions -------------------------------------------------------------------
-    def call_seconds(self, family: GraphFamily, q_len: int, kv_len: int) -> float:
-        """Seconds of one call of graph ``family`` on a padded ``q_len × kv_len`` shape."""
-        return self.run[family](q_len, kv_len)
+    def call_seconds(self, kind: CallKind, q_len: int, kv_len: int) -> float:
+        """Seconds of one call of kind ``kind`` on a padded ``q_len × kv_len`` shape."""
+        return self.run[kind](q_len, kv_len)
 
     def run_seconds(self, key: GraphKey) -> float:
         """Seconds of one call of the graph of ``key``."""
-        return self.run[key.family](key.q_len, key.kv_len)
+        return self.run[key.kind](key.q_len, key.kv_len)
 
     def compile_seconds(self, key: GraphKey) -> float:
         """Seconds to build the graph of ``key`` (0 for backend ``"none"``: nothing compiles)."""
         if key.backend == "none":
             return 0.0
-        return self.compile[key.family](key.q_len, key.kv_len)
+        return self.compile[key.kind](key.q_len, key.kv_len)
 
     def compile_cost(self, key: GraphKey, measured_seconds: float) -> float:
         """A :class:`~attnpolicy.cache.graph_cache.GraphCache` ``compile_cost``: record the modelled
@@ -225,11 +225,11 @@ class CostModel(BaseModel):
 
     def load_seconds(self, key: GraphKey) -> float:
         """Seconds to load the stored graph of ``key`` (needs :attr:`knows_store`)."""
-        return self.store_load[key.family](key.q_len, key.kv_len)
+        return self.store_load[key.kind](key.q_len, key.kv_len)
 
     def stored_bytes(self, key: GraphKey) -> int:
         """Bytes the stored graph of ``key`` takes on disk, rounded up (needs :attr:`knows_store`)."""
-        return math.ceil(self.store_bytes[key.family](key.q_len, key.kv_len))
+        return math.ceil(self.store_bytes[key.kind](key.q_len, key.kv_len))
 
     def warmup_cost(self, compiled: Iterable[GraphKey]) -> float:
         """The one-off start-up of a process that compiles the graphs of ``compiled``:

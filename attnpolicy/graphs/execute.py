@@ -1,4 +1,4 @@
-"""Graph functions and their execution: what a compiled graph of each family
+"""Graph functions and their execution: what a compiled graph of each kind
 computes (:func:`graph_fn`; a :class:`~attnpolicy.graphs.flexgraph.FlexGraph` runs a
 whole MASK batch itself), how packed tensors become its inputs, and how outputs are
 scattered back (:func:`execute`). :func:`check_inputs` validates the tensors against
@@ -12,7 +12,7 @@ import torch
 
 from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.calls import plan_calls
@@ -28,7 +28,7 @@ GraphFn = Callable[..., torch.Tensor] | FlexGraph
 
 def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | None,
              features: Features = PLAIN) -> GraphFn:
-    """The Python function a graph of ``call``'s family computes (what gets compiled).
+    """The Python function a graph of ``call``'s kind computes (what gets compiled).
 
     - CAUSAL: ``f(q, k, v)``, mask-free, ``is_causal`` (a sliding window: a band built
       in the graph);
@@ -43,16 +43,16 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
     the sink logits ``[Hq]`` as one more, last, input.
 
     MASK and VARLEN graphs do not isolate sequences themselves: :func:`execute`
-    does, around them (see :mod:`attnpolicy.kernels.isolation`). Each family's
+    does, around them (see :mod:`attnpolicy.kernels.isolation`). Each kind's
     functions are closures over one code object; ``compile.py`` gives every compiled
     graph a fresh code object of its own.
     """
-    if call.family is GraphFamily.MASK and impl == "flex":
+    if call.kind is CallKind.MASK and impl == "flex":
         return FlexGraph(flex_graph(scale, features.softcap, features.sinks), BlockMaskCache(1), features.window)
     run = bind(impl, scale=scale, partition_len=partition_len, softcap=features.softcap)
     window = features.window
     rows, cols, causal = call.q_bucket, call.kv_bucket, call.causal
-    if call.family is GraphFamily.CAUSAL:
+    if call.kind is CallKind.CAUSAL:
         def causal_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             band = None if window is None else window_band(rows, cols, window, causal=True, device=q.device)
             return run(q, k, v, True, band)
@@ -61,7 +61,7 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
             band = None if window is None else window_band(rows, cols, window, causal=True, device=q.device)
             return run(q, k, v, True, band, sinks)
         return causal_sink_graph if features.sinks else causal_graph
-    if call.family is GraphFamily.MASK:
+    if call.kind is CallKind.MASK:
         def mask_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return run(q, k, v, False, mask)
 
@@ -94,10 +94,10 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
         ins = (_rows(q, call.q_start, call.q_len, call.q_bucket, masks),
                _rows(k, call.kv_start, call.kv_len, call.kv_bucket, masks),
                _rows(v, call.kv_start, call.kv_len, call.kv_bucket, masks))
-    family = call.family
-    if family is GraphFamily.CAUSAL:
+    kind = call.kind
+    if kind is CallKind.CAUSAL:
         return ins
-    if family is GraphFamily.MASK:
+    if kind is CallKind.MASK:
         if masks is None:
             return (*ins, mask_for(layout, window).dense(call.q_bucket, call.kv_bucket, str(q.device)))
         return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, q.device, window))
@@ -182,9 +182,9 @@ def _execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLay
     if len(graphs) == 1:
         if isinstance(first, FlexGraph):
             return first.run(q, k, v, layout, call, sinks)
-        masked = call.family is not GraphFamily.CAUSAL
+        masked = call.kind is not CallKind.CAUSAL
     else:
-        masked = any(call.family is not GraphFamily.CAUSAL for call, _ in graphs)
+        masked = any(call.kind is not CallKind.CAUSAL for call, _ in graphs)
     masked = masked or features.window is not None  # a window masks CAUSAL graphs too
     if masked and not layout.is_single and not leak_free(q, k, v):
         return isolated(lambda q, k, v: _run(q, k, v, layout, graphs, masks, features.window, sinks),
@@ -197,12 +197,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
          sinks: torch.Tensor | None) -> torch.Tensor:
     extra = () if sinks is None else (sinks,)
     call, first = graphs[0]
-    if len(graphs) == 1 and call.q_len == layout.q_tokens and call.family is not GraphFamily.VARLEN:
+    if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind is not CallKind.VARLEN:
         # one call over every query row (MASK, or CAUSAL of one unpadded sequence)
         out = first(*graph_inputs(q, k, v, layout, call, masks, window), *extra)  # type: ignore[operator]
         if call.q_bucket != call.q_len:
             out = out[:, :call.q_len]
-        if call.family is GraphFamily.MASK and layout.is_padded:
+        if call.kind is CallKind.MASK and layout.is_padded:
             real = real_rows(layout.q_starts, layout.q_lens, layout.q_tokens, str(out.device), masks)
             return out.transpose(0, 1).masked_fill(~real[:, None, None], 0)
         return out.transpose(0, 1)

@@ -13,7 +13,7 @@ from attnpolicy.kernels.flex import BlockMaskCache, FlexFn, flex_attend
 
 
 class FlexGraph:
-    """A MASK-family graph whose input is the layout's block mask, not a dense mask.
+    """A ``mask`` graph whose input is the layout's block mask, not a dense mask.
 
     ``graph`` is the (compiled or plain) ``f(q, k, v, block_mask[, sinks])``; ``masks``
     the bounded block-mask cache it draws from (the dispatcher's); ``window`` the

@@ -19,7 +19,7 @@ your own ``sizeof`` to :class:`~attnpolicy.cache.graph_cache.GraphCache` to meas
 
 from __future__ import annotations
 
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 from attnpolicy.graphs.keys import GraphKey
 
 FP32 = 4
@@ -30,7 +30,7 @@ def graph_bytes(key: GraphKey) -> int:
     q_elems = s.heads * key.q_len * s.head_dim
     kv_elems = s.kv_heads * key.kv_len * s.head_dim
     total = (2 * q_elems + 2 * kv_elems) * s.itemsize
-    if key.family is not GraphFamily.CAUSAL:
+    if key.kind is not CallKind.CAUSAL:
         total += key.q_len * key.kv_len
     if key.impl == "eager":
         total += FP32 * s.heads * key.q_len * key.kv_len

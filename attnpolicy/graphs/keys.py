@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attnpolicy.core.features import PLAIN, Features
-from attnpolicy.core.modes import GraphFamily
+from attnpolicy.core.modes import CallKind
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -47,14 +47,14 @@ class TensorSpec:
 class Call:
     """One graph invocation planned from a layout.
 
-    ``family`` is the :class:`GraphFamily` of its graph. Rows ``[q_start, q_start +
+    ``kind`` is the :class:`CallKind` of its graph. Rows ``[q_start, q_start +
     q_len)`` of q and ``[kv_start, kv_start + kv_len)`` of k/v are padded up to
     ``q_bucket`` / ``kv_bucket`` rows. ``compiled`` is false for a call longer than
     the largest bucket that runs uncompiled (``on_overflow="eager"``): it has no graph
     in the cache.
     """
 
-    family: GraphFamily
+    kind: CallKind
     q_start: int
     q_len: int
     kv_start: int
@@ -69,7 +69,7 @@ class Call:
 class GraphKey:
     """Cache key of one compiled graph: equal keys can share one graph."""
 
-    family: GraphFamily
+    kind: CallKind
     q_len: int
     kv_len: int
     causal: bool
@@ -81,7 +81,7 @@ class GraphKey:
 
     def __post_init__(self) -> None:
         # hashed once: a key is looked up in the graph cache on every call
-        object.__setattr__(self, "_hash", hash((self.family, self.q_len, self.kv_len, self.causal, self.spec,
+        object.__setattr__(self, "_hash", hash((self.kind, self.q_len, self.kv_len, self.causal, self.spec,
                                                 self.impl, self.partition_len, self.backend)))
 
     def __hash__(self) -> int:
@@ -91,8 +91,8 @@ class GraphKey:
     def for_call(cls, call: Call, spec: TensorSpec, impl: str,
                  partition_len: int | None, backend: str) -> GraphKey:
         # a MASK graph takes causality from its mask: causal and bidirectional share it
-        causal = call.causal and call.family is not GraphFamily.MASK
-        return cls(call.family, call.q_bucket, call.kv_bucket, causal, spec, impl,
+        causal = call.causal and call.kind is not CallKind.MASK
+        return cls(call.kind, call.q_bucket, call.kv_bucket, causal, spec, impl,
                    partition_len if impl == "flash" else None, backend)
 
     def __str__(self) -> str:
@@ -102,6 +102,6 @@ class GraphKey:
         part += "" if s.scale is None else f"/s{s.scale:g}"
         part += "" if s.device == "cpu" else f"/{s.device}"
         part += s.features.tag()
-        kind = self.family.value + ("-bidir" if not self.causal and self.family is not GraphFamily.MASK else "")
+        kind = self.kind.value + ("-bidir" if not self.causal and self.kind is not CallKind.MASK else "")
         return (f"{kind}/{shape}/{s.dtype}/h{s.heads}kv{s.kv_heads}d{s.head_dim}"
                 f"/{self.impl}{part}/{self.backend}")

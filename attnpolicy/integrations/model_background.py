@@ -93,7 +93,7 @@ class Runner(Protocol[K_contra]):
 
 
 @dataclass(frozen=True, slots=True)
-class BackgroundStats:
+class ModelBackgroundStats:
     """Background compiles requested, switched in and failed; batches served padded up
     to a larger graph and served eagerly; seconds the worker compiled and batches waited;
     of those switched in, the graphs the worker ``loaded`` from the store."""
@@ -204,8 +204,8 @@ class ModelBackground(Generic[K]):
                                 load=(lambda: graph) if loaded else None) is not graph:
             release_graph(graph)
 
-    def stats(self) -> BackgroundStats:
-        return BackgroundStats(**self._counts, compile_seconds=self._seconds, stall_seconds=self._stall)
+    def stats(self) -> ModelBackgroundStats:
+        return ModelBackgroundStats(**self._counts, compile_seconds=self._seconds, stall_seconds=self._stall)
 
     def close(self) -> None:
         """Stop the worker (waiting for its compile) and drop the pending compiles."""

@@ -61,7 +61,7 @@ from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
 from attnpolicy.graphs import aot, backend_setup
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.integrations.model_background import BackgroundStats, ModelBackground
+from attnpolicy.integrations.model_background import ModelBackground, ModelBackgroundStats
 from attnpolicy.kernels.attention import bind
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.policies.base import PolicyContext
@@ -112,7 +112,7 @@ class RunnerStats:
     cache: CacheStats
     memory: tuple[GraphMemory, ...]
     disk: StoreStats | None = None  # the graph store's, with ``store_dir``
-    background: BackgroundStats | None = None
+    background: ModelBackgroundStats | None = None
     #: graphs loaded from the store after warm-up (no compile: no strict violation),
     #: counted under strict "warn" and "raise"
     loaded_after_warmup: int = 0

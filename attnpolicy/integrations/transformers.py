@@ -1,12 +1,12 @@
 """HF transformers integration: ``attn_implementation="attnpolicy"``.
 
-:func:`register` adds :func:`attention` to transformers' ``AttentionInterface``
+:func:`register` adds :func:`dispatched_attention` to transformers' ``AttentionInterface``
 and transformers' own ``sdpa_mask`` to ``AttentionMaskInterface`` under the same
 name, so models build the same boolean masks (padding, causal, packed sequences
 from ``position_ids`` restarts) as with ``"sdpa"`` — without a registered mask
 function transformers would pass no mask at all and drop padding and packing.
 
-:func:`attention` turns HF's ``[batch, heads, len, head_dim]`` tensors and mask
+:func:`dispatched_attention` turns HF's ``[batch, heads, len, head_dim]`` tensors and mask
 into packed tensors and a :class:`~attnpolicy.core.layout.BatchLayout`
 (:mod:`attnpolicy.integrations.hf_layout`) and runs the dispatcher, with the
 layer's sliding window (``sliding_window``: Mistral, Gemma 2/3, Qwen2 long-context,
@@ -57,14 +57,14 @@ def register(config: AttnPolicyConfig | None = None) -> Dispatcher:
 
     global _dispatcher
     _dispatcher = dispatcher_for(config if config is not None else from_env())
-    AttentionInterface.register(NAME, attention)
+    AttentionInterface.register(NAME, dispatched_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     install_decision_log()
     return _dispatcher
 
 
 def dispatcher() -> Dispatcher:
-    """The dispatcher :func:`attention` runs (from the environment if :func:`register`
+    """The dispatcher :func:`dispatched_attention` runs (from the environment if :func:`register`
     was not called with a config)."""
     global _dispatcher
     if _dispatcher is None:
@@ -153,10 +153,10 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     return layout_without_mask(batch, lq, lk, causal=causal and lq > 1), None
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, attention_mask: torch.Tensor | None,
-              scaling: float | None = None, dropout: float = 0.0,
-              **kwargs: Any) -> tuple[torch.Tensor, None]:
+def dispatched_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, attention_mask: torch.Tensor | None,
+                         scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs: Any) -> tuple[torch.Tensor, None]:
     """An ``AttentionInterface`` function: ``query [B, Hq, Lq, D]``, ``key/value
     [B, Hkv, Lk, D]`` → ``([B, Lq, Hq, D], None)``. Padding rows come back zero."""
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))

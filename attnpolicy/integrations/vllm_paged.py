@@ -3,7 +3,7 @@
 - :class:`PagedVarlenKernel`: vLLM's own ``cpu_attention_with_kv_cache`` over a whole
   batch: varlen, mask-free, reading every sequence's keys (cached context included)
   through its block table, under the layer's sliding window, soft cap and sinks. It
-  is the VARLEN-family kernel of the vLLM backend, with the call signature a kernel
+  is the ``varlen`` kernel of the vLLM backend, with the call signature a kernel
   registry can take: queries, the paged cache, the step's metadata and the output.
 - :class:`PagedGather`: packed ``k, v[Σ kv_len, Hkv, D]`` read from the paged cache
   for the sequences of a step, the input of attnpolicy's CAUSAL and MASK graphs.

@@ -2,9 +2,9 @@
 every call (:func:`check_output`), and its math on a small probe per capability
 against a float64 reference (:func:`probe`).
 
-A probe case is one way a graph family calls a kernel: the ``causal`` family a
-mask-free causal call, the ``mask`` family two packed sequences under their
-block-diagonal mask (causal or bidirectional), the ``varlen`` family one sequence
+A probe case is one way a call kind calls a kernel: the ``causal`` kind a
+mask-free causal call, the ``mask`` kind two packed sequences under their
+block-diagonal mask (causal or bidirectional), the ``varlen`` kind one sequence
 padded to a bucket under its bounds mask; with or without cached context (more keys
 than queries) and GQA (2 kv heads under 4 query heads, each kv head different, so a
 kernel that reads one head only fails); and with each feature a kernel declares
@@ -35,9 +35,9 @@ PROBE_WINDOW, PROBE_SOFTCAP = 2, 0.5
 
 @dataclass(frozen=True, slots=True)
 class ProbeCase:
-    """One way a family calls a kernel, in the words an error names it by."""
+    """One way a call kind calls a kernel, in the words an error names it by."""
 
-    family: str
+    kind: str
     causal: bool
     context: bool
     gqa: bool
@@ -53,7 +53,7 @@ class ProbeCase:
 
     def describe(self) -> str:
         feats = "" if not self.features.any else f", {self.features.describe()}"
-        return (f"{self.family} family, {'causal' if self.causal else 'bidirectional'}, "
+        return (f"{self.kind} family, {'causal' if self.causal else 'bidirectional'}, "
                 f"{'with' if self.context else 'without'} cached context, "
                 f"{'GQA 4:2' if self.gqa else 'no GQA'}, {str(self.dtype).removeprefix('torch.')}, "
                 f"{self.device}{feats}")
@@ -87,8 +87,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
 
 
 def probe_layout(case: ProbeCase) -> BatchLayout:
-    """The layout ``case``'s probe packs (two sequences for the mask family, one otherwise)."""
-    q_lens = [3, 5] if case.family == "mask" else [5]
+    """The layout ``case``'s probe packs (two sequences for the mask kind, one otherwise)."""
+    q_lens = [3, 5] if case.kind == "mask" else [5]
     kv_lens = [n + 3 * case.context for n in q_lens]
     return BatchLayout.from_lens(q_lens, kv_lens, causal=case.causal)
 
@@ -112,19 +112,19 @@ def probe_sinks(case: ProbeCase) -> torch.Tensor | None:
 
 
 def probe(case: ProbeCase, run: Callable[..., torch.Tensor], kernel: str, plugin: str) -> None:
-    """Call ``run(q, k, v, causal, mask, sinks)`` as ``case``'s family does and raise
+    """Call ``run(q, k, v, causal, mask, sinks)`` as ``case``'s kind does and raise
     :class:`KernelError` naming the kernel, its plugin and the case unless it matches
     the float64 reference on every row the call defines."""
     layout = probe_layout(case)
-    rows, cols = (layout.q_tokens, layout.kv_tokens) if case.family != "varlen" else (8, 11)
+    rows, cols = (layout.q_tokens, layout.kv_tokens) if case.kind != "varlen" else (8, 11)
     q, k, v = _inputs(case, layout, rows, cols)
     scale = 1 / math.sqrt(_HEAD_DIM)
     window, sinks = case.features.window, probe_sinks(case)
-    if case.family == "causal":
+    if case.kind == "causal":
         allowed = mask_for(layout, window).materialize()
         mask = None if window is None else window_band(rows, cols, window, causal=True, device=case.device)
         causal = True
-    elif case.family == "mask":
+    elif case.kind == "mask":
         mask = allowed = mask_for(layout, window).materialize().to(case.device)
         causal = False
     else:

@@ -1,4 +1,4 @@
-"""FlexAttention for the MASK family: one call over the packed batch that computes
+"""FlexAttention for ``mask`` calls: one call over the packed batch that computes
 only the blocks a block mask built from the layout allows (block-sparse MASK).
 
 Each row gets a document id and a position: sequence ``i`` owns its rows, query

@@ -34,7 +34,7 @@ from attnpolicy.integrations.static_model import ModelKey, model_key_for
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
-from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 
 
 def model_former(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> BatchFormer:
@@ -43,10 +43,10 @@ def model_former(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: 
                        chunked_prefill=False, prefill_only=True, max_model_len=max_model_len)
 
 
-def model_layouts(steps: Sequence[Step | BatchLayout]) -> list[BatchLayout]:
+def model_layouts(steps: Sequence[ScheduledBatch | BatchLayout]) -> list[BatchLayout]:
     """The layouts of ``steps``; one with cached context (decode, a prefill chunk) is an
     error: whole-model graphs here serve prefill only."""
-    layouts = [s.layout if isinstance(s, Step) else s for s in steps]
+    layouts = [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
     for i, layout in enumerate(layouts):
         if layout.has_context or not layout.causal:
             raise ConfigError(f"batch {i} ({layout.describe()}) is not a causal prefill without cached context: "

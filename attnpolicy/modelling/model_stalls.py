@@ -60,7 +60,7 @@ class ModelStallRow:
         return {**asdict(self), "total_seconds": self.total_seconds}
 
 
-def model_stalls(layouts: Sequence[BatchLayout], model: ModelCostModel, config: AttnPolicyConfig) -> ModelStallRow:
+def model_stall_row(layouts: Sequence[BatchLayout], model: ModelCostModel, config: AttnPolicyConfig) -> ModelStallRow:
     """Replay ``layouts`` under ``config`` (its policy, buckets, bounds, ``compile_mode``
     and ``switch_after``) on ``model``'s clock."""
     keys = key_stream(layouts, decided_modes(layouts, config, spec_of(model)), config)
@@ -116,7 +116,7 @@ def model_stalls(layouts: Sequence[BatchLayout], model: ModelCostModel, config: 
 def compare_model_stalls(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig]
                          ) -> list[ModelStallRow]:
     """For each config, its ``sync`` row then its ``background`` row."""
-    return [model_stalls(layouts, model, config.model_copy(update={"compile_mode": mode}))
+    return [model_stall_row(layouts, model, config.model_copy(update={"compile_mode": mode}))
             for config in configs for mode in ("sync", "background")]
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.model_costmodel import ModelCostModel
-from attnpolicy.workloads.batching import Step
+from attnpolicy.workloads.batching import ScheduledBatch
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,13 @@ def batch_len(layout: BatchLayout) -> int:
     return max(layout.total_tokens, layout.max_kv_len)
 
 
-def outside_range(model: CostModel, steps: Sequence[Step | BatchLayout]) -> OutsideRange | None:
+def outside_range(model: CostModel, steps: Sequence[ScheduledBatch | BatchLayout]) -> OutsideRange | None:
     """The batches of ``steps`` longer than ``model`` was calibrated on; ``None`` when
     its range is unknown (a model without samples)."""
     calibrated = model.calibrated_len
     if calibrated is None:
         return None
-    sizes = [batch_len(s.layout if isinstance(s, Step) else s) for s in steps]
+    sizes = [batch_len(s.layout if isinstance(s, ScheduledBatch) else s) for s in steps]
     outside = sum(n > calibrated for n in sizes)
     return OutsideRange(outside, len(sizes), f"{max(sizes, default=0)} tokens", f"{calibrated} tokens")
 

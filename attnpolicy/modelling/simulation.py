@@ -56,7 +56,7 @@ from attnpolicy.modelling.streams import KeyStream
 from attnpolicy.modelling.tiers import StoredRuns, StoreFigures, StoreModel
 from attnpolicy.plugins.registry import eviction_registry
 from attnpolicy.policies.guard import Guard
-from attnpolicy.workloads.batching import BatchFormer, Step
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.layout_stream import LayoutRun
 from attnpolicy.workloads.traces import Request
 
@@ -170,7 +170,7 @@ class Recording:
     cache: StreamStats | None = None
 
 
-def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def _replay(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
             spec: TensorSpec | None = None, warm_store: bool = False) -> Recording:
     """One dispatcher run over ``steps``; with ``config``'s store modelled, twice when
     ``warm_store`` (the first run fills the store, the second is recorded)."""
@@ -188,7 +188,7 @@ def _replay(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model
     return out
 
 
-def _dispatched(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def _dispatched(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
                 spec: TensorSpec | None, cache: GraphCache[SimulatedGraph]) -> Recording:
     spec = spec or model.spec
     dispatcher = Dispatcher(config, builder=simulated, cost_model=model, cache=cache)
@@ -197,7 +197,7 @@ def _dispatched(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, m
     keys = out.keys
     seconds = 0.0
     for step in steps:
-        layout = step.layout if isinstance(step, Step) else step
+        layout = step.layout if isinstance(step, ScheduledBatch) else step
         for call, graph in dispatcher.prepare(layout, spec):
             key = graph.key if isinstance(graph, SimulatedGraph) else None
             if key is not None:
@@ -381,7 +381,7 @@ def simulate(
 
 
 def simulate_layouts(
-    steps: Sequence[Step | BatchLayout],
+    steps: Sequence[ScheduledBatch | BatchLayout],
     policies: Sequence[str],
     capacities: Sequence[int | None],
     evictions: Sequence[str],
@@ -454,7 +454,7 @@ def _eviction_groups(evictions: list[tuple[int, str]]) -> list[list[tuple[int, s
 class _Sweep:
     """What every job of a sweep shares (sent once to each worker process)."""
 
-    steps: Sequence[Step | BatchLayout]
+    steps: Sequence[ScheduledBatch | BatchLayout]
     model: CostModel
     spec: TensorSpec | None
     rejected: int

@@ -36,7 +36,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.modelling.simulation import SimulatedGraph, simulated
 from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option
-from attnpolicy.workloads.batching import Step
+from attnpolicy.workloads.batching import ScheduledBatch
 
 #: ``warm`` values besides ``prefix:N``.
 WARM_NONE, WARM_ALL = "none", "all"
@@ -98,8 +98,8 @@ def warm_layouts(layouts: Sequence[BatchLayout], warm: str) -> list[BatchLayout]
     raise ConfigError(f"warm must be 'none', 'all' or 'prefix:N' (N ≥ 0 batches), got {warm!r}")
 
 
-def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel | None = None,
-                 spec: TensorSpec | None = None, warm: str = WARM_NONE, store_warm: bool = False) -> StallRow:
+def stall_row(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel | None = None,
+              spec: TensorSpec | None = None, warm: str = WARM_NONE, store_warm: bool = False) -> StallRow:
     """Replay ``steps`` under ``config`` (its ``compile_mode`` and ``switch_after``)
     on the modelled clock, after warming up as ``warm`` says (see :func:`warm_layouts`);
     over ``config``'s graph store if it has one (``store_warm``: filled by a first run)."""
@@ -116,11 +116,11 @@ def model_stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, 
                                            disk.load_seconds - seconds, disk.evictions, disk.peak_bytes))
 
 
-def _stalls(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def _stalls(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
             spec: TensorSpec | None, warm: str, disk: DiskMirror | None) -> tuple[StallRow, int, float]:
     """The row over ``disk`` (``None``: no store), and the loads and load seconds of its warm-up."""
     spec = spec or model.spec
-    layouts = [s.layout if isinstance(s, Step) else s for s in steps]
+    layouts = [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
     warm_set = warm_layouts(layouts, warm)
     inserted: list[GraphKey] = []
     cache: GraphCache[SimulatedGraph] = GraphCache.from_config(
@@ -226,7 +226,7 @@ def stall_configs(base: AttnPolicyConfig, policies: Sequence[str], capacities: S
     return configs
 
 
-def compare_stalls(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, policies: Sequence[str],
+def compare_stalls(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, policies: Sequence[str],
                    capacities: Sequence[int | None], warm: Sequence[str], switch_after: int | None = None,
                    model: CostModel | None = None, spec: TensorSpec | None = None,
                    progress: Callable[[str], None] | None = None, store_warm: bool = False) -> list[StallRow]:
@@ -239,7 +239,7 @@ def compare_stalls(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, 
         for capacity in capacities:
             for warm_set in warm:
                 for mode in ("sync", "background"):
-                    rows.append(model_stalls(steps, configs[policy, capacity, mode], model, spec, warm_set,
+                    rows.append(stall_row(steps, configs[policy, capacity, mode], model, spec, warm_set,
                                              store_warm))
                     if progress:
                         progress(f"{policy} capacity={capacity} warm={warm_set} {mode}")

@@ -1,7 +1,7 @@
 """Bucket planning: the compiled sizes that minimise a workload's modelled time.
 
 A workload under one policy is a multiset of exact call shapes
-(:class:`CallShapes`: graph family, query rows, key rows). A bucket list ``S``
+(:class:`CallShapes`: call kind, query rows, key rows). A bucket list ``S``
 rounds every length up to the next size in ``S``; the modelled time of the
 workload is then
 
@@ -10,7 +10,7 @@ workload is then
 (every graph compiled once: the cache holds the whole plan). :func:`plan_sizes`
 finds, for every number of buckets ``k`` up to a limit, the best list whose sizes
 are multiples of ``align`` (:data:`ALIGN` by default; a length's round-up is held to
-its family's limit, ``max_seq_len`` or ``max_batch_tokens``, when that is not a
+its kind's limit, ``max_seq_len`` or ``max_batch_tokens``, when that is not a
 multiple), the largest one included:
 
 - *square* shapes (``q == kv``: prefills without context, packed MASK rows) are
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.costmodel import CostModel
@@ -44,22 +44,22 @@ from attnpolicy.graphs.costmodel import CostModel
 #: The default alignment of planned buckets: a multiple of vLLM's capture-size
 #: strides (8 below 256 tokens, 16 from 256) and the planner's historical grid.
 ALIGN = 16
-#: Graph families in the order of :attr:`CallShapes.family` codes.
-FAMILIES: tuple[GraphFamily, ...] = (GraphFamily.CAUSAL, GraphFamily.MASK, GraphFamily.VARLEN)
-_CODE = {family: code for code, family in enumerate(FAMILIES)}
+#: Call kinds in the order of :attr:`CallShapes.kind` codes.
+KINDS: tuple[CallKind, ...] = (CallKind.CAUSAL, CallKind.MASK, CallKind.VARLEN)
+_CODE = {kind: code for code, kind in enumerate(KINDS)}
 
 
 @dataclass(frozen=True)
 class CallShapes:
     """Exact (unbucketed) call shapes with their counts, one entry per distinct shape."""
 
-    family: np.ndarray  # int codes into FAMILIES
+    kind: np.ndarray  # int codes into KINDS
     q: np.ndarray
     kv: np.ndarray
     count: np.ndarray
 
     @classmethod
-    def of(cls, shapes: Counter[tuple[GraphFamily, int, int]]) -> CallShapes:
+    def of(cls, shapes: Counter[tuple[CallKind, int, int]]) -> CallShapes:
         if not shapes:
             raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
         rows = sorted((_CODE[f], q, kv, n) for (f, q, kv), n in shapes.items())
@@ -69,22 +69,22 @@ class CallShapes:
     @classmethod
     def from_layouts(cls, decided: Iterable[tuple[BatchLayout, MaskMode]]) -> CallShapes:
         """The shapes of each ``(layout, mode)``'s planned calls (exact lengths)."""
-        shapes: Counter[tuple[GraphFamily, int, int]] = Counter()
+        shapes: Counter[tuple[CallKind, int, int]] = Counter()
         for layout, mode in decided:
             for call in plan_calls(layout, mode):
-                shapes[call.family, call.q_len, call.kv_len] += 1
+                shapes[call.kind, call.q_len, call.kv_len] += 1
         return cls.of(shapes)
 
     @property
     def max_len(self) -> int:
         return int(self.kv.max())
 
-    def by_family(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """``(family code, q, kv, count)`` of each family present, in code order (computed once)."""
+    def by_kind(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """``(kind code, q, kv, count)`` of each kind present, in code order (computed once)."""
         parts = self.__dict__.get("_parts")
         if parts is None:
             parts = [(code, self.q[sel], self.kv[sel], self.count[sel])
-                     for code in range(len(FAMILIES)) if (sel := self.family == code).any()]
+                     for code in range(len(KINDS)) if (sel := self.kind == code).any()]
             object.__setattr__(self, "_parts", parts)
         return parts
 
@@ -110,7 +110,7 @@ class PlanCost:
 
 def _fits(model: CostModel, which: str) -> list[tuple[float, float, float]]:
     fits = getattr(model, which)
-    return [(fits[f.value].base, fits[f.value].per_cell, fits[f.value].per_token) for f in FAMILIES]
+    return [(fits[f.value].base, fits[f.value].per_cell, fits[f.value].per_token) for f in KINDS]
 
 
 def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> PlanCost:
@@ -125,7 +125,7 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
     compile_total = 0.0
     graphs = 0
     padded = 0
-    for code, q_exact, kv_exact, n in shapes.by_family():
+    for code, q_exact, kv_exact, n in shapes.by_kind():
         iq, ikv = np.searchsorted(s, q_exact), np.searchsorted(s, kv_exact)
         bq = s[iq]
         base, cell, token = run[code]
@@ -141,22 +141,22 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
     return PlanCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)
 
 
-def candidates(shapes: CallShapes, align: int, limits: Mapping[GraphFamily, int] | None = None) -> np.ndarray:
+def candidates(shapes: CallShapes, align: int, limits: Mapping[CallKind, int] | None = None) -> np.ndarray:
     """Candidate boundaries: every length rounded up to a multiple of ``align``, or to
-    its family's limit in ``limits`` when the multiple is above it (a family not
+    its kind's limit in ``limits`` when the multiple is above it (a kind not
     named there is not held)."""
     if align < 1:
         raise ConfigError(f"align must be >= 1, got {align}")
-    cap = np.full(shapes.family.size, np.iinfo(np.int64).max, dtype=np.int64)
-    for family, limit in (limits or {}).items():
+    cap = np.full(shapes.kind.size, np.iinfo(np.int64).max, dtype=np.int64)
+    for kind, limit in (limits or {}).items():
         if limit < 1:
-            raise ConfigError(f"the limit of family {family.value} must be >= 1, got {limit}")
-        cap[shapes.family == _CODE[family]] = limit
+            raise ConfigError(f"the limit of family {kind.value} must be >= 1, got {limit}")
+        cap[shapes.kind == _CODE[kind]] = limit
     up = [np.minimum(-(-x // align) * align, cap) for x in (shapes.q, shapes.kv)]
     over = np.flatnonzero(up[1] < shapes.kv)
     if over.size:
         i = int(over[0])
-        raise ConfigError(f"a {FAMILIES[int(shapes.family[i])].value} call of length {int(shapes.kv[i])} is above "
+        raise ConfigError(f"a {KINDS[int(shapes.kind[i])].value} call of length {int(shapes.kv[i])} is above "
                           f"its family's limit {int(cap[i])}")
     return np.unique(np.concatenate(up))
 
@@ -172,9 +172,9 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     ``(q, kv)`` costs ``per_cell·b_q·kv + per_token·b_q`` in the bucket ``b_q`` of
     ``q`` and ``base + per_token·b_kv`` in the bucket ``b_kv`` of ``kv``: its cell
     term counts ``kv`` unpadded, so the sum never exceeds the true cost. Compiles:
-    one key per family and bucket of square shapes, and one rectangular key
-    (``q`` bucket at least 1) per family and kv bucket with no square key."""
-    m, nf = cand.size, len(FAMILIES)
+    one key per call kind and bucket of square shapes, and one rectangular key
+    (``q`` bucket at least 1) per call kind and kv bucket with no square key."""
+    m, nf = cand.size, len(KINDS)
     slot_q = np.searchsorted(cand, shapes.q) + 1
     slot_kv = np.searchsorted(cand, shapes.kv) + 1
     square = shapes.q == shapes.kv
@@ -183,7 +183,7 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
 
     def prefix(sel: np.ndarray, slot: np.ndarray, weights: np.ndarray) -> np.ndarray:
         out = np.zeros((nf, m + 1))
-        np.add.at(out, (shapes.family[sel], slot[sel]), weights[sel])
+        np.add.at(out, (shapes.kind[sel], slot[sel]), weights[sel])
         return out.cumsum(-1)
 
     sq = prefix(square, slot_kv, count)
@@ -196,7 +196,7 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     best = np.full((max_buckets + 1, m + 1), np.inf)
     arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
     best[0, 0] = 0.0
-    # a family without square (rectangular) shapes adds exact zeros for them: skipped
+    # a kind without square (rectangular) shapes adds exact zeros for them: skipped
     present = [(code, sq[code, -1] > 0, rq_n[code, -1] > 0) for code in range(nf)]
     present = [p for p in present if p[1] or p[2]]
     for j in range(1, m + 1):
@@ -236,24 +236,24 @@ def _boundaries(arg: np.ndarray, cand: np.ndarray, k: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class _Priced:
     """Shapes with each one's run coefficients (base, per cell, per token) and the
-    families' compile coefficients (``None``: nothing compiles), to price many bucket
+    kinds' compile coefficients (``None``: nothing compiles), to price many bucket
     lists: the run and compile seconds :func:`evaluate` gives, call overheads left out."""
 
-    family: np.ndarray
+    kind: np.ndarray
     q: np.ndarray
     kv: np.ndarray
     count: np.ndarray
     run: np.ndarray  # (shape, coefficient)
-    comp: np.ndarray | None  # (family, coefficient)
+    comp: np.ndarray | None  # (kind, coefficient)
 
     @classmethod
     def of(cls, shapes: CallShapes, model: CostModel) -> _Priced:
         comp = np.array(_fits(model, "compile")) if model.backend != "none" else None
-        return cls(shapes.family, shapes.q, shapes.kv, shapes.count.astype(float),
-                   np.array(_fits(model, "run"))[shapes.family], comp)
+        return cls(shapes.kind, shapes.q, shapes.kv, shapes.count.astype(float),
+                   np.array(_fits(model, "run"))[shapes.kind], comp)
 
     def select(self, sel: np.ndarray) -> _Priced:
-        return _Priced(self.family[sel], self.q[sel], self.kv[sel], self.count[sel], self.run[sel], self.comp)
+        return _Priced(self.kind[sel], self.q[sel], self.kv[sel], self.count[sel], self.run[sel], self.comp)
 
     def moves(self, sizes: tuple[int, ...], pos: int, bounds: Sequence[int]) -> list[float]:
         """The run and compile seconds under ``sizes`` with boundary ``pos`` moved to each
@@ -295,10 +295,10 @@ class _Priced:
         total += (per.count * (base + cell * bq * bkv + token * (bq + bkv))).sum(axis=1)
         if self.comp is None:
             return list(total.tolist())
-        graphs = len(FAMILIES) * k * k
-        used = np.bincount((((row * len(FAMILIES) + per.family) * k + iq) * k + ikv).ravel(),
+        graphs = len(KINDS) * k * k
+        used = np.bincount((((row * len(KINDS) + per.kind) * k + iq) * k + ikv).ravel(),
                            minlength=t * graphs).reshape(t, graphs) > 0
-        used |= np.bincount((self.family * k + index[0]) * k + index[1], weights=~switch, minlength=graphs) > 0
+        used |= np.bincount((self.kind * k + index[0]) * k + index[1], weights=~switch, minlength=graphs) > 0
         cb, cc, ct = self.comp.T[:, None, :, None, None]
         price = cb + cc * (value[:, None, :, None] * value[:, None, None, :]) \
             + ct * (value[:, None, :, None] + value[:, None, None, :])
@@ -310,7 +310,7 @@ def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
     ``cand``, equal shapes merged: any bucket list drawn from ``cand`` gives them the
     same buckets, hence the same modelled seconds (not the same padding)."""
     q, kv = cand[np.searchsorted(cand, shapes.q)], cand[np.searchsorted(cand, shapes.kv)]
-    code = (shapes.family * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
+    code = (shapes.kind * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
     u, inverse = np.unique(code, return_inverse=True)
     count = np.bincount(inverse, weights=shapes.count).astype(np.int64)
     rest, ukv = np.divmod(u, cand[-1] + 1)
@@ -387,7 +387,7 @@ class SizePlan:
 
 
 def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align: int = ALIGN,
-               limits: Mapping[GraphFamily, int] | None = None) -> list[SizePlan]:
+               limits: Mapping[CallKind, int] | None = None) -> list[SizePlan]:
     """The best list of ``k`` bucket sizes found for each ``k`` in ``1..max_buckets``
     (fewer when there are fewer candidate boundaries), with the program's lower bound:
     the program's plan, improved locally on the exact objective when the workload

@@ -4,7 +4,7 @@ A stateless policy decides from the layout alone (the built-in ones read nothing
 config's buckets; a plugin that did would be decided with the base config's), so its
 calls at exact lengths are the same under every bucket list; only their buckets, and with them the graph keys,
 change. :class:`CallTable` decides every step once and keeps one row per call (its
-family, exact lengths, causality, the step it belongs to); :meth:`CallTable.recording`
+kind, exact lengths, causality, the step it belongs to); :meth:`CallTable.recording`
 then buckets every row at once (numpy) for a config and gives what a simulating
 dispatcher run of that config records (:class:`~attnpolicy.modelling.simulation.Recording`)
 and its key stream, in the same order and with the same floating-point sums, so the
@@ -32,7 +32,7 @@ import numpy as np
 from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
@@ -44,8 +44,8 @@ from attnpolicy.planning.bucket_search import CallShapes
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
-#: Graph families by the codes of :attr:`CallTable.family`.
-FAMILIES: tuple[GraphFamily, ...] = (GraphFamily.CAUSAL, GraphFamily.MASK, GraphFamily.VARLEN)
+#: Call kinds by the codes of :attr:`CallTable.kind`.
+KINDS: tuple[CallKind, ...] = (CallKind.CAUSAL, CallKind.MASK, CallKind.VARLEN)
 _CAUSAL, _MASK, _VARLEN = range(3)
 _MODES = tuple(MaskMode)
 _MODE_CODE = {m: i for i, m in enumerate(_MODES)}
@@ -118,7 +118,7 @@ class CallTable:
         self.guard_fallbacks = guard.fallbacks
         self.modes = np.array(modes, dtype=np.int64)
         self.step = np.array(step, dtype=np.int64)
-        self.family = np.array(fam, dtype=np.int64)
+        self.kind = np.array(fam, dtype=np.int64)
         self.q = np.array(q, dtype=np.int64)
         self.kv = np.array(kv, dtype=np.int64)
         self.causal = np.array(causal, dtype=bool)
@@ -149,7 +149,7 @@ class CallTable:
     def shapes(self) -> CallShapes:
         """The exact call shapes of the decided modes (MASK steps' VARLEN rows left out), counted."""
         sel = ~self.alt
-        code = self.family[sel] << 48 | self.q[sel] << 24 | self.kv[sel]
+        code = self.kind[sel] << 48 | self.q[sel] << 24 | self.kv[sel]
         if not code.size:
             raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
         u, count = np.unique(code, return_counts=True)
@@ -168,7 +168,7 @@ class CallTable:
         eager = config.on_overflow == "eager"
         largest, largest_batch = int(seq[-1]) if seq is not None else config.max_seq_len, (
             int(batch[-1]) if batch is not None else config.max_batch_tokens)
-        is_mask = self.family == _MASK
+        is_mask = self.kind == _MASK
         qb = np.empty_like(self.q)
         kvb = np.empty_like(self.kv)
         for sel, table, limit in ((is_mask, batch, largest_batch), (~is_mask, seq, largest)):
@@ -194,12 +194,12 @@ class CallTable:
         selected = np.where(self.alt, fell[self.step], ~(primary_mask & fell[self.step]))
         rows = np.flatnonzero(selected)
         compiled = ~over[rows]
-        fam = self.family[rows]
-        # kinds: (family, causal, context) -> kernel; key kinds: (family, key causal, kernel)
+        fam = self.kind[rows]
+        # kinds: (kind, causal, context) -> kernel; key kinds: (kind, key causal, kernel)
         kernels = KernelChoice(config.kernels, config.attn_impl or "sdpa", compiled=config.backend != "none",
                                measured=getattr(model, "kernel_seconds", None))
         kind = (fam * 2 + self.causal[rows]) * 2 + self.context[rows]
-        kinds = len(FAMILIES) * 4
+        kinds = len(KINDS) * 4
         first_of = np.full(kinds, rows.size)
         np.minimum.at(first_of, kind, np.arange(rows.size))
         impl_of = np.zeros(kinds, dtype=np.int64)
@@ -215,7 +215,7 @@ class CallTable:
         # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
         # unless there are no tables or so many buckets that the count would outweigh a sort
         sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
-        span = 2 * len(FAMILIES) * len(impls) * sizes.size ** 2 if sizes is not None else 0
+        span = 2 * len(KINDS) * len(impls) * sizes.size ** 2 if sizes is not None else 0
         if sizes is None or span > max(4 * crow.size, 1 << 16):
             ids, first_at = _first_order(code[crow])
         else:
@@ -236,7 +236,7 @@ class CallTable:
         seconds_per_call[crow] = per_key[ids]
         for i in np.flatnonzero(~compiled):  # uncompiled: the shape's seconds
             r = rows[i]
-            seconds_per_call[i] = model.call_seconds(FAMILIES[self.family[r]], int(qb[r]), int(kvb[r])) + overhead
+            seconds_per_call[i] = model.call_seconds(KINDS[self.kind[r]], int(qb[r]), int(kvb[r])) + overhead
         seconds = float(np.cumsum(seconds_per_call)[-1]) if rows.size else 0.0  # sequential, as a run adds
         builds, build_seconds = self._masks(config, rows[fam == _MASK], qb, kvb)
         ran = np.where(fell, _MODE_CODE[MaskMode.VARLEN], self.modes)
@@ -250,7 +250,7 @@ class CallTable:
     def _call(self, r: int, qb: int, kvb: int) -> tuple[Call, BatchLayout]:
         """Row ``r`` as a call with buckets ``qb``, ``kvb``, and its step's layout."""
         layout = self.layouts[int(self.step[r])]
-        call = Call(FAMILIES[self.family[r]], 0, int(self.q[r]), 0, int(self.kv[r]), qb, kvb, bool(self.causal[r]))
+        call = Call(KINDS[self.kind[r]], 0, int(self.q[r]), 0, int(self.kv[r]), qb, kvb, bool(self.causal[r]))
         return call, layout
 
     def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,

@@ -37,17 +37,17 @@ from typing import Any
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import GraphFamily, MaskMode
+from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.bucket_schemes import base_scheme
 from attnpolicy.modelling.simulation import SimRow, simulate_layouts
-from attnpolicy.planning.bucket_search import ALIGN, FAMILIES, CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import ALIGN, KINDS, CallShapes, PlanCost, evaluate, plan_sizes
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
-from attnpolicy.workloads.batching import Step, Workload
+from attnpolicy.workloads.batching import ScheduledBatch, Workload
 
 #: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
 POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
@@ -150,8 +150,8 @@ class GraphPlan:
         return out
 
 
-def layouts_of(steps: Sequence[Step | BatchLayout]) -> list[BatchLayout]:
-    return [s.layout if isinstance(s, Step) else s for s in steps]
+def layouts_of(steps: Sequence[ScheduledBatch | BatchLayout]) -> list[BatchLayout]:
+    return [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
 
 
 def plannable(policy: str, base: AttnPolicyConfig) -> Guard:
@@ -204,14 +204,14 @@ def completed(sizes: Sequence[int], config: AttnPolicyConfig, modes: frozenset[M
 
 def longest_sequence(shapes: CallShapes) -> int:
     """The longest key length of ``shapes``' sequence calls (CAUSAL, VARLEN; 0: none)."""
-    seq = shapes.family != FAMILIES.index(GraphFamily.MASK)
+    seq = shapes.kind != KINDS.index(CallKind.MASK)
     return int(shapes.kv[seq].max()) if seq.any() else 0
 
 
-def limits(config: AttnPolicyConfig) -> dict[GraphFamily, int]:
-    """The longest bucket each graph family's lengths may round up to under ``config``."""
-    return {GraphFamily.CAUSAL: config.max_seq_len, GraphFamily.VARLEN: config.max_seq_len,
-            GraphFamily.MASK: config.max_batch_tokens}
+def limits(config: AttnPolicyConfig) -> dict[CallKind, int]:
+    """The longest bucket each call kind's lengths may round up to under ``config``."""
+    return {CallKind.CAUSAL: config.max_seq_len, CallKind.VARLEN: config.max_seq_len,
+            CallKind.MASK: config.max_batch_tokens}
 
 
 def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
@@ -240,7 +240,7 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
     return sorted((evaluate(shapes, sizes, model) for sizes in lists), key=lambda c: (len(c.sizes), c.sizes))
 
 
-def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
+def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
                 evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
                 progress: Callable[[str], None] | None = None, rejected: int = 0,
                 table: CallTable | None = None, align: int = ALIGN) -> PolicyPlan:
@@ -253,7 +253,7 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
     modes = plannable(policy, base).modes
     table = table or CallTable(layouts_of(steps), policy, base, model, spec)
     shapes = table.shapes()
-    shapes_key = ("candidates", shapes.family.tobytes(), shapes.q.tobytes(), shapes.kv.tobytes(),
+    shapes_key = ("candidates", shapes.kind.tobytes(), shapes.q.tobytes(), shapes.kv.tobytes(),
                   shapes.count.tobytes(), max_buckets, align)
     plans = table.by_content.get(shapes_key)
     if plans is None:
@@ -299,7 +299,7 @@ def plan_policy(steps: Sequence[Step | BatchLayout], policy: str, base: AttnPoli
                       candidates)
 
 
-def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
                spec: TensorSpec | None = None, table: CallTable | None = None,
                store_warm: bool = False) -> list[WarmGraph]:
     """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
@@ -312,14 +312,14 @@ def graph_uses(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, mo
     on_disk = stream.stored_after(config, config.eviction) if store_warm else set()
     graphs = []
     for i, (key, r, n) in enumerate(zip(b.keys, b.first.tolist(), b.uses.tolist())):
-        shape = WarmShape(family=key.family, q_bucket=int(b.q_bucket[i]), kv_bucket=int(b.kv_bucket[i]),
+        shape = WarmShape(kind=key.kind, q_bucket=int(b.q_bucket[i]), kv_bucket=int(b.kv_bucket[i]),
                           causal=bool(table.causal[r]), context=bool(table.context[r]))
         graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key),
                                 model.load_seconds(key) if i in on_disk else None))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
 
-def evaluated(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def evaluated(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
               spec: TensorSpec | None = None, rejected: int = 0) -> SimRow:
     """The simulated row of ``config`` (its policy, buckets, capacity and eviction) on
     ``steps``: a plan's row, on steps other than those it was planned on."""
@@ -352,7 +352,7 @@ def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int
     return tuple(chosen)
 
 
-def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, model: CostModel,
+def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, model: CostModel,
                 policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
                 warmup_seconds: float | None = None, max_buckets: int = 16,
                 spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
@@ -363,7 +363,7 @@ def plan_graphs(steps: Sequence[Step | BatchLayout], base: AttnPolicyConfig, mod
     :data:`STRICT` after warm-up). ``rejected`` (requests the caller left out) is
     reported in every row. With ``base.store_dir`` the rows model its store (empty at
     start) and, with ``store_warm``, the warm-up set loads what it holds (see
-    :func:`graph_uses`). Planned sizes are multiples of ``align`` (or a family's limit)."""
+    :func:`graph_uses`). Planned sizes are multiples of ``align`` (or a kind's limit)."""
     if not steps:
         raise ConfigError("a plan needs at least one step, got none (empty workload)")
     if warmup_seconds is not None and warmup_seconds < 0:
@@ -449,7 +449,7 @@ def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None
         + (" from disk (load s) |" if plan.config.store_dir is not None else ""),
         "|---|---|---|---|---|---|---|" + ("---|" if plan.config.store_dir is not None else ""),
     ]
-    lines += [f"| {w.shape.family.value} | {w.shape.q_bucket} | {w.shape.kv_bucket} | {w.shape.causal} "
+    lines += [f"| {w.shape.kind.value} | {w.shape.q_bucket} | {w.shape.kv_bucket} | {w.shape.causal} "
               f"| {w.shape.context} | {w.uses} | {_seconds(w.compile_seconds)} |"
               + ((f" {_seconds(w.load_seconds)} |" if w.load_seconds is not None else " no |")
                  if plan.config.store_dir is not None else "") for w in plan.warm]

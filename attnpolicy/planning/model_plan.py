@@ -78,8 +78,8 @@ def _needs(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode]) -> tuple[l
     return seq, batch
 
 
-def plan_policy(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig, model: ModelCostModel,
-                evictions: Sequence[str], max_buckets: int, align: int = ALIGN) -> ModelPolicyPlan:
+def plan_model_policy(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig, model: ModelCostModel,
+                      evictions: Sequence[str], max_buckets: int, align: int = ALIGN) -> ModelPolicyPlan:
     """The greedy bucket list of ``policy`` (see the module docstring)."""
     if align < 1:
         raise ConfigError(f"align must be >= 1, got {align}")
@@ -126,7 +126,7 @@ def plan_model_graphs(layouts: Sequence[BatchLayout], base: AttnPolicyConfig, mo
     best one's (buckets, policy, eviction)."""
     plans = []
     for policy in policies:
-        plans.append(plan_policy(layouts, policy, base, model, evictions, max_buckets, align))
+        plans.append(plan_model_policy(layouts, policy, base, model, evictions, max_buckets, align))
         if progress:
             progress(policy)
     best = min(plans, key=lambda p: p.row.total_seconds)

@@ -39,7 +39,7 @@ from attnpolicy.modelling.bucket_schemes import base_scheme
 from attnpolicy.modelling.simulation import SimRow
 from attnpolicy.planning.call_table import CallTable
 from attnpolicy.planning.graph_set import GraphPlan, layouts_of, plan_graphs, plannable
-from attnpolicy.workloads.batching import Step
+from attnpolicy.workloads.batching import ScheduledBatch
 
 #: Drift above which a refit plan replaces the current one (10 % modelled time).
 DRIFT_THRESHOLD = 0.1
@@ -60,14 +60,14 @@ class Drift:
         return self.drift > self.threshold
 
 
-def modelled_row(steps: Sequence[Step | BatchLayout], config: AttnPolicyConfig, model: CostModel,
+def modelled_row(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
                  spec: TensorSpec | None = None) -> SimRow:
     """``config`` (policy, buckets, capacity, eviction) replayed on ``steps``, modelled."""
     table = CallTable(layouts_of(steps), config.policy, config, model, spec)
     return table.rows(config, [config.eviction], base_scheme(config).name)[0]
 
 
-def measure_drift(window: Sequence[Step | BatchLayout], current: AttnPolicyConfig, model: CostModel,
+def measure_drift(window: Sequence[ScheduledBatch | BatchLayout], current: AttnPolicyConfig, model: CostModel,
                   policies: Sequence[str] | None = None, spec: TensorSpec | None = None,
                   threshold: float = DRIFT_THRESHOLD) -> Drift:
     """The drift of ``current`` on ``window`` (module docstring); the refit plan keeps

@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Sample:
+class PlanSample:
     """``batches`` steps planned on, out of ``of``, in ``windows`` windows."""
 
     batches: int
@@ -39,10 +39,10 @@ class Sample:
         return {"batches": self.batches, "of": self.of, "windows": self.windows}
 
 
-def sample_steps(steps: Sequence[T], size: int, windows: int = WINDOWS) -> tuple[list[T], Sample | None]:
+def sample_steps(steps: Sequence[T], size: int, windows: int = WINDOWS) -> tuple[list[T], PlanSample | None]:
     """``steps`` when they are at most ``size`` (or ``size`` is 0: no sampling), else
     ``size`` of them in ``windows`` evenly spaced windows of consecutive steps, and the
-    :class:`Sample` that says so."""
+    :class:`PlanSample` that says so."""
     if size < 0 or windows < 1:
         raise ConfigError(f"a sample needs size >= 0 and windows >= 1, got size {size}, windows {windows}")
     if size == 0 or len(steps) <= size:
@@ -52,4 +52,4 @@ def sample_steps(steps: Sequence[T], size: int, windows: int = WINDOWS) -> tuple
     for i in range(w):
         start = i * len(steps) // w
         out.extend(steps[start:start + size // w + (i < size % w)])
-    return out, Sample(len(out), len(steps), w)
+    return out, PlanSample(len(out), len(steps), w)

@@ -59,11 +59,11 @@ def attnpolicy_on_evict(key: Any, nbytes: int) -> None:
     """Observe each graph eviction from the cache. All implementations run."""
 
 
-# -- kernels: implementations per graph family (see attnpolicy.plugins.kernels) --------
+# -- kernels: implementations per call kind (see attnpolicy.plugins.kernels) --------
 
 
 @hookspec
 def attnpolicy_register_kernels(register: Callable[[Any], None]) -> None:
     """Register attention implementations by calling ``register(KernelInfo(...))``
-    (:class:`attnpolicy.plugins.kernels.KernelInfo`: name, graph family, the math of one
+    (:class:`attnpolicy.plugins.kernels.KernelInfo`: name, call kind, the math of one
     call, capabilities). Called once per plugin; the return value is ignored."""

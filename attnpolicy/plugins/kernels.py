@@ -1,8 +1,8 @@
-"""Kernel implementations as plugins: who can compute which graph family, and on what.
+"""Kernel implementations as plugins: who can compute which call kind, and on what.
 
 A plugin implements ``attnpolicy_register_kernels(register)`` and calls
-``register(KernelInfo(...))`` once per (family, implementation). An implementation
-of the ``causal``, ``mask`` or ``varlen`` family supplies ``fn``, the math of one
+``register(KernelInfo(...))`` once per (kind, implementation). An implementation
+of the ``causal``, ``mask`` or ``varlen`` kind supplies ``fn``, the math of one
 call (``fn(q, k, v, causal, mask, scale, partition_len)`` on heads-first
 ``[H, L, D]`` tensors, as :mod:`attnpolicy.kernels.attention` documents); the
 built-in ``flex`` (MASK only) runs FlexAttention with a block mask instead of a
@@ -10,7 +10,7 @@ dense one. Each declares its capabilities (the features of
 :mod:`attnpolicy.core.features` among them: a sliding window, a soft cap, sinks; a
 plugin declares them off unless it says otherwise); :func:`why_unfit` says why an
 implementation cannot serve a batch, and the dispatcher never runs one that cannot.
-A kernel serving a window gets it inside ``mask`` (in the causal family too, next
+A kernel serving a window gets it inside ``mask`` (in the causal kind too, next
 to ``causal=True``); one serving a soft cap or sinks is called with the keywords
 ``softcap=`` (a float) and ``sinks=`` (``[Hq]`` logits), only when they are set.
 Built-ins register through the same hook (this module's own hook implementation).
@@ -18,7 +18,7 @@ Built-ins register through the same hook (this module's own hook implementation)
 A plugin kernel is checked at the framework boundary: every call's output must have
 the query's shape, dtype and device (:class:`~attnpolicy.errors.KernelError`
 otherwise), and each capability a call needs (GQA, causal or bidirectional, cached
-context, the family's mask, each feature) is verified once per process, when the kernel is first
+context, the kind's mask, each feature) is verified once per process, when the kernel is first
 chosen for it, against a float64 reference on a small probe
 (:mod:`attnpolicy.kernels.conformance`); a kernel that fails is rejected with the
 case that failed. :func:`check_kernel` runs every declared case at once (what
@@ -40,18 +40,18 @@ from attnpolicy.kernels.attention import _BUILTIN_FNS, _IMPL_FNS, BUILTIN_IMPLS,
 from attnpolicy.kernels.conformance import PROBE_SOFTCAP, PROBE_WINDOW, ProbeCase, probe, probe_layout
 from attnpolicy.plugins.hookspecs import hookimpl
 
-FAMILIES = ("causal", "mask", "varlen")
+KINDS = ("causal", "mask", "varlen")
 ALL_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
-#: The config's kernel choice "fastest fit" (``kernels: {family: auto}``): no kernel may take the name.
+#: The config's kernel choice "fastest fit" (``kernels: {kind: auto}``): no kernel may take the name.
 AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class KernelInfo:
-    """One implementation of one graph family and what it can serve."""
+    """One implementation of one call kind and what it can serve."""
 
     name: str
-    family: str
+    kind: str
     fn: Callable[..., Any] | None = None  # None only for built-ins with their own path (flex)
     dtypes: frozenset[str] = ALL_DTYPES
     gqa: bool = True
@@ -100,7 +100,7 @@ def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa:
     if features.sinks and not info.sinks:
         return "attention sinks"
     if info.fn is not None and info.fn is not _BUILTIN_FNS.get(info.name):  # built-ins: the conformance test
-        verify(info, ProbeCase(info.family, causal, context, gqa, getattr(torch, dtype), device.split(":")[0],
+        verify(info, ProbeCase(info.kind, causal, context, gqa, getattr(torch, dtype), device.split(":")[0],
                                ProbeCase.probing(features)))
     return None
 
@@ -110,7 +110,7 @@ _verified: dict[tuple[Callable[..., Any] | None, str, ProbeCase], None] = {}
 
 
 def _runner(info: KernelInfo, case: ProbeCase) -> Callable[..., Any]:
-    """``run(q, k, v, causal, mask, sinks)`` of ``info`` as its family calls it."""
+    """``run(q, k, v, causal, mask, sinks)`` of ``info`` as its kind calls it."""
     feats = case.features
     if info.fn is not None:
         return bind(info.name, partition_len=4, softcap=feats.softcap)
@@ -141,16 +141,16 @@ def verify(info: KernelInfo, case: ProbeCase) -> None:
 
 def declared_cases(info: KernelInfo) -> list[ProbeCase]:
     """Every probe case ``info`` declares it serves (on CPU when it runs there, else
-    its first device): each dtype, causal and/or bidirectional (the causal family is
+    its first device): each dtype, causal and/or bidirectional (the causal kind is
     causal only), with and without cached context, with and without GQA; and each
     feature it declares, alone and all together, in its first dtype (every causality
     and context, GQA when it serves it)."""
     device = "cpu" if "cpu" in info.devices else sorted(info.devices)[0]
     causals = [c for c in (True, False) if (info.causal if c else info.bidirectional)]
-    if info.family == "causal":
+    if info.kind == "causal":
         causals = [True] if info.causal else []
     contexts = [ctx for ctx in (False, True) if ctx is False or info.context]
-    plain = [ProbeCase(info.family, c, ctx, g, getattr(torch, d), device)
+    plain = [ProbeCase(info.kind, c, ctx, g, getattr(torch, d), device)
              for d in sorted(info.dtypes) for c in causals for ctx in contexts
              for g in (False, True) if g is False or info.gqa]
     on = {"window": Features(window=PROBE_WINDOW), "softcap": Features(softcap=PROBE_SOFTCAP),
@@ -160,12 +160,12 @@ def declared_cases(info: KernelInfo) -> list[ProbeCase]:
         feats.append(Features(PROBE_WINDOW if info.window else None, PROBE_SOFTCAP if info.softcap else None,
                               info.sinks))
     dtype = "float32" if "float32" in info.dtypes else sorted(info.dtypes)[0]
-    return plain + [ProbeCase(info.family, c, ctx, info.gqa, getattr(torch, dtype), device, f)
+    return plain + [ProbeCase(info.kind, c, ctx, info.gqa, getattr(torch, dtype), device, f)
                     for f in feats for c in causals for ctx in contexts]
 
 
 def check_kernel(name: str) -> list[str]:
-    """Verify kernel ``name`` in every family it is registered for and every case it
+    """Verify kernel ``name`` in every kind it is registered for and every case it
     declares (:func:`declared_cases`), against the float64 reference; raise
     :class:`~attnpolicy.errors.KernelError` naming the first case that fails, or
     :class:`~attnpolicy.errors.PluginError` if no kernel has that name. Returns the
@@ -187,16 +187,16 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
     def register(info: KernelInfo) -> None:
         if not isinstance(info, KernelInfo):
             raise PluginError(f"plugin {plugin!r} registered {info!r}, not a KernelInfo")
-        if info.family not in FAMILIES:
-            raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has family {info.family!r}; "
-                              f"families: {', '.join(FAMILIES)}")
+        if info.kind not in KINDS:
+            raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has family {info.kind!r}; "
+                              f"families: {', '.join(KINDS)}")
         if info.name == AUTO:
             raise PluginError(f"plugin {plugin!r}: kernel name {AUTO!r} is reserved (the config's "
                               "'choose for me'); register the kernel under another name")
-        key = (info.family, info.name)
+        key = (info.kind, info.name)
         holder = registry.get(key) or staged.get(key)
         if holder is not None:
-            raise PluginError(f"kernel {info.name!r} of family {info.family!r} is registered by two "
+            raise PluginError(f"kernel {info.name!r} of family {info.kind!r} is registered by two "
                               f"plugins: {holder.plugin!r} and {plugin!r}")
         if info.fn is None and info.name != "flex":
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} needs fn")
@@ -220,7 +220,7 @@ def _register_impls(registry: dict[tuple[str, str], KernelInfo]) -> None:
 
 
 def kernel_registry() -> dict[tuple[str, str], KernelInfo]:
-    """Every registered implementation by (family, name), cached until the plugins
+    """Every registered implementation by (kind, name), cached until the plugins
     change. Built like the policy registry: plugin by plugin, a failing third-party
     plugin rejected alone."""
     from attnpolicy.plugins.registry import cached_registry
@@ -248,34 +248,34 @@ def kernel_code(name: str) -> str:
 
 def check_kernel_names(kernels: dict[str, str]) -> None:
     """Raise :class:`~attnpolicy.errors.ConfigError` naming the field unless every
-    ``kernels`` entry (family -> name) is ``auto`` or a registered kernel of its family."""
+    ``kernels`` entry (kind -> name) is ``auto`` or a registered kernel of its kind."""
     known = kernel_registry()
-    for family, name in kernels.items():
-        if name != AUTO and (family, name) not in known:
-            names = ", ".join(n for f, n in known if f == family)
-            raise ConfigError(f"kernels: {name!r} is not a registered {family} kernel; known: auto, {names}")
+    for kind, name in kernels.items():
+        if name != AUTO and (kind, name) not in known:
+            names = ", ".join(n for f, n in known if f == kind)
+            raise ConfigError(f"kernels: {name!r} is not a registered {kind} kernel; known: auto, {names}")
 
 
-def impls_for(family: str) -> list[KernelInfo]:
-    """The implementations registered for ``family``, in registration order."""
-    return [info for (fam, _), info in kernel_registry().items() if fam == family]
+def impls_for(kind: str) -> list[KernelInfo]:
+    """The implementations registered for ``kind``, in registration order."""
+    return [info for (fam, _), info in kernel_registry().items() if fam == kind]
 
 
-def get_kernel(family: str, name: str) -> KernelInfo:
-    """The implementation ``name`` of ``family``, or :class:`PluginError` naming the known ones."""
+def get_kernel(kind: str, name: str) -> KernelInfo:
+    """The implementation ``name`` of ``kind``, or :class:`PluginError` naming the known ones."""
     registry = kernel_registry()
     try:
-        return registry[(family, name)]
+        return registry[(kind, name)]
     except KeyError:
-        known = ", ".join(n for f, n in registry if f == family) or "(none)"
-        raise PluginError(f"no kernel {name!r} for the {family} family; registered: {known}") from None
+        known = ", ".join(n for f, n in registry if f == kind) or "(none)"
+        raise PluginError(f"no kernel {name!r} for the {kind} family; registered: {known}") from None
 
 
 @hookimpl
 def attnpolicy_register_kernels(register: Callable[[KernelInfo], None]) -> None:
     for name in ("sdpa", "eager", "flash"):
-        for family in FAMILIES:
-            register(KernelInfo(name, family, _IMPL_FNS[name], window=True, softcap=True, sinks=True,
+        for kind in KINDS:
+            register(KernelInfo(name, kind, _IMPL_FNS[name], window=True, softcap=True, sinks=True,
                                 description=_BUILTIN_DESCRIPTIONS[name]))
     register(KernelInfo("flex", "mask", None, dtypes=frozenset({"float32", "bfloat16", "float16"}),
                         window=True, softcap=True, sinks=True,

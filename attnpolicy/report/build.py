@@ -1,7 +1,7 @@
 """Run the report's measurements and write report.json, report.md and the plots.
 
 1. the mask-vs-mask-free table on this machine (``attnpolicy bench``), and every
-   registered implementation per family against the per-sequence SDPA loop
+   registered implementation per call kind against the per-sequence SDPA loop
    (``attnpolicy bench --kernels``; plugins' kernels included);
 2. a cost model: calibrated on this machine (a small grid, mean call seconds: what
    the replays of step 4 pay here; reused from the calibration cache when it holds
@@ -54,7 +54,7 @@ from attnpolicy.modelling.simulation import (
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
 from attnpolicy.report.plots import Marked, plot_bench, plot_hit_rate, plot_sweep
-from attnpolicy.report.recommend import Named, recommend
+from attnpolicy.report.recommend import NamedRow, recommend
 from attnpolicy.report.units import MIB, bound_text
 from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request, load_trace
@@ -230,7 +230,7 @@ def _model(s: ReportSettings, progress: Callable[[str], None], known: tuple[Cost
 
 
 def kernel_table(s: ReportSettings, progress: Callable[[str], None]) -> list[KernelRow]:
-    """Every registered implementation per family (plugins' included) against the
+    """Every registered implementation per call kind (plugins' included) against the
     per-sequence SDPA loop, on each of ``s.kernel_lengths`` (``bench --kernels``)."""
     rows = []
     for total in s.kernel_lengths:
@@ -240,8 +240,8 @@ def kernel_table(s: ReportSettings, progress: Callable[[str], None]) -> list[Ker
     return rows
 
 
-def validate(model: CostModel, requests: Sequence[Request], s: ReportSettings,
-             progress: Callable[[str], None]) -> list[ValidationRow]:
+def validate_predictions(model: CostModel, requests: Sequence[Request], s: ReportSettings,
+                         progress: Callable[[str], None]) -> list[ValidationRow]:
     """Predicted (simulate) vs measured (run) on the same prefix, config and batches,
     in a warm process (:func:`~attnpolicy.bench.calibration.warm_up` first)."""
     former = BatchFormer(**s.former)
@@ -307,7 +307,7 @@ def summarize(rows: Sequence[SimRow]) -> list[SummaryRow]:
     return out
 
 
-def marked(row: Named) -> Marked:
+def marked(row: NamedRow) -> Marked:
     """A first-screen row as the plots mark it."""
     return Marked(row.name, f"{row.policy}, {row.buckets}, {bound_text(row.capacity, row.max_bytes)}, {row.eviction}",
                   row.peak_bytes / MIB, row.total_seconds, row.peak_graphs, row.capacity, row.max_bytes, row.hit_rate)
@@ -342,7 +342,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     sweep = simulate_layouts(steps, s.policies, s.capacities, s.evictions, base, model, progress=progress,
                              policy_options=s.policy_options, rejected=workload.rejected, buckets=schemes,
                              max_bytes=s.max_bytes, workers=s.workers)
-    validation = validate(model, requests[:s.validate_requests], s, progress)
+    validation = validate_predictions(model, requests[:s.validate_requests], s, progress)
     workload_name = s.trace + ("" if s.limit is None else f" (first {s.limit} requests)")
     rec, plan, frontier = recommend(steps, sweep, base, model, s.policies, s.evictions, validation, s.out,
                                     s.plan_max_buckets, workload_name, schemes, workload)

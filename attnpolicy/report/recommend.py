@@ -43,7 +43,7 @@ from attnpolicy.planning.graph_set import (
     with_fields,
 )
 from attnpolicy.report.units import bound_text, human_bytes
-from attnpolicy.workloads.batching import Step, Workload
+from attnpolicy.workloads.batching import ScheduledBatch, Workload
 
 #: A row is "as good" as the sweep's fastest when its total is within this fraction.
 TOLERANCE = 0.10
@@ -127,7 +127,7 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
-class Named:
+class NamedRow:
     """A row of the first screen: ``name`` (:data:`RECOMMENDED`, :data:`FASTEST`,
     :data:`LEANEST`), its configuration (``buckets``: a sweep row's scheme, or how the
     plan's list came about), its total, its total over the fastest row's, its peak
@@ -148,7 +148,7 @@ class Named:
     hit_rate: float
 
     @classmethod
-    def of_row(cls, name: str, row: SimRow, fastest: SimRow) -> Named:
+    def of_row(cls, name: str, row: SimRow, fastest: SimRow) -> NamedRow:
         return cls(name, row.policy, row.buckets, row.capacity, row.max_bytes, row.eviction, row.total_seconds,
                    row.total_seconds / fastest.total_seconds, row.peak_bytes, row.peak_graphs, row.distinct_keys,
                    row.hit_rate)
@@ -160,7 +160,7 @@ class Frontier:
     and :func:`explain`'s sentence (``None``: the recommendation is as fast as the
     fastest row and holds as much graph memory as the leanest)."""
 
-    rows: tuple[Named, Named, Named]
+    rows: tuple[NamedRow, NamedRow, NamedRow]
     why: str | None
 
     def to_json(self) -> dict[str, Any]:
@@ -232,7 +232,7 @@ def _percent(x: float) -> str:
     return f"{abs(x):.0%}"
 
 
-def explain(rec: Named, fastest: SimRow, leanest: SimRow, seed: SimRow | None, policies: Sequence[str],
+def explain(rec: NamedRow, fastest: SimRow, leanest: SimRow, seed: SimRow | None, policies: Sequence[str],
             max_buckets: int, seed_lru: float | None = None) -> str | None:
     """One sentence: how much slower (or faster) than the fastest row the recommendation
     is and why, and how its peak graph memory compares with the leanest row's and why;
@@ -302,7 +302,7 @@ def apply_commands(config_dir: Path) -> tuple[str, ...]:
             f"ATTNPOLICY_CONFIG={config_dir} vllm serve MODEL")
 
 
-def recommend(steps: Sequence[Step], rows: Sequence[SimRow], base: AttnPolicyConfig, model: CostModel,
+def recommend(steps: Sequence[ScheduledBatch], rows: Sequence[SimRow], base: AttnPolicyConfig, model: CostModel,
               policies: Sequence[str], evictions: Sequence[str], validation: Sequence[Checked], out: Path,
               max_buckets: int, source: str, schemes: Sequence[BucketScheme],
               workload: Workload | None = None) -> tuple[Recommendation, GraphPlan, Frontier]:
@@ -362,8 +362,8 @@ def frontier(rec: Recommendation, rows: Sequence[SimRow], at: AttnPolicyConfig, 
     leanest = leanest_row(runnable)
     buckets = plan_buckets(rec.buckets, at.buckets, rec.base_buckets, at.max_batch_tokens,
                            (at.max_seq_len, at.max_batch_tokens))
-    named = Named(RECOMMENDED, rec.policy, buckets, rec.max_graphs, rec.max_bytes, rec.eviction, rec.total_seconds,
+    named = NamedRow(RECOMMENDED, rec.policy, buckets, rec.max_graphs, rec.max_bytes, rec.eviction, rec.total_seconds,
                   rec.total_seconds / fastest.total_seconds, rec.peak_bytes, rec.peak_graphs, rec.distinct_graphs,
                   rec.hit_rate)
-    return Frontier((named, Named.of_row(FASTEST, fastest, fastest), Named.of_row(LEANEST, leanest, fastest)),
+    return Frontier((named, NamedRow.of_row(FASTEST, fastest, fastest), NamedRow.of_row(LEANEST, leanest, fastest)),
                     explain(named, fastest, leanest, seed, policies, max_buckets, seed_lru))

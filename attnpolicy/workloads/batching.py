@@ -23,8 +23,9 @@ from attnpolicy.workloads.traces import Request
 
 
 @dataclass(frozen=True)
-class Step:
-    """One forward pass: its attention layout and which requests it holds.
+class ScheduledBatch:
+    """One engine step's batch as the batch former schedules it: its attention layout
+    and which requests it holds (one forward pass).
 
     ``seq_ids[i]`` is the index (in the list given to :meth:`BatchFormer.steps`) of
     the request owning sequence ``i`` of ``layout``. The first ``num_decode``
@@ -151,7 +152,7 @@ class BatchFormer:
         need = r.prompt_tokens if self.prefill_only else r.prompt_tokens + r.output_tokens
         return need <= self.max_model_len
 
-    def steps(self, requests: Sequence[Request]) -> Iterator[Step]:
+    def steps(self, requests: Sequence[Request]) -> Iterator[ScheduledBatch]:
         """The steps serving ``requests`` (admitted in arrival order, ties in list order).
 
         Rejections are decided here, before the first step: :attr:`rejected` is set
@@ -165,7 +166,7 @@ class BatchFormer:
         )
         return self._run(waiting)
 
-    def _run(self, waiting: deque[_Running]) -> Iterator[Step]:
+    def _run(self, waiting: deque[_Running]) -> Iterator[ScheduledBatch]:
         running: list[_Running] = []
         index = 0
         while waiting or running:
@@ -190,7 +191,7 @@ class BatchFormer:
                 running.append(waiting.popleft())
                 budget -= self._prefill(head, budget, q_lens, kv_lens, ids)
             causal_kv = None if kv_lens == q_lens else kv_lens
-            yield Step(
+            yield ScheduledBatch(
                 index=index,
                 layout=BatchLayout.from_lens(q_lens, causal_kv, causal=self.causal),
                 seq_ids=tuple(ids),
