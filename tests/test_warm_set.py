@@ -11,6 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.dispatch.step import HostStep
 from attnpolicy.errors import ConfigError, StrictModeError
 from attnpolicy.graphs.execute import graph_fn
 from attnpolicy.graphs.keys import TensorSpec
@@ -164,3 +165,49 @@ def test_a_host_runs_varlen_keys_deferred_and_a_step_that_runs_one_compiles_it()
     with pytest.raises(StrictModeError, match="q128.*compiled after warm-up"):
         d.prepare(BatchLayout.from_lens([100]), SMALL)  # attnpolicy's CAUSAL graph runs it: built now
     assert d.stats().strict_violations == 1
+
+
+#: per policy: layouts whose steps the host runs (VARLEN, also a MASK over max_mask_bytes), and
+#: layouts attnpolicy's graphs run (CAUSAL q128, whose key the host's VARLEN step requests too; MASK q32)
+_HOSTED = {"varlen": ([BatchLayout.from_lens([100, 20]), BatchLayout.from_lens([40], [90])],
+                      [BatchLayout.from_lens([100])]),
+           "dynamic": ([BatchLayout.from_lens([100, 20])],
+                       [BatchLayout.from_lens([100]), BatchLayout.from_lens([10, 20])])}
+
+
+@pytest.mark.parametrize("compile_mode", ["sync", "background"])
+@pytest.mark.parametrize("policy", ["varlen", "dynamic"])
+def test_warming_layouts_builds_only_the_graphs_their_steps_run(policy, compile_mode):
+    """With ``host_varlen``, ``warmup(layouts, spec)`` builds nothing for a layout whose
+    step the host runs (not the CAUSAL graphs a VARLEN plan reuses either: their keys
+    enter the cache deferred), so preparing it after warm-up compiles nothing and is no
+    strict violation; a CAUSAL or MASK layout warmed by the same dispatcher builds its
+    graphs (a deferred one built into its entry), and the config's warm set is built as
+    by ``warmup(spec)``."""
+    hosted, own = _HOSTED[policy]
+    config = AttnPolicyConfig(policy=policy, warmup=WARM[:1], strict="raise", backend="eager", max_seq_len=256,
+                              max_mask_bytes=4096, on_overflow="eager", compile_mode=compile_mode)
+    builder = _Counted()
+    with Dispatcher(config, builder=builder, host_varlen=True) as d:
+        host_keys = {key for layout in hosted for key in d.graph_keys_for(layout, SMALL)}
+        assert any(key.kind.value == "causal" for key in host_keys)  # the graphs warm-up used to build
+        warmed = d.warmup(hosted, SMALL)
+        cache = d.stats().cache
+        assert builder.built == cache.compiles == 1  # the warm set's causal q64 only
+        assert cache.deferred == len(host_keys) and set(warmed) >= host_keys
+        for layout in hosted:
+            assert isinstance(d.prepare(layout, SMALL), HostStep)
+        cache = d.stats().cache
+        assert builder.built == cache.compiles == 1 and cache.deferred_built == 0
+        assert cache.misses == 1 + len(host_keys)  # warm-up's: every prepare hit
+        d.warmup(own, SMALL)
+        own_keys = {key for layout in own for key in d.graph_keys_for(layout, SMALL)}
+        assert builder.built == d.stats().cache.compiles == 1 + len(own_keys)
+        assert d.stats().cache.deferred_built == 1  # the causal q128 a host step deferred
+        for layout in own:
+            assert not isinstance(d.prepare(layout, SMALL), HostStep)
+        d.prepare(BatchLayout.from_lens([200, 30]), SMALL)  # not warmed, run by the host: no violation
+        assert builder.built == 1 + len(own_keys) and d.stats().strict_violations == 0
+        with pytest.raises(StrictModeError, match="q256.*compiled after warm-up"):
+            d.prepare(BatchLayout.from_lens([200]), SMALL)  # attnpolicy's CAUSAL graph: not warmed
+        assert d.stats().strict_violations == 1

@@ -14,7 +14,7 @@ from time import perf_counter
 from typing import Any, NamedTuple
 
 from attnpolicy.core.modes import CallKind
-from attnpolicy.dispatch.batch_plan import Planned
+from attnpolicy.dispatch.batch_plan import Planned, WarmCall
 from attnpolicy.dispatch.graph_source import Builder, Fetched, GraphSource, count_violation, release
 from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs.compile import CompiledGraph
@@ -94,14 +94,15 @@ class Background:
             return call, source.uncompiled(call, spec, key.impl)  # failed, on_compile_error="eager"
         return call, source.graph(call, key, spec, pin=True)[0]
 
-    def settled(self, calls: Iterable[tuple[Call, GraphKey, bool]]) -> Iterator[tuple[Call, GraphKey, bool]]:
+    def settled(self, calls: Iterable[WarmCall]) -> Iterator[WarmCall]:
         """``calls`` (a warm-up's), each key pending in the worker switched in first (its
         future waited for): warm-up reuses a pending compile instead of building it twice."""
-        for call, key, listed in calls:
+        for item in calls:
+            key = item[1]
             pending = self.pending.get(key)
             if pending is not None:
                 self._switch_in(key, pending)
-            yield call, key, listed
+            yield item
 
     def _pad_up(self, call: Call, key: GraphKey) -> GraphKey | None:
         """The resident graph ``call`` may pad up to: of ``key``'s call kind,

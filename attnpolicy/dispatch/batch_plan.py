@@ -30,6 +30,9 @@ Planned = tuple[tuple[Call, GraphKey], ...]
 #: One sequence's VARLEN-mode plan: its graph key (``None`` when the call runs
 #: uncompiled) and its query bucket.
 SeqPlan = tuple[GraphKey | None, int]
+#: One call of a warm-up: its call and key, whether the key is listed (returned), and
+#: the mode its layout's plan runs (``None``: a call of the config's warm set).
+WarmCall = tuple[Call, GraphKey, bool, MaskMode | None]
 
 
 class BatchPlan:
@@ -155,19 +158,20 @@ class Planner:
             return key
 
     def warm_calls(self, layouts: Iterable[BatchLayout], spec: TensorSpec,
-                   decide: Callable[[BatchLayout, TensorSpec], Decision]) -> Iterator[tuple[Call, GraphKey, bool]]:
-        """The calls of a warm-up, one at a time, each with whether its key is listed:
-        the config's warm set (once per spec), then the plan of each layout in the
-        mode ``decide`` (a preview, which reads the cache as it fills) gives it."""
+                   decide: Callable[[BatchLayout, TensorSpec], Decision]) -> Iterator[WarmCall]:
+        """The calls of a warm-up, one at a time (see :data:`WarmCall`): the config's
+        warm set (once per spec), then the plan of each layout in the mode ``decide``
+        (a preview, which reads the cache as it fills) gives it."""
         if spec not in self.warmed:
             for shape in self.config.warmup:
                 call, layout = warm_call(shape)
-                yield call, self.key_for(call, layout, spec), True
+                yield call, self.key_for(call, layout, spec), True, None
             self.warmed.add(spec)
         for layout in layouts:
             self.check_lengths(layout)
-            for call, key in self.plan(layout, decide(layout, spec).mode, spec).calls:
-                yield call, key, call.compiled  # with the same overflow and compile-error rules
+            plan = self.plan(layout, decide(layout, spec).mode, spec)
+            for call, key in plan.calls:
+                yield call, key, call.compiled, plan.mode  # with the same overflow and compile-error rules
 
     def check_lengths(self, layout: BatchLayout) -> None:
         """One rule for every policy: a sequence (cached context included) longer than

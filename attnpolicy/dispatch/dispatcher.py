@@ -265,8 +265,10 @@ class Dispatcher:
         ``attnpolicy plan``) for tensors of ``spec``, once per spec.
         ``warmup(layouts, spec)``: that, and the graphs the policy would use for
         ``layouts`` (as :meth:`preview` decides them: no attention runs, no decision is
-        counted). Either way any later compile then counts as a strict-mode violation
-        (``strict``). Returns the keys warmed by this call. A warm set that cannot stay
+        counted), exactly the graphs preparing and running them would build: none for a
+        step the host runs (``host_varlen``), whose keys enter the cache deferred. Either
+        way any later compile then counts as a strict-mode violation (``strict``).
+        Returns the keys warmed by this call. A warm set that cannot stay
         resident for ``spec`` raises :class:`ConfigError` before anything compiles.
 
         :meth:`attend` warms the config's warm set itself the first time it sees a

@@ -19,8 +19,8 @@ from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import CallKind
-from attnpolicy.dispatch.batch_plan import Planned
+from attnpolicy.core.modes import CallKind, MaskMode
+from attnpolicy.dispatch.batch_plan import Planned, WarmCall
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import ConfigError, GraphCompileError, KernelError, StrictModeError
 from attnpolicy.graphs import aot
@@ -48,8 +48,9 @@ class GraphSource:
     """The graphs of planned calls, from ``cache``, built by ``builder`` on a miss.
 
     ``host_varlen``: the host runs VARLEN batches on a kernel of its own. The keys of
-    such a batch (:meth:`touch`) and the VARLEN keys of a warm-up enter the cache
-    *deferred* (:meth:`GraphCache.reserve <attnpolicy.cache.graph_cache.GraphCache.reserve>`):
+    such a batch (:meth:`touch`), of one warmed (:meth:`warm_up`) and the VARLEN keys
+    of a warm set enter the cache *deferred*
+    (:meth:`GraphCache.reserve <attnpolicy.cache.graph_cache.GraphCache.reserve>`):
     counted and placed as graphs, none built; a graph is built (or loaded) only when a
     batch that runs it fetches it. FlexAttention is refused (the host feeds MASK
     graphs keys of its own cache).
@@ -186,16 +187,20 @@ class GraphSource:
         still fail and compile)."""
         return self.store is not None and self.stored(key) and self.store.holds(self.identity(key))
 
-    def warm_up(self, calls: Iterable[tuple[Call, GraphKey, bool]], spec: TensorSpec) -> list[GraphKey]:
-        """Fetch (compile) the graph of every ``(call, key, listed)``, then turn strict
-        mode on; returns the keys of the listed ones. The warm-up's own compiles are no
-        violations. Under ``host_varlen`` a VARLEN key enters the cache deferred (the
-        host's kernel runs it)."""
+    def warm_up(self, calls: Iterable[WarmCall], spec: TensorSpec) -> list[GraphKey]:
+        """Fetch (compile) the graph of every ``(call, key, listed, mode)``, then turn
+        strict mode on; returns the keys of the listed ones. The warm-up's own compiles
+        are no violations. Under ``host_varlen`` nothing the host's kernel runs is built:
+        a VARLEN key of the warm set, every call of a layout planned in VARLEN (a host
+        step, as ``prepare`` makes it); their keys enter the cache deferred."""
         keys: dict[GraphKey, None] = {}
         warm, self.warm = self.warm, False
         try:
-            for call, key, listed in calls:
-                if self.host_runs(call, key):
+            for call, key, listed, mode in calls:
+                if mode is MaskMode.VARLEN and self._host_varlen:  # a host step's: requested only
+                    if call.compiled:
+                        self.cache.reserve(key)
+                elif self.host_runs(call, key):
                     self.cache.reserve(key)
                 else:
                     self.graph(call, key, spec)
