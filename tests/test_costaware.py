@@ -3,12 +3,15 @@ acceptance on synthetic cost models (independent of the shipped default model)."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.features import Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch import Dispatcher
@@ -75,6 +78,18 @@ def test_one_off_long_sequence_runs_on_the_cached_mask_graph_then_compiles_once_
     assert 5 <= bought <= 14, modes
     assert modes[bought:] == [MaskMode.CAUSAL] * (len(modes) - bought)
     assert d.stats().cache.per_key[str(causal_key)].compiles == 1
+
+
+def test_a_windowed_mask_is_priced_as_the_dispatcher_keeps_and_builds_it():
+    model = MODEL.model_copy(update={"mask_build_window": Fit(per_cell=1e-7)})  # 100x a plain build
+    spec = replace(SPEC, features=Features(window=64))
+    d = dispatcher(model=model)
+    layout = BatchLayout.from_lens([4000])
+    (mask_key,) = d.context_for(spec).keys_for(layout, MaskMode.MASK)
+    d.cache.get_or_compile(mask_key, lambda: SimulatedGraph(mask_key))
+    mask = (model.run_seconds(mask_key) + model.call_overhead_seconds
+            + model.mask_build_seconds(mask_key.q_len, mask_key.kv_len, 64))
+    assert f"mask {mask * 1e3:.3g} ms" in d.decide(layout, spec).reason
 
 
 def test_outside_a_dispatcher_it_answers_as_varlen():

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from attnpolicy.cli import main
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.kernels import masks
 from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
 from attnpolicy.planning.call_table import CallTable, _first_order
 from attnpolicy.planning.graph_set import plan_graphs, with_fields
@@ -76,6 +78,40 @@ def test_mask_builds_of_repeated_layouts_are_those_of_the_dispatcher(steps, repe
     got = CallTable(steps, "always-mask", config, model).rows(with_fields(config, max_graphs=capacity), ["lru"],
                                                              expected[0].buckets)
     assert got == expected
+
+
+def _shape_only(layout, rows, cols, device, window=None):
+    """A mask key that shares one mask among the layouts of a shape."""
+    return rows, cols, device, window
+
+
+def _lengths_only(layout, rows, cols, device, window=None):
+    """A mask key that ignores causality."""
+    return layout.q_lens, layout.kv_lens, rows, cols, device, window
+
+
+def test_the_planner_keeps_masks_by_the_rule_the_dispatcher_keeps_them_by(monkeypatch):
+    a, b, c = BatchLayout.from_lens([20, 30]), BatchLayout.from_lens([20, 30], causal=False), BatchLayout.from_lens([25, 25])
+    d, e = BatchLayout.from_lens([10], [40]), BatchLayout.from_lens([40, 10])
+    steps = [a, b, a, b, c, d, c, a, e, e, b]  # 64 x 64 masks but d's 16 x 64; two 64 x 64 fit
+    model = CostModel.default()
+    config = AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=256, max_mask_bytes=2 * 64 * 64 + 1024,
+                              buckets={"kind": "list", "sizes": [16, 64, 256]})
+    builds = {}
+    for rule in (masks.mask_key, _shape_only, _lengths_only):
+        monkeypatch.setattr(masks, "mask_key", rule)
+        dispatcher = Dispatcher(config)
+        g = torch.Generator().manual_seed(0)
+        for layout in steps:
+            dispatcher.attend(torch.randn(layout.q_tokens, 4, 16, generator=g),
+                              *torch.randn(2, layout.kv_tokens, 2, 16, generator=g), layout)
+        assert dispatcher.stats().modes["mask"] == len(steps)
+        table = CallTable(steps, "always-mask", config, model).bucketed(config).recording
+        (simulated,) = simulate_layouts(steps, ["always-mask"], [None], ["lru"], config, model)
+        builds[rule.__name__] = (dispatcher.stats().masks.misses, table.mask_builds, simulated.mask_builds)
+        assert table.mask_build_seconds == simulated.mask_build_seconds
+    assert all(len(set(counts)) == 1 for counts in builds.values()), builds
+    assert len({counts[0] for counts in builds.values()}) == 3, builds  # each rule keeps other masks
 
 
 @given(st.lists(st.integers(0, 9), max_size=60), st.sampled_from(["lru", "fifo"]), st.sampled_from([None, 1, 2, 4]),

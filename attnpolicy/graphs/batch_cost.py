@@ -4,8 +4,9 @@ One call costs its graph's run seconds (or, run uncompiled past the largest buck
 its shape's) plus the dispatch overhead; a MASK call also costs the build of its
 dense mask when the dispatcher's mask cache does not hold it. :class:`MaskMirror`
 is that cache without the masks: the same byte bound and the same key
-(:func:`~attnpolicy.kernels.masks.mask_key`, the sliding window included), so every
-model counts the builds the dispatcher makes; a windowed build is priced by the
+(:func:`~attnpolicy.kernels.masks.mask_key`, the sliding window included, looked up
+when called: the rule itself, not a copy), so every model counts the builds the
+dispatcher makes; a windowed build is priced by the
 cost model's ``mask_build_window``. Simulation, stall modelling (and the planner through simulation)
 cost batches with :class:`BatchCost`; the cost-aware policy prices its options with
 a :class:`MaskMirror` per shadow.
@@ -19,7 +20,8 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey
-from attnpolicy.kernels.masks import MaskCache, mask_key
+from attnpolicy.kernels import masks
+from attnpolicy.kernels.masks import MaskCache
 
 
 class MaskNeed:
@@ -30,7 +32,7 @@ class MaskNeed:
 
     def __init__(self, layout: BatchLayout, rows: int, cols: int, device: object, model: CostModel,
                  window: int | None = None) -> None:
-        self.key = mask_key(layout, rows, cols, device, window)
+        self.key = masks.mask_key(layout, rows, cols, device, window)
         self.nbytes = rows * cols
         self.seconds = model.mask_build_seconds(rows, cols, window)
 
@@ -85,7 +87,7 @@ class BatchCost:
         if call.kind is not CallKind.MASK:
             return None
         rows, cols = call.q_bucket, call.kv_bucket
-        key = mask_key(layout, rows, cols, device, window)
+        key = masks.mask_key(layout, rows, cols, device, window)
         built = None if self.masks.held(key) else self.model.mask_build_seconds(rows, cols, window)
         self.masks.use(key, rows * cols)
         return built

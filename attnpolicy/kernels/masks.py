@@ -54,7 +54,9 @@ class MaskCacheStats:
 def mask_key(layout: BatchLayout, rows: int, cols: int, device: object, window: int | None = None) -> Hashable:
     """The :class:`MaskCache` key of ``layout``'s dense ``rows × cols`` mask on ``device``
     (under a sliding ``window``): the one rule by which the dispatcher keeps masks and
-    the cost models mirror it."""
+    every mirror of its cache (``graphs.batch_cost``, the planner's call table) counts
+    them; they call it, so a change here is a change there. A function of its
+    arguments' values: the planner calls it once per distinct argument tuple."""
     return (layout, rows, cols, device) if window is None else (layout, rows, cols, device, window)
 
 

@@ -23,8 +23,9 @@ does (``"raise"``: the dispatcher itself is asked to prepare that step). Configs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
+from attnpolicy.kernels import masks
 from attnpolicy.modelling.simulation import Recording, SimRow, sim_row, simulated
 from attnpolicy.modelling.streams import KeyStream
 from attnpolicy.planning.bucket_search import CallShapes
@@ -126,6 +128,10 @@ class CallTable:
         self.alt = np.array(alt, dtype=bool)
         self.mask_layout = np.array(mask_layout, dtype=np.int64)
         self.max_kv = np.array([layout.max_kv_len for layout in self.layouts], dtype=np.int64)
+        #: mask-cache keys numbered (see :meth:`_mask_ids`), and the number of each MASK
+        #: row's (layout, buckets) code
+        self._mask_key_ids: dict[Hashable, int] = {}
+        self._mask_code_ids: dict[int, int] = {}
         #: results shared by tables whose calls are equal (see :meth:`share`)
         self.memo: dict[object, object] = {}
         #: results keyed by their inputs' content, shared by every table of a plan
@@ -256,14 +262,17 @@ class CallTable:
     def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,
                kvb: np.ndarray) -> tuple[int, float]:
         """Dense mask builds of the MASK ``rows``: the dispatcher's mask cache (LRU within
-        ``max_mask_bytes``, keyed by layout and shape) replayed as a key stream. When no
-        key repeats (each step's layout its own), every request builds: the builds are
-        the requests and their seconds the costs summed in request order, as the
-        replay adds them."""
+        ``max_mask_bytes``) replayed as a key stream, its keys those of
+        :func:`~attnpolicy.kernels.masks.mask_key` (:meth:`_mask_ids`). When no key
+        repeats, every request builds: the builds are the requests and their seconds the
+        costs summed in request order, as the replay adds them."""
         if not rows.size:
             return 0, 0.0
-        ids, first_at = _first_order(self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows])
-        first = rows[first_at]
+        code = self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows]
+        calls, calls_first = _first_order(code)  # each distinct (layout, buckets), in request order
+        firsts = rows[calls_first]
+        keys, keys_first = _first_order(self._mask_ids(code[calls_first], firsts, qb[firsts], kvb[firsts]))
+        ids, first = keys[calls], firsts[keys_first]
         window = self.spec.features.window
         shape, which = np.unique(qb[first] << 21 | kvb[first], return_inverse=True)
         build = self.model.mask_build_seconds
@@ -275,6 +284,22 @@ class CallTable:
         stats = replay_stream(ids.tolist(), sizes, costs.tolist(), max_bytes=config.max_mask_bytes,
                               oversize="uncached")
         return stats.misses, stats.compile_seconds
+
+    def _mask_ids(self, codes: np.ndarray, rows: np.ndarray, qb: np.ndarray, kvb: np.ndarray) -> np.ndarray:
+        """The mask-cache key of each MASK row of ``rows`` (its step's layout, bucketed
+        ``qb × kvb``, under the table's spec), numbered: equal ids are equal
+        :func:`~attnpolicy.kernels.masks.mask_key` keys, computed by that rule once per
+        ``codes`` (the row's layout and buckets) and remembered across configs."""
+        known = self._mask_code_ids
+        found = np.fromiter(map(known.get, codes.tolist(), repeat(-1)), dtype=np.int64, count=codes.size)
+        new = np.flatnonzero(found < 0)
+        if new.size:
+            numbered, key, layouts = self._mask_key_ids, masks.mask_key, self.layouts
+            device, window = self.spec.device, self.spec.features.window
+            for i, c, s, q, k in zip(new.tolist(), codes[new].tolist(), self.step[rows[new]].tolist(),
+                                     qb[new].tolist(), kvb[new].tolist(), strict=True):
+                found[i] = known[c] = numbered.setdefault(key(layouts[s], q, k, device, window), len(numbered))
+        return found
 
     def cached(self, config: AttnPolicyConfig) -> tuple[Bucketed, KeyStream]:
         """:meth:`bucketed` of ``config`` (without its per-call ``ids``) and its key stream,

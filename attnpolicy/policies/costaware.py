@@ -106,7 +106,7 @@ class _Static:
         self.distinct_set = frozenset(keys)
         self.last_used = tuple(dict.fromkeys(keys[::-1]))[::-1]
         self.run = sum(map(run_seconds, keys)) + model.call_overhead_seconds * len(keys)
-        self.masks = tuple(MaskNeed(layout, k.q_len, k.kv_len, k.spec.device, model)
+        self.masks = tuple(MaskNeed(layout, k.q_len, k.kv_len, k.spec.device, model, k.spec.features.window)
                            for k in keys) if mode is MaskMode.MASK else ()
 
 
