@@ -707,7 +707,7 @@ def test_vllm_builds_a_planned_warm_set_at_engine_start_says_so_and_compiles_not
     config = tmp_path / "planned_with_store.json"
     fields = json.loads((tmp_path / "plan" / "attnpolicy_config.json").read_text())
     config.write_text(json.dumps({**fields, "store_dir": str(tmp_path / "store")}))
-    deferred = sum(shape.family is CallKind.VARLEN for shape in planned.warmup)
+    deferred = sum(shape.kind is CallKind.VARLEN for shape in planned.warmup)
     built = len(planned.warmup) - deferred
     assert built > 0 and deferred > 0
     expected = {"cold": ({"compiles": built, "loads": 0}, f"cold start: 0 loaded from the store, {built} compiled"),
