@@ -27,10 +27,13 @@ from attnpolicy.cli import main
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
+    LinearRange,
     PeerLimits,
     WarmupGraph,
+    gaudi_decode_graphs,
     gaudi_file_buckets,
     gaudi_file_warmup,
+    gaudi_prompt_graphs,
     rbln_manual_decode_batches,
     tpu_paddings,
 )
@@ -335,6 +338,33 @@ def test_gaudi_file_reader_follows_vllm_gaudis_reader_and_filters():
         gaudi_file_warmup("(64, 1, 1024)", PeerLimits(64, 2048, 4096))
     with pytest.raises(ConfigError, match="leaves no decode bucket"):
         gaudi_file_warmup("(1, 128, 0)\n(8, 1, 4)", PeerLimits(64, 2048, 4096))  # batch 8 > 4 blocks: dropped
+
+
+def test_gaudi_strategy_env_warms_up_the_same_buckets_when_they_are_a_product_of_linear_ranges():
+    limits = PeerLimits(4, 512, 1024)
+    steps = [BatchLayout.from_lens([100, 200]), BatchLayout.from_lens([1, 1], [101, 201])]
+    gaudi = host_settings(steps, [128, 256], limits, 2).sections["gaudi"]
+    assert gaudi["prompt_buckets"] == [[1, 128, 0], [1, 256, 0]] and gaudi["decode_buckets"] == [[2, 3]]
+    env = gaudi["strategy_env"]
+    assert env == {"VLLM_BUCKETING_STRATEGY": "lin", "VLLM_CONTIGUOUS_PA": "false",
+                   "VLLM_PROMPT_BS_BUCKET_MIN": "1", "VLLM_PROMPT_BS_BUCKET_STEP": "1", "VLLM_PROMPT_BS_BUCKET_MAX": "1",
+                   "VLLM_PROMPT_QUERY_BUCKET_MIN": "128", "VLLM_PROMPT_QUERY_BUCKET_STEP": "128",
+                   "VLLM_PROMPT_QUERY_BUCKET_MAX": "256", "VLLM_PROMPT_CTX_BUCKET_MIN": "0",
+                   "VLLM_PROMPT_CTX_BUCKET_STEP": "1", "VLLM_PROMPT_CTX_BUCKET_MAX": "0",
+                   "VLLM_DECODE_BS_BUCKET_MIN": "2", "VLLM_DECODE_BS_BUCKET_STEP": "1", "VLLM_DECODE_BS_BUCKET_MAX": "2",
+                   "VLLM_DECODE_BLOCK_BUCKET_MIN": "3", "VLLM_DECODE_BLOCK_BUCKET_STEP": "1",
+                   "VLLM_DECODE_BLOCK_BUCKET_MAX": "3"} and "strategy_missing" not in gaudi
+
+    def values(dim: str) -> tuple[int, ...]:
+        return LinearRange(*(int(env[f"VLLM_{dim}_BUCKET_{p}"]) for p in ("MIN", "STEP", "MAX"))).values()
+
+    prompt = gaudi_prompt_graphs(limits, values("PROMPT_BS"), values("PROMPT_QUERY"), values("PROMPT_CTX"))
+    decode = gaudi_decode_graphs(limits, values("DECODE_BS"), values("DECODE_BLOCK"))
+    assert [[g.batch, g.query_tokens, g.context_blocks] for g in prompt] == gaudi["prompt_buckets"]
+    assert [[g.batch, g.context_blocks] for g in decode] == gaudi["decode_buckets"]
+    mixed = host_settings(*_mixed()[:1], MIXED_BUCKETS, _mixed()[1], 3).sections["gaudi"]
+    assert mixed["strategy_env"] is None
+    assert mixed["strategy_missing"] == "prompt_query values [16, 48, 256, 512] are no linear range (min, step, max)"
 
 
 @pytest.mark.parametrize("budget", [512, 600])

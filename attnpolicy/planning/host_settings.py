@@ -42,9 +42,13 @@ import numpy as np
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
+    GAUDI_LONG_CONTEXT,
     TPU_MIN_TOKEN_BUCKET,
+    LinearRange,
     PeerLimits,
     gaudi_decode_bucket,
+    gaudi_decode_graphs,
+    gaudi_prompt_graphs,
     gaudi_prompt_refusal,
     tpu_paddings,
 )
@@ -245,6 +249,58 @@ def gaudi_buckets(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: 
     return GaudiBuckets(tuple(sorted(prompt)), tuple(sorted(decode)), tuple(dict.fromkeys(missing)))
 
 
+def linear_range(values: Iterable[int]) -> LinearRange | None:
+    """The vllm-gaudi linear range (min, step, max) whose values
+    (:class:`~attnpolicy.modelling.peer_buckets.LinearRange`) are exactly ``values``,
+    the smallest step first, or ``None`` when there is none."""
+    want = tuple(sorted(set(values)))
+    if not want:
+        return None
+    for step in range(1, max(want[-1], 1) + 1):
+        candidate = LinearRange(want[0], step, want[-1])
+        try:
+            if candidate.values() == want:
+                return candidate
+        except ConfigError:
+            continue
+    return None
+
+
+#: vllm-gaudi's range variables, by the bucket dimension they set (bucketing/linear.py ``read_bucket_settings``).
+GAUDI_RANGE_VARIABLES = ("PROMPT_BS", "PROMPT_QUERY", "PROMPT_CTX", "DECODE_BS", "DECODE_BLOCK")
+
+
+def gaudi_strategy_env(gaudi: GaudiBuckets, limits: PeerLimits) -> tuple[dict[str, str] | None, str | None]:
+    """The environment of vllm-gaudi's linear strategy (``VLLM_BUCKETING_STRATEGY=lin``
+    and ``VLLM_{PROMPT_BS,PROMPT_QUERY,PROMPT_CTX,DECODE_BS,DECODE_BLOCK}_BUCKET_{MIN,STEP,MAX}``;
+    vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707, bucketing/linear.py, common.py)
+    that generates exactly ``gaudi``'s buckets without the file, and ``None``; or
+    ``None`` and why no such environment exists: the strategy warms up the Cartesian
+    product of one linear range per dimension (then filters it), which a plan's buckets
+    rarely are."""
+    if limits.max_model_len >= GAUDI_LONG_CONTEXT:
+        return None, (f"from max_model_len {GAUDI_LONG_CONTEXT} on, vllm-gaudi's strategies rewrite the largest "
+                      f"context of every prompt bucket; use the bucketing file")
+    dims = ({b for b, _, _ in gaudi.prompt}, {q for _, q, _ in gaudi.prompt}, {c for _, _, c in gaudi.prompt},
+            {b for b, _ in gaudi.decode}, {n for _, n in gaudi.decode})
+    ranges = []
+    for name, values in zip(GAUDI_RANGE_VARIABLES, dims):
+        found = linear_range(values)
+        if found is None:
+            return None, f"{name.lower()} values {sorted(values)} are no linear range (min, step, max)"
+        ranges.append(found)
+    bs, query, ctx, decode_bs, blocks = (r.values() for r in ranges)
+    prompt = {(g.batch, g.query_tokens, g.context_blocks) for g in gaudi_prompt_graphs(limits, bs, query, ctx)}
+    decode = {(g.batch, g.context_blocks) for g in gaudi_decode_graphs(limits, decode_bs, blocks)}
+    if prompt != set(gaudi.prompt) or decode != set(gaudi.decode):
+        return None, "the buckets are not the product of one linear range per dimension; use the bucketing file"
+    env = {"VLLM_BUCKETING_STRATEGY": "lin"}
+    for name, r in zip(GAUDI_RANGE_VARIABLES, ranges):
+        env.update({f"VLLM_{name}_BUCKET_MIN": str(r.min), f"VLLM_{name}_BUCKET_STEP": str(r.step),
+                    f"VLLM_{name}_BUCKET_MAX": str(r.max)})
+    return {**env, "VLLM_CONTIGUOUS_PA": "false"}, None
+
+
 def gaudi_settings(gaudi: GaudiBuckets, limits: PeerLimits, bucketing_file: str) -> dict[str, Any]:
     """The ``"gaudi"`` section: the buckets, the server limits they hold for (vLLM's
     ``block_size``, ``max_model_len``, ``max_num_batched_tokens``) and ``env``, the
@@ -253,15 +309,19 @@ def gaudi_settings(gaudi: GaudiBuckets, limits: PeerLimits, bucketing_file: str)
     bucketing/common.py, v1/worker/hpu_model_runner.py): ``VLLM_BUCKETING_FROM_FILE``
     (the file, which replaces every bucketing strategy and its ``VLLM_*_BUCKET_*``
     ranges), ``VLLM_PROMPT_BS_BUCKET_MAX`` (the runner's largest prompt batch, the
-    file's) and ``VLLM_CONTIGUOUS_PA=false`` (the decode filter the buckets are cut by)."""
+    file's) and ``VLLM_CONTIGUOUS_PA=false`` (the decode filter the buckets are cut by);
+    ``strategy_env``, the same buckets from the linear strategy's ranges instead, or
+    ``null`` and ``strategy_missing``, why they cannot (:func:`gaudi_strategy_env`)."""
     largest_prompt_batch = max((b for b, _, _ in gaudi.prompt), default=1)
+    strategy, why = (None, "part of the plan is not expressed (see missing)") if gaudi.missing \
+        else gaudi_strategy_env(gaudi, limits)
     return {"bucketing_file": bucketing_file,
             "env": {"VLLM_BUCKETING_FROM_FILE": bucketing_file,
                     "VLLM_PROMPT_BS_BUCKET_MAX": str(largest_prompt_batch), "VLLM_CONTIGUOUS_PA": "false"},
             "block_size": limits.block_size, "max_model_len": limits.max_model_len,
             "max_num_batched_tokens": limits.max_num_batched_tokens,
             "prompt_buckets": [list(b) for b in gaudi.prompt], "decode_buckets": [list(b) for b in gaudi.decode],
-            "missing": list(gaudi.missing)}
+            "strategy_env": strategy, **({"strategy_missing": why} if why else {}), "missing": list(gaudi.missing)}
 
 
 # -- tpu-inference ------------------------------------------------------------------------
