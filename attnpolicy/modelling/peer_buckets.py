@@ -283,7 +283,8 @@ def gaudi_prompt_graphs(limits: PeerLimits, batches: Iterable[int], queries: Ite
 
 def gaudi_prompt_refusal(limits: PeerLimits, batch: int, query: int, context: int) -> str | None:
     """Why vllm-gaudi drops the prompt bucket (batch, query tokens, context blocks)
-    before warm-up (vllm_gaudi/extension/bucketing/common.py ``generate_buckets``, its
+    before warm-up (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/extension/bucketing/common.py ``generate_buckets``, its
     filters without merged prefill, for generated and file buckets alike), or ``None``
     when it keeps it: the context within ⌈(max_model_len − 1) / block⌉ blocks, the
     query within max_model_len and batch × query within max_num_batched_tokens."""
@@ -298,10 +299,11 @@ def gaudi_prompt_refusal(limits: PeerLimits, batch: int, query: int, context: in
 
 
 def gaudi_decode_bucket(limits: PeerLimits, batch: int, blocks: int) -> WarmupGraph | None:
-    """The decode bucket vllm-gaudi keeps of (batch, blocks) (common.py
-    ``generate_buckets`` without contiguous paged attention, for generated and file
-    buckets alike): dropped (``None``) when batch > blocks, else the blocks cut to
-    batch · ⌈max_model_len / block⌉."""
+    """The decode bucket vllm-gaudi keeps of (batch, blocks)
+    (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/extension/bucketing/common.py ``generate_buckets`` without contiguous
+    paged attention, for generated and file buckets alike): dropped (``None``) when
+    batch > blocks, else the blocks cut to batch · ⌈max_model_len / block⌉."""
     if batch > blocks:
         return None
     return WarmupGraph("decode", batch, 1, min(blocks, batch * _cdiv(limits.max_model_len, limits.block_size)))
@@ -364,6 +366,7 @@ def _gaudi_file_entry(node: ast.expr) -> list[int] | None:
 
 def gaudi_file_buckets(text: str) -> tuple[tuple[int, int, int], ...]:
     """The buckets a vllm-gaudi bucketing file (``VLLM_BUCKETING_FROM_FILE``) names, as
+    vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
     vllm_gaudi/extension/bucketing/file_strategy.py ``FileBucketingStrategy.get_buckets``
     reads it: a line stripped; empty or starting with ``#``: skipped; else one Python
     literal, a tuple of three entries (batch, query tokens, blocks), each an int, a list
@@ -389,7 +392,9 @@ def gaudi_file_buckets(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def gaudi_file_warmup(text: str, limits: PeerLimits) -> WarmupSet:
-    """vllm-gaudi's warm-up set from a bucketing file (common.py ``generate_prompt_buckets``,
+    """vllm-gaudi's warm-up set from a bucketing file
+    (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/extension/bucketing/common.py ``generate_prompt_buckets``,
     ``generate_decode_buckets`` and ``generate_buckets`` with file buckets): of
     :func:`gaudi_file_buckets`, those of query 1 are decode buckets (batch, 1, blocks)
     kept as :func:`gaudi_decode_bucket` keeps them, the others prompt buckets
@@ -438,7 +443,8 @@ def rbln_decode_batches(max_batch_size: int, strategy: RblnStrategy = "exponenti
 def rbln_manual_decode_batches(value: str, max_batch_size: int) -> tuple[int, ...]:
     """vllm-rbln's manual decode batch buckets, ascending, from
     ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS`` under
-    ``VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY=manual`` (vllm_rbln/rbln_envs.py
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY=manual`` (rebellions-sw/vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e,
+    vllm_rbln/rbln_envs.py
     ``get_decode_batch_bucket_manual_buckets``, vllm_rbln/v1/worker/bucketing/
     manual_bucketing_manager.py): comma-separated ints, each > 0, none twice, the
     largest the max batch size (``max_num_seqs // pipeline_parallel_size``); any other
@@ -527,7 +533,8 @@ class TpuPaddings:
 def tpu_paddings(limits: PeerLimits, *, padding_gap: int = 0, min_tokens: int = TPU_MIN_TOKEN_BUCKET,
                  bucketize_attention_requests: bool = False, compilation_sizes: Sequence[int] = (),
                  custom_attention_requests: Sequence[int] = ()) -> TpuPaddings:
-    """tpu-inference's paddings for one device (tpu_inference/runner/tpu_runner.py
+    """tpu-inference's paddings for one device (vllm-project/tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88,
+    tpu_inference/runner/tpu_runner.py
     ``_init_inputs``, utils.py ``get_attn_req_paddings``, envs.py): tokens up to
     ``max_num_batched_tokens`` (``VLLM_TPU_BUCKET_PADDING_GAP``, default 0;
     ``MIN_TOKEN_BUCKET``, default 16) and the ``compilation_sizes`` of vLLM's
