@@ -324,16 +324,19 @@ def test_gaudi_names_what_its_file_cannot_hold_and_emits_nothing_in_its_place():
 
 def test_gaudi_file_reader_follows_vllm_gaudis_reader_and_filters():
     text = "\n".join(["# comment", "(1, 2048, 0)", "(1, [256, 512], [0, 4, 8])", "", "  (64, 1, 1024)  ",
-                      "(1, 1, range(256, 512, 128))", "(2, 3)", "(1, 2, range(0, 5, 0))", "not python",
-                      "([2, 4], 64, -1)"])
+                      "(1, 1, range(256, 512, 128))", "([2, 4], 64, -1)", "1, 64, 2.7"])
     assert gaudi_file_buckets(text) == tuple(sorted({
         (1, 2048, 0), (1, 256, 0), (1, 256, 4), (1, 256, 8), (1, 512, 0), (1, 512, 4), (1, 512, 8),
-        (64, 1, 1024), (1, 1, 256), (1, 1, 384), (2, 64, -1), (4, 64, -1)}))  # Python's range: 512 left out
+        (64, 1, 1024), (1, 1, 256), (1, 1, 384), (2, 64, -1), (4, 64, -1), (1, 64, 2)}))  # range: 512 left out
     warm = gaudi_file_warmup(text, PeerLimits(64, 2048, 4096))
     # decode blocks cut to batch * ceil(4096 / 128) = 32 for batch 1
     assert [(g.batch, g.context_blocks) for g in warm.phase("decode")] == [(1, 32), (64, 1024)]
-    assert WarmupGraph("prefill", 1, 2048, 0) in warm.graphs and len(warm.phase("prefill")) == 9
+    assert WarmupGraph("prefill", 1, 2048, 0) in warm.graphs and len(warm.phase("prefill")) == 10
     assert WarmupGraph("prefill", 1, 2048, 0) not in gaudi_file_warmup(text, PeerLimits(64, 1024, 4096)).graphs
+    for bad in ("(2, 3)", "(1, 2, range(0, 5, 0))", "not python", "(1, 1, range(0, 100000))", "(1, 64, range(3))",
+                "[1, 64, 3]", "(1, range(+1, 3), 2)"):  # what vllm-gaudi cannot read stops it
+        with pytest.raises(ConfigError, match=r"line 2 of the vllm-gaudi bucketing file .* vllm-gaudi fails on it"):
+            gaudi_file_buckets(f"(1, 128, 0)\n{bad}")
     with pytest.raises(ConfigError, match="leaves no prompt bucket"):
         gaudi_file_warmup("(64, 1, 1024)", PeerLimits(64, 2048, 4096))
     with pytest.raises(ConfigError, match="leaves no decode bucket"):

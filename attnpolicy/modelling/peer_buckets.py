@@ -369,25 +369,28 @@ def gaudi_file_buckets(text: str) -> tuple[tuple[int, int, int], ...]:
     vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
     vllm_gaudi/extension/bucketing/file_strategy.py ``FileBucketingStrategy.get_buckets``
     reads it: a line stripped; empty or starting with ``#``: skipped; else one Python
-    literal, a tuple of three entries (batch, query tokens, blocks), each an int, a list
-    of ints or ``range(start, stop[, step])`` of int literals (Python's range: stop left
-    out; step 0 or more than 10000 elements leave it unread), the line standing for the
-    Cartesian product of its entries. A line it cannot read is skipped (vllm-gaudi warns
-    and goes on). Sorted, each once."""
+    literal, a tuple of three entries (batch, query tokens, blocks), each a number, a
+    list of numbers or ``range(start, stop[, step])`` of int literals (Python's range:
+    stop left out; step 0 or more than 10000 elements leave it unread), the line
+    standing for the Cartesian product of its entries. Sorted, each once. Any other
+    line is a :class:`ConfigError` naming it: vllm-gaudi means to skip it with a
+    warning, but at that commit the warning is ``logger.warning`` on its ``logger``
+    factory function, an ``AttributeError`` that stops the warm-up."""
     out: set[tuple[int, int, int]] = set()
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         try:
-            node = ast.parse(line, mode="eval").body
+            node: ast.expr | None = ast.parse(line, mode="eval").body
         except SyntaxError:
-            continue
-        if not isinstance(node, ast.Tuple) or len(node.elts) != 3:
-            continue
-        batch, query, blocks = (_gaudi_file_entry(e) for e in node.elts)
-        if batch is not None and query is not None and blocks is not None:
-            out.update(product(batch, query, blocks))
+            node = None
+        entries = [_gaudi_file_entry(e) for e in node.elts] if isinstance(node, ast.Tuple) else []
+        if len(entries) != 3 or any(e is None for e in entries):
+            raise ConfigError(f"line {number} of the vllm-gaudi bucketing file is no (batch, query, blocks) tuple "
+                              f"vllm-gaudi reads, got {line!r}: vllm-gaudi fails on it")
+        batch, query, blocks = (e or [] for e in entries)
+        out.update(product(batch, query, blocks))
     return tuple(sorted(out))
 
 
