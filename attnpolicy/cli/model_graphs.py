@@ -22,7 +22,7 @@ from attnpolicy.cli.common import (
     writing,
 )
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.core.jsonfile import write_json
+from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.integrations.model_specs import max_positions
@@ -35,8 +35,9 @@ from attnpolicy.modelling.model_simulation import (
     simulate_model,
 )
 from attnpolicy.modelling.model_stalls import ModelStallRow, compare_model_stalls
+from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.ranges import model_outside_range
-from attnpolicy.planning.host_settings import host_settings
+from attnpolicy.planning.host_settings import GAUDI_FILE, host_settings
 from attnpolicy.planning.model_plan import plan_model_graphs
 from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import TraceError, load_trace
@@ -232,8 +233,8 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
         write_json(out / "plan.json", {"source": source, "model": model.spec, "batches": len(layouts),
                                        "rejected": w.rejected, "workload": w.to_json(), **fields,
                                        **plan.to_json()})
-        write_host_settings(out, [layout.q_tokens for layout in layouts], plan.chosen.buckets, plan.config,
-                            former.max_num_batched_tokens, args.max_buckets)
+        write_host_settings(out, layouts, plan.chosen.buckets, plan.config, former.max_num_batched_tokens,
+                            former.max_num_seqs, args.max_buckets)
     cap = "∞" if args.max_graphs is None else args.max_graphs
     print_table(f"attnpolicy plan on model graphs: {source}, {model.spec}, max_graphs {cap}",
                 ("policy", "buckets", "eviction", "plan s", "pow2 lru s", "pow2 belady s", "× lru", "× belady"),
@@ -246,14 +247,17 @@ def cmd_plan_model(args: argparse.Namespace, default_policies: tuple[str, ...]) 
     return 0
 
 
-def write_host_settings(out: Path, step_tokens: list[int], buckets: Sequence[int], config: AttnPolicyConfig,
-                        max_num_batched_tokens: int, max_buckets: int) -> Path:
-    """``host_settings.json`` next to ``plan.json``: vLLM's sizes from the planned steps'
-    token counts (at most ``--max-buckets`` of them, under ``--max-num-batched-tokens``),
-    static runtimes' paddings from the planned ``buckets`` under ``config``'s ``max_seq_len``."""
-    path = out / "host_settings.json"
-    write_json(path, host_settings(step_tokens, buckets, max_num_batched_tokens, config.max_seq_len,
-                                   max_buckets))
+def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequence[int], config: AttnPolicyConfig,
+                        max_num_batched_tokens: int, max_num_seqs: int, max_buckets: int) -> Path:
+    """``host_settings.json`` next to ``plan.json``, and vllm-gaudi's bucketing file next to
+    it: each host's settings from the planned ``steps`` and ``buckets`` (at most
+    ``--max-buckets`` sizes per dimension) for a server of ``--max-num-batched-tokens``,
+    ``--max-num-seqs`` and ``config``'s ``max_seq_len``."""
+    path, gaudi = out / "host_settings.json", out / GAUDI_FILE
+    settings = host_settings(steps, buckets, PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len),
+                             max_buckets, str(gaudi.resolve()))
+    write_text_atomic(gaudi, settings.gaudi_file)
+    write_json(path, settings.sections)
     return path
 
 

@@ -203,8 +203,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                           if sample and full else {})})
         write_text_atomic(out / "plan.md", plan_markdown(plan, source, w) + (f"\n{note[0].upper()}{note[1:]}.\n"
                                                                             if note else ""))
-        write_host_settings(out, [layout.q_tokens for layout in layouts_of(steps)], plan.chosen.buckets,
-                            plan.config, former_options(args)["max_num_batched_tokens"], args.max_buckets)
+        limits = former_options(args)
+        write_host_settings(out, layouts_of(steps), plan.chosen.buckets, plan.config,
+                            limits["max_num_batched_tokens"], limits["max_num_seqs"], args.max_buckets)
     print_plan(plan, source)
     if note:
         print(note)

@@ -21,14 +21,15 @@ vllm-project/tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88; each functi
 names its files. Modelled: every runtime's defaults (its environment variables
 unset), one device (no data or pipeline parallelism), no speculative decoding, LoRA,
 multimodal or mamba layers; for vllm-gaudi no merged prefill, no contiguous paged
-attention (its default under prefix caching, vLLM's default), no sliding-window
-slicing and no bucket file.
+attention (its default under prefix caching, vLLM's default) and no sliding-window
+slicing; its bucket file is read by :func:`gaudi_file_warmup`.
 """
 
 from __future__ import annotations
 
+import ast
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
@@ -265,30 +266,54 @@ def gaudi_config(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill
 def gaudi_prompt_graphs(limits: PeerLimits, batches: Iterable[int], queries: Iterable[int],
                         contexts: Iterable[int]) -> tuple[WarmupGraph, ...]:
     """vllm-gaudi's prompt buckets from its ranges (vllm_gaudi/extension/bucketing/common.py
-    ``generate_buckets``): every batch × query × context that keeps the context
-    within ⌈(max_model_len − 1) / block⌉ blocks, the query within max_model_len and
-    batch × query within max_num_batched_tokens. From max_model_len 8192 on, the
+    ``generate_buckets``): every batch × query × context that
+    :func:`gaudi_prompt_refusal` does not refuse. From max_model_len 8192 on, the
     largest context becomes, for each query, (max_model_len − query) // block.
     Sorted, each once, as every function here returns graphs."""
     contexts = tuple(contexts)
     top, mml, block = max(contexts), limits.max_model_len, limits.block_size
-    cap = _cdiv(mml - 1, block)
     out = []
     for b, c, q in product(batches, contexts, tuple(queries)):
         if mml >= GAUDI_LONG_CONTEXT and c == top and mml >= q:
             c = (mml - q) // block
-        if c <= cap and q <= mml and b * q <= limits.max_num_batched_tokens:
+        if gaudi_prompt_refusal(limits, b, q, c) is None:
             out.append(WarmupGraph("prefill", b, q, c))
     return _ordered(out)
 
 
+def gaudi_prompt_refusal(limits: PeerLimits, batch: int, query: int, context: int) -> str | None:
+    """Why vllm-gaudi drops the prompt bucket (batch, query tokens, context blocks)
+    before warm-up (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/extension/bucketing/common.py ``generate_buckets``, its
+    filters without merged prefill, for generated and file buckets alike), or ``None``
+    when it keeps it: the context within ⌈(max_model_len − 1) / block⌉ blocks, the
+    query within max_model_len and batch × query within max_num_batched_tokens."""
+    cap = _cdiv(limits.max_model_len - 1, limits.block_size)
+    if context > cap:
+        return f"context {context} blocks > ceil((max_model_len - 1) / block_size) = {cap}"
+    if query > limits.max_model_len:
+        return f"query {query} tokens > max_model_len {limits.max_model_len}"
+    if batch * query > limits.max_num_batched_tokens:
+        return f"batch x query {batch * query} > max_num_batched_tokens {limits.max_num_batched_tokens}"
+    return None
+
+
+def gaudi_decode_bucket(limits: PeerLimits, batch: int, blocks: int) -> WarmupGraph | None:
+    """The decode bucket vllm-gaudi keeps of (batch, blocks)
+    (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/extension/bucketing/common.py ``generate_buckets`` without contiguous
+    paged attention, for generated and file buckets alike): dropped (``None``) when
+    batch > blocks, else the blocks cut to batch · ⌈max_model_len / block⌉."""
+    if batch > blocks:
+        return None
+    return WarmupGraph("decode", batch, 1, min(blocks, batch * _cdiv(limits.max_model_len, limits.block_size)))
+
+
 def gaudi_decode_graphs(limits: PeerLimits, batches: Iterable[int], blocks: Iterable[int]) -> tuple[WarmupGraph, ...]:
-    """vllm-gaudi's decode buckets from its ranges (common.py ``generate_buckets``,
-    without contiguous paged attention): every batch × blocks with batch <= blocks,
-    the blocks cut to batch · ⌈max_model_len / block⌉."""
-    per_seq = _cdiv(limits.max_model_len, limits.block_size)
-    return _ordered(WarmupGraph("decode", b, 1, min(n, b * per_seq)) for b, n in product(batches, tuple(blocks))
-                    if b <= n)
+    """vllm-gaudi's decode buckets from its ranges: every batch × blocks that
+    :func:`gaudi_decode_bucket` keeps, as it keeps it."""
+    kept = (gaudi_decode_bucket(limits, b, n) for b, n in product(batches, tuple(blocks)))
+    return _ordered(g for g in kept if g is not None)
 
 
 def gaudi_warmup(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill_seqs: int = 1,
@@ -304,6 +329,91 @@ def gaudi_warmup(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill
                           f"(its smallest query bucket is {min(cfg.prompt_query.values())} tokens)")
     decode = gaudi_decode_graphs(limits, cfg.decode_batch.values(), cfg.decode_blocks.values())
     return WarmupSet.of(f"gaudi-{strategy}", (*prompt, *decode))
+
+
+#: The most elements vllm-gaudi expands a bucket file's ``range(...)`` to (file_strategy.py).
+GAUDI_FILE_MAX_RANGE = 10000
+
+
+def _gaudi_file_int(node: ast.expr, *, whole: bool = False) -> int | None:
+    """A number literal of a bucket file as vllm-gaudi takes it (``int()`` of it;
+    ``whole``: a ``range`` argument, an int literal, optionally negative), else ``None``."""
+    negative = isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+    if negative or (not whole and isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd)):
+        node = node.operand  # type: ignore[attr-defined]
+    if not isinstance(node, ast.Constant) or not isinstance(node.value, int if whole else int | float):
+        return None
+    return -int(node.value) if negative else int(node.value)
+
+
+def _gaudi_file_entry(node: ast.expr) -> list[int] | None:
+    """One entry of a bucket-file tuple as its integers: a number, a list of numbers or
+    ``range`` of int literals; ``None`` when vllm-gaudi cannot read it."""
+    if (n := _gaudi_file_int(node)) is not None:
+        return [n]
+    if isinstance(node, ast.List):
+        items = [_gaudi_file_int(e) for e in node.elts]
+        return [i for i in items if i is not None] if all(i is not None for i in items) else None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range"
+            and 2 <= len(node.args) <= 3 and not node.keywords):
+        args = [_gaudi_file_int(a, whole=True) for a in node.args]
+        if any(a is None for a in args) or args[2:] == [0]:
+            return None
+        r = range(*(a for a in args if a is not None))
+        return list(r) if len(r) <= GAUDI_FILE_MAX_RANGE else None
+    return None
+
+
+def gaudi_file_buckets(text: str) -> tuple[tuple[int, int, int], ...]:
+    """The buckets a vllm-gaudi bucketing file (``VLLM_BUCKETING_FROM_FILE``) names, as
+    vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/extension/bucketing/file_strategy.py ``FileBucketingStrategy.get_buckets``
+    reads it: a line stripped; empty or starting with ``#``: skipped; else one Python
+    literal, a tuple of three entries (batch, query tokens, blocks), each a number, a
+    list of numbers or ``range(start, stop[, step])`` of int literals (Python's range:
+    stop left out; step 0 or more than 10000 elements leave it unread), the line
+    standing for the Cartesian product of its entries. Sorted, each once. Any other
+    line is a :class:`ConfigError` naming it: vllm-gaudi means to skip it with a
+    warning, but at that commit the warning is ``logger.warning`` on its ``logger``
+    factory function, an ``AttributeError`` that stops the warm-up."""
+    out: set[tuple[int, int, int]] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            node: ast.expr | None = ast.parse(line, mode="eval").body
+        except SyntaxError:
+            node = None
+        entries = [_gaudi_file_entry(e) for e in node.elts] if isinstance(node, ast.Tuple) else []
+        if len(entries) != 3 or any(e is None for e in entries):
+            raise ConfigError(f"line {number} of the vllm-gaudi bucketing file is no (batch, query, blocks) tuple "
+                              f"vllm-gaudi reads, got {line!r}: vllm-gaudi fails on it")
+        batch, query, blocks = (e or [] for e in entries)
+        out.update(product(batch, query, blocks))
+    return tuple(sorted(out))
+
+
+def gaudi_file_warmup(text: str, limits: PeerLimits) -> WarmupSet:
+    """vllm-gaudi's warm-up set from a bucketing file
+    (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/extension/bucketing/common.py ``generate_prompt_buckets``,
+    ``generate_decode_buckets`` and ``generate_buckets`` with file buckets): of
+    :func:`gaudi_file_buckets`, those of query 1 are decode buckets (batch, 1, blocks)
+    kept as :func:`gaudi_decode_bucket` keeps them, the others prompt buckets
+    (batch, query, context blocks) :func:`gaudi_prompt_refusal` does not refuse. A phase
+    left with no bucket is a :class:`ConfigError`, as vllm-gaudi refuses to start."""
+    prompt, decode = [], []
+    for b, q, n in gaudi_file_buckets(text):
+        if q == 1:
+            decode.append(gaudi_decode_bucket(limits, b, n))
+        elif gaudi_prompt_refusal(limits, b, q, n) is None:
+            prompt.append(WarmupGraph("prefill", b, q, n))
+    kept = [g for g in decode if g is not None]
+    for phase, graphs in (("prompt", prompt), ("decode", kept)):
+        if not graphs:
+            raise ConfigError(f"the vllm-gaudi bucketing file leaves no {phase} bucket: vllm-gaudi refuses to start")
+    return WarmupSet.of("gaudi-file", (*prompt, *kept))
 
 
 # -- vllm-rbln ----------------------------------------------------------------------------
@@ -331,6 +441,30 @@ def rbln_decode_batches(max_batch_size: int, strategy: RblnStrategy = "exponenti
             break
         out.append(nxt)
     return tuple(sorted(set(out)))
+
+
+def rbln_manual_decode_batches(value: str, max_batch_size: int) -> tuple[int, ...]:
+    """vllm-rbln's manual decode batch buckets, ascending, from
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS`` under
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY=manual`` (rebellions-sw/vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e,
+    vllm_rbln/rbln_envs.py
+    ``get_decode_batch_bucket_manual_buckets``, vllm_rbln/v1/worker/bucketing/
+    manual_bucketing_manager.py): comma-separated ints, each > 0, none twice, the
+    largest the max batch size (``max_num_seqs // pipeline_parallel_size``); any other
+    value is a :class:`ConfigError` naming the rule vllm-rbln refuses it by."""
+    try:
+        buckets = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise ConfigError(f"VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS must be comma-separated ints, "
+                          f"got {value!r}") from None
+    if any(b <= 0 for b in buckets):
+        raise ConfigError(f"VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS must be > 0 each, got {value!r}")
+    if len(buckets) != len(set(buckets)):
+        raise ConfigError(f"VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS must be unique, got {value!r}")
+    if max(buckets) != max_batch_size:
+        raise ConfigError(f"VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS must end at the max batch size "
+                          f"{max_batch_size}, got {value!r}")
+    return tuple(sorted(buckets))
 
 
 def rbln_warmup(limits: PeerLimits, strategy: RblnStrategy = "exponential", *, min_batch: int = 1, step: int = 2,
@@ -400,19 +534,29 @@ class TpuPaddings:
 
 
 def tpu_paddings(limits: PeerLimits, *, padding_gap: int = 0, min_tokens: int = TPU_MIN_TOKEN_BUCKET,
-                 bucketize_attention_requests: bool = False) -> TpuPaddings:
-    """tpu-inference's paddings for one device (tpu_inference/runner/tpu_runner.py
+                 bucketize_attention_requests: bool = False, compilation_sizes: Sequence[int] = (),
+                 custom_attention_requests: Sequence[int] = ()) -> TpuPaddings:
+    """tpu-inference's paddings for one device (vllm-project/tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88,
+    tpu_inference/runner/tpu_runner.py
     ``_init_inputs``, utils.py ``get_attn_req_paddings``, envs.py): tokens up to
     ``max_num_batched_tokens`` (``VLLM_TPU_BUCKET_PADDING_GAP``, default 0;
-    ``MIN_TOKEN_BUCKET``, default 16), requests up to max(``max_num_seqs``, 8), and
-    attention requests ``max_num_seqs`` alone unless ``ATTN_BUCKETIZED_NUM_REQS``
-    (then the request paddings up to ``max_num_seqs``, which ends them)."""
+    ``MIN_TOKEN_BUCKET``, default 16) and the ``compilation_sizes`` of vLLM's
+    ``additional_config``, sorted together as the runner sorts them (a size in both
+    lists twice); requests up to max(``max_num_seqs``, 8); attention requests
+    ``max_num_seqs`` alone unless ``ATTN_BUCKETIZED_NUM_REQS``, then
+    ``custom_attention_requests`` (``ATTN_CUSTOM_NUM_REQS_BUCKETS``) in their order or,
+    without them, the request paddings up to ``max_num_seqs``, either with
+    ``max_num_seqs`` appended where it is missing."""
+    for size in compilation_sizes:
+        _check_int("compilation_sizes", size, 1)
     seqs = limits.max_num_seqs
     attention: tuple[int, ...] = (seqs,)
     if bucketize_attention_requests:
-        attention = tuple(sorted({*tpu_request_paddings(TPU_MIN_NUM_SEQS, seqs), seqs}))
-    return TpuPaddings(tpu_token_paddings(min_tokens, limits.max_num_batched_tokens, padding_gap),
-                       tpu_request_paddings(TPU_MIN_NUM_SEQS, max(seqs, TPU_MIN_NUM_SEQS)), attention)
+        listed = tuple(custom_attention_requests) or tpu_request_paddings(TPU_MIN_NUM_SEQS, seqs)
+        attention = listed if seqs in listed else (*listed, seqs)
+    tokens = tuple(sorted((*tpu_token_paddings(min_tokens, limits.max_num_batched_tokens, padding_gap),
+                           *compilation_sizes)))
+    return TpuPaddings(tokens, tpu_request_paddings(TPU_MIN_NUM_SEQS, max(seqs, TPU_MIN_NUM_SEQS)), attention)
 
 
 #: The schemes by name, each under its runtime's defaults.

@@ -1,4 +1,5 @@
-"""A plan in each host runtime's own units, written as ``host_settings.json``.
+"""A plan in each host runtime's own units, written as ``host_settings.json`` (and, for
+vllm-gaudi, its bucketing file next to it).
 
 - vLLM (``"vllm"``): its ``compilation_config`` sizes count a step's tokens (the new
   tokens of every sequence in the step), not an attention call's length. They are
@@ -9,21 +10,48 @@
   ``cudagraph_capture_sizes`` and ``compile_sizes`` are that list,
   ``max_cudagraph_capture_size`` its last size, and ``max_num_batched_tokens`` the
   step budget they were chosen under: what vLLM's ``VllmConfig`` keeps unchanged.
+- vllm-gaudi (``"gaudi"``, :func:`gaudi_settings`): prompt buckets (batch, query
+  tokens, context blocks) and decode buckets (batch, blocks) as its bucketing file
+  (``VLLM_BUCKETING_FROM_FILE``) and the environment that makes it warm up exactly them.
+- tpu-inference (``"tpu"``, :func:`tpu_settings`): token paddings (step tokens) and
+  attention request paddings (requests per step), as its environment and vLLM's
+  ``additional_config``.
+- vllm-rbln (``"rbln"``, :func:`rbln_settings`): decode batch buckets (decoding
+  requests per step) as its manual bucket list.
 - Static-graph runtimes (``"static"``: tt-xla, RBLN, Neuron, TPU) pad attention
   lengths to the planned buckets themselves: ``sequence_padding``, the sizes a
   sequence pads to (those within ``max_seq_len``), and ``packed_padding``, the
   sizes a MASK call's packed rows pad to (the whole list).
+
+Each runtime's section holds ``missing``: what of the plan its settings cannot say
+(empty when they say all of it); nothing else is emitted in its place. Every
+runtime's rules are those of :mod:`attnpolicy.modelling.peer_buckets`, read at the
+commits its docstring names.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
+from attnpolicy.modelling.peer_buckets import (
+    GAUDI_LONG_CONTEXT,
+    TPU_MIN_TOKEN_BUCKET,
+    LinearRange,
+    PeerLimits,
+    gaudi_decode_bucket,
+    gaudi_decode_graphs,
+    gaudi_prompt_graphs,
+    gaudi_prompt_refusal,
+    tpu_paddings,
+)
 
 
 def vllm_grid(n: int, max_num_batched_tokens: int) -> int:
@@ -39,39 +67,32 @@ def vllm_grid(n: int, max_num_batched_tokens: int) -> int:
     return min(up, max_num_batched_tokens)
 
 
-def step_sizes(step_tokens: Iterable[int], max_num_batched_tokens: int, max_sizes: int) -> tuple[int, ...]:
-    """At most ``max_sizes`` sizes of :func:`vllm_grid`, the last one the largest step's,
-    that pad the steps of ``step_tokens`` (each step's token count, at most
-    ``max_num_batched_tokens``) by the fewest tokens in all: a step runs at the
-    smallest size that holds it. Exact: dynamic programming over the grid sizes the
-    steps round up to, ``best[k][j] = min_i best[k-1][i] + pad(i, j]``."""
-    if max_num_batched_tokens < 1:
-        raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+def fewest_padding(counts: Counter[int], grid: Callable[[int], int], max_sizes: int) -> tuple[int, ...]:
+    """At most ``max_sizes`` sizes, each ``grid(n)`` of some ``n`` counted in ``counts``
+    (value: how many times), the largest ``grid`` of the largest value, that pad the
+    values by the fewest units in all: a value pads to the smallest size that holds it.
+    ``grid`` must not decrease and must hold its argument. Exact: dynamic programming
+    over the grid sizes the values round up to, ``best[k][j] = min_i best[k-1][i] + pad(i, j]``."""
     if max_sizes < 1:
         raise ConfigError(f"max_sizes must be >= 1, got {max_sizes}")
-    counts = Counter(step_tokens)
     if not counts:
         raise ConfigError("host settings need at least one step, got none (empty workload)")
-    for n in counts:
-        if not 1 <= n <= max_num_batched_tokens:
-            raise ConfigError(f"a step of {n} tokens is outside 1..max_num_batched_tokens "
-                              f"({max_num_batched_tokens})")
-    grid: Counter[int] = Counter()
-    tokens: Counter[int] = Counter()
+    rounded: Counter[int] = Counter()
+    held: Counter[int] = Counter()
     for n, c in counts.items():
-        g = vllm_grid(n, max_num_batched_tokens)
-        grid[g] += c
-        tokens[g] += n * c
-    cand = np.array(sorted(grid), dtype=float)
+        g = grid(n)
+        rounded[g] += c
+        held[g] += n * c
+    cand = np.array(sorted(rounded), dtype=float)
     m = cand.size
     k_max = min(max_sizes, m)
-    steps = np.concatenate([[0.0], np.cumsum([grid[int(g)] for g in cand])])
-    held = np.concatenate([[0.0], np.cumsum([tokens[int(g)] for g in cand])])
+    count = np.concatenate([[0.0], np.cumsum([rounded[int(g)] for g in cand])])
+    units = np.concatenate([[0.0], np.cumsum([held[int(g)] for g in cand])])
     best = np.full((k_max + 1, m + 1), np.inf)
     arg = np.zeros((k_max + 1, m + 1), dtype=np.int64)
     best[0, 0] = 0.0
-    for j in range(1, m + 1):  # a size at cand[j-1] holding the steps of cand[i..j-1]
-        pad = cand[j - 1] * (steps[j] - steps[:j]) - (held[j] - held[:j])
+    for j in range(1, m + 1):  # a size at cand[j-1] holding the values of cand[i..j-1]
+        pad = cand[j - 1] * (count[j] - count[:j]) - (units[j] - units[:j])
         total = best[:k_max, :j] + pad
         at = np.argmin(total, axis=1)
         best[1:, j], arg[1:, j] = total[np.arange(k_max), at], at
@@ -82,18 +103,321 @@ def step_sizes(step_tokens: Iterable[int], max_num_batched_tokens: int, max_size
     return tuple(sorted(sizes))
 
 
-def host_settings(step_tokens: Iterable[int], buckets: Sequence[int], max_num_batched_tokens: int,
-                  max_seq_len: int, max_sizes: int) -> dict[str, Any]:
-    """The host settings of a plan (module docstring): vLLM's from the token counts of
-    the workload's steps (:func:`step_sizes`), static runtimes' from the planned
-    ``buckets`` (sorted, deduplicated)."""
-    if max_seq_len < 1:
-        raise ConfigError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    sizes = list(step_sizes(step_tokens, max_num_batched_tokens, max_sizes))
+def step_sizes(step_tokens: Iterable[int], max_num_batched_tokens: int, max_sizes: int) -> tuple[int, ...]:
+    """:func:`fewest_padding` of the token counts of ``step_tokens`` (each at most
+    ``max_num_batched_tokens``) on :func:`vllm_grid`: at most ``max_sizes`` sizes, the
+    last one the largest step's, a step running at the smallest size that holds it."""
+    if max_num_batched_tokens < 1:
+        raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    counts = Counter(step_tokens)
+    for n in counts:
+        if not 1 <= n <= max_num_batched_tokens:
+            raise ConfigError(f"a step of {n} tokens is outside 1..max_num_batched_tokens "
+                              f"({max_num_batched_tokens})")
+    return fewest_padding(counts, lambda n: vllm_grid(n, max_num_batched_tokens), max_sizes)
+
+
+def counts_sizes(values: Iterable[int], max_sizes: int, top: int | None = None) -> tuple[int, ...]:
+    """:func:`fewest_padding` of ``values`` on every integer (a runtime that takes any
+    size), the largest value standing for ``top`` where given (a size the runtime
+    always has, at least the largest value)."""
+    counts = Counter(values)
+    if not counts:
+        raise ConfigError("host settings need at least one value to size, got none")
+    largest = max(counts)
+    if top is not None and top < largest:
+        raise ConfigError(f"a value {largest} is above the runtime's largest size {top}")
+    cover = largest if top is None else top
+    return fewest_padding(counts, lambda n: cover if n == largest else n, max_sizes)
+
+
+def _up(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest of ascending ``sizes`` that holds ``n``, or ``None``."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def _pad(sizes: Sequence[int], n: int) -> int:
+    """The smallest of ascending ``sizes`` (chosen to hold every ``n`` asked) that holds ``n``."""
+    up = _up(sizes, n)
+    if up is None:
+        raise ConfigError(f"no size of {list(sizes)} holds {n}")
+    return up
+
+
+def _within_seqs(counts: Iterable[int], max_num_seqs: int, what: str) -> tuple[list[int], list[str]]:
+    """The per-step ``counts`` within ``max_num_seqs``, and a ``missing`` line for each
+    distinct one above it (a step such a server never runs)."""
+    counted = list(counts)
+    above = sorted({n for n in counted if n > max_num_seqs})
+    notes = [f"a step of {n} {what}: more than max_num_seqs ({max_num_seqs}), left out" for n in above]
+    return [n for n in counted if n <= max_num_seqs], notes
+
+
+# -- vllm-gaudi ---------------------------------------------------------------------------
+
+#: The bucketing file's name, next to ``host_settings.json``.
+GAUDI_FILE = "gaudi_buckets.txt"
+
+
+@dataclass(frozen=True)
+class GaudiBuckets:
+    """vllm-gaudi's buckets of a plan: ``prompt`` (batch, query tokens, context blocks),
+    ``decode`` (batch, blocks), both ascending, and ``missing``, what of the plan they
+    cannot hold."""
+
+    prompt: tuple[tuple[int, int, int], ...]
+    decode: tuple[tuple[int, int], ...]
+    missing: tuple[str, ...]
+
+    def file_text(self, limits: PeerLimits) -> str:
+        """The buckets as vllm-gaudi's bucketing file: one ``(batch, query, blocks)``
+        line per bucket, decode lines with query 1 (how the file tells them apart)."""
+        return "\n".join([
+            "# vllm-gaudi buckets of an attnpolicy plan; use with VLLM_BUCKETING_FROM_FILE=<this file>",
+            (f"# and block_size {limits.block_size}, max_model_len {limits.max_model_len}, "
+             f"max_num_batched_tokens {limits.max_num_batched_tokens} (host_settings.json \"gaudi\")"),
+            "# prompt: (batch_size, query_len, context_blocks)",
+            *(f"({b}, {q}, {c})" for b, q, c in self.prompt),
+            "# decode: (batch_size, 1, blocks)",
+            *(f"({b}, 1, {n})" for b, n in self.decode), ""])
+
+
+def gaudi_buckets(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: PeerLimits,
+                  max_sizes: int) -> GaudiBuckets:
+    """The buckets vllm-gaudi needs to run the plan's ``steps`` as the plan pads them
+    (vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+    vllm_gaudi/v1/worker/hpu_model_runner.py: a sequence of one new token is a decode,
+    every other a prompt; ``_bucketize_2d_prompt``, ``_create_decode_input_data``):
+
+    - prompt: each prompting sequence alone (batch 1, vllm-gaudi's default
+      ``VLLM_PROMPT_BS_BUCKET_MAX``), its query tokens padded to the smallest planned
+      ``bucket`` that holds them, its context ⌈context tokens / block⌉ blocks padded to
+      one of at most ``max_sizes`` context sizes (:func:`counts_sizes`);
+    - decode: a step's decoding sequences as one batch, padded to one of at most
+      ``max_sizes`` batch sizes, and the sum of their ⌈kv tokens / block⌉ blocks, padded
+      to one of at most ``max_sizes`` block sizes, then at least the batch (vllm-gaudi
+      drops a decode bucket of fewer blocks than sequences) and cut as vllm-gaudi cuts
+      it (:func:`~attnpolicy.modelling.peer_buckets.gaudi_decode_bucket`).
+
+    A prompt no planned bucket holds, a bucket vllm-gaudi would drop
+    (:func:`~attnpolicy.modelling.peer_buckets.gaudi_prompt_refusal`) and a phase
+    without any step are named in ``missing`` instead."""
+    block, planned = limits.block_size, sorted(set(buckets))
+    prompts: list[tuple[int, int]] = []
+    decodes: list[tuple[int, int]] = []
+    for layout in steps:
+        n = blocks = 0
+        for q, kv in zip(layout.q_lens, layout.kv_lens):
+            if q == 1:
+                n, blocks = n + 1, blocks - (-kv // block)
+            else:
+                prompts.append((q, -(-(kv - q) // block)))
+        if n:
+            decodes.append((n, blocks))
+    missing: list[str] = []
+    prompt: set[tuple[int, int, int]] = set()
+    if prompts:
+        contexts = counts_sizes((c for _, c in prompts), max_sizes)
+        for q, c in prompts:
+            qb = _up(planned, q)
+            if qb is None:
+                missing.append(f"prompt of {q} query tokens: no planned bucket holds it (the largest is "
+                               f"{planned[-1] if planned else None})")
+                continue
+            bucket = (1, qb, _pad(contexts, c))
+            refusal = gaudi_prompt_refusal(limits, *bucket)
+            if refusal is not None:
+                missing.append(f"prompt bucket {bucket}: vllm-gaudi drops it ({refusal})")
+            else:
+                prompt.add(bucket)
+    else:
+        missing.append("prompt: the plan has no prompt step, and vllm-gaudi refuses a bucketing file without "
+                       "a prompt bucket")
+    decode: set[tuple[int, int]] = set()
+    if decodes:
+        batches = counts_sizes((n for n, _ in decodes), max_sizes)
+        sizes = counts_sizes((k for _, k in decodes), max_sizes)
+        for n, k in decodes:
+            b = _pad(batches, n)
+            g = gaudi_decode_bucket(limits, b, max(b, _pad(sizes, k)))  # kept: batch <= blocks
+            if g is not None and g.context_blocks is not None:
+                decode.add((g.batch, g.context_blocks))
+    else:
+        missing.append("decode: the plan has no decode step, and vllm-gaudi refuses a bucketing file without "
+                       "a decode bucket")
+    return GaudiBuckets(tuple(sorted(prompt)), tuple(sorted(decode)), tuple(dict.fromkeys(missing)))
+
+
+def linear_range(values: Iterable[int]) -> LinearRange | None:
+    """The vllm-gaudi linear range (min, step, max) whose values
+    (:class:`~attnpolicy.modelling.peer_buckets.LinearRange`) are exactly ``values``,
+    the smallest step first, or ``None`` when there is none."""
+    want = tuple(sorted(set(values)))
+    if not want:
+        return None
+    for step in range(1, max(want[-1], 1) + 1):
+        candidate = LinearRange(want[0], step, want[-1])
+        try:
+            if candidate.values() == want:
+                return candidate
+        except ConfigError:
+            continue
+    return None
+
+
+#: vllm-gaudi's range variables, by the bucket dimension they set (bucketing/linear.py ``read_bucket_settings``).
+GAUDI_RANGE_VARIABLES = ("PROMPT_BS", "PROMPT_QUERY", "PROMPT_CTX", "DECODE_BS", "DECODE_BLOCK")
+
+
+def gaudi_strategy_env(gaudi: GaudiBuckets, limits: PeerLimits) -> tuple[dict[str, str] | None, str | None]:
+    """The environment of vllm-gaudi's linear strategy (``VLLM_BUCKETING_STRATEGY=lin``
+    and ``VLLM_{PROMPT_BS,PROMPT_QUERY,PROMPT_CTX,DECODE_BS,DECODE_BLOCK}_BUCKET_{MIN,STEP,MAX}``;
+    vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707, bucketing/linear.py, common.py)
+    that generates exactly ``gaudi``'s buckets without the file, and ``None``; or
+    ``None`` and why no such environment exists: the strategy warms up the Cartesian
+    product of one linear range per dimension (then filters it), which a plan's buckets
+    rarely are."""
+    if limits.max_model_len >= GAUDI_LONG_CONTEXT:
+        return None, (f"from max_model_len {GAUDI_LONG_CONTEXT} on, vllm-gaudi's strategies rewrite the largest "
+                      f"context of every prompt bucket; use the bucketing file")
+    dims = ({b for b, _, _ in gaudi.prompt}, {q for _, q, _ in gaudi.prompt}, {c for _, _, c in gaudi.prompt},
+            {b for b, _ in gaudi.decode}, {n for _, n in gaudi.decode})
+    ranges = []
+    for name, values in zip(GAUDI_RANGE_VARIABLES, dims):
+        found = linear_range(values)
+        if found is None:
+            return None, f"{name.lower()} values {sorted(values)} are no linear range (min, step, max)"
+        ranges.append(found)
+    bs, query, ctx, decode_bs, blocks = (r.values() for r in ranges)
+    prompt = {(g.batch, g.query_tokens, g.context_blocks) for g in gaudi_prompt_graphs(limits, bs, query, ctx)}
+    decode = {(g.batch, g.context_blocks) for g in gaudi_decode_graphs(limits, decode_bs, blocks)}
+    if prompt != set(gaudi.prompt) or decode != set(gaudi.decode):
+        return None, "the buckets are not the product of one linear range per dimension; use the bucketing file"
+    env = {"VLLM_BUCKETING_STRATEGY": "lin"}
+    for name, r in zip(GAUDI_RANGE_VARIABLES, ranges):
+        env.update({f"VLLM_{name}_BUCKET_MIN": str(r.min), f"VLLM_{name}_BUCKET_STEP": str(r.step),
+                    f"VLLM_{name}_BUCKET_MAX": str(r.max)})
+    return {**env, "VLLM_CONTIGUOUS_PA": "false"}, None
+
+
+def gaudi_settings(gaudi: GaudiBuckets, limits: PeerLimits, bucketing_file: str) -> dict[str, Any]:
+    """The ``"gaudi"`` section: the buckets, the server limits they hold for (vLLM's
+    ``block_size``, ``max_model_len``, ``max_num_batched_tokens``) and ``env``, the
+    variables that make vllm-gaudi warm up exactly the file's buckets
+    (vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707, vllm_gaudi/extension/features.py,
+    bucketing/common.py, v1/worker/hpu_model_runner.py): ``VLLM_BUCKETING_FROM_FILE``
+    (the file, which replaces every bucketing strategy and its ``VLLM_*_BUCKET_*``
+    ranges), ``VLLM_PROMPT_BS_BUCKET_MAX`` (the runner's largest prompt batch, the
+    file's) and ``VLLM_CONTIGUOUS_PA=false`` (the decode filter the buckets are cut by);
+    ``strategy_env``, the same buckets from the linear strategy's ranges instead, or
+    ``null`` and ``strategy_missing``, why they cannot (:func:`gaudi_strategy_env`)."""
+    largest_prompt_batch = max((b for b, _, _ in gaudi.prompt), default=1)
+    strategy, why = (None, "part of the plan is not expressed (see missing)") if gaudi.missing \
+        else gaudi_strategy_env(gaudi, limits)
+    return {"bucketing_file": bucketing_file,
+            "env": {"VLLM_BUCKETING_FROM_FILE": bucketing_file,
+                    "VLLM_PROMPT_BS_BUCKET_MAX": str(largest_prompt_batch), "VLLM_CONTIGUOUS_PA": "false"},
+            "block_size": limits.block_size, "max_model_len": limits.max_model_len,
+            "max_num_batched_tokens": limits.max_num_batched_tokens,
+            "prompt_buckets": [list(b) for b in gaudi.prompt], "decode_buckets": [list(b) for b in gaudi.decode],
+            "strategy_env": strategy, **({"strategy_missing": why} if why else {}), "missing": list(gaudi.missing)}
+
+
+# -- tpu-inference ------------------------------------------------------------------------
+
+def tpu_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
+    """The ``"tpu"`` section (tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88,
+    tpu_inference/runner/tpu_runner.py ``_init_inputs``, runner/utils.py, envs.py):
+
+    - ``num_tokens_paddings``: at most ``max_sizes`` token counts padding the steps'
+      tokens the least (:func:`fewest_padding`), multiples of 16 as every padding
+      tpu-inference generates on one device (powers of two from ``MIN_TOKEN_BUCKET``,
+      16, which is at least the KV packing they must hold), the largest its own cover:
+      the power of two >= max_num_batched_tokens its generator always yields. Set as
+      ``MIN_TOKEN_BUCKET`` (that cover, so the generator yields it alone;
+      ``VLLM_TPU_BUCKET_PADDING_GAP=0``) and vLLM's
+      ``additional_config["compilation_sizes"]`` (the others, which the runner adds).
+    - ``attn_num_reqs_paddings``: at most ``max_sizes`` request counts padding the
+      steps' requests the least, the largest ``max_num_seqs`` (which the runner appends
+      where it is missing), as ``ATTN_BUCKETIZED_NUM_REQS=1`` and
+      ``ATTN_CUSTOM_NUM_REQS_BUCKETS``.
+    - ``num_reqs_paddings``: the sampling graphs' request paddings, which no setting
+      but ``max_num_seqs`` changes (reported, not chosen)."""
+    budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
+    cover = max(TPU_MIN_TOKEN_BUCKET, 1 << (budget - 1).bit_length())
+    tokens = Counter(layout.q_tokens for layout in steps)
+    if not tokens:
+        raise ConfigError("host settings need at least one step, got none (empty workload)")
+    top = max(tokens)
+    if top > budget:
+        raise ConfigError(f"a step of {top} tokens is above max_num_batched_tokens ({budget})")
+    step = TPU_MIN_TOKEN_BUCKET
+    sizes = fewest_padding(tokens, lambda n: cover if n == top else -(-n // step) * step, max_sizes)
+    counts, missing = _within_seqs((len(layout.q_lens) for layout in steps), seqs, "requests")
+    requests = counts_sizes(counts, max_sizes, top=seqs) if counts else (seqs,)
+    extra = [s for s in sizes if s != cover]
+    return {"env": {"MIN_TOKEN_BUCKET": str(cover), "VLLM_TPU_BUCKET_PADDING_GAP": "0",
+                    "ATTN_BUCKETIZED_NUM_REQS": "1", "ATTN_CUSTOM_NUM_REQS_BUCKETS": ",".join(map(str, requests))},
+            "additional_config": {"compilation_sizes": extra},
+            "num_tokens_paddings": list(sizes), "attn_num_reqs_paddings": list(requests),
+            "num_reqs_paddings": list(tpu_paddings(limits).requests),
+            "max_num_batched_tokens": budget, "max_num_seqs": seqs, "missing": missing}
+
+
+# -- vllm-rbln ----------------------------------------------------------------------------
+
+def rbln_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
+    """The ``"rbln"`` section (vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e,
+    vllm_rbln/rbln_envs.py, vllm_rbln/v1/worker/bucketing/manual_bucketing_manager.py):
+    ``decode_batch_buckets``, at most ``max_sizes`` batch sizes padding the steps'
+    decoding requests the least, the largest ``max_num_seqs`` (vllm-rbln's max batch
+    size on one pipeline stage, which its manual list must end at), as
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY=manual`` and
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS``. vllm-rbln has no setting for its
+    prefill graph (one request padded to ``max_num_batched_tokens``): ``missing`` says so."""
+    seqs = limits.max_num_seqs
+    decoding, missing = _within_seqs((n for n in (sum(q == 1 for q in layout.q_lens) for layout in steps) if n),
+                                     seqs, "decoding requests")
+    batches = counts_sizes(decoding, max_sizes, top=seqs) if decoding else (seqs,)
+    prefill = (f"prefill: vllm-rbln has no setting for its prefill graph, which pads every prefill to "
+               f"max_num_batched_tokens ({limits.max_num_batched_tokens}) at batch 1; the plan's prompt buckets "
+               f"are not expressible")
+    return {"env": {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "manual",
+                    "VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS": ",".join(map(str, batches))},
+            "decode_batch_buckets": list(batches), "max_num_seqs": seqs,
+            "missing": [*missing, prefill]}
+
+
+# -- all hosts ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostSettings:
+    """A plan's host settings: ``sections`` (``host_settings.json``, one per host) and
+    ``gaudi_file``, the text of vllm-gaudi's bucketing file."""
+
+    sections: dict[str, Any]
+    gaudi_file: str
+
+
+def host_settings(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: PeerLimits, max_sizes: int,
+                  bucketing_file: str = GAUDI_FILE) -> HostSettings:
+    """The host settings of a plan (module docstring): its ``steps`` (one layout per
+    engine step) under the server's ``limits`` (``max_model_len`` is attnpolicy's
+    ``max_seq_len``), its planned attention ``buckets``, at most ``max_sizes`` sizes per
+    dimension; ``bucketing_file``: where vllm-gaudi is to read its file."""
+    step_tokens = [layout.q_tokens for layout in steps]
+    sizes = list(step_sizes(step_tokens, limits.max_num_batched_tokens, max_sizes))
     padding = sorted(set(buckets))
-    return {"vllm": {"compilation_config": {"cudagraph_capture_sizes": sizes,
-                                            "max_cudagraph_capture_size": sizes[-1],
-                                            "compile_sizes": sizes},
-                     "max_num_batched_tokens": max_num_batched_tokens},
-            "static": {"sequence_padding": [b for b in padding if b <= max_seq_len],
-                       "packed_padding": padding}}
+    gaudi = gaudi_buckets(steps, buckets, limits, max_sizes)
+    return HostSettings(
+        {"vllm": {"compilation_config": {"cudagraph_capture_sizes": sizes,
+                                         "max_cudagraph_capture_size": sizes[-1],
+                                         "compile_sizes": sizes},
+                  "max_num_batched_tokens": limits.max_num_batched_tokens},
+         "gaudi": gaudi_settings(gaudi, limits, bucketing_file),
+         "tpu": tpu_settings(steps, limits, max_sizes),
+         "rbln": rbln_settings(steps, limits, max_sizes),
+         "static": {"sequence_padding": [b for b in padding if b <= limits.max_model_len],
+                    "packed_padding": padding}},
+        gaudi.file_text(limits))
