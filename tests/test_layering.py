@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("policies",),
     ("dispatch",),
-    ("workloads", "integrations"),
+    ("workloads", "engine", "integrations"),
     ("modelling",),
     ("planning",),
     ("bench",),
@@ -161,7 +161,7 @@ MUTATORS = frozenset({"clear", "append", "update", "pop", "add", "remove", "setd
 FOREIGN_PRIVATE = {
     # HF transformers selects a model's attention implementation by its config's
     # ``_attn_implementation`` (what ``PreTrainedModel.set_attn_implementation`` writes)
-    ("attnpolicy.integrations.static_model", "_attn_implementation"),
+    ("attnpolicy.engine.runner", "_attn_implementation"),
 }
 
 

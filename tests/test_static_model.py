@@ -15,11 +15,11 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode, legal_modes
+from attnpolicy.engine.model_specs import ModelSpec, load_model, parse_spec
+from attnpolicy.engine.runner import MaskMode as RunnerMode
+from attnpolicy.engine.runner import ModelKey, StaticModelRunner, eager_logits
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.integrations.model_specs import ModelSpec, load_model, parse_spec
-from attnpolicy.integrations.static_model import MaskMode as RunnerMode
-from attnpolicy.integrations.static_model import ModelKey, StaticModelRunner, eager_logits
 from attnpolicy.report.plots import TT_XLA
 
 TINY = {"qwen3": "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",

@@ -1,6 +1,6 @@
 """Background compiles of whole-model graphs (``compile_mode="background"``).
 
-A miss of a :class:`~attnpolicy.integrations.static_model.StaticModelRunner` (seen here
+A miss of a :class:`~attnpolicy.engine.runner.StaticModelRunner` (seen here
 as a :class:`Runner`) does not block: its graph compiles in one worker thread while the batch runs on a resident graph
 of the same mode with larger buckets (pad-up: a larger token bucket for ``CAUSAL`` and
 ``MASK``; for ``VARLEN`` a segment tuple of as many segments that dominates the key's

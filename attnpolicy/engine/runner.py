@@ -57,11 +57,11 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.dispatch.graph_source import after_warm_up, warn_loaded
+from attnpolicy.engine.model_background import ModelBackground, ModelBackgroundStats
 from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
 from attnpolicy.graphs import aot, backend_setup
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.integrations.model_background import ModelBackground, ModelBackgroundStats
 from attnpolicy.kernels.attention import bind
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.policies.base import PolicyContext
@@ -205,7 +205,7 @@ class StaticModelRunner:
     ``max_batch_tokens`` a MASK graph's), the backend, the cache's bounds and
     eviction, ``strict`` and ``compile_mode`` (``"background"``: a miss runs padded up
     to a larger resident graph or eagerly while its graph compiles in a worker, see
-    :mod:`~attnpolicy.integrations.model_background`). ``compile_counter(gm)`` sees
+    :mod:`~attnpolicy.engine.model_background`). ``compile_counter(gm)`` sees
     every backend compile.
 
     ``logits(token_ids, layout)`` returns ``[layout.q_tokens, vocab]`` (padding rows
@@ -353,7 +353,7 @@ class StaticModelRunner:
     def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode,
                key: ModelKey | None = None) -> Placed:
         """``layout`` placed in the graph of ``key`` (default: its own key; else one
-        that dominates it, as :func:`~attnpolicy.integrations.model_background.dominates`).
+        that dominates it, as :func:`~attnpolicy.engine.model_background.dominates`).
         The inputs are built here in the form every graph is compiled for, whatever the
         form of ``token_ids``: int64, contiguous, on the model's device."""
         key = key or self.key_for(layout, mode)
