@@ -21,7 +21,7 @@ from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cache.code_identity import module_code, reached, stable_repr
-from attnpolicy.dispatch.graph_source import kernel_hash
+from attnpolicy.dispatch.call_graphs import kernel_hash
 from attnpolicy.errors import ConfigError
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.kernels import KINDS, KernelInfo
@@ -173,7 +173,7 @@ def test_a_models_code_reaches_the_modules_its_forward_runs():
 
 
 def test_a_model_without_source_is_compiled_not_stored():
-    from attnpolicy.engine.runner import model_code
+    from attnpolicy.engine.graph_family import model_code
 
     typed_in = types.ModuleType("typed_in")  # a model class typed into `python -c`: no file
     exec("class Model:\n    pass\n", typed_in.__dict__)

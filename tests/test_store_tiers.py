@@ -16,7 +16,7 @@ from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.modes import CallKind
-from attnpolicy.dispatch.graph_source import example_inputs
+from attnpolicy.dispatch.call_graphs import example_inputs
 from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs import backend_setup
 from attnpolicy.graphs.aot import aot_compile_graph

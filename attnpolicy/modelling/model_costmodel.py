@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from attnpolicy.core import jsonfile
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
-from attnpolicy.engine.runner import ModelKey, estimate_bytes
+from attnpolicy.engine.graph_family import ModelKey, estimate_bytes
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import nonnegative_fit
 
