@@ -45,8 +45,8 @@ import torch
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.integrations.model_specs import parse_spec
-from attnpolicy.integrations.static_model import StaticModelRunner
+from attnpolicy.engine.model_specs import parse_spec
+from attnpolicy.engine.runner import StaticModelRunner
 
 store, model, backend, lengths = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 built = parse_spec(model).build()

@@ -136,7 +136,7 @@ def no_work(monkeypatch):
     ran: list[str] = []
     monkeypatch.setattr("attnpolicy.workloads.traces.synthetic_default", lambda *a: ran.append("trace") or [])
     monkeypatch.setattr("attnpolicy.graphs.costmodel.CostModel.default", lambda: ran.append("model"))
-    monkeypatch.setattr("attnpolicy.integrations.model_specs.ModelSpec.build", lambda *a: ran.append("build"))
+    monkeypatch.setattr("attnpolicy.engine.model_specs.ModelSpec.build", lambda *a: ran.append("build"))
     return ran
 
 

@@ -412,7 +412,7 @@ def test_graph_saved_by_one_process_loads_in_another(tmp_path, monkeypatch, back
     import torch
     from reference import reference_attention
 
-    from attnpolicy.dispatch.graph_source import example_inputs
+    from attnpolicy.dispatch.call_graphs import example_inputs
     from attnpolicy.graphs import execute
     from attnpolicy.graphs.aot import MECHANISM, SUFFIX, aot_compile_graph, save_graph
     from attnpolicy.graphs.execute import graph_fn

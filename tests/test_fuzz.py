@@ -23,7 +23,7 @@ from strategies import layouts
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.features import Features
 from attnpolicy.core.names import IMPLS
-from attnpolicy.dispatch.graph_source import example_inputs
+from attnpolicy.dispatch.call_graphs import example_inputs
 from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.compile import release_graph
 from attnpolicy.graphs.execute import graph_fn

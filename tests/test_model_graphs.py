@@ -12,9 +12,9 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.graph_family import model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.integrations.static_model import model_key_for
 from attnpolicy.modelling.model_costmodel import ModelCostModel, ModelDims, ModelFit, ModelSample, key_of
 from attnpolicy.modelling.model_simulation import model_config, model_layouts, simulate_model
 from attnpolicy.modelling.model_stalls import compare_model_stalls
@@ -66,7 +66,7 @@ def test_model_cost_model_round_trips_and_refuses_bad_files(tmp_path):
 def test_graph_bytes_are_the_runners_estimate():
     from types import SimpleNamespace
 
-    from attnpolicy.integrations.static_model import estimate_bytes
+    from attnpolicy.engine.graph_family import estimate_bytes
 
     model = synthetic()
     config = SimpleNamespace(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,

@@ -15,11 +15,11 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode, legal_modes
+from attnpolicy.engine.model_specs import ModelSpec, load_model, parse_spec
+from attnpolicy.engine.runner import MaskMode as RunnerMode
+from attnpolicy.engine.runner import ModelKey, StaticModelRunner, eager_logits
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.integrations.model_specs import ModelSpec, load_model, parse_spec
-from attnpolicy.integrations.static_model import MaskMode as RunnerMode
-from attnpolicy.integrations.static_model import ModelKey, StaticModelRunner, eager_logits
 from attnpolicy.report.plots import TT_XLA
 
 TINY = {"qwen3": "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
@@ -321,19 +321,20 @@ def test_background_compiles_pad_up_then_switch_in(models, policy, steps):
     for step, (lens, by) in enumerate(steps):
         layout = BatchLayout.from_lens(lens)
         ids = token_ids(layout, step)
-        before = runner.stats().background
+        before = runner.stats()
         torch.testing.assert_close(runner.logits(ids, layout), eager_logits(reference, ids, layout),
                                    rtol=0, atol=1e-5)
-        after = runner.stats().background
-        assert before is not None and after is not None
-        took = {"eager": after.eager_served - before.eager_served, "pad": after.padded_up - before.padded_up}
+        after = runner.stats()
+        assert before.background is not None and after.background is not None
+        took = {"eager": after.eager_served - before.eager_served,
+                "pad": after.background.pad_up_calls - before.background.pad_up_calls}
         took["graph"] = 1 - took["eager"] - took["pad"]
         assert took[by] == 1, (step, lens, took)
         served[by] += 1
     stats = runner.stats()
     bg = stats.background
     assert bg is not None
-    assert (bg.eager_served, bg.padded_up) == (served["eager"], served["pad"])
+    assert (stats.eager_served, bg.pad_up_calls) == (served["eager"], served["pad"])
     assert (bg.requested, bg.switched, bg.failed) == (3, 3, 0)
     assert stats.cache.compiles == counted.n == 3 == len(stats.cache.per_key) == len(stats.memory)
     assert bg.compile_seconds > 0
@@ -383,7 +384,7 @@ def test_background_compiles_load_what_the_store_holds(models, tmp_path):
                                    rtol=0, atol=1e-5)
     stats = runner.stats()
     bg = stats.background
-    assert bg is not None and (bg.requested, bg.switched, bg.loaded, bg.padded_up) == (2, 2, 2, 1)
+    assert bg is not None and (bg.requested, bg.switched, bg.loaded, bg.pad_up_calls) == (2, 2, 2, 1)
     assert (stats.cache.compiles, stats.cache.loads, stats.disk.hits, stats.disk.saves) == (0, 2, 2, 0)
     runner.close()
 

@@ -21,7 +21,7 @@ from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cache.code_identity import module_code, reached, stable_repr
-from attnpolicy.dispatch.graph_source import kernel_hash
+from attnpolicy.dispatch.call_graphs import kernel_hash
 from attnpolicy.errors import ConfigError
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.kernels import KINDS, KernelInfo
@@ -163,7 +163,7 @@ def test_stable_repr_renders_plain_data_and_refuses_the_rest():
 
 
 def test_a_models_code_reaches_the_modules_its_forward_runs():
-    from attnpolicy.integrations.model_specs import parse_spec
+    from attnpolicy.engine.model_specs import parse_spec
 
     model = parse_spec("qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64").build()
     found = {m.__name__ for m in reached(sys.modules[type(model).__module__], "transformers")}
@@ -173,7 +173,7 @@ def test_a_models_code_reaches_the_modules_its_forward_runs():
 
 
 def test_a_model_without_source_is_compiled_not_stored():
-    from attnpolicy.integrations.static_model import model_code
+    from attnpolicy.engine.graph_family import model_code
 
     typed_in = types.ModuleType("typed_in")  # a model class typed into `python -c`: no file
     exec("class Model:\n    pass\n", typed_in.__dict__)
@@ -190,8 +190,8 @@ import json, sys, torch
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.integrations.model_specs import parse_spec
-from attnpolicy.integrations.static_model import StaticModelRunner, eager_logits
+from attnpolicy.engine.model_specs import parse_spec
+from attnpolicy.engine.runner import StaticModelRunner, eager_logits
 
 spec = parse_spec("qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64")
 model, reference = spec.build(), spec.build()
@@ -242,8 +242,8 @@ def test_a_model_graph_is_not_loaded_by_a_package_whose_attention_kernel_differs
     assert same["err"] < 1e-4 < scaled["err"]  # the scaled copy's graph computes other logits
 
     from attnpolicy.core.modes import MaskMode
-    from attnpolicy.integrations.model_specs import parse_spec
-    from attnpolicy.integrations.static_model import StaticModelRunner, eager_logits
+    from attnpolicy.engine.model_specs import parse_spec
+    from attnpolicy.engine.runner import StaticModelRunner, eager_logits
 
     spec = parse_spec("qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64")
     layout = BatchLayout.from_lens([12])

@@ -16,7 +16,7 @@ from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.modes import CallKind
-from attnpolicy.dispatch.graph_source import example_inputs
+from attnpolicy.dispatch.call_graphs import example_inputs
 from attnpolicy.errors import GraphCompileError
 from attnpolicy.graphs import backend_setup
 from attnpolicy.graphs.aot import aot_compile_graph
@@ -144,8 +144,8 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.integrations.model_specs import parse_spec
-from attnpolicy.integrations.static_model import StaticModelRunner, eager_logits
+from attnpolicy.engine.model_specs import parse_spec
+from attnpolicy.engine.runner import StaticModelRunner, eager_logits
 
 store, out = sys.argv[1], sys.argv[2]
 spec = parse_spec("qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64")

@@ -412,7 +412,7 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
     import json
 
     from attnpolicy.cli import main
-    from attnpolicy.dispatch.graph_source import GraphSource
+    from attnpolicy.dispatch.call_graphs import CallFamily
     from attnpolicy.graphs.costmodel import CostModel
     from attnpolicy.modelling.simulation import simulation_config
     from attnpolicy.planning.graph_set import plan_graphs
@@ -433,7 +433,7 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
                       model, ["varlen"], max_buckets=4).config
     old.save(tmp_path / "plan")
     if held:
-        replayed, build, finish = threading.Event(), GraphSource.build, Dispatcher.finish_switch
+        replayed, build, finish = threading.Event(), CallFamily.compile, Dispatcher.finish_switch
 
         def held_build(self, call, key, spec):
             if threading.current_thread() is not threading.main_thread():
@@ -443,7 +443,7 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
         def finish_after_replay(self):
             replayed.set()
             return finish(self)
-        monkeypatch.setattr(GraphSource, "build", held_build)
+        monkeypatch.setattr(CallFamily, "compile", held_build)
         monkeypatch.setattr(Dispatcher, "finish_switch", finish_after_replay)
     out = tmp_path / "run.json"
     assert main(["run", "--config", str(tmp_path / "plan"), "--trace", str(trace), "--max-num-seqs", "4",

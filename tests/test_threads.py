@@ -16,11 +16,11 @@ from reference import reference_for
 from test_background import PRICEY
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.engine.model_specs import ModelSpec, parse_spec
+from attnpolicy.engine.runner import StaticModelRunner, eager_logits
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.execute import graph_fn
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.integrations.model_specs import ModelSpec, parse_spec
-from attnpolicy.integrations.static_model import StaticModelRunner, eager_logits
 
 THREADS = 4
 

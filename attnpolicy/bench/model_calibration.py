@@ -27,9 +27,9 @@ from attnpolicy.bench.calibration import pow2_sizes
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.model_specs import load_model
+from attnpolicy.engine.runner import StaticModelRunner
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.integrations.model_specs import load_model
-from attnpolicy.integrations.static_model import StaticModelRunner
 from attnpolicy.modelling.model_costmodel import MODES, ModelCostModel, ModelDims, ModelFit, ModelSample
 
 #: Grid sizes without ``sizes`` (``quick``: the first two only).

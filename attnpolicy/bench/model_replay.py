@@ -22,8 +22,8 @@ import torch
 from attnpolicy.bench.model_calibration import clock_of
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.integrations.model_specs import load_model
-from attnpolicy.integrations.static_model import StaticModelRunner, eager_logits
+from attnpolicy.engine.model_specs import load_model
+from attnpolicy.engine.runner import StaticModelRunner, eager_logits
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import ModelSimRow, simulate_model
 

@@ -22,9 +22,9 @@ import torch
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.model_specs import load_model
+from attnpolicy.engine.runner import StaticModelRunner
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.integrations.model_specs import load_model
-from attnpolicy.integrations.static_model import StaticModelRunner
 
 #: The lengths of ``bench --model`` unless told otherwise.
 MODEL_LENGTHS = (128, 512, 1024, 2048, 4096)

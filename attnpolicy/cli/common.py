@@ -26,8 +26,8 @@ from rich.progress import (
 from rich.table import Table
 
 from attnpolicy.bench.mode_timing import DTYPES
+from attnpolicy.engine.model_specs import parse_spec
 from attnpolicy.errors import ConfigError
-from attnpolicy.integrations.model_specs import parse_spec
 from attnpolicy.modelling.model_simulation import model_former
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.traces import Request

@@ -24,8 +24,8 @@ from attnpolicy.cli.common import (
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
+from attnpolicy.engine.model_specs import max_positions
 from attnpolicy.errors import ConfigError, GraphTooLargeError
-from attnpolicy.integrations.model_specs import max_positions
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import (

@@ -16,7 +16,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.batch_plan import Planner
-from attnpolicy.dispatch.graph_source import Builder, GraphSource, make_cache
+from attnpolicy.dispatch.call_graphs import Builder, CallFamily, CallRequest, CallSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
@@ -85,9 +85,11 @@ class Dispatcher:
         kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
                                measured=getattr(cost_model, "kernel_seconds", None))
         self.planner = Planner(cfg, kernels)
-        self.source = GraphSource(cfg, self.cache, self.counters, self.block_masks, builder=builder,
-                                  compile_counter=compile_counter, host_varlen=host_varlen)
-        self.background = Background(self.source, cost_model) if cfg.compile_mode == "background" else None
+        family = CallFamily(cfg, self.block_masks, builder=builder, compile_counter=compile_counter,
+                            host_varlen=host_varlen, cost_model=cost_model)
+        self.source = CallSource(self.cache, self.counters, family)
+        self.background: Background[GraphKey, CallRequest] | None = (
+            Background(self.source) if cfg.compile_mode == "background" else None)
         self.host_varlen = host_varlen
         self.warm_sets = WarmSets(cfg, self.planner, self.cache, self.source, self.background)
         self.switcher = Switcher()
@@ -197,9 +199,11 @@ class Dispatcher:
         source.stall = 0.0
         try:
             if isinstance(step, HostStep):
-                (source if self.background is None else self.background).touch(step.keys)
+                if self.background is not None:  # counted as a batch: the compiles due switch in first
+                    self.background.next_batch()
+                source.touch(step.keys)
             elif self.background is not None:
-                step.use(*self.background.fetch(step.plan.calls, spec))
+                step.use(*source.fetch_background(self.background, step.plan.calls, spec))
             else:
                 fetched = source.fetch(step.plan.calls, step.plan.keys, spec, step.values)
                 if fetched is not None:  # else every graph is the one the step holds
@@ -307,8 +311,6 @@ class Dispatcher:
         with self._lock:
             guard.fallbacks = self.guard.fallbacks  # the count stays the dispatcher's
             self.config = self.source.config = config
-            if self.background is not None:
-                self.background.config = config
             self.guard, self.planner, self.warm_sets = guard, planner, warm_sets
             for step in self._batch:
                 step.forget()

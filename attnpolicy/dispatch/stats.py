@@ -22,7 +22,8 @@ class Counters:
     ``modes`` counts batches by the mode that ran (a mode's value: the stats key).
     The others are read by :meth:`Dispatcher.stats` under the names of
     :class:`DispatcherStats`; ``background_*`` and ``pad_up_*`` feed
-    :class:`BackgroundStats`, ``switch_*`` :class:`SwitchStats`, ``real_tokens`` and
+    :class:`BackgroundStats` (``background_eager``: misses run uncompiled while their graph
+    compiles, of a family that runs them so), ``switch_*`` :class:`SwitchStats`, ``real_tokens`` and
     ``padded_tokens`` :class:`PaddingStats`."""
 
     batches: int = 0
@@ -44,6 +45,7 @@ class Counters:
     background_loaded: int = 0
     pad_up_calls: int = 0
     pad_up_tokens: int = 0
+    background_eager: int = 0
     switch_requested: int = 0
     switch_replaced: int = 0
     switch_failed: int = 0
@@ -65,6 +67,14 @@ class Counters:
         self.real_tokens += step.layout.total_tokens
         self.padded_tokens += step.padded_tokens
 
+    def background(self, config: AttnPolicyConfig, pending: int, compile_seconds: float) -> BackgroundStats:
+        """The background compiles of these counts, ``pending`` of them not switched in, the
+        worker's ``compile_seconds``: the one schema of every runtime."""
+        return BackgroundStats(
+            config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
+            self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
+            self.pad_up_tokens, self.background_loaded)
+
     def snapshot(self, config: AttnPolicyConfig, *, guard_fallbacks: int, observer_errors: dict[str, int],
                  plans: int, masks: MaskCacheStats, block_masks: BlockMaskStats, cache: CacheStats,
                  stalls: list[float], pending: int, compile_seconds: float,
@@ -80,10 +90,7 @@ class Counters:
             layers_elsewhere=self.layers_elsewhere, observer_errors=observer_errors,
             padding=PaddingStats(real, padded, padded / real if real else 0.0), plans=plans, masks=masks,
             block_masks=block_masks, cache=cache, stalls=stall_stats(self.batches, stalls),
-            background=BackgroundStats(
-                config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
-                self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
-                self.pad_up_tokens, self.background_loaded),
+            background=self.background(config, pending, compile_seconds),
             switch=SwitchStats(self.switch_requested, self.switch_replaced, self.switch_failed, self.switches,
                                switching, self.switch_compiled, self.switch_loaded, self.switch_batches,
                                self.switch_discarded),

@@ -55,9 +55,10 @@ from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
-from attnpolicy.dispatch.background import Background, Built, Worker, discard, failed, insert
+from attnpolicy.dispatch.background import Background, Built, Worker, discard
 from attnpolicy.dispatch.batch_plan import Planner
-from attnpolicy.dispatch.graph_source import GraphSource, count_violation, eviction_of
+from attnpolicy.dispatch.call_graphs import CallRequest, CallSource, eviction_of
+from attnpolicy.dispatch.graph_source import count_violation
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.dispatch.warm_set import WarmSets
 from attnpolicy.errors import ConfigError, GraphCompileError, PolicyError
@@ -86,9 +87,9 @@ class SwitchOwner(Protocol):
     @property
     def cache(self) -> GraphCache[Any]: ...
     @property
-    def source(self) -> GraphSource: ...
+    def source(self) -> CallSource: ...
     @property
-    def background(self) -> Background | None: ...
+    def background(self) -> Background[GraphKey, CallRequest] | None: ...
     @property
     def counters(self) -> Counters: ...
     @property
@@ -129,7 +130,7 @@ class Switcher:
         self.target: _Target | None = None
         #: a switch is pending or dropped builds wait to be released: check at each batch
         self.busy = False
-        self._worker: Worker | None = None
+        self._worker: Worker[GraphKey, CallRequest] | None = None
         self._dropped: list[tuple[GraphKey, Future[Built]]] = []
 
     def request(self, d: SwitchOwner, config: AttnPolicyConfig,
@@ -194,7 +195,7 @@ class Switcher:
             d.counters.switch_replaced += 1
         for key, (call, spec) in calls.items():
             if key not in builds and key not in d.cache and not d.source.host_runs(call, key):
-                builds[key] = self.worker(d).submit(call, key, spec)
+                builds[key] = self.worker(d).submit(key, (call, spec))
         self.target = _Target(config, guard, planner, warm_sets, calls, builds)
         self.busy = True
         d.counters.switch_requested += 1
@@ -205,7 +206,7 @@ class Switcher:
         """The config of the pending switch (``None``: none pending)."""
         return None if self.target is None else self.target.config
 
-    def worker(self, d: SwitchOwner) -> Worker:
+    def worker(self, d: SwitchOwner) -> Worker[GraphKey, CallRequest]:
         if self._worker is None:
             self._worker = Worker(d.source)
         return self._worker
@@ -251,7 +252,7 @@ class Switcher:
         evicted = [(key, (call, spec)) for key, (call, spec) in target.calls.items()
                    if key not in target.builds and key not in d.cache and not d.source.host_runs(call, key)]
         for key, (call, spec) in evicted:
-            target.builds[key] = self.worker(d).submit(call, key, spec)
+            target.builds[key] = self.worker(d).submit(key, (call, spec))
         return not evicted
 
     def _apply(self, d: SwitchOwner, target: _Target) -> None:
@@ -267,7 +268,7 @@ class Switcher:
                 continue
             built = future.result()
             _make_room(cache, key, keep)
-            insert(d.source, key, built)
+            d.source.insert(key, built.graph, built.seconds, built.loaded)
             built_here += 1
             loaded += built.loaded
         deferred = 0
@@ -328,14 +329,14 @@ def _settle(d: SwitchOwner, key: GraphKey, future: Future[Built]) -> None:
     error = future.exception()  # waits for a build in flight
     if error is not None:
         try:
-            failed(d.source, key, error)
+            d.source.failed(key, error)
         except GraphCompileError:
             return
         d.counters.switch_discarded += 1
         return
     if not future.result().loaded:
         d.counters.switch_discarded += 1
-    discard(key, future)
+    discard(d.source, key, future)
 
 
 def longest(buckets: Buckets, limit: int) -> int:

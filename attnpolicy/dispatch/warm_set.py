@@ -4,7 +4,7 @@ the first request, refused up front unless they can stay resident."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
 from typing import Any
 
@@ -13,8 +13,8 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision
 from attnpolicy.dispatch.background import Background
-from attnpolicy.dispatch.batch_plan import Planner, warm_call
-from attnpolicy.dispatch.graph_source import GraphSource
+from attnpolicy.dispatch.batch_plan import Planner, WarmCall, warm_call
+from attnpolicy.dispatch.call_graphs import CallRequest, CallSource
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import backend_setup
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -25,8 +25,8 @@ log = logging.getLogger("attnpolicy.dispatch")
 class WarmSets:
     """The config's warm set per tensor spec, and the graphs of warmed layouts."""
 
-    def __init__(self, config: AttnPolicyConfig, planner: Planner, cache: GraphCache[Any], source: GraphSource,
-                 background: Background | None) -> None:
+    def __init__(self, config: AttnPolicyConfig, planner: Planner, cache: GraphCache[Any], source: CallSource,
+                 background: Background[GraphKey, CallRequest] | None) -> None:
         self.config, self.planner, self.cache = config, planner, cache
         self.source, self.background = source, background
         self.keys: dict[GraphKey, None] = {}  # the config's warm sets, of every spec warmed
@@ -42,9 +42,9 @@ class WarmSets:
         warm_set = self.resident(spec) if fresh else {}
         calls = self.planner.warm_calls(batches, spec, preview)
         if self.background is not None:
-            calls = self.background.settled(calls)
+            calls = _settled(self.background, calls)
         before, start = self.cache.stats(), perf_counter()
-        real = fresh and self.source.custom_builder is None  # a custom builder (the simulator's) compiles nothing
+        real = fresh and self.source.calls.custom_builder is None  # a custom builder (the simulator's) compiles nothing
         setup = backend_setup.start(self.config.backend, spec.device) if real else backend_setup.Setup(None)
         try:
             keys = self.source.warm_up(calls, spec)
@@ -86,3 +86,11 @@ class WarmSets:
                               f"bytes, more than max_bytes={limit}: warm-up would evict its own graphs "
                               "(plan the warm set for this tensor spec, or raise max_bytes)")
         return dict.fromkeys(keys)
+
+
+def _settled(background: Background[GraphKey, CallRequest], calls: Iterable[WarmCall]) -> Iterator[WarmCall]:
+    """``calls`` (a warm-up's), each key pending in the worker switched in first (its
+    future waited for): warm-up reuses a pending compile instead of building it twice."""
+    for item in calls:
+        background.settle(item[1])
+        yield item

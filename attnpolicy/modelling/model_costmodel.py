@@ -35,9 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from attnpolicy.core import jsonfile
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
+from attnpolicy.engine.graph_family import ModelKey, estimate_bytes
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import nonnegative_fit
-from attnpolicy.integrations.static_model import ModelKey, estimate_bytes
 
 FORMAT_VERSION: Final = 1
 NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]

@@ -28,9 +28,9 @@ from attnpolicy.cache.key_stream import replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.graph_family import ModelKey, model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.integrations.static_model import ModelKey, model_key_for
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard

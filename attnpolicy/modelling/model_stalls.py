@@ -25,8 +25,7 @@ from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatch.stats import percentile
-from attnpolicy.integrations.model_background import dominates
-from attnpolicy.integrations.static_model import ModelKey
+from attnpolicy.engine.graph_family import ModelKey, dominates
 from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import decided_modes, key_stream, spec_of
 

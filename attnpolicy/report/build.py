@@ -39,9 +39,9 @@ from attnpolicy.bench.replay import run_workload
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.names import BACKENDS
+from attnpolicy.engine.model_specs import parse_spec
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.integrations.model_specs import parse_spec
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.ranges import outside_range
 from attnpolicy.modelling.simulation import (

@@ -5,86 +5,54 @@ padded shape with the mask mode baked in. The runner does the same on torch: it
 serves packed batches the way vLLM flattens them (token ids ``[T]`` plus a
 :class:`~attnpolicy.core.layout.BatchLayout`), the guarded policy decides the mode,
 and the forward runs as one ``torch.compile(dynamic=False, fullgraph=True)`` graph
-per :class:`ModelKey`, held in a :class:`~attnpolicy.cache.graph_cache.GraphCache`
-(bounded, evicting, exact statistics; an evicted graph's code is released).
+per :class:`~attnpolicy.engine.graph_family.ModelKey` (the whole-model graph family,
+:mod:`~attnpolicy.engine.graph_family`, says what each mode's graph is). Its graphs come
+from the runtime the attention-level dispatcher uses: a
+:class:`~attnpolicy.dispatch.graph_source.GraphSource` over a
+:class:`~attnpolicy.cache.graph_cache.GraphCache` (bounded, evicting, exact statistics;
+an evicted graph's code is released), the store, strict mode, and
+(``compile_mode="background"``) one :class:`~attnpolicy.dispatch.background.Background`
+worker with pad-up and switch-in. The runner itself places a batch's tokens into a
+graph's rows and back, checks its inputs, and records each build's memory.
 
-What each mode's graph is (real rows packed back to back, layout padding dropped):
-
-- ``CAUSAL``: one sequence padded at its end to its token bucket; no mask input,
-  attention is SDPA with ``is_causal`` (trailing padding cannot reach a real row).
-- ``MASK``: every sequence packed, padded to the bucket of the total; the dense
-  block-diagonal mask ``[1, 1, B, B]`` is a graph input, so one graph serves every
-  layout of that bucket.
-- ``VARLEN``: each sequence padded to its own bucket, in a segment of its own;
-  inside the one graph every segment runs its own causal SDPA call (no mask). The
-  key is the tuple of per-sequence buckets, sorted largest first (sequences are
-  reordered into it), so permutations of one batch share a graph. VARLEN graphs
-  need no mask and compute no cross-sequence scores, at the price of one graph per
-  combination of buckets.
-
-Inside a graph attention is a plain kernel call (:func:`attnpolicy.kernels.attention.bind`,
-``sdpa``) on the graph's inputs; the Python dispatcher is not involved. The model's
-attention implementation is set to :data:`NAME`, registered with transformers'
-``AttentionInterface`` (no mask function: HF builds no mask, the runner's 4-D mask
-arrives as-is). Serves prefill of causal layouts without cached context; other
-layouts, and a real row's token id outside the vocabulary (the input embedding's
-rows), raise :class:`~attnpolicy.errors.LayoutError` before any work.
+Serves prefill of causal layouts without cached context; other layouts, and a real
+row's token id outside the vocabulary (the input embedding's rows), raise
+:class:`~attnpolicy.errors.LayoutError` before any work.
 
 Memory per graph is measured around its build (compile and first run): the RSS
 delta of the process, and on CUDA the ``torch.cuda.memory_allocated`` delta, beside
-the static-shape estimate the cache is bounded by (:func:`estimate_bytes`).
+the static-shape estimate the cache is bounded by
+(:func:`~attnpolicy.engine.graph_family.estimate_bytes`).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from functools import partial
 from time import perf_counter
 from typing import Any
 
 import torch
 
-from attnpolicy.cache.code_identity import graph_code, module_code
-from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, StoreStats, source_hash
+from attnpolicy.cache.disk_store import DiskStore, StoreStats
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, check_legal
-from attnpolicy.dispatch.graph_source import after_warm_up, warn_loaded
-from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
-from attnpolicy.graphs import aot, backend_setup
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
+from attnpolicy.dispatch.background import Background
+from attnpolicy.dispatch.graph_source import GraphSource
+from attnpolicy.dispatch.stats import BackgroundStats, Counters
+from attnpolicy.engine.graph_family import NAME, Inputs, ModelFamily, ModelKey, model_key_for, register
+from attnpolicy.errors import ConfigError, LayoutError
+from attnpolicy.graphs import backend_setup
+from attnpolicy.graphs.compile import CompiledGraph
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.integrations.model_background import ModelBackground, ModelBackgroundStats
-from attnpolicy.kernels.attention import bind
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
-
-#: The attention implementation name the runner gives the model.
-NAME = "attnpolicy-static"
-#: The keyword argument that carries a VARLEN graph's segments to the attention calls.
-SEGMENTS_KWARG = "attnpolicy_segments"
-
-
-@dataclass(frozen=True, slots=True)
-class ModelKey:
-    """One whole-model graph: its mode, padded rows and (VARLEN) per-sequence segments."""
-
-    mode: MaskMode
-    tokens: int
-    segments: tuple[int, ...]
-    backend: str
-
-    def __str__(self) -> str:
-        shape = "+".join(map(str, self.segments)) if self.mode is MaskMode.VARLEN else str(self.tokens)
-        return f"model/{self.mode.value}/t{shape}/{self.backend}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +80,15 @@ class RunnerStats:
     cache: CacheStats
     memory: tuple[GraphMemory, ...]
     disk: StoreStats | None = None  # the graph store's, with ``store_dir``
-    background: ModelBackgroundStats | None = None
+    background: BackgroundStats | None = None
     #: graphs loaded from the store after warm-up (no compile: no strict violation),
     #: counted under strict "warn" and "raise"
     loaded_after_warmup: int = 0
+    #: (``compile_mode="background"``) batches run on the eager forward while their graph
+    #: compiled, no resident graph able to serve them padded up
+    eager_served: int = 0
+    #: (``compile_mode="background"``) seconds batches waited for the worker at switch points
+    stall_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,58 +112,6 @@ class Placed:
         return logits
 
 
-def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` function of the runner's graphs (batch 1):
-    ``attention_mask`` ``[1, 1, T, T]`` (True = attend) or ``None`` (causal); with
-    ``attnpolicy_segments`` one causal call per segment of rows."""
-    run = bind("sdpa", scale=scaling)  # traced once per graph: no memo for Dynamo to guard on
-    q, k, v = query[0], key[0], value[0]
-    segments: tuple[int, ...] | None = kwargs.get(SEGMENTS_KWARG)
-    if attention_mask is not None:
-        out = run(q, k, v, False, attention_mask[0, 0])
-    elif segments is None:
-        out = run(q, k, v, True, None)
-    else:
-        parts, start = [], 0
-        for n in segments:
-            parts.append(run(q[:, start:start + n], k[:, start:start + n], v[:, start:start + n], True, None))
-            start += n
-        out = torch.cat(parts, dim=1)
-    return out.transpose(0, 1)[None], None
-
-
-def register() -> None:
-    """Register :func:`static_attention` with transformers as :data:`NAME` (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, static_attention)
-
-
-def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> ModelKey:
-    """The whole-model graph key ``layout`` runs under in ``mode`` with ``config``'s
-    buckets and backend (pure: no model needed; the runner and the simulator share it)."""
-    if mode is MaskMode.VARLEN:
-        segments = tuple(sorted((config.bucket(n) for n in layout.q_lens), reverse=True))
-        return ModelKey(mode, sum(segments), segments, config.backend)
-    real = sum(layout.q_lens)
-    tokens = config.bucket(real) if mode is MaskMode.CAUSAL else config.batch_bucket(real)
-    return ModelKey(mode, tokens, (tokens,), config.backend)
-
-
-def estimate_bytes(key: ModelKey, model_config: Any, itemsize: int = 4) -> int:
-    """A static-shape estimate of what one graph holds while it runs: its inputs (ids,
-    positions, a MASK graph's boolean mask), its logits, and one layer's activations
-    (hidden states, q/k/v, MLP)."""
-    c, t = model_config, key.tokens
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    inputs = 16 * t + (t * t if key.mode is MaskMode.MASK else 0)
-    layer = t * (2 * c.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * c.intermediate_size)
-    return inputs + itemsize * (t * c.vocab_size + layer)
-
-
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -205,7 +126,7 @@ class StaticModelRunner:
     ``max_batch_tokens`` a MASK graph's), the backend, the cache's bounds and
     eviction, ``strict`` and ``compile_mode`` (``"background"``: a miss runs padded up
     to a larger resident graph or eagerly while its graph compiles in a worker, see
-    :mod:`~attnpolicy.integrations.model_background`). ``compile_counter(gm)`` sees
+    :mod:`~attnpolicy.dispatch.background`). ``compile_counter(gm)`` sees
     every backend compile.
 
     ``logits(token_ids, layout)`` returns ``[layout.q_tokens, vocab]`` (padding rows
@@ -235,26 +156,29 @@ class StaticModelRunner:
         self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
                                       fallback=MaskMode(cfg.fallback_mode))
         self._context = PolicyContext(config=cfg, spec=self.spec)
-        self._itemsize = itemsize = param.element_size()
         #: token ids index the input embedding: each real row's id must be below its size
         hf: Any = model
         self._vocab: int = hf.get_input_embeddings().num_embeddings
-        self.cache: GraphCache[CompiledGraph] = GraphCache.from_config(
-            cfg, sizeof=lambda key: estimate_bytes(key, c, itemsize),
-            release=lambda key, graph: release_graph(graph))
-        self._counter = compile_counter
-        self._memory: list[GraphMemory] = []
-        self._modes: Counter[str] = Counter()
-        self._batches = self._strict_violations = self._loaded_after_warmup = 0
-        self._lock = threading.RLock()  # the policy, the counters, the background's pending compiles
-        self.warm = False
         #: with ``store_dir``: every graph persists there, keyed by the model's code and
         #: config (``code_hash``); a miss loads it
-        self.store = DiskStore(cfg.store_dir, cfg.max_disk_bytes) if cfg.store_dir is not None else None
-        self._code, self._unstored = (model_code(model, c.to_json_string(), self.dtype, self.device)
-                                      if self.store is not None else ("", ""))
-        self._background: ModelBackground[ModelKey] | None = (
-            ModelBackground(self) if cfg.compile_mode == "background" else None)
+        self.family = family = ModelFamily(self.model, cfg, compile_counter=compile_counter)
+        self.cache: GraphCache[CompiledGraph] = GraphCache.from_config(
+            cfg, sizeof=family.estimate_bytes, release=family.release)
+        self.counters = Counters()  # strict mode's and the background's
+        self.source: GraphSource[ModelKey, Inputs] = GraphSource(self.cache, self.counters, family,
+                                                                 builder=self._measured)
+        self._memory: list[GraphMemory] = []
+        self._modes: Counter[str] = Counter()
+        self._batches = 0
+        self._lock = threading.RLock()  # the policy, the counters, the background's pending compiles
+        self._background: Background[ModelKey, Inputs] | None = (
+            Background(self.source, thread_name="attnpolicy-model-compile")
+            if cfg.compile_mode == "background" else None)
+
+    @property
+    def store(self) -> DiskStore | None:
+        """The graph store (``store_dir``), else ``None``."""
+        return self.family.store
 
     # -- serving -------------------------------------------------------------------
     def decide(self, layout: BatchLayout) -> Decision:
@@ -283,11 +207,14 @@ class StaticModelRunner:
         graph: Callable[..., torch.Tensor]
         if bg is not None and background:
             with self._lock:
-                bg.tick()
+                bg.next_batch()
                 if batch.key in self.cache:
                     graph = self.graph_for(batch, pin=True)
-                else:
-                    batch, graph = bg.serve(batch, lambda key: self._place(token_ids, layout, mode, key))
+                elif (served := bg.serve(batch.key, batch.inputs)) is None:
+                    graph = self.family.eager(batch.key, batch.inputs)
+                else:  # padded up
+                    batch = self._place(token_ids, layout, mode, served)
+                    graph = self.graph_for(batch, pin=True)
         else:
             graph = self.graph_for(batch, pin=True)
         pinned = isinstance(graph, CompiledGraph)  # a cached graph (pinned), else the eager forward
@@ -309,14 +236,8 @@ class StaticModelRunner:
     def graph_for(self, batch: Placed, *, pin: bool = False) -> CompiledGraph:
         """The compiled graph of ``batch.key`` from the cache, compiled on a miss
         (``strict`` applies after :meth:`warmup`); ``pin`` as ``GraphCache.get_or_compile``."""
-        key = batch.key
-        load: Callable[[], CompiledGraph | None] | None = partial(self.load, key) if self._stored(key) else None
-        seconds = None
-        if self.warm and self.config.strict != "off" and key not in self.cache:
-            loaded, seconds = after_warm_up(key, load, self.strict, self.loaded_after_warm_up)
-            load = None if loaded is None else lambda: loaded
-        return self.cache.get_or_compile(key, lambda: self.build(key, batch.inputs), pin=pin, seconds=seconds,
-                                         load=load)
+        graph: CompiledGraph = self.source.get(batch.key, batch.inputs, pin=pin)
+        return graph
 
     def key_for(self, layout: BatchLayout, mode: MaskMode) -> ModelKey:
         """The graph key ``layout`` runs under in ``mode`` (:func:`model_key_for`)."""
@@ -353,7 +274,7 @@ class StaticModelRunner:
     def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode,
                key: ModelKey | None = None) -> Placed:
         """``layout`` placed in the graph of ``key`` (default: its own key; else one
-        that dominates it, as :func:`~attnpolicy.integrations.model_background.dominates`).
+        that dominates it, as :func:`~attnpolicy.engine.graph_family.dominates`).
         The inputs are built here in the form every graph is compiled for, whatever the
         form of ``token_ids``: int64, contiguous, on the model's device."""
         key = key or self.key_for(layout, mode)
@@ -381,104 +302,21 @@ class StaticModelRunner:
         return Placed(key, rows_t, src_t, inputs)
 
     # -- graphs --------------------------------------------------------------------
-    def forward(self, key: ModelKey) -> Callable[..., torch.Tensor]:
-        """The uncompiled forward of ``key``'s graph (its inputs as :attr:`Placed.inputs`)."""
-        model = self.model
-        if key.mode is MaskMode.MASK:
-            def masked(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-                out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
-                            use_cache=False)
-                return out.logits[0]
-            return masked
-        extra = {SEGMENTS_KWARG: key.segments} if key.mode is MaskMode.VARLEN else {}
-
-        def unmasked(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, **extra)
-            return out.logits[0]
-        return unmasked
-
-    def _stored(self, key: ModelKey) -> bool:
-        return self.store is not None and key.backend != "none" and self._code is not None
-
-    def holds(self, key: ModelKey) -> bool:
-        """Whether the store holds an artifact of ``key`` now (not verified: a load may
-        still fail and compile)."""
-        return self.store is not None and self._stored(key) and self.store.holds(self._identity(key))
-
-    def _identity(self, key: ModelKey) -> ArtifactIdentity:
-        assert self._code is not None  # only stored keys have an identity
-        return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
-                                str(self.device), str(self.dtype).removeprefix("torch."), self._code)
-
-    def _bound(self, key: ModelKey) -> tuple[Any, ...]:
-        """The leading inputs of ``key``'s stored graph: the model, and a VARLEN graph's
-        segments (static: baked into the graph, pinned by the key)."""
-        return (self.model, key.segments) if key.mode is MaskMode.VARLEN else (self.model,)
-
-    def _aot_graph(self, compiled: Any, key: ModelKey) -> CompiledGraph:
-        """A graph compiled ahead of time (or loaded) taking the model first, as the
-        cache holds graphs: called directly (it checks no guards)."""
-        graph = CompiledGraph(partial(compiled, *self._bound(key)), None, key.backend)
-        graph.direct = True
-        return graph
-
-    def load(self, key: ModelKey) -> CompiledGraph | None:
-        """The graph of ``key`` from the store (``None``: no store, not there or not
-        valid); no runner state touched: also runs in the background worker."""
-        if self.store is None or not self._stored(key):
-            return None
-        with compile_lock():  # taken before the store's file lock, as by every load and save
-            loaded = self.store.load(self._identity(key), aot.load_graph)
-        return None if loaded is None else self._aot_graph(loaded, key)
-
-    def _compiled(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
-        """The graph of ``key`` compiled now: ahead of time and saved when it is stored."""
-        if self.store is None or not self._stored(key):
-            if self.store is not None and key.backend != "none":
-                self.store.refuse(f"model {type(self.model).__name__}", self._unstored)
-            # no guards, as a stored graph: its key pins what they check, and a check made
-            # while the background worker (or any thread) traces fails (see compile_graph)
-            return compile_graph(self.forward(key), self.config.backend, counter=self._counter,
-                                 example_inputs=inputs, guards=False)
-        fn = _FORWARDS[key.mode]
-        with torch.no_grad(), compile_lock():
-            compiled = aot.aot_compile_graph(fn, key.backend, (*self._bound(key), *inputs))
-            self.store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
-        return self._aot_graph(compiled, key)
-
-    def build(self, key: ModelKey, inputs: tuple[torch.Tensor, ...]) -> CompiledGraph:
+    def _measured(self, key: ModelKey, inputs: Inputs) -> CompiledGraph:
+        """The family's build of ``key``, its memory recorded (also in the background worker)."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
         rss, allocated = _rss(), torch.cuda.memory_allocated(self.device) if cuda else 0
         t0 = perf_counter()
-        graph = self._compiled(key, inputs)
+        graph = self.family.build(key, inputs)
         if cuda:
             torch.cuda.synchronize(self.device)
         self._memory.append(GraphMemory(
-            str(key), estimate_bytes(key, self.model.config, self._itemsize),
+            str(key), self.family.estimate_bytes(key),
             _rss() - rss, torch.cuda.memory_allocated(self.device) - allocated if cuda else None,
             perf_counter() - t0))
         return graph
-
-    def strict(self, key: ModelKey, *, done: bool = False) -> None:
-        """A compile after warm-up: counted, then warned or raised (``strict``; ``done``:
-        the worker has compiled it already, a stored graph it could not load: warned)."""
-        with self._lock:
-            self._strict_violations += 1
-        message = f"graph {key} compiled after warm-up (strict={self.config.strict!r})"
-        if self.config.strict == "raise" and not done:
-            raise StrictModeError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-    def loaded_after_warm_up(self, key: ModelKey) -> None:
-        """A load from the store after warm-up (no compile: ``strict`` allows it): counted,
-        the first one warned about."""
-        with self._lock:
-            self._loaded_after_warmup += 1
-            first = self._loaded_after_warmup == 1
-        if first:
-            warn_loaded(key, self.config.strict)
 
     def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
         """Compile (or load from the store) the graph of each ``(layout, mode)`` not
@@ -493,60 +331,23 @@ class StaticModelRunner:
                 keys.append(self.key_for(layout, mode))
         finally:
             setup.join()  # its seconds are the warm-up's
-        self.warm = True
+        self.source.warm = True
         return keys
 
     def stats(self) -> RunnerStats:
         with self._lock:
-            bg = self._background.stats() if self._background is not None else None
-            return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, self._strict_violations,
+            bg, c = self._background, self.counters
+            return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, c.strict_violations,
                                self.cache.stats(), tuple(self._memory),
-                               None if self.store is None else self.store.stats(), bg, self._loaded_after_warmup)
+                               None if self.store is None else self.store.stats(),
+                               None if bg is None else bg.stats(), c.loaded_after_warmup, c.background_eager,
+                               0.0 if bg is None else bg.waited)
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""
         if self._background is not None:
             self._background.close()
         self.cache.clear()
-
-
-def _causal_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A CAUSAL graph's forward, the model its first input (so its artifact holds no weights)."""
-    return model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
-
-
-def _masked_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
-    """A MASK graph's forward, the model its first input."""
-    out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
-    return out.logits[0]
-
-
-def _varlen_forward(model: torch.nn.Module, segments: tuple[int, ...], ids: torch.Tensor,
-                    positions: torch.Tensor) -> torch.Tensor:
-    """A VARLEN graph's forward, the model its first input and its segments (Python ints,
-    constants of the graph) its second."""
-    out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, **{SEGMENTS_KWARG: segments})
-    return out.logits[0]
-
-
-def model_code(model: torch.nn.Module, config: str, dtype: torch.dtype,
-               device: torch.device) -> tuple[str | None, str]:
-    """``(code_hash, "")`` of ``model``'s stored graphs: attnpolicy's graph code (the
-    kernels every attention call binds), this runner, the model's module with the
-    modules of its package it reaches and that package's installed version
-    (:mod:`~attnpolicy.cache.code_identity`), the model ``config`` (its JSON), dtype and device;
-    ``(None, why)`` when the model's code has no source to hash."""
-    try:
-        return source_hash(graph_code(), sys.modules[__name__], module_code(type(model).__module__),
-                           config, str(dtype), str(device)), ""
-    except ConfigError as e:
-        return None, f"model {type(model).__name__}: {e}"
-
-
-#: The forward a stored graph of each mode is compiled from (see :meth:`StaticModelRunner._bound`).
-_FORWARDS: dict[MaskMode, Callable[..., torch.Tensor]] = {
-    MaskMode.CAUSAL: _causal_forward, MaskMode.MASK: _masked_forward, MaskMode.VARLEN: _varlen_forward}
 
 
 def eager_logits(model: torch.nn.Module, token_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:

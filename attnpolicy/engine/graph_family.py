@@ -1,0 +1,273 @@
+"""The whole-model graph family: an HF causal LM's forward as one graph per :class:`ModelKey`.
+
+What each mode's graph is (real rows packed back to back, layout padding dropped):
+
+- ``CAUSAL``: one sequence padded at its end to its token bucket; no mask input,
+  attention is SDPA with ``is_causal`` (trailing padding cannot reach a real row).
+- ``MASK``: every sequence packed, padded to the bucket of the total; the dense
+  block-diagonal mask ``[1, 1, B, B]`` is a graph input, so one graph serves every
+  layout of that bucket.
+- ``VARLEN``: each sequence padded to its own bucket, in a segment of its own;
+  inside the one graph every segment runs its own causal SDPA call (no mask). The
+  key is the tuple of per-sequence buckets, sorted largest first (sequences are
+  reordered into it), so permutations of one batch share a graph. VARLEN graphs
+  need no mask and compute no cross-sequence scores, at the price of one graph per
+  combination of buckets.
+
+Inside a graph attention is a plain kernel call (:func:`attnpolicy.kernels.attention.bind`,
+``sdpa``) on the graph's inputs; the Python dispatcher is not involved. The model's
+attention implementation is :data:`NAME`, registered with transformers'
+``AttentionInterface`` (no mask function: HF builds no mask, the 4-D mask arrives as-is).
+A graph padded up serves a key it dominates (:func:`dominates`); a stored graph is
+keyed by the model's code and config (:func:`model_code`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from attnpolicy.cache.code_identity import graph_code, module_code
+from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.errors import ConfigError
+from attnpolicy.graphs import aot
+from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
+from attnpolicy.kernels.attention import bind
+
+#: The attention implementation name the runner gives the model.
+NAME = "attnpolicy-static"
+#: The keyword argument that carries a VARLEN graph's segments to the attention calls.
+SEGMENTS_KWARG = "attnpolicy_segments"
+#: A forward's example inputs: ids, positions and, for MASK, the mask.
+Inputs = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKey:
+    """One whole-model graph: its mode, padded rows and (VARLEN) per-sequence segments."""
+
+    mode: MaskMode
+    tokens: int
+    segments: tuple[int, ...]
+    backend: str
+
+    def __str__(self) -> str:
+        shape = "+".join(map(str, self.segments)) if self.mode is MaskMode.VARLEN else str(self.tokens)
+        return f"model/{self.mode.value}/t{shape}/{self.backend}"
+
+
+def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` function of the runner's graphs (batch 1):
+    ``attention_mask`` ``[1, 1, T, T]`` (True = attend) or ``None`` (causal); with
+    ``attnpolicy_segments`` one causal call per segment of rows."""
+    run = bind("sdpa", scale=scaling)  # traced once per graph: no memo for Dynamo to guard on
+    q, k, v = query[0], key[0], value[0]
+    segments: tuple[int, ...] | None = kwargs.get(SEGMENTS_KWARG)
+    if attention_mask is not None:
+        out = run(q, k, v, False, attention_mask[0, 0])
+    elif segments is None:
+        out = run(q, k, v, True, None)
+    else:
+        parts, start = [], 0
+        for n in segments:
+            parts.append(run(q[:, start:start + n], k[:, start:start + n], v[:, start:start + n], True, None))
+            start += n
+        out = torch.cat(parts, dim=1)
+    return out.transpose(0, 1)[None], None
+
+
+def register() -> None:
+    """Register :func:`static_attention` with transformers as :data:`NAME` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, static_attention)
+
+
+def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> ModelKey:
+    """The whole-model graph key ``layout`` runs under in ``mode`` with ``config``'s
+    buckets and backend (pure: no model needed; the runner and the simulator share it)."""
+    if mode is MaskMode.VARLEN:
+        segments = tuple(sorted((config.bucket(n) for n in layout.q_lens), reverse=True))
+        return ModelKey(mode, sum(segments), segments, config.backend)
+    real = sum(layout.q_lens)
+    tokens = config.bucket(real) if mode is MaskMode.CAUSAL else config.batch_bucket(real)
+    return ModelKey(mode, tokens, (tokens,), config.backend)
+
+
+def estimate_bytes(key: ModelKey, model_config: Any, itemsize: int = 4) -> int:
+    """A static-shape estimate of what one graph holds while it runs: its inputs (ids,
+    positions, a MASK graph's boolean mask), its logits, and one layer's activations
+    (hidden states, q/k/v, MLP)."""
+    c, t = model_config, key.tokens
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    inputs = 16 * t + (t * t if key.mode is MaskMode.MASK else 0)
+    layer = t * (2 * c.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * c.intermediate_size)
+    return inputs + itemsize * (t * c.vocab_size + layer)
+
+
+def dominates(other: ModelKey, key: ModelKey) -> bool:
+    """Whether ``other``'s graph can serve ``key``'s batch: same mode and backend, at
+    least as many rows (``VARLEN``: as many segments, each at least as long)."""
+    if other.mode is not key.mode or other.backend != key.backend or other == key:
+        return False
+    if key.mode is MaskMode.VARLEN:
+        return len(other.segments) == len(key.segments) and all(
+            a >= b for a, b in zip(other.segments, key.segments))
+    return other.tokens >= key.tokens
+
+
+def _causal_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A CAUSAL graph's forward, the model its first input (so its artifact holds no weights)."""
+    return model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+
+
+def _masked_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """A MASK graph's forward, the model its first input."""
+    out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
+    return out.logits[0]
+
+
+def _varlen_forward(model: torch.nn.Module, segments: tuple[int, ...], ids: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+    """A VARLEN graph's forward, the model its first input and its segments (Python ints,
+    constants of the graph) its second."""
+    out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, **{SEGMENTS_KWARG: segments})
+    return out.logits[0]
+
+
+#: The forward a stored graph of each mode is compiled from (see :meth:`ModelFamily.bound`).
+_FORWARDS: dict[MaskMode, Callable[..., torch.Tensor]] = {
+    MaskMode.CAUSAL: _causal_forward, MaskMode.MASK: _masked_forward, MaskMode.VARLEN: _varlen_forward}
+
+
+def model_code(model: torch.nn.Module, config: str, dtype: torch.dtype,
+               device: torch.device) -> tuple[str | None, str]:
+    """``(code_hash, "")`` of ``model``'s stored graphs: attnpolicy's graph code (the
+    kernels every attention call binds), this module, the model's module with the
+    modules of its package it reaches and that package's installed version
+    (:mod:`~attnpolicy.cache.code_identity`), the model ``config`` (its JSON), dtype and device;
+    ``(None, why)`` when the model's code has no source to hash."""
+    try:
+        return source_hash(graph_code(), sys.modules[__name__], module_code(type(model).__module__),
+                           config, str(dtype), str(device)), ""
+    except ConfigError as e:
+        return None, f"model {type(model).__name__}: {e}"
+
+
+class ModelFamily:
+    """The whole-model graphs of ``model`` (:class:`~attnpolicy.graphs.family.GraphFamily`),
+    keyed by :class:`ModelKey`, built from a placed batch's inputs.
+
+    With ``config.store_dir`` every graph on a backend (not ``"none"``) of a model whose
+    code has a source to hash persists there, compiled ahead of time and keyed by the
+    model's code and config; a miss loads it. A background miss no resident graph serves
+    runs the eager forward. ``compile_counter(gm)`` sees every backend compile."""
+
+    eager_misses = True  # a background miss no resident graph serves runs the eager forward
+
+    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, *,
+                 compile_counter: Callable[[torch.fx.GraphModule], None] | None = None) -> None:
+        self.config = config
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self._itemsize = param.element_size()
+        self._counter = compile_counter
+        self._store = DiskStore(config.store_dir, config.max_disk_bytes) if config.store_dir is not None else None
+        c: Any = model.config
+        self._code, self._unstored = (model_code(model, c.to_json_string(), self.dtype, self.device)
+                                      if self._store is not None else ("", ""))
+
+    @property
+    def store(self) -> DiskStore | None:
+        return self._store
+
+    def estimate_bytes(self, key: ModelKey) -> int:
+        return estimate_bytes(key, self.model.config, self._itemsize)
+
+    def rows(self, key: ModelKey) -> int:
+        return key.tokens
+
+    def identity(self, key: ModelKey) -> ArtifactIdentity | None:
+        """What makes ``key``'s stored artifact valid; ``None`` on backend ``"none"`` or for
+        a model whose code has no source to hash."""
+        if key.backend == "none" or self._code is None:
+            return None
+        return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
+                                str(self.device), str(self.dtype).removeprefix("torch."), self._code)
+
+    def load(self, key: ModelKey) -> CompiledGraph | None:
+        """The graph of ``key`` from the store (``None``: no store, not stored, not there
+        or not valid)."""
+        store, ident = self._store, self.identity(key)
+        if store is None or ident is None:
+            return None
+        with compile_lock():  # taken before the store's file lock, as by every load and save
+            loaded = store.load(ident, aot.load_graph)
+        return None if loaded is None else self._aot_graph(loaded, key)
+
+    def build(self, key: ModelKey, request: Inputs) -> CompiledGraph:
+        """The graph of ``key`` compiled for ``request`` (its inputs): ahead of time and
+        saved when it is stored."""
+        store, ident = self._store, self.identity(key)
+        if store is None or ident is None:
+            if store is not None and key.backend != "none":
+                store.refuse(f"model {type(self.model).__name__}", self._unstored)
+            # no guards, as a stored graph: its key pins what they check, and a check made
+            # while the background worker (or any thread) traces fails (see compile_graph)
+            return compile_graph(self.eager(key, request), self.config.backend, counter=self._counter,
+                                 example_inputs=request, guards=False)
+        fn = _FORWARDS[key.mode]
+        with torch.no_grad(), compile_lock():
+            compiled = aot.aot_compile_graph(fn, key.backend, (*self.bound(key), *request))
+            store.save(ident, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+        return self._aot_graph(compiled, key)
+
+    def pad_up(self, key: ModelKey, resident: Sequence[ModelKey]) -> ModelKey | None:
+        """The smallest resident key (by tokens, then segments) that :func:`dominates` ``key``."""
+        larger = [k for k in resident if isinstance(k, ModelKey) and dominates(k, key)]
+        return min(larger, key=lambda k: (k.tokens, k.segments)) if larger else None
+
+    def eager(self, key: ModelKey, request: Inputs) -> Callable[..., torch.Tensor]:
+        """The uncompiled forward of ``key``'s graph (its inputs as ``request``)."""
+        model = self.model
+        if key.mode is MaskMode.MASK:
+            def masked(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                            use_cache=False)
+                return out.logits[0]
+            return masked
+        extra = {SEGMENTS_KWARG: key.segments} if key.mode is MaskMode.VARLEN else {}
+
+        def unmasked(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, **extra)
+            return out.logits[0]
+        return unmasked
+
+    def release(self, key: ModelKey, graph: Any) -> None:
+        if isinstance(graph, CompiledGraph):
+            release_graph(graph)
+
+    def bound(self, key: ModelKey) -> tuple[Any, ...]:
+        """The leading inputs of ``key``'s stored graph: the model, and a VARLEN graph's
+        segments (static: baked into the graph, pinned by the key)."""
+        return (self.model, key.segments) if key.mode is MaskMode.VARLEN else (self.model,)
+
+    def _aot_graph(self, compiled: Any, key: ModelKey) -> CompiledGraph:
+        """A graph compiled ahead of time (or loaded) taking the model first, as the
+        cache holds graphs: called directly (it checks no guards)."""
+        graph = CompiledGraph(partial(compiled, *self.bound(key)), None, key.backend)
+        graph.direct = True
+        return graph
