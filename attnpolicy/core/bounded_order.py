@@ -154,6 +154,14 @@ class BoundedOrder(Generic[K, V]):
         if nbytes > self.peak_bytes:
             self.peak_bytes = nbytes
 
+    def restore(self, key: K, value: V, size: int) -> None:
+        """Enter ``key`` (not held) as held already, last in the victim order, evicting
+        nothing: contents read back (a store's files), which the next :meth:`admit` brings
+        within the bounds."""
+        self.entries[key] = value
+        self._sizes[key] = size
+        self.nbytes += size
+
     def remove(self, key: K) -> V | None:
         """Take ``key`` out (not counted as an eviction); its value, ``None`` if not held."""
         if key not in self._sizes:
