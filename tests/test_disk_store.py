@@ -457,3 +457,34 @@ def test_model_graph_saved_by_one_process_loads_in_another(tmp_path):
     with torch.no_grad():
         assert torch.equal(got, graph(model, x))
         torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["save", "load"]), st.integers(0, 5)), max_size=25),
+       st.integers(1, 6))
+def test_the_modelled_store_holds_and_evicts_what_the_store_does(ops, room):
+    """A :class:`DiskMirror` sized by the store's own bytes holds, after every save and
+    load, the artifacts the store holds, and counts its evictions and oversize ones."""
+    import tempfile
+
+    from attnpolicy.cache.disk_mirror import DiskMirror
+
+    idents = [ident(f"causal/q{i}") for i in range(6)]
+    datas = [b"x" * (40 * i) for i in range(6)]
+    with tempfile.TemporaryDirectory() as scratch:
+        sizes = []
+        for i, (identity, data) in enumerate(zip(idents, datas)):  # each artifact's bytes on disk
+            alone = DiskStore(Path(scratch) / str(i), 1 << 20)
+            save_bytes(alone, identity, data)
+            sizes.append(alone.stats().bytes)
+        bound = min(sizes) + room * 90  # some fit together, the largest may not fit at all
+        store = DiskStore(Path(scratch) / "bounded", bound)
+        mirror = DiskMirror(bound, sizes.__getitem__, lambda key: 0.0)
+        for op, i in ops:
+            if op == "save":
+                assert save_bytes(store, idents[i], datas[i]) == mirror.save(i)
+            else:
+                assert (load_bytes(store, idents[i]) is not None) == (mirror.load(i) is not None)
+            assert {i for i in range(6) if store.holds(idents[i])} == set(mirror)
+        stats = store.stats()
+        assert (stats.evictions, stats.oversize, stats.bytes) == (mirror.evictions, mirror.oversize, mirror.nbytes)

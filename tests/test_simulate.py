@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnpolicy.cache.graph_cache import GraphCache
-from attnpolicy.cache.key_stream import StreamStats, replay_stream
+from attnpolicy.cache.key_stream import StreamCache, StreamStats, replay_stream
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import CallKind
@@ -254,6 +254,42 @@ def test_replay_stream_counts_what_a_graph_cache_counts(stream, eviction, max_gr
     want = cache.stats()
     got = replay_stream(stream, sizes, costs, max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction,
                         oversize="uncached")
+    assert got == StreamStats(want.hits, want.misses, want.compiles, want.compile_seconds, want.evictions,
+                              want.uncached, want.peak_graphs, want.peak_bytes)
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 3)), max_size=30), st.sampled_from(EVICTIONS),
+       st.sampled_from([None, 1, 2, 3]), st.sampled_from([None, 3, 5, 8]),
+       st.lists(st.integers(1, 6), min_size=8, max_size=8))
+def test_the_stream_cache_holds_and_evicts_the_keys_a_graph_cache_does(runs_, eviction, max_graphs, max_bytes, sizes):
+    """Request by request, the modelled cache holds the keys the real one holds (in its
+    order) and evicts the same victims, whatever the eviction; a replay of the same
+    runs counts what the real cache counts."""
+    costs = [0.5 + i for i in range(8)]
+    stream = [key for key, n in runs_ for _ in range(n)]
+    upcoming: dict[int, float] = {}
+    options = {"next_use": upcoming.__getitem__} if eviction == "belady" else None
+    evicted: list[int] = []
+    real = GraphCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize="uncached",
+                      eviction_options=options, sizeof=sizes.__getitem__, on_evict=lambda key, _: evicted.append(key),
+                      compile_cost=lambda key, seconds: costs[key])
+    model = StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize="uncached",
+                        eviction_options=options)
+    for key, nxt in zip(stream, next_uses(stream)):
+        upcoming[key] = nxt
+        real.get_or_compile(key, lambda: None)
+        before = set(model.keys())
+        try:
+            model.touch(key)
+        except KeyError:
+            model.miss(key, sizes[key], costs[key])
+        assert model.keys() == real.keys()
+        assert sorted(before - set(model.keys())) == sorted(evicted)
+        evicted.clear()
+    want = real.stats()
+    ids, counts = [key for key, _ in runs_], [n for _, n in runs_]
+    got = replay_stream(ids, sizes, costs, max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction,
+                        oversize="uncached", counts=counts)
     assert got == StreamStats(want.hits, want.misses, want.compiles, want.compile_seconds, want.evictions,
                               want.uncached, want.peak_graphs, want.peak_bytes)
 

@@ -1,9 +1,10 @@
 """DiskMirror: what a :class:`~attnpolicy.cache.disk_store.DiskStore` would hold, without files.
 
 The modelled disk tier under a simulated graph cache: the same byte bound
-(``max_disk_bytes``) and the same least-recently-used order as the store (a load
-and a save each count as a use; a save evicts the least recently used artifacts
-until the new one fits; an artifact larger than the bound alone is not stored).
+(``max_disk_bytes``), least-recently-used order and eviction rule as the store (a
+load and a save each count as a use; a save evicts the least recently used artifacts
+until the new one fits; an artifact larger than the bound alone is not stored: both
+run :class:`~attnpolicy.core.bounded_order.BoundedOrder`).
 A memory miss asks :meth:`DiskMirror.load`: a key on the mirror costs its load
 seconds; any other is compiled and then :meth:`DiskMirror.save`\\ d, as the
 dispatcher's graph source does with a real store.
@@ -11,9 +12,9 @@ dispatcher's graph source does with a real store.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 
+from attnpolicy.core.bounded_order import BoundedOrder
 from attnpolicy.errors import ConfigError
 
 
@@ -23,10 +24,12 @@ class DiskMirror:
     ``stored(key)``: whether the key's graph goes to the store at all (default: every
     key). Counters: ``loads``, ``load_seconds``, ``saves``, ``evictions`` (artifacts
     removed to make room), ``oversize`` (not stored: larger than the bound),
-    ``nbytes`` and ``peak_bytes``. No lock: for one thread (a simulation)."""
+    ``nbytes`` and ``peak_bytes``. The keys are a least-recently-used
+    :class:`~attnpolicy.core.bounded_order.BoundedOrder`, the store's own eviction
+    rule. No lock: for one thread (a simulation)."""
 
-    __slots__ = ("_held", "_load_cost", "_size", "_stored", "evictions", "load_seconds", "loads", "max_bytes",
-                 "nbytes", "oversize", "peak_bytes", "saves")
+    __slots__ = ("_held", "_load_cost", "_size", "_stored", "load_seconds", "loads", "max_bytes", "oversize",
+                 "saves")
 
     def __init__(self, max_bytes: int, size: Callable[[Hashable], int], load_cost: Callable[[Hashable], float],
                  stored: Callable[[Hashable], bool] | None = None) -> None:
@@ -36,10 +39,21 @@ class DiskMirror:
         self._size = size
         self._load_cost = load_cost
         self._stored = stored
-        self._held: OrderedDict[Hashable, int] = OrderedDict()
-        self.loads = self.saves = self.evictions = self.oversize = 0
+        self._held: BoundedOrder[Hashable, int] = BoundedOrder.lru(max_bytes=max_bytes)
+        self.loads = self.saves = self.oversize = 0
         self.load_seconds = 0.0
-        self.nbytes = self.peak_bytes = 0
+
+    @property
+    def evictions(self) -> int:
+        return self._held.evictions
+
+    @property
+    def nbytes(self) -> int:
+        return self._held.nbytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._held.peak_bytes
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._held
@@ -49,7 +63,7 @@ class DiskMirror:
 
     def __iter__(self) -> Iterator[Hashable]:
         """The keys held, least recently used first (a snapshot)."""
-        return iter(list(self._held))
+        return iter(list(self._held.entries))
 
     def reload_seconds(self, key: Hashable) -> float | None:
         """Seconds to bring ``key`` back from the mirror, ``None`` when it is not there
@@ -60,7 +74,7 @@ class DiskMirror:
         """A memory miss of ``key``: its load seconds if held (a use, counted), else ``None``."""
         if key not in self._held:
             return None
-        self._held.move_to_end(key)
+        self._held.touch(key)
         seconds = self._load_cost(key)
         self.loads += 1
         self.load_seconds += seconds
@@ -72,23 +86,17 @@ class DiskMirror:
         if self._stored is not None and not self._stored(key):
             return False
         size = self._size(key)
-        if size > self.max_bytes:
+        held = self._held
+        if not held.fits(size):
             self.oversize += 1
             return False
-        held = self._held
-        self.nbytes -= held.pop(key, 0)
-        while self.nbytes + size > self.max_bytes:
-            _, gone = held.popitem(last=False)
-            self.nbytes -= gone
-            self.evictions += 1
-        held[key] = size
-        self.nbytes += size
+        held.remove(key)
+        held.admit(key, size, size, 0.0)
         self.saves += 1
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
         return True
 
     def reset_counters(self) -> None:
         """Zero the counters, keeping what is held (a warm start: the next run's store)."""
-        self.loads = self.saves = self.evictions = self.oversize = 0
+        self.loads = self.saves = self.oversize = 0
         self.load_seconds = 0.0
-        self.peak_bytes = self.nbytes
+        self._held.reset_peaks()

@@ -32,6 +32,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, TypeVar
 
+from attnpolicy.core.bounded_order import BoundedOrder
 from attnpolicy.core.paths import why_not_a_directory
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import GraphKey
@@ -510,11 +511,15 @@ class DiskStore:
         return stored
 
     def _commit(self, ident: ArtifactIdentity, digest: str, tmp: Path, data: bytes, suffix: str) -> bool:
-        """Under the exclusive lock: evict, then move the artifact and its manifest in."""
+        """Under the exclusive lock: evict, then move the artifact and its manifest in. The
+        artifacts on disk, least recently used first, are a
+        :class:`~attnpolicy.core.bounded_order.BoundedOrder` (the rule the store's model,
+        :class:`~attnpolicy.cache.disk_mirror.DiskMirror`, runs too) that admits the new one."""
         manifest = json.dumps({"identity": ident.to_json(), "suffix": suffix, "bytes": len(data),
                                "sha256": hashlib.sha256(data).hexdigest()}, sort_keys=True).encode()
         need = len(data) + len(manifest)
-        if need > self.max_bytes:
+        held: BoundedOrder[str, _Entry] = BoundedOrder.lru(max_bytes=self.max_bytes)
+        if not held.fits(need):
             self._count("oversize")
             self._warn_oversize(ident, need)
             return False
@@ -522,13 +527,13 @@ class DiskStore:
         index, ours = self._read_index()
         entries = self._scan(index["used"])
         self._remove(entries.pop(digest, None))  # the old artifact of this identity, whatever its suffix
-        total = sum(e.bytes for e in entries.values())
-        for victim in sorted(entries.values(), key=lambda e: (e.used, e.digest)):
-            if total + need <= self.max_bytes:
-                break
+        for entry in sorted(entries.values(), key=lambda e: (e.used, e.digest)):  # least recently used first
+            held.restore(entry.digest, entry, entry.bytes)
+        victims: list[tuple[str, _Entry]] = []
+        held.admit(digest, _Entry(digest, need, 0), need, 0.0, victims)
+        for _, victim in victims:
             self._remove(victim)
             index["used"].pop(victim.digest, None)
-            total -= victim.bytes
             self._count("evictions")
         path, manifest_path = self._paths(digest, suffix)
         os.replace(tmp, path)

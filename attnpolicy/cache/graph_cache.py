@@ -10,11 +10,10 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, Generic, TypeVar
-
-import cachetools
+from typing import Any, Generic, TypeVar, cast
 
 from attnpolicy.cache.cache_types import Bounds, CacheStats, KeyCounters, KeyStats
+from attnpolicy.core.bounded_order import BoundedOrder
 from attnpolicy.core.names import Oversize
 from attnpolicy.errors import AttnPolicyError, ConfigError, GraphCompileError, GraphTooLargeError
 from attnpolicy.plugins.registry import make_eviction
@@ -32,11 +31,6 @@ class _Entry(Generic[V]):
 
 #: The value of a deferred entry (:meth:`GraphCache.reserve`): no graph built yet.
 _UNBUILT: Any = object()
-
-#: Eviction orders for which touching a run of keys equals touching each distinct key
-#: once, in the order of its last touch (see ``GraphCache.hit_many``).
-_TOUCH_ONCE = (cachetools.LRUCache, cachetools.FIFOCache)
-
 
 class GraphCache(Generic[V]):
     """Compiled graphs by key, never holding more than ``max_graphs`` graphs or ``max_bytes`` bytes.
@@ -95,8 +89,10 @@ class GraphCache(Generic[V]):
         self.max_bytes = bounds.max_bytes
         self.eviction = eviction
         self.oversize = bounds.oversize
-        self._order: cachetools.Cache[Hashable, _Entry[V]] = make_eviction(eviction, eviction_options)
-        self._note = getattr(self._order, "note", None)
+        #: the cached entries, within the bounds (the eviction rule every model of the cache runs too)
+        self._core: BoundedOrder[Hashable, _Entry[V]] = BoundedOrder(
+            make_eviction(eviction, eviction_options), max_graphs=bounds.max_graphs, max_bytes=bounds.max_bytes,
+            ordered=True)
         self._sizeof: Callable[[Hashable], int] = sizeof or (lambda key: 0)
         self._on_compile = on_compile
         self._on_evict = on_evict
@@ -108,7 +104,7 @@ class GraphCache(Generic[V]):
         self._pins: dict[Hashable, int] = {}  # key -> pins (a plain dict: the hot path)
         self._held: list[tuple[Hashable, _Entry[V]]] = []
         self._unbuilt: dict[Hashable, _Entry[V]] = {}  # the cached deferred entries
-        self._bytes = self._held_bytes = 0
+        self._held_bytes = 0
         self._zero_counters()
 
     @classmethod
@@ -125,8 +121,7 @@ class GraphCache(Generic[V]):
         self._compiles = self._compile_failures = self._waits = self._uncached = 0
         self._compile_seconds = self._load_seconds = 0.0
         self._loads = self._deferred = self._deferred_built = 0
-        self._peak_graphs = len(self._order)
-        self._peak_bytes = self._bytes
+        self._core.reset_peaks()
         self._peak_held = len(self._held)
         self._peak_held_bytes = self._held_bytes
 
@@ -142,7 +137,7 @@ class GraphCache(Generic[V]):
         returns is counted in ``loads`` and ``load_seconds``, ``None`` means build.
         A deferred entry (:meth:`reserve`) is a hit whose graph is built (or loaded) now."""
         with self._lock:
-            entry = self._order.get(key)
+            entry = self._core.get(key)
             if entry is None:
                 claim = None
             elif entry.value is not _UNBUILT:
@@ -172,7 +167,7 @@ class GraphCache(Generic[V]):
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         with self._lock:
             stats = self._per_key.setdefault(key, KeyCounters())
-            if self._order.get(key) is not None or key in self._inflight:  # cached or being built: a hit
+            if self._core.get(key) is not None or key in self._inflight:  # cached or being built: a hit
                 self._hits += 1
                 stats.hits += 1
                 return
@@ -221,7 +216,9 @@ class GraphCache(Generic[V]):
         appended to ``values`` (if given). Returns the index of the first key not cached
         (``len(keys)`` when all were; with ``values``, a deferred entry counts as not
         cached), for the caller to fetch with ``get_or_compile``."""
-        order = self._order
+        core = self._core
+        order = core.entries
+        get = cast(Callable[[Hashable], _Entry[V]], core.get)  # asked only of held keys
         unbuilt = self._unbuilt if values is not None else {}
         with self._lock:
             stop = len(keys)
@@ -231,8 +228,8 @@ class GraphCache(Generic[V]):
                     break
             hits = keys[start:stop]
             # LRU: a key's place depends only on its last touch; FIFO: touches change nothing
-            touched = reversed(dict.fromkeys(reversed(hits))) if type(order) in _TOUCH_ONCE else hits
-            entries = {key: order[key] for key in touched}  # each touch as get_or_compile's
+            touched = reversed(dict.fromkeys(reversed(hits))) if core.touch_once else hits
+            entries = {key: get(key) for key in touched}  # each touch as get_or_compile's
             for key in hits:
                 entries[key].stats.hits += 1
             self._hits += len(hits)
@@ -272,7 +269,7 @@ class GraphCache(Generic[V]):
     def _miss(self, key: Hashable, build: Callable[[], V], pin: bool, measured: float | None = None,
               load: Callable[[], V | None] | None = None) -> V:
         with self._lock:
-            entry = self._order.get(key)  # cached by another thread since the hot path looked?
+            entry = self._core.get(key)  # cached by another thread since the hot path looked?
             if entry is not None and entry.value is not _UNBUILT:
                 self._hits += 1
                 entry.stats.hits += 1
@@ -341,7 +338,7 @@ class GraphCache(Generic[V]):
     def _size(self, key: Hashable) -> tuple[int, bool]:
         """``(bytes, cached)`` of ``key``'s graph, or raise: a refusal before building."""
         nbytes = self.size_of(key)
-        cached = self.max_bytes is None or nbytes <= self.max_bytes
+        cached = self._core.fits(nbytes)
         if not cached and self.oversize == "raise":
             raise GraphTooLargeError(
                 f"the graph for key {key} needs {nbytes} bytes, more than max_bytes={self.max_bytes}"
@@ -460,8 +457,7 @@ class GraphCache(Generic[V]):
         return cached
 
     def _remove(self, key: Hashable, entry: _Entry[V], victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
-        """Account ``entry`` leaving the cache; a pinned one is held, not released. Lock held."""
-        self._bytes -= entry.nbytes
+        """Account ``entry`` gone from the cache; a pinned one is held, not released. Lock held."""
         if self._unbuilt.get(key) is entry:
             del self._unbuilt[key]
         held = key in self._pins
@@ -474,21 +470,16 @@ class GraphCache(Generic[V]):
 
     def _insert(self, key: Hashable, entry: _Entry[V], seconds: float,
                 victims: list[tuple[Hashable, _Entry[V], bool]]) -> None:
-        """Evict (into ``victims``) until ``entry`` fits, then insert it. Call with the
-        lock held; the caller releases ``victims`` after the lock, even if this raises."""
-        order = self._order
-        while ((self.max_graphs is not None and len(order) >= self.max_graphs)
-               or (self.max_bytes is not None and self._bytes + entry.nbytes > self.max_bytes)):
-            victim_key, victim = order.popitem()
-            self._evictions += 1
-            victim.stats.evictions += 1
-            self._remove(victim_key, victim, victims)
-        if self._note is not None:
-            self._note(key, cost=seconds, size=self._footprint(entry))
-        order[key] = entry
-        self._bytes += entry.nbytes
-        self._peak_graphs = max(self._peak_graphs, len(order))
-        self._peak_bytes = max(self._peak_bytes, self._bytes)
+        """Evict (into ``victims``) until ``entry`` fits, then insert it (:meth:`BoundedOrder.admit`).
+        Call with the lock held; the caller releases ``victims`` after the lock, even if this raises."""
+        popped: list[tuple[Hashable, _Entry[V]]] = []
+        try:
+            self._core.admit(key, entry, entry.nbytes, seconds, popped)
+        finally:  # a strategy that raised: what left the cache already is still accounted
+            for victim_key, victim in popped:
+                self._evictions += 1
+                victim.stats.evictions += 1
+                self._remove(victim_key, victim, victims)
 
     def _released(self, entries: Iterable[tuple[Hashable, _Entry[V]] | tuple[Hashable, _Entry[V], bool]],
                   *, evicted: bool) -> None:
@@ -505,34 +496,27 @@ class GraphCache(Generic[V]):
         for key, build in items:
             self.get_or_compile(key, build)
 
-    def _footprint(self, entry: _Entry[V]) -> int:
-        """What ``entry`` takes of the bound an eviction frees room under: its bytes under a
-        byte bound, one slot under a graph-count bound alone (``note``'s ``size``)."""
-        return entry.nbytes if self.max_bytes is not None else 1
-
     def reorder(self, eviction: str, compile_cost: Callable[[Hashable, float], float] | None = None,
                 eviction_options: dict[str, Any] | None = None) -> None:
         """Rank victims by strategy ``eviction`` from now on (``compile_cost`` and
         ``eviction_options`` as in the constructor): the cached graphs move over in the old strategy's victim order,
         so ``keys()`` lists the next victim first; none is evicted, their uses start over."""
-        order = make_eviction(eviction, eviction_options)
-        note = getattr(order, "note", None)
+        structure = make_eviction(eviction, eviction_options)
+
+        def cost(key: Hashable, entry: _Entry[V]) -> float:
+            spent = entry.stats.compile_seconds / max(entry.stats.compiles, 1)
+            return spent if compile_cost is None else compile_cost(key, spent)
+
         with self._lock:
-            while self._order:
-                key, entry = self._order.popitem()
-                if note is not None:
-                    spent = entry.stats.compile_seconds / max(entry.stats.compiles, 1)
-                    note(key, cost=spent if compile_cost is None else compile_cost(key, spent),
-                         size=self._footprint(entry))
-                order[key] = entry
-            self.eviction, self._order, self._note, self._compile_cost = eviction, order, note, compile_cost
+            self._core.reorder(structure, cost)
+            self.eviction, self._compile_cost = eviction, compile_cost
 
     def evict(self, key: Hashable) -> bool:
         """Evict ``key`` now (counted as an eviction, released unless pinned, ``on_evict``
         fires). Returns whether it was cached."""
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         with self._lock:
-            entry = self._order.pop(key, None)
+            entry = self._core.remove(key)
             if entry is None:
                 return False
             self._evictions += 1
@@ -547,9 +531,8 @@ class GraphCache(Generic[V]):
         administrative reset, not pressure."""
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         with self._lock:
-            for key, entry in list(self._order.items()):
+            for key, entry in self._core.clear():
                 self._remove(key, entry, victims)
-            self._order.clear()
         self._released(victims, evicted=False)
 
     def reset_stats(self) -> None:
@@ -566,28 +549,28 @@ class GraphCache(Generic[V]):
     def __contains__(self, key: Hashable) -> bool:
         """Whether ``key`` is cached now (deferred or not); no statistics or recency side effect."""
         with self._lock:
-            return key in self._order
+            return key in self._core
 
     def has_graph(self, key: Hashable) -> bool:
         """Whether ``key`` is cached now with its graph built (not deferred); no side effect."""
         with self._lock:
-            return key in self._order and key not in self._unbuilt
+            return key in self._core and key not in self._unbuilt
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._order)
+            return len(self._core)
 
     def keys(self) -> list[Hashable]:
         """A snapshot of the cached keys."""
         with self._lock:
-            return list(self._order)
+            return list(self._core)
 
     def counters(self) -> dict[str, int]:
         """``hits``, ``misses``, ``evictions`` and ``graphs`` now: the figures of
         :meth:`stats` a per-step record needs, without building the per-key ones."""
         with self._lock:
             return {"hits": self._hits, "misses": self._misses, "evictions": self._evictions,
-                    "graphs": len(self._order)}
+                    "graphs": len(self._core)}
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, the contents and per-key figures (see docs/cache.md)."""
@@ -596,8 +579,8 @@ class GraphCache(Generic[V]):
                 hits=self._hits, misses=self._misses, evictions=self._evictions, compiles=self._compiles,
                 compile_failures=self._compile_failures, compile_seconds=self._compile_seconds,
                 waits=self._waits, uncached=self._uncached, refused=self._refused,
-                graphs=len(self._order), bytes=self._bytes, peak_graphs=self._peak_graphs,
-                peak_bytes=self._peak_bytes, held_graphs=len(self._held), held_bytes=self._held_bytes,
+                graphs=len(self._core), bytes=self._core.nbytes, peak_graphs=self._core.peak_graphs,
+                peak_bytes=self._core.peak_bytes, held_graphs=len(self._held), held_bytes=self._held_bytes,
                 peak_held_graphs=self._peak_held, peak_held_bytes=self._peak_held_bytes,
                 max_graphs=self.max_graphs, max_bytes=self.max_bytes, eviction=self.eviction,
                 per_key={str(key): stats.snapshot() for key, stats in self._per_key.items()},

@@ -3,9 +3,9 @@
 :func:`replay_stream` gives the counters a :class:`~attnpolicy.cache.graph_cache.GraphCache`
 with the same bounds, eviction, ``sizeof``, ``compile_cost`` and ``oversize`` would
 report after serving the same requests in order with builds that never fail: the
-same eviction structure (:func:`~attnpolicy.plugins.registry.make_eviction`) is
-touched the same way (a hit reads ``s[key]``, a miss evicts with ``popitem()`` until
-the graph fits, then ``note``\\s and inserts it), without the cache's locks, futures,
+same eviction rule (:class:`~attnpolicy.core.bounded_order.BoundedOrder`, over the
+structure of :func:`~attnpolicy.plugins.registry.make_eviction`) is run the same way
+(a hit reads ``s[key]``, a miss admits the graph), without the cache's locks, futures,
 per-key statistics and callbacks. Pins do not change these counters (a pinned graph
 is evicted like any other; pins only delay its release), so the stream needs none.
 A simulation replays one recorded stream through many bounds and evictions with it.
@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-import cachetools
 import numpy as np
 
 from attnpolicy.cache.disk_mirror import DiskMirror
+from attnpolicy.core.bounded_order import BoundedOrder
 from attnpolicy.core.names import Oversize
 from attnpolicy.errors import GraphTooLargeError
 from attnpolicy.plugins.registry import make_eviction
@@ -73,62 +72,63 @@ def next_uses(stream: Sequence[Hashable]) -> list[float]:
 
 
 class StreamCache:
-    """The bookkeeping of a bounded graph cache without graphs: the eviction order of
-    the keys it holds, their bytes, and the counters of its misses. A request is
+    """The bookkeeping of a bounded graph cache without graphs: the keys it holds in
+    their eviction order, their bytes, and the counters of its misses. A request is
     ``cache.touch(key)``, which raises ``KeyError`` on a miss (the caller counts hits);
     :meth:`miss` then evicts until the graph fits and inserts it. No lock: for one
     thread (a simulation, a policy's shadow of the cache).
 
-    The order is the registered strategy's structure
-    (:func:`~attnpolicy.plugins.registry.make_eviction`), touched as the graph cache
-    touches it (a hit reads ``order[key]``, a miss ``popitem()``\\s then ``note``\\s and
-    inserts). cachetools' ``LRUCache`` and ``FIFOCache`` (the ``lru`` and ``fifo``
-    strategies) are kept as the ``OrderedDict`` they are inside, in C: a hit moves
-    the key to the end (LRU) or changes nothing (FIFO), eviction pops the front."""
+    The keys are a :class:`~attnpolicy.core.bounded_order.BoundedOrder` of the
+    registered strategy's structure (:func:`~attnpolicy.plugins.registry.make_eviction`),
+    the graph cache's own eviction rule, touched as the graph cache touches it;
+    ``lru`` and ``fifo`` are kept as their ``OrderedDict`` (``ordered``)."""
 
-    __slots__ = ("_cap", "_limit", "_name", "_note", "_oversize", "_pop", "_sizes", "compile_seconds",
-                 "compiles", "disk", "evictions", "max_bytes", "misses", "nbytes", "order", "peak_bytes", "peak_graphs",
-                 "touch", "uncached")
+    __slots__ = ("_core", "_fits", "_name", "_oversize", "compile_seconds", "compiles", "disk", "held",
+                 "max_bytes", "misses", "touch", "uncached")
 
     def __init__(self, *, max_graphs: int | None = None, max_bytes: int | None = None, eviction: str = "lru",
                  oversize: Oversize = "raise", eviction_options: dict[str, Any] | None = None,
                  name: Callable[[Any], object] = str, disk: DiskMirror | None = None) -> None:
-        structure = make_eviction(eviction, eviction_options)
-        self.order: MutableMapping[Hashable, Any]
-        if type(structure) in (cachetools.LRUCache, cachetools.FIFOCache):
-            order: OrderedDict[Hashable, Any] = OrderedDict()
-            lru = type(structure) is cachetools.LRUCache
-            self.order = order
-            self.touch: Callable[[Hashable], object] = order.move_to_end if lru else order.__getitem__
-            self._pop: Callable[[], tuple[Hashable, Any]] = partial(order.popitem, last=False)
-            self._note = None
-        else:
-            self.order = structure
-            self.touch = structure.__getitem__
-            self._pop = structure.popitem
-            self._note = getattr(structure, "note", None)
-        self._cap = math.inf if max_graphs is None else max_graphs
-        self._limit = math.inf if max_bytes is None else max_bytes
+        self._core: BoundedOrder[Hashable, Hashable] = BoundedOrder(
+            make_eviction(eviction, eviction_options), max_graphs=max_graphs, max_bytes=max_bytes, ordered=True)
+        self.touch: Callable[[Hashable], object] = self._core.touch
+        #: the keys held now, with their bytes (a live view: do not change it)
+        self.held: Mapping[Hashable, int] = self._core.sizes
+        self._fits = self._core.fits
         self.max_bytes = max_bytes
         self._oversize = oversize
         self._name = name
         self.disk = disk
-        self._sizes: dict[Hashable, int] = {}
-        self.misses = self.compiles = self.evictions = self.uncached = 0
+        self.misses = self.compiles = self.uncached = 0
         self.compile_seconds = 0.0
-        self.nbytes = self.peak_graphs = self.peak_bytes = 0
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._sizes
+        return key in self._core
 
     @property
-    def held(self) -> Mapping[Hashable, int]:
-        """The keys held now, with their bytes (a live view: do not change it)."""
-        return self._sizes
+    def order(self) -> Mapping[Hashable, Hashable]:
+        """The keys held in the strategy's structure (for reading)."""
+        return self._core.entries
 
     def keys(self) -> list[Hashable]:
         """The keys held now (a snapshot)."""
-        return list(self._sizes)
+        return list(self._core.sizes)
+
+    @property
+    def evictions(self) -> int:
+        return self._core.evictions
+
+    @property
+    def nbytes(self) -> int:
+        return self._core.nbytes
+
+    @property
+    def peak_graphs(self) -> int:
+        return self._core.peak_graphs
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._core.peak_bytes
 
     def miss(self, key: Hashable, size: int, cost: float) -> None:
         """Serve a request for ``key`` (not held) whose graph has ``size`` bytes and
@@ -138,7 +138,8 @@ class StreamCache:
         ``disk`` a key on it is loaded instead; a compiled one is saved to it. The
         eviction is told ``cost`` either way, as the graph cache tells it."""
         self.misses += 1
-        if size > self._limit and self._oversize == "raise":
+        fits = self._fits(size)
+        if not fits and self._oversize == "raise":
             raise self._too_large(key, size)
         disk = self.disk
         if disk is None or disk.load(key) is None:
@@ -146,23 +147,10 @@ class StreamCache:
             self.compile_seconds += cost
             if disk is not None:
                 disk.save(key)
-        if size > self._limit:
+        if not fits:
             self.uncached += 1
             return
-        order, sizes, pop = self.order, self._sizes, self._pop
-        while len(order) >= self._cap or self.nbytes + size > self._limit:
-            victim, _ = pop()
-            self.evictions += 1
-            self.nbytes -= sizes.pop(victim)
-        if self._note is not None:
-            self._note(key, cost=cost, size=size if self.max_bytes is not None else 1)
-        order[key] = key
-        sizes[key] = size
-        self.nbytes += size
-        if len(order) > self.peak_graphs:
-            self.peak_graphs = len(order)
-        if self.nbytes > self.peak_bytes:
-            self.peak_bytes = self.nbytes
+        self._core.admit(key, key, size, cost)
 
     def _too_large(self, key: Hashable, size: int) -> GraphTooLargeError:
         return GraphTooLargeError(
@@ -172,23 +160,27 @@ class StreamCache:
                       counts: Sequence[int] | None = None) -> int:
         """Serve every request of ``stream`` (key ids) in order, each a :meth:`touch` and,
         when that misses, a :meth:`miss` with ``sizes[key]`` and ``costs[key]``; returns the hits.
-        Only for the ``lru`` and ``fifo`` orders (an ``OrderedDict``), whose
-        bookkeeping this is with :meth:`miss` inlined: the same victims, counters and
-        sums in the same order, without a call per miss. ``counts``: ``stream[i]`` is
+        Only for the ``lru`` and ``fifo`` orders without a disk (an ``OrderedDict``),
+        whose :meth:`miss` this is with its counters kept in locals: the same
+        :meth:`BoundedOrder.admit <attnpolicy.core.bounded_order.BoundedOrder.admit>`
+        in the same order, without a call per miss to :meth:`miss`. ``counts``: ``stream[i]`` is
         requested ``counts[i]`` times in a row (a run: after its first request the key
         is held and last in the order, so the rest are hits that change nothing, unless
         it is too large to keep: each request misses)."""
-        order = self.order
-        assert isinstance(order, OrderedDict), "serve_ordered needs the lru or fifo order"
-        touch, pop, held = self.touch, order.popitem, self._sizes
-        cap, limit, refuse = self._cap, self._limit, self._oversize == "raise"
-        misses = compiles = evictions = uncached = 0
-        seconds, nbytes, peak_graphs, peak_bytes = self.compile_seconds, self.nbytes, self.peak_graphs, self.peak_bytes
+        core = self._core
+        assert isinstance(core.entries, OrderedDict) and self.disk is None, \
+            "serve_ordered needs the lru or fifo order, without a disk"
+        touch, admit = self.touch, core.admit
+        refuse = self._oversize == "raise"
+        misses = compiles = uncached = 0
+        seconds = self.compile_seconds
         total = len(stream)
+        too_large = set() if core.max_bytes is None else {  # never kept: each of their requests misses
+            key for key in set(stream) if not core.fits(sizes[key])}
         if counts is not None:
             total = sum(counts)
-            if limit < math.inf and any(sizes[key] > limit for key in set(stream)):  # never kept: each misses
-                stream = [key for key, n in zip(stream, counts) for _ in range(n if sizes[key] > limit else 1)]
+            if too_large:
+                stream = [key for key, n in zip(stream, counts) for _ in range(n if key in too_large else 1)]
         try:
             for key in stream:
                 try:
@@ -197,34 +189,22 @@ class StreamCache:
                 except KeyError:
                     pass
                 misses += 1
-                size = sizes[key]
-                if size > limit:
+                cost = costs[key]
+                if too_large and key in too_large:
                     if refuse:
-                        raise self._too_large(key, size)
+                        raise self._too_large(key, sizes[key])
                     compiles += 1
-                    seconds += costs[key]
+                    seconds += cost
                     uncached += 1
                     continue
                 compiles += 1
-                seconds += costs[key]
-                while len(order) >= cap or nbytes + size > limit:
-                    victim, _ = pop(last=False)
-                    evictions += 1
-                    nbytes -= held.pop(victim)
-                order[key] = key
-                held[key] = size
-                nbytes += size
-                if len(order) > peak_graphs:
-                    peak_graphs = len(order)
-                if nbytes > peak_bytes:
-                    peak_bytes = nbytes
+                seconds += cost
+                admit(key, key, sizes[key], cost)
         finally:
             self.misses += misses
             self.compiles += compiles
-            self.evictions += evictions
             self.uncached += uncached
-            self.compile_seconds, self.nbytes = seconds, nbytes
-            self.peak_graphs, self.peak_bytes = peak_graphs, peak_bytes
+            self.compile_seconds = seconds
         return total - misses
 
 
@@ -265,7 +245,7 @@ def replay_stream(
         eviction_options = {"next_use": upcoming.__getitem__}
     cache = StreamCache(max_graphs=max_graphs, max_bytes=max_bytes, eviction=eviction, oversize=oversize,
                         eviction_options=eviction_options, name=name, disk=disk)
-    if disk is None and isinstance(cache.order, OrderedDict):
+    if disk is None and isinstance(cache.order, OrderedDict):  # lru, fifo
         hits = cache.serve_ordered(stream, sizes, costs, counts)
     else:
         touch, miss = cache.touch, cache.miss
