@@ -1,4 +1,4 @@
-"""Calibrate a :class:`~attnpolicy.modelling.model_costmodel.ModelCostModel` on this machine.
+"""Calibrate a :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` on this machine.
 
 Every sample goes through the real :class:`~attnpolicy.integrations.static_model.StaticModelRunner`
 of the SPEC's model: one graph per (mode, segment buckets) of the grid is built
@@ -30,7 +30,7 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.integrations.model_specs import load_model
 from attnpolicy.integrations.static_model import StaticModelRunner
-from attnpolicy.modelling.model_costmodel import MODES, ModelCostModel, ModelDims, ModelFit, ModelSample
+from attnpolicy.modelling.whole_model_costs import MODES, ModelCostModel, ModelDims, ModelFit, ModelSample
 
 #: Grid sizes without ``sizes`` (``quick``: the first two only).
 DEFAULT_SIZES = (16, 32, 64, 128, 256, 512)

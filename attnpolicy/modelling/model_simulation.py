@@ -2,7 +2,7 @@
 :class:`~attnpolicy.integrations.static_model.ModelKey` stream a
 :class:`~attnpolicy.integrations.static_model.StaticModelRunner` would request,
 replayed through a bounded cache with a
-:class:`~attnpolicy.modelling.model_costmodel.ModelCostModel`.
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`.
 
 Each batch's mode is the guarded policy's decision (as the runner's), its key the
 runner's own :func:`~attnpolicy.integrations.static_model.model_key_for`, and the key
@@ -31,7 +31,7 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.static_model import ModelKey, model_key_for
-from attnpolicy.modelling.model_costmodel import ModelCostModel
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch

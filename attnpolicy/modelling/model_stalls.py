@@ -5,7 +5,7 @@ background compiles with pad-up, as a
 The key stream is the model simulation's (:func:`~attnpolicy.modelling.model_simulation.key_stream`:
 the guarded policy's modes, the runner's keys); a cache of the config's bounds and
 eviction holds the graphs, sized by the cost model. Time is the
-:class:`~attnpolicy.modelling.model_costmodel.ModelCostModel`'s: ``sync`` stalls a
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`'s: ``sync`` stalls a
 batch for the compile seconds of its miss; ``background`` follows the runner's rule
 (:mod:`~attnpolicy.integrations.model_background`): a miss runs on the smallest
 resident graph that dominates its key (its run seconds) else eagerly (costed as its
@@ -27,8 +27,8 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatch.stats import percentile
 from attnpolicy.integrations.model_background import dominates
 from attnpolicy.integrations.static_model import ModelKey
-from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import decided_modes, key_stream, spec_of
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.modelling.model_costmodel import ModelCostModel
 from attnpolicy.modelling.model_simulation import ModelSimRow, decided_modes, key_stream, replay_keys, spec_of
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.bucket_search import ALIGN
 
 
