@@ -17,11 +17,11 @@ from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.integrations.static_model import model_key_for
 from attnpolicy.modelling.cost_file import CostFile
-from attnpolicy.modelling.model_simulation import model_config, model_layouts, simulate_model
-from attnpolicy.modelling.model_stalls import compare_model_stalls
 from attnpolicy.modelling.ranges import model_outside_range
+from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
+from attnpolicy.modelling.stalls import compare_model_stalls
 from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelDims, ModelFit, ModelSample, key_of
-from attnpolicy.planning.model_plan import plan_model_graphs
+from attnpolicy.planning.graph_set import plan_model_graphs
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
 #: prefill batches whose keys under pow2 buckets and 2 graphs evict

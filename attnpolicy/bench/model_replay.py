@@ -24,7 +24,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.integrations.model_specs import load_model
 from attnpolicy.integrations.static_model import StaticModelRunner, eager_logits
-from attnpolicy.modelling.model_simulation import ModelSimRow, simulate_model
+from attnpolicy.modelling.simulation import ModelSimRow, simulate_model
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 
 #: fp32 tolerance of the runner's logits against the eager reference.

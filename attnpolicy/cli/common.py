@@ -29,7 +29,7 @@ from attnpolicy.bench.mode_timing import DTYPES
 from attnpolicy.errors import ConfigError
 from attnpolicy.integrations.model_specs import parse_spec
 from attnpolicy.modelling.cost_file import FAMILIES, Family
-from attnpolicy.modelling.model_simulation import model_former
+from attnpolicy.modelling.simulation import model_former
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.traces import Request
 
@@ -333,7 +333,7 @@ def former_options(args: argparse.Namespace, *, prefill_only: bool = False) -> d
 
 def former_from(args: argparse.Namespace, *, prefill_only: bool = False) -> BatchFormer:
     """The batch former of the workload flags (``prefill_only``: the whole-model-graph
-    workload, see :func:`~attnpolicy.modelling.model_simulation.model_former`); an error
+    workload, see :func:`~attnpolicy.modelling.simulation.model_former`); an error
     names the flags."""
     o = former_options(args, prefill_only=prefill_only)
     try:

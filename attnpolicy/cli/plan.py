@@ -46,21 +46,21 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.modelling.model_simulation import model_config, model_layouts
-from attnpolicy.modelling.simulation import check_model, simulation_config
+from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     POLICIES,
     GraphPlan,
+    ModelPlan,
     evaluated,
     graph_uses,
     layouts_of,
     plan_graphs,
     plan_markdown,
+    plan_model_graphs,
     plannable,
 )
 from attnpolicy.planning.host_settings import host_settings
-from attnpolicy.planning.model_plan import ModelPlan, plan_model_graphs
 from attnpolicy.planning.sample import SAMPLE, WINDOWS, sample_steps
 from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run

@@ -38,7 +38,7 @@ from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.integrations.model_specs import max_positions
-from attnpolicy.modelling.model_simulation import model_layouts
+from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
 from attnpolicy.workloads.batching import BatchFormer
 

@@ -42,13 +42,16 @@ from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
-from attnpolicy.modelling.model_simulation import ModelSimRow, model_config, model_layouts, simulate_model
 from attnpolicy.modelling.ranges import OutsideRange, model_outside_range, outside_range
 from attnpolicy.modelling.simulation import (
+    ModelSimRow,
     SimRow,
     check_model,
     lower_bounds,
+    model_config,
+    model_layouts,
     simulate_layouts,
+    simulate_model,
     simulate_run,
     simulation_config,
 )

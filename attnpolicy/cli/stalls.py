@@ -39,10 +39,15 @@ from attnpolicy.cli.simulate import (
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.errors import ConfigError, GraphTooLargeError
-from attnpolicy.modelling.model_simulation import model_config, model_layouts
-from attnpolicy.modelling.model_stalls import ModelStallRow, compare_model_stalls
-from attnpolicy.modelling.simulation import check_model, simulation_config
-from attnpolicy.modelling.stalls import StallRow, compare_stalls, stall_configs, warm_layouts
+from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
+from attnpolicy.modelling.stalls import (
+    ModelStallRow,
+    StallRow,
+    compare_model_stalls,
+    compare_stalls,
+    stall_configs,
+    warm_layouts,
+)
 
 POLICIES = ("varlen",)
 CAPACITIES = (8, 16, None)
