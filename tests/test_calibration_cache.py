@@ -146,6 +146,31 @@ def test_plan_and_simulate_name_their_cost_model_first_and_reuse_a_calibration(t
     assert out.splitlines()[0] == f"cost model: calibrated here {eager.created}, {eager.path}"
 
 
+def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp_path, calls, monkeypatch):
+    from test_model_graphs import synthetic
+
+    from attnpolicy.modelling.cost_file import CostFile
+
+    whole = synthetic()
+    monkeypatch.setattr("attnpolicy.bench.model_calibration.calibrate_model", lambda s, progress=None: whole)
+    path = tmp_path / "costs.json"
+    run(["calibrate", "--model", "llama:layers=1", "--out", str(path)])  # no file yet: the model section only
+    assert CostFile.load(path) == CostFile(model=whole)
+    run(["calibrate", "--out", str(path), "--sizes", "16", "--repeats", "1"])  # adds the attention section
+    assert CostFile.load(path) == CostFile(CALIBRATED, whole) and len(calls) == 1
+    cached = cc.find("aot_eager", "sdpa", lambda message: pytest.fail(message))
+    assert cached is not None and cached.model == CALIBRATED and "model" not in json.loads(cached.path.read_text())
+    newer = whole.model_copy(update={"warmup_seconds": 9.0})
+    monkeypatch.setattr("attnpolicy.bench.model_calibration.calibrate_model", lambda s, progress=None: newer)
+    run(["calibrate", "--model", "llama:layers=1", "--out", str(path)])  # replaces the model section only
+    assert CostFile.load(path) == CostFile(CALIBRATED, newer)
+    out, _ = run([*SIMULATE, "--cost-model", str(path)])  # each family reads its own section
+    assert out.splitlines()[0] == f"cost model: {path} (--cost-model)"
+    out, _ = run([*SIMULATE, "--cost-model", str(path), "--family", "model", "--max-seq-len", "2048",
+                  "--json", str(tmp_path / "m.json")])
+    assert json.loads((tmp_path / "m.json").read_text())["model"] == "synthetic"
+
+
 def test_a_second_report_reuses_its_calibration(tmp_path, calls):
     first, _ = run(["report", "--out", str(tmp_path / "a"), *CHEAP_REPORT])
     path = cc.entry_path(ReportSettings().calibration)

@@ -36,7 +36,9 @@ def test_a_recording_equals_itself_and_a_changed_row_is_found(tmp_path):
 def test_the_model_level_is_recorded_and_a_real_runs_seconds_are_not_compared(tmp_path):
     from test_model_graphs import synthetic
 
-    cost = synthetic().save(tmp_path / "m.json")
+    from attnpolicy.modelling.cost_file import CostFile
+
+    cost = CostFile(model=synthetic()).save(tmp_path / "m.json")
     a = tmp_path / "a"
     compare_outputs.record(REPO, a, ["--trace", "default", "--limit", "12"], model_cost=cost)
     recorded = {str(p.relative_to(a)) for p in a.rglob("*") if p.is_file()}
@@ -58,3 +60,21 @@ def test_the_model_level_is_recorded_and_a_real_runs_seconds_are_not_compared(tm
     data["rows"][0]["total_seconds"] += 1.0
     (b / "model_simulate.json").write_text(json.dumps(data))
     assert compare_outputs.compare(a, b) == ["model_simulate.json", "run.json"]
+
+
+def test_a_checkout_gets_the_model_flags_its_cli_takes_and_the_flag_line_compares_as_one(tmp_path):
+    cost = tmp_path / "m.json"
+    assert compare_outputs.model_flags(REPO, cost) == ["--cost-model", str(cost.resolve()), "--family", "model"]
+    old = tmp_path / "old" / "attnpolicy"  # a CLI from before --family: its simulate takes --model-cost
+    old.mkdir(parents=True)
+    (old / "__init__.py").write_text("")
+    (old / "__main__.py").write_text("print('usage: attnpolicy simulate [--model-cost PATH] [--cost-model PATH]')\n")
+    assert compare_outputs.model_flags(old.parent, cost) == ["--model-cost", str(cost.resolve())]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "model_simulate.stdout").write_text(f"cost model: {cost} (--model-cost)\n")
+    (b / "model_simulate.stdout").write_text(f"cost model: {cost} (--cost-model)\n")
+    assert compare_outputs.compare(a, b) == []
+    (b / "model_simulate.stdout").write_text(f"cost model: {cost} (--cost-model)\nworkload: 3 requests\n")
+    assert compare_outputs.compare(a, b) == ["model_simulate.stdout"]

@@ -15,11 +15,13 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.graph_family import model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.modelling.model_costmodel import ModelCostModel, ModelDims, ModelFit, ModelSample, key_of
-from attnpolicy.modelling.model_simulation import model_config, model_layouts, simulate_model
-from attnpolicy.modelling.model_stalls import compare_model_stalls
+from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import model_outside_range
-from attnpolicy.planning.model_plan import plan_model_graphs
+from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
+from attnpolicy.modelling.stalls import compare_model_stalls
+from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelDims, ModelFit, ModelSample, key_of
+from attnpolicy.planning.graph_set import plan_model_graphs
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
 #: prefill batches whose keys under pow2 buckets and 2 graphs evict
@@ -53,14 +55,40 @@ def test_fit_recovers_its_coefficients_and_sums_varlen_segments():
         ModelFit.to_samples([])
 
 
-def test_model_cost_model_round_trips_and_refuses_bad_files(tmp_path):
+def test_a_cost_file_round_trips_both_families_and_refuses_bad_files(tmp_path):
     model = synthetic()
-    assert ModelCostModel.load(model.save(tmp_path / "m.json")) == model
+    both = CostFile(CostModel.default(), model)
+    assert CostFile.load(both.save(tmp_path / "both.json")) == both
+    # the attention section is the file's top level, as an attention-only file's
+    top = json.loads((tmp_path / "both.json").read_text())
+    assert CostModel.model_validate({k: v for k, v in top.items() if k != "model"}) == CostModel.default()
+    only = CostFile(model=model)
+    assert CostFile.load(only.save(tmp_path / "m.json")) == only
+    with pytest.raises(ConfigError, match="m.json holds no attention fits"):
+        only.attention_fits(str(tmp_path / "m.json"))
+    with pytest.raises(ConfigError, match=r"holds no whole-model fits: run attnpolicy calibrate --model SPEC"):
+        CostFile(CostModel.default()).model_fits("a.json")
     data = json.loads((tmp_path / "m.json").read_text())
-    data["compile"]["mask"]["base"] = -1
+    data["model"]["compile"]["mask"]["base"] = -1
     (tmp_path / "bad.json").write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match="bad.json"):
-        ModelCostModel.load(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match=r"(?s)bad.json \(section model\).*compile.mask.base"):
+        CostFile.load(tmp_path / "bad.json")
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(ConfigError, match="empty.json holds no fits"):
+        CostFile.load(tmp_path / "empty.json")
+
+
+def test_an_earlier_model_only_file_loads_as_the_model_section(tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text(synthetic().model_dump_json(indent=2))  # a ModelCostModel's fields at the top level
+    assert CostFile.load(old) == CostFile(model=synthetic())
+    flags = ["--limit", "5", "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--capacities", "4",
+             "--policies", "dynamic"]
+    assert main(["simulate", "--cost-model", str(old), "--family", "model", *flags]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--cost-model", str(old), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(old) in err and "--family model" in err
 
 
 def test_graph_bytes_are_the_runners_estimate():
@@ -87,7 +115,7 @@ def calibrated(tmp_path_factory):
 
 def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
     model, tmp = calibrated
-    assert ModelCostModel.load(model.save(tmp / "m.json")) == model
+    assert CostFile.load(CostFile(model=model).save(tmp / "m.json")).model == model
     assert {x.mode for x in model.samples} == {"causal", "mask", "varlen"}
     for x in model.samples:
         key = x.key(model.backend)
@@ -144,10 +172,10 @@ def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
 
 
 def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):
-    path = synthetic().save(tmp_path / "m.json")
+    path = CostFile(model=synthetic()).save(tmp_path / "m.json")
     out = tmp_path / "plan"
     flags = ["--limit", "40", "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "1"]
-    assert main(["plan", "--model-cost", str(path), "--max-graphs", "4", "--out", str(out), *flags]) == 0
+    assert main(["plan", "--cost-model", str(path), "--family", "model", "--max-graphs", "4", "--out", str(out), *flags]) == 0
     plan = json.loads((out / "plan.json").read_text())
     host = json.loads((out / "host_settings.json").read_text())
     assert host["static"]["packed_padding"] == plan["buckets"]
@@ -156,7 +184,7 @@ def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):
     assert vllm["compile_sizes"] == sizes == sorted(sizes) and vllm["max_cudagraph_capture_size"] == sizes[-1] <= 2048
     saved = AttnPolicyConfig.load(out)
     assert saved.buckets.sizes == tuple(plan["buckets"]) and saved.max_graphs == 4
-    assert main(["simulate", "--model-cost", str(path), "--capacities", "4", "--policies", "dynamic",
+    assert main(["simulate", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies", "dynamic",
                  "--json", str(tmp_path / "sim.json"), *flags]) == 0
     rows = json.loads((tmp_path / "sim.json").read_text())["rows"]
     assert {r["eviction"] for r in rows} == {"lru", "belady"}
@@ -165,12 +193,14 @@ def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):
 
 
 def test_cli_calibrate_and_run_with_a_model(tmp_path):
-    path = tmp_path / "m.json"
+    path = CostFile(CostModel.default()).save(tmp_path / "m.json")
     assert main(["calibrate", "--model", SPEC, "--sizes", "16", "--repeats", "1", "--out", str(path)]) == 0
-    model = ModelCostModel.load(path)
+    written = CostFile.load(path)
+    assert written.attention == CostModel.default()  # the attention section is kept
+    model = written.model_fits(str(path))
     assert model.spec.startswith("llama:layers=1") and len(model.samples) == 3
     out = tmp_path / "run.json"
-    assert main(["run", "--model", SPEC, "--model-cost", str(path), "--backend", "aot_eager", "--limit", "10",
+    assert main(["run", "--model", SPEC, "--cost-model", str(path), "--backend", "aot_eager", "--limit", "10",
                  "--max-seq-len", "512", "--max-num-batched-tokens", "512", "--max-num-seqs", "1",
                  "--policy", "dynamic", "--check", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -193,15 +223,15 @@ def test_model_sync_stalls_are_the_compile_seconds_of_the_misses(capacity):
 
 
 def test_cli_stalls_with_a_model_cost_model(tmp_path):
-    path = synthetic().save(tmp_path / "m.json")
+    path = CostFile(model=synthetic()).save(tmp_path / "m.json")
     flags = ["--limit", "30", "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "2"]
-    assert main(["stalls", "--model-cost", str(path), "--capacities", "4", "--policies", "dynamic",
+    assert main(["stalls", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies", "dynamic",
                  "--switch-after", "3", "--json", str(tmp_path / "s.json"), *flags]) == 0
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert [(r["compile_mode"], r["switch_after"], r["capacity"]) for r in rows] == [
         ("sync", 3, 4), ("background", 3, 4)]
     assert rows[0]["stall_seconds"] == pytest.approx(rows[0]["compile_seconds"])
-    assert main(["stalls", "--model-cost", str(path), "--warm", "all", *flags]) == 2
+    assert main(["stalls", "--cost-model", str(path), "--family", "model", "--warm", "all", *flags]) == 2
 
 
 def test_model_batches_outside_the_calibrated_tokens_or_segments_are_counted(tmp_path, capsys):
@@ -215,12 +245,12 @@ def test_model_batches_outside_the_calibrated_tokens_or_segments_are_counted(tmp
     assert outside.line() == ("3 of 9 batches priced outside the calibrated range (sizes up to 42 tokens and 3 "
                               "segments, calibrated to 24 tokens and 2 segments)")
     assert model_outside_range(synthetic(), LAYOUTS) is None  # no samples: the range is unknown
-    path = model.save(tmp_path / "m.json")
+    path = CostFile(model=model).save(tmp_path / "m.json")
     out = tmp_path / "sim.json"
-    assert main(["simulate", "--model-cost", str(path), "--capacities", "4", "--policies", "dynamic", "--limit", "5",
+    assert main(["simulate", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies", "dynamic", "--limit", "5",
                  "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--json", str(out)]) == 0
     printed = capsys.readouterr()
-    assert printed.out.splitlines()[0] == f"cost model: {path} (--model-cost)"
+    assert printed.out.splitlines()[0] == f"cost model: {path} (--cost-model)"
     data = json.loads(out.read_text())
     assert data["cost_model_provenance"] == {"kind": "file", "file": str(path), "created": None}
     line = [x for x in printed.err.splitlines() if "calibrated range" in x]

@@ -10,8 +10,10 @@ commands with a given checkout on ``PYTHONPATH`` and writes their outputs to a f
     python tools/compare_outputs.py compare /tmp/out-base /tmp/out-head
 
 ``--trace PATH --limit N`` records an Azure-format trace instead of the built-in workload.
-``--model-cost PATH`` adds the three modelled commands on whole-model graphs with that model
-cost file; ``--run`` adds real ``run --check`` replays (a small spec, ``aot_eager``) at the
+``--model-cost PATH`` adds the three modelled commands on whole-model graphs with that cost
+file (passed as ``--cost-model PATH --family model``, or as ``--model-cost PATH`` to a checkout
+whose CLI predates ``--family``; the line a command prints naming the flag is compared as one);
+``--run`` adds real ``run --check`` replays (a small spec, ``aot_eager``) at the
 attention level and, with ``--run-model SPEC``, at the model level. A real run's measured
 seconds differ between any two runs, so only its counts, modes, errors and config are compared.
 """
@@ -35,20 +37,31 @@ RUN_FLAGS = ["--backend", "aot_eager", "--max-seq-len", "512", "--max-num-batche
              "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--check"]
 
 
-def _commands(workload: list[str], model_cost: Path | None = None, run: bool = False,
+def model_flags(checkout: Path, model_cost: Path) -> list[str]:
+    """The flags that model whole-model graphs with the cost file ``model_cost`` in the CLI of
+    ``checkout``: ``--cost-model FILE --family model`` where it takes ``--family``, else the
+    earlier ``--model-cost FILE``."""
+    env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
+    proc = subprocess.run([sys.executable, "-m", "attnpolicy", "simulate", "--help"], cwd=checkout, env=env,
+                          capture_output=True, text=True, check=True)
+    path = str(model_cost.resolve())
+    return ["--cost-model", path, "--family", "model"] if "--family" in proc.stdout else ["--model-cost", path]
+
+
+def _commands(workload: list[str], model_cost: list[str] | None = None, run: bool = False,
               run_model: str | None = None) -> dict[str, list[str]]:
-    """The commands, by the name of the output each writes (stdout goes to ``NAME.stdout``)."""
+    """The commands, by the name of the output each writes (stdout goes to ``NAME.stdout``);
+    ``model_cost``: the flags of :func:`model_flags`."""
     commands = {
         "simulate": ["simulate", *workload, "--workers", "1", "--json", "simulate.json"],
         "stalls": ["stalls", *workload, "--json", "stalls.json"],
         "plan": ["plan", *workload, "--max-graphs", "8", "--out", "plan"],
     }
     if model_cost is not None:
-        cost = ["--model-cost", str(model_cost.resolve())]
         commands |= {
-            "model_simulate": ["simulate", *workload, *cost, "--json", "model_simulate.json"],
-            "model_stalls": ["stalls", *workload, *cost, "--json", "model_stalls.json"],
-            "model_plan": ["plan", *workload, *cost, "--max-graphs", "8", "--out", "model_plan"],
+            "model_simulate": ["simulate", *workload, *model_cost, "--json", "model_simulate.json"],
+            "model_stalls": ["stalls", *workload, *model_cost, "--json", "model_stalls.json"],
+            "model_plan": ["plan", *workload, *model_cost, "--max-graphs", "8", "--out", "model_plan"],
         }
     if run:
         commands["run"] = ["run", *workload, *RUN_FLAGS, "--json", "run.json"]
@@ -64,7 +77,8 @@ def record(checkout: Path, out: Path, workload: list[str], model_cost: Path | No
     (a real run's stdout, all measured seconds, is not kept)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
-    for name, args in _commands(workload, model_cost, run, run_model).items():
+    flags = None if model_cost is None else model_flags(checkout, model_cost)
+    for name, args in _commands(workload, flags, run, run_model).items():
         proc = subprocess.run(
             [sys.executable, "-m", "attnpolicy", *args],
             cwd=out, env=env, capture_output=True, text=True, check=False,
@@ -86,10 +100,17 @@ def _strip(value: Any, measured: bool = False) -> Any:
     return value
 
 
+#: The earlier flag naming the whole-model cost file → its name now, as the commands print it.
+FLAG_RENAMES = {"(--model-cost)": "(--cost-model)"}
+
+
 def _load(path: Path) -> Any:
     if path.suffix == ".json":
         return _strip(json.loads(path.read_text()), measured=path.name.endswith("run.json"))
-    return path.read_text()
+    text = path.read_text()
+    for old, new in FLAG_RENAMES.items():
+        text = text.replace(old, new)
+    return text
 
 
 def compare(a: Path, b: Path) -> list[str]:

@@ -35,6 +35,7 @@ from attnpolicy.cache.code_identity import graph_code
 from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.modelling.cost_file import CostFile
 
 #: The environment variable naming the cache directory.
 CACHE_ENV = "ATTNPOLICY_CACHE_DIR"
@@ -201,11 +202,12 @@ class Provenance:
 
 def resolve(given: str | None, backend: str, impl: str, warn: Callable[[str], None]
             ) -> tuple[CostModel, Provenance]:
-    """The model of a run: the file ``given`` (a problem raises :class:`ConfigError`),
+    """The attention fits of a run: those of the cost-model file ``given`` (a problem,
+    or a file without them, raises :class:`ConfigError`),
     else the newest cached calibration for ``backend`` and ``impl`` (:func:`find`),
     else the built-in model."""
     if given is not None:
-        return CostModel.load(given), Provenance("file", given)
+        return CostFile.load(given).attention_fits(given), Provenance("file", given)
     found = find(backend, impl, warn)
     if found is not None:
         return found.model, Provenance("calibrated", str(found.path), found.created)

@@ -1,9 +1,9 @@
-"""Calibrate a :class:`~attnpolicy.modelling.model_costmodel.ModelCostModel` on this machine.
+"""Calibrate a :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` on this machine.
 
-Every sample goes through the real :class:`~attnpolicy.integrations.static_model.StaticModelRunner`
+Every sample goes through the real :class:`~attnpolicy.engine.runner.StaticModelRunner`
 of the SPEC's model: one graph per (mode, segment buckets) of the grid is built
 through the runner's graph cache (compile and first run, timed), then batches of
-its key are run through :meth:`~attnpolicy.integrations.static_model.StaticModelRunner.run`
+its key are run through :meth:`~attnpolicy.engine.runner.StaticModelRunner.run`
 (placement, graph, scatter: what a replay pays per batch), and the build's RSS delta
 and static-shape estimate are taken from the runner's stats. Real lengths are three
 quarters of each bucket. Seconds are process CPU seconds (``clock="cpu"``, stable on
@@ -30,7 +30,7 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.model_specs import load_model
 from attnpolicy.engine.runner import StaticModelRunner
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.modelling.model_costmodel import MODES, ModelCostModel, ModelDims, ModelFit, ModelSample
+from attnpolicy.modelling.whole_model_costs import MODES, ModelCostModel, ModelDims, ModelFit, ModelSample
 
 #: Grid sizes without ``sizes`` (``quick``: the first two only).
 DEFAULT_SIZES = (16, 32, 64, 128, 256, 512)

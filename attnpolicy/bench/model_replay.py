@@ -1,4 +1,4 @@
-"""A real replay of prefill batches through a :class:`~attnpolicy.integrations.static_model.StaticModelRunner`.
+"""A real replay of prefill batches through a :class:`~attnpolicy.engine.runner.StaticModelRunner`.
 
 Each batch runs as the runner serves it (the guarded policy decides, the batch is
 placed, the graph of its key comes from the cache, compiled on a miss, and runs);
@@ -6,7 +6,7 @@ its compile (a miss's build: compile and first run) and its run are timed apart 
 the chosen clock. With ``check`` every output is compared with a reference model
 built from the same SPEC (same seeded weights) run eagerly, one sequence at a time,
 with transformers' own SDPA attention. With a
-:class:`~attnpolicy.modelling.model_costmodel.ModelCostModel` the model-level
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` the model-level
 simulator's prediction for the same batches, config and eviction sits beside the
 measurement, with predicted/measured ratios.
 """
@@ -24,8 +24,8 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.engine.model_specs import load_model
 from attnpolicy.engine.runner import StaticModelRunner, eager_logits
-from attnpolicy.modelling.model_costmodel import ModelCostModel
-from attnpolicy.modelling.model_simulation import ModelSimRow, simulate_model
+from attnpolicy.modelling.simulation import ModelSimRow, simulate_model
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 
 #: fp32 tolerance of the runner's logits against the eager reference.
 TOLERANCE = 1e-4

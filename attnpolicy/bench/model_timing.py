@@ -1,7 +1,7 @@
 """Whole-model forward, CAUSAL vs MASK, one sequence per length (``attnpolicy bench --model``).
 
 For each length L one sequence of L tokens runs through a
-:class:`~attnpolicy.integrations.static_model.StaticModelRunner` in CAUSAL and in
+:class:`~attnpolicy.engine.runner.StaticModelRunner` in CAUSAL and in
 MASK mode: each mode's graph is compiled once (its compile seconds and memory
 measured by the runner), then the compiled graph and the same forward uncompiled
 (backend ``"none"``) are timed on the same inputs, modes interleaved within each

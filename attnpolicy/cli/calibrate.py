@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes, store_shapes
@@ -14,6 +15,7 @@ from attnpolicy.cli.common import (
     command,
     console,
     fail,
+    family_of,
     int_list,
     model_spec,
     positive_int,
@@ -23,6 +25,8 @@ from attnpolicy.cli.common import (
     warn,
     writing,
 )
+from attnpolicy.errors import ConfigError
+from attnpolicy.modelling.cost_file import FAMILIES, CostFile
 
 DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
 FLAGS = {"max_len": "--max-len", "kv_heads": "--kv-heads", "head_dim": "--head-dim", "impl": "--impl",
@@ -35,7 +39,8 @@ def register(subparsers: Any) -> None:
                 "attnpolicy calibrate --quick --out model.json && attnpolicy simulate --cost-model model.json",
                 cmd_calibrate)
     c.add_argument("--out", default=DEFAULT_COSTMODEL_PATH, metavar="PATH",
-                   help=f"cost model JSON to write (default: {DEFAULT_COSTMODEL_PATH})")
+                   help="cost-model file to write; the fits of the other family already in it are kept "
+                        f"(default: {DEFAULT_COSTMODEL_PATH})")
     c.add_argument("--backend", choices=("aot_eager", "inductor", "eager"), default=d.backend,
                    help=f"compile backend (default: {d.backend})")
     add_spec_args(c)
@@ -58,9 +63,12 @@ def register(subparsers: Any) -> None:
                    help="a call's sample: its fastest run, or its mean run (what a replay on this machine "
                         f"pays now, interference included) (default: {d.statistic})")
     c.add_argument("--model", type=model_spec, metavar="SPEC", default=None,
-                   help="fit a model-level cost model of whole-model graphs of SPEC (qwen3, llama, sizes, or a "
-                        "local HF directory) through the StaticModelRunner; --out defaults to "
-                        "attnpolicy_model_costmodel.json (default: none, attention calls)")
+                   help="fit the whole-model fits of SPEC's graphs (qwen3, llama, sizes, or a local HF directory) "
+                        "through the StaticModelRunner, into the model section of --out (its attention fits kept) "
+                        "(default: none, attention calls)")
+    c.add_argument("--family", choices=FAMILIES, default=None,
+                   help="the fits calibrated: the attention calls', or the whole model's (needs --model SPEC) "
+                        "(default: model with --model SPEC, else attention)")
     c.add_argument("--clock", choices=("cpu", "wall"), default=None,
                    help="with --model: process CPU seconds (stable on a loaded machine) or wall seconds "
                         "(default: cpu)")
@@ -71,12 +79,22 @@ def register(subparsers: Any) -> None:
                    help="also time every registered kernel per call kind, for kernels 'auto' (default: off)")
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    if args.model is not None:
-        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-        from attnpolicy.cli.model_graphs import cmd_calibrate_model
+def kept_file(out: str) -> CostFile:
+    """The cost-model file at ``out`` whose other family's fits a calibration keeps
+    (empty when there is none, or it cannot be read: said in one warning, and replaced)."""
+    if not os.path.exists(out):
+        return CostFile()
+    try:
+        return CostFile.load(out)
+    except ConfigError as exc:
+        warn(f"--out {out} is replaced, its fits are not kept: {exc}")
+        return CostFile()
 
-        return cmd_calibrate_model(args, DEFAULT_COSTMODEL_PATH)
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    if family_of(args, by_model=True) == "model":
+        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
+        return calibrate_model_fits(args)
     if args.clock is not None:
         fail(f"argument --clock: {args.clock}: needs --model SPEC (the attention calls are timed in wall seconds)")
     check_writable("--out", args.out)
@@ -89,7 +107,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with progress(len(shapes(s)) + s.repeats + stored, "calibrate") as advance:
         model = calibrate(s, advance)
     with writing("--out", args.out):
-        path = model.save(args.out)
+        path = kept_file(args.out).with_attention(model).save(args.out)
     try:
         kept = f"; kept for plan, simulate and stalls on this machine in {store(s, model).path}"
     except OSError as exc:
@@ -108,4 +126,34 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 caption="store_bytes: bytes on disk, not ms")
     console.print(f"dispatch overhead per call: {model.call_overhead_seconds * 1e6:.1f} µs; the first compile "
                   f"in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); wrote {path}{kept}")
+    return 0
+
+
+def calibrate_model_fits(args: argparse.Namespace) -> int:
+    """``calibrate --model SPEC``: the whole-model fits of SPEC, into the model section of --out."""
+    from attnpolicy.bench.model_calibration import ModelCalibrationSettings, calibrate_model, grid
+
+    out = args.out
+    check_writable("--out", out)
+    s = settings(ModelCalibrationSettings, {"spec": "--model"}, spec=args.model, backend=args.backend,
+                 sizes=tuple(args.sizes) if args.sizes else None, repeats=args.repeats, threads=args.threads,
+                 clock=args.clock or "cpu", quick=args.quick)
+    try:
+        with progress(len(grid(s)) + s.repeats, "calibrate --model") as advance:
+            model = calibrate_model(s, advance)
+    except ConfigError as exc:
+        fail(f"argument --model: {exc}")
+    with writing("--out", out):
+        path = kept_file(out).with_model(model).save(out)
+    rows = []
+    for x in model.samples:
+        key = x.key(model.backend)
+        rows.append((x.mode, "+".join(map(str, x.segments)), x.compile_seconds, model.compile_seconds(key),
+                     x.run_seconds * 1e3, model.run_seconds(key) * 1e3, x.rss_bytes / 2**20,
+                     x.estimate_bytes / 2**20))
+    print_table(f"model cost model, {model.spec}, {model.backend}, {model.clock} seconds, "
+                f"{model.threads} thread(s)",
+                ("mode", "buckets", "compile s", "model s", "run ms", "model ms", "RSS MiB", "estimate MiB"), rows)
+    console.print(f"the first compile in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); "
+                  f"wrote {path}")
     return 0

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -28,7 +28,8 @@ from rich.table import Table
 from attnpolicy.bench.mode_timing import DTYPES
 from attnpolicy.engine.model_specs import parse_spec
 from attnpolicy.errors import ConfigError
-from attnpolicy.modelling.model_simulation import model_former
+from attnpolicy.modelling.cost_file import FAMILIES, Family
+from attnpolicy.modelling.simulation import model_former
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.traces import Request
 
@@ -262,6 +263,39 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="prefill each prompt in one step (default: chunked prefill on)")
 
 
+def add_cost_args(p: argparse.ArgumentParser, *, by_model: bool = False) -> None:
+    """--cost-model FILE and --family, the level whose graphs are modelled (``by_model``:
+    a command whose --model SPEC chooses the whole-model level)."""
+    p.add_argument("--cost-model", metavar="PATH",
+                   help="cost-model file from 'attnpolicy calibrate' (its attention fits) and 'attnpolicy calibrate "
+                        "--model SPEC' (its whole-model fits) (default: this machine's cached calibration, else the "
+                        "built-in one; --family model needs a file)")
+    default = "model with --model SPEC, else attention" if by_model else "attention"
+    p.add_argument("--family", choices=FAMILIES, default=None,
+                   help="the graphs modelled: one per attention call, or one per whole-model forward (prefill-only "
+                        f"batches) (default: {default})")
+
+
+def family_of(args: argparse.Namespace, *, by_model: bool = False) -> Family:
+    """The --family of ``args`` (``by_model``: ``model`` when --model SPEC is given and
+    --family is not); ``--family model`` needs --model SPEC where ``by_model``."""
+    if not by_model:
+        return cast(Family, args.family or "attention")
+    if args.family is None:
+        return "model" if args.model is not None else "attention"
+    if (args.family == "model") != (args.model is not None):
+        fail(f"argument --family: {args.family}: " + ("needs --model SPEC" if args.model is None
+                                                      else "not taken with --model SPEC (the whole-model level)"))
+    return cast(Family, args.family)
+
+
+def not_taken(args: argparse.Namespace, why: str, *names: str) -> None:
+    """Refuse (exit 2) each flag of ``names`` (``args`` attributes) that is set: not taken ``why``."""
+    for name in names:
+        if getattr(args, name, None):
+            fail(f"argument --{name.replace('_', '-')}: not taken {why}")
+
+
 def add_policies_arg(p: argparse.ArgumentParser, policies: tuple[str, ...]) -> None:
     p.add_argument("--policies", type=str_list, default=policies, metavar="P[,P...]",
                    help=f"registered policies, see 'attnpolicy policies' (default: {shown(policies)})")
@@ -299,7 +333,7 @@ def former_options(args: argparse.Namespace, *, prefill_only: bool = False) -> d
 
 def former_from(args: argparse.Namespace, *, prefill_only: bool = False) -> BatchFormer:
     """The batch former of the workload flags (``prefill_only``: the whole-model-graph
-    workload, see :func:`~attnpolicy.modelling.model_simulation.model_former`); an error
+    workload, see :func:`~attnpolicy.modelling.simulation.model_former`); an error
     names the flags."""
     o = former_options(args, prefill_only=prefill_only)
     try:

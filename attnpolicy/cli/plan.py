@@ -9,15 +9,18 @@ from typing import Any
 
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
+    add_cost_args,
     add_workload_args,
     check_evictions,
     check_policies,
     check_writable,
     command,
     fail,
+    family_of,
     formed,
     former_from,
     former_options,
+    not_taken,
     positive_int,
     print_table,
     progress,
@@ -27,11 +30,13 @@ from attnpolicy.cli.common import (
     warn,
     writing,
 )
-from attnpolicy.cli.model_graphs import write_host_settings
 from attnpolicy.cli.simulate import (
+    ATTENTION_ONLY,
     add_store_args,
+    family_policies,
     flag_range,
     priced,
+    priced_model,
     provenance_json,
     with_store,
     workload,
@@ -41,18 +46,22 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.modelling.simulation import check_model, simulation_config
+from attnpolicy.modelling.peer_buckets import PeerLimits
+from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     POLICIES,
     GraphPlan,
+    ModelPlan,
     evaluated,
     graph_uses,
     layouts_of,
     plan_graphs,
     plan_markdown,
+    plan_model_graphs,
     plannable,
 )
+from attnpolicy.planning.host_settings import GAUDI_FILE, host_settings
 from attnpolicy.planning.sample import SAMPLE, WINDOWS, sample_steps
 from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
@@ -112,12 +121,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sample", type=batches, default=SAMPLE, metavar="N",
                    help=f"plan on N batches in {WINDOWS} evenly spaced windows when the workload has more, then "
                         f"evaluate the plan on every batch (default: {SAMPLE}; 0: plan on every batch)")
-    p.add_argument("--cost-model", metavar="PATH",
-                   help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
-                        "else the built-in one)")
-    p.add_argument("--model-cost", metavar="PATH",
-                   help="plan whole-model graphs with a model cost model from 'attnpolicy calibrate --model' "
-                        "(prefill-only batches) (default: none, attention-call graphs)")
+    add_cost_args(p)
     p.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (backend, impl, limits); the plan replaces its policy, buckets, "
                         "capacity, eviction, strict and warmup (default: derived from the cost model and the "
@@ -141,39 +145,66 @@ def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConf
 
 def cmd_plan(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
-    if args.model_cost:
-        from attnpolicy.cli.model_graphs import cmd_plan_model
-
-        return cmd_plan_model(args, POLICIES)
     check_writable("--out", args.out, directory=True)
-    model, provenance = priced(args)
-    check_evictions("--evictions", args.evictions, simulation=False)
+    family = family_of(args)
+    if family == "model":
+        not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
+                  "model and the flags)", *ATTENTION_ONLY)
+        cost, provenance = priced_model(args)
+        evictions = [e for e in args.evictions if e != BELADY]
+    else:
+        model, provenance = priced(args)
+        check_evictions("--evictions", args.evictions, simulation=False)
+    w: Workload | None = None
     if args.layouts:
         try:
             run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
         except ConfigError as exc:
             fail(f"argument --layouts: {exc}")
         base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
-    else:
-        former = former_from(args)
-        base = _base(args, simulation_config(model, former))
-        try:
-            check_model(base, model)
-        except ConfigError as exc:
-            fail(f"argument --config: {exc}")
-        spec, source = None, source_name(args)
-    check_plannable("--policies", args.policies, base)
-    base = with_store(args, base, model)
-    steps: list[Any]
-    w: Workload | None = None
-    if args.layouts:
-        steps = run.layouts
+        check_plannable("--policies", args.policies, base)
+        base = with_store(args, base, model)
+        steps: list[Any] = run.layouts
         check_step_budget(steps, former_options(args)["max_num_batched_tokens"])
         print(provenance.line())
     else:
+        former = former_from(args, prefill_only=family == "model")
+        if family == "attention":
+            base = _base(args, simulation_config(model, former))
+            try:
+                check_model(base, model)
+            except ConfigError as exc:
+                fail(f"argument --config: {exc}")
+            check_plannable("--policies", args.policies, base)
+            base = with_store(args, base, model)
+        spec, source = None, source_name(args)
         requests = workload(args, former)
         print(provenance.line())
         steps, w = formed(args, former, requests)
+    out = Path(args.out)
+    if family == "model":
+        layouts = model_layouts(steps)
+        fields = provenance_json(provenance, flag_range(cost, layouts))
+        try:
+            model_base = model_config(cost, former.max_model_len, former.max_num_batched_tokens,
+                                      max_graphs=args.max_graphs, max_bytes=args.max_bytes)
+            with progress(None, "plan --family model") as advance:
+                model_plan = plan_model_graphs(layouts, model_base, cost, family_policies(args, family, POLICIES),
+                                               evictions, args.max_buckets, advance, args.align)
+        except ConfigError as exc:
+            fail(str(exc))
+        source = args.trace + (f" (first {args.limit} requests)" if args.limit else "")
+        assert w is not None
+        with writing("--out", out):
+            model_plan.config.save(out)
+            write_json(out / "plan.json", {"source": source, "model": cost.spec, "batches": len(layouts),
+                                           "rejected": w.rejected, "workload": w.to_json(), **fields,
+                                           **model_plan.to_json()})
+            write_host_settings(out, layouts, model_plan.chosen.buckets, model_plan.config,
+                                former.max_num_batched_tokens, former.max_num_seqs, args.max_buckets)
+        print_model_plan(model_plan, source, args.max_graphs, cost.spec)
+        print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.json'}, {out / 'host_settings.json'}")
+        return 0
     outside = flag_range(model, steps)
     planned: list[Any]
     planned, sample = sample_steps(steps, args.sample)
@@ -193,7 +224,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         smallest = min(g.bytes for g in graph_uses(planned, plan.config, model, spec))
         warn(f"--max-bytes {plan.max_bytes}: no graph of this plan fits (the smallest needs {smallest} bytes); "
              "the config caches nothing and every call compiles")
-    out = Path(args.out)
     with writing("--out", out):
         plan.config.save(out)
         write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
@@ -212,6 +242,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0
+
+
+def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequence[int], config: AttnPolicyConfig,
+                        max_num_batched_tokens: int, max_num_seqs: int, max_buckets: int) -> Path:
+    """``host_settings.json`` next to ``plan.json``, and vllm-gaudi's bucketing file next to
+    it: each host's settings from the planned ``steps`` and ``buckets`` (at most
+    ``--max-buckets`` sizes per dimension) for a server of ``--max-num-batched-tokens``,
+    ``--max-num-seqs`` and ``config``'s ``max_seq_len``."""
+    path, gaudi = out / "host_settings.json", out / GAUDI_FILE
+    settings = host_settings(steps, buckets, PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len),
+                             max_buckets, str(gaudi.resolve()))
+    write_text_atomic(gaudi, settings.gaudi_file)
+    write_json(path, settings.sections)
+    return path
+
+
+def print_model_plan(plan: ModelPlan, source: str, max_graphs: int | None, spec: str) -> None:
+    cap = "∞" if max_graphs is None else max_graphs
+    print_table(f"attnpolicy plan on model graphs: {source}, {spec}, max_graphs {cap}",
+                ("policy", "buckets", "eviction", "plan s", "pow2 lru s", "pow2 belady s", "× lru", "× belady"),
+                [(p.policy + (" *" if p is plan.chosen else ""), ",".join(map(str, p.buckets)), p.row.eviction,
+                  p.row.total_seconds, p.base_lru.total_seconds, p.base_belady.total_seconds,
+                  p.base_lru.total_seconds / p.row.total_seconds,
+                  p.base_belady.total_seconds / p.row.total_seconds) for p in plan.policies],
+                caption="* chosen")
 
 
 def check_step_budget(layouts: Sequence[BatchLayout], budget: int) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from attnpolicy.bench.calibration_cache import Provenance
 from attnpolicy.bench.replay import TOLERANCE, run_workload
 from attnpolicy.cli.common import (
     MIB,
+    add_cost_args,
     add_option_arg,
     add_spec_args,
     add_workload_args,
@@ -17,6 +19,7 @@ from attnpolicy.cli.common import (
     command,
     describe_options,
     fail,
+    family_of,
     formed,
     former_from,
     model_spec,
@@ -28,13 +31,16 @@ from attnpolicy.cli.common import (
     writing,
 )
 from attnpolicy.cli.plan import check_plannable, seconds
-from attnpolicy.cli.simulate import workload
+from attnpolicy.cli.simulate import priced_model, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
+from attnpolicy.engine.model_specs import max_positions
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
+from attnpolicy.workloads.batching import BatchFormer
 
 DEFAULTS = AttnPolicyConfig.model_fields
 
@@ -75,9 +81,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", type=model_spec, metavar="SPEC", default=None,
                    help="replay prefill-only batches through whole-model graphs of SPEC (StaticModelRunner); "
                         "--check compares with the eager model (default: none, attention calls)")
-    p.add_argument("--model-cost", metavar="PATH", default=None,
-                   help="with --model: a model cost model whose simulated prediction for the same batches is "
-                        "compared with the measurement (default: none)")
+    add_cost_args(p, by_model=True)
     p.add_argument("--clock", choices=("cpu", "wall"), default=None,
                    help="with --model: time compiles and runs in process CPU or wall seconds (default: cpu)")
     p.add_argument("--replan-every", type=positive_int, default=None, metavar="N",
@@ -135,17 +139,14 @@ def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolic
 def cmd_run(args: argparse.Namespace) -> int:
     check_writable("--json", args.json)
     check_writable("--store", args.store, directory=True)
-    if args.model is not None:
+    if family_of(args, by_model=True) == "model":
         if args.replan_every is not None:
             fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
         check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-        from attnpolicy.cli.model_graphs import cmd_run_model
-
         former = former_from(args, prefill_only=True)
-        # a MASK graph's bucket is of the step's token budget, as in simulate --model-cost
-        return cmd_run_model(args, former, config_from(args, former.max_num_batched_tokens))
-    needs_model = {"--model-cost": args.model_cost, "--clock": args.clock}
-    for flag, value in needs_model.items():
+        # a MASK graph's bucket is of the step's token budget, as in simulate --family model
+        return run_model_graphs(args, former, config_from(args, former.max_num_batched_tokens))
+    for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock}.items():
         if value is not None:
             fail(f"argument {flag}: {value}: needs --model SPEC (without it the run replays attention calls)")
     check_spec_args(args)
@@ -205,5 +206,58 @@ def cmd_run(args: argparse.Namespace) -> int:
                                    **({"replan": replanner.to_json()} if replanner else {})})
     if result.passed is False:
         warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {result.tolerance:g}")
+        return 1
+    return 0
+
+
+def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: AttnPolicyConfig) -> int:
+    """``run --model SPEC`` (``--family model``): the prefill-only batches of ``former``
+    through a runner of SPEC's model under ``config``; --max-seq-len must fit the
+    model's positions."""
+    from attnpolicy.bench.model_replay import TOLERANCE as MODEL_TOLERANCE
+    from attnpolicy.bench.model_replay import replay_model
+
+    positions = max_positions(args.model)
+    if positions is not None and former.max_model_len > positions:
+        fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
+             f"{args.model}: set --max-seq-len {positions} or less")
+    cost = priced_model(args)[0] if args.cost_model else None
+    clock = args.clock or "cpu"
+    if cost is not None and cost.backend != config.backend:
+        warn(f"--cost-model was calibrated with backend {cost.backend}, the run uses {config.backend}")
+    requests = workload(args, former)
+    if args.cost_model:
+        print(Provenance("file", args.cost_model).line())
+    steps, w = formed(args, former, requests)
+    layouts = model_layouts(steps)
+    try:
+        with progress(len(layouts), "run --model") as advance:
+            result = replay_model(args.model, layouts, config, check=args.check, cost=cost, clock=clock,
+                                  progress=advance)
+    except ConfigError as exc:
+        fail(f"argument --model: {exc}")
+    rows: list[tuple[str, object]] = [
+        ("model", result.spec), ("policy", config.policy), ("backend", config.backend),
+        ("buckets", config.buckets.describe()), ("max graphs", config.max_graphs or "∞"),
+        ("batches", result.batches), ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
+        ("hits / misses", f"{result.hits} / {result.misses}"), ("evictions", result.evictions),
+        (f"compile s ({result.clock})", result.compile_seconds), (f"run s ({result.clock})", result.run_seconds),
+        (f"total s ({result.clock})", result.total_seconds)]
+    if result.predicted is not None:
+        p = result.predicted
+        rows += [("predicted misses", p.misses), ("predicted compile s", p.compile_seconds + p.warmup_seconds),
+                 ("predicted total s", p.total_seconds)]
+        rows += [(f"predicted/measured {k}", v) for k, v in result.ratios().items()]
+    if result.max_abs_err is not None:
+        rows += [("max abs err", result.max_abs_err),
+                 ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {MODEL_TOLERANCE:g})")]
+    print_table(f"attnpolicy run --model: {args.trace}", ("", "value"), rows)
+    if args.json:
+        with writing("--json", args.json):
+            write_json(args.json, {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
+                                   "config": config.model_dump(mode="json"),
+                                   **result.to_json()})
+    if result.passed is False:
+        warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {MODEL_TOLERANCE:g}")
         return 1
     return 0

@@ -11,6 +11,7 @@ from attnpolicy.bench.calibration_cache import Provenance, resolve
 from attnpolicy.cli.common import (
     MIB,
     add_capacities_arg,
+    add_cost_args,
     add_option_arg,
     add_policies_arg,
     add_workload_args,
@@ -20,9 +21,11 @@ from attnpolicy.cli.common import (
     check_writable,
     describe_options,
     fail,
+    family_of,
     formed,
     former_from,
     former_options,
+    not_taken,
     policy_options,
     positive_int,
     print_table,
@@ -35,18 +38,24 @@ from attnpolicy.cli.common import (
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
-from attnpolicy.modelling.ranges import OutsideRange, outside_range
+from attnpolicy.modelling.cost_file import CostFile
+from attnpolicy.modelling.ranges import OutsideRange, model_outside_range, outside_range
 from attnpolicy.modelling.simulation import (
+    ModelSimRow,
     SimRow,
     check_model,
     lower_bounds,
+    model_config,
+    model_layouts,
     simulate_layouts,
+    simulate_model,
     simulate_run,
     simulation_config,
 )
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.report.plots import plot_sweep
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
@@ -68,9 +77,7 @@ def register(subparsers: Any) -> None:
     add_workload_args(s)
     add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS, ())
     add_store_args(s)
-    s.add_argument("--cost-model", metavar="PATH",
-                   help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
-                        "else the built-in one)")
+    add_cost_args(s)
     s.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config; its policy_options apply to its own policy only "
                         "(default: derived from the cost model and the batch former)")
@@ -82,9 +89,6 @@ def register(subparsers: Any) -> None:
     s.add_argument("--strict", action="store_true",
                    help="with --layouts: exit 1 unless the row under the recorded config reproduces the "
                         "recorded hits, misses and evictions; that row must be in the sweep (default: off)")
-    s.add_argument("--model-cost", metavar="PATH",
-                   help="simulate whole-model graphs with a model cost model from 'attnpolicy calibrate --model' "
-                        "(prefill-only batches) (default: none, attention-call graphs)")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
     s.add_argument("--plot", metavar="PATH.png",
                    help="plot peak graph MiB vs total seconds per policy and eviction (default: none)")
@@ -174,13 +178,29 @@ def priced(args: argparse.Namespace) -> tuple[CostModel, Provenance]:
     return model, provenance
 
 
-def flag_range(model: CostModel, steps: Sequence[ScheduledBatch | BatchLayout]) -> OutsideRange | None:
+def priced_model(args: argparse.Namespace) -> tuple[ModelCostModel, Provenance]:
+    """The whole-model fits of the file of --cost-model and where they come from
+    (``--family model`` needs the file); errors name the flag."""
+    if args.cost_model is None:
+        fail("argument --cost-model: --family model needs a cost-model file with whole-model fits (attnpolicy "
+             "calibrate --model SPEC --out FILE writes them)")
+    try:
+        return CostFile.load(args.cost_model).model_fits(args.cost_model), Provenance("file", args.cost_model)
+    except ConfigError as exc:
+        fail(f"argument --cost-model: {exc}")
+
+
+def flag_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch | BatchLayout]
+               ) -> OutsideRange | None:
     """Warn (one line) when some of ``steps`` are priced outside ``model``'s calibrated
     range; returns the count (``None``: the range is unknown)."""
-    outside = outside_range(model, steps)
+    if isinstance(model, CostModel):
+        outside, covers = outside_range(model, steps), "'attnpolicy calibrate --max-len N' covers longer batches"
+    else:
+        outside = model_outside_range(model, [s.layout if isinstance(s, ScheduledBatch) else s for s in steps])
+        covers = "'attnpolicy calibrate --model SPEC --sizes' covers larger graphs"
     if outside is not None and outside.outside:
-        warn(f"{outside.line()}: their seconds are extrapolated ('attnpolicy calibrate --max-len N' covers "
-             "longer batches)")
+        warn(f"{outside.line()}: their seconds are extrapolated ({covers})")
     return outside
 
 
@@ -214,48 +234,89 @@ def note_warmup(base: AttnPolicyConfig, what: str) -> None:
              "empty cache, under any --buckets and --capacities ('attnpolicy stalls' models warm-up)")
 
 
+#: The stateless policies simulated and planned on whole-model graphs by default.
+MODEL_POLICIES = ("always-mask", "dynamic", "varlen")
+#: The flags of simulate, stalls and plan that whole-model graphs do not take.
+ATTENTION_ONLY = ("layouts", "config", "plot", "strict", "option", "warmup_seconds", "store_bytes", "store_warm")
+
+
+def family_policies(args: argparse.Namespace, family: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """--policies; left at ``default`` on whole-model graphs: :data:`MODEL_POLICIES`."""
+    same = tuple(args.policies) == tuple(default)
+    return MODEL_POLICIES if family == "model" and same else tuple(args.policies)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
-    if args.model_cost:
-        from attnpolicy.cli.model_graphs import cmd_simulate_model
-
-        return cmd_simulate_model(args, POLICIES)
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
-    model, provenance = priced(args)
-    if args.layouts:
-        return simulate_recorded(args, model, provenance)
-    if args.strict:
-        fail("argument --strict: compares a replay with its recording, it needs --layouts")
-    former = former_from(args)
-    base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
-    base = with_store(args, base, model)
-    options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
-    check_evictions("--evictions", args.evictions, simulation=True)
-    check_model(base, model)
-    buckets = schemes(args, base)
+    family = family_of(args)
+    if family == "model":
+        not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
+                  "model and the flags)", *ATTENTION_ONLY)
+        cost, provenance = priced_model(args)
+    else:
+        model, provenance = priced(args)
+        if args.layouts:
+            return simulate_recorded(args, model, provenance)
+        if args.strict:
+            fail("argument --strict: compares a replay with its recording, it needs --layouts")
+    former = former_from(args, prefill_only=family == "model")
+    if family == "attention":
+        base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
+        base = with_store(args, base, model)
+        options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
+        check_evictions("--evictions", args.evictions, simulation=True)
+        check_model(base, model)
+        buckets = schemes(args, base)
     requests = workload(args, former)
     print(provenance.line())
     steps, w = formed(args, former, requests)
-    outside = flag_range(model, steps)
-    note_warmup(base, f"--config {args.config}")
-    with progress(sweep_size(args), "simulate") as advance:
-        rows = simulate_layouts(steps, args.policies, args.capacities, args.evictions, base, model,
-                                progress=advance, policy_options=options, rejected=w.rejected, buckets=buckets,
-                                max_bytes=args.max_bytes, workers=args.workers, store_warm=args.store_warm)
-    ran = describe_options(options)
-    print_sweep(f"simulated {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
-                f"batches), cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
+    fields: dict[str, Any] = {"trace": args.trace, "workload": w.to_json()}
+    if family == "model":
+        layouts = model_layouts(steps)
+        fields |= {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
+                   **provenance_json(provenance, flag_range(cost, layouts))}
+        max_len, tokens = former.max_model_len, former.max_num_batched_tokens
+        try:
+            configs = [model_config(cost, max_len, tokens, policy=policy, max_graphs=capacity, max_bytes=max_bytes,
+                                    buckets=bucket_scheme(scheme, max_len, tokens).buckets)
+                       for policy in family_policies(args, family, POLICIES) for scheme in args.buckets or ("pow2",)
+                       for capacity in args.capacities for max_bytes in args.max_bytes or (None,)]
+            model_rows = simulate_model(layouts, cost, configs, args.evictions)
+        except (ConfigError, GraphTooLargeError) as exc:
+            fail(str(exc))
+        print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {cost.spec} "
+                         f"({cost.backend}, {cost.clock} s)", model_rows)
+        fields["rows"] = [r.to_json() for r in model_rows]
+    else:
+        outside = flag_range(model, steps)
+        note_warmup(base, f"--config {args.config}")
+        with progress(sweep_size(args), "simulate") as advance:
+            rows = simulate_layouts(steps, args.policies, args.capacities, args.evictions, base, model,
+                                    progress=advance, policy_options=options, rejected=w.rejected, buckets=buckets,
+                                    max_bytes=args.max_bytes, workers=args.workers, store_warm=args.store_warm)
+        ran = describe_options(options)
+        print_sweep(f"simulated {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
+                    f"batches), cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
+        fields |= {"requests": len(requests), "former": former_options(args), "config": base.model_dump(mode="json"),
+                   **provenance_json(provenance, outside), "policy_options": options,
+                   "rows": [r.to_json() for r in rows]}
     if args.json:
         with writing("--json", args.json):
-            write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
-                                   "workload": w.to_json(), "config": base.model_dump(mode="json"),
-                                   **provenance_json(provenance, outside),
-                                   "policy_options": options, "rows": [r.to_json() for r in rows]})
+            write_json(args.json, fields)
     if args.plot:
         with writing("--plot", args.plot):
             plot_sweep(rows, args.plot)
     return 0
+
+
+def print_model_rows(title: str, rows: list[ModelSimRow]) -> None:
+    print_table(title, ("policy", "buckets", "graphs", "eviction", "distinct", "misses", "evictions",
+                        "compile s", "run s", "total s", "peak MiB"),
+                [(r.policy, r.buckets, "∞" if r.max_graphs is None else r.max_graphs, r.eviction, r.graphs,
+                  r.misses, r.evictions, r.compile_seconds + r.warmup_seconds, r.run_seconds, r.total_seconds,
+                  r.peak_bytes / MIB) for r in rows])
 
 
 def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Provenance) -> int:

@@ -8,14 +8,17 @@ from typing import Any
 
 from attnpolicy.cli.common import (
     add_capacities_arg,
+    add_cost_args,
     add_policies_arg,
     add_workload_args,
     check_policies,
     check_writable,
     fail,
+    family_of,
     formed,
     former_from,
     former_options,
+    not_taken,
     positive_int,
     print_table,
     progress,
@@ -25,17 +28,26 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.cli.simulate import (
     add_store_args,
+    family_policies,
     flag_range,
     priced,
+    priced_model,
     provenance_json,
     with_store,
     workload,
 )
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.errors import ConfigError
-from attnpolicy.modelling.simulation import check_model, simulation_config
-from attnpolicy.modelling.stalls import StallRow, compare_stalls, stall_configs, warm_layouts
+from attnpolicy.errors import ConfigError, GraphTooLargeError
+from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
+from attnpolicy.modelling.stalls import (
+    ModelStallRow,
+    StallRow,
+    compare_model_stalls,
+    compare_stalls,
+    stall_configs,
+    warm_layouts,
+)
 
 POLICIES = ("varlen",)
 CAPACITIES = (8, 16, None)
@@ -57,12 +69,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--switch-after", type=positive_int, default=None, metavar="N",
                    help="batches from a background compile's request to its switch into the cache "
                         "(default: the config's switch_after)")
-    s.add_argument("--cost-model", metavar="PATH",
-                   help="cost model JSON from 'attnpolicy calibrate' (default: this machine's cached calibration, "
-                        "else the built-in one)")
-    s.add_argument("--model-cost", metavar="PATH",
-                   help="model stalls on whole-model graphs with a model cost model from 'attnpolicy calibrate "
-                        "--model', prefill-only batches (default: attention graphs)")
+    add_cost_args(s)
     s.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (default: derived from the cost model and the batch former)")
     add_store_args(s)
@@ -71,42 +78,75 @@ def register(subparsers: Any) -> None:
 
 def cmd_stalls(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
-    if args.model_cost:
-        from attnpolicy.cli.model_graphs import cmd_stalls_model
-
-        return cmd_stalls_model(args, POLICIES, WARM)
     check_writable("--json", args.json)
-    model, provenance = priced(args)
-    former = former_from(args)
-    base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
-    check_model(base, model)
-    base = with_store(args, base, model)
-    for warm in args.warm:
+    family = family_of(args)
+    if family == "model":
+        not_taken(args, "with --family model (the config is derived from the cost model and the flags)",
+                  "config", "store_bytes", "store_warm")
+        if tuple(args.warm) != WARM:
+            fail("argument --warm: not taken with --family model (no warm-up is modelled)")
+        cost, provenance = priced_model(args)
+    else:
+        model, provenance = priced(args)
+    former = former_from(args, prefill_only=family == "model")
+    if family == "attention":
+        base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
+        check_model(base, model)
+        base = with_store(args, base, model)
+        for warm in args.warm:
+            try:
+                warm_layouts([], warm)
+            except ConfigError as exc:
+                fail(f"argument --warm: {exc}")
         try:
-            warm_layouts([], warm)
+            stall_configs(base, args.policies, args.capacities, args.switch_after)
         except ConfigError as exc:
-            fail(f"argument --warm: {exc}")
-    try:
-        stall_configs(base, args.policies, args.capacities, args.switch_after)
-    except ConfigError as exc:
-        fail(f"argument --capacities: {exc}" + (f" (the config of --config {args.config})" if args.config else ""))
+            fail(f"argument --capacities: {exc}" + (f" (the config of --config {args.config})" if args.config
+                                                    else ""))
     requests = workload(args, former)
     print(provenance.line())
     steps, w = formed(args, former, requests)
-    outside = flag_range(model, steps)
-    total = len(args.policies) * len(args.capacities) * len(args.warm) * 2
-    with progress(total, "stalls") as advance:
-        rows = compare_stalls(steps, base, args.policies, args.capacities, args.warm, args.switch_after, model,
-                              progress=advance, store_warm=args.store_warm)
-    print_stalls(f"modelled {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
-                 f"batches), cost model {model.impl}/{model.backend}, "
-                 f"switch_after={rows[0].switch_after if rows else '-'}", rows)
+    fields: dict[str, Any] = {"trace": args.trace, "workload": w.to_json()}
+    if family == "model":
+        layouts = model_layouts(steps)
+        fields |= {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
+                   **provenance_json(provenance, flag_range(cost, layouts))}
+        switch = {} if args.switch_after is None else {"switch_after": args.switch_after}
+        try:
+            configs = [model_config(cost, former.max_model_len, former.max_num_batched_tokens, policy=policy,
+                                    max_graphs=capacity, **switch)
+                       for policy in family_policies(args, family, POLICIES) for capacity in args.capacities]
+            model_rows = compare_model_stalls(layouts, cost, configs)
+        except (ConfigError, GraphTooLargeError) as exc:
+            fail(str(exc))
+        print_model_stalls(f"modelled {len(layouts)} model-graph batches of {args.trace}, {cost.spec} "
+                           f"({cost.backend}), switch_after={model_rows[0].switch_after}", model_rows)
+        fields["rows"] = [r.to_json() for r in model_rows]
+    else:
+        outside = flag_range(model, steps)
+        total = len(args.policies) * len(args.capacities) * len(args.warm) * 2
+        with progress(total, "stalls") as advance:
+            rows = compare_stalls(steps, base, args.policies, args.capacities, args.warm, args.switch_after, model,
+                                  progress=advance, store_warm=args.store_warm)
+        print_stalls(f"modelled {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
+                     f"batches), cost model {model.impl}/{model.backend}, "
+                     f"switch_after={rows[0].switch_after if rows else '-'}", rows)
+        fields |= {"requests": len(requests), "former": former_options(args), "config": base.model_dump(mode="json"),
+                   **provenance_json(provenance, outside), "rows": [r.to_json() for r in rows]}
     if args.json:
         with writing("--json", args.json):
-            write_json(args.json, {"trace": args.trace, "requests": len(requests), "former": former_options(args),
-                                   "workload": w.to_json(), "config": base.model_dump(mode="json"),
-                                   **provenance_json(provenance, outside), "rows": [r.to_json() for r in rows]})
+            write_json(args.json, fields)
     return 0
+
+
+def print_model_stalls(title: str, rows: list[ModelStallRow]) -> None:
+    sync = {(r.policy, r.capacity): r.total_seconds for r in rows if r.compile_mode == "sync"}
+    print_table(title, ("policy", "capacity", "mode", "compiles", "pad-ups", "eager", "stalled", "stall p99 s",
+                        "stall s", "total s", "vs sync"),
+                [(r.policy, "∞" if r.capacity is None else r.capacity, r.compile_mode, r.compiles, r.padded_up,
+                  r.eager_served, f"{r.stalled_batches}/{r.batches}", r.stall_p99, r.stall_seconds,
+                  r.total_seconds, f"{r.total_seconds / sync[r.policy, r.capacity]:.3f}×") for r in rows],
+                caption="total: run seconds as served (padded up or eager) + stalls, modelled")
 
 
 def print_stalls(title: str, rows: list[StallRow]) -> None:

@@ -10,7 +10,7 @@ compared with the largest calibrated one:
   packed query tokens or its longest sequence's keys, whichever is more (the longest
   length any call of the batch can span, under any policy), against the run
   samples' largest bucket (:attr:`~attnpolicy.graphs.costmodel.CostModel.calibrated_len`);
-- whole-model models (:class:`~attnpolicy.modelling.model_costmodel.ModelCostModel`):
+- whole-model models (:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`):
   its tokens and its sequences (a VARLEN graph's segments), against the most tokens
   and segments of a calibrated graph.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.modelling.model_costmodel import ModelCostModel
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import ScheduledBatch
 
 

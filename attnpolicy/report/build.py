@@ -43,6 +43,7 @@ from attnpolicy.engine.model_specs import parse_spec
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
+from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import outside_range
 from attnpolicy.modelling.simulation import (
     SimRow,
@@ -197,7 +198,7 @@ def known_model(s: ReportSettings, warn: Callable[[str], None]) -> tuple[CostMod
 def _uncalibrated(s: ReportSettings) -> tuple[CostModel, Provenance]:
     """The model of a report that does not calibrate: ``cost_model``'s file or the built-in one."""
     if s.cost_model:
-        return CostModel.load(s.cost_model), Provenance("file", s.cost_model)
+        return CostFile.load(s.cost_model).attention_fits(s.cost_model), Provenance("file", s.cost_model)
     return CostModel.default(), Provenance("built-in")
 
 

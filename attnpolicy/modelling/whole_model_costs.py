@@ -1,9 +1,9 @@
 """The model-level cost model: predicted compile seconds, run seconds and bytes of
-whole-model graphs (:class:`~attnpolicy.integrations.static_model.ModelKey`).
+whole-model graphs (:class:`~attnpolicy.engine.graph_family.ModelKey`).
 
 A :class:`ModelCostModel` is fitted by ``attnpolicy calibrate --model SPEC``
 (:mod:`attnpolicy.bench.model_calibration`) through the real
-:class:`~attnpolicy.integrations.static_model.StaticModelRunner`. Per mode it holds
+:class:`~attnpolicy.engine.runner.StaticModelRunner`. Per mode it holds
 one :class:`ModelFit` each for compile seconds, run seconds and the RSS a build
 took. A fit is linear in three features of a key, so one form serves every mode:
 
@@ -16,23 +16,20 @@ A VARLEN graph's run seconds are so a sum over its segments (a per-segment cost 
 each segment's cells) plus the graph's fixed and per-token cost, and its compile
 seconds a fit over its total tokens and segment count. The bytes a cache bounds are
 the runner's own static-shape estimate, computed exactly from the model's sizes
-(:func:`~attnpolicy.integrations.static_model.estimate_bytes`), so a simulated cache
+(:func:`~attnpolicy.engine.graph_family.estimate_bytes`), so a simulated cache
 evicts as the runner's does. ``warmup_seconds`` is what the first compile of a
 process pays on top of its key's fit.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from attnpolicy.core import jsonfile
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
 from attnpolicy.engine.graph_family import ModelKey, estimate_bytes
@@ -121,7 +118,8 @@ class ModelDims(BaseModel):
 class ModelCostModel(BaseModel):
     """Predicted compile seconds, run seconds and bytes of one model's whole-model graphs.
 
-    Immutable; :meth:`save` / :meth:`load` round-trip it through JSON."""
+    Immutable; it is the ``model`` section of a cost-model file
+    (:class:`~attnpolicy.modelling.cost_file.CostFile`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -164,14 +162,3 @@ class ModelCostModel(BaseModel):
         config = SimpleNamespace(hidden_size=d.hidden, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
                                  head_dim=d.head_dim, intermediate_size=d.intermediate, vocab_size=d.vocab)
         return estimate_bytes(key, config, d.itemsize)
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the model as JSON to ``path`` atomically (parents created); returns the path."""
-        return jsonfile.write_text_atomic(path, self.model_dump_json(indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> ModelCostModel:
-        """Read a model saved by :meth:`save`; a problem raises :class:`ConfigError` naming the file."""
-        path = Path(path)
-        return jsonfile.parse(cls, jsonfile.read_text(path, "model cost model"), str(path), "model cost model",
-                              FORMAT_VERSION)
