@@ -17,7 +17,8 @@ from attnpolicy.kernels.masks import MaskCacheStats
 
 @dataclass(slots=True)
 class Counters:
-    """The running counts of one dispatcher (every field an int, all start at 0).
+    """The running counts of one runtime: a dispatcher's, or a model runner's strict-mode
+    and background counts (every field an int, all start at 0).
 
     ``modes`` counts batches by the mode that ran (a mode's value: the stats key).
     The others are read by :meth:`Dispatcher.stats` under the names of

@@ -27,7 +27,9 @@ R_contra = TypeVar("R_contra", contravariant=True)
 
 
 class GraphFamily(Protocol[K, R_contra]):
-    """What a runtime needs of the graphs of one family, keyed by ``K``, built from ``R``."""
+    """What a runtime needs of the graphs of one family: keys ``K``, built from requests
+    ``R_contra``. A new family (decode steps, say) implements these members and is served
+    by the same runtime: nothing in it names a family."""
 
     #: the config its graphs are built under (a runtime switching configs replaces it)
     config: AttnPolicyConfig
