@@ -78,3 +78,14 @@ def test_a_checkout_gets_the_model_flags_its_cli_takes_and_the_flag_line_compare
     assert compare_outputs.compare(a, b) == []
     (b / "model_simulate.stdout").write_text(f"cost model: {cost} (--cost-model)\nworkload: 3 requests\n")
     assert compare_outputs.compare(a, b) == ["model_simulate.stdout"]
+
+
+def test_a_file_naming_its_own_folder_compares_equal_in_another_folder(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, other in ((a, "x"), (b, "x")):
+        (root / "plan").mkdir(parents=True)
+        (root / "plan" / "host_settings.json").write_text(json.dumps(
+            {"file": str((root / "plan" / "buckets.txt").resolve()), "other": other}))
+    assert compare_outputs.compare(a, b) == []
+    (b / "plan" / "host_settings.json").write_text(json.dumps({"file": str(a / "plan" / "buckets.txt"), "other": "x"}))
+    assert compare_outputs.compare(a, b) == ["plan/host_settings.json"]

@@ -104,10 +104,12 @@ def _strip(value: Any, measured: bool = False) -> Any:
 FLAG_RENAMES = {"(--model-cost)": "(--cost-model)"}
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path, root: Path) -> Any:
+    """``path``'s content, the absolute path of the folder ``root`` it was recorded in
+    written as ``<out>`` (host settings name their own files by absolute path)."""
+    text = path.read_text().replace(str(root.resolve()), "<out>")
     if path.suffix == ".json":
-        return _strip(json.loads(path.read_text()), measured=path.name.endswith("run.json"))
-    text = path.read_text()
+        return _strip(json.loads(text), measured=path.name.endswith("run.json"))
     for old, new in FLAG_RENAMES.items():
         text = text.replace(old, new)
     return text
@@ -118,7 +120,7 @@ def compare(a: Path, b: Path) -> list[str]:
     names_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file()}
     names_b = {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
     differ = sorted(str(n) for n in names_a ^ names_b)
-    differ += sorted(str(n) for n in names_a & names_b if _load(a / n) != _load(b / n))
+    differ += sorted(str(n) for n in names_a & names_b if _load(a / n, a) != _load(b / n, b))
     return differ
 
 
