@@ -275,11 +275,61 @@ def test_small_mask_tensors_are_bounded_in_bytes():
         assert block.shape == (n, 25)
         stats = cache.stats()
         assert stats.small_bytes <= 4_000 and stats.max_small_bytes == 4_000
-        assert stats.small_bytes == sum(t.nbytes for t in cache._small.values())
+        assert stats.small_bytes == sum(t.nbytes for t in cache._small.entries.values())
     assert cache.stats().small_bytes > 3_000  # the most recent ones stay
     huge = cache.small("huge", lambda: torch.zeros(2_000))  # 8000 bytes: built, not kept
     assert huge.shape == (2_000,) and "huge" not in cache._small
     assert MaskCache(max_bytes=1_000).stats().max_small_bytes == 1_000  # never above max_bytes
+
+
+_MASK_REQUESTS = st.lists(st.tuples(layouts(max_seqs=2, max_len=6, max_context=3, max_pad=2), st.integers(0, 2),
+                                    st.integers(0, 2), st.one_of(st.none(), st.integers(1, 3))),
+                          min_size=1, max_size=6)
+_A, _B, _C = (BatchLayout.from_lens([n]) for n in (4, 5, 6))  # 16, 25 and 36 bytes
+
+
+@settings(max_examples=100)
+@given(distinct=_MASK_REQUESTS, picks=st.lists(st.integers(0, 5), min_size=1, max_size=24),
+       bound=st.sampled_from([None, 40, 64, 100, 300]))
+@example(distinct=[(_A, 0, 0, None), (_B, 0, 0, None), (_C, 0, 0, None)], picks=[0, 1, 0, 2, 0], bound=64)
+@example(distinct=[(_A, 0, 0, None), (BatchLayout.from_lens([4], causal=False), 0, 0, None), (_A, 0, 0, 2)],
+         picks=[0, 1, 2, 0], bound=None)
+def test_the_mask_cache_keeps_each_layouts_own_mask_least_recently_used_first_out(distinct, picks, bound):
+    """Against a least-recently-used list of the masks it returned, by their tensors' own
+    bytes: a hit returns the kept mask (equal to a fresh one), a miss builds, the oldest
+    go first until the new one fits, one larger than the bound is not kept."""
+    from collections import OrderedDict
+
+    from attnpolicy.kernels.masks import MaskCache, mask_entry, mask_for
+
+    cache = MaskCache(max_bytes=bound)
+    kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # the reference, least recently used first
+    hits = misses = evictions = uncached = peak = 0
+    for pick in picks:
+        layout, more_rows, more_cols, window = request = distinct[pick % len(distinct)]
+        rows, cols = layout.q_tokens + more_rows, layout.kv_tokens + more_cols
+        got = cache.layout_mask(layout, rows, cols, "cpu", window)
+        assert torch.equal(got, mask_for(layout, window).materialize(rows, cols))
+        if request in kept:
+            assert got is kept[request]
+            kept.move_to_end(request)
+            hits += 1
+        else:
+            misses += 1
+            if bound is not None and got.nbytes > bound:
+                uncached += 1
+            else:
+                while bound is not None and sum(t.nbytes for t in kept.values()) + got.nbytes > bound:
+                    kept.popitem(last=False)
+                    evictions += 1
+                kept[request] = got
+                peak = max(peak, sum(t.nbytes for t in kept.values()))
+        for seen in distinct:
+            lay, r, c, w = seen
+            assert (mask_entry(lay, lay.q_tokens + r, lay.kv_tokens + c, "cpu", w)[0] in cache) == (seen in kept)
+        stats = cache.stats()
+        assert (stats.masks, stats.bytes, stats.peak_bytes) == (len(kept), sum(t.nbytes for t in kept.values()), peak)
+        assert (stats.hits, stats.misses, stats.evictions, stats.uncached) == (hits, misses, evictions, uncached)
 
 
 def test_block_masks_are_bounded_in_bytes():

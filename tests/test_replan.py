@@ -81,13 +81,13 @@ def test_mask_builds_of_repeated_layouts_are_those_of_the_dispatcher(steps, repe
 
 
 def _shape_only(layout, rows, cols, device, window=None):
-    """A mask key that shares one mask among the layouts of a shape."""
-    return rows, cols, device, window
+    """A mask entry whose key shares one mask among the layouts of a shape."""
+    return (rows, cols, device, window), rows * cols
 
 
 def _lengths_only(layout, rows, cols, device, window=None):
-    """A mask key that ignores causality."""
-    return layout.q_lens, layout.kv_lens, rows, cols, device, window
+    """A mask entry whose key ignores causality."""
+    return (layout.q_lens, layout.kv_lens, rows, cols, device, window), rows * cols
 
 
 def test_the_planner_keeps_masks_by_the_rule_the_dispatcher_keeps_them_by(monkeypatch):
@@ -98,8 +98,8 @@ def test_the_planner_keeps_masks_by_the_rule_the_dispatcher_keeps_them_by(monkey
     config = AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=256, max_mask_bytes=2 * 64 * 64 + 1024,
                               buckets={"kind": "list", "sizes": [16, 64, 256]})
     builds = {}
-    for rule in (masks.mask_key, _shape_only, _lengths_only):
-        monkeypatch.setattr(masks, "mask_key", rule)
+    for rule in (masks.mask_entry, _shape_only, _lengths_only):
+        monkeypatch.setattr(masks, "mask_entry", rule)
         dispatcher = Dispatcher(config)
         g = torch.Generator().manual_seed(0)
         for layout in steps:

@@ -9,18 +9,23 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from strategies import layouts
 
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.cache.key_stream import StreamCache, StreamStats, replay_stream
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.features import Features
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError, GraphTooLargeError
+from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.graphs.keys import GraphKey
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
+from attnpolicy.kernels.masks import mask_entry
 from attnpolicy.modelling.bucket_schemes import bucket_scheme, complete, vllm_sizes
 from attnpolicy.modelling.simulation import (
     ROW_FIELDS,
@@ -29,8 +34,10 @@ from attnpolicy.modelling.simulation import (
     lower_bounds,
     next_uses,
     simulate,
+    simulate_layouts,
     simulation_config,
 )
+from attnpolicy.planning.call_table import CallTable
 from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request, synthetic_default
@@ -162,6 +169,47 @@ def test_mask_builds_mirror_the_mask_cache():
     (row,) = simulate(same, ["always-mask"], [None], ["lru"],
                       former_options={"max_num_seqs": 1, "max_num_batched_tokens": 128, "prefill_only": True})
     assert row.batches == 3 and row.mask_builds == 1
+
+
+@settings(max_examples=50)
+@given(distinct=st.lists(layouts(max_seqs=3, max_len=20, max_context=8, max_pad=6), min_size=1, max_size=4),
+       picks=st.lists(st.integers(0, 3), min_size=1, max_size=10), window=st.one_of(st.none(), st.integers(1, 6)))
+@example(distinct=[BatchLayout.from_lens([10]), BatchLayout.from_lens([12], causal=False),
+                   BatchLayout.from_lens([20, 10])], picks=[0, 1, 0, 2, 1, 0, 2], window=None)  # 256, 256, 1024 bytes
+def test_the_modelled_mask_cache_holds_the_masks_the_dispatcher_holds_batch_by_batch(distinct, picks, window):
+    """For each byte bound, a real MASK run and its model (the batch cost's mask mirror,
+    fed as a simulation feeds it) hold the same masks after every batch; the simulation
+    and the planner's call table count the builds the real run makes."""
+    steps = [distinct[i % len(distinct)] for i in picks]
+    spec = TensorSpec("float32", 2, 1, 8, features=Features(window))
+    gen = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(lay.q_tokens, 2, 8, generator=gen), torch.randn(lay.kv_tokens, 1, 8, generator=gen))
+               for lay in steps]
+    for bound in (300, 1_500, 5_000, 20_000):  # none, one or a few of the 16 x 16 ... 128 x 128 masks fit
+        config = AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=128, max_batch_tokens=128,
+                                  buckets={"kind": "list", "sizes": [16, 32, 64, 128]}, on_overflow="eager",
+                                  max_mask_bytes=bound)
+        real = Dispatcher(config)
+        modelled = Dispatcher(config, builder=lambda call, key, spec: SimulatedGraph(key))
+        costs = BatchCost(MODEL, bound)
+        builds, seconds, seen = 0, 0.0, set()
+        for layout, (q, k) in zip(steps, tensors):
+            real.attend(q, k, k, layout, window=window)
+            for call, _ in modelled.prepare(layout, spec):
+                built = costs.mask_seconds(layout, call, spec.device, window)
+                if built is not None:
+                    builds += 1
+                    seconds += built
+                if call.kind is CallKind.MASK:
+                    seen.add((layout, call.q_bucket, call.kv_bucket))
+            for lay, rows, cols in seen:
+                held = mask_entry(lay, rows, cols, q.device, window)[0] in real.masks
+                assert held == costs.masks.held(mask_entry(lay, rows, cols, spec.device, window)[0]), bound
+        assert real.stats().masks.misses == builds, bound
+        (row,) = simulate_layouts(steps, ["always-mask"], [None], ["lru"], config, MODEL, spec)
+        table = CallTable(steps, "always-mask", config, MODEL, spec).bucketed(config).recording
+        assert (row.mask_builds, table.mask_builds) == (builds, builds), bound
+        assert row.mask_build_seconds == table.mask_build_seconds == seconds, bound
 
 
 def test_simulated_misses_equal_a_real_run():

@@ -3,8 +3,9 @@
 One call costs its graph's run seconds (or, run uncompiled past the largest bucket,
 its shape's) plus the dispatch overhead; a MASK call also costs the build of its
 dense mask when the dispatcher's mask cache does not hold it. :class:`MaskMirror`
-is that cache without the masks: the same byte bound and the same key
-(:func:`~attnpolicy.kernels.masks.mask_key`, the sliding window included, looked up
+is that cache without the masks (a :class:`~attnpolicy.kernels.masks.MaskCache` of
+the same byte bound, holding no tensors) and the same key and bytes
+(:func:`~attnpolicy.kernels.masks.mask_entry`, the sliding window included, looked up
 when called: the rule itself, not a copy), so every model counts the builds the
 dispatcher makes; a windowed build is priced by the
 cost model's ``mask_build_window``. Simulation, stall modelling (and the planner through simulation)
@@ -32,8 +33,7 @@ class MaskNeed:
 
     def __init__(self, layout: BatchLayout, rows: int, cols: int, device: object, model: CostModel,
                  window: int | None = None) -> None:
-        self.key = masks.mask_key(layout, rows, cols, device, window)
-        self.nbytes = rows * cols
+        self.key, self.nbytes = masks.mask_entry(layout, rows, cols, device, window)
         self.seconds = model.mask_build_seconds(rows, cols, window)
 
 
@@ -52,8 +52,7 @@ class MaskMirror:
 
     def settled(self, need: MaskNeed) -> bool:
         """Whether using ``need`` leaves the mirror as it is: cached, or too large to cache."""
-        largest = self._cache.max_bytes
-        return need.key in self._cache or (largest is not None and need.nbytes > largest)
+        return need.key in self._cache or not self._cache.fits(need.nbytes)
 
     def use(self, key: Hashable, nbytes: int) -> None:
         """Record a use of the mask of ``key`` (``nbytes`` large), as the dispatcher's lookup does."""
@@ -87,7 +86,7 @@ class BatchCost:
         if call.kind is not CallKind.MASK:
             return None
         rows, cols = call.q_bucket, call.kv_bucket
-        key = masks.mask_key(layout, rows, cols, device, window)
+        key, nbytes = masks.mask_entry(layout, rows, cols, device, window)
         built = None if self.masks.held(key) else self.model.mask_build_seconds(rows, cols, window)
-        self.masks.use(key, rows * cols)
+        self.masks.use(key, nbytes)
         return built

@@ -4,21 +4,21 @@ A mask describes which keys each query row may attend; it materialises a dense
 tensor only when a MASK graph needs one. Construction is vectorised (one
 block write per sequence, no Python loop over tokens). Nothing is cached per
 process: a :class:`MaskCache` (each Dispatcher owns one) keeps dense masks by
-(mask, shape, device) within a byte bound, and the small per-layout tensors
-(real-row masks, VARLEN bounds, zero padding blocks) within a byte and an entry
-bound, so a repeated layout costs nothing to rebuild and everything is freed with
+layout, shape, device and window (:func:`mask_entry`) within a byte bound, and the
+small per-layout tensors (real-row masks, VARLEN bounds, zero padding blocks) within
+a byte and an entry bound, so a repeated layout costs nothing to rebuild and everything is freed with
 its owner.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from attnpolicy.core.bounded_order import BoundedOrder
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.names import DEFAULT_MAX_MASK_BYTES
 
@@ -51,13 +51,16 @@ class MaskCacheStats:
         return asdict(self)
 
 
-def mask_key(layout: BatchLayout, rows: int, cols: int, device: object, window: int | None = None) -> Hashable:
-    """The :class:`MaskCache` key of ``layout``'s dense ``rows × cols`` mask on ``device``
-    (under a sliding ``window``): the one rule by which the dispatcher keeps masks and
-    every mirror of its cache (``graphs.batch_cost``, the planner's call table) counts
-    them; they call it, so a change here is a change there. A function of its
-    arguments' values: the planner calls it once per distinct argument tuple."""
-    return (layout, rows, cols, device) if window is None else (layout, rows, cols, device, window)
+def mask_entry(layout: BatchLayout, rows: int, cols: int, device: object,
+               window: int | None = None) -> tuple[Hashable, int]:
+    """The :class:`MaskCache` entry of ``layout``'s dense ``rows × cols`` mask on ``device``
+    (under a sliding ``window``): the key it is kept under and its bytes (one per
+    boolean). The one rule by which the dispatcher keeps masks and every model of its
+    cache (``graphs.batch_cost``, the planner's call table) counts them; they call it,
+    so a change here is a change there. A function of its arguments' values: the
+    planner calls it once per distinct argument tuple."""
+    key = (layout, rows, cols, device) if window is None else (layout, rows, cols, device, window)
+    return key, rows * cols
 
 
 class MaskCache:
@@ -66,7 +69,10 @@ class MaskCache:
     built and returned uncached); and small tensors (real-row masks, VARLEN bounds,
     zero padding blocks), least recently used first out, at most ``max_small`` of
     them and ``max_small_bytes`` bytes together (default: :data:`SMALL_CACHE_BYTES`,
-    at most ``max_bytes``). Not thread-safe: its dispatcher uses it under its own lock."""
+    at most ``max_bytes``). Both are a least-recently-used
+    :class:`~attnpolicy.core.bounded_order.BoundedOrder`, the eviction rule the models
+    of this cache (``graphs.batch_cost``, the planner's call table) run too, on the keys of
+    :func:`mask_entry`. Not thread-safe: its dispatcher uses it under its own lock."""
 
     def __init__(self, max_bytes: int | None = DEFAULT_MAX_MASK_BYTES, max_small: int = SMALL_CACHE_SIZE,
                  max_small_bytes: int | None = None) -> None:
@@ -75,30 +81,29 @@ class MaskCache:
         if max_small_bytes is None:
             max_small_bytes = SMALL_CACHE_BYTES if max_bytes is None else min(SMALL_CACHE_BYTES, max_bytes)
         self.max_small_bytes = max_small_bytes
-        self._dense: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
-        self._small: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
-        self._bytes = self._peak = self._small_bytes = 0
-        self._hits = self._misses = self._evictions = self._uncached = 0
+        self._dense: BoundedOrder[Hashable, Any] = BoundedOrder.lru(max_bytes=max_bytes)
+        self._small: BoundedOrder[Hashable, torch.Tensor] = BoundedOrder.lru(max_graphs=max_small,
+                                                                             max_bytes=max_small_bytes)
+        self._hits = self._misses = self._uncached = 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a dense mask of ``nbytes`` is kept once built (within ``max_bytes``)."""
+        return self._dense.fits(nbytes)
 
     def lookup(self, key: Hashable, nbytes: int, build: Callable[[], Any]) -> Any:
-        """The dense entry for ``key`` (``nbytes`` large), built by ``build()`` on a miss."""
-        hit = self._dense.get(key)
+        """The dense entry for ``key`` (``nbytes`` large), built by ``build()`` on a miss
+        (its value must not be ``None``)."""
+        dense = self._dense
+        hit = dense.get(key)
         if hit is not None:
-            self._dense.move_to_end(key)
             self._hits += 1
-            return hit[0]
+            return hit
         self._misses += 1
         value = build()
-        if self.max_bytes is not None and nbytes > self.max_bytes:
+        if not dense.fits(nbytes):
             self._uncached += 1
             return value
-        while self.max_bytes is not None and self._bytes + nbytes > self.max_bytes:
-            _, (_, gone) = self._dense.popitem(last=False)
-            self._bytes -= gone
-            self._evictions += 1
-        self._dense[key] = (value, nbytes)
-        self._bytes += nbytes
-        self._peak = max(self._peak, self._bytes)
+        dense.admit(key, value, nbytes, 0.0)
         return value
 
     def layout_mask(self, layout: BatchLayout, rows: int, cols: int, device: torch.device | str,
@@ -106,7 +111,8 @@ class MaskCache:
         """:func:`mask_for` ``(layout, window)``'s dense ``rows × cols`` mask on ``device``,
         kept per (layout, shape, device, window): the hot path of a MASK call (no mask
         object built on a hit). Do not modify it."""
-        dense: torch.Tensor = self.lookup(mask_key(layout, rows, cols, device, window), rows * cols,
+        key, nbytes = mask_entry(layout, rows, cols, device, window)
+        dense: torch.Tensor = self.lookup(key, nbytes,
                                           lambda: mask_for(layout, window).materialize(rows, cols).to(device))
         return dense
 
@@ -117,30 +123,25 @@ class MaskCache:
     def small(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The small tensor for ``key``, built by ``build()`` on a miss (and not kept
         if larger than ``max_small_bytes``)."""
-        hit = self._small.get(key)
+        small = self._small
+        hit = small.get(key)
         if hit is not None:
-            self._small.move_to_end(key)
             return hit
         value = build()
-        if value.nbytes > self.max_small_bytes:
-            return value
-        self._small[key] = value
-        self._small_bytes += value.nbytes
-        while len(self._small) > self.max_small or self._small_bytes > self.max_small_bytes:
-            _, gone = self._small.popitem(last=False)
-            self._small_bytes -= gone.nbytes
+        if small.fits(value.nbytes):
+            small.admit(key, value, value.nbytes, 0.0)
         return value
 
     def clear(self) -> None:
         """Drop every mask and small tensor (counters stay)."""
         self._dense.clear()
         self._small.clear()
-        self._bytes = self._small_bytes = 0
 
     def stats(self) -> MaskCacheStats:
-        return MaskCacheStats(len(self._dense), self._bytes, self._peak, self.max_bytes, self._hits,
-                              self._misses, self._evictions, self._uncached, len(self._small),
-                              self._small_bytes, self.max_small_bytes)
+        dense, small = self._dense, self._small
+        return MaskCacheStats(len(dense), dense.nbytes, dense.peak_bytes, self.max_bytes, self._hits,
+                              self._misses, dense.evictions, self._uncached, len(small),
+                              small.nbytes, self.max_small_bytes)
 
 
 @dataclass(frozen=True)
@@ -182,15 +183,14 @@ class BlockDiagonalMask:
 
     def dense(self, rows: int | None = None, cols: int | None = None, device: str = "cpu",
               cache: MaskCache | None = None) -> torch.Tensor:
-        """The dense boolean mask on ``device``: built fresh, or taken from ``cache``
-        (per mask, shape and device; do not modify a cached mask)."""
+        """The dense boolean mask on ``device``: built fresh, or taken from ``cache`` when
+        this is its layout's own mask (:func:`mask_for`; keyed by :func:`mask_entry`; do not
+        modify a cached mask)."""
         rows = self.layout.q_tokens if rows is None else rows
         cols = self.layout.kv_tokens if cols is None else cols
-        if cache is None:
+        if cache is None or self != mask_for(self.layout, self.window):  # a cache keeps a layout's own mask
             return self.materialize(rows, cols).to(device)
-        dense: torch.Tensor = cache.lookup((self, rows, cols, device), rows * cols,
-                                           lambda: self.materialize(rows, cols).to(device))
-        return dense
+        return cache.layout_mask(self.layout, rows, cols, device, self.window)
 
     def additive(self, dtype: torch.dtype = torch.float32, rows: int | None = None,
                  cols: int | None = None) -> torch.Tensor:

@@ -128,9 +128,10 @@ class CallTable:
         self.alt = np.array(alt, dtype=bool)
         self.mask_layout = np.array(mask_layout, dtype=np.int64)
         self.max_kv = np.array([layout.max_kv_len for layout in self.layouts], dtype=np.int64)
-        #: mask-cache keys numbered (see :meth:`_mask_ids`), and the number of each MASK
-        #: row's (layout, buckets) code
+        #: mask-cache keys numbered (see :meth:`_mask_ids`), the bytes of each by its
+        #: number, and the number of each MASK row's (layout, buckets) code
         self._mask_key_ids: dict[Hashable, int] = {}
+        self._mask_bytes: list[int] = []
         self._mask_code_ids: dict[int, int] = {}
         #: results shared by tables whose calls are equal (see :meth:`share`)
         self.memo: dict[object, object] = {}
@@ -262,8 +263,8 @@ class CallTable:
     def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,
                kvb: np.ndarray) -> tuple[int, float]:
         """Dense mask builds of the MASK ``rows``: the dispatcher's mask cache (LRU within
-        ``max_mask_bytes``) replayed as a key stream, its keys those of
-        :func:`~attnpolicy.kernels.masks.mask_key` (:meth:`_mask_ids`). When no key
+        ``max_mask_bytes``) replayed as a key stream, its keys and their bytes those of
+        :func:`~attnpolicy.kernels.masks.mask_entry` (:meth:`_mask_ids`). When no key
         repeats, every request builds: the builds are the requests and their seconds the
         costs summed in request order, as the replay adds them."""
         if not rows.size:
@@ -271,7 +272,8 @@ class CallTable:
         code = self.mask_layout[rows] << 42 | qb[rows] << 21 | kvb[rows]
         calls, calls_first = _first_order(code)  # each distinct (layout, buckets), in request order
         firsts = rows[calls_first]
-        keys, keys_first = _first_order(self._mask_ids(code[calls_first], firsts, qb[firsts], kvb[firsts]))
+        numbers = self._mask_ids(code[calls_first], firsts, qb[firsts], kvb[firsts])
+        keys, keys_first = _first_order(numbers)
         ids, first = keys[calls], firsts[keys_first]
         window = self.spec.features.window
         shape, which = np.unique(qb[first] << 21 | kvb[first], return_inverse=True)
@@ -280,7 +282,7 @@ class CallTable:
         costs = seconds[which]
         if first.size == rows.size:  # no repeats
             return int(rows.size), float(np.cumsum(costs)[-1])
-        sizes = (qb[first] * kvb[first]).tolist()
+        sizes = list(map(self._mask_bytes.__getitem__, numbers[keys_first].tolist()))
         stats = replay_stream(ids.tolist(), sizes, costs.tolist(), max_bytes=config.max_mask_bytes,
                               oversize="uncached")
         return stats.misses, stats.compile_seconds
@@ -288,17 +290,22 @@ class CallTable:
     def _mask_ids(self, codes: np.ndarray, rows: np.ndarray, qb: np.ndarray, kvb: np.ndarray) -> np.ndarray:
         """The mask-cache key of each MASK row of ``rows`` (its step's layout, bucketed
         ``qb × kvb``, under the table's spec), numbered: equal ids are equal
-        :func:`~attnpolicy.kernels.masks.mask_key` keys, computed by that rule once per
-        ``codes`` (the row's layout and buckets) and remembered across configs."""
+        :func:`~attnpolicy.kernels.masks.mask_entry` keys, computed by that rule once per
+        ``codes`` (the row's layout and buckets) and remembered across configs, with the
+        entry's bytes (``_mask_bytes`` by id)."""
         known = self._mask_code_ids
         found = np.fromiter(map(known.get, codes.tolist(), repeat(-1)), dtype=np.int64, count=codes.size)
         new = np.flatnonzero(found < 0)
         if new.size:
-            numbered, key, layouts = self._mask_key_ids, masks.mask_key, self.layouts
+            numbered, sizes, entry, layouts = self._mask_key_ids, self._mask_bytes, masks.mask_entry, self.layouts
             device, window = self.spec.device, self.spec.features.window
             for i, c, s, q, k in zip(new.tolist(), codes[new].tolist(), self.step[rows[new]].tolist(),
                                      qb[new].tolist(), kvb[new].tolist(), strict=True):
-                found[i] = known[c] = numbered.setdefault(key(layouts[s], q, k, device, window), len(numbered))
+                key, nbytes = entry(layouts[s], q, k, device, window)
+                number = numbered.setdefault(key, len(numbered))
+                if number == len(sizes):
+                    sizes.append(nbytes)
+                found[i] = known[c] = number
         return found
 
     def cached(self, config: AttnPolicyConfig) -> tuple[Bucketed, KeyStream]:
