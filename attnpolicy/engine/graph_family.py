@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +46,8 @@ from attnpolicy.kernels.attention import bind
 NAME = "attnpolicy-static"
 #: The keyword argument that carries a VARLEN graph's segments to the attention calls.
 SEGMENTS_KWARG = "attnpolicy_segments"
+#: The keyword argument that carries a step's cached context (:class:`Past`) to the attention calls.
+PAST_KWARG = "attnpolicy_past"
 #: A forward's example inputs: ids, positions and, for MASK, the mask.
 Inputs = tuple[torch.Tensor, ...]
 
@@ -64,14 +66,55 @@ class ModelKey:
         return f"model/{self.mode.value}/t{shape}/{self.backend}"
 
 
+class Past(NamedTuple):
+    """A step's cached context inside its graph: every layer's past keys and values
+    ``[layers, kv_heads, C, head_dim]`` (each sequence's context in a span of its own),
+    what of it each row may see, and the list each layer appends its new key and value
+    rows to (the graph's KV outputs).
+
+    ``segments`` ``None``: ``mask`` ``[T, C + T]`` (True = attend) over past then new
+    rows (MASK), or ``mask`` ``None``: one sequence whose context is all of ``C``,
+    causal (CAUSAL). Else ``((rows, context), ...)`` per sequence, in order: one call
+    per sequence over its own span of past and rows, ``mask`` ``[C]`` the real past
+    positions (VARLEN: no score across sequences)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    segments: tuple[tuple[int, int], ...] | None
+    new: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _with_past(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Past,
+               run: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """One layer's attention of new rows ``q, k, v`` (``[heads, T, D]``) over ``past``."""
+    past.new.append((k, v))
+    pk, pv = past.k[layer], past.v[layer]
+    if past.segments is None:
+        return run(q, torch.cat([pk, k], 1), torch.cat([pv, v], 1), past.mask is None, past.mask)
+    parts, rows, ctx = [], 0, 0
+    for n, c in past.segments:
+        seen = torch.cat([past.mask[ctx:ctx + c].expand(n, c),  # type: ignore[index]
+                          torch.ones(n, n, dtype=torch.bool, device=q.device).tril()], 1)
+        parts.append(run(q[:, rows:rows + n], torch.cat([pk[:, ctx:ctx + c], k[:, rows:rows + n]], 1),
+                         torch.cat([pv[:, ctx:ctx + c], v[:, rows:rows + n]], 1), False, seen))
+        rows, ctx = rows + n, ctx + c
+    return torch.cat(parts, dim=1)
+
+
 def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function of the runner's graphs (batch 1):
     ``attention_mask`` ``[1, 1, T, T]`` (True = attend) or ``None`` (causal); with
-    ``attnpolicy_segments`` one causal call per segment of rows."""
+    ``attnpolicy_segments`` one causal call per segment of rows; with ``attnpolicy_past``
+    (a :class:`Past`) over a step's cached context, the new key and value rows recorded."""
     run = bind("sdpa", scale=scaling)  # traced once per graph: no memo for Dynamo to guard on
     q, k, v = query[0], key[0], value[0]
+    past: Past | None = kwargs.get(PAST_KWARG)
+    if past is not None:
+        layer: int = module.layer_idx  # type: ignore[assignment]
+        return _with_past(layer, q, k, v, past, run).transpose(0, 1)[None], None
     segments: tuple[int, ...] | None = kwargs.get(SEGMENTS_KWARG)
     if attention_mask is not None:
         out = run(q, k, v, False, attention_mask[0, 0])

@@ -15,9 +15,13 @@ an evicted graph's code is released), the store, strict mode, and
 worker with pad-up and switch-in. The runner itself places a batch's tokens into a
 graph's rows and back, checks its inputs, and records each build's memory.
 
-Serves prefill of causal layouts without cached context; other layouts, and a real
-row's token id outside the vocabulary (the input embedding's rows), raise
-:class:`~attnpolicy.errors.LayoutError` before any work.
+Serves prefill of causal layouts without cached context; given a
+:class:`~attnpolicy.engine.kv_cache.KVCache` and each sequence's slot in it, any causal
+step (prefill whose KV is kept, chunked prefill, decode, mixed) through the step graph
+family (:mod:`~attnpolicy.engine.step_family`), each slot's KV read and extended. A
+layout with cached context but no cache, a slot that does not hold a sequence's
+context, and a real row's token id outside the vocabulary (the input embedding's rows)
+raise :class:`~attnpolicy.errors.LayoutError` before any work.
 
 Memory per graph is measured around its build (compile and first run): the RSS
 delta of the process, and on CUDA the ``torch.cuda.memory_allocated`` delta, beside
@@ -30,7 +34,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from typing import Any
@@ -46,7 +50,17 @@ from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.dispatch.stats import BackgroundStats, Counters
 from attnpolicy.engine.graph_family import NAME, Inputs, ModelFamily, ModelKey, model_key_for, register
-from attnpolicy.errors import ConfigError, LayoutError
+from attnpolicy.engine.kv_cache import KVCache
+from attnpolicy.engine.step_family import (
+    StepFamily,
+    StepInputs,
+    StepKey,
+    contexts,
+    segment,
+    step_key_for,
+    why_illegal_step,
+)
+from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError
 from attnpolicy.graphs import backend_setup
 from attnpolicy.graphs.compile import CompiledGraph
 from attnpolicy.graphs.keys import TensorSpec
@@ -87,8 +101,10 @@ class RunnerStats:
     #: (``compile_mode="background"``) batches run on the eager forward while their graph
     #: compiled, no resident graph able to serve them padded up
     eager_served: int = 0
-    #: (``compile_mode="background"``) seconds batches waited for the worker at switch points
+    #: (``compile_mode="background"``) seconds batches waited for the workers at switch points
     stall_seconds: float = 0.0
+    #: (``compile_mode="background"``) the step graphs' background compiles
+    step_background: BackgroundStats | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +123,25 @@ class Placed:
 
     def scatter(self, out: torch.Tensor, q_tokens: int) -> torch.Tensor:
         """The graph's output ``out`` back in the layout's ``q_tokens`` rows (padding zero)."""
+        logits = out.new_zeros(q_tokens, out.shape[-1])
+        logits[self.src] = out[self.rows]
+        return logits
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedStep:
+    """A step placed in its step graph: the key, the graph row and layout row of each
+    real token, each sequence's graph rows (in the layout's order, for its slot), and
+    the graph's inputs (ids, positions, past keys and values, the mask but for CAUSAL)."""
+
+    key: StepKey
+    rows: torch.Tensor
+    src: torch.Tensor
+    seq_rows: tuple[torch.Tensor, ...]
+    inputs: StepInputs
+
+    def scatter(self, out: torch.Tensor, q_tokens: int) -> torch.Tensor:
+        """The graph's logits ``out`` back in the layout's ``q_tokens`` rows (padding zero)."""
         logits = out.new_zeros(q_tokens, out.shape[-1])
         logits[self.src] = out[self.rows]
         return logits
@@ -162,17 +197,26 @@ class StaticModelRunner:
         #: with ``store_dir``: every graph persists there, keyed by the model's code and
         #: config (``code_hash``); a miss loads it
         self.family = family = ModelFamily(self.model, cfg, compile_counter=compile_counter)
+        #: the step graphs (cached context, KV in and out), stored beside the prefill graphs
+        self.steps = steps = StepFamily(self.model, cfg, family.store, compile_counter=compile_counter)
+        #: one cache holds both families' graphs, bounded together
         self.cache: GraphCache[CompiledGraph] = GraphCache.from_config(
-            cfg, sizeof=family.estimate_bytes, release=family.release)
+            cfg, sizeof=lambda k: (steps if isinstance(k, StepKey) else family).estimate_bytes(k),
+            release=lambda k, g: (steps if isinstance(k, StepKey) else family).release(k, g))
         self.counters = Counters()  # strict mode's and the background's
         self.source: GraphSource[ModelKey, Inputs] = GraphSource(self.cache, self.counters, family,
-                                                                 builder=self._measured)
+                                                                 builder=self._measured(family))
+        self.step_source: GraphSource[StepKey, StepInputs] = GraphSource(self.cache, self.counters, steps,
+                                                                         builder=self._measured(steps))
         self._memory: list[GraphMemory] = []
         self._modes: Counter[str] = Counter()
         self._batches = 0
         self._lock = threading.RLock()  # the policy, the counters, the background's pending compiles
         self._background: Background[ModelKey, Inputs] | None = (
             Background(self.source, thread_name="attnpolicy-model-compile")
+            if cfg.compile_mode == "background" else None)
+        self._step_background: Background[StepKey, StepInputs] | None = (
+            Background(self.step_source, thread_name="attnpolicy-step-compile")
             if cfg.compile_mode == "background" else None)
 
     @property
@@ -185,20 +229,59 @@ class StaticModelRunner:
         """The guarded policy's decision for ``layout`` (a real decision: counted)."""
         return self.guard.decide(layout, self._context)
 
-    def logits(self, token_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def logits(self, token_ids: torch.Tensor, layout: BatchLayout, *, kv: KVCache | None = None,
+               slots: Sequence[int] | None = None) -> torch.Tensor:
         """The logits of every row of ``layout`` (``token_ids[layout.q_tokens]`` of any
         integer dtype and stride, on the model's device or the CPU), run as the policy
-        decides, through the graph of its key."""
-        self._check(token_ids, layout)
+        decides, through the graph of its key. With ``kv`` and ``slots`` (sequence ``i``'s
+        slot in ``kv``, holding its cached context) the step runs on the step graphs and
+        each slot gains the step's KV rows."""
+        self._check(token_ids, layout, kv, slots)
         with self._lock:
             decision = self.decide(layout)
             self._modes[decision.mode.value] += 1
             self._batches += 1
-        return self.run(token_ids, layout, decision.mode)
+        return self.run(token_ids, layout, decision.mode, kv=kv, slots=slots)
 
-    def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> torch.Tensor:
+    def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *, kv: KVCache | None = None,
+            slots: Sequence[int] | None = None) -> torch.Tensor:
         """As :meth:`logits` in a given ``mode`` (no policy; the mode must be legal)."""
+        if kv is not None or slots is not None:
+            return self._run_step(token_ids, layout, mode, kv, slots,
+                                  background=self._step_background is not None)
         return self._run(token_ids, layout, mode, background=self._background is not None)
+
+    def _run_step(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+                  slots: Sequence[int] | None, *, background: bool) -> torch.Tensor:
+        self._check(token_ids, layout, kv, slots)
+        assert kv is not None and slots is not None  # checked
+        why = why_illegal_step(mode, layout)
+        if why is not None:
+            raise IllegalModeError(f"mode={mode.value} is illegal for step ({layout.describe()}): {why}")
+        step = self._place_step(token_ids, layout, mode, kv, slots)
+        bg = self._step_background
+        graph: Callable[..., tuple[torch.Tensor, ...]]
+        if bg is not None and background:
+            with self._lock:
+                bg.next_batch()
+                if step.key in self.cache:
+                    graph = self.step_source.get(step.key, step.inputs, pin=True)
+                elif (served := bg.serve(step.key, step.inputs)) is None:
+                    graph = self.steps.eager(step.key, step.inputs)
+                else:  # padded up
+                    step = self._place_step(token_ids, layout, mode, kv, slots, served)
+                    graph = self.step_source.get(step.key, step.inputs, pin=True)
+        else:
+            graph = self.step_source.get(step.key, step.inputs, pin=True)
+        pinned = isinstance(graph, CompiledGraph)
+        try:
+            with torch.no_grad():
+                logits, new_k, new_v = graph(*step.inputs)
+        finally:
+            if pinned:
+                self.cache.unpin([step.key])
+        kv.append(slots, step.seq_rows, new_k, new_v)
+        return step.scatter(logits, layout.q_tokens)
 
     def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *,
              background: bool) -> torch.Tensor:
@@ -243,7 +326,12 @@ class StaticModelRunner:
         """The graph key ``layout`` runs under in ``mode`` (:func:`model_key_for`)."""
         return model_key_for(layout, mode, self.config)
 
-    def _check(self, token_ids: torch.Tensor, layout: BatchLayout) -> None:
+    def step_key_for(self, layout: BatchLayout, mode: MaskMode) -> StepKey:
+        """The step graph key ``layout`` runs under in ``mode`` (:func:`step_key_for`)."""
+        return step_key_for(layout, mode, self.config)
+
+    def _check(self, token_ids: torch.Tensor, layout: BatchLayout, kv: KVCache | None = None,
+               slots: Sequence[int] | None = None) -> None:
         if not isinstance(layout, BatchLayout):
             raise LayoutError(f"layout must be a BatchLayout, got {type(layout).__name__}")
         if (not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.is_floating_point()
@@ -259,9 +347,15 @@ class StaticModelRunner:
                               f"({layout.describe()})")
         if not layout.causal:
             raise LayoutError(f"layout.causal=False: the runner serves causal LMs ({layout.describe()})")
-        if layout.has_context:
-            raise LayoutError(f"the runner serves prefill without cached context, got kv_lens "
+        if (kv is None) != (slots is None):
+            raise LayoutError(f"kv and slots go together: got kv={type(kv).__name__}, slots={slots!r}")
+        if kv is None and layout.has_context:
+            raise LayoutError(f"a layout with cached context needs kv and slots (its KV), got kv_lens "
                               f"{list(layout.kv_lens)} for q_lens {list(layout.q_lens)}")
+        if kv is not None and slots is not None:
+            if not isinstance(kv, KVCache):
+                raise LayoutError(f"kv must be a KVCache, got {type(kv).__name__}")
+            kv.check(list(slots), contexts(layout), layout.q_lens)
         real = torch.zeros(layout.q_tokens, dtype=torch.bool, device=token_ids.device)
         for s, n in zip(layout.q_starts, layout.q_lens):
             real[s:s + n] = True
@@ -301,52 +395,109 @@ class StaticModelRunner:
             inputs += (mask.to(self.device)[None, None],)
         return Placed(key, rows_t, src_t, inputs)
 
-    # -- graphs --------------------------------------------------------------------
-    def _measured(self, key: ModelKey, inputs: Inputs) -> CompiledGraph:
-        """The family's build of ``key``, its memory recorded (also in the background worker)."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        rss, allocated = _rss(), torch.cuda.memory_allocated(self.device) if cuda else 0
-        t0 = perf_counter()
-        graph = self.family.build(key, inputs)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        self._memory.append(GraphMemory(
-            str(key), self.family.estimate_bytes(key),
-            _rss() - rss, torch.cuda.memory_allocated(self.device) - allocated if cuda else None,
-            perf_counter() - t0))
-        return graph
+    def _place_step(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache,
+                    slots: Sequence[int], key: StepKey | None = None) -> PlacedStep:
+        """``layout`` placed in the step graph of ``key`` (default: its own key; else one
+        that dominates it), its slots' context gathered into the past inputs."""
+        key = key or self.step_key_for(layout, mode)
+        token_ids = token_ids.to(device=self.device, dtype=torch.long)
+        ctx = contexts(layout)
+        order = list(range(layout.num_seqs))
+        if mode is MaskMode.VARLEN:  # as the key's segments: largest buckets first
+            order.sort(key=lambda i: segment(layout.q_lens[i], ctx[i], self.config), reverse=True)
+        row_at, col_at, row, col = [0] * layout.num_seqs, [0] * layout.num_seqs, 0, 0
+        for slot_i, i in enumerate(order):
+            row_at[i], col_at[i] = row, col
+            if mode is MaskMode.VARLEN:
+                row, col = row + key.segments[slot_i][0], col + key.segments[slot_i][1]
+            else:
+                row, col = row + layout.q_lens[i], col + ctx[i]
+        t, c = key.tokens, key.context
+        positions = torch.zeros(t, dtype=torch.long)
+        src, rows = [], []
+        mask = torch.zeros(t, c + t, dtype=torch.bool) if mode is MaskMode.MASK else None
+        valid = torch.zeros(c, dtype=torch.bool) if mode is MaskMode.VARLEN else None
+        for i in range(layout.num_seqs):
+            s, n, r0, c0, ci = layout.q_starts[i], layout.q_lens[i], row_at[i], col_at[i], ctx[i]
+            src.append(torch.arange(s, s + n))
+            rows.append(torch.arange(r0, r0 + n))
+            positions[r0:r0 + n] = torch.arange(ci, ci + n)
+            if mask is not None:
+                mask[r0:r0 + n, c0:c0 + ci] = True
+                mask[r0:r0 + n, c + r0:c + r0 + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            if valid is not None:
+                valid[c0:c0 + ci] = True
+        if mask is not None:  # a padding row sees itself: no row of the graph is all masked
+            real = torch.zeros(t, dtype=torch.bool)
+            real[torch.cat(rows)] = True
+            pad = (~real).nonzero().flatten()
+            mask[pad, c + pad] = True
+        src_t, rows_t = torch.cat(src).to(self.device), torch.cat(rows).to(self.device)
+        ids = torch.zeros(t, dtype=torch.long, device=self.device)
+        ids[rows_t] = token_ids[src_t]
+        past_k, past_v = kv.gather(slots, col_at, c)
+        inputs: StepInputs = (ids, positions.to(self.device), past_k, past_v)
+        if mask is not None or valid is not None:
+            inputs += ((mask if mask is not None else valid).to(self.device),)  # type: ignore[union-attr]
+        return PlacedStep(key, rows_t, src_t, tuple(r.to(self.device) for r in rows), inputs)
 
-    def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
+    # -- graphs --------------------------------------------------------------------
+    def _measured(self, family: ModelFamily | StepFamily) -> Callable[[Any, Any], CompiledGraph]:
+        """``family``'s build, each graph's memory recorded (also in the background worker)."""
+        def build(key: Any, inputs: Any) -> CompiledGraph:
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            rss, allocated = _rss(), torch.cuda.memory_allocated(self.device) if cuda else 0
+            t0 = perf_counter()
+            graph = family.build(key, inputs)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            self._memory.append(GraphMemory(
+                str(key), family.estimate_bytes(key),
+                _rss() - rss, torch.cuda.memory_allocated(self.device) - allocated if cuda else None,
+                perf_counter() - t0))
+            return graph
+        return build
+
+    def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey | StepKey]:
         """Compile (or load from the store) the graph of each ``(layout, mode)`` not
-        cached yet (counted as misses, as requests would be; compiled now in every
+        cached yet (a layout with cached context: its step graph, the context zeros in a
+        scratch cache; counted as misses, as requests would be; compiled now in every
         ``compile_mode``), the backend's per-process set-up started ahead (see
         :mod:`~attnpolicy.graphs.backend_setup`); afterwards ``strict`` applies to compiles."""
-        keys = []
+        keys: list[ModelKey | StepKey] = []
         setup = backend_setup.start(self.config.backend, str(self.device))
         try:
             for layout, mode in layouts:
-                self._run(torch.zeros(layout.q_tokens, dtype=torch.long), layout, mode, background=False)
-                keys.append(self.key_for(layout, mode))
+                ids = torch.zeros(layout.q_tokens, dtype=torch.long)
+                if layout.has_context:  # a step: its context as zeros in a scratch cache
+                    kv = KVCache.holding(self.model, contexts(layout), max(layout.kv_lens))
+                    self._run_step(ids, layout, mode, kv, range(layout.num_seqs), background=False)
+                    keys.append(self.step_key_for(layout, mode))
+                else:
+                    self._run(ids, layout, mode, background=False)
+                    keys.append(self.key_for(layout, mode))
         finally:
             setup.join()  # its seconds are the warm-up's
-        self.source.warm = True
+        self.source.warm = self.step_source.warm = True
         return keys
 
     def stats(self) -> RunnerStats:
         with self._lock:
-            bg, c = self._background, self.counters
+            bg, step_bg, c = self._background, self._step_background, self.counters
             return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, c.strict_violations,
                                self.cache.stats(), tuple(self._memory),
                                None if self.store is None else self.store.stats(),
                                None if bg is None else bg.stats(), c.loaded_after_warmup, c.background_eager,
-                               0.0 if bg is None else bg.waited)
+                               sum(b.waited for b in (bg, step_bg) if b is not None),
+                               None if step_bg is None else step_bg.stats())
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""
-        if self._background is not None:
-            self._background.close()
+        for bg in (self._background, self._step_background):
+            if bg is not None:
+                bg.close()
         self.cache.clear()
 
 
