@@ -19,10 +19,12 @@ from attnpolicy.errors import ConfigError, LayoutError
 
 class KVCache:
     """Keys and values of ``slots`` sequences of up to ``max_len`` tokens for a model
-    of ``layers`` layers, ``kv_heads`` heads of ``head_dim``."""
+    of ``layers`` layers, ``kv_heads`` heads of ``head_dim``; ``lengths``: what each slot
+    holds to start with (zero keys and values; default nothing)."""
 
     def __init__(self, slots: int, max_len: int, *, layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 lengths: Sequence[int] | None = None) -> None:
         for name, value in (("slots", slots), ("max_len", max_len), ("layers", layers),
                             ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -31,25 +33,25 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        self._lengths = [0] * slots
+        if lengths is not None and len(lengths) != slots:
+            raise ConfigError(f"lengths must give one length per slot ({slots}), got {list(lengths)}")
+        self._lengths = [0] * slots if lengths is None else [self._check_length(n) for n in lengths]
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, slots: int, max_len: int) -> KVCache:
+    def for_model(cls, model: torch.nn.Module, slots: int, max_len: int, *,
+                  lengths: Sequence[int] | None = None) -> KVCache:
         """A cache shaped for HF ``model`` (its config, dtype and device)."""
         c: Any = model.config
         param = next(model.parameters())
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(slots, max_len, layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads,
-                   head_dim=head_dim, dtype=param.dtype, device=param.device)
+                   head_dim=head_dim, dtype=param.dtype, device=param.device, lengths=lengths)
 
     @classmethod
     def holding(cls, model: torch.nn.Module, lengths: Sequence[int], max_len: int) -> KVCache:
         """A cache for ``model`` whose slot ``i`` holds ``lengths[i]`` tokens of zero keys and
         values (what a warm-up step runs over: its graph depends on shapes only)."""
-        kv = cls.for_model(model, len(lengths), max_len)
-        for slot, n in enumerate(lengths):
-            kv._lengths[slot] = kv._check_length(n)
-        return kv
+        return cls.for_model(model, len(lengths), max_len, lengths=lengths)
 
     @property
     def slots(self) -> int:
@@ -103,7 +105,7 @@ class KVCache:
 
     def _check_length(self, n: int) -> int:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.max_len:
-            raise LayoutError(f"a slot's length must be an int in [0, {self.max_len}], got {n!r}")
+            raise ConfigError(f"a slot's length must be an int in [0, {self.max_len}], got {n!r}")
         return n
 
     def _slot(self, slot: int) -> int:

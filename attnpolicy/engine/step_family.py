@@ -25,7 +25,7 @@ What each mode's graph is (``T`` rows, ``C`` context columns):
   the end; a mask-free causal call (bottom-right aligned: trailing padding reaches no
   real row). The graph is keyed by the exact context length: mask-free needs it.
 
-A larger graph serves a key it :func:`dominates` padded up (not ``CAUSAL``'s context,
+A larger graph serves a key it :func:`step_dominates` padded up (not ``CAUSAL``'s context,
 which must be exact). Stored graphs are keyed by the model's code and config
 (:func:`~attnpolicy.engine.graph_family.model_code`).
 """
@@ -108,7 +108,7 @@ def step_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) 
     return StepKey(mode, tokens, context, ((tokens, context),), config.backend)
 
 
-def dominates(other: StepKey, key: StepKey) -> bool:
+def step_dominates(other: StepKey, key: StepKey) -> bool:
     """Whether ``other``'s graph can serve ``key``'s step padded up: same mode and
     backend, at least as many rows and context columns (VARLEN: per sequence; CAUSAL:
     the same context, which must be exact)."""
@@ -122,7 +122,7 @@ def dominates(other: StepKey, key: StepKey) -> bool:
     return other.tokens >= key.tokens and other.context >= key.context
 
 
-def estimate_bytes(key: StepKey, model_config: Any, itemsize: int = 4) -> int:
+def step_estimate_bytes(key: StepKey, model_config: Any, itemsize: int = 4) -> int:
     """A static-shape estimate of what one step graph holds while it runs: its inputs
     (ids, positions, past keys and values, the mask), its logits and new KV rows, and
     one layer's activations (hidden states, q/k/v, MLP)."""
@@ -172,7 +172,7 @@ class StepFamily:
         return self._store
 
     def estimate_bytes(self, key: StepKey) -> int:
-        return estimate_bytes(key, self.model.config, self._itemsize)
+        return step_estimate_bytes(key, self.model.config, self._itemsize)
 
     def rows(self, key: StepKey) -> int:
         return key.tokens
@@ -210,8 +210,8 @@ class StepFamily:
         return self._aot_graph(compiled, key)
 
     def pad_up(self, key: StepKey, resident: Sequence[StepKey]) -> StepKey | None:
-        """The smallest resident key (by rows, context, then segments) that :func:`dominates` ``key``."""
-        larger = [k for k in resident if isinstance(k, StepKey) and dominates(k, key)]
+        """The smallest resident key (by rows, context, then segments) that :func:`step_dominates` ``key``."""
+        larger = [k for k in resident if isinstance(k, StepKey) and step_dominates(k, key)]
         return min(larger, key=lambda k: (k.tokens, k.context, k.segments)) if larger else None
 
     def eager(self, key: StepKey, request: StepInputs) -> Callable[..., tuple[torch.Tensor, ...]]:

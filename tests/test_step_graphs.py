@@ -1,0 +1,259 @@
+"""Step graphs (decode, chunked prefill, mixed steps) against the eager HF model: a
+whole sequence run at once, and HF's own greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.kv_cache import KVCache
+from attnpolicy.engine.model_specs import ModelSpec, parse_spec
+from attnpolicy.engine.runner import StaticModelRunner
+from attnpolicy.engine.step_family import StepKey, step_dominates, step_key_for
+from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
+from attnpolicy.graphs.buckets import Buckets
+
+TINY = {"qwen3": "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
+        "llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,vocab=64"}
+VOCAB = 64
+MAX_LEN = 64
+
+
+def config(policy: str = "varlen", **fields) -> AttnPolicyConfig:
+    return AttnPolicyConfig(policy=policy, backend="aot_eager", buckets=Buckets(kind="pow2", min=16),
+                            max_seq_len=MAX_LEN, max_batch_tokens=128, **fields)
+
+
+class Counted:
+    """Counts backend compiles (the runner's ``compile_counter``)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, gm) -> None:
+        self.n += 1
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def models(request):
+    """(runner model, reference model): two builds of one spec, so equal weights."""
+    spec = parse_spec(TINY[request.param])
+    assert isinstance(spec, ModelSpec)
+    return spec.build(), spec.build()
+
+
+def whole(reference, tokens: list[int]) -> torch.Tensor:
+    """The reference: the eager model over the whole sequence at once ``[len, vocab]``."""
+    with torch.no_grad():
+        return reference(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
+
+
+def serve(runner, seqs: list[list[int]], chunks: list[list[int]], *, mode: MaskMode | None = None):
+    """Run ``seqs`` through ``runner`` in steps: step ``j`` gives sequence ``i`` its next
+    ``chunks[j][i]`` tokens (0: none); yields each step's logits per sequence."""
+    kv = KVCache.for_model(runner.model, len(seqs), MAX_LEN)
+    done = [0] * len(seqs)
+    for step in chunks:
+        live = [i for i, n in enumerate(step) if n]
+        q = [step[i] for i in live]
+        layout = BatchLayout.from_lens(q, [done[i] + n for i, n in zip(live, q)], causal=True)
+        ids = torch.tensor([t for i, n in zip(live, q) for t in seqs[i][done[i]:done[i] + n]])
+        out = (runner.logits(ids, layout, kv=kv, slots=live) if mode is None
+               else runner.run(ids, layout, mode, kv=kv, slots=live))
+        rows = {}
+        for i, n, start in zip(live, q, layout.q_starts):
+            rows[i] = (done[i], out[start:start + n])
+            done[i] += n
+        yield rows
+
+
+@st.composite
+def schedules(draw, max_seqs: int = 3):
+    """Sequences of random tokens and the steps that serve them: each step gives a live
+    sequence a chunk (prefill, chunked prefill) or one token (decode), so steps mix."""
+    n = draw(st.integers(1, max_seqs))
+    lens = [draw(st.integers(1, 24)) for _ in range(n)]
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (m,), generator=g).tolist() for m in lens]
+    left, chunks = list(lens), []
+    while any(left):
+        first = next(i for i in range(n) if left[i])  # every step serves someone
+        step = [draw(st.integers(int(i == first), left[i])) if left[i] else 0 for i in range(n)]
+        left = [a - b for a, b in zip(left, step)]
+        chunks.append(step)
+    return seqs, chunks
+
+
+@pytest.mark.parametrize("policy", ["always-mask", "varlen"])
+@settings(max_examples=4, deadline=None)
+@given(schedule=schedules())
+def test_every_step_equals_the_whole_sequence_run_eagerly(models, policy, schedule):
+    model, reference = models
+    counted = Counted()
+    runner = StaticModelRunner(model, config(policy), compile_counter=counted)
+    seqs, chunks = schedule
+    for rows in serve(runner, seqs, chunks):
+        for i, (at, got) in rows.items():
+            want = whole(reference, seqs[i])[at:at + got.shape[0]]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{policy} seq {i} at {at}")
+    stats = runner.stats()
+    assert stats.cache.compiles == counted.n == stats.cache.misses
+    # varlen runs one sequence mask-free (CAUSAL) where that is legal
+    assert set(stats.modes) <= ({"mask"} if policy == "always-mask" else {"varlen", "causal"})
+
+
+@settings(max_examples=3, deadline=None)
+@given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=5))
+def test_one_sequence_runs_causal_over_its_exact_context(models, lens):
+    model, reference = models
+    runner = StaticModelRunner(model, config())
+    tokens = torch.randint(0, VOCAB, (sum(lens),), generator=torch.Generator().manual_seed(sum(lens))).tolist()
+    for rows in serve(runner, [tokens], [[n] for n in lens], mode=MaskMode.CAUSAL):
+        at, got = rows[0]
+        torch.testing.assert_close(got, whole(reference, tokens)[at:at + got.shape[0]], rtol=0, atol=1e-5)
+    keys = {str(k) for k in runner.cache.keys()}
+    assert all(k.startswith("step/causal/") for k in keys)
+    done = [sum(lens[:j]) for j in range(len(lens))]
+    assert keys == {str(StepKey(MaskMode.CAUSAL, runner.config.bucket(n), c, ((runner.config.bucket(n), c),),
+                                "aot_eager")) for n, c in zip(lens, done)}
+
+
+@pytest.mark.parametrize("policy", ["always-mask", "varlen"])
+def test_greedy_tokens_equal_hf_generate(models, policy):
+    model, reference = models
+    runner = StaticModelRunner(model, config(policy))
+    prompts, new = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20]], 6
+    want = [reference.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, len(p):]
+            .tolist() for p in prompts]
+    kv = KVCache.for_model(model, len(prompts), MAX_LEN)
+    slots = list(range(len(prompts)))
+    layout = BatchLayout.from_lens([len(p) for p in prompts], causal=True)
+    out = runner.logits(torch.tensor([t for p in prompts for t in p]), layout, kv=kv, slots=slots)
+    nxt = [int(out[s + len(p) - 1].argmax()) for s, p in zip(layout.q_starts, prompts)]
+    got: list[list[int]] = [[] for _ in prompts]
+    for step in range(new):
+        for i, t in enumerate(nxt):
+            got[i].append(t)
+        if step == new - 1:
+            break
+        layout = BatchLayout.from_lens([1] * len(prompts), [kv.length(s) + 1 for s in slots], causal=True)
+        out = runner.logits(torch.tensor(nxt), layout, kv=kv, slots=slots)
+        nxt = out.argmax(-1).tolist()
+    assert got == want
+
+
+def test_keys_bucket_rows_and_context_and_a_larger_key_dominates():
+    cfg = config()
+    layout = BatchLayout.from_lens([1, 1, 3], [20, 9, 3], causal=True)
+    mask = step_key_for(layout, MaskMode.MASK, cfg)
+    assert (mask.tokens, mask.context) == (16, 32)  # rows 5, context 19 + 8 + 0 = 27
+    varlen = step_key_for(layout, MaskMode.VARLEN, cfg)
+    assert varlen.segments == ((16, 32), (16, 16), (16, 0))
+    assert str(varlen) == "step/varlen/t16c32+t16c16+t16c0/aot_eager"
+    one = BatchLayout.from_lens([2], [13], causal=True)
+    causal = step_key_for(one, MaskMode.CAUSAL, cfg)
+    assert (causal.tokens, causal.context) == (16, 11)
+    bigger = StepKey(MaskMode.MASK, 32, 64, ((32, 64),), "aot_eager")
+    assert step_dominates(bigger, mask) and not step_dominates(mask, bigger)
+    assert not step_dominates(StepKey(MaskMode.CAUSAL, 32, 12, ((32, 12),), "aot_eager"), causal)  # exact context
+    assert step_dominates(StepKey(MaskMode.CAUSAL, 32, 11, ((32, 11),), "aot_eager"), causal)
+
+
+def test_a_step_pads_up_to_a_resident_graph_in_the_background(models):
+    model, reference = models
+    counted = Counted()
+    runner = StaticModelRunner(model, config("always-mask", compile_mode="background", switch_after=1000),
+                               compile_counter=counted)
+    big = BatchLayout.from_lens([1, 1], [40, 40], causal=True)
+    runner.warmup([(big, MaskMode.MASK)])
+    seqs = [list(range(1, 13)), list(range(20, 28))]
+    kv = KVCache.for_model(model, 2, MAX_LEN)
+    prefill = BatchLayout.from_lens([12, 8], causal=True)  # 32 rows: more than the warm graph's 16
+    runner.logits(torch.tensor(seqs[0] + seqs[1]), prefill, kv=kv, slots=[0, 1])
+    step = BatchLayout.from_lens([1, 1], [13, 9], causal=True)  # 16 rows, context 32: the warm graph's, padded up
+    got = runner.logits(torch.tensor([9, 10]), step, kv=kv, slots=[0, 1])
+    for i, (row, tokens) in enumerate(zip(got, [seqs[0] + [9], seqs[1] + [10]])):
+        torch.testing.assert_close(row, whole(reference, tokens)[-1], rtol=0, atol=1e-5, msg=f"seq {i}")
+    stats = runner.stats()
+    assert stats.step_background is not None
+    assert stats.step_background.pad_up_calls == 1
+    assert stats.eager_served == 1  # the prefill step, while its graph compiles
+    runner.close()
+
+
+def test_strict_raise_on_a_step_compile_after_warmup(models):
+    model, _ = models
+    runner = StaticModelRunner(model, config("always-mask", strict="raise"))
+    warm = BatchLayout.from_lens([1, 1], [8, 8], causal=True)
+    assert runner.warmup([(warm, MaskMode.MASK)]) == [runner.step_key_for(warm, MaskMode.MASK)]
+    kv = KVCache.holding(model, [20], MAX_LEN)
+    with pytest.raises(StrictModeError, match="step/mask/t16c32"):
+        runner.logits(torch.tensor([3]), BatchLayout.from_lens([1], [21], causal=True), kv=kv, slots=[0])
+    assert kv.length(0) == 20  # nothing applied
+    assert runner.stats().strict_violations == 1
+
+
+def test_a_stored_step_graph_loads_in_a_new_runner(models, tmp_path):
+    model, _ = models
+    layout = BatchLayout.from_lens([1, 2], [5, 4], causal=True)
+    outs, disks = [], []
+    for _ in range(2):
+        runner = StaticModelRunner(model, config("varlen", store_dir=str(tmp_path)))
+        kv = KVCache.holding(model, [4, 2], MAX_LEN)
+        outs.append(runner.logits(torch.tensor([1, 2, 3]), layout, kv=kv, slots=[0, 1]))
+        disk = runner.stats().disk
+        assert disk is not None
+        disks.append((disk.saves, disk.hits, disk.misses))
+        runner.close()
+    assert disks == [(1, 0, 1), (0, 1, 0)]  # compiled and saved once, then loaded
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert kv.length(0) == 5 and kv.length(1) == 4
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda kv: dict(layout=BatchLayout.from_lens([1], [5], causal=True), slots=[0, 1]), "one slot per sequence"),
+    (lambda kv: dict(layout=BatchLayout.from_lens([1], [5], causal=True), slots=[0]),
+     "sequence 0 has 4 tokens of cached context, but slot 0 holds 2"),
+    (lambda kv: dict(layout=BatchLayout.from_lens([1, 1], [3, 3], causal=True), slots=[0, 0]), "distinct"),
+    (lambda kv: dict(layout=BatchLayout.from_lens([1], [3], causal=True), slots=[7]), r"slot must be an int in \[0, 2\)"),
+    (lambda kv: dict(layout=BatchLayout.from_lens([1], [3], causal=True), slots=None), "kv and slots go together"),
+    (lambda kv: dict(layout=BatchLayout.from_lens([1], [3], causal=True), slots=[0], kv=None),
+     "kv and slots go together"),
+    (lambda kv: dict(layout=BatchLayout.from_lens([60], [62], causal=True), slots=[0]), "max_len=8"),
+])
+def test_bad_steps_are_refused_before_any_work(models, make, match):
+    model, _ = models
+    runner = StaticModelRunner(model, config())
+    kv = KVCache.holding(model, [2, 0], 8)
+    args = {"kv": kv, **make(kv)}
+    layout = args.pop("layout")
+    with pytest.raises(LayoutError, match=match):
+        runner.logits(torch.zeros(layout.q_tokens, dtype=torch.long), layout, **args)
+    assert (kv.length(0), kv.length(1)) == (2, 0)
+    assert runner.stats().cache.compiles == 0
+
+
+def test_causal_is_refused_for_a_packed_step(models):
+    model, _ = models
+    runner = StaticModelRunner(model, config())
+    kv = KVCache.holding(model, [2, 2], MAX_LEN)
+    with pytest.raises(IllegalModeError, match="2 sequences packed"):
+        runner.run(torch.zeros(2, dtype=torch.long), BatchLayout.from_lens([1, 1], [3, 3], causal=True),
+                   MaskMode.CAUSAL, kv=kv, slots=[0, 1])
+
+
+def test_a_kv_cache_refuses_bad_shapes():
+    with pytest.raises(ConfigError, match="slots must be an int >= 1, got 0"):
+        KVCache(0, 8, layers=1, kv_heads=1, head_dim=4)
+    with pytest.raises(ConfigError, match="max_len must be an int >= 1, got 2.5"):
+        KVCache(1, 2.5, layers=1, kv_heads=1, head_dim=4)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="one length per slot"):
+        KVCache(2, 8, layers=1, kv_heads=1, head_dim=4, lengths=[1])
+    with pytest.raises(ConfigError, match=r"a slot's length must be an int in \[0, 8\], got 9"):
+        KVCache(1, 8, layers=1, kv_heads=1, head_dim=4, lengths=[9])
