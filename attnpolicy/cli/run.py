@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
-from attnpolicy.bench.replay import TOLERANCE, run_workload
+from attnpolicy.bench.replay import MODEL_TOLERANCE, TOLERANCE, replay_model, run_workload
 from attnpolicy.cli.common import (
     MIB,
     add_cost_args,
@@ -214,9 +214,6 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     """``run --model SPEC`` (``--family model``): the prefill-only batches of ``former``
     through a runner of SPEC's model under ``config``; --max-seq-len must fit the
     model's positions."""
-    from attnpolicy.bench.model_replay import TOLERANCE as MODEL_TOLERANCE
-    from attnpolicy.bench.model_replay import replay_model
-
     positions = max_positions(args.model)
     if positions is not None and former.max_model_len > positions:
         fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
