@@ -206,6 +206,34 @@ class BoundedOrder(Generic[K, V]):
             raise
 
 
+class OrderFigures:
+    """What an owner of a :class:`BoundedOrder` ``_order`` reads through it: ``key in owner``
+    (not a use) and the figures ``evictions``, ``nbytes``, ``peak_graphs`` and ``peak_bytes``.
+    A base for slotted owners (it adds no slot; the owner's ``__slots__`` has ``_order``)."""
+
+    __slots__ = ()
+    _order: BoundedOrder[Any, Any]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    @property
+    def evictions(self) -> int:
+        return self._order.evictions
+
+    @property
+    def nbytes(self) -> int:
+        return self._order.nbytes
+
+    @property
+    def peak_graphs(self) -> int:
+        return self._order.peak_graphs
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._order.peak_bytes
+
+
 def _get_moved(order: OrderedDict[Any, Any], key: Any) -> Any:
     """``order[key]`` moved to the end (a use), ``None`` when not held."""
     value = order.get(key)
