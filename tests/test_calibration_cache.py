@@ -152,7 +152,7 @@ def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp
     from attnpolicy.modelling.cost_file import CostFile
 
     whole = synthetic()
-    monkeypatch.setattr("attnpolicy.bench.model_calibration.calibrate_model", lambda s, progress=None: whole)
+    monkeypatch.setattr("attnpolicy.bench.calibration.calibrate_model", lambda s, progress=None: whole)
     path = tmp_path / "costs.json"
     run(["calibrate", "--model", "llama:layers=1", "--out", str(path)])  # no file yet: the model section only
     assert CostFile.load(path) == CostFile(model=whole)
@@ -161,7 +161,7 @@ def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp
     cached = cc.find("aot_eager", "sdpa", lambda message: pytest.fail(message))
     assert cached is not None and cached.model == CALIBRATED and "model" not in json.loads(cached.path.read_text())
     newer = whole.model_copy(update={"warmup_seconds": 9.0})
-    monkeypatch.setattr("attnpolicy.bench.model_calibration.calibrate_model", lambda s, progress=None: newer)
+    monkeypatch.setattr("attnpolicy.bench.calibration.calibrate_model", lambda s, progress=None: newer)
     run(["calibrate", "--model", "llama:layers=1", "--out", str(path)])  # replaces the model section only
     assert CostFile.load(path) == CostFile(CALIBRATED, newer)
     out, _ = run([*SIMULATE, "--cost-model", str(path)])  # each family reads its own section

@@ -14,7 +14,7 @@ import cachetools
 import pytest
 
 from attnpolicy import __version__
-from attnpolicy.bench.mode_timing import BenchRow, speedups
+from attnpolicy.bench.mode_timing import BenchRow, interleaved, speedups
 from attnpolicy.cli import build_parser, main
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.modes import Decision, MaskMode
@@ -524,6 +524,20 @@ def test_speedups_flag_a_median_far_from_its_minimum():
             BenchRow(256, 4, "mask", "sdpa", 1.0, 0.9, 1.1), BenchRow(256, 4, "varlen", "sdpa", 0.5, 0.45, 0.6)]
     noisy = {sp.seq_len: sp.noisy for sp in speedups(rows)}
     assert noisy == {128: True, 256: False}
+
+
+def test_interleaved_runs_alternate_within_each_round_and_drop_the_warmup_rounds():
+    calls: list[str] = []
+
+    def run(name: str):
+        def call() -> tuple[str, int]:
+            calls.append(name)
+            return name, len(calls)
+        return call
+
+    out = interleaved({"causal": run("causal"), "mask": run("mask")}, warmup=1, repeats=2)
+    assert calls == ["causal", "mask"] * 3
+    assert out == {"causal": [("causal", 3), ("causal", 5)], "mask": [("mask", 4), ("mask", 6)]}
 
 
 def test_run_check_prints_pass_against_its_tolerance(capsys):

@@ -105,11 +105,11 @@ def test_graph_bytes_are_the_runners_estimate():
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from attnpolicy.bench.model_calibration import ModelCalibrationSettings, calibrate_model, grid
+    from attnpolicy.bench.calibration import ModelCalibrationSettings, calibrate_model, model_grid
 
     s = ModelCalibrationSettings(spec=SPEC, quick=True, repeats=1)
     model = calibrate_model(s)
-    assert len(model.samples) == len(grid(s))
+    assert len(model.samples) == len(model_grid(s))
     return model, tmp_path_factory.mktemp("model")
 
 
@@ -126,7 +126,7 @@ def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
 
 @pytest.mark.parametrize("policy", ["dynamic", "varlen"])
 def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
-    from attnpolicy.bench.model_replay import TOLERANCE, replay_model
+    from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_model
 
     model, _ = calibrated
     config = model_config(model, 64, 128, policy=policy, max_graphs=2)
@@ -137,7 +137,7 @@ def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
         (result.misses, result.compiles, result.evictions)
     assert result.evictions > 0  # the cache was too small: eviction order mattered
     assert result.hits + result.misses == len(LAYOUTS)
-    assert result.max_abs_err is not None and result.max_abs_err <= TOLERANCE
+    assert result.max_abs_err is not None and result.max_abs_err <= MODEL_TOLERANCE
     assert result.ratios()["misses"] == 1.0
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Annotated, Any, Literal
+from functools import partial
+from typing import Annotated, Any, Literal, TypeVar
 
 import torch
 from pydantic import Field, model_validator
@@ -26,6 +27,9 @@ from attnpolicy.graphs.execute import attend, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.masks import mask_for
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,6 +148,18 @@ def time_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLa
     return time.perf_counter() - t0, None
 
 
+def interleaved(runs: Mapping[K, Callable[[], T]], warmup: int, repeats: int) -> dict[K, list[T]]:
+    """Each run's results of ``repeats`` rounds after ``warmup`` discarded ones; every
+    round calls each run once, in order (drift on a shared machine hits all alike)."""
+    out: dict[K, list[T]] = {key: [] for key in runs}
+    for r in range(warmup + repeats):
+        for key, run in runs.items():
+            result = run()
+            if r >= warmup:
+                out[key].append(result)
+    return out
+
+
 def run_bench(s: BenchSettings, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
     """Time every (length, n, mode) of ``s``; returns one row per (length, n, mode)."""
     if s.threads:
@@ -158,18 +174,12 @@ def run_bench(s: BenchSettings, progress: Callable[[str], None] | None = None) -
             k = torch.randn(length, s.kv_heads, s.head_dim, generator=gen).to(dtype)
             v = torch.randn(length, s.kv_heads, s.head_dim, generator=gen).to(dtype)
             modes = modes_for(n)
-            times: dict[MaskMode, list[float]] = {m: [] for m in modes}
-            builds: list[float] = []
             with torch.inference_mode():
-                for r in range(s.warmup + s.repeats):
-                    for mode in modes:
-                        total, build = time_mode(q, k, v, layout, mode, s)
-                        if r >= s.warmup:
-                            times[mode].append(total)
-                            if build is not None:
-                                builds.append(build)
+                timed = interleaved({mode: partial(time_mode, q, k, v, layout, mode, s) for mode in modes},
+                                    s.warmup, s.repeats)
+            builds = [build for mode in modes for _, build in timed[mode] if build is not None]
             for mode in modes:
-                ms = [t * 1e3 for t in times[mode]]
+                ms = [t * 1e3 for t, _ in timed[mode]]
                 rows.append(BenchRow(length, n, mode.value, s.impl, statistics.median(ms), min(ms), max(ms),
                                      statistics.median(builds) * 1e3 if mode is MaskMode.MASK else None))
             if progress:

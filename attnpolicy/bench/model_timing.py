@@ -15,10 +15,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
+from attnpolicy.bench.mode_timing import interleaved
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
@@ -81,6 +83,12 @@ def _ms(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _both_ms(graph: Callable[..., Any], plain: Callable[..., Any], inputs: tuple[torch.Tensor, ...]
+             ) -> tuple[float, float]:
+    """The ms of one compiled call and then of one uncompiled call on ``inputs``."""
+    return _ms(graph, inputs), _ms(plain, inputs)
+
+
 def run_model_bench(spec: str, lengths: tuple[int, ...] = MODEL_LENGTHS, *, backend: str = "inductor",
                     repeats: int = 5, warmup: int = 1, threads: int | None = 1,
                     advance: Callable[[str], None] | None = None) -> ModelBench:
@@ -101,19 +109,13 @@ def run_model_bench(spec: str, lengths: tuple[int, ...] = MODEL_LENGTHS, *, back
         for mode in MODES:
             batch = compiled.prepare(ids, layout, mode)
             runs[mode] = (compiled.graph_for(batch), eager.graph_for(eager.prepare(ids, layout, mode)), batch.inputs)
-        times: dict[tuple[MaskMode, str], list[float]] = {(m, w): [] for m in MODES for w in ("c", "e")}
         with torch.no_grad():
-            for i in range(warmup + repeats):
-                for mode, (graph, plain, inputs) in runs.items():
-                    c, e = _ms(graph, inputs), _ms(plain, inputs)
-                    if i >= warmup:
-                        times[(mode, "c")].append(c)
-                        times[(mode, "e")].append(e)
+            times = interleaved({mode: partial(_both_ms, *run) for mode, run in runs.items()}, warmup, repeats)
         memory = {m.key: m for m in compiled.stats().memory}
         for mode in MODES:
             mem = memory[str(compiled.key_for(layout, mode))]
-            rows.append(ModelBenchRow(n, mode.value, mem.compile_seconds, statistics.median(times[(mode, "c")]),
-                                      statistics.median(times[(mode, "e")]), mem.rss_bytes / 2**20,
+            rows.append(ModelBenchRow(n, mode.value, mem.compile_seconds, statistics.median(c for c, _ in times[mode]),
+                                      statistics.median(e for _, e in times[mode]), mem.rss_bytes / 2**20,
                                       mem.estimate_bytes / 2**20,
                                       None if mem.cuda_bytes is None else mem.cuda_bytes / 2**20))
         if advance is not None:

@@ -1,11 +1,23 @@
-"""Replay a workload through a real Dispatcher: real tensors, real compiles, real time.
+"""Replay a workload for real: real tensors, real compiles, real time, at the attention
+level through a Dispatcher (:func:`run_workload`) or at the model level through a
+:class:`~attnpolicy.engine.runner.StaticModelRunner` (:func:`replay_model`).
 
-Each step of the batch former becomes one ``Dispatcher.attend`` call on random
+Attention level: each step of the batch former becomes one ``Dispatcher.attend`` call on random
 tensors of the step's layout (one attention layer). Time a call stalled on a
 compile (compiling synchronously, or waiting for a background compile at its
 switch point: the dispatcher's stall seconds) is compile time; the rest of the call
 is attention time. With ``check`` every output is compared with a float64
 per-sequence reference (uncompiled VARLEN through the ``eager`` kernel).
+
+Model level: each prefill batch runs as the runner serves it (the guarded policy decides, the batch is
+placed, the graph of its key comes from the cache, compiled on a miss, and runs);
+its compile (a miss's build: compile and first run) and its run are timed apart on
+the chosen clock. With ``check`` every output is compared with a reference model
+built from the same SPEC (same seeded weights) run eagerly, one sequence at a time,
+with transformers' own SDPA attention. With a
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` the model-level
+simulator's prediction for the same batches, config and eviction sits beside the
+measurement, with predicted/measured ratios.
 """
 
 from __future__ import annotations
@@ -17,18 +29,25 @@ from typing import Any
 
 import torch
 
+from attnpolicy.bench.calibration import clock_of
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatch import Dispatcher
+from attnpolicy.engine.model_specs import load_model
+from attnpolicy.engine.runner import StaticModelRunner, eager_logits
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.modelling.simulation import ModelSimRow, simulate_model
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request
 
 #: Largest absolute error against the float64 reference that ``check`` accepts, per dtype.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+#: The tolerance of a model-level replay's fp32 logits against the eager reference model.
+MODEL_TOLERANCE = TOLERANCE["float32"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +184,94 @@ def _run(dispatcher: Dispatcher, steps: Sequence[ScheduledBatch], config: AttnPo
         switch=dict(stats["switch"]),
         switch_at_end=finished,
     )
+
+
+@dataclass(frozen=True)
+class ModelReplay:
+    """What a replay measured, and (with a cost model) what the simulator predicted."""
+
+    spec: str
+    policy: str
+    batches: int
+    modes: dict[str, int]
+    hits: int
+    misses: int
+    compiles: int
+    evictions: int
+    clock: str
+    compile_seconds: float
+    run_seconds: float
+    max_abs_err: float | None
+    predicted: ModelSimRow | None
+
+    @property
+    def total_seconds(self) -> float:
+        return self.compile_seconds + self.run_seconds
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.max_abs_err is None else self.max_abs_err <= MODEL_TOLERANCE
+
+    def ratios(self) -> dict[str, float | None]:
+        """predicted / measured misses, compile seconds, run seconds and total seconds."""
+        p = self.predicted
+        if p is None:
+            return {}
+
+        def ratio(a: float, b: float) -> float | None:
+            return a / b if b else None
+        return {"misses": ratio(p.misses, self.misses),
+                "compile_seconds": ratio(p.compile_seconds + p.warmup_seconds, self.compile_seconds),
+                "run_seconds": ratio(p.run_seconds, self.run_seconds),
+                "total_seconds": ratio(p.total_seconds, self.total_seconds)}
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["predicted"] = None if self.predicted is None else self.predicted.to_json()
+        return {**data, "total_seconds": self.total_seconds, "passed": self.passed,
+                "predicted_over_measured": self.ratios()}
+
+
+def replay_model(spec: str, layouts: Sequence[BatchLayout], config: AttnPolicyConfig, *, check: bool = False,
+                 cost: ModelCostModel | None = None, clock: str = "cpu", threads: int = 1,
+                 progress: Callable[[str], None] | None = None) -> ModelReplay:
+    """Serve ``layouts`` (random token ids, seeded) through a runner of SPEC's model under ``config``."""
+    torch.set_num_threads(threads)
+    model, described = load_model(spec)
+    reference = load_model(spec)[0] if check else None
+    runner = StaticModelRunner(model, config)
+    now = clock_of(clock)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    compile_s = run_s = 0.0
+    err: float | None = 0.0 if check else None
+    modes: dict[str, int] = {}
+    try:
+        for layout in layouts:
+            ids = torch.randint(0, vocab, (layout.q_tokens,), generator=gen)
+            mode = runner.decide(layout).mode
+            modes[mode.value] = modes.get(mode.value, 0) + 1
+            placing = now()
+            batch = runner.prepare(ids, layout, mode)
+            missed = batch.key not in runner.cache
+            start = now()
+            graph = runner.graph_for(batch, pin=True)
+            built = now()
+            try:
+                with torch.no_grad():
+                    out = batch.scatter(graph(*batch.inputs), layout.q_tokens)
+            finally:
+                runner.cache.unpin([batch.key])
+            # a batch's run is what the calibration times (placement, graph, scatter); a miss's build apart
+            run_s += now() - built + start - placing + (0.0 if missed else built - start)
+            compile_s += built - start if missed else 0.0
+            if reference is not None and err is not None:
+                err = max(err, float((out - eager_logits(reference, ids, layout)).abs().max()))
+            if progress:
+                progress(str(batch.key))
+        stats = runner.cache.stats()
+    finally:
+        runner.close()
+    predicted = simulate_model(layouts, cost, [config], [config.eviction])[0] if cost is not None else None
+    return ModelReplay(described, config.policy, len(layouts), modes, stats.hits, stats.misses, stats.compiles,
+                       stats.evictions, clock, compile_s, run_s, err, predicted)

@@ -14,21 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
 
-from attnpolicy.core.bounded_order import BoundedOrder
+from attnpolicy.core.bounded_order import BoundedOrder, OrderFigures
 from attnpolicy.errors import ConfigError
 
 
-class DiskMirror:
+class DiskMirror(OrderFigures):
     """The keys a store bounded by ``max_bytes`` would hold, least recently used first;
     ``size(key)`` is a key's bytes on disk and ``load_cost(key)`` its load seconds.
     ``stored(key)``: whether the key's graph goes to the store at all (default: every
     key). Counters: ``loads``, ``load_seconds``, ``saves``, ``evictions`` (artifacts
     removed to make room), ``oversize`` (not stored: larger than the bound),
-    ``nbytes`` and ``peak_bytes``. The keys are a least-recently-used
-    :class:`~attnpolicy.core.bounded_order.BoundedOrder`, the store's own eviction
-    rule. No lock: for one thread (a simulation)."""
+    ``nbytes``, ``peak_graphs`` and ``peak_bytes``
+    (:class:`~attnpolicy.core.bounded_order.OrderFigures`). The keys are a
+    least-recently-used :class:`~attnpolicy.core.bounded_order.BoundedOrder`, the
+    store's own eviction rule. No lock: for one thread (a simulation)."""
 
-    __slots__ = ("_held", "_load_cost", "_size", "_stored", "load_seconds", "loads", "max_bytes", "oversize",
+    __slots__ = ("_load_cost", "_order", "_size", "_stored", "load_seconds", "loads", "max_bytes", "oversize",
                  "saves")
 
     def __init__(self, max_bytes: int, size: Callable[[Hashable], int], load_cost: Callable[[Hashable], float],
@@ -39,42 +40,27 @@ class DiskMirror:
         self._size = size
         self._load_cost = load_cost
         self._stored = stored
-        self._held: BoundedOrder[Hashable, int] = BoundedOrder.lru(max_bytes=max_bytes)
+        self._order: BoundedOrder[Hashable, int] = BoundedOrder.lru(max_bytes=max_bytes)
         self.loads = self.saves = self.oversize = 0
         self.load_seconds = 0.0
 
-    @property
-    def evictions(self) -> int:
-        return self._held.evictions
-
-    @property
-    def nbytes(self) -> int:
-        return self._held.nbytes
-
-    @property
-    def peak_bytes(self) -> int:
-        return self._held.peak_bytes
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._held
-
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._order)
 
     def __iter__(self) -> Iterator[Hashable]:
         """The keys held, least recently used first (a snapshot)."""
-        return iter(list(self._held.entries))
+        return iter(list(self._order.entries))
 
     def reload_seconds(self, key: Hashable) -> float | None:
         """Seconds to bring ``key`` back from the mirror, ``None`` when it is not there
         (no side effect: the ``reload`` option of the ``cost`` eviction)."""
-        return self._load_cost(key) if key in self._held else None
+        return self._load_cost(key) if key in self._order else None
 
     def load(self, key: Hashable) -> float | None:
         """A memory miss of ``key``: its load seconds if held (a use, counted), else ``None``."""
-        if key not in self._held:
+        if key not in self._order:
             return None
-        self._held.touch(key)
+        self._order.touch(key)
         seconds = self._load_cost(key)
         self.loads += 1
         self.load_seconds += seconds
@@ -86,7 +72,7 @@ class DiskMirror:
         if self._stored is not None and not self._stored(key):
             return False
         size = self._size(key)
-        held = self._held
+        held = self._order
         if not held.fits(size):
             self.oversize += 1
             return False
@@ -99,4 +85,4 @@ class DiskMirror:
         """Zero the counters, keeping what is held (a warm start: the next run's store)."""
         self.loads = self.saves = self.oversize = 0
         self.load_seconds = 0.0
-        self._held.reset_peaks()
+        self._order.reset_peaks()

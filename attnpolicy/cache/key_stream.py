@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from attnpolicy.cache.disk_mirror import DiskMirror
-from attnpolicy.core.bounded_order import BoundedOrder
+from attnpolicy.core.bounded_order import BoundedOrder, OrderFigures
 from attnpolicy.core.names import Oversize
 from attnpolicy.errors import GraphTooLargeError
 from attnpolicy.plugins.registry import make_eviction
@@ -71,7 +71,7 @@ def next_uses(stream: Sequence[Hashable]) -> list[float]:
     return out
 
 
-class StreamCache:
+class StreamCache(OrderFigures):
     """The bookkeeping of a bounded graph cache without graphs: the keys it holds in
     their eviction order, their bytes, and the counters of its misses. A request is
     ``cache.touch(key)``, which raises ``KeyError`` on a miss (the caller counts hits);
@@ -83,18 +83,18 @@ class StreamCache:
     the graph cache's own eviction rule, touched as the graph cache touches it;
     ``lru`` and ``fifo`` are kept as their ``OrderedDict`` (``ordered``)."""
 
-    __slots__ = ("_core", "_fits", "_name", "_oversize", "compile_seconds", "compiles", "disk", "held",
+    __slots__ = ("_fits", "_name", "_order", "_oversize", "compile_seconds", "compiles", "disk", "held",
                  "max_bytes", "misses", "touch", "uncached")
 
     def __init__(self, *, max_graphs: int | None = None, max_bytes: int | None = None, eviction: str = "lru",
                  oversize: Oversize = "raise", eviction_options: dict[str, Any] | None = None,
                  name: Callable[[Any], object] = str, disk: DiskMirror | None = None) -> None:
-        self._core: BoundedOrder[Hashable, Hashable] = BoundedOrder(
+        self._order: BoundedOrder[Hashable, Hashable] = BoundedOrder(
             make_eviction(eviction, eviction_options), max_graphs=max_graphs, max_bytes=max_bytes, ordered=True)
-        self.touch: Callable[[Hashable], object] = self._core.touch
+        self.touch: Callable[[Hashable], object] = self._order.touch
         #: the keys held now, with their bytes (a live view: do not change it)
-        self.held: Mapping[Hashable, int] = self._core.sizes
-        self._fits = self._core.fits
+        self.held: Mapping[Hashable, int] = self._order.sizes
+        self._fits = self._order.fits
         self.max_bytes = max_bytes
         self._oversize = oversize
         self._name = name
@@ -102,33 +102,14 @@ class StreamCache:
         self.misses = self.compiles = self.uncached = 0
         self.compile_seconds = 0.0
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._core
-
     @property
     def order(self) -> Mapping[Hashable, Hashable]:
         """The keys held in the strategy's structure (for reading)."""
-        return self._core.entries
+        return self._order.entries
 
     def keys(self) -> list[Hashable]:
         """The keys held now (a snapshot)."""
-        return list(self._core.sizes)
-
-    @property
-    def evictions(self) -> int:
-        return self._core.evictions
-
-    @property
-    def nbytes(self) -> int:
-        return self._core.nbytes
-
-    @property
-    def peak_graphs(self) -> int:
-        return self._core.peak_graphs
-
-    @property
-    def peak_bytes(self) -> int:
-        return self._core.peak_bytes
+        return list(self._order.sizes)
 
     def miss(self, key: Hashable, size: int, cost: float) -> None:
         """Serve a request for ``key`` (not held) whose graph has ``size`` bytes and
@@ -150,7 +131,7 @@ class StreamCache:
         if not fits:
             self.uncached += 1
             return
-        self._core.admit(key, key, size, cost)
+        self._order.admit(key, key, size, cost)
 
     def _too_large(self, key: Hashable, size: int) -> GraphTooLargeError:
         return GraphTooLargeError(
@@ -167,7 +148,7 @@ class StreamCache:
         requested ``counts[i]`` times in a row (a run: after its first request the key
         is held and last in the order, so the rest are hits that change nothing, unless
         it is too large to keep: each request misses)."""
-        core = self._core
+        core = self._order
         assert isinstance(core.entries, OrderedDict) and self.disk is None, \
             "serve_ordered needs the lru or fifo order, without a disk"
         touch, admit = self.touch, core.admit

@@ -131,7 +131,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_model_fits(args: argparse.Namespace) -> int:
     """``calibrate --model SPEC``: the whole-model fits of SPEC, into the model section of --out."""
-    from attnpolicy.bench.model_calibration import ModelCalibrationSettings, calibrate_model, grid
+    from attnpolicy.bench.calibration import ModelCalibrationSettings, calibrate_model, model_grid
 
     out = args.out
     check_writable("--out", out)
@@ -139,7 +139,7 @@ def calibrate_model_fits(args: argparse.Namespace) -> int:
                  sizes=tuple(args.sizes) if args.sizes else None, repeats=args.repeats, threads=args.threads,
                  clock=args.clock or "cpu", quick=args.quick)
     try:
-        with progress(len(grid(s)) + s.repeats, "calibrate --model") as advance:
+        with progress(len(model_grid(s)) + s.repeats, "calibrate --model") as advance:
             model = calibrate_model(s, advance)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
-from attnpolicy.bench.replay import TOLERANCE, run_workload
+from attnpolicy.bench.replay import MODEL_TOLERANCE, TOLERANCE, replay_model, run_workload
 from attnpolicy.cli.common import (
     MIB,
     add_cost_args,
@@ -196,16 +197,25 @@ def cmd_run(args: argparse.Namespace) -> int:
                  ("switches requested / replaced / applied", asked),
                  ("switch graphs compiled / loaded", f"{sw['compiled']} / {sw['loaded']}"),
                  ("batches served during switches", sw["batches"])]
-    if result.max_abs_err is not None:
-        rows += [("max abs err", result.max_abs_err),
-                 ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]
-    print_table(f"attnpolicy run: {args.trace}, {config.policy}", ("", "value"), rows)
+    return report(args, f"attnpolicy run: {args.trace}, {config.policy}", rows, result.max_abs_err,
+                  result.passed, result.tolerance,
+                  lambda: {**result.to_json(), "workload": w.to_json(),
+                           **({"replan": replanner.to_json()} if replanner else {})})
+
+
+def report(args: argparse.Namespace, title: str, rows: list[tuple[str, Any]], max_abs_err: float | None,
+           passed: bool | None, tolerance: float | None, data: Callable[[], dict[str, Any]]) -> int:
+    """Print ``rows`` under ``title`` (with the check's rows when outputs were checked),
+    write ``data()`` to --json; the exit status: 1 when the check failed, else 0."""
+    if max_abs_err is not None:
+        rows = [*rows, ("max abs err", max_abs_err),
+                ("check", f"{'pass' if passed else 'FAIL'} (tolerance {tolerance:g})")]
+    print_table(title, ("", "value"), rows)
     if args.json:
         with writing("--json", args.json):
-            write_json(args.json, {**result.to_json(), "workload": w.to_json(),
-                                   **({"replan": replanner.to_json()} if replanner else {})})
-    if result.passed is False:
-        warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {result.tolerance:g}")
+            write_json(args.json, data())
+    if passed is False:
+        warn(f"max abs err {max_abs_err:.3g} exceeds the tolerance {tolerance:g}")
         return 1
     return 0
 
@@ -214,9 +224,6 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     """``run --model SPEC`` (``--family model``): the prefill-only batches of ``former``
     through a runner of SPEC's model under ``config``; --max-seq-len must fit the
     model's positions."""
-    from attnpolicy.bench.model_replay import TOLERANCE as MODEL_TOLERANCE
-    from attnpolicy.bench.model_replay import replay_model
-
     positions = max_positions(args.model)
     if positions is not None and former.max_model_len > positions:
         fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
@@ -248,16 +255,6 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
         rows += [("predicted misses", p.misses), ("predicted compile s", p.compile_seconds + p.warmup_seconds),
                  ("predicted total s", p.total_seconds)]
         rows += [(f"predicted/measured {k}", v) for k, v in result.ratios().items()]
-    if result.max_abs_err is not None:
-        rows += [("max abs err", result.max_abs_err),
-                 ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {MODEL_TOLERANCE:g})")]
-    print_table(f"attnpolicy run --model: {args.trace}", ("", "value"), rows)
-    if args.json:
-        with writing("--json", args.json):
-            write_json(args.json, {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
-                                   "config": config.model_dump(mode="json"),
-                                   **result.to_json()})
-    if result.passed is False:
-        warn(f"max abs err {result.max_abs_err:.3g} exceeds the tolerance {MODEL_TOLERANCE:g}")
-        return 1
-    return 0
+    return report(args, f"attnpolicy run --model: {args.trace}", rows, result.max_abs_err, result.passed,
+                  MODEL_TOLERANCE, lambda: {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
+                                            "config": config.model_dump(mode="json"), **result.to_json()})

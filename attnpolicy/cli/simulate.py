@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from attnpolicy.bench.calibration import CalibrationSettings
 from attnpolicy.bench.calibration_cache import Provenance, resolve
@@ -246,6 +246,36 @@ def family_policies(args: argparse.Namespace, family: str, default: tuple[str, .
     return MODEL_POLICIES if family == "model" and same else tuple(args.policies)
 
 
+class JsonRow(Protocol):
+    """A row of a sweep's table: its --json form."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+RowT = TypeVar("RowT", bound=JsonRow)
+
+
+def model_sweep(args: argparse.Namespace, policies: tuple[str, ...], steps: Sequence[ScheduledBatch],
+                cost: ModelCostModel, provenance: Provenance, fields: dict[str, Any],
+                configs: Callable[[str], list[AttnPolicyConfig]],
+                sweep: Callable[[list[BatchLayout], list[AttnPolicyConfig]], list[RowT]],
+                ) -> tuple[list[BatchLayout], list[RowT]]:
+    """A command's ``--family model`` sweep: ``sweep(layouts, configs)`` over the prefill
+    batches of ``steps`` and ``configs(policy)`` of every --policies (:func:`family_policies`
+    of the command's default ``policies``), in order. A ConfigError or GraphTooLargeError
+    fails the command. ``fields`` (the --json) gains the batches, the cost model's
+    provenance and range, and the rows; returns the batches and the rows."""
+    layouts = model_layouts(steps)
+    fields |= {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
+               **provenance_json(provenance, flag_range(cost, layouts))}
+    try:
+        rows = sweep(layouts, [c for policy in family_policies(args, "model", policies) for c in configs(policy)])
+    except (ConfigError, GraphTooLargeError) as exc:
+        fail(str(exc))
+    fields["rows"] = [r.to_json() for r in rows]
+    return layouts, rows
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--json", args.json)
@@ -274,21 +304,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     steps, w = formed(args, former, requests)
     fields: dict[str, Any] = {"trace": args.trace, "workload": w.to_json()}
     if family == "model":
-        layouts = model_layouts(steps)
-        fields |= {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
-                   **provenance_json(provenance, flag_range(cost, layouts))}
         max_len, tokens = former.max_model_len, former.max_num_batched_tokens
-        try:
-            configs = [model_config(cost, max_len, tokens, policy=policy, max_graphs=capacity, max_bytes=max_bytes,
-                                    buckets=bucket_scheme(scheme, max_len, tokens).buckets)
-                       for policy in family_policies(args, family, POLICIES) for scheme in args.buckets or ("pow2",)
-                       for capacity in args.capacities for max_bytes in args.max_bytes or (None,)]
-            model_rows = simulate_model(layouts, cost, configs, args.evictions)
-        except (ConfigError, GraphTooLargeError) as exc:
-            fail(str(exc))
+        layouts, model_rows = model_sweep(
+            args, POLICIES, steps, cost, provenance, fields,
+            lambda policy: [model_config(cost, max_len, tokens, policy=policy, max_graphs=capacity,
+                                         max_bytes=max_bytes, buckets=bucket_scheme(scheme, max_len, tokens).buckets)
+                            for scheme in args.buckets or ("pow2",) for capacity in args.capacities
+                            for max_bytes in args.max_bytes or (None,)],
+            lambda layouts, configs: simulate_model(layouts, cost, configs, args.evictions))
         print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {cost.spec} "
                          f"({cost.backend}, {cost.clock} s)", model_rows)
-        fields["rows"] = [r.to_json() for r in model_rows]
     else:
         outside = flag_range(model, steps)
         note_warmup(base, f"--config {args.config}")

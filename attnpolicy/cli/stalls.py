@@ -28,8 +28,8 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.cli.simulate import (
     add_store_args,
-    family_policies,
     flag_range,
+    model_sweep,
     priced,
     priced_model,
     provenance_json,
@@ -38,8 +38,8 @@ from attnpolicy.cli.simulate import (
 )
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.errors import ConfigError, GraphTooLargeError
-from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
+from attnpolicy.errors import ConfigError
+from attnpolicy.modelling.simulation import check_model, model_config, simulation_config
 from attnpolicy.modelling.stalls import (
     ModelStallRow,
     StallRow,
@@ -108,20 +108,14 @@ def cmd_stalls(args: argparse.Namespace) -> int:
     steps, w = formed(args, former, requests)
     fields: dict[str, Any] = {"trace": args.trace, "workload": w.to_json()}
     if family == "model":
-        layouts = model_layouts(steps)
-        fields |= {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
-                   **provenance_json(provenance, flag_range(cost, layouts))}
         switch = {} if args.switch_after is None else {"switch_after": args.switch_after}
-        try:
-            configs = [model_config(cost, former.max_model_len, former.max_num_batched_tokens, policy=policy,
-                                    max_graphs=capacity, **switch)
-                       for policy in family_policies(args, family, POLICIES) for capacity in args.capacities]
-            model_rows = compare_model_stalls(layouts, cost, configs)
-        except (ConfigError, GraphTooLargeError) as exc:
-            fail(str(exc))
+        layouts, model_rows = model_sweep(
+            args, POLICIES, steps, cost, provenance, fields,
+            lambda policy: [model_config(cost, former.max_model_len, former.max_num_batched_tokens, policy=policy,
+                                         max_graphs=capacity, **switch) for capacity in args.capacities],
+            lambda layouts, configs: compare_model_stalls(layouts, cost, configs))
         print_model_stalls(f"modelled {len(layouts)} model-graph batches of {args.trace}, {cost.spec} "
                            f"({cost.backend}), switch_after={model_rows[0].switch_after}", model_rows)
-        fields["rows"] = [r.to_json() for r in model_rows]
     else:
         outside = flag_range(model, steps)
         total = len(args.policies) * len(args.capacities) * len(args.warm) * 2

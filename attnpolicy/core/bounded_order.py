@@ -29,6 +29,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, MutableMapping
 from functools import partial
+from operator import attrgetter
 from typing import Any, Generic, TypeVar
 
 import cachetools
@@ -204,6 +205,28 @@ class BoundedOrder(Generic[K, V]):
             for key, value in moved:
                 self.entries[key] = value
             raise
+
+
+def _figure(name: str) -> Any:
+    """A read-only property: the figure ``name`` of its owner's ``_order``."""
+    return property(attrgetter(f"_order.{name}"), doc=f"The bounded order's ``{name}``.")
+
+
+class OrderFigures:
+    """What an owner of a :class:`BoundedOrder` ``_order`` reads through it: ``key in owner``
+    (not a use) and the figures ``evictions``, ``nbytes``, ``peak_graphs`` and ``peak_bytes``
+    (read-only). A base for slotted owners (it adds no slot; the owner's ``__slots__`` has
+    ``_order``)."""
+
+    __slots__ = ()
+    _order: BoundedOrder[Any, Any]
+    evictions: int = _figure("evictions")
+    nbytes: int = _figure("nbytes")
+    peak_graphs: int = _figure("peak_graphs")
+    peak_bytes: int = _figure("peak_bytes")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
 
 
 def _get_moved(order: OrderedDict[Any, Any], key: Any) -> Any:

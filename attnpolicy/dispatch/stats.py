@@ -182,23 +182,36 @@ class SwitchStats:
     discarded: int
 
 
-@dataclass(frozen=True, slots=True)
-class DispatcherStats:
-    """A snapshot of a :class:`Dispatcher`: its counters, its graph cache's and its
-    mask cache's (see docs/cache.md), and its graph store's (``disk``; ``None``
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeStats:
+    """What a snapshot of every runtime (a :class:`Dispatcher`, a model runner) holds:
+    batches, batches per mode (a mode's value: the key), guard fallbacks, strict-mode
+    violations, its graph cache's stats and its graph store's (``disk``; ``None``
     without one, see docs/store.md). ``to_json()`` gives the dict of the JSON outputs."""
 
     batches: int
-    calls: int
     modes: dict[str, int]
     guard_fallbacks: int
-    overflow: int
-    mask_fallbacks: int
-    compile_error_fallbacks: int
     strict_violations: int
     #: graphs loaded from the store after warm-up (no compile: no strict violation),
     #: counted under strict "warn" and "raise"
     loaded_after_warmup: int
+    cache: CacheStats
+    disk: StoreStats | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats(RuntimeStats):
+    """A snapshot of a :class:`Dispatcher`: :class:`RuntimeStats`, its other counters, and
+    its mask cache's stats (see docs/cache.md)."""
+
+    calls: int
+    overflow: int
+    mask_fallbacks: int
+    compile_error_fallbacks: int
     direct_call_fallbacks: int
     #: plugin kernels caught breaking their contract: a failed probe, a bad output
     #: at run time, a compile that failed on one
@@ -210,14 +223,9 @@ class DispatcherStats:
     plans: int
     masks: MaskCacheStats
     block_masks: BlockMaskStats
-    cache: CacheStats
     stalls: StallStats
     background: BackgroundStats
     switch: SwitchStats
-    disk: StoreStats | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def percentile(values: list[float], total: int, p: float) -> float:

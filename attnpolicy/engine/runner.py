@@ -35,20 +35,20 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
 import torch
 
-from attnpolicy.cache.disk_store import DiskStore, StoreStats
-from attnpolicy.cache.graph_cache import CacheStats, GraphCache
+from attnpolicy.cache.disk_store import DiskStore
+from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.graph_source import GraphSource
-from attnpolicy.dispatch.stats import BackgroundStats, Counters
+from attnpolicy.dispatch.stats import BackgroundStats, Counters, RuntimeStats
 from attnpolicy.engine.graph_family import NAME, Inputs, ModelFamily, ModelKey, model_key_for, register
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.step_family import (
@@ -82,22 +82,13 @@ class GraphMemory:
 
 
 @dataclass(frozen=True, slots=True)
-class RunnerStats:
-    """A snapshot of a :class:`StaticModelRunner`: batches, modes decided, guard
-    fallbacks, strict-mode violations, the graph cache, each build's memory and
-    (``compile_mode="background"``) the background compiles."""
+class RunnerStats(RuntimeStats):
+    """A snapshot of a :class:`StaticModelRunner`: :class:`RuntimeStats` (the modes
+    decided), each build's memory and (``compile_mode="background"``) the background
+    compiles."""
 
-    batches: int
-    modes: dict[str, int]
-    guard_fallbacks: int
-    strict_violations: int
-    cache: CacheStats
     memory: tuple[GraphMemory, ...]
-    disk: StoreStats | None = None  # the graph store's, with ``store_dir``
     background: BackgroundStats | None = None
-    #: graphs loaded from the store after warm-up (no compile: no strict violation),
-    #: counted under strict "warn" and "raise"
-    loaded_after_warmup: int = 0
     #: (``compile_mode="background"``) batches run on the eager forward while their graph
     #: compiled, no resident graph able to serve them padded up
     eager_served: int = 0
@@ -105,9 +96,6 @@ class RunnerStats:
     stall_seconds: float = 0.0
     #: (``compile_mode="background"``) the step graphs' background compiles
     step_background: BackgroundStats | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,12 +474,13 @@ class StaticModelRunner:
     def stats(self) -> RunnerStats:
         with self._lock:
             bg, step_bg, c = self._background, self._step_background, self.counters
-            return RunnerStats(self._batches, dict(self._modes), self.guard.fallbacks, c.strict_violations,
-                               self.cache.stats(), tuple(self._memory),
-                               None if self.store is None else self.store.stats(),
-                               None if bg is None else bg.stats(), c.loaded_after_warmup, c.background_eager,
-                               sum(b.waited for b in (bg, step_bg) if b is not None),
-                               None if step_bg is None else step_bg.stats())
+            return RunnerStats(batches=self._batches, modes=dict(self._modes), guard_fallbacks=self.guard.fallbacks,
+                               strict_violations=c.strict_violations, loaded_after_warmup=c.loaded_after_warmup,
+                               cache=self.cache.stats(), disk=None if self.store is None else self.store.stats(),
+                               memory=tuple(self._memory), background=None if bg is None else bg.stats(),
+                               eager_served=c.background_eager,
+                               stall_seconds=sum(b.waited for b in (bg, step_bg) if b is not None),
+                               step_background=None if step_bg is None else step_bg.stats())
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""

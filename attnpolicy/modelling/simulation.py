@@ -69,7 +69,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.modelling.bucket_schemes import BucketScheme, base_scheme
 from attnpolicy.modelling.streams import KeyStream
-from attnpolicy.modelling.tiers import StoredRuns, StoreFigures, StoreModel
+from attnpolicy.modelling.tiers import StoredRuns, StoreFigures, StoreModel, row_json
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.plugins.registry import eviction_registry
 from attnpolicy.policies.base import PolicyContext
@@ -135,10 +135,7 @@ class SimRow:
 
     def to_json(self) -> dict[str, Any]:
         """The row as JSON: one key per field (``store`` only when one was modelled)."""
-        out = asdict(self)
-        if self.store is None:
-            del out["store"]
-        return out
+        return row_json(self)
 
 
 class SimulatedGraph:

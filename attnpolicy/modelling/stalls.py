@@ -48,7 +48,7 @@ from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.modelling.simulation import SimulatedGraph, decided_modes, key_stream, simulated, spec_of
-from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option
+from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option, row_json
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import ScheduledBatch
 
@@ -93,10 +93,8 @@ class StallRow:
     store: StoreFigures | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        if self.store is None:
-            del out["store"]
-        return out
+        """The row as JSON: one key per field (``store`` only when one was modelled)."""
+        return row_json(self)
 
 
 def warm_layouts(layouts: Sequence[BatchLayout], warm: str) -> list[BatchLayout]:

@@ -2,7 +2,7 @@
 whole-model graphs (:class:`~attnpolicy.engine.graph_family.ModelKey`).
 
 A :class:`ModelCostModel` is fitted by ``attnpolicy calibrate --model SPEC``
-(:mod:`attnpolicy.bench.model_calibration`) through the real
+(:func:`attnpolicy.bench.calibration.calibrate_model`) through the real
 :class:`~attnpolicy.engine.runner.StaticModelRunner`. Per mode it holds
 one :class:`ModelFit` each for compile seconds, run seconds and the RSS a build
 took. A fit is linear in three features of a key, so one form serves every mode:
