@@ -114,10 +114,12 @@ def _strip(value: Any, measured: bool = False) -> Any:
 FLAG_RENAMES = {"(--model-cost)": "(--cost-model)"}
 
 
-def _load(path: Path, root: Path) -> Any:
-    """``path``'s content, the absolute path of the folder ``root`` it was recorded in
-    written as ``<out>`` (host settings name their own files by absolute path)."""
-    text = path.read_text().replace(str(root.resolve()), "<out>")
+def _load(path: Path, roots: tuple[Path, ...]) -> Any:
+    """``path``'s content, the absolute paths of the folders ``roots`` compared written as
+    ``<out>`` (host settings name their own files by absolute path)."""
+    text = path.read_text()
+    for root in roots:
+        text = text.replace(str(root.resolve()), "<out>")
     if path.suffix == ".json":
         return _strip(json.loads(text), measured=path.name.endswith("run.json"))
     for old, new in FLAG_RENAMES.items():
@@ -130,7 +132,7 @@ def compare(a: Path, b: Path) -> list[str]:
     names_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file()}
     names_b = {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
     differ = sorted(str(n) for n in names_a ^ names_b)
-    differ += sorted(str(n) for n in names_a & names_b if _load(a / n, a) != _load(b / n, b))
+    differ += sorted(str(n) for n in names_a & names_b if _load(a / n, (a, b)) != _load(b / n, (a, b)))
     return differ
 
 

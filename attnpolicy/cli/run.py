@@ -85,7 +85,7 @@ def register(subparsers: Any) -> None:
                         "attention calls)")
     p.add_argument("--prefill-only", action="store_true",
                    help="with --model: serve prompts only, each in one step (the workload the model-level "
-                        "simulator and --cost-model predict; default: whole requests)")
+                        "simulator and --cost-model predict) (default: off, whole requests)")
     add_cost_args(p, by_model=True)
     p.add_argument("--clock", choices=("cpu", "wall"), default=None,
                    help="with --model: time compiles and runs in process CPU or wall seconds (default: cpu)")
