@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_static_model import TINY, Counted, config
 
 from attnpolicy.cli import main
-from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.kv_cache import KVCache
@@ -19,27 +19,9 @@ from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
 from attnpolicy.engine.step_family import StepKey, step_dominates, step_key_for
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
-from attnpolicy.graphs.buckets import Buckets
 
-TINY = {"qwen3": "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
-        "llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,vocab=64"}
 VOCAB = 64
-MAX_LEN = 64
-
-
-def config(policy: str = "varlen", **fields) -> AttnPolicyConfig:
-    return AttnPolicyConfig(policy=policy, backend="aot_eager", buckets=Buckets(kind="pow2", min=16),
-                            max_seq_len=MAX_LEN, max_batch_tokens=128, **fields)
-
-
-class Counted:
-    """Counts backend compiles (the runner's ``compile_counter``)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, gm) -> None:
-        self.n += 1
+MAX_LEN = 64  # test_static_model's config: max_seq_len 64, max_batch_tokens 128, pow2 from 16, aot_eager
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
