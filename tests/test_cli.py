@@ -78,10 +78,11 @@ MISTAKES = [
     (["run", "--model", "qwen3:hidden=24,heads=8"], ["--model", "hidden/heads (24/8 = 3) must be even"]),
     (["run", "--model", "qwen3:head_dim=1"], ["--model", "head_dim (1) must be even"]),
     (["run", "--model", "qwen3:max_positions=1024"], ["--max-seq-len", "8192", "1024 positions"]),
-    (["run", "--model", "qwen3", "--max-num-batched-tokens", "1024"],
+    (["run", "--model", "qwen3", "--prefill-only", "--max-num-batched-tokens", "1024"],
      ["--max-num-batched-tokens", "1024", "--max-seq-len=8192", "whole-model graphs"]),
     (["run", "--model", "qwen3", "--heads", "4"], ["--heads", "4", "not taken with --model"]),
     (["run", "--cost-model", "m.json"], ["--cost-model", "m.json", "needs --model"]),
+    (["run", "--prefill-only"], ["--prefill-only", "needs --model"]),
     (["run", "--family", "model"], ["--family", "model", "needs --model SPEC"]),
     (["run", "--family", "attention", "--model", "qwen3"], ["--family", "attention", "not taken with --model"]),
     (["calibrate", "--family", "model"], ["--family", "model", "needs --model SPEC"]),
@@ -202,14 +203,14 @@ def test_a_write_that_fails_after_the_work_is_one_line_and_exit_1(capsys, tmp_pa
 
 
 def test_run_model_with_the_default_workload_flags_runs_and_checks(capsys, tmp_path):
-    """The model-graph workload runs each prompt in one step: --max-num-batched-tokens
+    """The prefill-only model-graph workload runs each prompt in one step: --max-num-batched-tokens
     defaults, as vLLM's without chunked prefill, to at least --max-seq-len."""
     trace = tmp_path / "t.csv"
     trace.write_text(CSV_HEADER + "".join(f"2023-11-16 18:17:0{i}.0,{20 + 9 * i},3\n" for i in range(3)))
     out = tmp_path / "run.json"
     spec = "qwen3:layers=1,hidden=32,heads=2,kv_heads=1,intermediate=32,vocab=64"
-    assert main(["run", "--model", spec, "--trace", str(trace), "--limit", "3", "--backend", "eager", "--check",
-                 "--json", str(out)]) == 0, capsys.readouterr().err
+    assert main(["run", "--model", spec, "--prefill-only", "--trace", str(trace), "--limit", "3", "--backend",
+                 "eager", "--check", "--json", str(out)]) == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     former = result["workload"]["former"]
     assert (former["max_num_batched_tokens"], former["max_model_len"]) == (8192, 8192)

@@ -87,5 +87,5 @@ def test_a_file_naming_its_own_folder_compares_equal_in_another_folder(tmp_path)
         (root / "plan" / "host_settings.json").write_text(json.dumps(
             {"file": str((root / "plan" / "buckets.txt").resolve()), "other": other}))
     assert compare_outputs.compare(a, b) == []
-    (b / "plan" / "host_settings.json").write_text(json.dumps({"file": str(a / "plan" / "buckets.txt"), "other": "x"}))
+    (b / "plan" / "host_settings.json").write_text(json.dumps({"file": str(tmp_path / "c" / "plan" / "buckets.txt"), "other": "x"}))
     assert compare_outputs.compare(a, b) == ["plan/host_settings.json"]

@@ -200,7 +200,7 @@ def test_cli_calibrate_and_run_with_a_model(tmp_path):
     model = written.model_fits(str(path))
     assert model.spec.startswith("llama:layers=1") and len(model.samples) == 3
     out = tmp_path / "run.json"
-    assert main(["run", "--model", SPEC, "--cost-model", str(path), "--backend", "aot_eager", "--limit", "10",
+    assert main(["run", "--model", SPEC, "--prefill-only", "--cost-model", str(path), "--backend", "aot_eager", "--limit", "10",
                  "--max-seq-len", "512", "--max-num-batched-tokens", "512", "--max-num-seqs", "1",
                  "--policy", "dynamic", "--check", "--json", str(out)]) == 0
     result = json.loads(out.read_text())

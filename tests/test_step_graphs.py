@@ -3,12 +3,15 @@ whole sequence run at once, and HF's own greedy generation."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_static_model import TINY, Counted, config
 
-from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.cli import main
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.kv_cache import KVCache
@@ -16,27 +19,9 @@ from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
 from attnpolicy.engine.step_family import StepKey, step_dominates, step_key_for
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
-from attnpolicy.graphs.buckets import Buckets
 
-TINY = {"qwen3": "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
-        "llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,head_dim=16,intermediate=128,vocab=64"}
 VOCAB = 64
-MAX_LEN = 64
-
-
-def config(policy: str = "varlen", **fields) -> AttnPolicyConfig:
-    return AttnPolicyConfig(policy=policy, backend="aot_eager", buckets=Buckets(kind="pow2", min=16),
-                            max_seq_len=MAX_LEN, max_batch_tokens=128, **fields)
-
-
-class Counted:
-    """Counts backend compiles (the runner's ``compile_counter``)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, gm) -> None:
-        self.n += 1
+MAX_LEN = 64  # test_static_model's config: max_seq_len 64, max_batch_tokens 128, pow2 from 16, aot_eager
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -129,8 +114,9 @@ def test_greedy_tokens_equal_hf_generate(models, policy):
     model, reference = models
     runner = StaticModelRunner(model, config(policy))
     prompts, new = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20]], 6
-    want = [reference.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, len(p):]
-            .tolist() for p in prompts]
+    # generate stops at the end-of-sequence token; the runner's steps run on: its prefix must agree
+    want = [reference.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
     kv = KVCache.for_model(model, len(prompts), MAX_LEN)
     slots = list(range(len(prompts)))
     layout = BatchLayout.from_lens([len(p) for p in prompts], causal=True)
@@ -145,7 +131,7 @@ def test_greedy_tokens_equal_hf_generate(models, policy):
         layout = BatchLayout.from_lens([1] * len(prompts), [kv.length(s) + 1 for s in slots], causal=True)
         out = runner.logits(torch.tensor(nxt), layout, kv=kv, slots=slots)
         nxt = out.argmax(-1).tolist()
-    assert got == want
+    assert [g[:len(w)] for g, w in zip(got, want)] == want and all(want)
 
 
 def test_keys_bucket_rows_and_context_and_a_larger_key_dominates():
@@ -257,3 +243,35 @@ def test_a_kv_cache_refuses_bad_shapes():
         KVCache(2, 8, layers=1, kv_heads=1, head_dim=4, lengths=[1])
     with pytest.raises(ConfigError, match=r"a slot's length must be an int in \[0, 8\], got 9"):
         KVCache(1, 8, layers=1, kv_heads=1, head_dim=4, lengths=[9])
+
+
+@pytest.mark.parametrize("policy", ["always-mask", "varlen"])
+def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys, policy):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:0{i}.0000000,{p},{g}\n" for i, (p, g) in enumerate([(40, 6), (9, 12), (70, 3), (3, 5)])))
+    out = tmp_path / "run.json"
+    rc = main(["run", "--model", TINY["qwen3"], "--trace", str(trace), "--check", "--policy", policy,
+               "--backend", "aot_eager", "--max-seq-len", "128", "--max-num-batched-tokens", "32",
+               "--max-num-seqs", "3", "--json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert (result["requests"], result["token_mismatches"], result["passed"]) == (4, 0, True)
+    assert 0 < result["context_steps"] < result["batches"]  # chunked prefill (budget 32) and decodes
+    assert result["max_abs_err"] <= 1e-5
+    assert result["misses"] == result["compiles"] > 0
+
+
+def test_run_model_refuses_a_cost_model_on_whole_requests(tmp_path, capsys):
+    assert main(["run", "--model", TINY["qwen3"], "--cost-model", str(tmp_path / "m.json"), "--limit", "2"]) == 2
+    assert "add --prefill-only" in capsys.readouterr().err
+
+
+def test_the_docs_step_example_runs(capsys):
+    from test_docs import ROOT, blocks
+
+    (code,) = [b for b in blocks(ROOT / "docs/models.md", "python") if "KVCache" in b]
+    exec(compile(code, "docs/models.md", "exec"), {})
+    keys, *lengths = capsys.readouterr().out.rsplit(" ", 2)
+    assert keys.startswith("['step/mask/t16c0/aot_eager', 'step/mask/t16c16/aot_eager']")
+    assert [int(n) for n in lengths] == [6, 10]

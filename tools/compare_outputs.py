@@ -48,10 +48,19 @@ def model_flags(checkout: Path, model_cost: Path) -> list[str]:
     return ["--cost-model", path, "--family", "model"] if "--family" in proc.stdout else ["--model-cost", path]
 
 
+def prefill_flags(checkout: Path) -> list[str]:
+    """``--prefill-only`` where the ``run --model`` of ``checkout`` serves whole requests
+    by default (an earlier one replays prefill only): both record the same workload."""
+    env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
+    proc = subprocess.run([sys.executable, "-m", "attnpolicy", "run", "--help"], cwd=checkout, env=env,
+                          capture_output=True, text=True, check=True)
+    return ["--prefill-only"] if "--prefill-only" in proc.stdout else []
+
+
 def _commands(workload: list[str], model_cost: list[str] | None = None, run: bool = False,
-              run_model: str | None = None) -> dict[str, list[str]]:
+              run_model: str | None = None, prefill_only: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """The commands, by the name of the output each writes (stdout goes to ``NAME.stdout``);
-    ``model_cost``: the flags of :func:`model_flags`."""
+    ``model_cost``: the flags of :func:`model_flags`; ``prefill_only``: of :func:`prefill_flags`."""
     commands = {
         "simulate": ["simulate", *workload, "--workers", "1", "--json", "simulate.json"],
         "stalls": ["stalls", *workload, "--json", "stalls.json"],
@@ -67,7 +76,7 @@ def _commands(workload: list[str], model_cost: list[str] | None = None, run: boo
         commands["run"] = ["run", *workload, *RUN_FLAGS, "--json", "run.json"]
         if run_model is not None:
             commands["model_run"] = ["run", *workload, "--model", run_model, *RUN_FLAGS[:6], "--check",
-                                     "--max-num-seqs", "1", "--json", "model_run.json"]
+                                     "--max-num-seqs", "1", *prefill_only, "--json", "model_run.json"]
     return commands
 
 
@@ -78,7 +87,8 @@ def record(checkout: Path, out: Path, workload: list[str], model_cost: Path | No
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
     flags = None if model_cost is None else model_flags(checkout, model_cost)
-    for name, args in _commands(workload, flags, run, run_model).items():
+    prefill = tuple(prefill_flags(checkout)) if run_model is not None else ()
+    for name, args in _commands(workload, flags, run, run_model, prefill).items():
         proc = subprocess.run(
             [sys.executable, "-m", "attnpolicy", *args],
             cwd=out, env=env, capture_output=True, text=True, check=False,
@@ -104,10 +114,12 @@ def _strip(value: Any, measured: bool = False) -> Any:
 FLAG_RENAMES = {"(--model-cost)": "(--cost-model)"}
 
 
-def _load(path: Path, root: Path) -> Any:
-    """``path``'s content, the absolute path of the folder ``root`` it was recorded in
-    written as ``<out>`` (host settings name their own files by absolute path)."""
-    text = path.read_text().replace(str(root.resolve()), "<out>")
+def _load(path: Path, roots: tuple[Path, ...]) -> Any:
+    """``path``'s content, the absolute paths of the folders ``roots`` compared written as
+    ``<out>`` (host settings name their own files by absolute path)."""
+    text = path.read_text()
+    for root in roots:
+        text = text.replace(str(root.resolve()), "<out>")
     if path.suffix == ".json":
         return _strip(json.loads(text), measured=path.name.endswith("run.json"))
     for old, new in FLAG_RENAMES.items():
@@ -120,7 +132,7 @@ def compare(a: Path, b: Path) -> list[str]:
     names_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file()}
     names_b = {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
     differ = sorted(str(n) for n in names_a ^ names_b)
-    differ += sorted(str(n) for n in names_a & names_b if _load(a / n, a) != _load(b / n, b))
+    differ += sorted(str(n) for n in names_a & names_b if _load(a / n, (a, b)) != _load(b / n, (a, b)))
     return differ
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
-from attnpolicy.bench.replay import MODEL_TOLERANCE, TOLERANCE, replay_model, run_workload
+from attnpolicy.bench.replay import MODEL_TOLERANCE, TOLERANCE, replay_model, run_workload, serve_model
 from attnpolicy.cli.common import (
     MIB,
     add_cost_args,
@@ -80,8 +80,13 @@ def register(subparsers: Any) -> None:
                         f"the dtype's tolerance ({', '.join(f'{d} {t:g}' for d, t in TOLERANCE.items())}) "
                         "(default: off)")
     p.add_argument("--model", type=model_spec, metavar="SPEC", default=None,
-                   help="replay prefill-only batches through whole-model graphs of SPEC (StaticModelRunner); "
-                        "--check compares with the eager model (default: none, attention calls)")
+                   help="serve whole requests (prefill, chunked prefill, decode) through whole-model graphs of "
+                        "SPEC (StaticModelRunner, its KV cache a graph input); --check compares every token with "
+                        "transformers' greedy generate and every logit with the eager model (default: none, "
+                        "attention calls)")
+    p.add_argument("--prefill-only", action="store_true",
+                   help="with --model: serve prompts only, each in one step (the workload the model-level "
+                        "simulator and --cost-model predict) (default: off, whole requests)")
     add_cost_args(p, by_model=True)
     p.add_argument("--clock", choices=("cpu", "wall"), default=None,
                    help="with --model: time compiles and runs in process CPU or wall seconds (default: cpu)")
@@ -144,10 +149,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.replan_every is not None:
             fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
         check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-        former = former_from(args, prefill_only=True)
-        # a MASK graph's bucket is of the step's token budget, as in simulate --family model
-        return run_model_graphs(args, former, config_from(args, former.max_num_batched_tokens))
-    for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock}.items():
+        if args.cost_model and not args.prefill_only:
+            fail(f"argument --cost-model: {args.cost_model}: the model-level simulator predicts prefill-only "
+                 "workloads: add --prefill-only")
+        former = former_from(args, prefill_only=args.prefill_only)
+        # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
+        # whole requests: of every running sequence's context too, as at the attention level
+        return run_model_graphs(args, former,
+                                config_from(args, former.max_num_batched_tokens if args.prefill_only else None))
+    for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock,
+                        "--prefill-only": args.prefill_only or None}.items():
         if value is not None:
             fail(f"argument {flag}: {value}: needs --model SPEC (without it the run replays attention calls)")
     check_spec_args(args)
@@ -215,15 +226,15 @@ def report(args: argparse.Namespace, title: str, rows: list[tuple[str, Any]], ma
         with writing("--json", args.json):
             write_json(args.json, data())
     if passed is False:
-        warn(f"max abs err {max_abs_err:.3g} exceeds the tolerance {tolerance:g}")
+        warn(f"the check failed: max abs err {max_abs_err:.3g} (tolerance {tolerance:g}); see the table")
         return 1
     return 0
 
 
 def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: AttnPolicyConfig) -> int:
-    """``run --model SPEC`` (``--family model``): the prefill-only batches of ``former``
-    through a runner of SPEC's model under ``config``; --max-seq-len must fit the
-    model's positions."""
+    """``run --model SPEC`` (``--family model``): whole requests (``--prefill-only``: the
+    prefill-only batches) of ``former`` through a runner of SPEC's model under
+    ``config``; --max-seq-len must fit the model's positions."""
     positions = max_positions(args.model)
     if positions is not None and former.max_model_len > positions:
         fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
@@ -236,17 +247,23 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     if args.cost_model:
         print(Provenance("file", args.cost_model).line())
     steps, w = formed(args, former, requests)
-    layouts = model_layouts(steps)
     try:
-        with progress(len(layouts), "run --model") as advance:
-            result = replay_model(args.model, layouts, config, check=args.check, cost=cost, clock=clock,
-                                  progress=advance)
+        with progress(len(steps), "run --model") as advance:
+            if args.prefill_only:
+                result = replay_model(args.model, model_layouts(steps), config, check=args.check, cost=cost,
+                                      clock=clock, progress=advance)
+            else:
+                result = serve_model(args.model, requests, steps, config, max_model_len=former.max_model_len,
+                                     max_num_seqs=former.max_num_seqs, check=args.check, clock=clock,
+                                     progress=advance)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
     rows: list[tuple[str, object]] = [
         ("model", result.spec), ("policy", config.policy), ("backend", config.backend),
         ("buckets", config.buckets.describe()), ("max graphs", config.max_graphs or "∞"),
         ("batches", result.batches), ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
+        *([("requests served", result.requests), ("steps with cached context", result.context_steps)]
+          if not args.prefill_only else []),
         ("hits / misses", f"{result.hits} / {result.misses}"), ("evictions", result.evictions),
         (f"compile s ({result.clock})", result.compile_seconds), (f"run s ({result.clock})", result.run_seconds),
         (f"total s ({result.clock})", result.total_seconds)]
@@ -255,6 +272,8 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
         rows += [("predicted misses", p.misses), ("predicted compile s", p.compile_seconds + p.warmup_seconds),
                  ("predicted total s", p.total_seconds)]
         rows += [(f"predicted/measured {k}", v) for k, v in result.ratios().items()]
+    if result.token_mismatches is not None:
+        rows += [("requests whose greedy tokens differ", result.token_mismatches)]
     return report(args, f"attnpolicy run --model: {args.trace}", rows, result.max_abs_err, result.passed,
                   MODEL_TOLERANCE, lambda: {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
                                             "config": config.model_dump(mode="json"), **result.to_json()})

@@ -209,18 +209,17 @@ def model_code(model: torch.nn.Module, config: str, dtype: torch.dtype,
         return None, f"model {type(model).__name__}: {e}"
 
 
-class ModelFamily:
-    """The whole-model graphs of ``model`` (:class:`~attnpolicy.graphs.family.GraphFamily`),
-    keyed by :class:`ModelKey`, built from a placed batch's inputs.
-
-    With ``config.store_dir`` every graph on a backend (not ``"none"``) of a model whose
-    code has a source to hash persists there, compiled ahead of time and keyed by the
-    model's code and config; a miss loads it. A background miss no resident graph serves
-    runs the eager forward. ``compile_counter(gm)`` sees every backend compile."""
+class WholeModelGraphs:
+    """What every whole-model graph family shares: graphs of ``model`` compiled from a
+    forward that takes the model first, stored (with ``store``) ahead of time and keyed by
+    the model's code and config (:func:`model_code`), loaded on a miss, released on
+    eviction. A family says what its keys' forward is (:meth:`forward`), what leads its
+    inputs (:meth:`bound`), its uncompiled form (:meth:`eager`), its bytes and its pad-up.
+    ``compile_counter(gm)`` sees every backend compile of a graph not stored."""
 
     eager_misses = True  # a background miss no resident graph serves runs the eager forward
 
-    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, *,
+    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, store: DiskStore | None, *,
                  compile_counter: Callable[[torch.fx.GraphModule], None] | None = None) -> None:
         self.config = config
         self.model = model
@@ -228,22 +227,20 @@ class ModelFamily:
         self.device, self.dtype = param.device, param.dtype
         self._itemsize = param.element_size()
         self._counter = compile_counter
-        self._store = DiskStore(config.store_dir, config.max_disk_bytes) if config.store_dir is not None else None
+        self._store = store
         c: Any = model.config
         self._code, self._unstored = (model_code(model, c.to_json_string(), self.dtype, self.device)
-                                      if self._store is not None else ("", ""))
+                                      if store is not None else ("", ""))
 
     @property
     def store(self) -> DiskStore | None:
         return self._store
 
-    def estimate_bytes(self, key: ModelKey) -> int:
-        return estimate_bytes(key, self.model.config, self._itemsize)
+    def rows(self, key: Any) -> int:
+        tokens: int = key.tokens
+        return tokens
 
-    def rows(self, key: ModelKey) -> int:
-        return key.tokens
-
-    def identity(self, key: ModelKey) -> ArtifactIdentity | None:
+    def identity(self, key: Any) -> ArtifactIdentity | None:
         """What makes ``key``'s stored artifact valid; ``None`` on backend ``"none"`` or for
         a model whose code has no source to hash."""
         if key.backend == "none" or self._code is None:
@@ -251,7 +248,7 @@ class ModelFamily:
         return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
                                 str(self.device), str(self.dtype).removeprefix("torch."), self._code)
 
-    def load(self, key: ModelKey) -> CompiledGraph | None:
+    def load(self, key: Any) -> CompiledGraph | None:
         """The graph of ``key`` from the store (``None``: no store, not stored, not there
         or not valid)."""
         store, ident = self._store, self.identity(key)
@@ -261,7 +258,7 @@ class ModelFamily:
             loaded = store.load(ident, aot.load_graph)
         return None if loaded is None else self._aot_graph(loaded, key)
 
-    def build(self, key: ModelKey, request: Inputs) -> CompiledGraph:
+    def build(self, key: Any, request: tuple[torch.Tensor, ...]) -> CompiledGraph:
         """The graph of ``key`` compiled for ``request`` (its inputs): ahead of time and
         saved when it is stored."""
         store, ident = self._store, self.identity(key)
@@ -272,16 +269,60 @@ class ModelFamily:
             # while the background worker (or any thread) traces fails (see compile_graph)
             return compile_graph(self.eager(key, request), self.config.backend, counter=self._counter,
                                  example_inputs=request, guards=False)
-        fn = _FORWARDS[key.mode]
         with torch.no_grad(), compile_lock():
-            compiled = aot.aot_compile_graph(fn, key.backend, (*self.bound(key), *request))
+            compiled = aot.aot_compile_graph(self.forward(key), key.backend, (*self.bound(key), *request))
             store.save(ident, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
         return self._aot_graph(compiled, key)
+
+    def release(self, key: Any, graph: Any) -> None:
+        if isinstance(graph, CompiledGraph):
+            release_graph(graph)
+
+    def forward(self, key: Any) -> Callable[..., Any]:
+        """The module-level function ``key``'s stored graph is compiled from: the model
+        first, then :meth:`bound`'s other leading inputs, then the request."""
+        raise NotImplementedError
+
+    def bound(self, key: Any) -> tuple[Any, ...]:
+        """The leading inputs of ``key``'s stored graph: the model, then constants its key pins."""
+        raise NotImplementedError
+
+    def eager(self, key: Any, request: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+        """The uncompiled forward of ``key``'s graph (its inputs as ``request``)."""
+        raise NotImplementedError
+
+    def _aot_graph(self, compiled: Any, key: Any) -> CompiledGraph:
+        """A graph compiled ahead of time (or loaded) taking the model first, as the
+        cache holds graphs: called directly (it checks no guards)."""
+        graph = CompiledGraph(partial(compiled, *self.bound(key)), None, key.backend)
+        graph.direct = True
+        return graph
+
+
+class ModelFamily(WholeModelGraphs):
+    """The whole-model prefill graphs of ``model`` (:class:`~attnpolicy.graphs.family.GraphFamily`),
+    keyed by :class:`ModelKey`, built from a placed batch's inputs.
+
+    With ``config.store_dir`` every graph on a backend (not ``"none"``) of a model whose
+    code has a source to hash persists there, compiled ahead of time and keyed by the
+    model's code and config; a miss loads it. A background miss no resident graph serves
+    runs the eager forward. ``compile_counter(gm)`` sees every backend compile."""
+
+    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, *,
+                 compile_counter: Callable[[torch.fx.GraphModule], None] | None = None) -> None:
+        store = DiskStore(config.store_dir, config.max_disk_bytes) if config.store_dir is not None else None
+        super().__init__(model, config, store, compile_counter=compile_counter)
+
+    def estimate_bytes(self, key: ModelKey) -> int:
+        return estimate_bytes(key, self.model.config, self._itemsize)
 
     def pad_up(self, key: ModelKey, resident: Sequence[ModelKey]) -> ModelKey | None:
         """The smallest resident key (by tokens, then segments) that :func:`dominates` ``key``."""
         larger = [k for k in resident if isinstance(k, ModelKey) and dominates(k, key)]
         return min(larger, key=lambda k: (k.tokens, k.segments)) if larger else None
+
+    def forward(self, key: ModelKey) -> Callable[..., torch.Tensor]:
+        return _FORWARDS[key.mode]
 
     def eager(self, key: ModelKey, request: Inputs) -> Callable[..., torch.Tensor]:
         """The uncompiled forward of ``key``'s graph (its inputs as ``request``)."""
@@ -299,18 +340,7 @@ class ModelFamily:
             return out.logits[0]
         return unmasked
 
-    def release(self, key: ModelKey, graph: Any) -> None:
-        if isinstance(graph, CompiledGraph):
-            release_graph(graph)
-
     def bound(self, key: ModelKey) -> tuple[Any, ...]:
         """The leading inputs of ``key``'s stored graph: the model, and a VARLEN graph's
         segments (static: baked into the graph, pinned by the key)."""
         return (self.model, key.segments) if key.mode is MaskMode.VARLEN else (self.model,)
-
-    def _aot_graph(self, compiled: Any, key: ModelKey) -> CompiledGraph:
-        """A graph compiled ahead of time (or loaded) taking the model first, as the
-        cache holds graphs: called directly (it checks no guards)."""
-        graph = CompiledGraph(partial(compiled, *self.bound(key)), None, key.backend)
-        graph.direct = True
-        return graph

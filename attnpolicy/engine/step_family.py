@@ -34,18 +34,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
-from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.graph_family import PAST_KWARG, Past, model_code
-from attnpolicy.graphs import aot
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
+from attnpolicy.engine.graph_family import PAST_KWARG, Past, WholeModelGraphs
 
 #: A step graph's inputs: ids ``[T]``, positions ``[T]``, past keys and values and
 #: (MASK, VARLEN) its mask.
@@ -146,73 +142,21 @@ def _step_forward(model: torch.nn.Module, segments: tuple[tuple[int, int], ...] 
     return out.logits[0], torch.stack([k for k, _ in new]), torch.stack([v for _, v in new])
 
 
-class StepFamily:
+class StepFamily(WholeModelGraphs):
     """The step graphs of ``model`` (:class:`~attnpolicy.graphs.family.GraphFamily`),
-    keyed by :class:`StepKey`, built from a placed step's inputs; stored, loaded and
-    padded up as the whole-model prefill graphs are
-    (:class:`~attnpolicy.engine.graph_family.ModelFamily`)."""
-
-    eager_misses = True  # a background miss no resident graph serves runs the eager forward
-
-    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, store: DiskStore | None, *,
-                 compile_counter: Callable[[torch.fx.GraphModule], None] | None = None) -> None:
-        self.config = config
-        self.model = model
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self._itemsize = param.element_size()
-        self._counter = compile_counter
-        self._store = store
-        c: Any = model.config
-        self._code, self._unstored = (model_code(model, c.to_json_string(), self.dtype, self.device)
-                                      if store is not None else ("", ""))
-
-    @property
-    def store(self) -> DiskStore | None:
-        return self._store
+    keyed by :class:`StepKey`, built from a placed step's inputs; stored (in ``store``,
+    beside the prefill graphs), loaded and padded up as they are."""
 
     def estimate_bytes(self, key: StepKey) -> int:
         return step_estimate_bytes(key, self.model.config, self._itemsize)
-
-    def rows(self, key: StepKey) -> int:
-        return key.tokens
-
-    def identity(self, key: StepKey) -> ArtifactIdentity | None:
-        """What makes ``key``'s stored artifact valid; ``None`` on backend ``"none"`` or for
-        a model whose code has no source to hash."""
-        if key.backend == "none" or self._code is None:
-            return None
-        return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
-                                str(self.device), str(self.dtype).removeprefix("torch."), self._code)
-
-    def load(self, key: StepKey) -> CompiledGraph | None:
-        """The graph of ``key`` from the store (``None``: no store, not stored, not there
-        or not valid)."""
-        store, ident = self._store, self.identity(key)
-        if store is None or ident is None:
-            return None
-        with compile_lock():
-            loaded = store.load(ident, aot.load_graph)
-        return None if loaded is None else self._aot_graph(loaded, key)
-
-    def build(self, key: StepKey, request: StepInputs) -> CompiledGraph:
-        """The graph of ``key`` compiled for ``request`` (its inputs): ahead of time and
-        saved when it is stored."""
-        store, ident = self._store, self.identity(key)
-        if store is None or ident is None:
-            if store is not None and key.backend != "none":
-                store.refuse(f"model {type(self.model).__name__}", self._unstored)
-            return compile_graph(self.eager(key, request), self.config.backend, counter=self._counter,
-                                 example_inputs=request, guards=False)
-        with torch.no_grad(), compile_lock():
-            compiled = aot.aot_compile_graph(_step_forward, key.backend, (*self.bound(key), *request))
-            store.save(ident, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
-        return self._aot_graph(compiled, key)
 
     def pad_up(self, key: StepKey, resident: Sequence[StepKey]) -> StepKey | None:
         """The smallest resident key (by rows, context, then segments) that :func:`step_dominates` ``key``."""
         larger = [k for k in resident if isinstance(k, StepKey) and step_dominates(k, key)]
         return min(larger, key=lambda k: (k.tokens, k.context, k.segments)) if larger else None
+
+    def forward(self, key: StepKey) -> Callable[..., tuple[torch.Tensor, ...]]:
+        return _step_forward
 
     def eager(self, key: StepKey, request: StepInputs) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The uncompiled forward of ``key``'s graph (its inputs as ``request``)."""
@@ -228,15 +172,6 @@ class StepFamily:
             return _step_forward(model, segments, ids, positions, past_k, past_v, mask)
         return masked
 
-    def release(self, key: StepKey, graph: Any) -> None:
-        if isinstance(graph, CompiledGraph):
-            release_graph(graph)
-
     def bound(self, key: StepKey) -> tuple[Any, ...]:
         """The leading inputs of ``key``'s graph: the model and (VARLEN) its segments."""
         return self.model, key.segments if key.mode is MaskMode.VARLEN else None
-
-    def _aot_graph(self, compiled: Any, key: StepKey) -> CompiledGraph:
-        graph = CompiledGraph(partial(compiled, *self.bound(key)), None, key.backend)
-        graph.direct = True
-        return graph
