@@ -25,7 +25,7 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.execute import attend, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
-from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.graphs.keys import TensorSpec, check_kv_heads
 from attnpolicy.kernels.masks import mask_for
 
 K = TypeVar("K", bound=Hashable)
@@ -70,8 +70,7 @@ class SpecSettings:
 
     @model_validator(mode="after")
     def _kv_heads_divide(self) -> SpecSettings:
-        if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        check_kv_heads(self.heads, self.kv_heads)
         return self
 
     @property

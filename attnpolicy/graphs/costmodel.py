@@ -52,7 +52,7 @@ from attnpolicy.core.modes import CallKind
 from attnpolicy.core.names import Backend, DType, Impl
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.footprint import graph_bytes
-from attnpolicy.graphs.keys import GraphKey, TensorSpec
+from attnpolicy.graphs.keys import GraphKey, TensorSpec, check_kv_heads
 
 FORMAT_VERSION: Final = 1
 DEFAULT_RESOURCE = "default_costmodel.json"
@@ -170,8 +170,7 @@ class CostModel(BaseModel):
                 raise ValueError(f"{field} needs a fit for every graph family; missing: {', '.join(missing)}")
         if bool(self.store_load) != bool(self.store_bytes):
             raise ValueError("store_load and store_bytes are calibrated together: give both or neither")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        check_kv_heads(self.heads, self.kv_heads)
         return self
 
     @property

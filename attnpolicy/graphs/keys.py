@@ -11,6 +11,13 @@ from attnpolicy.core.modes import CallKind
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
+def check_kv_heads(heads: int, kv_heads: int) -> None:
+    """``ValueError`` unless ``kv_heads`` divides ``heads`` (each key/value head serves
+    a whole group of query heads)."""
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads {kv_heads} must divide heads {heads}")
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """The tensor properties a compiled graph is specialised on."""
