@@ -42,17 +42,24 @@ def layouts(draw, single: bool = False, max_seqs: int = 8, *, min_seqs: int = 1,
     return BatchLayout.from_lens(q_lens, causal=causal)
 
 
+def random_qkv(layout: BatchLayout, seed: int = 0, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded random q ``[q_tokens, heads, head_dim]``, k and v ``[kv_tokens, kv_heads,
+    head_dim]`` for ``layout`` (drawn in that order, then cast to ``dtype``)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(layout.q_tokens, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v
+
+
 @st.composite
 def qkv(draw, layout: BatchLayout, dtype: torch.dtype = torch.float32):
     """Random q, k, v for ``layout`` with a GQA ratio of 1, 2 or 4."""
     kv_heads, ratio = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))
     head_dim = draw(st.sampled_from([8, 16]))
     seed = draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(layout.q_tokens, kv_heads * ratio, head_dim, generator=g).to(dtype)
-    k = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(layout.kv_tokens, kv_heads, head_dim, generator=g).to(dtype)
-    return q, k, v
+    return random_qkv(layout, seed, heads=kv_heads * ratio, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
 
 @st.composite

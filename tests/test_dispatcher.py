@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_for
-from strategies import layouts, qkv
+from strategies import layouts, qkv, random_qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache, hookimpl
 from attnpolicy.core.modes import CallKind, MaskMode
@@ -29,11 +29,6 @@ POLICIES = ["always-mask", "always-causal", "dynamic", "varlen"]
 SPEC = TensorSpec("float32", 4, 2, 16)
 
 
-def _qkv(layout, heads=4, kv_heads=2, d=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(layout.q_tokens, heads, d, generator=g),
-            torch.randn(layout.kv_tokens, kv_heads, d, generator=g),
-            torch.randn(layout.kv_tokens, kv_heads, d, generator=g))
 
 
 def _check(dispatcher, layout, q, k, v):
@@ -62,7 +57,7 @@ MIXED = [BatchLayout.from_lens([37]), BatchLayout.from_lens([5, 20, 3]),
 def test_every_policy_matches_reference_compiled(policy):
     d = Dispatcher(AttnPolicyConfig(policy=policy, backend="eager", max_seq_len=256))
     for i, layout in enumerate(MIXED * 2):
-        _check(d, layout, *_qkv(layout, seed=i))
+        _check(d, layout, *random_qkv(layout, seed=i))
     stats = d.stats()
     assert stats.batches == 2 * len(MIXED)
     assert stats.cache.hits >= stats.cache.misses  # second round hits
@@ -96,10 +91,10 @@ def test_varlen_packed_batch_reuses_single_sequence_graphs():
     d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="eager", max_seq_len=256),
                    compile_counter=counter.append)
     single = BatchLayout.from_lens([30])
-    d.attend(*_qkv(single), single)
+    d.attend(*random_qkv(single), single)
     assert len(counter) == 1
     packed = BatchLayout.from_lens([20, 25, 32])  # all in bucket 32
-    _check(d, packed, *_qkv(packed))
+    _check(d, packed, *random_qkv(packed))
     assert len(counter) == 1 and d.stats().cache.hits == 3
 
 
@@ -111,12 +106,12 @@ def test_distinct_keys_are_real_compiles_and_eviction_recompiles():
     lens = list(range(10, 30))
     for n in lens:
         lay = BatchLayout.from_lens([n])
-        _check(d, lay, *_qkv(lay))
+        _check(d, lay, *random_qkv(lay))
     assert len(counter) == 20
     stats = d.stats().cache
     assert stats.compiles == 20 and stats.evictions == 16 and stats.graphs == 4
     lay = BatchLayout.from_lens([10])  # evicted long ago
-    _check(d, lay, *_qkv(lay))
+    _check(d, lay, *random_qkv(lay))
     assert len(counter) == 21
 
 
@@ -133,9 +128,9 @@ def test_overflow_raises_or_runs_uncompiled():
     lay = BatchLayout.from_lens([300])
     strict = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256))
     with pytest.raises(BucketOverflowError, match=r"length 300 exceeds the largest bucket 256 \(buckets pow2\(min=16\), max_seq_len=256\)"):
-        strict.attend(*_qkv(lay), lay)
+        strict.attend(*random_qkv(lay), lay)
     lenient = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=256, on_overflow="eager"))
-    _check(lenient, lay, *_qkv(lay))
+    _check(lenient, lay, *random_qkv(lay))
     assert lenient.stats().overflow == 1 and lenient.stats().cache.graphs == 0
 
 
@@ -148,11 +143,11 @@ def test_compile_failure_raises_or_falls_back_to_eager():
     lay = BatchLayout.from_lens([12])
     d = Dispatcher(AttnPolicyConfig(backend="eager", max_seq_len=64), cache=_Exploding())
     with pytest.raises(GraphCompileError, match="causal/q16"):
-        d.attend(*_qkv(lay), lay)
+        d.attend(*random_qkv(lay), lay)
     assert d.cache.stats().compile_failures == 1 and len(d.cache) == 0
     d = Dispatcher(AttnPolicyConfig(backend="eager", max_seq_len=64, on_compile_error="eager"),
                    cache=_Exploding())
-    _check(d, lay, *_qkv(lay))
+    _check(d, lay, *random_qkv(lay))
     assert d.stats().compile_error_fallbacks == 1
 
 
@@ -177,7 +172,7 @@ def test_strict_mode_flags_compiles_after_warmup(strict):
 def test_illegal_decision_falls_back_and_is_counted():
     d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend="none", max_seq_len=256))
     lay = BatchLayout.from_lens([5, 9])
-    _check(d, lay, *_qkv(lay))
+    _check(d, lay, *random_qkv(lay))
     assert d.stats().guard_fallbacks == 1 and d.stats().modes["varlen"] == 1
 
 
@@ -220,18 +215,18 @@ def test_no_warning_when_everything_is_fine():
     lay = BatchLayout.from_lens([4, 4])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        d.attend(*_qkv(lay), lay)
+        d.attend(*random_qkv(lay), lay)
 
 
 def test_mask_calls_bucket_packed_rows_up_to_max_batch_tokens():
     d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="none", max_seq_len=256, max_batch_tokens=1024))
     lay = BatchLayout.from_lens([200, 200, 200])  # 600 packed rows > max_seq_len
-    _check(d, lay, *_qkv(lay))
+    _check(d, lay, *random_qkv(lay))
     (key,) = d.cache.keys()
     assert key.kind is CallKind.MASK and key.q_len == 1024
     big = BatchLayout.from_lens([250] * 5)
     with pytest.raises(BucketOverflowError, match=r"largest bucket 1024 \(buckets pow2\(min=16\), max_batch_tokens=1024\)"):
-        d.attend(*_qkv(big), big)
+        d.attend(*random_qkv(big), big)
 
 
 def test_padding_waste_counts_only_real_tokens_as_real():
@@ -294,7 +289,7 @@ def test_stateless_decisions_are_reused_per_layout_and_still_reported(stateless)
     try:
         lay = BatchLayout.from_lens([5, 9])
         for seed in range(3):
-            _check(d, lay, *_qkv(lay, seed=seed))
+            _check(d, lay, *random_qkv(lay, seed=seed))
     finally:
         pm.unregister(recorder)
     assert policy.asked == (1 if stateless else 3)
@@ -308,7 +303,7 @@ def test_guard_fallbacks_are_counted_per_batch_not_memoised():
     d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend="none", max_seq_len=256))
     lay = BatchLayout.from_lens([5, 9])
     for seed in range(3):
-        _check(d, lay, *_qkv(lay, seed=seed))
+        _check(d, lay, *random_qkv(lay, seed=seed))
     assert d.stats().guard_fallbacks == 3
 
 
@@ -316,7 +311,7 @@ def test_guard_fallbacks_are_counted_per_batch_not_memoised():
 def test_compiled_graphs_are_called_directly(backend):
     d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=256))
     lay = BatchLayout.from_lens([5, 9], kv_lens=[7, 9])
-    _check(d, lay, *_qkv(lay))
+    _check(d, lay, *random_qkv(lay))
     keys = d.cache.keys()
     assert keys
     for key in keys:
@@ -332,10 +327,10 @@ def test_auto_kernel_is_the_fastest_measured_one_that_fits():
     d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", kernels={"mask": "auto"}),
                    cost_model=model)
     lay = BatchLayout.from_lens([5, 9])
-    _check(d, lay, *_qkv(lay))
+    _check(d, lay, *random_qkv(lay))
     impls = {key.impl for key in d.cache.keys()}
     assert impls == {"flex"}
-    _check(d, lay, *(t.double() for t in _qkv(lay)))  # flex has no float64: the next fastest
+    _check(d, lay, *(t.double() for t in random_qkv(lay)))  # flex has no float64: the next fastest
     impls = {key.impl for key in d.cache.keys()}
     assert impls == {"flex", "eager"}
 
@@ -344,7 +339,7 @@ def test_kernel_configured_for_a_call_it_cannot_serve_names_it():
     d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", kernels={"mask": "flex"}))
     lay = BatchLayout.from_lens([5, 9])
     with pytest.raises(ConfigError, match="kernel 'flex' cannot serve this mask call .* dtype float64"):
-        d.attend(*(t.double() for t in _qkv(lay)), lay)
+        d.attend(*(t.double() for t in random_qkv(lay)), lay)
     assert d.stats().batches == 0 and len(d.cache) == 0
 
 

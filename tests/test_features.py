@@ -5,13 +5,14 @@ capabilities kernels declare, and the graph keys that tell them apart."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_for
-from strategies import features, layouts
+from strategies import features, layouts, random_qkv
 
 from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
@@ -37,11 +38,7 @@ def _real(layout: BatchLayout) -> torch.Tensor:
     return real
 
 
-def _qkv(layout: BatchLayout, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(layout.q_tokens, 4, 8, generator=g)
-    k, v = (torch.randn(layout.kv_tokens, 2, 8, generator=g) for _ in range(2))
-    return q, k, v
+_qkv = partial(random_qkv, head_dim=8)  # 4 heads over 2 kv heads of 8
 
 
 @pytest.mark.parametrize("impl", IMPLS)

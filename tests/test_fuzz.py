@@ -13,12 +13,14 @@ within two buckets: at most a few dozen compiles in all.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_for
-from strategies import layouts
+from strategies import layouts, random_qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.features import Features
@@ -202,10 +204,7 @@ def _input_dispatcher(policy: str, backend: str) -> Dispatcher:
     return _input_dispatchers[key]
 
 
-def _qkv(layout: BatchLayout, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(layout.q_tokens, 4, 8, generator=g), torch.randn(layout.kv_tokens, 2, 8, generator=g),
-            torch.randn(layout.kv_tokens, 2, 8, generator=g))
+_qkv = partial(random_qkv, head_dim=8)  # 4 heads over 2 kv heads of 8
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,12 @@ kernels/isolation.py)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from reference import reference_for
+from strategies import random_qkv
 
 import attnpolicy.graphs.execute as execute_module
 import attnpolicy.kernels.flex as flex_module
@@ -59,10 +62,7 @@ class _Spy:
         monkeypatch.setattr(module, name, counted)
 
 
-def _qkv(layout: BatchLayout) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(layout.q_tokens, 4, 8, generator=g), torch.randn(layout.kv_tokens, 2, 8, generator=g),
-            torch.randn(layout.kv_tokens, 2, 8, generator=g))
+_qkv = partial(random_qkv, head_dim=8)  # 4 heads over 2 kv heads of 8
 
 
 def _poisoned(layout: BatchLayout, row: int) -> torch.Tensor:

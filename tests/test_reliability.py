@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_for
+from strategies import random_qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.core.modes import CallKind, MaskMode
@@ -29,11 +30,6 @@ SPEC = TensorSpec("float32", 4, 2, 16)
 BAD = (float("nan"), float("inf"), float("-inf"))
 
 
-def _qkv(layout, heads=4, kv_heads=2, d=16, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(layout.q_tokens, heads, d, generator=g).to(dtype),
-            torch.randn(layout.kv_tokens, kv_heads, d, generator=g).to(dtype),
-            torch.randn(layout.kv_tokens, kv_heads, d, generator=g).to(dtype))
 
 
 # -- isolation ---------------------------------------------------------------------------
@@ -44,7 +40,7 @@ def _qkv(layout, heads=4, kv_heads=2, d=16, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("value", BAD)
 def test_a_bad_value_in_one_sequence_never_reaches_another(impl, mode, where, value):
     layout = BatchLayout.from_lens([5, 7], [9, 7], causal=True)  # with cached context
-    q, k, v = _qkv(layout)
+    q, k, v = random_qkv(layout)
     clean = attend(q, k, v, layout, mode, impl, partition_len=4)
     {"k": k, "v": v}[where][1, 0, 3] = value  # a context key of sequence 0
     out = attend(q, k, v, layout, mode, impl, partition_len=4)
@@ -55,7 +51,7 @@ def test_a_bad_value_in_one_sequence_never_reaches_another(impl, mode, where, va
 @pytest.mark.parametrize("impl", IMPLS)
 def test_the_issue_example_is_isolated_by_the_default_policy(impl):
     layout = BatchLayout.from_lens([5, 7])
-    q, k, v = _qkv(layout)
+    q, k, v = random_qkv(layout)
     k[0, 0, 0] = float("nan")
     config = AttnPolicyConfig(policy="dynamic", backend="none", attn_impl=impl,
                               partition_len=8 if impl == "flash" else None, max_seq_len=64)
@@ -86,7 +82,7 @@ FP64_LAYOUTS = {  # mode -> a layout it runs: CAUSAL needs one unpadded causal s
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fp64_is_computed_in_fp64(impl, mode):
     layout = FP64_LAYOUTS[mode]
-    q, k, v = _qkv(layout, dtype=torch.float64)
+    q, k, v = random_qkv(layout, dtype=torch.float64)
     out = attend(q, k, v, layout, mode, impl, partition_len=4)
     assert out.dtype == torch.float64
     # a pass through fp32 anywhere would be ~1e-7 off
@@ -104,9 +100,9 @@ def test_scale_must_be_a_finite_positive_number(scale):
     layout = BatchLayout.from_lens([4])
     d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=64))
     with pytest.raises(ValueError, match=rf"scale must be a finite number > 0.*got {scale!r}"):
-        d.attend(*_qkv(layout), layout, scale=scale)
+        d.attend(*random_qkv(layout), layout, scale=scale)
     with pytest.raises(ValueError, match="scale must be a finite number > 0"):
-        attend(*_qkv(layout), layout, "varlen", scale=scale)
+        attend(*random_qkv(layout), layout, "varlen", scale=scale)
     assert d.stats().cache.misses == 0  # refused before any graph
 
 
@@ -121,7 +117,7 @@ def test_bad_tensors_get_a_clear_error(change, message):
     layout = BatchLayout.from_lens([2, 4])
     d = Dispatcher(AttnPolicyConfig(backend="none", max_seq_len=64))
     with pytest.raises(LayoutError, match=message):
-        d.attend(*change(*_qkv(layout)), layout)
+        d.attend(*change(*random_qkv(layout)), layout)
 
 
 @pytest.mark.parametrize("policy", ["always-mask", "dynamic", "varlen", "always-causal", "cost-aware"])
@@ -132,8 +128,8 @@ def test_one_rule_for_sequences_longer_than_max_seq_len(policy):
         strict.prepare(layout, SPEC)
     assert strict.stats().batches == 0 and strict.stats().cache.misses == 0
     lenient = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_seq_len=64, on_overflow="eager"))
-    out = lenient.attend(*_qkv(layout), layout)
-    q, k, v = _qkv(layout)
+    out = lenient.attend(*random_qkv(layout), layout)
+    q, k, v = random_qkv(layout)
     torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
 
 
@@ -155,7 +151,7 @@ def test_an_oversized_mask_runs_in_varlen_under_on_overflow_eager():
     layout = BatchLayout.from_lens([40, 30])  # MASK rows bucket 128: 16 KiB mask
     d = Dispatcher(AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=64,
                                     max_mask_bytes=4096, on_overflow="eager"))
-    q, k, v = _qkv(layout)
+    q, k, v = random_qkv(layout)
     out = d.attend(q, k, v, layout)
     torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
     s = d.stats()
@@ -171,12 +167,12 @@ def test_masks_are_bounded_reported_and_freed_with_the_dispatcher():
     seen = []
     for n in range(20):  # 20 distinct layouts of one 256 x 256 bucket
         layout = BatchLayout.from_lens([100 + n, 100 - n])
-        d.attend(*_qkv(layout), layout)
+        d.attend(*random_qkv(layout), layout)
         assert d.stats().masks.bytes <= 3 * 256 * 256
-    key = next(iter(d.masks._dense))
-    seen.append(weakref.ref(d.masks._dense[key][0]))
     s = d.stats().masks
     assert (s.masks, s.misses, s.evictions) == (3, 20, 17)
+    seen.append(weakref.ref(d.masks.layout_mask(layout, 256, 256, torch.device("cpu"))))  # the last layout's: a hit
+    assert d.stats().masks.misses == 20
     assert s.to_json()["bytes"] == 3 * 256 * 256
     del d
     gc.collect()
@@ -190,7 +186,7 @@ def test_the_graphs_of_a_running_batch_are_pinned_so_compiles_are_exact():
     d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="eager", max_graphs=1, max_seq_len=64),
                    compile_counter=counter.append)
     layout = BatchLayout.from_lens([10, 20, 40])
-    q, k, v = _qkv(layout)
+    q, k, v = random_qkv(layout)
     out = d.attend(q, k, v, layout)
     torch.testing.assert_close(out.double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
     s = d.stats().cache
@@ -217,7 +213,7 @@ def test_stats_compiles_equal_backend_compiles_and_the_simulation(reqs, policy, 
     real = Dispatcher(config, compile_counter=counter.append)
     for step in steps:
         layout = step.layout
-        real.attend(*_qkv(layout, heads=2, kv_heads=1, d=8), layout)
+        real.attend(*random_qkv(layout, heads=2, kv_heads=1, head_dim=8), layout)
     stats = real.stats()
     assert stats.cache.compiles == len(counter)
     model = CostModel.default().model_copy(update={"heads": 2, "kv_heads": 1, "head_dim": 8,

@@ -8,11 +8,13 @@ import logging
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from reference import reference_for
+from strategies import random_qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher, GraphCache
 from attnpolicy.core.modes import CallKind
@@ -33,9 +35,7 @@ def _config(store: Path, **fields: object) -> AttnPolicyConfig:
     return AttnPolicyConfig(**{"backend": "aot_eager", "max_seq_len": 64, "store_dir": str(store), **fields})
 
 
-def _qkv(layout: BatchLayout, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(n, 2, 16, generator=g) for n in (layout.q_tokens, layout.kv_tokens, layout.kv_tokens))
+_qkv = partial(random_qkv, heads=2)  # 2 heads of 16
 
 
 def _outputs(d: Dispatcher) -> list[torch.Tensor]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_for
-from strategies import layouts
+from strategies import layouts, random_qkv
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.errors import ConfigError, GraphCompileError
@@ -61,9 +62,7 @@ class Builder:
         return sum(main for main, _ in self.builds)
 
 
-def _qkv(layout: BatchLayout, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(n, 2, 16, generator=g) for n in (layout.q_tokens, layout.kv_tokens, layout.kv_tokens))
+_qkv = partial(random_qkv, heads=2)  # 2 heads of 16
 
 
 def _serve(d: Dispatcher, seed: int = 0) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from reference import reference_for
+from strategies import random_qkv
 from test_background import PRICEY
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
@@ -56,8 +57,8 @@ def _uncompiled(call, key, spec):
 
 
 def _qkv(seed: int, n: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(n, 2, 8, generator=g) for _ in range(3))
+    """q, k, v of one sequence of ``n`` tokens: 2 heads of 8."""
+    return random_qkv(BatchLayout.from_lens([n]), seed, heads=2, kv_heads=2, head_dim=8)
 
 
 def test_one_dispatcher_per_thread_sharing_a_store(tmp_path):
