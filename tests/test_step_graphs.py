@@ -109,7 +109,7 @@ def test_one_sequence_runs_causal_over_its_exact_context(models, lens):
                                 "aot_eager")) for n, c in zip(lens, done)}
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen"])
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", "dynamic", "always-causal"])
 def test_greedy_tokens_equal_hf_generate(models, policy):
     model, reference = models
     runner = StaticModelRunner(model, config(policy))
