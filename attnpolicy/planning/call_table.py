@@ -23,7 +23,7 @@ does (``"raise"``: the dispatcher itself is asked to prepare that step). Configs
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain, repeat
 
@@ -203,20 +203,18 @@ class CallTable:
             call, layout = self._call(r, int(qb[r]), int(kvb[r]))
             impl_of[k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
         impl_code = impl_of[kind]
-        key_causal = self.causal[rows] & (fam != _MASK)
-        code = ((impl_code * 3 + fam) * 2 + key_causal) << 48 | qb[rows] << 24 | kvb[rows]
+        key_kind = (impl_code * 3 + fam) * 2 + (self.causal[rows] & (fam != _MASK))
         crow = np.flatnonzero(compiled)
+        rc = rows[crow]
         # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
         # unless there are no tables or so many buckets that the count would outweigh a sort
         sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
         span = 2 * len(KINDS) * len(impls) * sizes.size ** 2 if sizes is not None else 0
         if sizes is None or span > max(4 * crow.size, 1 << 16):
-            ids, first_at = _first_order(code[crow])
+            ids, first_at = _first_order(key_kind[crow] << 48 | qb[rc] << 24 | kvb[rc])
         else:
-            key_kind = ((impl_code * 3 + fam) * 2 + key_causal)[crow]
-            dense = (key_kind * sizes.size + np.searchsorted(sizes, qb[rows[crow]])) * sizes.size \
-                + np.searchsorted(sizes, kvb[rows[crow]])
-            ids, first_at = _first_order(dense, span)
+            at = _positions(sizes, crow.size)
+            ids, first_at = _first_order((key_kind[crow] * sizes.size + at(qb[rc])) * sizes.size + at(kvb[rc]), span)
         first = rows[crow[first_at]]
         uses = np.bincount(ids, minlength=first.size)
         keys = []
@@ -321,6 +319,19 @@ class CallTable:
             hit = self.by_content[memo_key] = stream.replay(config, eviction)
         assert isinstance(hit, StreamStats)
         return hit
+
+
+def _positions(sizes: np.ndarray, n: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The position in ascending ``sizes`` of each of ``n`` values, every one of them among
+    ``sizes``: read from a table by value when that is not larger than the values, else
+    searched."""
+    if int(sizes[-1]) > 4 * max(n, 1 << 14):
+        def searched(values: np.ndarray) -> np.ndarray:
+            return np.searchsorted(sizes, values)
+        return searched
+    table = np.zeros(int(sizes[-1]) + 1, dtype=np.int64)
+    table[sizes] = np.arange(sizes.size)
+    return table.__getitem__
 
 
 def _first_order(code: np.ndarray, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
