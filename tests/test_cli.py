@@ -507,6 +507,16 @@ def test_every_subcommand_and_flag_is_documented():
             assert not re.search(r"\(\d+, |\('|None", action.help), f"{name} {flag}: {action.help}"
 
 
+def test_a_command_line_naming_a_subcommand_parses_with_that_subcommand_alone():
+    commands = {name: sub for name, sub in _subparsers(build_parser()) if " " not in name}
+    for name, sub in commands.items():
+        alone = dict(_subparsers(build_parser(name)))
+        assert alone[name].format_help() == sub.format_help(), name
+        assert {n.split()[0] for n in alone} < set(commands) or len(commands) == 1, name
+    args = build_parser("decide").parse_args(["decide", "--policy", "varlen", "--seq-lens", "3"])
+    assert args.command == "decide"
+
+
 # -- outputs ----------------------------------------------------------------------------------
 
 

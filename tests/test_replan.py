@@ -18,7 +18,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels import masks
 from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
-from attnpolicy.planning.call_table import CallTable, _first_order
+from attnpolicy.planning.call_table import CallTable, _first_order, _positions
 from attnpolicy.planning.graph_set import plan_graphs, with_fields
 from attnpolicy.planning.replan import measure_drift, modelled_row, switch_set
 from attnpolicy.workloads.batching import BatchFormer
@@ -141,6 +141,13 @@ def test_serving_a_whole_stream_counts_what_serving_each_request_counts(stream, 
     fields = ("misses", "compiles", "compile_seconds", "evictions", "uncached", "nbytes", "peak_graphs", "peak_bytes")
     assert [getattr(whole, f) for f in fields] == [getattr(one, f) for f in fields]
     assert list(whole.order) == list(one.order) and dict(whole.held) == dict(one.held)
+
+
+@given(st.lists(st.integers(1, 1 << 17), min_size=1, max_size=20, unique=True), st.integers(0, 1 << 16))
+def test_positions_of_sizes_by_table_or_search_are_the_searched_ones(sizes, n):
+    sizes = np.array(sorted(sizes), dtype=np.int64)
+    values = sizes[np.arange(50) % sizes.size]
+    assert _positions(sizes, n)(values).tolist() == np.searchsorted(sizes, values).tolist()
 
 
 @given(st.lists(st.integers(0, 30), max_size=80))

@@ -25,7 +25,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -142,19 +142,15 @@ class StreamCache(OrderFigures):
         """Serve every request of ``stream`` (key ids) in order, each a :meth:`touch` and,
         when that misses, a :meth:`miss` with ``sizes[key]`` and ``costs[key]``; returns the hits.
         Only for the ``lru`` and ``fifo`` orders without a disk (an ``OrderedDict``),
-        whose :meth:`miss` this is with its counters kept in locals: the same
-        :meth:`BoundedOrder.admit <attnpolicy.core.bounded_order.BoundedOrder.admit>`
-        in the same order, without a call per miss to :meth:`miss`. ``counts``: ``stream[i]`` is
+        whose requests :meth:`BoundedOrder.serve <attnpolicy.core.bounded_order.BoundedOrder.serve>`
+        serves in one loop, with the same victims; the counters are then added up in
+        request order, as :meth:`miss` adds them. ``counts``: ``stream[i]`` is
         requested ``counts[i]`` times in a row (a run: after its first request the key
         is held and last in the order, so the rest are hits that change nothing, unless
         it is too large to keep: each request misses)."""
         core = self._order
         assert isinstance(core.entries, OrderedDict) and self.disk is None, \
             "serve_ordered needs the lru or fifo order, without a disk"
-        touch, admit = self.touch, core.admit
-        refuse = self._oversize == "raise"
-        misses = compiles = uncached = 0
-        seconds = self.compile_seconds
         total = len(stream)
         too_large = set() if core.max_bytes is None else {  # never kept: each of their requests misses
             key for key in set(stream) if not core.fits(sizes[key])}
@@ -162,31 +158,24 @@ class StreamCache(OrderFigures):
             total = sum(counts)
             if too_large:
                 stream = [key for key, n in zip(stream, counts) for _ in range(n if key in too_large else 1)]
-        try:
-            for key in stream:
-                try:
-                    touch(key)
-                    continue
-                except KeyError:
-                    pass
-                misses += 1
-                cost = costs[key]
-                if too_large and key in too_large:
-                    if refuse:
-                        raise self._too_large(key, sizes[key])
-                    compiles += 1
-                    seconds += cost
-                    uncached += 1
-                    continue
-                compiles += 1
-                seconds += cost
-                admit(key, key, sizes[key], cost)
-        finally:
-            self.misses += misses
-            self.compiles += compiles
-            self.uncached += uncached
-            self.compile_seconds = seconds
-        return total - misses
+        refused = None  # under "raise", the first request of a key too large to keep raises
+        if too_large and self._oversize == "raise":
+            at = next((i for i, key in enumerate(stream) if key in too_large), None)
+            if at is not None:
+                refused, stream = stream[at], stream[:at]
+        missed = cast(list[int], core.serve(stream, cast(Callable[[Hashable], int], sizes.__getitem__), too_large))
+        seconds = self.compile_seconds
+        for key in missed:
+            seconds += costs[key]
+        self.compile_seconds = seconds
+        self.misses += len(missed)
+        self.compiles += len(missed)
+        if too_large:
+            self.uncached += sum(key in too_large for key in missed)
+        if refused is not None:
+            self.misses += 1
+            raise self._too_large(refused, sizes[refused])
+        return total - len(missed)
 
 
 def runs(ids: Sequence[int] | np.ndarray) -> tuple[list[int], list[int]]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, MutableMapping
 from functools import partial
 from operator import attrgetter
 from typing import Any, Generic, TypeVar
@@ -63,7 +63,7 @@ class BoundedOrder(Generic[K, V]):
     locks. ``nbytes``, ``peak_graphs``, ``peak_bytes`` and ``evictions`` (victims of
     :meth:`admit`) are its figures."""
 
-    __slots__ = ("_cap", "_limit", "_note", "_ordered", "_pop", "_sizes", "entries", "evictions", "get",
+    __slots__ = ("_cap", "_limit", "_moves", "_note", "_ordered", "_pop", "_sizes", "entries", "evictions", "get",
                  "max_bytes", "max_graphs", "nbytes", "peak_bytes", "peak_graphs", "touch", "touch_once")
 
     def __init__(self, structure: cachetools.Cache[Any, Any], *, max_graphs: int | None = None,
@@ -84,6 +84,7 @@ class BoundedOrder(Generic[K, V]):
 
     def _use(self, structure: cachetools.Cache[Any, Any]) -> None:
         moves = _ORDERED.get(type(structure)) if self._ordered else None
+        self._moves = bool(moves)  # a hit moves the key to the end of an ordered order
         #: touching a run of keys equals touching each distinct key once, at its last touch
         self.touch_once = type(structure) in _ORDERED
         if moves is not None:
@@ -155,6 +156,47 @@ class BoundedOrder(Generic[K, V]):
         if nbytes > self.peak_bytes:
             self.peak_bytes = nbytes
 
+    def serve(self, keys: Iterable[K], sizes: Callable[[K], int], never: Container[K] = ()) -> list[K]:
+        """Request each of ``keys`` in order, in an ``ordered`` order (``lru``, ``fifo``):
+        a held key is touched; any other is a miss, admitted as :meth:`admit` admits it
+        (its value the key itself, ``size`` ``sizes(key)``; no ``note``: these orders
+        take none), unless it is in ``never`` (an entry too large to keep: not kept).
+        Returns the missed keys in request order. The same victims and figures as a
+        :meth:`touch` per request and an :meth:`admit` per miss, in one loop."""
+        entries = self.entries
+        if not isinstance(entries, OrderedDict):
+            raise TypeError(f"serve needs an ordered lru or fifo order, got {type(entries).__name__}")
+        moves = self._moves
+        move, pop, held = entries.move_to_end, entries.popitem, self._sizes
+        cap, limit = self._cap, self._limit
+        nbytes, evictions, peak_graphs, peak_bytes = self.nbytes, self.evictions, self.peak_graphs, self.peak_bytes
+        missed: list[K] = []
+        miss = missed.append
+        try:
+            for key in keys:
+                if key in entries:
+                    if moves:
+                        move(key)
+                    continue
+                miss(key)
+                if never and key in never:
+                    continue
+                size = sizes(key)
+                while len(entries) >= cap or nbytes + size > limit:
+                    victim, _ = pop(last=False)
+                    nbytes -= held.pop(victim)
+                    evictions += 1
+                nbytes += size
+                entries[key] = key  # a stream's value is its key
+                held[key] = size
+                if len(entries) > peak_graphs:
+                    peak_graphs = len(entries)
+                if nbytes > peak_bytes:
+                    peak_bytes = nbytes
+        finally:
+            self.nbytes, self.evictions, self.peak_graphs, self.peak_bytes = nbytes, evictions, peak_graphs, peak_bytes
+        return missed
+
     def restore(self, key: K, value: V, size: int) -> None:
         """Enter ``key`` (not held) as held already, last in the victim order, evicting
         nothing: contents read back (a store's files), which the next :meth:`admit` brings
@@ -188,7 +230,7 @@ class BoundedOrder(Generic[K, V]):
         each noted with ``cost(key, value)`` and its footprint; none is evicted, their uses
         start over. If this raises the old order stays whole."""
         moved: list[tuple[K, V]] = []
-        old = (self.entries, self.touch, self.get, self._pop, self._note, self.touch_once)
+        old = (self.entries, self.touch, self.get, self._pop, self._note, self.touch_once, self._moves)
         self._use(structure)
         try:
             while old[0]:
@@ -201,7 +243,7 @@ class BoundedOrder(Generic[K, V]):
             self._sizes.clear()
             self._sizes.update(sizes)
         except BaseException:
-            self.entries, self.touch, self.get, self._pop, self._note, self.touch_once = old
+            self.entries, self.touch, self.get, self._pop, self._note, self.touch_once, self._moves = old
             for key, value in moved:
                 self.entries[key] = value
             raise

@@ -107,10 +107,10 @@ class Planner:
             return hit
         except KeyError:
             pass
-        calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
+        calls = plan_calls(layout, mode, self._length_bucket, self._batch_bucket)
         if mode is MaskMode.MASK and not self._mask_fits(calls[0], layout):
             mode = MaskMode.VARLEN
-            calls = plan_calls(layout, mode, self._bucket, self._batch_bucket)
+            calls = plan_calls(layout, mode, self._length_bucket, self._batch_bucket)
         planned = tuple((call, self.key_for(call, layout, spec)) for call in map(self._fits, calls))
         plan = self.plans[plan_key] = BatchPlan.of(mode, planned, layout)
         return plan

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from attnpolicy.config import AttnPolicyConfig
@@ -87,16 +88,26 @@ def scheme_name(buckets: Buckets, max_seq_len: int, max_batch_tokens: int) -> st
     """The name of the :data:`NAMED` scheme ``buckets`` are (one that cannot be built
     for these lengths is none), else the buckets' description (a long list is
     shortened to its size count and ends)."""
-    for name in NAMED:
-        try:
-            if buckets == named_buckets(name, max_seq_len, max_batch_tokens):
-                return name
-        except ConfigError:
-            continue
+    for name, named in _named_schemes(max_seq_len, max_batch_tokens):
+        if buckets == named:
+            return name
     if buckets.kind == "list" and buckets.sizes is not None and len(buckets.sizes) > 6:
         s = buckets.sizes
         return f"list({len(s)} sizes: {s[0]}, {s[1]}, … {s[-1]})"
     return buckets.describe()
+
+
+@cache
+def _named_schemes(max_seq_len: int, max_batch_tokens: int) -> tuple[tuple[str, Buckets], ...]:
+    """Each :data:`NAMED` scheme that can be built for these lengths, with its buckets
+    (built once per lengths: a runtime's warm-up set takes a while to derive)."""
+    schemes = []
+    for name in NAMED:
+        try:
+            schemes.append((name, named_buckets(name, max_seq_len, max_batch_tokens)))
+        except ConfigError:
+            continue
+    return tuple(schemes)
 
 
 def named_buckets(name: str, max_seq_len: int, max_batch_tokens: int) -> Buckets:

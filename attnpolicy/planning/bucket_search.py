@@ -337,6 +337,9 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
         return sizes
     priced = _Priced.of(grid, model)
     current = evaluate(shapes, sizes, model).total_seconds  # the total, exact or up to rounding
+    # the moves' prices of a boundary, by (sizes, pos, bounds): the last pass asks again
+    # what the pass before asked after its last move
+    priced_moves: dict[tuple[tuple[int, ...], int, tuple[int, ...]], dict[int, float]] = {}
     exact: float | None = current  # None: not priced on the whole workload since the last move
     improved = True
     while improved:
@@ -349,8 +352,11 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
             near = ((grid.q > lo) & (grid.q <= hi)) | ((grid.kv > lo) & (grid.kv <= hi))
             if not moves or not near.any():
                 continue
-            bounds = sorted({sizes[pos], *moves})
-            prices = dict(zip(bounds, priced.select(near).moves(sizes, pos, bounds), strict=True))
+            bounds = tuple(sorted({sizes[pos], *moves}))
+            prices = priced_moves.get((sizes, pos, bounds))
+            if prices is None:
+                prices = priced_moves[sizes, pos, bounds] = dict(
+                    zip(bounds, priced.select(near).moves(sizes, pos, bounds), strict=True))
             part_now = prices[sizes[pos]]
             for c in moves:
                 trial = (*sizes[:pos], c, *sizes[pos + 1:])

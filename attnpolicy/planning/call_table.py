@@ -23,10 +23,9 @@ does (``"raise"``: the dispatcher itself is asked to prepare that step). Configs
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
-from itertools import repeat
-from typing import Any
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -87,46 +86,35 @@ class CallTable:
         options = base.policy_options if policy == base.policy else {}
         guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal, fallback=MaskMode(base.fallback_mode))
         ctx = PolicyContext(config=base, spec=self.spec, cost_model=model)
-        columns: list[list[Any]] = [[] for _ in range(8)]
-        step, fam, q, kv, causal, ctx_flag, alt, mask_layout = columns
-        modes = []
-        layout_ids: dict[BatchLayout, int] = {}
-        for s, layout in enumerate(self.layouts):
-            mode = guard.decide(layout, ctx).mode
-            modes.append(_MODE_CODE[mode])
-            n = len(layout.q_lens)
-            if mode is MaskMode.CAUSAL:
-                t = layout.q_tokens
-                for col, value in zip(columns, (s, _CAUSAL, t, t, True, False, False, -1)):
-                    col.append(value)
-                continue
-            if mode is MaskMode.MASK:  # the MASK call, then its VARLEN calls (if the mask is too large)
-                row = (s, _MASK, layout.q_tokens, layout.kv_tokens, layout.causal, layout.has_context, False,
-                       layout_ids.setdefault(layout, len(layout_ids)))
-                for col, value in zip(columns, row):
-                    col.append(value)
-            flag = mode is MaskMode.MASK
-            step += [s] * n
-            q += layout.q_lens
-            kv += layout.kv_lens
-            if layout.causal:
-                fam += [_CAUSAL if a == b else _VARLEN for a, b in zip(layout.q_lens, layout.kv_lens)]
-            else:
-                fam += [_VARLEN] * n
-            causal += [layout.causal] * n
-            ctx_flag += [b > a for a, b in zip(layout.q_lens, layout.kv_lens)]
-            alt += [flag] * n
-            mask_layout += [-1] * n
+        layouts = self.layouts
+        decided = [guard.decide(layout, ctx).mode for layout in layouts]
         self.guard_fallbacks = guard.fallbacks
-        self.modes = np.array(modes, dtype=np.int64)
-        self.step = np.array(step, dtype=np.int64)
-        self.kind = np.array(fam, dtype=np.int64)
-        self.q = np.array(q, dtype=np.int64)
-        self.kv = np.array(kv, dtype=np.int64)
-        self.causal = np.array(causal, dtype=bool)
-        self.context = np.array(ctx_flag, dtype=bool)
-        self.alt = np.array(alt, dtype=bool)
-        self.mask_layout = np.array(mask_layout, dtype=np.int64)
+        self.modes = np.array([_MODE_CODE[mode] for mode in decided], dtype=np.int64)
+        # a CAUSAL step is one call, a VARLEN step one per sequence, a MASK step the MASK
+        # call then its VARLEN calls (if the mask is too large); rows in step order
+        layout_ids: dict[BatchLayout, int] = {}
+        heads = [(s, _CAUSAL, layout.q_tokens, layout.q_tokens, True, False, -1) if mode is MaskMode.CAUSAL
+                 else (s, _MASK, layout.q_tokens, layout.kv_tokens, layout.causal, layout.has_context,
+                       layout_ids.setdefault(layout, len(layout_ids)))
+                 for s, (layout, mode) in enumerate(zip(layouts, decided, strict=True)) if mode is not MaskMode.VARLEN]
+        head = [np.array(col, dtype=dtype) for col, dtype in zip(
+            zip(*heads, strict=True) if heads else [()] * 7, (np.int64, np.int64, np.int64, np.int64, bool, bool,
+                                                                np.int64), strict=True)]
+        counts = np.array([len(layout.q_lens) for layout in layouts], dtype=np.int64)
+        seq_step = np.repeat(np.arange(len(layouts), dtype=np.int64), counts)
+        keep = (self.modes != _MODE_CODE[MaskMode.CAUSAL])[seq_step]
+        total = int(counts.sum())
+        sq = np.fromiter(chain.from_iterable(layout.q_lens for layout in layouts), np.int64, total)[keep]
+        skv = np.fromiter(chain.from_iterable(layout.kv_lens for layout in layouts), np.int64, total)[keep]
+        s_step = seq_step[keep]
+        s_causal = np.array([layout.causal for layout in layouts], dtype=bool)[s_step]
+        seqs = (s_step, np.where(s_causal & (sq == skv), _CAUSAL, _VARLEN), sq, skv, s_causal, skv > sq)
+        order = np.argsort(np.concatenate((head[0] * 2, s_step * 2 + 1)), kind="stable")
+        self.step, self.kind, self.q, self.kv, self.causal, self.context = (
+            np.concatenate((h, t)).astype(h.dtype)[order] for h, t in zip(head, seqs))
+        self.alt = np.concatenate((np.zeros(len(heads), dtype=bool),
+                                   self.modes[s_step] == _MODE_CODE[MaskMode.MASK]))[order]
+        self.mask_layout = np.concatenate((head[6], np.full(s_step.size, -1, dtype=np.int64)))[order]
         self.max_kv = np.array([layout.max_kv_len for layout in self.layouts], dtype=np.int64)
         #: mask-cache keys numbered (see :meth:`_mask_ids`), the bytes of each by its
         #: number, and the number of each MASK row's (layout, buckets) code
@@ -216,20 +204,18 @@ class CallTable:
             call, layout = self._call(r, int(qb[r]), int(kvb[r]))
             impl_of[k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
         impl_code = impl_of[kind]
-        key_causal = self.causal[rows] & (fam != _MASK)
-        code = ((impl_code * 3 + fam) * 2 + key_causal) << 48 | qb[rows] << 24 | kvb[rows]
+        key_kind = (impl_code * 3 + fam) * 2 + (self.causal[rows] & (fam != _MASK))
         crow = np.flatnonzero(compiled)
+        rc = rows[crow]
         # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
         # unless there are no tables or so many buckets that the count would outweigh a sort
         sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
         span = 2 * len(KINDS) * len(impls) * sizes.size ** 2 if sizes is not None else 0
         if sizes is None or span > max(4 * crow.size, 1 << 16):
-            ids, first_at = _first_order(code[crow])
+            ids, first_at = _first_order(key_kind[crow] << 48 | qb[rc] << 24 | kvb[rc])
         else:
-            key_kind = ((impl_code * 3 + fam) * 2 + key_causal)[crow]
-            dense = (key_kind * sizes.size + np.searchsorted(sizes, qb[rows[crow]])) * sizes.size \
-                + np.searchsorted(sizes, kvb[rows[crow]])
-            ids, first_at = _first_order(dense, span)
+            at = _positions(sizes, crow.size)
+            ids, first_at = _first_order((key_kind[crow] * sizes.size + at(qb[rc])) * sizes.size + at(kvb[rc]), span)
         first = rows[crow[first_at]]
         uses = np.bincount(ids, minlength=first.size)
         keys = []
@@ -340,6 +326,19 @@ class CallTable:
             hit = self.by_content[memo_key] = stream.replay(config, eviction)
         assert isinstance(hit, StreamStats)
         return hit
+
+
+def _positions(sizes: np.ndarray, n: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The position in ascending ``sizes`` of each of ``n`` values, every one of them among
+    ``sizes``: read from a table by value when that is not larger than the values, else
+    searched."""
+    if int(sizes[-1]) > 4 * max(n, 1 << 14):
+        def searched(values: np.ndarray) -> np.ndarray:
+            return np.searchsorted(sizes, values)
+        return searched
+    table = np.zeros(int(sizes[-1]) + 1, dtype=np.int64)
+    table[sizes] = np.arange(sizes.size)
+    return table.__getitem__
 
 
 def _first_order(code: np.ndarray, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
