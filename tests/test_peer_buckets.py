@@ -228,6 +228,11 @@ def test_rbln_decode_batches_cover_every_batch_up_to_the_largest(max_batch, stra
 @given(st.integers(1, 1024), st.integers(1, 100000), st.sampled_from((0, 16, 64, 100, 512)),
        st.sampled_from((1, 8, 16, 64)), st.data())
 def test_tpu_paddings_cover_every_count_up_to_the_maxima(seqs, tokens, gap, min_tokens, data):
+    if gap and min_tokens > gap and tokens <= min_tokens // 2:  # the runtime's rule lists no padding
+        assert tpu_token_paddings(min_tokens, tokens, gap) == ()
+        with pytest.raises(ConfigError, match=f"empty for min_tokens={min_tokens}, padding_gap={gap}"):
+            tpu_paddings(PeerLimits(seqs, tokens, 4096), padding_gap=gap, min_tokens=min_tokens)
+        return
     pads = tpu_paddings(PeerLimits(seqs, tokens, 4096), padding_gap=gap, min_tokens=min_tokens)
     for sizes in (pads.tokens, pads.requests, pads.attention_requests):
         assert list(sizes) == sorted(set(sizes))
@@ -238,6 +243,13 @@ def test_tpu_paddings_cover_every_count_up_to_the_maxima(seqs, tokens, gap, min_
     warm = pads.warmup()
     assert ordered(warm.graphs)
     assert warm.serves("mixed", data.draw(st.integers(1, seqs)), data.draw(st.integers(1, tokens))) is not None
+
+
+@pytest.mark.parametrize(("tokens", "gap", "min_tokens"), [(16, 16, 64), (32, 16, 64), (8, 1, 16)])
+def test_tpu_paddings_that_list_no_token_padding_are_refused_naming_the_settings(tokens, gap, min_tokens):
+    assert tpu_token_paddings(min_tokens, tokens, gap) == ()
+    with pytest.raises(ConfigError, match=f"max_num_batched_tokens={tokens}"):
+        tpu_paddings(PeerLimits(4, tokens, 4096), padding_gap=gap, min_tokens=min_tokens)
 
 
 @settings(max_examples=40, deadline=None)

@@ -556,6 +556,11 @@ def tpu_paddings(limits: PeerLimits, *, padding_gap: int = 0, min_tokens: int = 
         attention = listed if seqs in listed else (*listed, seqs)
     tokens = tuple(sorted((*tpu_token_paddings(min_tokens, limits.max_num_batched_tokens, padding_gap),
                            *compilation_sizes)))
+    if not tokens:  # the runtime's own rule gives nothing here: it could serve no step
+        raise ConfigError(f"tpu-inference's token paddings are empty for min_tokens={min_tokens}, "
+                          f"padding_gap={padding_gap} and max_num_batched_tokens={limits.max_num_batched_tokens} "
+                          f"(above the gap, its first padding is min_tokens / 2 + padding_gap): raise "
+                          f"max_num_batched_tokens or padding_gap")
     return TpuPaddings(tokens, tpu_request_paddings(TPU_MIN_NUM_SEQS, max(seqs, TPU_MIN_NUM_SEQS)), attention)
 
 
