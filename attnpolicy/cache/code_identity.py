@@ -6,7 +6,7 @@ identity hashes source files, not one function:
 
 - :func:`graph_code`: attnpolicy's own modules a graph can run, every module of the
   layers at and below ``graphs/`` (``errors``, ``core``, ``kernels``, ``graphs``,
-  ``plugins``, ``cache``): ``tests/test_layering.py`` keeps graph code from importing
+  ``plugins``, ``cache``): ``tests/project/test_layering.py`` keeps graph code from importing
   anything above them;
 - :func:`module_code`: a model's module and every module of its top-level package
   that its globals reach (transitively), with that package's installed version;

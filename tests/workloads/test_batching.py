@@ -9,7 +9,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request, load_azure_csv, synthetic_default
 
-AZURE_CODE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_code.csv"
+AZURE_CODE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_code.csv"
 
 
 def R(prompt: int, output: int, arrival: float = 0.0) -> Request:

@@ -118,7 +118,7 @@ def test_jitter_trace_repeats_the_trace_shifted_with_jittered_lengths(tmp_path):
     src, out = tmp_path / "t.csv", tmp_path / "big.csv"
     src.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00.0,100,10\n"
                    "2023-11-16 18:17:02.0,50,0\n")
-    tool = Path(__file__).parents[1] / "tools" / "jitter_trace.py"
+    tool = Path(__file__).parents[2] / "tools" / "jitter_trace.py"
     subprocess.run([sys.executable, str(tool), str(src), str(out), "--requests", "5", "--output-scale", "2"],
                    check=True, capture_output=True)
     got = load_trace(str(out))

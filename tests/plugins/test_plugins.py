@@ -31,7 +31,7 @@ from attnpolicy.plugins.registry import (
 from attnpolicy.plugins.resolve import failed_plugins
 from attnpolicy.policies.base import PolicyContext
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "plugins" / "attnpolicy-length-threshold"
 CTX = PolicyContext()
 

@@ -113,7 +113,7 @@ def _run(store: Path, config: Path, trace: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "attnpolicy", "run", "--config", str(config), "--trace", str(trace),
            "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--max-seq-len", "64", "--heads", "2",
            "--kv-heads", "2", "--head-dim", "16", "--store", str(store), "--check", "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     data: dict = json.loads(out.read_text())
@@ -169,7 +169,7 @@ print(json.dumps({"compiles": s.cache.compiles, "loads": s.cache.loads, "saves":
 
 
 def _model_run(store: Path, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     done = subprocess.run([sys.executable, "-c", MODEL_RUN, str(store), str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -213,7 +213,7 @@ print(cpu_vec_isa.pick_vec_isa())
 
 @pytest.mark.inductor
 def test_the_vector_isa_probed_ahead_is_the_one_inductor_picks_itself():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     picks = [subprocess.run([sys.executable, "-c", PICK, how], env=env, capture_output=True, text=True,
                             timeout=600, check=True).stdout.strip() for how in ("ahead", "inductor")]
     assert picks[0] == picks[1] != ""

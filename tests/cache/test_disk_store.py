@@ -23,7 +23,7 @@ from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ident(key: str = "causal/q64/float32", **changes: object) -> ArtifactIdentity:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "attnpolicy"
+ROOT = Path(__file__).resolve().parents[2] / "attnpolicy"
 
 #: Bottom up; a module may import its own layer and those below. A name is a module or
 #: a package (every module under it).

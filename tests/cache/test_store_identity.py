@@ -27,7 +27,7 @@ from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.kernels import KINDS, KernelInfo
 from attnpolicy.plugins.registry import get_plugin_manager, reset_plugin_manager
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = (BatchLayout.from_lens([12]), BatchLayout.from_lens([30]))
 
 

@@ -16,7 +16,7 @@ from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.plugins.registry import get_plugin_manager
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
@@ -66,7 +66,7 @@ def _internal_mentions() -> list[re.Pattern[str]]:
 
 
 def test_no_internal_references_in_docs_code_or_tests():
-    files = [*DOCS, *ROOT.glob("attnpolicy/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("plugins/**/*.md")]
+    files = [*DOCS, *ROOT.glob("attnpolicy/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("plugins/**/*.md")]
     for path in files:
         text = path.read_text()
         for pattern in _internal_mentions():

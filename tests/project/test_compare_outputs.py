@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("compare_outputs", REPO / "tools" / "compare_outputs.py")
 assert _spec is not None and _spec.loader is not None
 compare_outputs = importlib.util.module_from_spec(_spec)
