@@ -6,13 +6,10 @@ from hypothesis import HealthCheck, settings
 
 from attnpolicy.plugins.registry import reset_plugin_manager
 
-# the shared helpers (reference, strategies, tiny_models, plugin_kernels) live here, and the
-# test files in rooms below it (tests/<room>/, after the package's sub-packages); a few tests
-# import another room's test module (``from test_docs import ROOT, blocks``), so every room
-# is importable too, whichever file pytest collects first (basenames are unique)
+# the shared helpers (reference, strategies, cost_models, docs_blocks, tiny_models,
+# plugin_kernels) live here, the test files in rooms below it (tests/<room>/, after the
+# package's sub-packages)
 TESTS = Path(__file__).parent
-for _room in sorted((p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))), reverse=True):
-    sys.path.insert(0, str(_room))
 sys.path.insert(0, str(TESTS))
 
 settings.register_profile(

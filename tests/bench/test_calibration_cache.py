@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from cost_models import synthetic
 
 from attnpolicy.bench import calibration_cache as cc
 from attnpolicy.bench.calibration import CalibrationSettings
@@ -147,7 +148,6 @@ def test_plan_and_simulate_name_their_cost_model_first_and_reuse_a_calibration(t
 
 
 def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp_path, calls, monkeypatch):
-    from test_model_graphs import synthetic
 
     from attnpolicy.modelling.cost_file import CostFile
 

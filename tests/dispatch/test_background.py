@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from cost_models import PRICEY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_for
@@ -21,7 +22,6 @@ from attnpolicy.graphs.keys import TensorSpec
 
 SPEC = TensorSpec("float32", 4, 2, 16)
 #: compiles cost far more than any padding: every miss with a larger resident graph pads up
-PRICEY = CostModel.default().model_copy(update={"compile": {f: Fit(base=1e6) for f in CostModel.default().compile}})
 
 
 def _workers(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:

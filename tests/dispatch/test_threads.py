@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from cost_models import PRICEY
 from reference import reference_for
 from strategies import random_qkv
-from test_background import PRICEY
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.engine.model_specs import ModelSpec, parse_spec

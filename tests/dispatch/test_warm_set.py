@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from cost_models import PRICEY
 from pydantic import ValidationError
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
@@ -132,7 +133,6 @@ def test_a_graph_loaded_from_the_store_after_warm_up_is_no_strict_violation(tmp_
 def test_a_background_load_after_warm_up_is_no_strict_violation(tmp_path):
     """In background mode a stored key requested after warm-up pads up and loads in the
     worker: no violation under ``strict="raise"``, counted when it switches in."""
-    from test_background import PRICEY
 
     fields = _stored(tmp_path, 100)  # q128
     d = Dispatcher(AttnPolicyConfig(**fields, strict="raise", compile_mode="background", switch_after=1,

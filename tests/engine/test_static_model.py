@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from docs_blocks import ROOT, blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import layouts
-from test_docs import ROOT, blocks
 
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig

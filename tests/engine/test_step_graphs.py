@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from docs_blocks import ROOT, blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_static_model import TINY, Counted, config
@@ -268,7 +269,6 @@ def test_run_model_refuses_a_cost_model_on_whole_requests(tmp_path, capsys):
 
 
 def test_the_docs_step_example_runs(capsys):
-    from test_docs import ROOT, blocks
 
     (code,) = [b for b in blocks(ROOT / "docs/models.md", "python") if "KVCache" in b]
     exec(compile(code, "docs/models.md", "exec"), {})

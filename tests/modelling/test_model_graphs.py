@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cost_models import synthetic
 
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
@@ -20,24 +21,13 @@ from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import model_outside_range
 from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
 from attnpolicy.modelling.stalls import compare_model_stalls
-from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelDims, ModelFit, ModelSample, key_of
+from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, key_of
 from attnpolicy.planning.graph_set import plan_model_graphs
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
 #: prefill batches whose keys under pow2 buckets and 2 graphs evict
 LAYOUTS = [BatchLayout.from_lens(lens) for lens in
            ([5], [9, 3], [20], [5], [40], [9, 3], [3, 3, 3], [20], [12, 30])]
-
-
-def synthetic(compile_base: float = 2.0) -> ModelCostModel:
-    fit = ModelFit(base=compile_base, per_token=1e-3)
-    run = ModelFit(base=1e-3, per_token=1e-5, per_cell=1e-8, per_segment=1e-4)
-    rss = ModelFit(base=1e6)
-    return ModelCostModel(spec="synthetic", dims=ModelDims(hidden=64, heads=2, kv_heads=1, head_dim=32,
-                                                            intermediate=128, vocab=64, layers=1),
-                          compile=dict.fromkeys(("causal", "mask", "varlen"), fit),
-                          run=dict.fromkeys(("causal", "mask", "varlen"), run),
-                          rss=dict.fromkeys(("causal", "mask", "varlen"), rss), warmup_seconds=0.5)
 
 
 def test_fit_recovers_its_coefficients_and_sums_varlen_segments():

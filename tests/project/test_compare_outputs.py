@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+from cost_models import synthetic
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("compare_outputs", REPO / "tools" / "compare_outputs.py")
 assert _spec is not None and _spec.loader is not None
@@ -34,7 +36,6 @@ def test_a_recording_equals_itself_and_a_changed_row_is_found(tmp_path):
 
 
 def test_the_model_level_is_recorded_and_a_real_runs_seconds_are_not_compared(tmp_path):
-    from test_model_graphs import synthetic
 
     from attnpolicy.modelling.cost_file import CostFile
 

@@ -10,18 +10,14 @@ import types
 from pathlib import Path
 
 import pytest
+from docs_blocks import ROOT, blocks
 
 import attnpolicy
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.plugins.registry import get_plugin_manager
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def blocks(path: Path, lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), re.S)
 
 
 def test_config_sample_is_the_model_dump():

@@ -336,3 +336,19 @@ def test_no_module_is_a_model_copy_of_another():
 def test_the_pair_scan_sees_a_pair():
     pairs = model_pairs(["a.sim", "a.b.model_sim", "a.graphs", "a.cli.model_graphs", "a.model_only"])
     assert pairs == ["a.b.model_sim <-> a.sim", "a.cli.model_graphs <-> a.graphs"]  # a package counts as X
+
+
+def test_tests_live_in_rooms_and_share_helpers_not_test_modules():
+    """Every test file stands in the room of what it tests (``tests/<room>/``); what tests of
+    two rooms share is a helper module at ``tests/``, never another room's test module."""
+    tests = ROOT.parent / "tests"
+    assert not list(tests.glob("test_*.py")), "a test file outside the rooms"
+    rooms = {path.stem: path.parent.name for path in tests.glob("*/test_*.py")}
+    crossing = []
+    for path in tests.glob("*/test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            crossing += [f"{path.relative_to(tests)} imports {name}" for name in names
+                         if name in rooms and rooms[name] != path.parent.name]
+    assert not crossing

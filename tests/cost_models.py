@@ -1,0 +1,23 @@
+"""Cost models that tests price with: a synthetic whole-model cost model, and the
+built-in attention model with compiles too pricey ever to pay off."""
+
+from __future__ import annotations
+
+from attnpolicy.graphs.costmodel import CostModel, Fit
+from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelDims, ModelFit
+
+#: The built-in model with every compile priced at a million seconds.
+PRICEY = CostModel.default().model_copy(update={"compile": {f: Fit(base=1e6) for f in CostModel.default().compile}})
+
+
+def synthetic(compile_base: float = 2.0) -> ModelCostModel:
+    """A whole-model cost model of a tiny model: compiles cost ``compile_base`` seconds
+    plus a millisecond per token, runs grow with tokens, cells and segments."""
+    fit = ModelFit(base=compile_base, per_token=1e-3)
+    run = ModelFit(base=1e-3, per_token=1e-5, per_cell=1e-8, per_segment=1e-4)
+    rss = ModelFit(base=1e6)
+    return ModelCostModel(spec="synthetic", dims=ModelDims(hidden=64, heads=2, kv_heads=1, head_dim=32,
+                                                            intermediate=128, vocab=64, layers=1),
+                          compile=dict.fromkeys(("causal", "mask", "varlen"), fit),
+                          run=dict.fromkeys(("causal", "mask", "varlen"), run),
+                          rss=dict.fromkeys(("causal", "mask", "varlen"), rss), warmup_seconds=0.5)
