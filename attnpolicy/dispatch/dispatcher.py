@@ -175,12 +175,14 @@ class Dispatcher:
             self.source.release()
 
     def _step_of(self, layout: BatchLayout, spec: TensorSpec, decision: Decision) -> Step:
-        """The step of ``decision`` for ``layout``: the one kept for its mode if it was
-        taken for an equal decision, else a new one (kept)."""
+        """The step of ``decision`` for ``layout``: the one kept for its mode, serving
+        ``decision`` (a policy's reason may change from batch to batch), else a new one (kept)."""
         key = (layout, spec, decision.mode)
         step = self._decided.get(key)
-        if step is None or step.asked != decision:
+        if step is None:
             step = self._decided[key] = self._new_step(layout, spec, decision)
+        elif step.asked is not decision:
+            step.retake(decision)
         return step
 
     def _new_step(self, layout: BatchLayout, spec: TensorSpec, asked: Decision) -> Step:

@@ -44,11 +44,9 @@ class Step:
                  masks: MaskCache) -> None:
         self.layout = layout
         self.spec = spec
-        self.asked = asked  # the policy's decision (replayed when the step is reused)
         self.plan = plan
         self.fell_back = plan.mode is not asked.mode
-        self.decision = asked if not self.fell_back else Decision(
-            plan.mode, f"{asked.reason}; its mask exceeds max_mask_bytes: ran {plan.mode.value}")
+        self.retake(asked)
         self.mode_name = plan.mode.value  # the stats key (an Enum's value is a Python property)
         self.n_calls = plan.n_calls
         self.padded_tokens = plan.padded_tokens
@@ -62,6 +60,15 @@ class Step:
         #: what ``run`` takes: q, k, v's dtype and device, q's shape, k's and v's shape
         self.form = (getattr(torch, spec.dtype), torch.device(spec.device),
                      (layout.q_tokens, spec.heads, spec.head_dim), (layout.kv_tokens, spec.kv_heads, spec.head_dim))
+
+    def retake(self, asked: Decision) -> None:
+        """Serve ``asked``, a decision of this step's mode (its reason may differ), from
+        now on: the plan and graphs stay, as they depend on the mode alone. ``asked`` is
+        the policy's decision (replayed when the step is reused); ``decision`` the one
+        that runs."""
+        self.asked = asked
+        self.decision = asked if not self.fell_back else Decision(
+            self.plan.mode, f"{asked.reason}; its mask exceeds max_mask_bytes: ran {self.plan.mode.value}")
 
     def use(self, graphs: list[tuple[Call, GraphFn]], values: tuple[Any, ...]) -> None:
         """Run ``graphs`` from now on (``values``: the cache's values behind them).

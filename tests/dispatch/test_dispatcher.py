@@ -487,3 +487,27 @@ def test_a_kept_step_holds_no_graph_the_cache_evicted():
     again = d.prepare(short, SPEC)
     assert again is first and [c for c, _ in again] == [call]
     assert d.stats().cache.misses == 3 and d.stats().batches == 3
+
+
+def test_a_policy_whose_reason_changes_keeps_its_step_and_reports_each_reason():
+    """A stateful policy's reason may change batch by batch (cost-aware's holds running
+    totals): a repeated layout in the same mode reuses its step, plan and graphs, and the
+    step reports the reason it was asked with this time."""
+    from attnpolicy.core.modes import Decision
+
+    class Talking:
+        name, asked = "talking", 0
+
+        def decide(self, layout, ctx):
+            self.asked += 1
+            return Decision(MaskMode.VARLEN, f"batch {self.asked}")
+
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_seq_len=256))
+    d.guard.policy = Talking()
+    lay = BatchLayout.from_lens([5, 9])
+    steps = [d.prepare(lay, SPEC) for _ in range(3)]
+    assert steps[0] is steps[1] is steps[2]
+    assert steps[2].decision == steps[2].asked == Decision(MaskMode.VARLEN, "batch 3")
+    for seed in range(2):  # the reused step still computes the batch
+        _check(d, lay, *random_qkv(lay, seed=seed))
+    assert d.stats().batches == 5 and d.stats().modes["varlen"] == 5
