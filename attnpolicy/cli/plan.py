@@ -47,6 +47,7 @@ from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.modelling.peer_buckets import PeerLimits
+from attnpolicy.modelling.peer_coverage import COLUMNS, PeerCoverage, coverage_markdown, peer_coverage, table_rows
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
@@ -197,12 +198,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         assert w is not None
         with writing("--out", out):
             model_plan.config.save(out)
+            peers = write_host_settings(out, layouts, model_plan.chosen.buckets, model_plan.config,
+                                        former.max_num_batched_tokens, former.max_num_seqs, args.max_buckets)
             write_json(out / "plan.json", {"source": source, "model": cost.spec, "batches": len(layouts),
                                            "rejected": w.rejected, "workload": w.to_json(), **fields,
-                                           **model_plan.to_json()})
-            write_host_settings(out, layouts, model_plan.chosen.buckets, model_plan.config,
-                                former.max_num_batched_tokens, former.max_num_seqs, args.max_buckets)
+                                           **model_plan.to_json(), "peers": [p.to_json() for p in peers]})
         print_model_plan(model_plan, source, args.max_graphs, cost.spec)
+        print_table("the runtimes' warm-up sets on this workload (counted)", COLUMNS, table_rows(peers))
         print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.json'}, {out / 'host_settings.json'}")
         return 0
     outside = flag_range(model, steps)
@@ -226,36 +228,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "the config caches nothing and every call compiles")
     with writing("--out", out):
         plan.config.save(out)
+        limits = former_options(args)
+        peers = write_host_settings(out, layouts_of(steps), plan.chosen.buckets, plan.config,
+                                    limits["max_num_batched_tokens"], limits["max_num_seqs"], args.max_buckets)
         write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
                                        **({"workload": w.to_json()} if w else {}),
                                        **provenance_json(provenance, outside), **plan.to_json(),
                                        **({"sample": {**sample.to_json(), "row": full.to_json()}}
-                                          if sample and full else {})})
+                                          if sample and full else {}),
+                                       "peers": [p.to_json() for p in peers]})
         write_text_atomic(out / "plan.md", plan_markdown(plan, source, w) + (f"\n{note[0].upper()}{note[1:]}.\n"
-                                                                            if note else ""))
-        limits = former_options(args)
-        write_host_settings(out, layouts_of(steps), plan.chosen.buckets, plan.config,
-                            limits["max_num_batched_tokens"], limits["max_num_seqs"], args.max_buckets)
+                                                                            if note else "")
+                          + "\n" + coverage_markdown(peers, peer_limits(plan.config, limits["max_num_batched_tokens"],
+                                                                limits["max_num_seqs"])))
     print_plan(plan, source)
     if note:
         print(note)
+    print_table("the runtimes' warm-up sets on this workload (counted)", COLUMNS, table_rows(peers))
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0
 
 
+def peer_limits(config: AttnPolicyConfig, max_num_batched_tokens: int, max_num_seqs: int) -> PeerLimits:
+    """The server the host settings are for: ``--max-num-seqs``, ``--max-num-batched-tokens``
+    and ``config``'s ``max_seq_len`` as ``max_model_len``."""
+    return PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len)
+
+
 def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequence[int], config: AttnPolicyConfig,
-                        max_num_batched_tokens: int, max_num_seqs: int, max_buckets: int) -> Path:
+                        max_num_batched_tokens: int, max_num_seqs: int, max_buckets: int
+                        ) -> tuple[PeerCoverage, ...]:
     """``host_settings.json`` next to ``plan.json``, and vllm-gaudi's bucketing file next to
     it: each host's settings from the planned ``steps`` and ``buckets`` (at most
-    ``--max-buckets`` sizes per dimension) for a server of ``--max-num-batched-tokens``,
-    ``--max-num-seqs`` and ``config``'s ``max_seq_len``."""
-    path, gaudi = out / "host_settings.json", out / GAUDI_FILE
-    settings = host_settings(steps, buckets, PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len),
-                             max_buckets, str(gaudi.resolve()))
+    ``--max-buckets`` sizes per dimension) for the server of :func:`peer_limits`. Returns
+    how the runtimes' default warm-up sets and those of these settings serve ``steps``."""
+    gaudi, limits = out / GAUDI_FILE, peer_limits(config, max_num_batched_tokens, max_num_seqs)
+    settings = host_settings(steps, buckets, limits, max_buckets, str(gaudi.resolve()))
     write_text_atomic(gaudi, settings.gaudi_file)
-    write_json(path, settings.sections)
-    return path
+    write_json(out / "host_settings.json", settings.sections)
+    return peer_coverage(steps, limits, settings.warmup_sets(limits))
 
 
 def print_model_plan(plan: ModelPlan, source: str, max_graphs: int | None, spec: str) -> None:

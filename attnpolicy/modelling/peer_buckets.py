@@ -38,6 +38,9 @@ from typing import Literal
 from attnpolicy.errors import ConfigError
 
 Phase = Literal["prefill", "decode", "mixed"]
+#: The runtimes whose warm-up sets and forwards are modelled here.
+Runtime = Literal["gaudi", "rbln", "tpu"]
+RUNTIMES: tuple[Runtime, ...] = ("gaudi", "rbln", "tpu")
 GaudiStrategy = Literal["linear", "exponential"]
 RblnStrategy = Literal["exponential", "linear"]
 
@@ -468,15 +471,18 @@ def rbln_manual_decode_batches(value: str, max_batch_size: int) -> tuple[int, ..
 
 
 def rbln_warmup(limits: PeerLimits, strategy: RblnStrategy = "exponential", *, min_batch: int = 1, step: int = 2,
-                limit: int = 1, pipeline_parallel_size: int = 1) -> WarmupSet:
+                limit: int = 1, pipeline_parallel_size: int = 1, manual: str | None = None) -> WarmupSet:
     """vllm-rbln's warm-up (vllm_rbln/v1/worker/rbln_model_runner.py ``warm_up_model``
     and the prefill padding of its model step; docs/bucketing.md): one prefill graph
     of one request padded to ``max_num_batched_tokens``, one decode graph per
-    :func:`rbln_decode_batches` bucket of ``max_num_seqs // pipeline_parallel_size``.
+    :func:`rbln_decode_batches` bucket of ``max_num_seqs // pipeline_parallel_size``,
+    or per bucket of ``manual`` (``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS`` under
+    the ``manual`` strategy, :func:`rbln_manual_decode_batches`) when it is given.
     Neither pads a context: the KV cache spans ``max_model_len``."""
     _check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
-    batches = rbln_decode_batches(limits.max_num_seqs // pipeline_parallel_size, strategy,
-                                  min_batch=min_batch, step=step, limit=limit)
+    largest = limits.max_num_seqs // pipeline_parallel_size
+    batches = (rbln_decode_batches(largest, strategy, min_batch=min_batch, step=step, limit=limit)
+               if manual is None else rbln_manual_decode_batches(manual, largest))
     return WarmupSet.of("rbln", (WarmupGraph("prefill", 1, limits.max_num_batched_tokens),
                                  *(WarmupGraph("decode", b, 1) for b in batches)))
 
@@ -562,6 +568,65 @@ def tpu_paddings(limits: PeerLimits, *, padding_gap: int = 0, min_tokens: int = 
                           f"(above the gap, its first padding is min_tokens / 2 + padding_gap): raise "
                           f"max_num_batched_tokens or padding_gap")
     return TpuPaddings(tokens, tpu_request_paddings(TPU_MIN_NUM_SEQS, max(seqs, TPU_MIN_NUM_SEQS)), attention)
+
+
+# -- one engine step, as each runtime runs it ---------------------------------------------
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward a runtime runs for an engine step: the graph shape it asks for
+    (``phase``, ``batch``, ``query_tokens``, ``context_blocks`` as
+    :meth:`WarmupSet.serves` takes them) and the ``tokens`` it computes."""
+
+    phase: Phase
+    batch: int
+    query_tokens: int
+    context_blocks: int | None
+    tokens: int
+
+    def rows(self, graph: WarmupGraph) -> int:
+        """The query rows ``graph`` computes for this forward: its batch × its query
+        tokens, or its tokens for a ragged ``mixed`` graph."""
+        return graph.query_tokens if graph.phase == "mixed" else graph.batch * graph.query_tokens
+
+
+def runtime_of(scheme: str) -> Runtime:
+    """The runtime whose warm-up set ``scheme`` is: its name up to the first ``-``
+    (``gaudi-linear``, ``gaudi-file``: ``gaudi``), one of :data:`RUNTIMES`."""
+    runtime = scheme.split("-")[0]
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"scheme must name one of the runtimes {', '.join(RUNTIMES)}, got {scheme!r}")
+    return runtime
+
+
+def step_forwards(runtime: Runtime, q_lens: Sequence[int], kv_lens: Sequence[int],
+                  limits: PeerLimits) -> tuple[Forward, ...]:
+    """The forwards ``runtime`` runs for one engine step of sequences with ``q_lens``
+    new tokens over ``kv_lens`` tokens in all (context included), under its defaults
+    (both of vllm-gaudi's strategies run steps alike):
+
+    - ``gaudi`` (vllm_gaudi/v1/worker/hpu_model_runner.py at the commit above: a
+      sequence of one new token is a decode, every other a prompt): each prompt alone
+      (batch 1, ``VLLM_PROMPT_BS_BUCKET_MAX``'s default) with its ⌈context / block⌉
+      context blocks, and the step's decodes as one batch with the sum of their
+      ⌈kv tokens / block⌉ blocks;
+    - ``rbln``: each prompt (a prefill chunk) alone, padded to its one prefill graph, and
+      the decodes as one batch (vllm_rbln/v1/worker/rbln_model_runner.py);
+    - ``tpu``: the whole step as one ragged forward of its requests and tokens."""
+    if runtime == "tpu":
+        tokens = sum(q_lens)
+        return (Forward("mixed", len(q_lens), tokens, None, tokens),)
+    gaudi, block = runtime == "gaudi", limits.block_size
+    out: list[Forward] = []
+    decodes = blocks = 0
+    for q, kv in zip(q_lens, kv_lens, strict=True):
+        if q == 1:
+            decodes, blocks = decodes + 1, blocks + _cdiv(kv, block)
+        else:
+            out.append(Forward("prefill", 1, q, _cdiv(kv - q, block) if gaudi else None, q))
+    if decodes:
+        out.append(Forward("decode", decodes, 1, blocks if gaudi else None, decodes))
+    return tuple(out)
 
 
 #: The schemes by name, each under its runtime's defaults.

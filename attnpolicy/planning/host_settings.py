@@ -35,6 +35,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,10 +47,15 @@ from attnpolicy.modelling.peer_buckets import (
     TPU_MIN_TOKEN_BUCKET,
     LinearRange,
     PeerLimits,
+    TpuPaddings,
+    WarmupSet,
     gaudi_decode_bucket,
     gaudi_decode_graphs,
+    gaudi_file_warmup,
     gaudi_prompt_graphs,
     gaudi_prompt_refusal,
+    rbln_warmup,
+    step_forwards,
     tpu_paddings,
 )
 
@@ -203,18 +209,16 @@ def gaudi_buckets(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: 
     A prompt no planned bucket holds, a bucket vllm-gaudi would drop
     (:func:`~attnpolicy.modelling.peer_buckets.gaudi_prompt_refusal`) and a phase
     without any step are named in ``missing`` instead."""
-    block, planned = limits.block_size, sorted(set(buckets))
+    planned = sorted(set(buckets))
     prompts: list[tuple[int, int]] = []
     decodes: list[tuple[int, int]] = []
     for layout in steps:
-        n = blocks = 0
-        for q, kv in zip(layout.q_lens, layout.kv_lens):
-            if q == 1:
-                n, blocks = n + 1, blocks - (-kv // block)
+        for f in step_forwards("gaudi", layout.q_lens, layout.kv_lens, limits):
+            assert f.context_blocks is not None  # vllm-gaudi pads every context to blocks
+            if f.phase == "decode":
+                decodes.append((f.batch, f.context_blocks))
             else:
-                prompts.append((q, -(-(kv - q) // block)))
-        if n:
-            decodes.append((n, blocks))
+                prompts.append((f.query_tokens, f.context_blocks))
     missing: list[str] = []
     prompt: set[tuple[int, int, int]] = set()
     if prompts:
@@ -398,6 +402,18 @@ class HostSettings:
 
     sections: dict[str, Any]
     gaudi_file: str
+
+    def warmup_sets(self, limits: PeerLimits) -> tuple[tuple[str, Callable[[], WarmupSet]], ...]:
+        """What vllm-gaudi, tpu-inference and vllm-rbln warm up under these settings for
+        ``limits`` (the limits they were made for), each read back through the runtime's
+        own rules when called (a :class:`ConfigError` where the runtime refuses them), as
+        ``gaudi-plan``, ``tpu-plan`` and ``rbln-plan``."""
+        tpu, rbln = self.sections["tpu"], self.sections["rbln"]
+        paddings = TpuPaddings(tuple(tpu["num_tokens_paddings"]), tuple(tpu["num_reqs_paddings"]),
+                               tuple(tpu["attn_num_reqs_paddings"]))
+        return (("gaudi-plan", partial(gaudi_file_warmup, self.gaudi_file, limits)), ("tpu-plan", paddings.warmup),
+                ("rbln-plan", partial(rbln_warmup, limits,
+                                      manual=rbln["env"]["VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS"])))
 
 
 def host_settings(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: PeerLimits, max_sizes: int,

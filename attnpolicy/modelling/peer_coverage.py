@@ -1,0 +1,140 @@
+"""What other runtimes' warm-up sets serve of a workload, counted exactly (no cost model).
+
+Each engine step of a workload (one layout per step, as the batch former forms them)
+runs as the forwards its runtime runs for it
+(:func:`~attnpolicy.modelling.peer_buckets.step_forwards`); each forward is served by
+the first warm-up graph that holds it (:meth:`WarmupSet.serves
+<attnpolicy.modelling.peer_buckets.WarmupSet.serves>`) or by none: the runtime then
+compiles a graph after warm-up (vllm-gaudi can be told to fail instead). A
+:class:`PeerCoverage` counts, for one warm-up set: its graphs (prefill and decode), the
+graphs the workload used, the forwards it left unserved with their distinct shapes (at
+least that many graphs compiled at run time), and the padding: the query rows the
+serving graphs compute beyond the tokens they hold. A runtime that refuses to start
+under the limits (its own rule, a :class:`~attnpolicy.errors.ConfigError`) gets a row
+that says why and counts nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from attnpolicy.core.layout import BatchLayout
+from attnpolicy.errors import ConfigError
+from attnpolicy.modelling.peer_buckets import (
+    WARMUPS,
+    Forward,
+    PeerLimits,
+    WarmupGraph,
+    WarmupSet,
+    runtime_of,
+    step_forwards,
+)
+
+
+@dataclass(frozen=True)
+class PeerCoverage:
+    """One warm-up set against one workload (see the module docstring); ``refused``:
+    why the runtime would not start (then every count is 0)."""
+
+    scheme: str
+    graphs: int
+    prefill_graphs: int
+    decode_graphs: int
+    graphs_used: int
+    forwards: int
+    unserved: int
+    unserved_shapes: int
+    tokens: int
+    padded_rows: int
+    refused: str | None = None
+
+    @property
+    def padding(self) -> float:
+        """Padded rows per token computed, over the forwards a warm-up graph served."""
+        return self.padded_rows / self.tokens if self.tokens else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "graphs": self.graphs, "prefill_graphs": self.prefill_graphs,
+                "decode_graphs": self.decode_graphs, "graphs_used": self.graphs_used,
+                "forwards": self.forwards, "unserved": self.unserved, "unserved_shapes": self.unserved_shapes,
+                "tokens": self.tokens, "padded_rows": self.padded_rows, "padding": self.padding,
+                "refused": self.refused}
+
+
+def coverage(label: str, warm: WarmupSet, forwards: Iterable[Forward]) -> PeerCoverage:
+    """How ``warm`` serves ``forwards`` (each of its runtime's forwards of a workload),
+    as the row ``label``."""
+    used: set[WarmupGraph] = set()
+    missed: set[tuple[object, ...]] = set()
+    n = unserved = tokens = padded = 0
+    served: dict[tuple[object, ...], WarmupGraph | None] = {}  # forwards repeat: decode batches above all
+    for f in forwards:
+        n += 1
+        shape = (f.phase, f.batch, f.query_tokens, f.context_blocks)
+        try:
+            graph = served[shape]
+        except KeyError:
+            graph = served[shape] = warm.serves(f.phase, f.batch, f.query_tokens, f.context_blocks)
+        if graph is None:
+            unserved += 1
+            missed.add(shape)
+            continue
+        used.add(graph)
+        tokens += f.tokens
+        padded += f.rows(graph) - f.tokens
+    decode = len(warm.phase("decode"))
+    return PeerCoverage(label, len(warm.graphs), len(warm.graphs) - decode, decode, len(used), n, unserved,
+                        len(missed), tokens, padded)
+
+
+def peer_coverage(steps: Sequence[BatchLayout], limits: PeerLimits,
+                  extra: Sequence[tuple[str, Callable[[], WarmupSet]]] = ()) -> tuple[PeerCoverage, ...]:
+    """Every runtime's default warm-up set (:data:`~attnpolicy.modelling.peer_buckets.WARMUPS`)
+    for ``limits``, then each ``(label, make)`` of ``extra`` (``make()``: a runtime's set
+    under other settings, such as a plan's), against the engine ``steps``."""
+    forwards: dict[str, list[Forward]] = {}
+
+    def of(scheme: str) -> list[Forward]:
+        runtime = runtime_of(scheme)
+        if runtime not in forwards:
+            forwards[runtime] = [f for layout in steps
+                                 for f in step_forwards(runtime, layout.q_lens, layout.kv_lens, limits)]
+        return forwards[runtime]
+
+    def row(label: str, make: Callable[[], WarmupSet]) -> PeerCoverage:
+        try:
+            warm = make()
+        except ConfigError as exc:
+            return PeerCoverage(label, 0, 0, 0, 0, 0, 0, 0, 0, 0, str(exc))
+        return coverage(label, warm, of(warm.scheme))
+
+    defaults: list[tuple[str, Callable[[], WarmupSet]]] = [(name, partial(make, limits))
+                                                            for name, make in WARMUPS.items()]
+    return tuple(row(label, make) for label, make in [*defaults, *extra])
+
+
+COLUMNS = ("warm-up set", "graphs", "prefill / decode", "used", "forwards", "unserved (shapes)", "padding")
+
+
+def table_rows(rows: Sequence[PeerCoverage]) -> list[tuple[str, ...]]:
+    """``rows`` as the cells of :data:`COLUMNS` (the printed table and the Markdown one)."""
+    return [(r.scheme, f"refused: {r.refused}", "", "", "", "", "") if r.refused is not None else
+            (r.scheme, str(r.graphs), f"{r.prefill_graphs} / {r.decode_graphs}", str(r.graphs_used),
+             str(r.forwards), f"{r.unserved} ({r.unserved_shapes})", f"{r.padding:.1%}") for r in rows]
+
+
+def coverage_markdown(rows: Sequence[PeerCoverage], limits: PeerLimits) -> str:
+    """The coverage table as a section of ``plan.md``."""
+    lines = ["## The runtimes' warm-up sets on this workload", "",
+             (f"Each engine step as vllm-gaudi, vllm-rbln and tpu-inference run it, for max_num_seqs "
+              f"{limits.max_num_seqs}, max_num_batched_tokens {limits.max_num_batched_tokens}, max_model_len "
+              f"{limits.max_model_len} and block size {limits.block_size}: their default warm-up sets, then "
+              "the sets host_settings.json gives them (`-plan`). *unserved*: forwards no warm-up graph holds "
+              "(compiled at run time; in brackets, the distinct shapes); *padding*: rows the serving graphs "
+              "compute beyond the tokens, per token. Counted, not modelled."), "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
+    return "\n".join(lines) + "\n"
