@@ -47,7 +47,7 @@ from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.modelling.peer_buckets import PeerLimits
-from attnpolicy.modelling.peer_coverage import COLUMNS, PeerCoverage, coverage_markdown, peer_coverage, table_rows
+from attnpolicy.modelling.peer_coverage import COLUMNS, LEGEND, TITLE, PeerCoverage, peer_coverage, table_rows
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
@@ -64,6 +64,7 @@ from attnpolicy.planning.graph_set import (
 )
 from attnpolicy.planning.host_settings import GAUDI_FILE, host_settings
 from attnpolicy.planning.sample import SAMPLE, WINDOWS, sample_steps
+from attnpolicy.report.markdown import table
 from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
 
@@ -204,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                            "rejected": w.rejected, "workload": w.to_json(), **fields,
                                            **model_plan.to_json(), "peers": [p.to_json() for p in peers]})
         print_model_plan(model_plan, source, args.max_graphs, cost.spec)
-        print_table("the runtimes' warm-up sets on this workload (counted)", COLUMNS, table_rows(peers))
+        print_table(TITLE, COLUMNS, table_rows(peers))
         print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.json'}, {out / 'host_settings.json'}")
         return 0
     outside = flag_range(model, steps)
@@ -238,22 +239,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                           if sample and full else {}),
                                        "peers": [p.to_json() for p in peers]})
         write_text_atomic(out / "plan.md", plan_markdown(plan, source, w) + (f"\n{note[0].upper()}{note[1:]}.\n"
-                                                                            if note else "")
-                          + "\n" + coverage_markdown(peers, peer_limits(plan.config, limits["max_num_batched_tokens"],
-                                                                limits["max_num_seqs"])))
+                                                                            if note else "") + peers_markdown(peers))
     print_plan(plan, source)
     if note:
         print(note)
-    print_table("the runtimes' warm-up sets on this workload (counted)", COLUMNS, table_rows(peers))
+    print_table(TITLE, COLUMNS, table_rows(peers))
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0
-
-
-def peer_limits(config: AttnPolicyConfig, max_num_batched_tokens: int, max_num_seqs: int) -> PeerLimits:
-    """The server the host settings are for: ``--max-num-seqs``, ``--max-num-batched-tokens``
-    and ``config``'s ``max_seq_len`` as ``max_model_len``."""
-    return PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len)
 
 
 def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequence[int], config: AttnPolicyConfig,
@@ -261,13 +254,19 @@ def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequen
                         ) -> tuple[PeerCoverage, ...]:
     """``host_settings.json`` next to ``plan.json``, and vllm-gaudi's bucketing file next to
     it: each host's settings from the planned ``steps`` and ``buckets`` (at most
-    ``--max-buckets`` sizes per dimension) for the server of :func:`peer_limits`. Returns
-    how the runtimes' default warm-up sets and those of these settings serve ``steps``."""
-    gaudi, limits = out / GAUDI_FILE, peer_limits(config, max_num_batched_tokens, max_num_seqs)
+    ``--max-buckets`` sizes per dimension) for a server of ``--max-num-seqs``,
+    ``--max-num-batched-tokens`` and ``config``'s ``max_seq_len``. Returns how the
+    runtimes' default warm-up sets and those of these settings serve ``steps``."""
+    gaudi, limits = out / GAUDI_FILE, PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len)
     settings = host_settings(steps, buckets, limits, max_buckets, str(gaudi.resolve()))
     write_text_atomic(gaudi, settings.gaudi_file)
     write_json(out / "host_settings.json", settings.sections)
-    return peer_coverage(steps, limits, settings.warmup_sets(limits))
+    return peer_coverage(steps, limits, settings.warmup_sets())
+
+
+def peers_markdown(peers: Sequence[PeerCoverage]) -> str:
+    """The coverage table as the last section of ``plan.md``."""
+    return f"\n## {TITLE}\n\n{LEGEND}\n\n{table(COLUMNS, table_rows(peers))}\n"
 
 
 def print_model_plan(plan: ModelPlan, source: str, max_graphs: int | None, spec: str) -> None:

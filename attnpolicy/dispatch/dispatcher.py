@@ -181,7 +181,7 @@ class Dispatcher:
         step = self._decided.get(key)
         if step is None:
             step = self._decided[key] = self._new_step(layout, spec, decision)
-        elif step.asked is not decision:
+        elif step.asked != decision:
             step.retake(decision)
         return step
 

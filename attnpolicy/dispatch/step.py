@@ -46,6 +46,7 @@ class Step:
         self.spec = spec
         self.plan = plan
         self.fell_back = plan.mode is not asked.mode
+        self.asked = asked
         self.retake(asked)
         self.mode_name = plan.mode.value  # the stats key (an Enum's value is a Python property)
         self.n_calls = plan.n_calls
@@ -66,6 +67,8 @@ class Step:
         now on: the plan and graphs stay, as they depend on the mode alone. ``asked`` is
         the policy's decision (replayed when the step is reused); ``decision`` the one
         that runs."""
+        if asked.mode is not self.asked.mode:
+            raise ValueError(f"a step asked in {self.asked.mode.value} cannot serve a {asked.mode.value} decision")
         self.asked = asked
         self.decision = asked if not self.fell_back else Decision(
             self.plan.mode, f"{asked.reason}; its mask exceeds max_mask_bytes: ran {self.plan.mode.value}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ast
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
@@ -487,6 +487,21 @@ def rbln_warmup(limits: PeerLimits, strategy: RblnStrategy = "exponential", *, m
                                  *(WarmupGraph("decode", b, 1) for b in batches)))
 
 
+def rbln_env_warmup(limits: PeerLimits, env: Mapping[str, str]) -> WarmupSet:
+    """vllm-rbln's warm-up under the environment ``env``: its decode batch buckets by
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY`` (default exponential), the list of
+    ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS`` under ``manual``; the other
+    strategies' tuning variables at their defaults (:func:`rbln_warmup`)."""
+    strategy = env.get("VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY", "exponential")
+    if strategy == "manual":
+        return rbln_warmup(limits, manual=env.get("VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS", ""))
+    if strategy == "exponential":
+        return rbln_warmup(limits, "exponential")
+    if strategy == "linear":
+        return rbln_warmup(limits, "linear")
+    raise ConfigError(f"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY must be exponential, linear or manual, got {strategy!r}")
+
+
 # -- tpu-inference ------------------------------------------------------------------------
 
 def tpu_token_paddings(min_tokens: int, max_tokens: int, padding_gap: int = 0) -> tuple[int, ...]:
@@ -565,9 +580,34 @@ def tpu_paddings(limits: PeerLimits, *, padding_gap: int = 0, min_tokens: int = 
     if not tokens:  # the runtime's own rule gives nothing here: it could serve no step
         raise ConfigError(f"tpu-inference's token paddings are empty for min_tokens={min_tokens}, "
                           f"padding_gap={padding_gap} and max_num_batched_tokens={limits.max_num_batched_tokens} "
-                          f"(above the gap, its first padding is min_tokens / 2 + padding_gap): raise "
-                          f"max_num_batched_tokens or padding_gap")
+                          f"(above a gap under min_tokens, its first padding is min_tokens / 2 + padding_gap): "
+                          f"raise max_num_batched_tokens or padding_gap to at least min_tokens, or lower min_tokens")
     return TpuPaddings(tokens, tpu_request_paddings(TPU_MIN_NUM_SEQS, max(seqs, TPU_MIN_NUM_SEQS)), attention)
+
+
+def tpu_env_paddings(limits: PeerLimits, env: Mapping[str, str],
+                     compilation_sizes: Sequence[int] = ()) -> TpuPaddings:
+    """The paddings tpu-inference compiles under the environment ``env`` and vLLM's
+    ``additional_config["compilation_sizes"]``, read as its envs.py reads them
+    (``MIN_TOKEN_BUCKET``, default 16; ``VLLM_TPU_BUCKET_PADDING_GAP``, default 0;
+    ``ATTN_BUCKETIZED_NUM_REQS``, ``1`` or ``true``; ``ATTN_CUSTOM_NUM_REQS_BUCKETS``,
+    comma-separated), through :func:`tpu_paddings`; a value it cannot read is a
+    :class:`ConfigError` naming it."""
+    def number(name: str, default: int) -> int:
+        try:
+            return int(env.get(name, default))
+        except ValueError:
+            raise ConfigError(f"{name} must be an int, got {env[name]!r}") from None
+
+    custom = env.get("ATTN_CUSTOM_NUM_REQS_BUCKETS", "")
+    try:
+        requests = [int(v) for v in custom.split(",")] if custom else []
+    except ValueError:
+        raise ConfigError(f"ATTN_CUSTOM_NUM_REQS_BUCKETS must be comma-separated ints, got {custom!r}") from None
+    return tpu_paddings(limits, min_tokens=number("MIN_TOKEN_BUCKET", TPU_MIN_TOKEN_BUCKET),
+                        padding_gap=number("VLLM_TPU_BUCKET_PADDING_GAP", 0),
+                        bucketize_attention_requests=env.get("ATTN_BUCKETIZED_NUM_REQS", "0").lower() in ("1", "true"),
+                        compilation_sizes=compilation_sizes, custom_attention_requests=requests)
 
 
 # -- one engine step, as each runtime runs it ---------------------------------------------

@@ -6,10 +6,11 @@ runs as the forwards its runtime runs for it
 the first warm-up graph that holds it (:meth:`WarmupSet.serves
 <attnpolicy.modelling.peer_buckets.WarmupSet.serves>`) or by none: the runtime then
 compiles a graph after warm-up (vllm-gaudi can be told to fail instead). A
-:class:`PeerCoverage` counts, for one warm-up set: its graphs (prefill and decode), the
-graphs the workload used, the forwards it left unserved with their distinct shapes (at
-least that many graphs compiled at run time), and the padding: the query rows the
-serving graphs compute beyond the tokens they hold. A runtime that refuses to start
+:class:`PeerCoverage` counts, for one warm-up set: its graphs (prefill, decode and
+ragged ``mixed``), the graphs the workload used, the forwards it left unserved with
+their distinct shapes (at most that many graphs compiled at run time: a graph compiled
+for one serves the smaller ones after it), and the padding: the query rows the serving
+graphs compute beyond the tokens they hold. A runtime that refuses to start
 under the limits (its own rule, a :class:`~attnpolicy.errors.ConfigError`) gets a row
 that says why and counts nothing.
 """
@@ -43,6 +44,7 @@ class PeerCoverage:
     graphs: int
     prefill_graphs: int
     decode_graphs: int
+    mixed_graphs: int
     graphs_used: int
     forwards: int
     unserved: int
@@ -58,7 +60,7 @@ class PeerCoverage:
 
     def to_json(self) -> dict[str, Any]:
         return {"scheme": self.scheme, "graphs": self.graphs, "prefill_graphs": self.prefill_graphs,
-                "decode_graphs": self.decode_graphs, "graphs_used": self.graphs_used,
+                "decode_graphs": self.decode_graphs, "mixed_graphs": self.mixed_graphs, "graphs_used": self.graphs_used,
                 "forwards": self.forwards, "unserved": self.unserved, "unserved_shapes": self.unserved_shapes,
                 "tokens": self.tokens, "padded_rows": self.padded_rows, "padding": self.padding,
                 "refused": self.refused}
@@ -85,9 +87,8 @@ def coverage(label: str, warm: WarmupSet, forwards: Iterable[Forward]) -> PeerCo
         used.add(graph)
         tokens += f.tokens
         padded += f.rows(graph) - f.tokens
-    decode = len(warm.phase("decode"))
-    return PeerCoverage(label, len(warm.graphs), len(warm.graphs) - decode, decode, len(used), n, unserved,
-                        len(missed), tokens, padded)
+    return PeerCoverage(label, len(warm.graphs), len(warm.phase("prefill")), len(warm.phase("decode")),
+                        len(warm.phase("mixed")), len(used), n, unserved, len(missed), tokens, padded)
 
 
 def peer_coverage(steps: Sequence[BatchLayout], limits: PeerLimits,
@@ -108,7 +109,7 @@ def peer_coverage(steps: Sequence[BatchLayout], limits: PeerLimits,
         try:
             warm = make()
         except ConfigError as exc:
-            return PeerCoverage(label, 0, 0, 0, 0, 0, 0, 0, 0, 0, str(exc))
+            return PeerCoverage(label, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, str(exc))
         return coverage(label, warm, of(warm.scheme))
 
     defaults: list[tuple[str, Callable[[], WarmupSet]]] = [(name, partial(make, limits))
@@ -116,25 +117,20 @@ def peer_coverage(steps: Sequence[BatchLayout], limits: PeerLimits,
     return tuple(row(label, make) for label, make in [*defaults, *extra])
 
 
-COLUMNS = ("warm-up set", "graphs", "prefill / decode", "used", "forwards", "unserved (shapes)", "padding")
+#: The coverage table's title and columns (:func:`table_rows` gives its cells).
+TITLE = "The runtimes' warm-up sets on this workload"
+COLUMNS = ("warm-up set", "graphs", "prefill / decode / mixed", "used", "forwards", "unserved (shapes)", "padding")
+#: What the table's columns mean (under the table in plan.md).
+LEGEND = ("Each engine step as vllm-gaudi, vllm-rbln and tpu-inference run it: their default warm-up sets, then "
+          "the sets host_settings.json gives them (`-plan`). *unserved*: forwards no warm-up graph holds (the "
+          "runtime compiles at run time; in brackets their distinct shapes, at most that many compiles since a "
+          "graph compiled for one serves the smaller ones after it); *padding*: rows the serving graphs compute "
+          "beyond the tokens, per token. Counted, not modelled.")
 
 
 def table_rows(rows: Sequence[PeerCoverage]) -> list[tuple[str, ...]]:
     """``rows`` as the cells of :data:`COLUMNS` (the printed table and the Markdown one)."""
     return [(r.scheme, f"refused: {r.refused}", "", "", "", "", "") if r.refused is not None else
-            (r.scheme, str(r.graphs), f"{r.prefill_graphs} / {r.decode_graphs}", str(r.graphs_used),
-             str(r.forwards), f"{r.unserved} ({r.unserved_shapes})", f"{r.padding:.1%}") for r in rows]
-
-
-def coverage_markdown(rows: Sequence[PeerCoverage], limits: PeerLimits) -> str:
-    """The coverage table as a section of ``plan.md``."""
-    lines = ["## The runtimes' warm-up sets on this workload", "",
-             (f"Each engine step as vllm-gaudi, vllm-rbln and tpu-inference run it, for max_num_seqs "
-              f"{limits.max_num_seqs}, max_num_batched_tokens {limits.max_num_batched_tokens}, max_model_len "
-              f"{limits.max_model_len} and block size {limits.block_size}: their default warm-up sets, then "
-              "the sets host_settings.json gives them (`-plan`). *unserved*: forwards no warm-up graph holds "
-              "(compiled at run time; in brackets, the distinct shapes); *padding*: rows the serving graphs "
-              "compute beyond the tokens, per token. Counted, not modelled."), "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
-    return "\n".join(lines) + "\n"
+            (r.scheme, str(r.graphs), f"{r.prefill_graphs} / {r.decode_graphs} / {r.mixed_graphs}",
+             str(r.graphs_used), str(r.forwards), f"{r.unserved} ({r.unserved_shapes})", f"{r.padding:.1%}")
+            for r in rows]

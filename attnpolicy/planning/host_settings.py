@@ -47,15 +47,15 @@ from attnpolicy.modelling.peer_buckets import (
     TPU_MIN_TOKEN_BUCKET,
     LinearRange,
     PeerLimits,
-    TpuPaddings,
     WarmupSet,
     gaudi_decode_bucket,
     gaudi_decode_graphs,
     gaudi_file_warmup,
     gaudi_prompt_graphs,
     gaudi_prompt_refusal,
-    rbln_warmup,
+    rbln_env_warmup,
     step_forwards,
+    tpu_env_paddings,
     tpu_paddings,
 )
 
@@ -350,7 +350,8 @@ def tpu_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: in
       but ``max_num_seqs`` changes (reported, not chosen)."""
     budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     cover = max(TPU_MIN_TOKEN_BUCKET, 1 << (budget - 1).bit_length())
-    tokens = Counter(layout.q_tokens for layout in steps)
+    ragged = [f for layout in steps for f in step_forwards("tpu", layout.q_lens, layout.kv_lens, limits)]
+    tokens = Counter(f.tokens for f in ragged)
     if not tokens:
         raise ConfigError("host settings need at least one step, got none (empty workload)")
     top = max(tokens)
@@ -358,7 +359,7 @@ def tpu_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: in
         raise ConfigError(f"a step of {top} tokens is above max_num_batched_tokens ({budget})")
     step = TPU_MIN_TOKEN_BUCKET
     sizes = fewest_padding(tokens, lambda n: cover if n == top else -(-n // step) * step, max_sizes)
-    counts, missing = _within_seqs((len(layout.q_lens) for layout in steps), seqs, "requests")
+    counts, missing = _within_seqs((f.batch for f in ragged), seqs, "requests")
     requests = counts_sizes(counts, max_sizes, top=seqs) if counts else (seqs,)
     extra = [s for s in sizes if s != cover]
     return {"env": {"MIN_TOKEN_BUCKET": str(cover), "VLLM_TPU_BUCKET_PADDING_GAP": "0",
@@ -381,8 +382,9 @@ def rbln_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: i
     ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS``. vllm-rbln has no setting for its
     prefill graph (one request padded to ``max_num_batched_tokens``): ``missing`` says so."""
     seqs = limits.max_num_seqs
-    decoding, missing = _within_seqs((n for n in (sum(q == 1 for q in layout.q_lens) for layout in steps) if n),
-                                     seqs, "decoding requests")
+    decoding, missing = _within_seqs((f.batch for layout in steps
+                                      for f in step_forwards("rbln", layout.q_lens, layout.kv_lens, limits)
+                                      if f.phase == "decode"), seqs, "decoding requests")
     batches = counts_sizes(decoding, max_sizes, top=seqs) if decoding else (seqs,)
     prefill = (f"prefill: vllm-rbln has no setting for its prefill graph, which pads every prefill to "
                f"max_num_batched_tokens ({limits.max_num_batched_tokens}) at batch 1; the plan's prompt buckets "
@@ -397,23 +399,24 @@ def rbln_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: i
 
 @dataclass(frozen=True)
 class HostSettings:
-    """A plan's host settings: ``sections`` (``host_settings.json``, one per host) and
-    ``gaudi_file``, the text of vllm-gaudi's bucketing file."""
+    """A plan's host settings for a server of ``limits``: ``sections``
+    (``host_settings.json``, one per host) and ``gaudi_file``, the text of vllm-gaudi's
+    bucketing file."""
 
     sections: dict[str, Any]
     gaudi_file: str
+    limits: PeerLimits
 
-    def warmup_sets(self, limits: PeerLimits) -> tuple[tuple[str, Callable[[], WarmupSet]], ...]:
-        """What vllm-gaudi, tpu-inference and vllm-rbln warm up under these settings for
-        ``limits`` (the limits they were made for), each read back through the runtime's
-        own rules when called (a :class:`ConfigError` where the runtime refuses them), as
-        ``gaudi-plan``, ``tpu-plan`` and ``rbln-plan``."""
+    def warmup_sets(self) -> tuple[tuple[str, Callable[[], WarmupSet]], ...]:
+        """What vllm-gaudi, tpu-inference and vllm-rbln warm up under these settings, each
+        read back as the runtime reads it (its bucketing file, its environment and
+        ``additional_config``) when called (a :class:`ConfigError` where the runtime
+        refuses them), as ``gaudi-plan``, ``tpu-plan`` and ``rbln-plan``."""
         tpu, rbln = self.sections["tpu"], self.sections["rbln"]
-        paddings = TpuPaddings(tuple(tpu["num_tokens_paddings"]), tuple(tpu["num_reqs_paddings"]),
-                               tuple(tpu["attn_num_reqs_paddings"]))
-        return (("gaudi-plan", partial(gaudi_file_warmup, self.gaudi_file, limits)), ("tpu-plan", paddings.warmup),
-                ("rbln-plan", partial(rbln_warmup, limits,
-                                      manual=rbln["env"]["VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS"])))
+        return (("gaudi-plan", partial(gaudi_file_warmup, self.gaudi_file, self.limits)),
+                ("tpu-plan", lambda: tpu_env_paddings(self.limits, tpu["env"],
+                                                      tpu["additional_config"]["compilation_sizes"]).warmup()),
+                ("rbln-plan", partial(rbln_env_warmup, self.limits, rbln["env"])))
 
 
 def host_settings(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: PeerLimits, max_sizes: int,
@@ -436,4 +439,4 @@ def host_settings(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: 
          "rbln": rbln_settings(steps, limits, max_sizes),
          "static": {"sequence_padding": [b for b in padding if b <= limits.max_model_len],
                     "packed_padding": padding}},
-        gaudi.file_text(limits))
+        gaudi.file_text(limits), limits)

@@ -511,3 +511,32 @@ def test_a_policy_whose_reason_changes_keeps_its_step_and_reports_each_reason():
     for seed in range(2):  # the reused step still computes the batch
         _check(d, lay, *random_qkv(lay, seed=seed))
     assert d.stats().batches == 5 and d.stats().modes["varlen"] == 5
+
+
+def test_a_mask_decision_over_max_mask_bytes_keeps_its_fallen_back_step_with_each_reason():
+    """A reused step whose MASK decision fell back to VARLEN (its mask over max_mask_bytes)
+    says so with the reason of each batch and counts every fallback; another mode on the
+    same layout is another step."""
+    from attnpolicy.core.modes import Decision
+
+    class Talking:
+        name, asked, mode = "talking", 0, MaskMode.MASK
+
+        def decide(self, layout, ctx):
+            self.asked += 1
+            return Decision(self.mode, f"batch {self.asked}")
+
+    d = Dispatcher(AttnPolicyConfig(policy="varlen", backend="none", max_seq_len=256, max_mask_bytes=100,
+                                    on_overflow="eager"))
+    d.guard.policy = policy = Talking()
+    lay = BatchLayout.from_lens([20, 30])  # a 50 x 50 mask: over 100 bytes
+    first, second = d.prepare(lay, SPEC), d.prepare(lay, SPEC)
+    assert first is second and second.fell_back
+    assert second.decision == Decision(MaskMode.VARLEN, "batch 2; its mask exceeds max_mask_bytes: ran varlen")
+    assert d.stats().mask_fallbacks == 2
+    policy.mode = MaskMode.VARLEN
+    third = d.prepare(lay, SPEC)
+    assert third is not second and not third.fell_back and third.decision == Decision(MaskMode.VARLEN, "batch 3")
+    with pytest.raises(ValueError, match="asked in mask cannot serve a varlen decision"):
+        second.retake(Decision(MaskMode.VARLEN, "x"))
+    _check(d, lay, *random_qkv(lay))

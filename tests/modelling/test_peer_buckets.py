@@ -24,7 +24,9 @@ from attnpolicy.modelling.peer_buckets import (
     gaudi_prompt_graphs,
     gaudi_warmup,
     rbln_decode_batches,
+    rbln_env_warmup,
     rbln_warmup,
+    tpu_env_paddings,
     tpu_paddings,
     tpu_request_paddings,
     tpu_token_paddings,
@@ -300,3 +302,31 @@ def test_simulate_cli_runs_the_peer_schemes(tmp_path, capsys):
     assert rows["rbln"]["distinct_keys"] < min(rows[s]["distinct_keys"] for s in ("pow2", "gaudi-exponential"))
     assert rows["tpu"]["distinct_keys"] == rows["pow2"]["distinct_keys"]  # tpu's default paddings are pow2's sizes
     assert "gaudi-exponential" in capsys.readouterr().out
+
+
+def test_runtimes_read_their_environment_as_they_do():
+    limits = PeerLimits(16, 2048, 8192)
+    # unset: the defaults
+    assert tpu_env_paddings(limits, {}) == tpu_paddings(limits)
+    assert rbln_env_warmup(limits, {}) == rbln_warmup(limits)
+    # set: each variable as its runtime reads it
+    assert tpu_env_paddings(limits, {"MIN_TOKEN_BUCKET": "512", "ATTN_BUCKETIZED_NUM_REQS": "true",
+                                     "ATTN_CUSTOM_NUM_REQS_BUCKETS": "2,8"}, [48]) == tpu_paddings(
+        limits, min_tokens=512, bucketize_attention_requests=True, custom_attention_requests=[2, 8],
+        compilation_sizes=[48])
+    assert tpu_env_paddings(limits, {"ATTN_BUCKETIZED_NUM_REQS": "1"}).attention_requests == (8, 16)
+    assert tpu_env_paddings(limits, {"ATTN_BUCKETIZED_NUM_REQS": "0"}).attention_requests == (16,)
+    assert rbln_env_warmup(limits, {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "manual",
+                                    "VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS": "4,16"}) == rbln_warmup(
+        limits, manual="4,16")
+    assert rbln_env_warmup(limits, {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "linear"}) == rbln_warmup(
+        limits, "linear")
+    with pytest.raises(ConfigError, match="MIN_TOKEN_BUCKET must be an int, got 'big'"):
+        tpu_env_paddings(limits, {"MIN_TOKEN_BUCKET": "big"})
+    with pytest.raises(ConfigError, match="ATTN_CUSTOM_NUM_REQS_BUCKETS must be comma-separated ints"):
+        tpu_env_paddings(limits, {"ATTN_BUCKETIZED_NUM_REQS": "1", "ATTN_CUSTOM_NUM_REQS_BUCKETS": "2;8"})
+    with pytest.raises(ConfigError, match="exponential, linear or manual, got 'fixed'"):
+        rbln_env_warmup(limits, {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "fixed"})
+    with pytest.raises(ConfigError, match="must end at the max batch size 16"):
+        rbln_env_warmup(limits, {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "manual",
+                                 "VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS": "4,8"})

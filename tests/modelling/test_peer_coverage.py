@@ -54,7 +54,7 @@ def test_coverage_counts_graphs_forwards_unserved_shapes_and_padding():
                 Forward("decode", 8, 1, 3, 8), Forward("decode", 8, 1, 3, 8),  # no graph holds batch 8
                 Forward("prefill", 1, 600, 9, 600)]  # 9 context blocks: no graph
     row = coverage("gaudi-x", warm, forwards)
-    assert (row.graphs, row.prefill_graphs, row.decode_graphs, row.graphs_used) == (3, 2, 1, 2)
+    assert (row.graphs, row.prefill_graphs, row.decode_graphs, row.mixed_graphs, row.graphs_used) == (3, 2, 1, 0, 2)
     assert (row.forwards, row.unserved, row.unserved_shapes) == (5, 3, 2)
     assert (row.tokens, row.padded_rows) == (302, 214) and row.padding == pytest.approx(214 / 302)
     assert row.to_json()["padding"] == row.padding
@@ -76,7 +76,7 @@ def test_every_token_runs_once_and_the_plans_settings_serve_the_steps_they_were_
     steps = _steps(prompts, output, seqs, budget, max_len)
     limits = PeerLimits(seqs, budget, max_len)
     made = host_settings(steps, [16, 64, 256, 512, 1024], limits, max_sizes)
-    rows = {r.scheme: r for r in peer_coverage(steps, limits, made.warmup_sets(limits))}
+    rows = {r.scheme: r for r in peer_coverage(steps, limits, made.warmup_sets())}
     refused = {name: r.refused for name, r in rows.items() if r.refused}
     # vllm-gaudi refuses budgets under a block (its prompt queries are whole blocks); a plan's file of no prompt
     assert set(refused) <= {"gaudi-linear", "gaudi-exponential", "gaudi-plan"}
@@ -110,9 +110,9 @@ def test_plan_reports_the_runtimes_warm_up_sets_on_its_workload(tmp_path, capsys
     limits = PeerLimits(4, 256, 512)
     settings_ = host_settings(steps, json.loads((out / "plan.json").read_text())["policies"][0]["buckets"],
                               limits, 3)
-    assert peers == [r.to_json() for r in peer_coverage(steps, limits, settings_.warmup_sets(limits))]
+    assert peers == [r.to_json() for r in peer_coverage(steps, limits, settings_.warmup_sets())]
     assert [p["scheme"] for p in peers] == [*WARMUPS, "gaudi-plan", "tpu-plan", "rbln-plan"]
-    assert "the runtimes' warm-up sets on this workload" in printed
+    assert "The runtimes' warm-up sets on this workload" in printed
     md = (out / "plan.md").read_text()
     assert "## The runtimes' warm-up sets on this workload" in md
-    assert f"| rbln | {peers[2]['graphs']} | 1 / 1 |" in md
+    assert f"| rbln | {peers[2]['graphs']} | 1 / 1 / 0 |" in md and f"| tpu | {peers[3]['graphs']} | 0 / 0 / " in md

@@ -35,7 +35,7 @@ from attnpolicy.modelling.peer_buckets import (
     gaudi_file_warmup,
     gaudi_prompt_graphs,
     rbln_manual_decode_batches,
-    tpu_paddings,
+    tpu_env_paddings,
 )
 from attnpolicy.planning.host_settings import (
     GAUDI_FILE,
@@ -375,12 +375,7 @@ def test_tpu_settings_are_what_tpu_inference_compiles_from_them(budget):
     steps = _layouts(**{**MIXED, "max_num_batched_tokens": budget})
     limits = _limits(budget, 1024)
     tpu = host_settings(steps, MIXED_BUCKETS, limits, 3).sections["tpu"]
-    env = tpu["env"]
-    compiled = tpu_paddings(limits, min_tokens=int(env["MIN_TOKEN_BUCKET"]),
-                            padding_gap=int(env["VLLM_TPU_BUCKET_PADDING_GAP"]),
-                            bucketize_attention_requests=env["ATTN_BUCKETIZED_NUM_REQS"] in ("1", "true"),
-                            compilation_sizes=tpu["additional_config"]["compilation_sizes"],
-                            custom_attention_requests=[int(v) for v in env["ATTN_CUSTOM_NUM_REQS_BUCKETS"].split(",")])
+    compiled = tpu_env_paddings(limits, tpu["env"], tpu["additional_config"]["compilation_sizes"])
     tokens, requests = tpu["num_tokens_paddings"], tpu["attn_num_reqs_paddings"]
     assert list(compiled.tokens) == tokens == sorted(set(tokens))  # each once: the runner would keep a duplicate
     assert list(compiled.attention_requests) == requests == sorted(set(requests))  # sorted: the runner bisects
