@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from attnpolicy.errors import ConfigError
 
@@ -612,11 +612,11 @@ def tpu_env_paddings(limits: PeerLimits, env: Mapping[str, str],
 
 # -- one engine step, as each runtime runs it ---------------------------------------------
 
-@dataclass(frozen=True)
-class Forward:
+class Forward(NamedTuple):
     """One forward a runtime runs for an engine step: the graph shape it asks for
     (``phase``, ``batch``, ``query_tokens``, ``context_blocks`` as
-    :meth:`WarmupSet.serves` takes them) and the ``tokens`` it computes."""
+    :meth:`WarmupSet.serves` takes them) and the ``tokens`` it computes (a tuple: a
+    workload's forwards are counted by value)."""
 
     phase: Phase
     batch: int
@@ -656,17 +656,16 @@ def step_forwards(runtime: Runtime, q_lens: Sequence[int], kv_lens: Sequence[int
     if runtime == "tpu":
         tokens = sum(q_lens)
         return (Forward("mixed", len(q_lens), tokens, None, tokens),)
-    gaudi, block = runtime == "gaudi", limits.block_size
-    out: list[Forward] = []
-    decodes = blocks = 0
-    for q, kv in zip(q_lens, kv_lens, strict=True):
-        if q == 1:
-            decodes, blocks = decodes + 1, blocks + _cdiv(kv, block)
-        else:
-            out.append(Forward("prefill", 1, q, _cdiv(kv - q, block) if gaudi else None, q))
-    if decodes:
-        out.append(Forward("decode", decodes, 1, blocks if gaudi else None, decodes))
-    return tuple(out)
+    if len(q_lens) != len(kv_lens):
+        raise ConfigError(f"q_lens and kv_lens must have one length per sequence, got {len(q_lens)} and {len(kv_lens)}")
+    if runtime == "rbln":
+        decodes = sum(q == 1 for q in q_lens)
+        prompts = [Forward("prefill", 1, q, None, q) for q in q_lens if q != 1]
+        return (*prompts, Forward("decode", decodes, 1, None, decodes)) if decodes else tuple(prompts)
+    block = limits.block_size  # gaudi: a context in blocks, -(-n // block) = ceil(n / block)
+    prompts = [Forward("prefill", 1, q, -((q - kv) // block), q) for q, kv in zip(q_lens, kv_lens) if q != 1]
+    blocks = [-(-kv // block) for q, kv in zip(q_lens, kv_lens) if q == 1]
+    return (*prompts, Forward("decode", len(blocks), 1, sum(blocks), len(blocks))) if blocks else tuple(prompts)
 
 
 #: The schemes by name, each under its runtime's defaults.

@@ -17,6 +17,7 @@ that says why and counts nothing.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -69,26 +70,20 @@ class PeerCoverage:
 def coverage(label: str, warm: WarmupSet, forwards: Iterable[Forward]) -> PeerCoverage:
     """How ``warm`` serves ``forwards`` (each of its runtime's forwards of a workload),
     as the row ``label``."""
+    counted = forwards if isinstance(forwards, Counter) else Counter(forwards)  # forwards repeat: decodes above all
     used: set[WarmupGraph] = set()
-    missed: set[tuple[object, ...]] = set()
-    n = unserved = tokens = padded = 0
-    served: dict[tuple[object, ...], WarmupGraph | None] = {}  # forwards repeat: decode batches above all
-    for f in forwards:
-        n += 1
-        shape = (f.phase, f.batch, f.query_tokens, f.context_blocks)
-        try:
-            graph = served[shape]
-        except KeyError:
-            graph = served[shape] = warm.serves(f.phase, f.batch, f.query_tokens, f.context_blocks)
+    unserved = unserved_shapes = tokens = padded = 0
+    for f, n in counted.items():
+        graph = warm.serves(f.phase, f.batch, f.query_tokens, f.context_blocks)
         if graph is None:
-            unserved += 1
-            missed.add(shape)
+            unserved, unserved_shapes = unserved + n, unserved_shapes + 1
             continue
         used.add(graph)
-        tokens += f.tokens
-        padded += f.rows(graph) - f.tokens
+        tokens += n * f.tokens
+        padded += n * (f.rows(graph) - f.tokens)
     return PeerCoverage(label, len(warm.graphs), len(warm.phase("prefill")), len(warm.phase("decode")),
-                        len(warm.phase("mixed")), len(used), n, unserved, len(missed), tokens, padded)
+                        len(warm.phase("mixed")), len(used), counted.total(), unserved, unserved_shapes, tokens,
+                        padded)
 
 
 def peer_coverage(steps: Sequence[BatchLayout], limits: PeerLimits,
@@ -96,13 +91,13 @@ def peer_coverage(steps: Sequence[BatchLayout], limits: PeerLimits,
     """Every runtime's default warm-up set (:data:`~attnpolicy.modelling.peer_buckets.WARMUPS`)
     for ``limits``, then each ``(label, make)`` of ``extra`` (``make()``: a runtime's set
     under other settings, such as a plan's), against the engine ``steps``."""
-    forwards: dict[str, list[Forward]] = {}
+    forwards: dict[str, Counter[Forward]] = {}
 
-    def of(scheme: str) -> list[Forward]:
+    def of(scheme: str) -> Counter[Forward]:
         runtime = runtime_of(scheme)
         if runtime not in forwards:
-            forwards[runtime] = [f for layout in steps
-                                 for f in step_forwards(runtime, layout.q_lens, layout.kv_lens, limits)]
+            forwards[runtime] = Counter(f for layout in steps
+                                        for f in step_forwards(runtime, layout.q_lens, layout.kv_lens, limits))
         return forwards[runtime]
 
     def row(label: str, make: Callable[[], WarmupSet]) -> PeerCoverage:
