@@ -10,8 +10,9 @@ context of a key from :func:`~attnpolicy.graphs.kernel_choice.call_traits`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from operator import eq
+from typing import Any
 
 from cachetools import LRUCache
 
@@ -21,10 +22,8 @@ from attnpolicy.core.modes import CallKind, Decision, MaskMode
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.errors import BucketOverflowError
 from attnpolicy.graphs.calls import plan_calls
-from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.kernel_choice import KernelChoice, call_traits
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.policies.base import PolicyContext
 
 Planned = tuple[tuple[Call, GraphKey], ...]
 #: One sequence's VARLEN-mode plan: its graph key (``None`` when the call runs
@@ -62,10 +61,22 @@ class BatchPlan:
         return cls(MaskMode.VARLEN, (), (), len(seqs), sum(q for _, q in seqs) - layout.total_tokens)
 
 
+#: The config fields planning reads: dispatchers whose configs agree on them (and on
+#: the kernel choice) may share one :class:`Planner`.
+PLANNING_FIELDS = ("buckets", "max_seq_len", "max_batch_tokens", "on_overflow", "max_mask_bytes", "partition_len",
+                   "backend", "attn_impl", "kernels", "warmup")
+
+
 class Planner:
     """Plans batches for one config: ``plan(layout, mode, spec)`` is the whole plan,
     remembered per (layout, mode, spec); :meth:`seq_plans` plans VARLEN sequence by
-    sequence for layouts that never repeat (decode steps)."""
+    sequence for layouts that never repeat (decode steps).
+
+    A plan never reads a graph cache, so dispatchers whose configs differ only outside
+    :data:`PLANNING_FIELDS` (bounds, eviction, policy: a sweep's) may share one planner
+    and its memos (:meth:`serves`), one thread at a time. ``derived`` is kept with it
+    for policies: what a policy derives from plans and a cost model alone (never from
+    a cache), shared by those dispatchers (see :class:`~attnpolicy.policies.base.PolicyContext`)."""
 
     def __init__(self, config: AttnPolicyConfig, kernels: KernelChoice) -> None:
         self.config = config
@@ -79,23 +90,16 @@ class Planner:
         self._seqs: LRUCache[tuple[object, ...], SeqPlan] = memo()
         #: length -> bucket, for lengths up to the largest bucket (so at most that many)
         self._buckets: dict[int, int] = {}
-        self._contexts: LRUCache[TensorSpec, PolicyContext] = memo()
-        self.warmed: set[TensorSpec] = set()  # specs whose warm set :meth:`warm_calls` gave
+        self.derived: dict[Hashable, Any] = {}
 
-    def context(self, spec: TensorSpec, is_cached: Callable[[GraphKey], bool],
-                cost_model: CostModel | None) -> PolicyContext:
-        """The policy context of calls on tensors of ``spec`` (one kept per spec): its
-        ``keys_for`` plans with this planner."""
-        try:
-            ctx: PolicyContext = self._contexts[spec]
-            return ctx
-        except KeyError:
-            def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
-                return self.keys_for(layout, mode, spec)
-
-            ctx = self._contexts[spec] = PolicyContext(config=self.config, spec=spec, is_cached=is_cached,
-                                                       keys_for=keys_for, cost_model=cost_model)
-            return ctx
+    def serves(self, config: AttnPolicyConfig, kernels: KernelChoice) -> str | None:
+        """``None`` when a dispatcher of ``config`` choosing kernels by ``kernels`` plans
+        exactly as this planner does, else the first field that differs, as
+        ``name=value`` (``kernels`` for the kernel choice)."""
+        for name in PLANNING_FIELDS:
+            if getattr(config, name) != getattr(self.config, name):
+                return f"{name}={getattr(config, name)!r}"
+        return None if kernels.rules == self.kernels.rules else "kernels"
 
     def plan(self, layout: BatchLayout, mode: MaskMode, spec: TensorSpec) -> BatchPlan:
         """The plan of ``layout`` in ``mode`` on tensors of ``spec`` (raises
@@ -158,15 +162,17 @@ class Planner:
             return key
 
     def warm_calls(self, layouts: Iterable[BatchLayout], spec: TensorSpec,
-                   decide: Callable[[BatchLayout, TensorSpec], Decision]) -> Iterator[WarmCall]:
+                   decide: Callable[[BatchLayout, TensorSpec], Decision],
+                   warmed: set[TensorSpec]) -> Iterator[WarmCall]:
         """The calls of a warm-up, one at a time (see :data:`WarmCall`): the config's
-        warm set (once per spec), then the plan of each layout in the mode ``decide``
-        (a preview, which reads the cache as it fills) gives it."""
-        if spec not in self.warmed:
+        warm set unless ``spec`` is in ``warmed`` (the caller's specs warmed so far, which
+        it joins once its warm set is given), then the plan of each layout in the mode
+        ``decide`` (a preview, which reads the cache as it fills) gives it."""
+        if spec not in warmed:
             for shape in self.config.warmup:
                 call, layout = warm_call(shape)
                 yield call, self.key_for(call, layout, spec), True, None
-            self.warmed.add(spec)
+            warmed.add(spec)
         for layout in layouts:
             self.check_lengths(layout)
             plan = self.plan(layout, decide(layout, spec).mode, spec)

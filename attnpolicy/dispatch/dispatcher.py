@@ -22,7 +22,7 @@ from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
 from attnpolicy.dispatch.switch import Switcher
 from attnpolicy.dispatch.warm_set import WarmSets
-from attnpolicy.errors import KernelError
+from attnpolicy.errors import ConfigError, KernelError
 from attnpolicy.graphs.execute import check_inputs, graph_sinks
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
@@ -57,14 +57,18 @@ class Dispatcher:
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
     sees every backend compile (not the ahead-of-time compiles of a ``store_dir``,
-    which the cache counts in ``compiles``, its loads in ``loads``); ``builder`` replaces compilation (simulation).
-    ``host_varlen``: the host runs VARLEN batches on a kernel of its own (vLLM's paged
-    kernel): :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for
-    them, whose keys enter the graph cache deferred: a graph is built (or loaded) only
-    when a batch that runs it is prepared. ``compile_mode="background"``
-    serves misses by pad-up while they compile in a worker
-    (:mod:`~attnpolicy.dispatch.background`); :meth:`close` stops it. :meth:`switch_to`
-    moves to a re-planned config without a stall (:mod:`~attnpolicy.dispatch.switch`).
+    which the cache counts in ``compiles``, its loads in ``loads``); ``builder``
+    replaces compilation (simulation). ``planner``: plan with another dispatcher's
+    planner and its memos (a sweep's dispatchers, which differ only in bounds, eviction
+    or policy; see :class:`~attnpolicy.dispatch.batch_plan.Planner`): a config that would
+    plan otherwise raises :class:`ConfigError` naming the field. ``host_varlen``: the
+    host runs VARLEN batches on a kernel of its own (vLLM's paged kernel):
+    :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for them,
+    whose keys enter the graph cache deferred: a graph is built (or loaded) only when a
+    batch that runs it is prepared. ``compile_mode="background"`` serves misses by
+    pad-up while they compile in a worker (:mod:`~attnpolicy.dispatch.background`);
+    :meth:`close` stops it. :meth:`switch_to` moves to a re-planned config without a
+    stall (:mod:`~attnpolicy.dispatch.switch`).
 
     The policy is built here: an unknown policy or eviction name, or ``policy_options``
     the policy rejects, raise a clear error naming the field. Observer hooks are
@@ -73,7 +77,7 @@ class Dispatcher:
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
                  cache: GraphCache[Any] | None = None, compile_counter: Callable[[Any], None] | None = None,
-                 builder: Builder | None = None, host_varlen: bool = False) -> None:
+                 builder: Builder | None = None, host_varlen: bool = False, planner: Planner | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
         self.observers = observers = Observers(get_plugin_manager())
         self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
@@ -84,7 +88,11 @@ class Dispatcher:
         self.block_masks = BlockMaskCache()  # FlexAttention block masks per layout (bounded)
         kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
                                measured=getattr(cost_model, "kernel_seconds", None))
-        self.planner = Planner(cfg, kernels)
+        if planner is None:
+            planner = Planner(cfg, kernels)
+        elif (differs := planner.serves(cfg, kernels)) is not None:
+            raise ConfigError(f"planner: a shared planner plans for another config ({differs} differs)")
+        self.planner = planner
         family = CallFamily(cfg, self.block_masks, builder=builder, compile_counter=compile_counter,
                             host_varlen=host_varlen, cost_model=cost_model)
         self.source = CallSource(self.cache, self.counters, family)
@@ -96,6 +104,7 @@ class Dispatcher:
         self._cost_model = cost_model
         self._steps: LRUCache[tuple[BatchLayout, TensorSpec], Step] = memo()  # stateless policies' steps
         self._specs: LRUCache[tuple[object, ...], TensorSpec] = memo()  # by tensor properties
+        self._contexts: LRUCache[TensorSpec, PolicyContext] = memo()  # the policy's, per spec
         self._decided: LRUCache[tuple[BatchLayout, TensorSpec, MaskMode], Step] = memo()  # other policies'
         self._last: Step | None = None  # the memoised step prepared last: the cheapest hit
         self._last_spec: tuple[tuple[object, ...], TensorSpec] | None = None
@@ -232,7 +241,7 @@ class Dispatcher:
             return spec
         except KeyError:
             spec = TensorSpec.of(q, k, scale, features)
-            if self.config.warmup and spec not in self.planner.warmed:
+            if self.config.warmup and spec not in self.warm_sets.warmed:
                 self.warmup(spec)  # kept once warmed: a refused warm set is refused again
             self._specs[props] = spec
             self._last_spec = (props, spec)
@@ -254,9 +263,22 @@ class Dispatcher:
             return self.guard.preview(layout, self.context_for(spec))
 
     def context_for(self, spec: TensorSpec) -> PolicyContext:
-        """The policy context of calls on tensors of ``spec`` (one kept per spec)."""
+        """The policy context of calls on tensors of ``spec`` (one kept per spec): its
+        ``keys_for`` plans with the planner."""
         with self._lock:
-            return self.planner.context(spec, self.cache.__contains__, self._cost_model)
+            try:
+                ctx: PolicyContext = self._contexts[spec]
+                return ctx
+            except KeyError:
+                planner = self.planner
+
+                def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+                    return planner.keys_for(layout, mode, spec)
+
+                ctx = self._contexts[spec] = PolicyContext(
+                    config=self.config, spec=spec, is_cached=self.cache.__contains__, keys_for=keys_for,
+                    cost_model=self._cost_model, derived=self.planner.derived)
+                return ctx
 
     def graph_keys_for(self, layout: BatchLayout, spec: TensorSpec) -> tuple[GraphKey, ...]:
         """The graph keys a batch of ``layout`` would use now (from :meth:`preview`: no
@@ -308,7 +330,7 @@ class Dispatcher:
 
     def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: Planner, warm_sets: WarmSets) -> None:
         """Serve ``config`` with ``guard`` (its fallback count carried over), ``planner`` and
-        ``warm_sets`` from the next batch on: the steps, plans and contexts of the old
+        ``warm_sets`` from the next batch on: the steps, plans and policy contexts of the old
         config go (what a switch calls once its graphs are cached)."""
         with self._lock:
             guard.fallbacks = self.guard.fallbacks  # the count stays the dispatcher's
@@ -319,11 +341,12 @@ class Dispatcher:
             self._batch, self._last = [], None
             self._steps.clear()
             self._decided.clear()
+            self._contexts.clear()
 
     def served_specs(self) -> set[TensorSpec]:
         """The tensor specs warmed or attended so far (what a switch builds its warm set for)."""
         with self._lock:
-            return {*self.planner.warmed, *self._specs.values()}
+            return {*self.warm_sets.warmed, *self._specs.values()}
 
     @property
     def cost_model(self) -> Any:

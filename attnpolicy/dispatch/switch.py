@@ -182,7 +182,7 @@ class Switcher:
         calls: dict[GraphKey, tuple[Call, TensorSpec]] = {}
         for spec in served:
             warm_sets.keys.update(warm_sets.resident(spec))  # refused before anything builds
-            for call, key, _, _ in planner.warm_calls((), spec, d.preview):
+            for call, key, _, _ in planner.warm_calls((), spec, d.preview, warm_sets.warmed):
                 calls.setdefault(key, (call, spec))
         # checked: from here on nothing raises
         builds: dict[GraphKey, Future[Built]] = {}

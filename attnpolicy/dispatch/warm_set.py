@@ -30,6 +30,7 @@ class WarmSets:
         self.config, self.planner, self.cache = config, planner, cache
         self.source, self.background = source, background
         self.keys: dict[GraphKey, None] = {}  # the config's warm sets, of every spec warmed
+        self.warmed: set[TensorSpec] = set()  # the specs whose warm set was given
 
     def warm(self, batches: Iterable[BatchLayout], spec: TensorSpec,
              preview: Callable[[BatchLayout, TensorSpec], Decision]) -> list[GraphKey]:
@@ -38,9 +39,9 @@ class WarmSets:
         set-up started ahead, see :mod:`~attnpolicy.graphs.backend_setup`); log one line
         (when it warmed anything) with how long it took and whether it was a warm start
         (no graph compiled)."""
-        fresh = bool(self.config.warmup) and spec not in self.planner.warmed
+        fresh = bool(self.config.warmup) and spec not in self.warmed
         warm_set = self.resident(spec) if fresh else {}
-        calls = self.planner.warm_calls(batches, spec, preview)
+        calls = self.planner.warm_calls(batches, spec, preview, self.warmed)
         if self.background is not None:
             calls = _settled(self.background, calls)
         before, start = self.cache.stats(), perf_counter()

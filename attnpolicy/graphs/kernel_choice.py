@@ -47,6 +47,12 @@ class KernelChoice:
         self._measured = measured or {}
         self._chosen: dict[tuple[CallKind, bool, bool, TensorSpec], str] = {}
 
+    @property
+    def rules(self) -> tuple[dict[str, str], bool, Mapping[str, Mapping[str, float]]]:
+        """What the choice depends on (the choice per kind, compiled, the measured
+        seconds): two choices with equal rules choose alike."""
+        return self._choice, self._compiled, self._measured
+
     def impl(self, call: Call, layout: BatchLayout, spec: TensorSpec) -> str:
         """The implementation for ``call`` (remembered per call kind, causality, context
         and spec: the capabilities it depends on)."""

@@ -17,7 +17,10 @@ runs once, unbounded, recording the key stream, and each bound × eviction repla
 that stream through the eviction alone (:func:`~attnpolicy.cache.key_stream.replay_stream`),
 with the counters the dispatcher's cache would report. A cache-aware policy
 (``cost-aware``) runs its dispatcher per configuration; those runs go to worker
-processes (``workers``).
+processes (``workers``), each process's side by side: every batch goes through
+each of them in turn, planned once for all by one shared planner, which also keeps
+the policy's cache-independent pricing (every dispatcher still has its own policy,
+cache and counters).
 
 ``belady`` is the offline optimum: the key sequence of the policy's LRU run at the
 same bounds is replayed through Belady's strategy (evict the graph needed
@@ -53,7 +56,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from itertools import product
 from typing import Any
 
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
@@ -185,49 +187,75 @@ class Recording:
     cache: StreamStats | None = None
 
 
-def _replay(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
-            spec: TensorSpec | None = None, warm_store: bool = False) -> Recording:
-    """One dispatcher run over ``steps``; with ``config``'s store modelled, twice when
-    ``warm_store`` (the first run fills the store, the second is recorded)."""
-    store = StoreModel.of(config, warm_store)
-    if store is None:
-        return _dispatched(steps, config, model, spec, GraphCache.from_config(
-            config, sizeof=model.graph_bytes, compile_cost=model.compile_cost))
-    runs = StoredRuns(store, config, model)
+def _replays(steps: Sequence[ScheduledBatch | BatchLayout], configs: Sequence[AttnPolicyConfig], model: CostModel,
+             spec: TensorSpec | None = None, warm_store: bool = False) -> list[Recording]:
+    """One dispatcher run per config over ``steps``, side by side (:func:`_dispatched`);
+    with the configs' store modelled, twice when ``warm_store`` (the first runs fill
+    their stores, the second are recorded)."""
+    stores = [StoreModel.of(config, warm_store) for config in configs]
+    if all(store is None for store in stores):
+        return _dispatched(steps, configs, model, spec, [GraphCache.from_config(
+            config, sizeof=model.graph_bytes, compile_cost=model.compile_cost) for config in configs])
+    runs = [StoredRuns(store, config, model) for store, config in zip(stores, configs) if store is not None]
     if warm_store:
-        _dispatched(steps, config, model, spec, runs.cache())
-        runs.warmed()
-    out = _dispatched(steps, config, model, spec, runs.cache())
-    assert out.cache is not None
-    out.cache = runs.counted(out.cache, out.keys)
+        _dispatched(steps, configs, model, spec, [run.cache() for run in runs])
+        for run in runs:
+            run.warmed()
+    out = _dispatched(steps, configs, model, spec, [run.cache() for run in runs])
+    for recording, run in zip(out, runs):
+        assert recording.cache is not None
+        recording.cache = run.counted(recording.cache, recording.keys)
     return out
 
 
-def _dispatched(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
-                spec: TensorSpec | None, cache: GraphCache[SimulatedGraph]) -> Recording:
-    spec = spec or model.spec
-    dispatcher = Dispatcher(config, builder=simulated, cost_model=model, cache=cache)
-    costs = BatchCost(model, config.max_mask_bytes)
-    out = Recording()
-    keys = out.keys
-    seconds = 0.0
-    for step in steps:
-        layout = step.layout if isinstance(step, ScheduledBatch) else step
-        for call, graph in dispatcher.prepare(layout, spec):
+class _Run:
+    """One dispatcher over the batches, priced as it goes into a :class:`Recording`."""
+
+    def __init__(self, dispatcher: Dispatcher, model: CostModel) -> None:
+        self.dispatcher = dispatcher
+        self.costs = BatchCost(model, dispatcher.config.max_mask_bytes)
+        self.out = Recording()
+        self.seconds = 0.0
+
+    def batch(self, layout: BatchLayout, spec: TensorSpec) -> None:
+        out, costs, keys = self.out, self.costs, self.out.keys
+        for call, graph in self.dispatcher.prepare(layout, spec):
             key = graph.key if isinstance(graph, SimulatedGraph) else None
             if key is not None:
                 keys.append(key)
             else:  # longer than the largest bucket: runs uncompiled (on_overflow="eager")
                 out.overflow_calls += 1
-            seconds += costs.call_seconds(call, key)
+            self.seconds += costs.call_seconds(call, key)
             build = costs.mask_seconds(layout, call, spec.device, spec.features.window)
             if build is not None:
                 out.mask_builds += 1
                 out.mask_build_seconds += build
-    out.attention_seconds = seconds + out.mask_build_seconds
-    out.stats = dispatcher.stats().to_json()
-    out.cache = _counts(cache.stats())
-    return out
+
+    def recording(self) -> Recording:
+        out, dispatcher = self.out, self.dispatcher
+        out.attention_seconds = self.seconds + out.mask_build_seconds
+        out.stats = dispatcher.stats().to_json()
+        out.cache = _counts(dispatcher.cache.stats())
+        return out
+
+
+def _dispatched(steps: Sequence[ScheduledBatch | BatchLayout], configs: Sequence[AttnPolicyConfig], model: CostModel,
+                spec: TensorSpec | None, caches: Sequence[GraphCache[SimulatedGraph]]) -> list[Recording]:
+    """A dispatcher per (config, cache) over ``steps``, each batch through all of them in
+    turn: they share one planner (the configs plan alike: a sweep's differ in bounds and
+    eviction), so each batch is planned, and priced by a cost-aware policy, once for all."""
+    spec = spec or model.spec
+    runs: list[_Run] = []
+    planner = None
+    for config, cache in zip(configs, caches):
+        dispatcher = Dispatcher(config, builder=simulated, cost_model=model, cache=cache, planner=planner)
+        planner = dispatcher.planner
+        runs.append(_Run(dispatcher, model))
+    for step in steps:
+        layout = step.layout if isinstance(step, ScheduledBatch) else step
+        for run in runs:
+            run.batch(layout, spec)
+    return [run.recording() for run in runs]
 
 
 def belady_cache(keys: Sequence[GraphKey], config: AttnPolicyConfig,
@@ -443,16 +471,15 @@ def simulate_layouts(
                           {**fields, "policy": policy, "policy_options": options,
                            "buckets": scheme.buckets.model_dump(mode="json")}, stateless)
             if stateless:
-                jobs.append(job(*bounds, list(enumerate(evictions))))
+                jobs.append(job([(c, b, list(enumerate(evictions))) for c in bounds[0] for b in bounds[1]]))
                 continue
-            for bound in ((c, b) for c in bounds[0] for b in bounds[1]):
-                groups = _eviction_groups(list(enumerate(evictions)))
-                jobs += [job([bound[0]], [bound[1]], group) for group in groups]
+            runs = [(c, b, group) for c in bounds[0] for b in bounds[1]
+                    for group in _eviction_groups(list(enumerate(evictions)))]
+            jobs += [job(runs[i::workers]) for i in range(min(workers, len(runs)))]
     sweep = _Sweep(steps, model, spec, rejected, store_warm)
     return _run(jobs, sweep, workers, progress)
 
 
-Indexed = list[tuple[int, Any]]
 #: A row's place in the sweep: (scheme, policy, capacity, max_bytes, eviction) indices.
 Position = tuple[int, int, int, int, int]
 
@@ -476,11 +503,16 @@ class _Sweep:
     store_warm: bool = False
 
 
+#: One run of a job: its capacity and max_bytes (indexed) and the evictions it rows.
+_JobRun = tuple[tuple[int, Any], tuple[int, Any], list[tuple[int, str]]]
+
+
 @dataclass(frozen=True)
 class _Job:
-    """The rows of one policy under one bucket scheme: every bound × eviction for a
-    stateless policy (one recording, then stream replays), one bound and one dispatcher
-    run (``belady`` with ``lru``) for a cache-aware one. Indices order the rows."""
+    """Rows of one policy under one bucket scheme. A stateless policy's job is one
+    recording, every bound × eviction of ``runs`` a stream replay of it; a cache-aware
+    policy's runs a dispatcher per run (bound and eviction group: ``belady`` with
+    ``lru``), side by side. Indices order the rows."""
 
     scheme: int
     scheme_name: str
@@ -488,9 +520,7 @@ class _Job:
     policy: str
     fields: dict[str, Any]
     stateless: bool
-    capacities: Indexed
-    max_bytes: Indexed
-    evictions: list[tuple[int, str]]
+    runs: list[_JobRun]
 
     def config(self, capacity: int | None, max_bytes: int | None, eviction: str) -> AttnPolicyConfig:
         return AttnPolicyConfig.model_validate({**self.fields, "max_graphs": capacity, "max_bytes": max_bytes,
@@ -502,36 +532,35 @@ class _Job:
     def _replayed(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
         """One unbounded dispatcher run records the key stream; each bound × eviction
         replays it."""
-        recording = _replay(sweep.steps, self.config(None, None, "lru"), sweep.model, sweep.spec, sweep.store_warm)
+        (recording,) = _replays(sweep.steps, [self.config(None, None, "lru")], sweep.model, sweep.spec,
+                                sweep.store_warm)
         stream = KeyStream.of(recording.keys, sweep.model)
         out = []
-        for (c, capacity), (b, nbytes), (e, eviction) in product(self.capacities, self.max_bytes, self.evictions):
-            config = self.config(capacity, nbytes, eviction)
-            out.append(((self.scheme, self.policy_index, c, b, e),
-                        self._row(config, eviction, recording, stream.replay(config, eviction, sweep.store_warm),
-                                  stream.compulsory, sweep)))
+        for (c, capacity), (b, nbytes), evictions in self.runs:
+            for e, eviction in evictions:
+                config = self.config(capacity, nbytes, eviction)
+                out.append(((self.scheme, self.policy_index, c, b, e),
+                            self._row(config, eviction, recording, stream.replay(config, eviction, sweep.store_warm),
+                                      stream.compulsory, sweep)))
         return out
 
     def _dispatched(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
-        """A dispatcher run per eviction at the job's one bound; ``belady`` replays the
-        ``lru`` run's keys (run here if ``lru`` is not swept)."""
-        ((c, capacity),), ((b, nbytes),) = self.capacities, self.max_bytes
+        """A dispatcher per run, side by side; ``belady`` replays the ``lru`` run's keys
+        (the run's dispatcher is ``lru`` when ``belady`` is in its group)."""
+        configs = [self.config(capacity, nbytes, group[0][1]) for (_, capacity), (_, nbytes), group in self.runs]
         out = []
-        lru = None
-        for e, eviction in sorted(self.evictions, key=lambda item: item[1] == BELADY):
-            config = self.config(capacity, nbytes, eviction)
-            if eviction == BELADY:
-                lru = lru or _replay(sweep.steps, config, sweep.model, sweep.spec, sweep.store_warm)
-                stream = KeyStream.of(lru.keys, sweep.model)
-                row = self._row(config, eviction, lru, stream.replay(config, eviction, sweep.store_warm),
-                                stream.compulsory, sweep)
-            else:
-                replay = _replay(sweep.steps, config, sweep.model, sweep.spec, sweep.store_warm)
-                lru = replay if eviction == "lru" else lru
-                assert replay.cache is not None
-                row = self._row(config, eviction, replay, replay.cache,
-                                _compulsory_seconds(replay.keys, sweep.model), sweep)
-            out.append(((self.scheme, self.policy_index, c, b, e), row))
+        recordings = _replays(sweep.steps, configs, sweep.model, sweep.spec, sweep.store_warm)
+        for ((c, _), (b, _), group), config, recording in zip(self.runs, configs, recordings):
+            for e, eviction in group:
+                if eviction == BELADY:
+                    stream = KeyStream.of(recording.keys, sweep.model)
+                    row = self._row(config, eviction, recording, stream.replay(config, eviction, sweep.store_warm),
+                                    stream.compulsory, sweep)
+                else:
+                    assert recording.cache is not None
+                    row = self._row(config, eviction, recording, recording.cache,
+                                    _compulsory_seconds(recording.keys, sweep.model), sweep)
+                out.append(((self.scheme, self.policy_index, c, b, e), row))
         return out
 
     def _row(self, config: AttnPolicyConfig, eviction: str, replay: Recording, cache: StreamStats,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -60,7 +60,10 @@ class PolicyContext:
     - ``is_cached(key)``: whether a graph is compiled and cached now;
     - ``keys_for(layout, mode)``: the graph keys running ``layout`` in ``mode`` with
       this call's ``spec`` uses (none outside a dispatcher);
-    - ``cost_model``: run/compile cost estimates, if one is configured.
+    - ``cost_model``: run/compile cost estimates, if one is configured;
+    - ``derived``: a dict kept with the dispatcher's planner, where a policy may keep
+      what it derives from plans and the cost model alone, never from a cache (every
+      dispatcher sharing the planner sees the same one), under a key of its own.
 
     A dispatcher keeps one context per tensor spec, so deciding allocates nothing.
     """
@@ -70,4 +73,5 @@ class PolicyContext:
     is_cached: Callable[[GraphKey], bool] = _nothing_cached
     keys_for: Callable[[BatchLayout, MaskMode], tuple[GraphKey, ...]] = _no_keys
     cost_model: CostModel | None = None
+    derived: dict[Hashable, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)

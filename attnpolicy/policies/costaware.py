@@ -34,7 +34,9 @@ without stepping any shadow or regret: the next real decision differs only when
 that batch makes another rule overtake the followed one.
 
 **Cost of a decision.** Each (layout, mode, tensor spec) is priced once whatever
-the caches hold (keys, run seconds, mask builds; remembered), and each shadow adds
+the caches hold (keys, run seconds, mask builds; remembered, and shared by the
+cost-aware policies of dispatchers that share a planner, such as a simulated
+sweep's), and each shadow adds
 what its own caches change. A shadow whose batch finds every graph cached touches
 each key once at its last use under ``lru`` and not at all under ``fifo`` (the same
 cache state as replaying every use, since hits never evict); other evictions
@@ -131,9 +133,10 @@ def _remembered(table: dict[GraphKey, _T], key: GraphKey, compute: Callable[[Gra
 
 
 class _Pricer:
-    """Prices options for the shadows of one CostAware: the cache-independent part
-    of each (layout, mode, spec) once (:class:`_Static`, remembered), then what the
-    asking shadow's caches change (mask builds, missing graphs' compiles)."""
+    """Prices options for the shadows of the CostAwares planning with one planner (kept
+    in ``PolicyContext.derived``) and one cost model: the cache-independent part of
+    each (layout, mode, spec) once (:class:`_Static`, remembered), then what the asking
+    shadow's caches change (mask builds, missing graphs' compiles)."""
 
     def __init__(self, model: CostModel) -> None:
         self.model = model
@@ -344,7 +347,9 @@ class CostAware:
         """The shadows, each holding the graphs of ``layout``'s options that are
         already cached (a warmed-up cache), at no charge."""
         cfg = ctx.config or AttnPolicyConfig()  # no config: an unbounded LRU cache
-        pricer = _Pricer(model)
+        pricer = ctx.derived.get(_Pricer)  # priced once for every dispatcher sharing the planner
+        if not isinstance(pricer, _Pricer) or pricer.model is not model:
+            pricer = ctx.derived[_Pricer] = _Pricer(model)
         rule = _RentOrBuy(pricer)
         shadows = [_Shadow(RENT_OR_BUY, cfg, pricer, rule)]
         shadows += [_Shadow(cls.name, cfg, pricer, _fixed(cls())) for cls in (Varlen, Dynamic, AlwaysMask)]

@@ -540,3 +540,28 @@ def test_a_mask_decision_over_max_mask_bytes_keeps_its_fallen_back_step_with_eac
     with pytest.raises(ValueError, match="asked in mask cannot serve a varlen decision"):
         second.retake(Decision(MaskMode.VARLEN, "x"))
     _check(d, lay, *random_qkv(lay))
+
+
+def test_dispatchers_sharing_a_planner_plan_once_and_keep_their_own_caches():
+    """Dispatchers that differ in bounds, eviction and policy share one planner: a layout
+    planned by one is a memo hit for the other, while caches, contexts and decisions stay
+    each dispatcher's; a config that plans otherwise is refused naming the field."""
+    base = {"backend": "none", "max_seq_len": 256}
+    a = Dispatcher(AttnPolicyConfig(policy="always-mask", max_graphs=1, **base))
+    b = Dispatcher(AttnPolicyConfig(policy="varlen", max_graphs=4, eviction="lfu", **base), planner=a.planner)
+    assert b.planner is a.planner
+    lay = BatchLayout.from_lens([5, 9])
+    a.prepare(lay, SPEC)
+    plans = len(a.planner.plans)
+    assert b.prepare(lay, SPEC).plan is a.planner.plan(lay, MaskMode.VARLEN, SPEC)
+    b.prepare(lay, SPEC)
+    assert len(a.planner.plans) == plans + 1  # b's VARLEN plan, once
+    assert a.context_for(SPEC) is not b.context_for(SPEC)
+    assert a.context_for(SPEC).config.max_graphs == 1 and b.context_for(SPEC).config.max_graphs == 4
+    assert a.context_for(SPEC).derived is b.context_for(SPEC).derived
+    assert a.stats().cache.misses == 1 and b.stats().cache.misses == 1  # one graph each: its own cache
+    assert b.stats().cache.hits == 3  # two sequences in one bucket, twice
+    _check(b, lay, *random_qkv(lay))
+    for field, value in (("max_seq_len", 512), ("buckets", {"kind": "list", "sizes": [16, 256]}), ("max_mask_bytes", 1 << 10)):
+        with pytest.raises(ConfigError, match=f"planner: .*{field}="):
+            Dispatcher(AttnPolicyConfig(**{**base, field: value}), planner=a.planner)

@@ -22,7 +22,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.attention import attention
-from attnpolicy.modelling.simulation import _replay, simulate
+from attnpolicy.modelling.simulation import _replays, simulate
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
 
@@ -218,7 +218,7 @@ def test_stats_compiles_equal_backend_compiles_and_the_simulation(reqs, policy, 
     assert stats.cache.compiles == len(counter)
     model = CostModel.default().model_copy(update={"heads": 2, "kv_heads": 1, "head_dim": 8,
                                                    "backend": "eager", "impl": "sdpa", "partition_len": None})
-    simulated = _replay(steps, config, model).stats["cache"]
+    simulated = _replays(steps, [config], model)[0].stats["cache"]
     for field in ("hits", "misses", "compiles", "evictions", "peak_graphs", "peak_held_graphs"):
         assert simulated[field] == getattr(stats.cache, field), field
 

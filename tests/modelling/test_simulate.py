@@ -282,6 +282,18 @@ def test_replayed_streams_equal_the_dispatcher_path(monkeypatch):
     assert any(r.evictions for r in fast if r.capacity is None and r.max_bytes)  # evicted for bytes alone
 
 
+def test_cost_aware_runs_side_by_side_give_the_rows_of_runs_alone():
+    """A cache-aware policy's dispatchers run side by side, sharing one planner and its
+    pricing; each row is the one its configuration gives when simulated alone."""
+    reqs = requests(30)
+    capacities, evictions = [1, 2, None], ["lru", "lfu", "cost", "belady"]
+    together = simulate(reqs, ["cost-aware"], capacities, evictions, former_options=SMALL)
+    alone = [row for c in capacities for e in evictions
+             for row in simulate(reqs, ["cost-aware"], [c], [e], former_options=SMALL)]
+    assert together == alone
+    assert len({row.total_seconds for row in together}) > 1  # the bounds do change the runs
+
+
 def test_worker_processes_give_the_same_rows():
     args = (requests(20), ["varlen", "cost-aware"], [2, None], ["lru", "fifo", "belady"])
     assert simulate(*args, former_options=SMALL, workers=2) == simulate(*args, former_options=SMALL)
