@@ -74,7 +74,7 @@ class Planner:
 
     A plan never reads a graph cache, so dispatchers whose configs differ only outside
     :data:`PLANNING_FIELDS` (bounds, eviction, policy: a sweep's) may share one planner
-    and its memos (:meth:`serves`), one thread at a time. ``derived`` is kept with it
+    and its memos (:meth:`difference`), one thread at a time. ``derived`` is kept with it
     for policies: what a policy derives from plans and a cost model alone (never from
     a cache), shared by those dispatchers (see :class:`~attnpolicy.policies.base.PolicyContext`)."""
 
@@ -92,7 +92,7 @@ class Planner:
         self._buckets: dict[int, int] = {}
         self.derived: dict[Hashable, Any] = {}
 
-    def serves(self, config: AttnPolicyConfig, kernels: KernelChoice) -> str | None:
+    def difference(self, config: AttnPolicyConfig, kernels: KernelChoice) -> str | None:
         """``None`` when a dispatcher of ``config`` choosing kernels by ``kernels`` plans
         exactly as this planner does, else the first field that differs, as
         ``name=value`` (``kernels`` for the kernel choice)."""

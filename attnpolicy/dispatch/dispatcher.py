@@ -90,7 +90,7 @@ class Dispatcher:
                                measured=getattr(cost_model, "kernel_seconds", None))
         if planner is None:
             planner = Planner(cfg, kernels)
-        elif (differs := planner.serves(cfg, kernels)) is not None:
+        elif (differs := planner.difference(cfg, kernels)) is not None:
             raise ConfigError(f"planner: a shared planner plans for another config ({differs} differs)")
         self.planner = planner
         family = CallFamily(cfg, self.block_masks, builder=builder, compile_counter=compile_counter,
