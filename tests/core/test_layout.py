@@ -70,20 +70,20 @@ def test_bad_layouts_name_the_field_and_value(build, message):
 
 def _naive(layout: BatchLayout, rows: int, cols: int) -> torch.Tensor:
     """Token-pair loop: the definition the vectorised masks must match."""
-    m = torch.zeros(rows, cols, dtype=torch.bool)
+    m = [[False] * cols for _ in range(rows)]  # plain lists: a tensor's per-element writes are slow
     owner = {}
     for i, (qs, ql, ks, kl) in enumerate(zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens)):
         for j in range(ql):
             owner[qs + j] = (i, kl - ql + j)
     for r in range(rows):
         if r not in owner:
-            m[r] = True
+            m[r] = [True] * cols
             continue
         i, pos = owner[r]
         ks, kl = layout.kv_starts[i], layout.kv_lens[i]
         for c in range(ks, ks + kl):
-            m[r, c] = not layout.causal or c - ks <= pos
-    return m
+            m[r][c] = not layout.causal or c - ks <= pos
+    return torch.tensor(m, dtype=torch.bool).reshape(rows, cols)
 
 
 @given(layout=layouts(max_seqs=3))

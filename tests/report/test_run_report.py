@@ -54,8 +54,8 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
     out = tmp_path / "report"
     assert main(["report", "--out", str(out), "--limit", "12", "--policies", "dynamic,varlen,cost-aware",
                  "--capacities", "2,inf", "--evictions", "lru,belady", "--buckets", "pow2,vllm",
-                 "--bench-lengths", "64,128", "--bench-repeats", "1", "--validate-requests", "2",
-                 "--kernel-lengths", "64", "--kernel-skip", "flex"]) == 0
+                 "--bench-lengths", "64,128", "--bench-repeats", "1", "--validate-requests", "1",
+                 "--kernel-lengths", "64", "--kernel-skip", "flex", "--calibrate-sizes", "16,64"]) == 0
     data = json.loads((out / "report.json").read_text())
     rows = {(r["buckets"], r["policy"], r["capacity"], r["eviction"]): r for r in data["sweep"]}
     assert len(rows) == 2 * 3 * 2 * 2
