@@ -103,7 +103,7 @@ def test_report_kernel_table_has_a_row_for_a_plugin_kernel(tmp_path, fresh_plugi
     out = tmp_path / "report"
     assert main(["report", "--out", str(out), "--limit", "3", "--policies", "varlen", "--capacities", "2",
                  "--evictions", "lru", "--bench-lengths", "32", "--bench-repeats", "1", "--validate-requests", "1",
-                 "--kernel-lengths", "32", "--kernel-skip", "flex"]) == 0
+                 "--kernel-lengths", "32", "--kernel-skip", "flex", "--calibrate-sizes", "16,64"]) == 0
     data = json.loads((out / "report.json").read_text())
     rows = {(r["family"], r["impl"]): r for r in data["kernels"]["rows"]}
     assert {("varlen", "plain"), ("mask", "plain"), ("loop", "sdpa")} <= set(rows)
@@ -152,7 +152,7 @@ def test_a_crash_while_writing_the_report_leaves_the_previous_report_whole(tmp_p
     with pytest.raises(KeyboardInterrupt):
         main(["report", "--out", str(out), "--limit", "3", "--policies", "varlen", "--capacities", "2",
               "--evictions", "lru", "--bench-lengths", "32", "--bench-repeats", "1", "--validate-requests", "1",
-              "--kernel-lengths", "32", "--kernel-skip", "flex"])
+              "--kernel-lengths", "32", "--kernel-skip", "flex", "--calibrate-sizes", "16,64"])
     assert {name: (out / name).read_text() for name in old} == old
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
