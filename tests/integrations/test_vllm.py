@@ -262,7 +262,8 @@ def _zygote() -> None:
     log, env) each in a forked child, with the request's environment and its stdout and
     stderr in ``log``; reply with the child's exit status, one line per request (a child
     still running after ``CHILD_TIMEOUT`` seconds is killed: -9)."""
-    import time
+    import signal
+    import threading
     import traceback
 
     import vllm.entrypoints.llm  # noqa: F401  (what every child would import again)
@@ -285,13 +286,12 @@ def _zygote() -> None:
             except BaseException:
                 traceback.print_exc()
             sys.exit(code)  # leaves the zygote's loop: the child exits as a script does (atexit included)
-        deadline = time.monotonic() + CHILD_TIMEOUT
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if done[0] == 0:
-            os.kill(pid, 9)
-            done = os.waitpid(pid, 0)
-        print(os.waitstatus_to_exitcode(done[1]), file=reply, flush=True)
+        timer = threading.Timer(CHILD_TIMEOUT, os.kill, (pid, signal.SIGKILL))  # a hung child ends
+        timer.start()
+        _, status = os.waitpid(pid, 0)
+        timer.cancel()
+        timer.join()  # no thread left for the next fork
+        print(os.waitstatus_to_exitcode(status), file=reply, flush=True)
 
 
 if __name__ == "__main__":
