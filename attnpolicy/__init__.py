@@ -26,7 +26,7 @@ _EXPORTS = {
     "GraphCache": "attnpolicy.cache.graph_cache",
     "CacheStats": "attnpolicy.cache.cache_types",
     "KeyStats": "attnpolicy.cache.cache_types",
-    "MaskCache": "attnpolicy.kernels.masks",
+    "MaskCache": "attnpolicy.kernels.mask_cache",
     "Buckets": "attnpolicy.graphs.buckets",
     "AttnPolicyConfig": "attnpolicy.config",
     "Dispatcher": "attnpolicy.dispatch",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnpolicy.bench.mode_timing import BenchSettings, modes_for, split_lengths, time_mode
+from attnpolicy.bench.mode_timing import modes_for, split_lengths, time_mode
+from attnpolicy.bench.settings import BenchSettings
 from attnpolicy.core.layout import BatchLayout
 
 LENGTHS = (128, 512, 1024, 2048)

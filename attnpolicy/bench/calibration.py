@@ -37,13 +37,12 @@ import tempfile
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from functools import partial
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, field_validator, model_validator
-from pydantic.dataclasses import dataclass as validated
 
-from attnpolicy.bench.mode_timing import DTYPES, SpecSettings, split_lengths
+from attnpolicy.bench.mode_timing import DTYPES, split_lengths
+from attnpolicy.bench.settings import DEFAULT_SIZES, CalibrationSettings, ModelCalibrationSettings
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
@@ -68,42 +67,6 @@ OVERHEAD_CALLS = 2000
 MIN_REPEATS = 2
 MAX_REPEATS = 10
 MIN_TIMED_SECONDS = 0.02
-
-
-@validated(frozen=True)
-class CalibrationSettings(SpecSettings):
-    """What ``attnpolicy calibrate`` measures: :class:`SpecSettings` and the grid;
-    validated like the config."""
-
-    backend: Literal["aot_eager", "inductor", "eager", "none"] = "aot_eager"
-    max_len: Annotated[int, Field(ge=16)] = 4096
-    repeats: Annotated[int, Field(ge=1)] = 3
-    quick: bool = False
-    #: the pow2 bucket sizes of the grid (default: 16 up to ``max_len``)
-    sizes: tuple[Annotated[int, Field(ge=16)], ...] | None = None
-    #: a call's sample: its fastest run (``min``: the machine's own speed, stable on a
-    #: shared machine) or its mean run (``mean``: what a replay on this machine now pays)
-    statistic: Literal["min", "mean"] = "min"
-    kernels: bool = False  # also time every registered kernel per call kind (KERNEL_BATCH)
-    store: bool = True  # also save and load a few graphs per call kind through a DiskStore
-
-    @model_validator(mode="after")
-    def _consistent(self) -> CalibrationSettings:
-        if self.impl == "flash" and self.partition_len is None:
-            raise ValueError("impl 'flash' needs partition_len")
-        return self
-
-    @field_validator("sizes")
-    @classmethod
-    def _pow2(cls, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        return pow2_sizes(sizes)
-
-
-def pow2_sizes(sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """``sizes`` when they are one or more powers of two (or ``None``), else ``ValueError``."""
-    if sizes is not None and (not sizes or any(n & (n - 1) for n in sizes)):
-        raise ValueError("must be one or more powers of two")
-    return sizes
 
 
 def window(kv_bucket: int) -> int:
@@ -355,29 +318,6 @@ def _call_overhead(dispatcher: Dispatcher, spec: TensorSpec) -> float:
     for _ in range(OVERHEAD_CALLS):
         dispatcher.prepare(layout, spec)
     return (time.perf_counter() - start) / OVERHEAD_CALLS
-
-
-#: Grid sizes without ``sizes`` (``quick``: the first two only).
-DEFAULT_SIZES = (16, 32, 64, 128, 256, 512)
-
-
-@validated(frozen=True)
-class ModelCalibrationSettings:
-    """What ``attnpolicy calibrate --model`` measures; validated like the config."""
-
-    spec: str = "qwen3"
-    backend: Literal["aot_eager", "inductor", "eager"] = "aot_eager"
-    #: the pow2 bucket sizes of the grid (default: :data:`DEFAULT_SIZES`)
-    sizes: tuple[Annotated[int, Field(ge=16)], ...] | None = None
-    repeats: Annotated[int, Field(ge=1)] = 3
-    threads: Annotated[int, Field(ge=1)] = 1
-    clock: Literal["cpu", "wall"] = "cpu"
-    quick: bool = False
-
-    @field_validator("sizes")
-    @classmethod
-    def _pow2(cls, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        return pow2_sizes(sizes)
 
 
 def clock_of(name: str) -> Callable[[], float]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -25,12 +26,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import TypeAdapter
 
 import attnpolicy
-from attnpolicy.bench import calibration
-from attnpolicy.bench.calibration import CalibrationSettings
+from attnpolicy.bench.settings import CalibrationSettings
 from attnpolicy.cache.code_identity import graph_code
 from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError
@@ -63,18 +62,31 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def torch_version() -> str:
+    """The installed torch's version, read from its distribution's metadata (the same
+    string as ``torch.__version__``) without importing torch."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # torch built in place: ask it
+        import torch
+
+        return str(torch.__version__)
+
+
 def machine() -> dict[str, Any]:
     """What a calibration's seconds depend on besides its settings: torch, the device
     (calibration runs on the CPU), its model and core count."""
-    return {"torch": torch.__version__, "device": "cpu", "cpu": cpu_model(), "cores": os.cpu_count()}
+    return {"torch": torch_version(), "device": "cpu", "cpu": cpu_model(), "cores": os.cpu_count()}
 
 
 @cache
 def calibration_code() -> str:
     """The identity of the code a calibration runs: attnpolicy's version, the graph
     layers' sources (:func:`~attnpolicy.cache.code_identity.graph_code`) and the
-    calibration module's own."""
-    source = Path(calibration.__file__).read_bytes()
+    calibration modules' own (what it runs and its settings), read as files: looking a
+    calibration up imports neither them nor torch."""
+    here = Path(__file__).parent
+    source = b"".join((here / name).read_bytes() for name in ("calibration.py", "settings.py"))
     return hashlib.sha256(f"{attnpolicy.__version__}\0{graph_code()}\0".encode() + source).hexdigest()[:16]
 
 

@@ -14,18 +14,16 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from pydantic import Field, model_validator
-from pydantic.dataclasses import dataclass as validated
 
+from attnpolicy.bench.settings import BenchSettings
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.execute import attend, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
-from attnpolicy.graphs.keys import TensorSpec, check_kv_heads
 from attnpolicy.kernels.masks import mask_for
 
 K = TypeVar("K", bound=Hashable)
@@ -48,56 +46,6 @@ class BenchRow:
 
 #: A median this many times its run's minimum is flagged as noisy.
 NOISY = 2.0
-#: Threads of ``bench`` and ``calibrate`` unless told otherwise: one thread is stable
-#: on a shared machine and is what the built-in cost model was calibrated with.
-DEFAULT_THREADS = 1
-
-Positive = Field(ge=1)
-
-
-@validated(frozen=True)
-class SpecSettings:
-    """The attention shape and kernel that ``bench`` and ``calibrate`` time; validated
-    (every count >= 1, ``kv_heads`` divides ``heads``)."""
-
-    heads: Annotated[int, Positive] = 8
-    kv_heads: Annotated[int, Positive] = 8
-    head_dim: Annotated[int, Positive] = 64
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    impl: Literal["sdpa", "eager", "flash"] = "sdpa"
-    partition_len: Annotated[int | None, Positive] = None
-    threads: Annotated[int | None, Positive] = DEFAULT_THREADS
-
-    @model_validator(mode="after")
-    def _kv_heads_divide(self) -> SpecSettings:
-        check_kv_heads(self.heads, self.kv_heads)
-        return self
-
-    @property
-    def spec(self) -> TensorSpec:
-        return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
-
-
-@validated(frozen=True)
-class BenchSettings(SpecSettings):
-    """What ``attnpolicy bench`` times: :class:`SpecSettings` and the batches; validated
-    (every count >= 1, no more sequences than tokens)."""
-
-    lengths: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (
-        128, 256, 512, 1024, 2048, 4096)
-    seqs: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (1, 4)
-    repeats: Annotated[int, Positive] = 5
-    warmup: Annotated[int, Field(ge=0)] = 1
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _consistent(self) -> BenchSettings:
-        if max(self.seqs) > min(self.lengths):
-            raise ValueError(f"seqs {max(self.seqs)} exceeds lengths {min(self.lengths)}: "
-                             "every sequence needs a token")
-        return self
-
-
 @dataclass(frozen=True)
 class Speedup:
     """Per (length, sequences): the faster mode and the slower/faster median ratio;

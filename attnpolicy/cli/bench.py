@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.bench.mode_timing import NOISY, BenchSettings, run_bench, speedups, to_json
+from attnpolicy.bench.mode_timing import NOISY, run_bench, speedups, to_json
 from attnpolicy.bench.model_timing import MODEL_LENGTHS
+from attnpolicy.bench.settings import BenchSettings
 from attnpolicy.cli.common import (
     add_spec_args,
     check_spec_args,

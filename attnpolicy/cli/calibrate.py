@@ -6,8 +6,9 @@ import argparse
 import os
 from typing import Any
 
-from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes, store_shapes
+from attnpolicy.bench.calibration import calibrate, shapes, store_shapes
 from attnpolicy.bench.calibration_cache import cache_dir, store
+from attnpolicy.bench.settings import CalibrationSettings
 from attnpolicy.cli.common import (
     add_spec_args,
     check_spec_args,
@@ -131,7 +132,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_model_fits(args: argparse.Namespace) -> int:
     """``calibrate --model SPEC``: the whole-model fits of SPEC, into the model section of --out."""
-    from attnpolicy.bench.calibration import ModelCalibrationSettings, calibrate_model, model_grid
+    from attnpolicy.bench.calibration import calibrate_model, model_grid
+    from attnpolicy.bench.settings import ModelCalibrationSettings
 
     out = args.out
     check_writable("--out", out)

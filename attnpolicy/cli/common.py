@@ -25,12 +25,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from attnpolicy.bench.mode_timing import DTYPES
+from attnpolicy.bench.settings import BENCH_DTYPES
 from attnpolicy.engine.model_specs import parse_spec
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.cost_file import FAMILIES, Family
-from attnpolicy.modelling.simulation import model_former
-from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload, model_former
 from attnpolicy.workloads.traces import Request
 
 console = Console(stderr=True)
@@ -225,7 +224,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help=f"key/value heads; must divide --heads (default: {d['kv_heads']})")
     p.add_argument("--head-dim", type=positive_int, default=d["head_dim"],
                    help=f"channels per head (default: {d['head_dim']})")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d["dtype"],
+    p.add_argument("--dtype", choices=sorted(BENCH_DTYPES), default=d["dtype"],
                    help=f"tensor dtype (default: {d['dtype']})")
 
 
@@ -333,7 +332,7 @@ def former_options(args: argparse.Namespace, *, prefill_only: bool = False) -> d
 
 def former_from(args: argparse.Namespace, *, prefill_only: bool = False) -> BatchFormer:
     """The batch former of the workload flags (``prefill_only``: the whole-model-graph
-    workload, see :func:`~attnpolicy.modelling.simulation.model_former`); an error
+    workload, see :func:`~attnpolicy.workloads.batching.model_former`); an error
     names the flags."""
     o = former_options(args, prefill_only=prefill_only)
     try:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 
 from attnpolicy.bench.calibration_cache import entry_path
-from attnpolicy.bench.mode_timing import BenchSettings
+from attnpolicy.bench.settings import BenchSettings
 from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
@@ -40,8 +40,7 @@ from attnpolicy.cli.common import (
 from attnpolicy.cli.simulate import add_sweep_args, sweep_size, workload
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.ranges import OutsideRange
-from attnpolicy.report import ReportSettings, make_report
-from attnpolicy.report.build import known_model
+from attnpolicy.report.build import ReportSettings, known_model, make_report
 from attnpolicy.report.markdown import first_screen
 
 #: The least width the first screen is printed at (a pipe's default, 80, splits the table's cells).

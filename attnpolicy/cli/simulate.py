@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from attnpolicy.bench.calibration import CalibrationSettings
 from attnpolicy.bench.calibration_cache import Provenance, resolve
+from attnpolicy.bench.settings import CalibrationSettings
 from attnpolicy.cli.common import (
     MIB,
     add_capacities_arg,

@@ -13,7 +13,7 @@ The real caches and their models all run this rule: the graph cache
 (:class:`~attnpolicy.cache.key_stream.StreamCache`), the graph store on disk
 (:class:`~attnpolicy.cache.disk_store.DiskStore`) and its model
 (:class:`~attnpolicy.cache.disk_mirror.DiskMirror`), and the dispatcher's mask cache
-(:class:`~attnpolicy.kernels.masks.MaskCache`, which the mask models reuse). Pins are
+(:class:`~attnpolicy.kernels.mask_cache.MaskCache`, which the mask models reuse). Pins are
 no part of it: a pinned entry is evicted like any other (its owner keeps it alive).
 
 cachetools' ``LRUCache`` and ``FIFOCache`` keep an ``OrderedDict`` inside; with

@@ -27,7 +27,7 @@ from attnpolicy.graphs.execute import check_inputs, graph_sinks
 from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.flex import BlockMaskCache
-from attnpolicy.kernels.masks import MaskCache
+from attnpolicy.kernels.mask_cache import MaskCache
 from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext

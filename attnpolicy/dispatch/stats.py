@@ -12,7 +12,7 @@ from attnpolicy.cache.graph_cache import CacheStats
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.kernels.flex import BlockMaskCache
-from attnpolicy.kernels.masks import MaskCacheStats
+from attnpolicy.kernels.mask_cache import MaskCacheStats
 
 
 @dataclass(slots=True)

@@ -25,7 +25,8 @@ from attnpolicy.errors import KernelError, LayoutError
 from attnpolicy.graphs.execute import GraphFn, check_inputs, execute
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.kernels.masks import MaskCache
+from attnpolicy.kernels.mask_cache import MaskCache
+from attnpolicy.kernels.masks import layout_mask
 
 
 class Step:
@@ -120,7 +121,7 @@ class Step:
             ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
             shape = self.whole_mask
             if shape is not None:
-                mask = self.masks.layout_mask(self.layout, *shape, q.device, self.spec.features.window)
+                mask = layout_mask(self.masks, self.layout, *shape, q.device, self.spec.features.window)
                 return direct(*ins, mask).transpose(0, 1)
             return direct(*ins).transpose(0, 1)
         except KernelError:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -35,8 +34,8 @@ import torch
 from attnpolicy.cache.code_identity import graph_code, module_code
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import aot
 from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
@@ -50,20 +49,6 @@ SEGMENTS_KWARG = "attnpolicy_segments"
 PAST_KWARG = "attnpolicy_past"
 #: A forward's example inputs: ids, positions and, for MASK, the mask.
 Inputs = tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelKey:
-    """One whole-model graph: its mode, padded rows and (VARLEN) per-sequence segments."""
-
-    mode: MaskMode
-    tokens: int
-    segments: tuple[int, ...]
-    backend: str
-
-    def __str__(self) -> str:
-        shape = "+".join(map(str, self.segments)) if self.mode is MaskMode.VARLEN else str(self.tokens)
-        return f"model/{self.mode.value}/t{shape}/{self.backend}"
 
 
 class Past(NamedTuple):
@@ -134,40 +119,6 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, static_attention)
-
-
-def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> ModelKey:
-    """The whole-model graph key ``layout`` runs under in ``mode`` with ``config``'s
-    buckets and backend (pure: no model needed; the runner and the simulator share it)."""
-    if mode is MaskMode.VARLEN:
-        segments = tuple(sorted((config.bucket(n) for n in layout.q_lens), reverse=True))
-        return ModelKey(mode, sum(segments), segments, config.backend)
-    real = sum(layout.q_lens)
-    tokens = config.bucket(real) if mode is MaskMode.CAUSAL else config.batch_bucket(real)
-    return ModelKey(mode, tokens, (tokens,), config.backend)
-
-
-def estimate_bytes(key: ModelKey, model_config: Any, itemsize: int = 4) -> int:
-    """A static-shape estimate of what one graph holds while it runs: its inputs (ids,
-    positions, a MASK graph's boolean mask), its logits, and one layer's activations
-    (hidden states, q/k/v, MLP)."""
-    c, t = model_config, key.tokens
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    inputs = 16 * t + (t * t if key.mode is MaskMode.MASK else 0)
-    layer = t * (2 * c.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * c.intermediate_size)
-    return inputs + itemsize * (t * c.vocab_size + layer)
-
-
-def dominates(other: ModelKey, key: ModelKey) -> bool:
-    """Whether ``other``'s graph can serve ``key``'s batch: same mode and backend, at
-    least as many rows (``VARLEN``: as many segments, each at least as long)."""
-    if other.mode is not key.mode or other.backend != key.backend or other == key:
-        return False
-    if key.mode is MaskMode.VARLEN:
-        return len(other.segments) == len(key.segments) and all(
-            a >= b for a, b in zip(other.segments, key.segments))
-    return other.tokens >= key.tokens
 
 
 def _causal_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

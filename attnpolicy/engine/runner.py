@@ -5,7 +5,7 @@ padded shape with the mask mode baked in. The runner does the same on torch: it
 serves packed batches the way vLLM flattens them (token ids ``[T]`` plus a
 :class:`~attnpolicy.core.layout.BatchLayout`), the guarded policy decides the mode,
 and the forward runs as one ``torch.compile(dynamic=False, fullgraph=True)`` graph
-per :class:`~attnpolicy.engine.graph_family.ModelKey` (the whole-model graph family,
+per :class:`~attnpolicy.engine.keys.ModelKey` (the whole-model graph family,
 :mod:`~attnpolicy.engine.graph_family`, says what each mode's graph is). Its graphs come
 from the runtime the attention-level dispatcher uses: a
 :class:`~attnpolicy.dispatch.graph_source.GraphSource` over a
@@ -26,7 +26,7 @@ raise :class:`~attnpolicy.errors.LayoutError` before any work.
 Memory per graph is measured around its build (compile and first run): the RSS
 delta of the process, and on CUDA the ``torch.cuda.memory_allocated`` delta, beside
 the static-shape estimate the cache is bounded by
-(:func:`~attnpolicy.engine.graph_family.estimate_bytes`).
+(:func:`~attnpolicy.engine.keys.estimate_bytes`).
 """
 
 from __future__ import annotations
@@ -49,17 +49,10 @@ from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.dispatch.stats import BackgroundStats, Counters, RuntimeStats
-from attnpolicy.engine.graph_family import NAME, Inputs, ModelFamily, ModelKey, model_key_for, register
+from attnpolicy.engine.graph_family import NAME, Inputs, ModelFamily, register
+from attnpolicy.engine.keys import ModelKey, StepKey, contexts, model_key_for, segment, step_key_for, why_illegal_step
 from attnpolicy.engine.kv_cache import KVCache
-from attnpolicy.engine.step_family import (
-    StepFamily,
-    StepInputs,
-    StepKey,
-    contexts,
-    segment,
-    step_key_for,
-    why_illegal_step,
-)
+from attnpolicy.engine.step_family import StepFamily, StepInputs
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError
 from attnpolicy.graphs import backend_setup
 from attnpolicy.graphs.compile import CompiledGraph
@@ -356,7 +349,7 @@ class StaticModelRunner:
     def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode,
                key: ModelKey | None = None) -> Placed:
         """``layout`` placed in the graph of ``key`` (default: its own key; else one
-        that dominates it, as :func:`~attnpolicy.engine.graph_family.dominates`).
+        that dominates it, as :func:`~attnpolicy.engine.keys.dominates`).
         The inputs are built here in the form every graph is compiled for, whatever the
         form of ``token_ids``: int64, contiguous, on the model's device."""
         key = key or self.key_for(layout, mode)

@@ -33,102 +33,17 @@ which must be exact). Stored graphs are keyed by the model's code and config
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attnpolicy.config import AttnPolicyConfig
-from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.graph_family import PAST_KWARG, Past, WholeModelGraphs
+from attnpolicy.engine.keys import StepKey, step_dominates, step_estimate_bytes
 
 #: A step graph's inputs: ids ``[T]``, positions ``[T]``, past keys and values and
 #: (MASK, VARLEN) its mask.
 StepInputs = tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StepKey:
-    """One step graph: its mode, padded rows, padded context columns and per-sequence
-    ``(rows, context)`` buckets (one pair for MASK and CAUSAL)."""
-
-    mode: MaskMode
-    tokens: int
-    context: int
-    segments: tuple[tuple[int, int], ...]
-    backend: str
-
-    def __str__(self) -> str:
-        if self.mode is MaskMode.VARLEN:
-            shape = "+".join(f"t{t}c{c}" for t, c in self.segments)
-        else:
-            shape = f"t{self.tokens}c{self.context}"
-        return f"step/{self.mode.value}/{shape}/{self.backend}"
-
-
-def contexts(layout: BatchLayout) -> tuple[int, ...]:
-    """Each sequence's cached context: its keys before its query rows."""
-    return tuple(kv - q for kv, q in zip(layout.kv_lens, layout.q_lens))
-
-
-def why_illegal_step(mode: MaskMode, layout: BatchLayout) -> str | None:
-    """``None`` when a step graph of ``mode`` computes ``layout`` right: MASK and VARLEN
-    always; CAUSAL for one causal sequence (its context is exact in its key)."""
-    if mode is not MaskMode.CAUSAL:
-        return None
-    if not layout.causal:
-        return "bidirectional"
-    return None if layout.num_seqs == 1 else f"{layout.num_seqs} sequences packed"
-
-
-def segment(rows: int, context: int, config: AttnPolicyConfig) -> tuple[int, int]:
-    """A sequence's VARLEN span: its rows' and its context's buckets (no context: 0)."""
-    return config.bucket(rows), config.bucket(context) if context else 0
-
-
-def step_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> StepKey:
-    """The step graph key ``layout`` runs under in ``mode`` with ``config``'s buckets
-    (pure: the runner and a simulator share it). A sequence's rows and context are
-    bucketed by ``config.bucket`` (at most ``max_seq_len``), MASK's totals by
-    ``config.batch_bucket`` (at most ``max_batch_tokens``)."""
-    ctx = contexts(layout)
-    if mode is MaskMode.VARLEN:
-        segments = tuple(sorted((segment(q, c, config) for q, c in zip(layout.q_lens, ctx)), reverse=True))
-        return StepKey(mode, sum(t for t, _ in segments), sum(c for _, c in segments), segments, config.backend)
-    if mode is MaskMode.CAUSAL:
-        tokens, context = config.bucket(layout.q_lens[0]), ctx[0]
-    else:
-        total = sum(ctx)
-        tokens, context = config.batch_bucket(sum(layout.q_lens)), config.batch_bucket(total) if total else 0
-    return StepKey(mode, tokens, context, ((tokens, context),), config.backend)
-
-
-def step_dominates(other: StepKey, key: StepKey) -> bool:
-    """Whether ``other``'s graph can serve ``key``'s step padded up: same mode and
-    backend, at least as many rows and context columns (VARLEN: per sequence; CAUSAL:
-    the same context, which must be exact)."""
-    if other.mode is not key.mode or other.backend != key.backend or other == key:
-        return False
-    if key.mode is MaskMode.VARLEN:
-        return len(other.segments) == len(key.segments) and all(
-            a >= b and c >= d for (a, c), (b, d) in zip(other.segments, key.segments))
-    if key.mode is MaskMode.CAUSAL:
-        return other.context == key.context and other.tokens >= key.tokens
-    return other.tokens >= key.tokens and other.context >= key.context
-
-
-def step_estimate_bytes(key: StepKey, model_config: Any, itemsize: int = 4) -> int:
-    """A static-shape estimate of what one step graph holds while it runs: its inputs
-    (ids, positions, past keys and values, the mask), its logits and new KV rows, and
-    one layer's activations (hidden states, q/k/v, MLP)."""
-    c, t = model_config, key.tokens
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    kv_row = 2 * c.num_hidden_layers * kv_heads * head_dim
-    mask = t * (key.context + t) if key.mode is MaskMode.MASK else key.context
-    layer = t * (2 * c.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * c.intermediate_size)
-    return 16 * t + mask + itemsize * (kv_row * (key.context + t) + t * c.vocab_size + layer)
 
 
 def _step_forward(model: torch.nn.Module, segments: tuple[tuple[int, int], ...] | None, ids: torch.Tensor,

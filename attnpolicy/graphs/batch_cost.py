@@ -3,9 +3,9 @@
 One call costs its graph's run seconds (or, run uncompiled past the largest bucket,
 its shape's) plus the dispatch overhead; a MASK call also costs the build of its
 dense mask when the dispatcher's mask cache does not hold it. :class:`MaskMirror`
-is that cache without the masks (a :class:`~attnpolicy.kernels.masks.MaskCache` of
+is that cache without the masks (a :class:`~attnpolicy.kernels.mask_cache.MaskCache` of
 the same byte bound, holding no tensors) and the same key and bytes
-(:func:`~attnpolicy.kernels.masks.mask_entry`, the sliding window included, looked up
+(:func:`~attnpolicy.kernels.mask_cache.mask_entry`, the sliding window included, looked up
 when called: the rule itself, not a copy), so every model counts the builds the
 dispatcher makes; a windowed build is priced by the
 cost model's ``mask_build_window``. Simulation, stall modelling (and the planner through simulation)
@@ -21,8 +21,8 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey
-from attnpolicy.kernels import masks
-from attnpolicy.kernels.masks import MaskCache
+from attnpolicy.kernels import mask_cache
+from attnpolicy.kernels.mask_cache import MaskCache
 
 
 class MaskNeed:
@@ -33,12 +33,12 @@ class MaskNeed:
 
     def __init__(self, layout: BatchLayout, rows: int, cols: int, device: object, model: CostModel,
                  window: int | None = None) -> None:
-        self.key, self.nbytes = masks.mask_entry(layout, rows, cols, device, window)
+        self.key, self.nbytes = mask_cache.mask_entry(layout, rows, cols, device, window)
         self.seconds = model.mask_build_seconds(rows, cols, window)
 
 
 class MaskMirror:
-    """The dense masks a dispatcher's :class:`~attnpolicy.kernels.masks.MaskCache` would
+    """The dense masks a dispatcher's :class:`~attnpolicy.kernels.mask_cache.MaskCache` would
     hold, bounded by ``max_bytes`` (``max_mask_bytes``) and keyed as it keys them."""
 
     __slots__ = ("_cache",)
@@ -86,7 +86,7 @@ class BatchCost:
         if call.kind is not CallKind.MASK:
             return None
         rows, cols = call.q_bucket, call.kv_bucket
-        key, nbytes = masks.mask_entry(layout, rows, cols, device, window)
+        key, nbytes = mask_cache.mask_entry(layout, rows, cols, device, window)
         built = None if self.masks.held(key) else self.model.mask_build_seconds(rows, cols, window)
         self.masks.use(key, nbytes)
         return built

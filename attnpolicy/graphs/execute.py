@@ -21,7 +21,8 @@ from attnpolicy.graphs.keys import Call
 from attnpolicy.kernels.attention import bind, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.isolation import isolated, leak_free
-from attnpolicy.kernels.masks import MaskCache, bounded_mask, mask_for, real_rows, window_band
+from attnpolicy.kernels.mask_cache import MaskCache
+from attnpolicy.kernels.masks import bounded_mask, layout_mask, mask_for, real_rows, window_band
 
 GraphFn = Callable[..., torch.Tensor] | FlexGraph
 
@@ -100,7 +101,7 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
     if kind is CallKind.MASK:
         if masks is None:
             return (*ins, mask_for(layout, window).dense(call.q_bucket, call.kv_bucket, str(q.device)))
-        return (*ins, masks.layout_mask(layout, call.q_bucket, call.kv_bucket, q.device, window))
+        return (*ins, layout_mask(masks, layout, call.q_bucket, call.kv_bucket, q.device, window))
     device = str(q.device)
 
     def bounds() -> torch.Tensor:  # VARLEN; kept per device: no transfer per call

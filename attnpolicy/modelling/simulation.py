@@ -39,14 +39,14 @@ On whole-model graphs (the ``model`` family: one graph per forward of a
 :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`) the batches are the
 key stream the runner would request: each batch's mode is the guarded policy's
 decision (as the runner's), its key the runner's own
-:func:`~attnpolicy.engine.graph_family.model_key_for`, and the stream is
+:func:`~attnpolicy.engine.keys.model_key_for`, and the stream is
 replayed by :func:`~attnpolicy.cache.key_stream.replay_stream` with the runner's cache
 bounds and eviction, the graphs' bytes being the runner's own estimate: the misses,
 compiles and evictions are those a real runner replay of the same batches counts
 (tested). Seconds come from the cost model: a compile per miss, a run per batch, and
 the process's one-off ``warmup_seconds`` once when anything compiles. The runner
 serves prefill without cached context, so the batches are prefill-only (an
-embedding-style workload: :func:`model_former`).
+embedding-style workload: :func:`~attnpolicy.workloads.batching.model_former`).
 """
 
 from __future__ import annotations
@@ -56,15 +56,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.dispatch import Dispatcher
-from attnpolicy.engine.graph_family import ModelKey, model_key_for
+from attnpolicy.engine.keys import ModelKey, model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
@@ -79,6 +78,9 @@ from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.layout_stream import LayoutRun
 from attnpolicy.workloads.traces import Request
+
+if TYPE_CHECKING:
+    from attnpolicy.dispatch import Dispatcher
 
 #: The JSON form of every row holds at least these keys (the stable contract).
 ROW_FIELDS = ("policy", "buckets", "capacity", "max_bytes", "eviction", "hits", "misses", "hit_rate",
@@ -244,6 +246,8 @@ def _dispatched(steps: Sequence[ScheduledBatch | BatchLayout], configs: Sequence
     """A dispatcher per (config, cache) over ``steps``, each batch through all of them in
     turn: they share one planner (the configs plan alike: a sweep's differ in bounds and
     eviction), so each batch is planned, and priced by a cost-aware policy, once for all."""
+    from attnpolicy.dispatch import Dispatcher  # the runtime, and torch, load when a run needs one
+
     spec = spec or model.spec
     runs: list[_Run] = []
     planner = None
@@ -626,12 +630,6 @@ def simulate_run(run: LayoutRun, policies: Sequence[str], capacities: Sequence[i
 
 
 # -- whole-model graphs ------------------------------------------------------------------
-
-
-def model_former(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> BatchFormer:
-    """The batch former of a model-graph workload: prefill only, each prompt in one step."""
-    return BatchFormer(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       chunked_prefill=False, prefill_only=True, max_model_len=max_model_len)
 
 
 def model_layouts(steps: Sequence[ScheduledBatch | BatchLayout]) -> list[BatchLayout]:

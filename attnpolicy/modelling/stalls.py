@@ -20,7 +20,7 @@ simulation's (:func:`~attnpolicy.modelling.simulation.key_stream`: the guarded
 policy's modes, the runner's keys) through a cache of the config's bounds and
 eviction, sized by the :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`,
 on its clock: ``sync`` stalls a batch for the compile seconds of its miss;
-``background`` follows the runner's rule (:func:`~attnpolicy.engine.graph_family.dominates`):
+``background`` follows the runner's rule (:func:`~attnpolicy.engine.keys.dominates`):
 a miss runs on the smallest resident graph that dominates its key (its run seconds)
 else eagerly (costed as its own graph's run seconds: the model holds no eager figure),
 while the compile runs on one worker (compiles queue) and switches in
@@ -42,7 +42,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.dispatch.stats import percentile
-from attnpolicy.engine.graph_family import ModelKey, dominates
+from attnpolicy.engine.keys import ModelKey, dominates
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel

@@ -1,5 +1,5 @@
 """The model-level cost model: predicted compile seconds, run seconds and bytes of
-whole-model graphs (:class:`~attnpolicy.engine.graph_family.ModelKey`).
+whole-model graphs (:class:`~attnpolicy.engine.keys.ModelKey`).
 
 A :class:`ModelCostModel` is fitted by ``attnpolicy calibrate --model SPEC``
 (:func:`attnpolicy.bench.calibration.calibrate_model`) through the real
@@ -16,7 +16,7 @@ A VARLEN graph's run seconds are so a sum over its segments (a per-segment cost 
 each segment's cells) plus the graph's fixed and per-token cost, and its compile
 seconds a fit over its total tokens and segment count. The bytes a cache bounds are
 the runner's own static-shape estimate, computed exactly from the model's sizes
-(:func:`~attnpolicy.engine.graph_family.estimate_bytes`), so a simulated cache
+(:func:`~attnpolicy.engine.keys.estimate_bytes`), so a simulated cache
 evicts as the runner's does. ``warmup_seconds`` is what the first compile of a
 process pays on top of its key's fit.
 """
@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
-from attnpolicy.engine.graph_family import ModelKey, estimate_bytes
+from attnpolicy.engine.keys import ModelKey, estimate_bytes
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import nonnegative_fit
 

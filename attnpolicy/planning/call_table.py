@@ -33,12 +33,10 @@ from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
-from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
-from attnpolicy.kernels import masks
+from attnpolicy.kernels import mask_cache
 from attnpolicy.modelling.simulation import Recording, SimRow, sim_row, simulated
 from attnpolicy.modelling.streams import KeyStream
 from attnpolicy.planning.bucket_search import CallShapes
@@ -152,11 +150,16 @@ class CallTable:
 
     def _raise_at(self, config: AttnPolicyConfig, s: int) -> None:
         """Let the dispatcher prepare step ``s`` under ``config``: it raises its own error."""
+        from attnpolicy.dispatch import Dispatcher  # only to raise its error: the runtime loads then
+
         Dispatcher(config, builder=simulated, cost_model=self.model).prepare(self.layouts[s], self.spec)
         raise AssertionError(f"the dispatcher prepared step {s} without the overflow the table found")
 
     def bucketed(self, config: AttnPolicyConfig) -> Bucketed:
         """The calls of ``config``'s buckets: what its dispatcher requests and records."""
+        # the kernel registry (and so torch and the kernels' plugins) loads with the first bucketing
+        from attnpolicy.graphs.kernel_choice import KernelChoice
+
         model, spec = self.model, self.spec
         seq = _table(config, config.max_seq_len)
         batch = _table(config, config.max_batch_tokens)
@@ -250,7 +253,7 @@ class CallTable:
                kvb: np.ndarray) -> tuple[int, float]:
         """Dense mask builds of the MASK ``rows``: the dispatcher's mask cache (LRU within
         ``max_mask_bytes``) replayed as a key stream, its keys and their bytes those of
-        :func:`~attnpolicy.kernels.masks.mask_entry` (:meth:`_mask_ids`). When no key
+        :func:`~attnpolicy.kernels.mask_cache.mask_entry` (:meth:`_mask_ids`). When no key
         repeats, every request builds: the builds are the requests and their seconds the
         costs summed in request order, as the replay adds them."""
         if not rows.size:
@@ -276,14 +279,14 @@ class CallTable:
     def _mask_ids(self, codes: np.ndarray, rows: np.ndarray, qb: np.ndarray, kvb: np.ndarray) -> np.ndarray:
         """The mask-cache key of each MASK row of ``rows`` (its step's layout, bucketed
         ``qb × kvb``, under the table's spec), numbered: equal ids are equal
-        :func:`~attnpolicy.kernels.masks.mask_entry` keys, computed by that rule once per
+        :func:`~attnpolicy.kernels.mask_cache.mask_entry` keys, computed by that rule once per
         ``codes`` (the row's layout and buckets) and remembered across configs, with the
         entry's bytes (``_mask_bytes`` by id)."""
         known = self._mask_code_ids
         found = np.fromiter(map(known.get, codes.tolist(), repeat(-1)), dtype=np.int64, count=codes.size)
         new = np.flatnonzero(found < 0)
         if new.size:
-            numbered, sizes, entry, layouts = self._mask_key_ids, self._mask_bytes, masks.mask_entry, self.layouts
+            numbered, sizes, entry, layouts = self._mask_key_ids, self._mask_bytes, mask_cache.mask_entry, self.layouts
             device, window = self.spec.device, self.spec.features.window
             for i, c, s, q, k in zip(new.tolist(), codes[new].tolist(), self.step[rows[new]].tolist(),
                                      qb[new].tolist(), kvb[new].tolist(), strict=True):

@@ -13,7 +13,7 @@ implementation cannot serve a batch, and the dispatcher never runs one that cann
 A kernel serving a window gets it inside ``mask`` (in the causal kind too, next
 to ``causal=True``); one serving a soft cap or sinks is called with the keywords
 ``softcap=`` (a float) and ``sinks=`` (``[Hq]`` logits), only when they are set.
-Built-ins register through the same hook (this module's own hook implementation).
+Built-ins register through the same hook (:mod:`attnpolicy.plugins.builtin_kernels`).
 
 A plugin kernel is checked at the framework boundary: every call's output must have
 the query's shape, dtype and device (:class:`~attnpolicy.errors.KernelError`
@@ -38,7 +38,6 @@ from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.errors import ConfigError, PluginError
 from attnpolicy.kernels.attention import _BUILTIN_FNS, _IMPL_FNS, BUILTIN_IMPLS, bind, register_impl
 from attnpolicy.kernels.conformance import PROBE_SOFTCAP, PROBE_WINDOW, ProbeCase, probe, probe_layout
-from attnpolicy.plugins.hookspecs import hookimpl
 
 KINDS = ("causal", "mask", "varlen")
 ALL_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
@@ -271,8 +270,9 @@ def get_kernel(kind: str, name: str) -> KernelInfo:
         raise PluginError(f"no kernel {name!r} for the {kind} family; registered: {known}") from None
 
 
-@hookimpl
-def attnpolicy_register_kernels(register: Callable[[KernelInfo], None]) -> None:
+def register_builtins(register: Callable[[KernelInfo], None]) -> None:
+    """Register the built-in kernels (what :mod:`attnpolicy.plugins.builtin_kernels`'
+    hook implementation calls)."""
     for name in ("sdpa", "eager", "flash"):
         for kind in KINDS:
             register(KernelInfo(name, kind, _IMPL_FNS[name], window=True, softcap=True, sinks=True,

@@ -38,7 +38,7 @@ from attnpolicy.errors import ConfigError, PluginError, PolicyError
 from attnpolicy.plugins import hookspecs
 
 BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware",
-                   "attnpolicy.plugins.kernels")
+                   "attnpolicy.plugins.builtin_kernels")
 ENTRY_POINT_GROUP = "attnpolicy"
 LOAD_PLUGINS_ENV = "ATTNPOLICY_LOAD_PLUGINS"
 

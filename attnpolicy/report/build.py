@@ -30,12 +30,13 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as validated
 
-from attnpolicy.bench.calibration import CalibrationSettings, calibrate, warm_up
+from attnpolicy.bench.calibration import calibrate, warm_up
 from attnpolicy.bench.calibration_cache import Provenance, lookup, store
 from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
-from attnpolicy.bench.mode_timing import BenchSettings, run_bench, speedups
+from attnpolicy.bench.mode_timing import run_bench, speedups
 from attnpolicy.bench.model_timing import MODEL_LENGTHS, run_model_bench
 from attnpolicy.bench.replay import run_workload
+from attnpolicy.bench.settings import BenchSettings, CalibrationSettings
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.names import BACKENDS

@@ -12,12 +12,14 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from attnpolicy.bench.mode_timing import Speedup
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.modelling.simulation import SimRow
 from attnpolicy.report.units import MIB, capacity_text
+
+if TYPE_CHECKING:
+    from attnpolicy.bench.mode_timing import Speedup
 
 #: tt-xla (Tenstorrent's XLA compiler), 1 sequence: masked / mask-free time on their
 #: accelerator, as published in their issue tracker (tenstorrent/tt-xla#1784).

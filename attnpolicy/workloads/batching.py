@@ -254,3 +254,9 @@ class Workload:
     def from_json(cls, data: dict[str, Any]) -> Workload:
         """The workload of :meth:`to_json`'s ``data``."""
         return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+def model_former(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> BatchFormer:
+    """The batch former of a whole-model prefill workload: prefill only, each prompt in one step."""
+    return BatchFormer(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       chunked_prefill=False, prefill_only=True, max_model_len=max_model_len)

@@ -7,13 +7,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from cost_models import synthetic
 
 from attnpolicy.bench import calibration_cache as cc
-from attnpolicy.bench.calibration import CalibrationSettings
+from attnpolicy.bench.settings import CalibrationSettings
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.graphs.costmodel import CostModel
@@ -78,7 +80,7 @@ def test_a_hit_needs_the_same_machine_code_and_settings(monkeypatch):
     assert cc.find("eager", "sdpa", warnings.append) is None
     assert cc.find("aot_eager", "eager", warnings.append) is None
     # another torch, CPU or calibration code misses, by lookup and by find
-    for target, name, value in ((torch, "__version__", "9.9.9"), (cc, "cpu_model", lambda: "another cpu"),
+    for target, name, value in ((cc, "torch_version", lambda: "9.9.9"), (cc, "cpu_model", lambda: "another cpu"),
                                 (cc, "calibration_code", lambda: "0" * 16)):
         with monkeypatch.context() as m:
             m.setattr(target, name, value)
@@ -145,6 +147,31 @@ def test_plan_and_simulate_name_their_cost_model_first_and_reuse_a_calibration(t
     eager = cc.store(CalibrationSettings(backend="eager"), CALIBRATED.model_copy(update={"backend": "eager"}))
     out, _ = run([*SIMULATE, "--config", str(config)])
     assert out.splitlines()[0] == f"cost model: calibrated here {eager.created}, {eager.path}"
+
+
+#: Runs ``attnpolicy ARGV...`` with every import of torch refused.
+NO_TORCH = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch refused")
+sys.meta_path.insert(0, Refuse())
+from attnpolicy.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", [["plan", "--out", "{tmp}/plan"], ["simulate"]])
+def test_plan_and_simulate_name_a_cached_calibration_without_loading_torch(tmp_path, command):
+    """The first line needs neither torch nor the plugins: with torch refused the commands
+    still name their (cached) cost model first, and only then fail."""
+    cached = cc.store(CalibrationSettings(), CALIBRATED)
+    assert cc.torch_version() == torch.__version__  # what the key holds is what torch says
+    argv = [a.format(tmp=tmp_path) for a in command] + ["--limit", "3"]
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, timeout=600)
+    assert done.stdout.splitlines()[0] == f"cost model: calibrated here {cached.created}, {cached.path}", done.stderr
+    assert done.returncode != 0 and "torch refused" in done.stderr  # what follows needs torch
 
 
 def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp_path, calls, monkeypatch):

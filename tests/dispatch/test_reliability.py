@@ -22,6 +22,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.attention import attention
+from attnpolicy.kernels.masks import layout_mask
 from attnpolicy.modelling.simulation import _replays, simulate
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
@@ -171,7 +172,7 @@ def test_masks_are_bounded_reported_and_freed_with_the_dispatcher():
         assert d.stats().masks.bytes <= 3 * 256 * 256
     s = d.stats().masks
     assert (s.masks, s.misses, s.evictions) == (3, 20, 17)
-    seen.append(weakref.ref(d.masks.layout_mask(layout, 256, 256, torch.device("cpu"))))  # the last layout's: a hit
+    seen.append(weakref.ref(layout_mask(d.masks, layout, 256, 256, torch.device("cpu"))))  # the last layout's: a hit
     assert d.stats().masks.misses == 20
     assert s.to_json()["bytes"] == 3 * 256 * 256
     del d

@@ -15,9 +15,10 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode, legal_modes
+from attnpolicy.engine.keys import ModelKey
 from attnpolicy.engine.model_specs import ModelSpec, load_model, parse_spec
 from attnpolicy.engine.runner import MaskMode as RunnerMode
-from attnpolicy.engine.runner import ModelKey, StaticModelRunner, eager_logits
+from attnpolicy.engine.runner import StaticModelRunner, eager_logits
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.report.plots import TT_XLA

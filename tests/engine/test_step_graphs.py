@@ -15,10 +15,10 @@ from test_static_model import TINY, Counted, config
 from attnpolicy.cli import main
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.keys import StepKey, step_dominates, step_key_for
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
-from attnpolicy.engine.step_family import StepKey, step_dominates, step_key_for
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
 
 VOCAB = 64

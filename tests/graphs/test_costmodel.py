@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from attnpolicy.bench.calibration import CalibrationSettings, calibrate, shapes
+from attnpolicy.bench.calibration import calibrate, shapes
+from attnpolicy.bench.settings import CalibrationSettings
 from attnpolicy.cli import main
 from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError

@@ -267,7 +267,7 @@ def test_a_kernel_named_auto_is_rejected_at_registration(fresh_plugins):
 
 
 def test_small_mask_tensors_are_bounded_in_bytes():
-    from attnpolicy.kernels.masks import MaskCache
+    from attnpolicy.kernels.mask_cache import MaskCache
 
     cache = MaskCache(max_bytes=10_000, max_small_bytes=4_000)
     for n in range(1, 40):
@@ -300,7 +300,8 @@ def test_the_mask_cache_keeps_each_layouts_own_mask_least_recently_used_first_ou
     go first until the new one fits, one larger than the bound is not kept."""
     from collections import OrderedDict
 
-    from attnpolicy.kernels.masks import MaskCache, mask_entry, mask_for
+    from attnpolicy.kernels.mask_cache import MaskCache, mask_entry
+    from attnpolicy.kernels.masks import layout_mask, mask_for
 
     cache = MaskCache(max_bytes=bound)
     kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # the reference, least recently used first
@@ -308,7 +309,7 @@ def test_the_mask_cache_keeps_each_layouts_own_mask_least_recently_used_first_ou
     for pick in picks:
         layout, more_rows, more_cols, window = request = distinct[pick % len(distinct)]
         rows, cols = layout.q_tokens + more_rows, layout.kv_tokens + more_cols
-        got = cache.layout_mask(layout, rows, cols, "cpu", window)
+        got = layout_mask(cache, layout, rows, cols, "cpu", window)
         assert torch.equal(got, mask_for(layout, window).materialize(rows, cols))
         if request in kept:
             assert got is kept[request]

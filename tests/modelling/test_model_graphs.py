@@ -13,7 +13,7 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.graph_family import model_key_for
+from attnpolicy.engine.keys import model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel
@@ -84,7 +84,7 @@ def test_an_earlier_model_only_file_loads_as_the_model_section(tmp_path, capsys)
 def test_graph_bytes_are_the_runners_estimate():
     from types import SimpleNamespace
 
-    from attnpolicy.engine.graph_family import estimate_bytes
+    from attnpolicy.engine.keys import estimate_bytes
 
     model = synthetic()
     config = SimpleNamespace(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -95,7 +95,8 @@ def test_graph_bytes_are_the_runners_estimate():
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from attnpolicy.bench.calibration import ModelCalibrationSettings, calibrate_model, model_grid
+    from attnpolicy.bench.calibration import calibrate_model, model_grid
+    from attnpolicy.bench.settings import ModelCalibrationSettings
 
     s = ModelCalibrationSettings(spec=SPEC, quick=True, repeats=1)
     model = calibrate_model(s)

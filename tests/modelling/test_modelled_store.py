@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnpolicy.bench.calibration import CalibrationSettings, calibrate
+from attnpolicy.bench.calibration import calibrate
+from attnpolicy.bench.settings import CalibrationSettings
 from attnpolicy.cache.disk_mirror import DiskMirror
 from attnpolicy.cache.evictions import GDSFCache
 from attnpolicy.cache.key_stream import replay_stream

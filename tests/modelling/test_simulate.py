@@ -25,7 +25,7 @@ from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
-from attnpolicy.kernels.masks import mask_entry
+from attnpolicy.kernels.mask_cache import mask_entry
 from attnpolicy.modelling.bucket_schemes import bucket_scheme, complete, vllm_sizes
 from attnpolicy.modelling.simulation import (
     ROW_FIELDS,

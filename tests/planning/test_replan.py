@@ -16,7 +16,7 @@ from attnpolicy.cli import main
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.kernels import masks
+from attnpolicy.kernels import mask_cache
 from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
 from attnpolicy.planning.call_table import CallTable, _first_order, _positions
 from attnpolicy.planning.graph_set import plan_graphs, with_fields
@@ -98,8 +98,8 @@ def test_the_planner_keeps_masks_by_the_rule_the_dispatcher_keeps_them_by(monkey
     config = AttnPolicyConfig(policy="always-mask", backend="none", max_seq_len=256, max_mask_bytes=2 * 64 * 64 + 1024,
                               buckets={"kind": "list", "sizes": [16, 64, 256]})
     builds = {}
-    for rule in (masks.mask_entry, _shape_only, _lengths_only):
-        monkeypatch.setattr(masks, "mask_entry", rule)
+    for rule in (mask_cache.mask_entry, _shape_only, _lengths_only):
+        monkeypatch.setattr(mask_cache, "mask_entry", rule)
         dispatcher = Dispatcher(config)
         g = torch.Generator().manual_seed(0)
         for layout in steps:
