@@ -48,6 +48,8 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch import Dispatcher
+from attnpolicy.engine.keys import StepKey
+from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import load_model
 from attnpolicy.engine.runner import StaticModelRunner
 from attnpolicy.graphs.buckets import Buckets
@@ -57,7 +59,16 @@ from attnpolicy.graphs.execute import execute
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
-from attnpolicy.modelling.whole_model_costs import MODES, ModelCostModel, ModelDims, ModelFit, ModelSample
+from attnpolicy.modelling.whole_model_costs import (
+    MODES,
+    Mode,
+    ModelCostModel,
+    ModelDims,
+    ModelFit,
+    ModelSample,
+    StepFits,
+    StepSample,
+)
 
 #: The policy that plans each call kind for the calibration layouts below.
 _POLICY: dict[CallKind, str] = {CallKind.CAUSAL: "dynamic", CallKind.MASK: "always-mask",
@@ -342,21 +353,44 @@ def model_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, .
     return out
 
 
-def runner_config(s: ModelCalibrationSettings, max_len: int) -> AttnPolicyConfig:
-    """The runner config of a calibration: pow2 buckets up to ``max_len``, unbounded cache."""
+def step_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]]:
+    """The (mode, rows, context) per sequence of every calibrated step graph (none
+    without ``steps``): per size a context ``c`` of three quarters of it and a chunk of
+    ``r`` rows, three quarters of twice the size (a bucket above a decode's): CAUSAL
+    one decode and one chunk over ``c``; MASK one decode, four decodes, and a chunk
+    beside a decode; VARLEN two decodes (over ``c`` and ``c/2``) and a chunk beside a
+    decode. Entries whose graph is one already in the grid are timed once."""
+    if not s.steps:
+        return []
+    out: list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]] = []
+    for n in sorted(s.sizes or (DEFAULT_SIZES[:2] if s.quick else DEFAULT_SIZES)):
+        c, r = _real(n), _real(2 * n)
+        out += [(MaskMode.CAUSAL, (1,), (c,)), (MaskMode.CAUSAL, (r,), (c,)),
+                (MaskMode.MASK, (1,), (c,)), (MaskMode.MASK, (1,) * 4, (c,) * 4), (MaskMode.MASK, (r, 1), (c, c)),
+                (MaskMode.VARLEN, (1, 1), (c, c // 2)), (MaskMode.VARLEN, (r, 1), (c, c))]
+    return out
+
+
+def runner_config(s: ModelCalibrationSettings, max_len: int, max_batch: int = 0) -> AttnPolicyConfig:
+    """The runner config of a calibration: pow2 buckets up to ``max_len`` (a sequence)
+    and ``max_batch`` (a MASK graph's packed rows or context), unbounded cache."""
     return AttnPolicyConfig(policy="dynamic", backend=s.backend, buckets=Buckets(), max_seq_len=max_len,
-                            max_batch_tokens=max(2 * max_len, 64))
+                            max_batch_tokens=max(2 * max_len, 2 * max_batch, 64))
 
 
 def calibrate_model(s: ModelCalibrationSettings, progress: Callable[[str], None] | None = None
                     ) -> ModelCostModel:
-    """Build and time every graph of :func:`model_grid` and fit a :class:`ModelCostModel`.
-    ``progress(label)`` is called once per graph and once per timing round."""
+    """Build and time every graph of :func:`model_grid` and :func:`step_grid` and fit a
+    :class:`ModelCostModel`. ``progress(label)`` is called once per graph and once per
+    timing round (of each kind of graph)."""
     torch.set_num_threads(s.threads)
     model, described = load_model(s.spec)
     clock = clock_of(s.clock)
     graphs = model_grid(s)
-    config = runner_config(s, max(max(lens) for _, lens in graphs) * 2)
+    steps = step_grid(s)
+    config = runner_config(s, max([max(lens) for _, lens in graphs] + [q + c for _, qs, cs in steps
+                                                                       for q, c in zip(qs, cs)]) * 2,
+                           max([sum(cs) + sum(qs) for _, qs, cs in steps], default=0))
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -385,6 +419,7 @@ def calibrate_model(s: ModelCalibrationSettings, progress: Callable[[str], None]
                 start = clock()
                 runner.run(ids, layout, mode)
                 seconds.append(clock() - start)
+        step_samples = _step_samples(runner, model, steps, s, clock, progress)
         memory = {m.key: m for m in runner.stats().memory}
     finally:
         runner.close()
@@ -398,16 +433,61 @@ def calibrate_model(s: ModelCalibrationSettings, progress: Callable[[str], None]
                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                      intermediate=c.intermediate_size, vocab=c.vocab_size, layers=c.num_hidden_layers,
                      itemsize=next(model.parameters()).element_size())
-    compile_fits = {m: _model_fit(samples, m, s.backend, lambda x: x.compile_seconds) for m in MODES}
+    compile_fits = _model_fits(samples, s.backend, lambda x: x.compile_seconds)
     first_key = samples[0].key(s.backend)
+    step_fits = None if not step_samples else StepFits(
+        compile=_model_fits(step_samples, s.backend, lambda x: x.compile_seconds),
+        run=_model_fits(step_samples, s.backend, lambda x: x.run_seconds),
+        rss=_model_fits(step_samples, s.backend, lambda x: max(x.rss_bytes, 1)), samples=tuple(step_samples))
     return ModelCostModel(
         spec=described, dims=dims, backend=s.backend, threads=torch.get_num_threads(), clock=s.clock,
         torch_version=torch.__version__, compile=compile_fits,
-        run={m: _model_fit(samples, m, s.backend, lambda x: x.run_seconds) for m in MODES},
-        rss={m: _model_fit(samples, m, s.backend, lambda x: max(x.rss_bytes, 1)) for m in MODES},
-        warmup_seconds=max(0.0, first - compile_fits[first_key.mode.value](first_key)), samples=samples)
+        run=_model_fits(samples, s.backend, lambda x: x.run_seconds),
+        rss=_model_fits(samples, s.backend, lambda x: max(x.rss_bytes, 1)),
+        warmup_seconds=max(0.0, first - compile_fits[first_key.mode.value](first_key)), samples=samples,
+        steps=step_fits)
 
 
-def _model_fit(samples: Sequence[ModelSample], mode: str, backend: str, value: Callable[[ModelSample], float]
-         ) -> ModelFit:
-    return ModelFit.to_samples([(x.key(backend), float(value(x))) for x in samples if x.mode == mode])
+def _step_samples(runner: StaticModelRunner, model: torch.nn.Module,
+                  grid: Sequence[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]], s: ModelCalibrationSettings,
+                  clock: Callable[[], float], progress: Callable[[str], None] | None) -> list[StepSample]:
+    """Build (:meth:`~attnpolicy.engine.runner.StaticModelRunner.warmup`: compile and
+    first run, the context zeros) and time every step graph of ``grid`` through
+    ``runner``: each timed step runs over a fresh cache holding its context (the
+    gather, the graph and the write-back of its new rows, as a serving step pays)."""
+    gen = torch.Generator().manual_seed(1)
+    config: Any = model.config
+    vocab = int(config.vocab_size)
+    built = []
+    seen: set[StepKey] = set()
+    for mode, rows, context in grid:
+        layout = BatchLayout.from_lens(list(rows), [q + c for q, c in zip(rows, context)], causal=True)
+        key = runner.step_key_for(layout, mode)
+        if key in seen:
+            continue
+        seen.add(key)
+        start = clock()
+        runner.warmup([(layout, mode)])
+        built.append((mode, layout, context, key, clock() - start))
+        if progress:
+            progress(f"compiled {key}")
+    times: list[list[float]] = [[] for _ in built]
+    for _ in _rounds(s.repeats, progress):
+        for seconds, (mode, layout, context, _, _) in zip(times, built):
+            ids = torch.randint(0, vocab, (layout.q_tokens,), generator=gen)
+            kv = KVCache.holding(model, context, max(layout.kv_lens))
+            start = clock()
+            runner.run(ids, layout, mode, kv=kv, slots=range(layout.num_seqs))
+            seconds.append(clock() - start)
+    memory = {m.key: m for m in runner.stats().memory}
+    return [StepSample(mode=key.mode.value, tokens=key.tokens, context=key.context, segments=key.segments,
+                       compile_seconds=compile_s, run_seconds=statistics.median(run_s),
+                       rss_bytes=memory[str(key)].rss_bytes, estimate_bytes=memory[str(key)].estimate_bytes)
+            for (_, _, _, key, compile_s), run_s in zip(built, times)]
+
+
+def _model_fits(samples: Sequence[ModelSample] | Sequence[StepSample], backend: str,
+                value: Callable[[Any], float]) -> dict[Mode, ModelFit]:
+    """Per mode, the fit of ``value`` over the ``samples`` of that mode."""
+    return {m: ModelFit.to_samples([(x.key(backend), float(value(x))) for x in samples if x.mode == m])
+            for m in MODES}

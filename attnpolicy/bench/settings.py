@@ -117,6 +117,9 @@ class ModelCalibrationSettings:
     threads: Annotated[int, Field(ge=1)] = 1
     clock: Literal["cpu", "wall"] = "cpu"
     quick: bool = False
+    #: also the step graphs over cached context (decode, chunked prefill) of
+    #: :func:`~attnpolicy.bench.calibration.step_grid`
+    steps: bool = True
 
     @field_validator("sizes")
     @classmethod

@@ -132,7 +132,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_model_fits(args: argparse.Namespace) -> int:
     """``calibrate --model SPEC``: the whole-model fits of SPEC, into the model section of --out."""
-    from attnpolicy.bench.calibration import calibrate_model, model_grid
+    from attnpolicy.bench.calibration import calibrate_model
     from attnpolicy.bench.settings import ModelCalibrationSettings
 
     out = args.out
@@ -141,7 +141,7 @@ def calibrate_model_fits(args: argparse.Namespace) -> int:
                  sizes=tuple(args.sizes) if args.sizes else None, repeats=args.repeats, threads=args.threads,
                  clock=args.clock or "cpu", quick=args.quick)
     try:
-        with progress(len(model_grid(s)) + s.repeats, "calibrate --model") as advance:
+        with progress(None, "calibrate --model") as advance:
             model = calibrate_model(s, advance)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
@@ -156,6 +156,16 @@ def calibrate_model_fits(args: argparse.Namespace) -> int:
     print_table(f"model cost model, {model.spec}, {model.backend}, {model.clock} seconds, "
                 f"{model.threads} thread(s)",
                 ("mode", "buckets", "compile s", "model s", "run ms", "model ms", "RSS MiB", "estimate MiB"), rows)
+    if model.steps is not None:
+        step_rows = []
+        for y in model.steps.samples:
+            step = y.key(model.backend)
+            step_rows.append((y.mode, "+".join(f"{t}/{c}" for t, c in y.segments), y.compile_seconds,
+                              model.compile_seconds(step), y.run_seconds * 1e3, model.run_seconds(step) * 1e3,
+                              y.rss_bytes / 2**20, y.estimate_bytes / 2**20))
+        print_table(f"step graphs (decode, chunked prefill), {model.spec}",
+                    ("mode", "rows/context buckets", "compile s", "model s", "run ms", "model ms", "RSS MiB",
+                     "estimate MiB"), step_rows)
     console.print(f"the first compile in the process paid {model.warmup_seconds:.3g} s more (warmup_seconds); "
                   f"wrote {path}")
     return 0

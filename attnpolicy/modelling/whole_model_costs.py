@@ -1,15 +1,21 @@
 """The model-level cost model: predicted compile seconds, run seconds and bytes of
-whole-model graphs (:class:`~attnpolicy.engine.keys.ModelKey`).
+whole-model graphs: prefill graphs (:class:`~attnpolicy.engine.keys.ModelKey`) and
+step graphs over cached context (:class:`~attnpolicy.engine.keys.StepKey`: decode,
+chunked prefill).
 
 A :class:`ModelCostModel` is fitted by ``attnpolicy calibrate --model SPEC``
 (:func:`attnpolicy.bench.calibration.calibrate_model`) through the real
 :class:`~attnpolicy.engine.runner.StaticModelRunner`. Per mode it holds
 one :class:`ModelFit` each for compile seconds, run seconds and the RSS a build
-took. A fit is linear in three features of a key, so one form serves every mode:
+took, for prefill graphs and (``steps``) for step graphs. A fit is linear in four
+features of a key, so one form serves every mode and both kinds of graph:
 
 - ``tokens``: the graph's rows (VARLEN: the sum of its segments);
-- ``cells``: the attention score cells per layer (MASK: ``tokens²``, CAUSAL and
-  VARLEN: the sum of each segment's square);
+- ``context``: the cached context columns a step graph takes as input (its past keys
+  and values, gathered into the graph's padded span; a prefill graph has none);
+- ``cells``: the attention score cells per layer (prefill MASK: ``tokens²``, CAUSAL
+  and VARLEN: the sum of each segment's square; a step: each segment's rows times its
+  context and rows, MASK and CAUSAL as one segment);
 - ``segments``: the attention calls per layer (VARLEN: its segments, else 1).
 
 A VARLEN graph's run seconds are so a sum over its segments (a per-segment cost and
@@ -32,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
-from attnpolicy.engine.keys import ModelKey, estimate_bytes
+from attnpolicy.engine.keys import ModelKey, StepKey, estimate_bytes, step_estimate_bytes
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import nonnegative_fit
 
@@ -44,38 +50,54 @@ Mode = Literal["causal", "mask", "varlen"]
 MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
 
 
-def features(key: ModelKey) -> tuple[int, int, int, int]:
-    """The fit's features of ``key``: 1, tokens, score cells per layer, segments."""
+#: A whole-model graph's key: a prefill graph's or a step graph's.
+WholeModelKey = ModelKey | StepKey
+
+
+def features(key: WholeModelKey) -> tuple[int, int, int, int, int]:
+    """The fit's features of ``key``: 1, tokens, context, score cells per layer, segments."""
+    if isinstance(key, StepKey):
+        cells = (sum(t * (c + t) for t, c in key.segments) if key.mode is MaskMode.VARLEN
+                 else key.tokens * (key.context + key.tokens))
+        return 1, key.tokens, key.context, cells, len(key.segments)
     if key.mode is MaskMode.MASK:
-        return 1, key.tokens, key.tokens * key.tokens, 1
-    return 1, key.tokens, sum(n * n for n in key.segments), len(key.segments)
+        return 1, key.tokens, 0, key.tokens * key.tokens, 1
+    return 1, key.tokens, 0, sum(n * n for n in key.segments), len(key.segments)
 
 
 class ModelFit(BaseModel):
-    """``base + per_token·tokens + per_cell·cells + per_segment·segments`` (see the module docstring)."""
+    """``base + per_token·tokens + per_context·context + per_cell·cells +
+    per_segment·segments`` (see the module docstring)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     base: NonNegative = 0.0
     per_token: NonNegative = 0.0
+    per_context: NonNegative = 0.0
     per_cell: NonNegative = 0.0
     per_segment: NonNegative = 0.0
 
-    def __call__(self, key: ModelKey) -> float:
-        one, tokens, cells, segments = features(key)
-        return self.base * one + self.per_token * tokens + self.per_cell * cells + self.per_segment * segments
+    def __call__(self, key: WholeModelKey) -> float:
+        one, tokens, context, cells, segments = features(key)
+        return (self.base * one + self.per_token * tokens + self.per_context * context + self.per_cell * cells
+                + self.per_segment * segments)
 
     @classmethod
-    def to_samples(cls, samples: Sequence[tuple[ModelKey, float]]) -> ModelFit:
+    def to_samples(cls, samples: Sequence[tuple[WholeModelKey, float]]) -> ModelFit:
         """The non-negative fit of ``(key, value)`` samples minimising the squared
-        relative error: the best least-squares solution over every subset of the four
-        terms that has no negative coefficient."""
+        relative error: the best least-squares solution over every subset of the
+        terms that has no negative coefficient. A term no sample has (prefill
+        graphs' context) is left out of the fit (coefficient 0)."""
         if not samples:
             raise ConfigError("a model fit needs at least one (key, value) sample, got none")
         values = np.array([max(v, 1e-12) for _, v in samples], dtype=float)
         terms = np.array([features(k) for k, _ in samples], dtype=float)
-        base, per_token, per_cell, per_segment = nonnegative_fit(terms, values)
-        return cls(base=base, per_token=per_token, per_cell=per_cell, per_segment=per_segment)
+        present = np.flatnonzero(terms.any(axis=0))
+        coefficients = np.zeros(terms.shape[1])
+        coefficients[present] = nonnegative_fit(terms[:, present], values)
+        base, per_token, per_context, per_cell, per_segment = coefficients.tolist()
+        return cls(base=base, per_token=per_token, per_context=per_context, per_cell=per_cell,
+                   per_segment=per_segment)
 
 
 class ModelSample(BaseModel):
@@ -92,6 +114,37 @@ class ModelSample(BaseModel):
 
     def key(self, backend: str) -> ModelKey:
         return key_of(self.mode, self.segments, backend)
+
+
+class StepSample(BaseModel):
+    """One calibrated step graph: its key's shape (per sequence its rows' and its
+    context's buckets; one pair for MASK and CAUSAL) and what it measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Mode
+    tokens: Positive
+    context: Annotated[int, Field(strict=True, ge=0)]
+    segments: tuple[tuple[Positive, Annotated[int, Field(strict=True, ge=0)]], ...]
+    compile_seconds: NonNegative
+    run_seconds: NonNegative
+    rss_bytes: int
+    estimate_bytes: Positive
+
+    def key(self, backend: str) -> StepKey:
+        return StepKey(MaskMode(self.mode), self.tokens, self.context, self.segments, backend)
+
+
+class StepFits(BaseModel):
+    """The step graphs' fits per mode (compile seconds, run seconds, build RSS) and the
+    samples they were fitted on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    compile: dict[Mode, ModelFit]
+    run: dict[Mode, ModelFit]
+    rss: dict[Mode, ModelFit]
+    samples: tuple[StepSample, ...] = ()
 
 
 def key_of(mode: str, segments: Sequence[int], backend: str) -> ModelKey:
@@ -135,6 +188,8 @@ class ModelCostModel(BaseModel):
     rss: dict[Mode, ModelFit]
     warmup_seconds: NonNegative = 0.0
     samples: tuple[ModelSample, ...] = ()
+    #: the step graphs' fits (``None``: a calibration that measured prefill graphs only)
+    steps: StepFits | None = None
 
     @property
     def calibrated_range(self) -> tuple[int, int] | None:
@@ -144,21 +199,35 @@ class ModelCostModel(BaseModel):
             return None
         return max(sum(x.segments) for x in self.samples), max(len(x.segments) for x in self.samples)
 
-    def compile_seconds(self, key: ModelKey) -> float:
+    def _fit(self, key: WholeModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
+        """The fit of ``what`` for ``key``'s kind of graph and mode."""
+        source: ModelCostModel | StepFits = self
+        if isinstance(key, StepKey):
+            if self.steps is None:
+                raise ConfigError(f"the cost model of {self.spec} holds no step-graph fits (decode, chunked "
+                                  f"prefill): calibrate it again with attnpolicy calibrate --model SPEC")
+            source = self.steps
+        return {"compile": source.compile, "run": source.run, "rss": source.rss}[what][key.mode.value]
+
+    def compile_seconds(self, key: WholeModelKey) -> float:
         """Seconds to build the graph of ``key`` (compile and first run)."""
-        return self.compile[key.mode.value](key)
+        return self._fit(key, "compile")(key)
 
-    def run_seconds(self, key: ModelKey) -> float:
-        """Seconds of one batch through the graph of ``key`` (placement and scatter included)."""
-        return self.run[key.mode.value](key)
+    def run_seconds(self, key: WholeModelKey) -> float:
+        """Seconds of one batch (one step) through the graph of ``key`` (placement and
+        scatter included; a step's gather of its context and write-back too)."""
+        return self._fit(key, "run")(key)
 
-    def rss_bytes(self, key: ModelKey) -> int:
+    def rss_bytes(self, key: WholeModelKey) -> int:
         """The RSS a build of ``key``'s graph is predicted to take (measured in calibration)."""
-        return round(self.rss[key.mode.value](key))
+        return round(self._fit(key, "rss")(key))
 
-    def graph_bytes(self, key: ModelKey) -> int:
+    def graph_bytes(self, key: WholeModelKey) -> int:
         """The runner's static-shape estimate for ``key``: what its cache is bounded by."""
         d = self.dims
         config = SimpleNamespace(hidden_size=d.hidden, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
-                                 head_dim=d.head_dim, intermediate_size=d.intermediate, vocab_size=d.vocab)
+                                 head_dim=d.head_dim, intermediate_size=d.intermediate, vocab_size=d.vocab,
+                                 num_hidden_layers=d.layers)
+        if isinstance(key, StepKey):
+            return step_estimate_bytes(key, config, d.itemsize)
         return estimate_bytes(key, config, d.itemsize)

@@ -13,7 +13,7 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import model_key_for
+from attnpolicy.engine.keys import StepKey, model_key_for, step_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel
@@ -43,6 +43,29 @@ def test_fit_recovers_its_coefficients_and_sums_varlen_segments():
     assert truth(two) == pytest.approx(0.5 + 1e-3 * 96 + 2e-6 * (64 ** 2 + 32 ** 2) + 0.1 * 2)
     with pytest.raises(ConfigError, match="at least one"):
         ModelFit.to_samples([])
+
+
+def test_one_fit_form_prices_step_graphs_over_their_context():
+    """A step graph's features: its rows, its context columns, each segment's rows times
+    its context and rows, its segments; the fit recovers them, and a prefill-only fit
+    leaves the context term out (what every prefill fit was before steps)."""
+    truth = ModelFit(base=0.2, per_token=1e-3, per_context=5e-4, per_cell=3e-6, per_segment=0.05)
+    keys = [StepKey(MaskMode.MASK, 16, c, ((16, c),), "aot_eager") for c in (16, 64, 256)] + [
+        StepKey(MaskMode.MASK, 64, 512, ((64, 512),), "aot_eager"),
+        StepKey(MaskMode.VARLEN, 32, 96, ((16, 64), (16, 32)), "aot_eager"),
+        StepKey(MaskMode.VARLEN, 80, 64, ((64, 32), (16, 32)), "aot_eager"),
+        StepKey(MaskMode.VARLEN, 48, 384, ((16, 128),) * 3, "aot_eager")]
+    fitted = ModelFit.to_samples([(k, truth(k)) for k in keys])
+    for k in keys:
+        assert fitted(k) == pytest.approx(truth(k), rel=1e-6)
+    varlen = keys[4]
+    assert truth(varlen) == pytest.approx(0.2 + 1e-3 * 32 + 5e-4 * 96 + 3e-6 * (16 * 80 + 16 * 48) + 0.05 * 2)
+    mask = keys[3]
+    assert truth(mask) == pytest.approx(0.2 + 1e-3 * 64 + 5e-4 * 512 + 3e-6 * 64 * (512 + 64) + 0.05)
+    prefill = [key_of("mask", (n,), "aot_eager") for n in (16, 64, 256)]
+    assert ModelFit.to_samples([(k, 1.0 + k.tokens) for k in prefill]).per_context == 0.0
+    with pytest.raises(ConfigError, match="holds no step-graph fits.*attnpolicy calibrate --model SPEC"):
+        synthetic().model_copy(update={"steps": None}).run_seconds(keys[0])
 
 
 def test_a_cost_file_round_trips_both_families_and_refuses_bad_files(tmp_path):
@@ -95,12 +118,16 @@ def test_graph_bytes_are_the_runners_estimate():
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from attnpolicy.bench.calibration import calibrate_model, model_grid
+    from attnpolicy.bench.calibration import calibrate_model, model_grid, runner_config, step_grid
     from attnpolicy.bench.settings import ModelCalibrationSettings
 
     s = ModelCalibrationSettings(spec=SPEC, quick=True, repeats=1)
     model = calibrate_model(s)
     assert len(model.samples) == len(model_grid(s))
+    config = runner_config(s, 1 << 12, 1 << 12)  # the keys depend on the buckets alone, not on these limits
+    keys = {step_key_for(BatchLayout.from_lens(list(q), [a + b for a, b in zip(q, c)]), mode, config)
+            for mode, q, c in step_grid(s)}
+    assert model.steps is not None and {x.key(model.backend) for x in model.steps.samples} == keys
     return model, tmp_path_factory.mktemp("model")
 
 
@@ -113,6 +140,12 @@ def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
         assert x.compile_seconds > 0 and x.run_seconds > 0
         assert model.compile_seconds(key) > 0 and model.run_seconds(key) > 0
         assert x.estimate_bytes == model.graph_bytes(key)  # the runner's own estimate
+    assert model.steps is not None and {x.mode for x in model.steps.samples} == {"causal", "mask", "varlen"}
+    for y in model.steps.samples:
+        step = y.key(model.backend)
+        assert y.compile_seconds > 0 and y.run_seconds > 0
+        assert model.compile_seconds(step) > 0 and model.run_seconds(step) > 0
+        assert y.estimate_bytes == model.graph_bytes(step)  # the runner's own estimate of a step graph
 
 
 @pytest.mark.parametrize("policy", ["dynamic", "varlen"])
