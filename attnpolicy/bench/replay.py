@@ -307,10 +307,13 @@ def _differs(got: list[int], want: list[int], logits: torch.Tensor, n: int) -> b
 
 def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[ScheduledBatch], config: AttnPolicyConfig,
                 *, max_model_len: int, max_num_seqs: int, check: bool = False, clock: str = "cpu",
-                threads: int = 1, progress: Callable[[str], None] | None = None) -> ModelReplay:
+                threads: int = 1, progress: Callable[[str], None] | None = None,
+                cost: ModelCostModel | None = None) -> ModelReplay:
     """Serve ``requests`` in the batch former's ``steps`` through a runner of SPEC's model
     under ``config``: prompts of random token ids (seeded per request), decodes greedy.
-    A step's compile is its new graphs' builds (compile and first run); the rest is run."""
+    A step's compile is its new graphs' builds (compile and first run); the rest is run.
+    With ``cost``, the simulator's row of the steps served (each on a step graph) is
+    the ``predicted`` one."""
     torch.set_num_threads(threads)
     model, described = load_model(spec)
     reference = load_model(spec)[0] if check else None
@@ -331,6 +334,7 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
     modes: dict[str, int] = {}
     compile_s = run_s = 0.0
     context_steps = 0
+    served: list[BatchLayout] = []
     try:
         for step in steps:
             q_lens = step.layout.q_lens
@@ -340,6 +344,7 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
             slots = [slot_of[r] for r in step.seq_ids]
             kv_lens = [kv.length(s) + q for s, q in zip(slots, q_lens)]
             layout = BatchLayout.from_lens(list(q_lens), kv_lens, causal=True)
+            served.append(layout)
             context_steps += layout.has_context
             ids = torch.tensor([t for rid, q in zip(step.seq_ids, q_lens) for t in tokens[rid][fed[rid]:fed[rid] + q]])
             mode = runner.decide(layout).mode
@@ -385,5 +390,6 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
                                _differs(seq, seq[:n] + greedy[:len(seq) - n], whole, n))
                 err = max(err, float((got - whole).abs().max()))
     c = stats.cache
+    predicted = None if cost is None else simulate_model(served, cost, [config], [config.eviction], steps=True)[0]
     return ModelReplay(described, config.policy, len(steps), modes, c.hits, c.misses, c.compiles, c.evictions,
-                       clock, compile_s, run_s, err, None, context_steps, len(prompts), mismatches)
+                       clock, compile_s, run_s, err, predicted, context_steps, len(prompts), mismatches)

@@ -149,9 +149,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.replan_every is not None:
             fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
         check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-        if args.cost_model and not args.prefill_only:
-            fail(f"argument --cost-model: {args.cost_model}: the model-level simulator predicts prefill-only "
-                 "workloads: add --prefill-only")
         former = former_from(args, prefill_only=args.prefill_only)
         # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
         # whole requests: of every running sequence's context too, as at the attention level
@@ -240,6 +237,9 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
         fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
              f"{args.model}: set --max-seq-len {positions} or less")
     cost = priced_model(args)[0] if args.cost_model else None
+    if cost is not None and not args.prefill_only and cost.steps is None:
+        fail(f"argument --cost-model: {args.cost_model} holds no step-graph fits, which whole requests run on: "
+             "calibrate it again with attnpolicy calibrate --model SPEC, or add --prefill-only")
     clock = args.clock or "cpu"
     if cost is not None and cost.backend != config.backend:
         warn(f"--cost-model was calibrated with backend {cost.backend}, the run uses {config.backend}")
@@ -255,7 +255,7 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
             else:
                 result = serve_model(args.model, requests, steps, config, max_model_len=former.max_model_len,
                                      max_num_seqs=former.max_num_seqs, check=args.check, clock=clock,
-                                     progress=advance)
+                                     progress=advance, cost=cost)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
     rows: list[tuple[str, object]] = [

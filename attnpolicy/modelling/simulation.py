@@ -63,7 +63,7 @@ from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_s
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import ModelKey, model_key_for
+from attnpolicy.engine.keys import ModelKey, StepKey, model_key_for, step_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
@@ -670,6 +670,14 @@ def key_stream(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode], config
     return [model_key_for(layout, mode, config) for layout, mode in zip(layouts, modes)]
 
 
+def step_stream(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode], config: AttnPolicyConfig
+                ) -> list[StepKey]:
+    """The step graph key each engine step runs under when steps are served over a KV
+    cache, as ``run --model`` serves whole requests (the runner's :func:`step_key_for`:
+    every step, a first prefill too, on a step graph)."""
+    return [step_key_for(layout, mode, config) for layout, mode in zip(layouts, modes)]
+
+
 @dataclass(frozen=True)
 class ModelSimRow:
     """One replay of a key stream: the cache's counters and the modelled seconds."""
@@ -698,11 +706,11 @@ class ModelSimRow:
         return {**asdict(self), "total_seconds": self.total_seconds}
 
 
-def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPolicyConfig, eviction: str
-                ) -> ModelSimRow:
+def replay_keys(keys: Sequence[ModelKey] | Sequence[StepKey], model: ModelCostModel, config: AttnPolicyConfig,
+                eviction: str) -> ModelSimRow:
     """Replay ``keys`` through a cache of ``config``'s bounds with ``eviction`` (or
     ``belady``), costed by ``model``."""
-    ids: dict[ModelKey, int] = {}
+    ids: dict[ModelKey | StepKey, int] = {}
     stream = [ids.setdefault(k, len(ids)) for k in keys]
     distinct = list(ids)
     sizes = [model.graph_bytes(k) for k in distinct]
@@ -718,11 +726,13 @@ def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPol
 
 
 def simulate_model(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig],
-                   evictions: Sequence[str]) -> list[ModelSimRow]:
-    """One row per config × eviction: each config's policy decides, its buckets key."""
+                   evictions: Sequence[str], *, steps: bool = False) -> list[ModelSimRow]:
+    """One row per config × eviction: each config's policy decides, its buckets key
+    (``steps``: the layouts are engine steps served over a KV cache, see :func:`step_stream`)."""
     spec = spec_of(model)
     rows = []
     for config in configs:
-        keys = key_stream(layouts, decided_modes(layouts, config, spec), config)
+        modes = decided_modes(layouts, config, spec)
+        keys = step_stream(layouts, modes, config) if steps else key_stream(layouts, modes, config)
         rows += [replay_keys(keys, model, config, eviction) for eviction in evictions]
     return rows

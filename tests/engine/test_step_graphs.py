@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from cost_models import synthetic
 from docs_blocks import ROOT, blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError, StrictModeError
+from attnpolicy.modelling.cost_file import CostFile
 
 VOCAB = 64
 MAX_LEN = 64  # test_static_model's config: max_seq_len 64, max_batch_tokens 128, pow2 from 16, aot_eager
@@ -263,9 +265,11 @@ def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys
     assert result["misses"] == result["compiles"] > 0
 
 
-def test_run_model_refuses_a_cost_model_on_whole_requests(tmp_path, capsys):
-    assert main(["run", "--model", TINY["qwen3"], "--cost-model", str(tmp_path / "m.json"), "--limit", "2"]) == 2
-    assert "add --prefill-only" in capsys.readouterr().err
+def test_run_model_refuses_a_cost_model_without_step_fits_on_whole_requests(tmp_path, capsys):
+    path = CostFile(model=synthetic()).save(tmp_path / "m.json")  # prefill fits only
+    assert main(["run", "--model", TINY["qwen3"], "--cost-model", str(path), "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no step-graph fits" in err and "--prefill-only" in err
 
 
 def test_the_docs_step_example_runs(capsys):

@@ -23,6 +23,8 @@ from attnpolicy.modelling.simulation import model_config, model_layouts, simulat
 from attnpolicy.modelling.stalls import compare_model_stalls
 from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, key_of
 from attnpolicy.planning.graph_set import plan_model_graphs
+from attnpolicy.workloads.batching import BatchFormer
+from attnpolicy.workloads.traces import Request
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
 #: prefill batches whose keys under pow2 buckets and 2 graphs evict
@@ -162,6 +164,28 @@ def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
     assert result.evictions > 0  # the cache was too small: eviction order mattered
     assert result.hits + result.misses == len(LAYOUTS)
     assert result.max_abs_err is not None and result.max_abs_err <= MODEL_TOLERANCE
+    assert result.ratios()["misses"] == 1.0
+
+
+@pytest.mark.parametrize("policy", ["always-mask", "varlen"])
+def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, policy):
+    """Whole requests (chunked prefill, decodes) served over a KV cache, every step on a
+    step graph: the simulator's misses, compiles and evictions are the runner's, and its
+    seconds come from the step fits."""
+    from attnpolicy.bench.replay import serve_model
+
+    model, _ = calibrated
+    requests = [Request(0.0, 40, 6), Request(0.0, 9, 12), Request(0.1, 70, 3), Request(0.2, 3, 5)]
+    former = BatchFormer(max_num_seqs=3, max_num_batched_tokens=32, max_model_len=128)
+    steps = list(former.steps(requests))
+    config = model_config(model, 128, 512, policy=policy, max_graphs=3)
+    result = serve_model(SPEC, requests, steps, config, max_model_len=128, max_num_seqs=3, cost=model)
+    predicted = result.predicted
+    assert predicted is not None and 0 < result.context_steps < len(steps)
+    assert (predicted.misses, predicted.compiles, predicted.evictions) == \
+        (result.misses, result.compiles, result.evictions)
+    assert result.evictions > 0  # three graphs were too few: the eviction order mattered
+    assert predicted.batches == len(steps) and predicted.run_seconds > 0 and predicted.compile_seconds > 0
     assert result.ratios()["misses"] == 1.0
 
 
