@@ -381,7 +381,10 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
                 seq, n = tokens[rid], len(prompt)
                 # generate stops at the model's end-of-sequence token; the server's steps run on
                 # (a fixed output length, as a benchmark's ignore_eos): its prefix must agree
-                want = reference.generate(torch.tensor([prompt]), max_new_tokens=len(seq) - n,
+                # every position is a token: without the mask generate would infer one from
+                # pad_token_id and hide the prompt's tokens of that id
+                ids = torch.tensor([prompt])
+                want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(seq) - n,
                                           do_sample=False)[0].tolist()
                 got = torch.cat(rows[rid])
                 whole = reference(input_ids=torch.tensor([seq[:got.shape[0]]]), use_cache=False).logits[0]
