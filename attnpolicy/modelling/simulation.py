@@ -707,22 +707,30 @@ class ModelSimRow:
 
 
 def replay_keys(keys: Sequence[ModelKey] | Sequence[StepKey], model: ModelCostModel, config: AttnPolicyConfig,
-                eviction: str) -> ModelSimRow:
+                eviction: str, *, builds_run: bool = False) -> ModelSimRow:
     """Replay ``keys`` through a cache of ``config``'s bounds with ``eviction`` (or
-    ``belady``), costed by ``model``."""
+    ``belady``), costed by ``model``. ``builds_run``: a miss's build runs its own batch
+    (a step graph: the runner builds it on the step, and calibration times build and
+    step together), so a batch that misses costs its compile seconds alone and
+    ``run_seconds`` are the hits'."""
     ids: dict[ModelKey | StepKey, int] = {}
     stream = [ids.setdefault(k, len(ids)) for k in keys]
     distinct = list(ids)
     sizes = [model.graph_bytes(k) for k in distinct]
     costs = [model.compile_seconds(k) for k in distinct]
     run = [model.run_seconds(k) for k in distinct]
-    stats = replay_stream(stream, sizes, costs, max_graphs=config.max_graphs, max_bytes=config.max_bytes,
-                          eviction=eviction, oversize=config.oversize,
-                          name=lambda i: distinct[i])
+    def replayed(cost: list[float]) -> StreamStats:
+        return replay_stream(stream, sizes, cost, max_graphs=config.max_graphs, max_bytes=config.max_bytes,
+                             eviction=eviction, oversize=config.oversize, name=lambda i: distinct[i])
+
+    stats = replayed(costs)
+    run_seconds = sum(run[i] for i in stream)
+    if builds_run:  # the same misses, priced at their run seconds: those are in their builds
+        run_seconds -= replayed(run).compile_seconds
     return ModelSimRow(config.policy, config.buckets.describe(), config.max_graphs, config.max_bytes, eviction,
                        len(keys), len(distinct), stats.misses, stats.compiles, stats.evictions,
                        stats.compile_seconds, model.warmup_seconds if stats.compiles else 0.0,
-                       sum(run[i] for i in stream), stats.peak_graphs, stats.peak_bytes)
+                       run_seconds, stats.peak_graphs, stats.peak_bytes)
 
 
 def simulate_model(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig],
@@ -734,5 +742,5 @@ def simulate_model(layouts: Sequence[BatchLayout], model: ModelCostModel, config
     for config in configs:
         modes = decided_modes(layouts, config, spec)
         keys = step_stream(layouts, modes, config) if steps else key_stream(layouts, modes, config)
-        rows += [replay_keys(keys, model, config, eviction) for eviction in evictions]
+        rows += [replay_keys(keys, model, config, eviction, builds_run=steps) for eviction in evictions]
     return rows

@@ -21,7 +21,7 @@ from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import model_outside_range
 from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
 from attnpolicy.modelling.stalls import compare_model_stalls
-from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, key_of
+from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
 from attnpolicy.planning.graph_set import plan_model_graphs
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
@@ -187,6 +187,24 @@ def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, poli
     assert result.evictions > 0  # three graphs were too few: the eviction order mattered
     assert predicted.batches == len(steps) and predicted.run_seconds > 0 and predicted.compile_seconds > 0
     assert result.ratios()["misses"] == 1.0
+
+
+def test_a_step_that_builds_its_graph_costs_its_build_alone():
+    """A step graph's build runs its step (as the runner and calibration do): a missed
+    step is priced at its compile seconds, the hits at their run seconds."""
+    from attnpolicy.modelling.simulation import replay_keys
+
+    model = synthetic().model_copy(update={"steps": StepFits(
+        compile=dict.fromkeys(("causal", "mask", "varlen"), ModelFit(base=2.0)),
+        run=dict.fromkeys(("causal", "mask", "varlen"), ModelFit(base=0.25)),
+        rss=dict.fromkeys(("causal", "mask", "varlen"), ModelFit(base=1e6)))})
+    a, b = (StepKey(MaskMode.MASK, 16, c, ((16, c),), "aot_eager") for c in (16, 32))
+    config = model_config(model, 64, 128, max_graphs=1)
+    for keys, misses, hits in (([a, a, a], 1, 2), ([a, b, a, b], 4, 0), ([a, a, b, b, b], 2, 3)):
+        row = replay_keys(keys, model, config, "lru", builds_run=True)
+        assert (row.misses, row.compile_seconds, row.run_seconds) == (misses, 2.0 * misses, 0.25 * hits)
+        whole = replay_keys(keys, model, config, "lru")  # a prefill graph's build does not run the batch
+        assert whole.run_seconds == 0.25 * len(keys) and whole.compile_seconds == row.compile_seconds
 
 
 def test_model_key_for_is_the_runners_key():
