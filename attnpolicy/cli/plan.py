@@ -261,7 +261,7 @@ def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequen
     settings = host_settings(steps, buckets, limits, max_buckets, str(gaudi.resolve()))
     write_text_atomic(gaudi, settings.gaudi_file)
     write_json(out / "host_settings.json", settings.sections)
-    return peer_coverage(steps, limits, settings.warmup_sets())
+    return peer_coverage(settings.forwards, settings.warmup_sets())
 
 
 def peers_markdown(peers: Sequence[PeerCoverage]) -> str:

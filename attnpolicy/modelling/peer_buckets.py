@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import ast
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
 from typing import Literal, NamedTuple
 
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 
 Phase = Literal["prefill", "decode", "mixed"]
@@ -666,6 +668,25 @@ def step_forwards(runtime: Runtime, q_lens: Sequence[int], kv_lens: Sequence[int
     prompts = [Forward("prefill", 1, q, -((q - kv) // block), q) for q, kv in zip(q_lens, kv_lens) if q != 1]
     blocks = [-(-kv // block) for q, kv in zip(q_lens, kv_lens) if q == 1]
     return (*prompts, Forward("decode", len(blocks), 1, sum(blocks), len(blocks))) if blocks else tuple(prompts)
+
+
+class WorkloadForwards:
+    """The forwards each runtime runs for a workload's engine ``steps`` under ``limits``
+    (:func:`step_forwards`), counted by value, once per runtime and kept: what the host
+    settings and the coverage table both read."""
+
+    def __init__(self, steps: Sequence[BatchLayout], limits: PeerLimits) -> None:
+        self.steps = steps
+        self.limits = limits
+        self._counted: dict[Runtime, Counter[Forward]] = {}
+
+    def of(self, runtime: Runtime) -> Counter[Forward]:
+        """``runtime``'s forwards with how many times each runs (do not change it)."""
+        counted = self._counted.get(runtime)
+        if counted is None:
+            counted = self._counted[runtime] = Counter(
+                f for layout in self.steps for f in step_forwards(runtime, layout.q_lens, layout.kv_lens, self.limits))
+        return counted
 
 
 #: The schemes by name, each under its runtime's defaults.

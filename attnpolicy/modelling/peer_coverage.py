@@ -23,16 +23,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
     Forward,
-    PeerLimits,
     WarmupGraph,
     WarmupSet,
+    WorkloadForwards,
     runtime_of,
-    step_forwards,
 )
 
 
@@ -86,28 +84,21 @@ def coverage(label: str, warm: WarmupSet, forwards: Iterable[Forward]) -> PeerCo
                         padded)
 
 
-def peer_coverage(steps: Sequence[BatchLayout], limits: PeerLimits,
+def peer_coverage(forwards: WorkloadForwards,
                   extra: Sequence[tuple[str, Callable[[], WarmupSet]]] = ()) -> tuple[PeerCoverage, ...]:
     """Every runtime's default warm-up set (:data:`~attnpolicy.modelling.peer_buckets.WARMUPS`)
-    for ``limits``, then each ``(label, make)`` of ``extra`` (``make()``: a runtime's set
-    under other settings, such as a plan's), against the engine ``steps``."""
-    forwards: dict[str, Counter[Forward]] = {}
-
-    def of(scheme: str) -> Counter[Forward]:
-        runtime = runtime_of(scheme)
-        if runtime not in forwards:
-            forwards[runtime] = Counter(f for layout in steps
-                                        for f in step_forwards(runtime, layout.q_lens, layout.kv_lens, limits))
-        return forwards[runtime]
+    for the workload's limits, then each ``(label, make)`` of ``extra`` (``make()``: a
+    runtime's set under other settings, such as a plan's), against the workload's
+    ``forwards``."""
 
     def row(label: str, make: Callable[[], WarmupSet]) -> PeerCoverage:
         try:
             warm = make()
         except ConfigError as exc:
             return PeerCoverage(label, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, str(exc))
-        return coverage(label, warm, of(warm.scheme))
+        return coverage(label, warm, forwards.of(runtime_of(warm.scheme)))
 
-    defaults: list[tuple[str, Callable[[], WarmupSet]]] = [(name, partial(make, limits))
+    defaults: list[tuple[str, Callable[[], WarmupSet]]] = [(name, partial(make, forwards.limits))
                                                             for name, make in WARMUPS.items()]
     return tuple(row(label, make) for label, make in [*defaults, *extra])
 

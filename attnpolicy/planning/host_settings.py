@@ -45,16 +45,17 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     GAUDI_LONG_CONTEXT,
     TPU_MIN_TOKEN_BUCKET,
+    Forward,
     LinearRange,
     PeerLimits,
     WarmupSet,
+    WorkloadForwards,
     gaudi_decode_bucket,
     gaudi_decode_graphs,
     gaudi_file_warmup,
     gaudi_prompt_graphs,
     gaudi_prompt_refusal,
     rbln_env_warmup,
-    step_forwards,
     tpu_env_paddings,
     tpu_paddings,
 )
@@ -189,9 +190,10 @@ class GaudiBuckets:
             *(f"({b}, 1, {n})" for b, n in self.decode), ""])
 
 
-def gaudi_buckets(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: PeerLimits,
+def gaudi_buckets(forwards: Counter[Forward], buckets: Sequence[int], limits: PeerLimits,
                   max_sizes: int) -> GaudiBuckets:
-    """The buckets vllm-gaudi needs to run the plan's ``steps`` as the plan pads them
+    """The buckets vllm-gaudi needs to run the plan's steps (their vllm-gaudi
+    ``forwards``, counted) as the plan pads them
     (vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
     vllm_gaudi/v1/worker/hpu_model_runner.py: a sequence of one new token is a decode,
     every other a prompt; ``_bucketize_2d_prompt``, ``_create_decode_input_data``):
@@ -212,13 +214,12 @@ def gaudi_buckets(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: 
     planned = sorted(set(buckets))
     prompts: list[tuple[int, int]] = []
     decodes: list[tuple[int, int]] = []
-    for layout in steps:
-        for f in step_forwards("gaudi", layout.q_lens, layout.kv_lens, limits):
-            assert f.context_blocks is not None  # vllm-gaudi pads every context to blocks
-            if f.phase == "decode":
-                decodes.append((f.batch, f.context_blocks))
-            else:
-                prompts.append((f.query_tokens, f.context_blocks))
+    for f, n in forwards.items():
+        assert f.context_blocks is not None  # vllm-gaudi pads every context to blocks
+        if f.phase == "decode":
+            decodes += [(f.batch, f.context_blocks)] * n
+        else:
+            prompts += [(f.query_tokens, f.context_blocks)] * n
     missing: list[str] = []
     prompt: set[tuple[int, int, int]] = set()
     if prompts:
@@ -330,8 +331,9 @@ def gaudi_settings(gaudi: GaudiBuckets, limits: PeerLimits, bucketing_file: str)
 
 # -- tpu-inference ------------------------------------------------------------------------
 
-def tpu_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
-    """The ``"tpu"`` section (tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88,
+def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
+    """The ``"tpu"`` section of the steps' tpu-inference ``forwards`` (counted)
+    (tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88,
     tpu_inference/runner/tpu_runner.py ``_init_inputs``, runner/utils.py, envs.py):
 
     - ``num_tokens_paddings``: at most ``max_sizes`` token counts padding the steps'
@@ -350,7 +352,7 @@ def tpu_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: in
       but ``max_num_seqs`` changes (reported, not chosen)."""
     budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     cover = max(TPU_MIN_TOKEN_BUCKET, 1 << (budget - 1).bit_length())
-    ragged = [f for layout in steps for f in step_forwards("tpu", layout.q_lens, layout.kv_lens, limits)]
+    ragged = list(forwards.elements())
     tokens = Counter(f.tokens for f in ragged)
     if not tokens:
         raise ConfigError("host settings need at least one step, got none (empty workload)")
@@ -372,9 +374,10 @@ def tpu_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: in
 
 # -- vllm-rbln ----------------------------------------------------------------------------
 
-def rbln_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
-    """The ``"rbln"`` section (vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e,
-    vllm_rbln/rbln_envs.py, vllm_rbln/v1/worker/bucketing/manual_bucketing_manager.py):
+def rbln_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
+    """The ``"rbln"`` section of the steps' vllm-rbln ``forwards`` (counted)
+    (vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e, vllm_rbln/rbln_envs.py,
+    vllm_rbln/v1/worker/bucketing/manual_bucketing_manager.py):
     ``decode_batch_buckets``, at most ``max_sizes`` batch sizes padding the steps'
     decoding requests the least, the largest ``max_num_seqs`` (vllm-rbln's max batch
     size on one pipeline stage, which its manual list must end at), as
@@ -382,9 +385,8 @@ def rbln_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: i
     ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS``. vllm-rbln has no setting for its
     prefill graph (one request padded to ``max_num_batched_tokens``): ``missing`` says so."""
     seqs = limits.max_num_seqs
-    decoding, missing = _within_seqs((f.batch for layout in steps
-                                      for f in step_forwards("rbln", layout.q_lens, layout.kv_lens, limits)
-                                      if f.phase == "decode"), seqs, "decoding requests")
+    decoding, missing = _within_seqs((f.batch for f in forwards.elements() if f.phase == "decode"), seqs,
+                                     "decoding requests")
     batches = counts_sizes(decoding, max_sizes, top=seqs) if decoding else (seqs,)
     prefill = (f"prefill: vllm-rbln has no setting for its prefill graph, which pads every prefill to "
                f"max_num_batched_tokens ({limits.max_num_batched_tokens}) at batch 1; the plan's prompt buckets "
@@ -399,13 +401,17 @@ def rbln_settings(steps: Sequence[BatchLayout], limits: PeerLimits, max_sizes: i
 
 @dataclass(frozen=True)
 class HostSettings:
-    """A plan's host settings for a server of ``limits``: ``sections``
-    (``host_settings.json``, one per host) and ``gaudi_file``, the text of vllm-gaudi's
-    bucketing file."""
+    """A plan's host settings: ``sections`` (``host_settings.json``, one per host),
+    ``gaudi_file``, the text of vllm-gaudi's bucketing file, and ``forwards``, the
+    runtimes' forwards of the steps they were made for (and the server's limits)."""
 
     sections: dict[str, Any]
     gaudi_file: str
-    limits: PeerLimits
+    forwards: WorkloadForwards
+
+    @property
+    def limits(self) -> PeerLimits:
+        return self.forwards.limits
 
     def warmup_sets(self) -> tuple[tuple[str, Callable[[], WarmupSet]], ...]:
         """What vllm-gaudi, tpu-inference and vllm-rbln warm up under these settings, each
@@ -428,15 +434,16 @@ def host_settings(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: 
     step_tokens = [layout.q_tokens for layout in steps]
     sizes = list(step_sizes(step_tokens, limits.max_num_batched_tokens, max_sizes))
     padding = sorted(set(buckets))
-    gaudi = gaudi_buckets(steps, buckets, limits, max_sizes)
+    forwards = WorkloadForwards(steps, limits)
+    gaudi = gaudi_buckets(forwards.of("gaudi"), buckets, limits, max_sizes)
     return HostSettings(
         {"vllm": {"compilation_config": {"cudagraph_capture_sizes": sizes,
                                          "max_cudagraph_capture_size": sizes[-1],
                                          "compile_sizes": sizes},
                   "max_num_batched_tokens": limits.max_num_batched_tokens},
          "gaudi": gaudi_settings(gaudi, limits, bucketing_file),
-         "tpu": tpu_settings(steps, limits, max_sizes),
-         "rbln": rbln_settings(steps, limits, max_sizes),
+         "tpu": tpu_settings(forwards.of("tpu"), limits, max_sizes),
+         "rbln": rbln_settings(forwards.of("rbln"), limits, max_sizes),
          "static": {"sequence_padding": [b for b in padding if b <= limits.max_model_len],
                     "packed_padding": padding}},
-        gaudi.file_text(limits), limits)
+        gaudi.file_text(limits), forwards)

@@ -76,7 +76,7 @@ def test_every_token_runs_once_and_the_plans_settings_serve_the_steps_they_were_
     steps = _steps(prompts, output, seqs, budget, max_len)
     limits = PeerLimits(seqs, budget, max_len)
     made = host_settings(steps, [16, 64, 256, 512, 1024], limits, max_sizes)
-    rows = {r.scheme: r for r in peer_coverage(steps, limits, made.warmup_sets())}
+    rows = {r.scheme: r for r in peer_coverage(made.forwards, made.warmup_sets())}
     refused = {name: r.refused for name, r in rows.items() if r.refused}
     # vllm-gaudi refuses budgets under a block (its prompt queries are whole blocks); a plan's file of no prompt
     assert set(refused) <= {"gaudi-linear", "gaudi-exponential", "gaudi-plan"}
@@ -110,7 +110,7 @@ def test_plan_reports_the_runtimes_warm_up_sets_on_its_workload(tmp_path, capsys
     limits = PeerLimits(4, 256, 512)
     settings_ = host_settings(steps, json.loads((out / "plan.json").read_text())["policies"][0]["buckets"],
                               limits, 3)
-    assert peers == [r.to_json() for r in peer_coverage(steps, limits, settings_.warmup_sets())]
+    assert peers == [r.to_json() for r in peer_coverage(settings_.forwards, settings_.warmup_sets())]
     assert [p["scheme"] for p in peers] == [*WARMUPS, "gaudi-plan", "tpu-plan", "rbln-plan"]
     assert "The runtimes' warm-up sets on this workload" in printed
     md = (out / "plan.md").read_text()

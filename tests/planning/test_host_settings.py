@@ -30,6 +30,7 @@ from attnpolicy.modelling.peer_buckets import (
     LinearRange,
     PeerLimits,
     WarmupGraph,
+    WorkloadForwards,
     gaudi_decode_graphs,
     gaudi_file_buckets,
     gaudi_file_warmup,
@@ -293,11 +294,11 @@ def test_gaudi_decode_buckets_hold_at_least_their_batch_and_are_cut_as_vllm_gaud
     # 3 sequences of 3 blocks pad to batch 4 but stay at 3 blocks, a bucket vllm-gaudi drops (batch > blocks):
     # it holds 4 blocks instead
     steps = [decodes(200, 3)] * 10 + [decodes(3, 3, 3)] + [decodes(200, 200, 200, 200)] * 10 + [BatchLayout.from_lens([9])]
-    got = gaudi_buckets(steps, [16], limits, 2)
+    got = gaudi_buckets(WorkloadForwards(steps, limits).of("gaudi"), [16], limits, 2)
     assert got.decode == ((2, 3), (4, 4), (4, 8)) and got.missing == ()
     # one sequence of 2 blocks pads to 8 blocks, which vllm-gaudi cuts to 1 * 2
-    cut = gaudi_buckets([decodes(3)] * 10 + [decodes(200)] + [decodes(200, 200, 200, 200)] * 10
-                        + [BatchLayout.from_lens([9])], [16], limits, 2)
+    cut = gaudi_buckets(WorkloadForwards([decodes(3)] * 10 + [decodes(200)] + [decodes(200, 200, 200, 200)] * 10
+                                         + [BatchLayout.from_lens([9])], limits).of("gaudi"), [16], limits, 2)
     assert cut.decode == ((1, 1), (1, 2), (4, 8))
     for buckets in (got, cut):  # what the file warms up is what was emitted
         warm = gaudi_file_warmup(buckets.file_text(limits), limits)
@@ -306,16 +307,17 @@ def test_gaudi_decode_buckets_hold_at_least_their_batch_and_are_cut_as_vllm_gaud
 
 def test_gaudi_names_what_its_file_cannot_hold_and_emits_nothing_in_its_place():
     steps, limits = _mixed()
-    small = gaudi_buckets(steps, [16, 48], limits, 3)  # no planned bucket holds the 300- and 509-token prompts
+    small = gaudi_buckets(WorkloadForwards(steps, limits).of("gaudi"), [16, 48], limits, 3)  # no planned bucket holds the 300- and 509-token prompts
     assert all(q <= 48 for _, q, _ in small.prompt)
     assert [m for m in small.missing if "no planned bucket" in m] == [
         "prompt of 300 query tokens: no planned bucket holds it (the largest is 48)",
         "prompt of 167 query tokens: no planned bucket holds it (the largest is 48)",
         "prompt of 509 query tokens: no planned bucket holds it (the largest is 48)"]
-    large = gaudi_buckets(steps, [1024], limits, 3)  # vllm-gaudi drops a prompt bucket above the step budget
+    large = gaudi_buckets(WorkloadForwards(steps, limits).of("gaudi"), [1024], limits, 3)  # vllm-gaudi drops a prompt bucket above the step budget
     assert large.prompt == () and "vllm-gaudi drops it (batch x query 1024 > max_num_batched_tokens 512)" \
         in " ".join(large.missing)
-    prefill_only = gaudi_buckets(_layouts((5, 40), 1), [64], _limits(64, 256), 2)
+    prefill_only = gaudi_buckets(WorkloadForwards(_layouts((5, 40), 1), _limits(64, 256)).of("gaudi"), [64],
+                                 _limits(64, 256), 2)
     assert prefill_only.decode == () and any(m.startswith("decode: the plan has no decode step")
                                              for m in prefill_only.missing)
     section = host_settings(_layouts((5, 40), 1), [64], _limits(64, 256), 2).sections["gaudi"]
