@@ -13,7 +13,9 @@ implementation cannot serve a batch, and the dispatcher never runs one that cann
 A kernel serving a window gets it inside ``mask`` (in the causal kind too, next
 to ``causal=True``); one serving a soft cap or sinks is called with the keywords
 ``softcap=`` (a float) and ``sinks=`` (``[Hq]`` logits), only when they are set.
-Built-ins register through the same hook (:mod:`attnpolicy.plugins.builtin_kernels`).
+Built-ins register through the same hook (:mod:`attnpolicy.plugins.builtin_kernels`),
+by name alone (:data:`BUILTINS`): this registry, and every choice of a kernel,
+loads no torch, so a planner that only names kernels never does.
 
 A plugin kernel is checked at the framework boundary: every call's output must have
 the query's shape, dtype and device (:class:`~attnpolicy.errors.KernelError`
@@ -29,20 +31,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from attnpolicy.cache.code_identity import callable_code
 from attnpolicy.core.features import PLAIN, Features
+from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import ConfigError, PluginError
-from attnpolicy.kernels.attention import _BUILTIN_FNS, _IMPL_FNS, BUILTIN_IMPLS, bind, register_impl
-from attnpolicy.kernels.conformance import PROBE_SOFTCAP, PROBE_WINDOW, ProbeCase, probe, probe_layout
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnpolicy.kernels.conformance import ProbeCase
 
 KINDS = ("causal", "mask", "varlen")
 ALL_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
 #: The config's kernel choice "fastest fit" (``kernels: {kind: auto}``): no kernel may take the name.
 AUTO = "auto"
+#: The built-in kernels' names: they register without ``fn`` (the kernels of
+#: :mod:`attnpolicy.kernels.attention` and :mod:`attnpolicy.kernels.flex`, loaded with
+#: torch when a graph first runs one), and no plugin kernel may take one.
+BUILTINS = frozenset((*IMPLS, "flex"))
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class KernelInfo:
 
     name: str
     kind: str
-    fn: Callable[..., Any] | None = None  # None only for built-ins with their own path (flex)
+    fn: Callable[..., Any] | None = None  # None only for the built-ins (BUILTINS)
     dtypes: frozenset[str] = ALL_DTYPES
     gqa: bool = True
     causal: bool = True
@@ -98,7 +106,11 @@ def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa:
         return f"a logit soft cap ({features.softcap:g})"
     if features.sinks and not info.sinks:
         return "attention sinks"
-    if info.fn is not None and info.fn is not _BUILTIN_FNS.get(info.name):  # built-ins: the conformance test
+    if info.fn is not None:  # a plugin's function (built-ins: the conformance test)
+        import torch
+
+        from attnpolicy.kernels.conformance import ProbeCase
+
         verify(info, ProbeCase(info.kind, causal, context, gqa, getattr(torch, dtype), device.split(":")[0],
                                ProbeCase.probing(features)))
     return None
@@ -110,10 +122,13 @@ _verified: dict[tuple[Callable[..., Any] | None, str, ProbeCase], None] = {}
 
 def _runner(info: KernelInfo, case: ProbeCase) -> Callable[..., Any]:
     """``run(q, k, v, causal, mask, sinks)`` of ``info`` as its kind calls it."""
-    feats = case.features
-    if info.fn is not None:
-        return bind(info.name, partition_len=4, softcap=feats.softcap)
+    from attnpolicy.kernels.attention import bind
+    from attnpolicy.kernels.conformance import probe_layout
     from attnpolicy.kernels.flex import build_block_mask, flex_attend, flex_graph
+
+    feats = case.features
+    if info.name != "flex":
+        return bind(info.name, partition_len=4, softcap=feats.softcap)
 
     layout = probe_layout(case)
 
@@ -130,6 +145,10 @@ def _runner(info: KernelInfo, case: ProbeCase) -> Callable[..., Any]:
 def verify(info: KernelInfo, case: ProbeCase) -> None:
     """Probe ``info`` for ``case`` once (remembered per kernel function and case);
     raise :class:`~attnpolicy.errors.KernelError` naming the case if it fails."""
+    import torch
+
+    from attnpolicy.kernels.conformance import probe
+
     key = (info.fn, info.name, case)
     if key in _verified:
         return
@@ -144,6 +163,10 @@ def declared_cases(info: KernelInfo) -> list[ProbeCase]:
     causal only), with and without cached context, with and without GQA; and each
     feature it declares, alone and all together, in its first dtype (every causality
     and context, GQA when it serves it)."""
+    import torch
+
+    from attnpolicy.kernels.conformance import PROBE_SOFTCAP, PROBE_WINDOW, ProbeCase
+
     device = "cpu" if "cpu" in info.devices else sorted(info.devices)[0]
     causals = [c for c in (True, False) if (info.causal if c else info.bidirectional)]
     if info.kind == "causal":
@@ -197,14 +220,12 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
         if holder is not None:
             raise PluginError(f"kernel {info.name!r} of family {info.kind!r} is registered by two "
                               f"plugins: {holder.plugin!r} and {plugin!r}")
-        if info.fn is None and info.name != "flex":
+        if info.fn is None and info.name not in BUILTINS:
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} needs fn")
         if not isinstance(info.version, str):
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has version {info.version!r}, not a str")
         others = [i for (_, n), i in (*registry.items(), *staged.items()) if n == info.name]
-        builtin = _IMPL_FNS[info.name] if info.name in BUILTIN_IMPLS else None  # not a gone plugin's
-        if any(i.fn is not info.fn for i in others) or (builtin is not None and not others
-                                                         and info.fn is not builtin and info.fn is not None):
+        if any(i.fn is not info.fn for i in others) or (info.name in BUILTINS and info.fn is not None):
             raise PluginError(f"plugin {plugin!r}: kernel name {info.name!r} is taken by another "
                               "implementation")
         staged[key] = KernelInfo(**{**info.__dict__, "plugin": plugin})
@@ -212,10 +233,17 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
 
 
 def _register_impls(registry: dict[tuple[str, str], KernelInfo]) -> None:
-    """Make each plugin kernel's ``fn`` callable as ``attention(..., impl=name)``."""
-    for info in registry.values():
-        if info.fn is not None and info.fn is not _IMPL_FNS.get(info.name):
-            register_impl(info.name, info.fn, info.plugin)
+    """Make each plugin kernel's ``fn`` callable as ``attention(..., impl=name)`` (the
+    kernels, and torch, load with the first plugin kernel: built-ins have no ``fn``)."""
+    plugin_fns = {info.name: info for info in registry.values() if info.fn is not None}
+    if not plugin_fns:
+        return
+    from attnpolicy.kernels.attention import _IMPL_FNS, register_impl
+
+    for name, info in plugin_fns.items():
+        assert info.fn is not None
+        if info.fn is not _IMPL_FNS.get(name):
+            register_impl(name, info.fn, info.plugin)
 
 
 def kernel_registry() -> dict[tuple[str, str], KernelInfo]:
@@ -233,6 +261,8 @@ def kernel_code(name: str) -> str:
     version, what its function captures and the ``version`` it declares
     (:func:`~attnpolicy.cache.code_identity.callable_code`). Raises
     :class:`~attnpolicy.errors.ConfigError` naming the kernel when that has no stable identity."""
+    from attnpolicy.kernels.attention import _IMPL_FNS
+
     infos = [info for (_, n), info in kernel_registry().items() if n == name]  # registers their functions
     fn = _IMPL_FNS.get(name)
     if fn is None:
@@ -273,9 +303,9 @@ def get_kernel(kind: str, name: str) -> KernelInfo:
 def register_builtins(register: Callable[[KernelInfo], None]) -> None:
     """Register the built-in kernels (what :mod:`attnpolicy.plugins.builtin_kernels`'
     hook implementation calls)."""
-    for name in ("sdpa", "eager", "flash"):
+    for name in IMPLS:
         for kind in KINDS:
-            register(KernelInfo(name, kind, _IMPL_FNS[name], window=True, softcap=True, sinks=True,
+            register(KernelInfo(name, kind, None, window=True, softcap=True, sinks=True,
                                 description=_BUILTIN_DESCRIPTIONS[name]))
     register(KernelInfo("flex", "mask", None, dtypes=frozenset({"float32", "bfloat16", "float16"}),
                         window=True, softcap=True, sinks=True,

@@ -165,13 +165,22 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("command", [["plan", "--out", "{tmp}/plan"], ["simulate"]])
 def test_plan_and_simulate_name_a_cached_calibration_without_loading_torch(tmp_path, command):
     """The first line needs neither torch nor the plugins: with torch refused the commands
-    still name their (cached) cost model first, and only then fail."""
+    still name their (cached) cost model first. ``plan`` needs no torch at all (its
+    kernels are chosen by name) and writes the same plan; ``simulate`` runs dispatchers,
+    which load it, and fails after its first line."""
     cached = cc.store(CalibrationSettings(), CALIBRATED)
     assert cc.torch_version() == torch.__version__  # what the key holds is what torch says
     argv = [a.format(tmp=tmp_path) for a in command] + ["--limit", "3"]
     done = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, timeout=600)
     assert done.stdout.splitlines()[0] == f"cost model: calibrated here {cached.created}, {cached.path}", done.stderr
-    assert done.returncode != 0 and "torch refused" in done.stderr  # what follows needs torch
+    if command[0] == "simulate":
+        assert done.returncode != 0 and "torch refused" in done.stderr  # what follows needs torch
+        return
+    assert done.returncode == 0, done.stderr
+    refused = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    argv[argv.index("--out") + 1] = str(tmp_path / "again")
+    run(argv)  # in this process, torch loaded
+    assert json.loads((tmp_path / "again" / "plan.json").read_text()) == refused
 
 
 def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp_path, calls, monkeypatch):

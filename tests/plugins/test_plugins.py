@@ -485,3 +485,5 @@ def test_a_gone_plugins_kernel_name_is_free_again(fresh_plugins):
     assert get_kernel("varlen", "plain").fn is second
     get_plugin_manager().register(kernel_plugin(second, "sdpa"), name="third")
     assert "is registered by two plugins" in failed_plugins()["third"]
+    get_plugin_manager().register(kernel_plugin(second, "flex"), name="fourth")  # flex serves MASK alone
+    assert "kernel name 'flex' is taken by another implementation" in failed_plugins()["fourth"]
