@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from attnpolicy.errors import ConfigError
 
 #: Batches planned on by default: above this a workload is sampled.
-SAMPLE = 20_000
+SAMPLE = 8_000
 #: Windows a sample is made of.
 WINDOWS = 8
 
