@@ -358,8 +358,9 @@ def step_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, ..
     without ``steps``): per size a context ``c`` of three quarters of it and a chunk of
     ``r`` rows, three quarters of twice the size (a bucket above a decode's): CAUSAL
     one decode and one chunk over ``c``; MASK one decode, four decodes, and a chunk
-    beside a decode; VARLEN two decodes (over ``c`` and ``c/2``) and a chunk beside a
-    decode. Entries whose graph is one already in the grid are timed once."""
+    beside a decode; VARLEN two decodes (over ``c`` and ``c/2``), eight decodes (a
+    VARLEN graph unrolls its sequences: its compile grows with their number) and a
+    chunk beside a decode. Entries whose graph is one already in the grid are timed once."""
     if not s.steps:
         return []
     out: list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]] = []
@@ -367,7 +368,8 @@ def step_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, ..
         c, r = _real(n), _real(2 * n)
         out += [(MaskMode.CAUSAL, (1,), (c,)), (MaskMode.CAUSAL, (r,), (c,)),
                 (MaskMode.MASK, (1,), (c,)), (MaskMode.MASK, (1,) * 4, (c,) * 4), (MaskMode.MASK, (r, 1), (c, c)),
-                (MaskMode.VARLEN, (1, 1), (c, c // 2)), (MaskMode.VARLEN, (r, 1), (c, c))]
+                (MaskMode.VARLEN, (1, 1), (c, c // 2)), (MaskMode.VARLEN, (1,) * 8, (c,) * 8),
+                (MaskMode.VARLEN, (r, 1), (c, c))]
     return out
 
 
