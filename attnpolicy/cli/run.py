@@ -32,7 +32,7 @@ from attnpolicy.cli.common import (
     writing,
 )
 from attnpolicy.cli.plan import check_plannable, seconds
-from attnpolicy.cli.simulate import priced_model, workload
+from attnpolicy.cli.simulate import flag_range, priced_model, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
@@ -247,6 +247,7 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     if args.cost_model:
         print(Provenance("file", args.cost_model).line())
     steps, w = formed(args, former, requests)
+    outside = None if cost is None else flag_range(cost, steps, step_graphs=not args.prefill_only)
     try:
         with progress(len(steps), "run --model") as advance:
             if args.prefill_only:
@@ -276,4 +277,6 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
         rows += [("requests whose greedy tokens differ", result.token_mismatches)]
     return report(args, f"attnpolicy run --model: {args.trace}", rows, result.max_abs_err, result.passed,
                   MODEL_TOLERANCE, lambda: {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
-                                            "config": config.model_dump(mode="json"), **result.to_json()})
+                                            "config": config.model_dump(mode="json"), **result.to_json(),
+                                            "outside_calibrated_range": None if outside is None else
+                                            outside.to_json()})

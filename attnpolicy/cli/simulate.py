@@ -42,7 +42,7 @@ from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
-from attnpolicy.modelling.ranges import OutsideRange, model_outside_range, outside_range
+from attnpolicy.modelling.ranges import OutsideRange, model_outside_range, outside_range, step_outside_range
 from attnpolicy.modelling.simulation import (
     ModelSimRow,
     SimRow,
@@ -190,12 +190,16 @@ def priced_model(args: argparse.Namespace) -> tuple[ModelCostModel, Provenance]:
         fail(f"argument --cost-model: {exc}")
 
 
-def flag_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch | BatchLayout]
-               ) -> OutsideRange | None:
+def flag_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch | BatchLayout],
+               step_graphs: bool = False) -> OutsideRange | None:
     """Warn (one line) when some of ``steps`` are priced outside ``model``'s calibrated
-    range; returns the count (``None``: the range is unknown)."""
+    range; returns the count (``None``: the range is unknown). ``step_graphs``: whole
+    requests, every step priced on a step graph."""
     if isinstance(model, CostModel):
         outside, covers = outside_range(model, steps), "'attnpolicy calibrate --max-len N' covers longer batches"
+    elif step_graphs:
+        outside = step_outside_range(model, [s.layout if isinstance(s, ScheduledBatch) else s for s in steps])
+        covers = "'attnpolicy calibrate --model SPEC --sizes' covers larger steps"
     else:
         outside = model_outside_range(model, [s.layout if isinstance(s, ScheduledBatch) else s for s in steps])
         covers = "'attnpolicy calibrate --model SPEC --sizes' covers larger graphs"

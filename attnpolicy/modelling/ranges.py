@@ -12,7 +12,9 @@ compared with the largest calibrated one:
   samples' largest bucket (:attr:`~attnpolicy.graphs.costmodel.CostModel.calibrated_len`);
 - whole-model models (:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`):
   its tokens and its sequences (a VARLEN graph's segments), against the most tokens
-  and segments of a calibrated graph.
+  and segments of a calibrated graph; a step of whole requests (each on a step graph),
+  its rows, its cached context and its sequences against those of a calibrated step
+  graph.
 """
 
 from __future__ import annotations
@@ -74,3 +76,18 @@ def model_outside_range(model: ModelCostModel, layouts: Sequence[BatchLayout]) -
     most = (max((x.total_tokens for x in layouts), default=0), max((x.num_seqs for x in layouts), default=0))
     return OutsideRange(outside, len(layouts), f"{most[0]} tokens and {most[1]} segments",
                         f"{tokens} tokens and {segments} segments")
+
+
+def step_outside_range(model: ModelCostModel, layouts: Sequence[BatchLayout]) -> OutsideRange | None:
+    """The steps of ``layouts`` (each priced on a step graph) with more rows, more cached
+    context or more sequences than any step graph ``model`` was calibrated on; ``None``
+    when its range is unknown."""
+    calibrated = model.step_range
+    if calibrated is None:
+        return None
+    rows, context, seqs = calibrated
+    sizes = [(sum(x.q_lens), sum(x.kv_lens) - sum(x.q_lens), x.num_seqs) for x in layouts]
+    outside = sum(r > rows or c > context or n > seqs for r, c, n in sizes)
+    most = [max((size[i] for size in sizes), default=0) for i in range(3)]
+    return OutsideRange(outside, len(layouts), f"{most[0]} rows, {most[1]} context and {most[2]} sequences",
+                        f"{rows} rows, {context} context and {seqs} sequences")

@@ -199,6 +199,16 @@ class ModelCostModel(BaseModel):
             return None
         return max(sum(x.segments) for x in self.samples), max(len(x.segments) for x in self.samples)
 
+    @property
+    def step_range(self) -> tuple[int, int, int] | None:
+        """The most rows, context columns and sequences of a calibrated step graph; larger
+        steps are extrapolated. ``None``: no step samples, whose range is unknown."""
+        if self.steps is None or not self.steps.samples:
+            return None
+        samples = self.steps.samples
+        return (max(x.tokens for x in samples), max(x.context for x in samples),
+                max(len(x.segments) for x in samples))
+
     def _fit(self, key: WholeModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
         """The fit of ``what`` for ``key``'s kind of graph and mode."""
         source: ModelCostModel | StepFits = self

@@ -291,6 +291,45 @@ def test_run_model_refuses_a_cost_model_without_step_fits_on_whole_requests(tmp_
     assert err.count("\n") == 1 and "holds no step-graph fits" in err and "--prefill-only" in err
 
 
+def test_steps_outside_the_calibrated_rows_context_or_sequences_are_counted(tmp_path, capsys):
+    """Whole requests are priced on step graphs: a step with more rows, more cached
+    context or more sequences than any calibrated step graph is extrapolated, and
+    ``run --model --cost-model`` says how many (one line, and its JSON)."""
+    from attnpolicy.modelling.ranges import step_outside_range
+    from attnpolicy.modelling.whole_model_costs import StepFits, StepSample
+
+    measured = {"compile_seconds": 1.0, "run_seconds": 1e-3, "rss_bytes": 1, "estimate_bytes": 1}
+    fit = synthetic().compile
+    samples = (StepSample(mode="mask", tokens=32, context=64, segments=((32, 64),), **measured),
+               StepSample(mode="varlen", tokens=2, context=48, segments=((1, 32), (1, 16)), **measured))
+    model = synthetic().model_copy(update={"steps": StepFits(compile=fit, run=fit, rss=fit, samples=samples)})
+    assert model.step_range == (32, 64, 2) and synthetic().step_range is None
+    layouts = [BatchLayout.from_lens([32], [32]),  # within: 32 rows, no context
+               BatchLayout.from_lens([1, 1], [40, 25]),  # within: 63 context, 2 sequences
+               BatchLayout.from_lens([33], [33]),  # 33 rows
+               BatchLayout.from_lens([1, 1], [40, 27]),  # 65 context
+               BatchLayout.from_lens([1, 1, 1], [2, 2, 2])]  # 3 sequences
+    outside = step_outside_range(model, layouts)
+    assert outside is not None and (outside.outside, outside.batches) == (3, 5)
+    assert outside.line() == ("3 of 5 batches priced outside the calibrated range (sizes up to 33 rows, 65 context "
+                              "and 3 sequences, calibrated to 32 rows, 64 context and 2 sequences)")
+    assert step_outside_range(synthetic(), layouts) is None  # no step samples: the range is unknown
+    path = CostFile(model=model).save(tmp_path / "m.json")
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:0{i}.0,{p},{g}\n" for i, (p, g) in enumerate([(40, 4), (9, 3), (5, 3)])))
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", TINY["qwen3"], "--cost-model", str(path), "--trace", str(trace),
+                 "--backend", "aot_eager", "--max-seq-len", "128", "--max-num-batched-tokens", "32",
+                 "--max-num-seqs", "3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["outside_calibrated_range"]
+    assert 0 < data["outside"] < data["batches"]  # steps of three sequences: outside; the first chunk: within
+    line = [x for x in capsys.readouterr().err.splitlines() if "calibrated range" in x]
+    assert line == [f"attnpolicy: warning: {data['outside']} of {data['batches']} batches priced outside the "
+                    f"calibrated range (sizes up to {data['largest']}, calibrated to {data['calibrated']}): their "
+                    "seconds are extrapolated ('attnpolicy calibrate --model SPEC --sizes' covers larger steps)"]
+
+
 def test_the_docs_step_example_runs(capsys):
 
     (code,) = [b for b in blocks(ROOT / "docs/models.md", "python") if "KVCache" in b]
