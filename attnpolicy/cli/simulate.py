@@ -197,12 +197,10 @@ def flag_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch
     requests, every step priced on a step graph."""
     if isinstance(model, CostModel):
         outside, covers = outside_range(model, steps), "'attnpolicy calibrate --max-len N' covers longer batches"
-    elif step_graphs:
-        outside = step_outside_range(model, [s.layout if isinstance(s, ScheduledBatch) else s for s in steps])
-        covers = "'attnpolicy calibrate --model SPEC --sizes' covers larger steps"
     else:
-        outside = model_outside_range(model, [s.layout if isinstance(s, ScheduledBatch) else s for s in steps])
-        covers = "'attnpolicy calibrate --model SPEC --sizes' covers larger graphs"
+        layouts = [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
+        outside = (step_outside_range if step_graphs else model_outside_range)(model, layouts)
+        covers = f"'attnpolicy calibrate --model SPEC --sizes' covers larger {'steps' if step_graphs else 'graphs'}"
     if outside is not None and outside.outside:
         warn(f"{outside.line()}: their seconds are extrapolated ({covers})")
     return outside
