@@ -46,9 +46,10 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.modelling.peer_buckets import PeerLimits
+from attnpolicy.modelling.peer_buckets import PeerLimits, WorkloadForwards
 from attnpolicy.modelling.peer_coverage import COLUMNS, LEGEND, TITLE, PeerCoverage, peer_coverage, table_rows
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
+from attnpolicy.modelling.warmup_costs import Pricing
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     POLICIES,
@@ -62,8 +63,14 @@ from attnpolicy.planning.graph_set import (
     plan_model_graphs,
     plannable,
 )
-from attnpolicy.planning.host_settings import GAUDI_FILE, host_settings
+from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, host_settings
 from attnpolicy.planning.sample import SAMPLE, WINDOWS, sample_steps
+from attnpolicy.planning.scheme_comparison import COLUMNS as COMPARISON_COLUMNS
+from attnpolicy.planning.scheme_comparison import LEGEND as COMPARISON_LEGEND
+from attnpolicy.planning.scheme_comparison import TITLE as COMPARISON_TITLE
+from attnpolicy.planning.scheme_comparison import SchemeComparison, compare_schemes
+from attnpolicy.planning.scheme_comparison import table_rows as comparison_rows
+from attnpolicy.planning.warmup_plan import Budget, Grid, plan_forms
 from attnpolicy.report.markdown import table
 from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
@@ -124,6 +131,11 @@ def register(subparsers: Any) -> None:
                    help=f"plan on N batches in {WINDOWS} evenly spaced windows when the workload has more, then "
                         f"evaluate the plan on every batch (default: {SAMPLE}; 0: plan on every batch)")
     add_cost_args(p)
+    p.add_argument("--whole-requests", action="store_true",
+                   help="with --family model: plan prompt and decode graphs together on whole requests (chunked "
+                        "prefill and decode steps) as vllm-gaudi buckets under one budget (--max-graphs, "
+                        "--max-bytes, --warmup-seconds), every step within the limits served after warm-up, and "
+                        "price them beside the runtimes' own warm-up sets (default: off, prefill graphs only)")
     p.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (backend, impl, limits); the plan replaces its policy, buckets, "
                         "capacity, eviction, strict and warmup (default: derived from the cost model and the "
@@ -149,6 +161,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--out", args.out, directory=True)
     family = family_of(args)
+    if args.whole_requests:
+        if family != "model":
+            fail("argument --whole-requests: needs --family model (whole-model graphs priced by a cost-model file)")
+        return plan_whole_requests(args)
     if family == "model":
         not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
                   "model and the flags)", *ATTENTION_ONLY)
@@ -247,6 +263,84 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0
+
+
+def plan_whole_requests(args: argparse.Namespace) -> int:
+    """``plan --family model --whole-requests``: the joint prompt and decode plan and the
+    model-level comparison of warm-up schemes (plan.md, plan.json, host_settings.json,
+    vllm-gaudi's bucketing file)."""
+    not_taken(args, "with --whole-requests (steps of the batch former, priced by the cost model's step fits)",
+              *(name for name in ATTENTION_ONLY if name != "warmup_seconds"))
+    cost, provenance = priced_model(args)
+    former = former_from(args)
+    requests = workload(args, former)
+    print(provenance.line())
+    steps, w = formed(args, former, requests)
+    layouts = layouts_of(steps)
+    fields = provenance_json(provenance, flag_range(cost, layouts, step_graphs=True))
+    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
+    out = Path(args.out)
+    gaudi_file = out / GAUDI_FILE
+    try:
+        pricing = Pricing(cost, limits)
+        forwards = WorkloadForwards(layouts, limits)
+        with progress(None, "plan --whole-requests"):
+            plans = plan_forms(forwards, pricing, Budget(args.max_graphs, args.max_bytes, args.warmup_seconds),
+                               args.max_buckets)
+            gaudi, ragged = plans
+            settings = host_settings(layouts, gaudi.warm.prefill_lengths(), limits, args.max_buckets,
+                                     str(gaudi_file.resolve()), forwards=forwards, gaudi=GaudiBuckets.of(gaudi.warm),
+                                     tpu_tokens=ragged.warm.prefill_lengths())
+            comparison = compare_schemes(forwards, pricing, plans, args.max_buckets,
+                                         [s for s in settings.warmup_sets() if s[0] == "rbln-plan"])
+    except ConfigError as exc:
+        fail(str(exc))
+    source = source_name(args)
+    with writing("--out", out):
+        write_text_atomic(gaudi_file, settings.gaudi_file)
+        write_json(out / "host_settings.json", settings.sections)
+        write_json(out / "plan.json", {"source": source, "model": cost.spec, "steps": len(layouts),
+                                       "rejected": w.rejected, "workload": w.to_json(), **fields,
+                                       "limits": limits.__dict__, **comparison.to_json()})
+        write_text_atomic(out / "plan.md", requests_markdown(comparison, source, cost.spec, w))
+    print_table(f"attnpolicy plan on whole requests: {source}, {cost.spec}", COMPARISON_COLUMNS,
+                comparison_rows(comparison), caption=recommendation(comparison))
+    for plan in comparison.plans:
+        for line in plan.outside:
+            warn(f"outside the budget: {line}")
+    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'host_settings.json'}, {gaudi_file}")
+    return 0
+
+
+def recommendation(comparison: SchemeComparison) -> str:
+    """One line: the lowest total, then each host's best row against its default."""
+    best = comparison.recommended
+    assert best.cost is not None
+    ratio = best.cost.total_seconds / comparison.floor.total_seconds
+    parts = [f"* lowest modelled total: {best.scheme} ({best.cost.total_seconds:.4g} s, {ratio:.3f}× the floor)"]
+    parts += [f"{c.host}: {c.best.scheme}, {c.speedup:.3f}× below {c.default.scheme}" for c in comparison.per_host()]
+    return "; ".join(parts)
+
+
+def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: Workload) -> str:
+    """plan.md of ``plan --whole-requests``: the recommendation, the comparison, the plans' sizes."""
+    gaudi, ragged = comparison.plans
+    g = gaudi.grid
+    assert isinstance(g, Grid)
+    outside = [*gaudi.outside, *ragged.outside]
+    return "\n".join([
+        f"# attnpolicy plan on whole requests: {source}", "",
+        f"Model {spec}; {w.describe()}.", "", recommendation(comparison) + ".", "",
+        f"## {COMPARISON_TITLE}", "", COMPARISON_LEGEND, "", table(COMPARISON_COLUMNS, comparison_rows(comparison)),
+        "", "## The plan's sizes", "",
+        (f"- gaudi form (`{GAUDI_FILE}`, host_settings.json \"gaudi\"): prompt query tokens {list(g.queries)} × "
+         f"context blocks {list(g.contexts)}; decode batches {list(g.batches)} × blocks {list(g.blocks)} "
+         f"({len(gaudi.warm.graphs)} graphs)."),
+        (f"- ragged form (host_settings.json \"tpu\"): token paddings {list(ragged.warm.prefill_lengths())} "
+         f"({len(ragged.warm.graphs)} graphs)."), "",
+        *(["Outside the budget:", "", *(f"- {line}" for line in outside), ""] if outside else
+          ["Every step within the limits is served after warm-up in both forms: nothing compiles at run time.",
+           ""])])
 
 
 def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequence[int], config: AttnPolicyConfig,

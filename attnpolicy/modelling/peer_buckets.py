@@ -617,14 +617,18 @@ def tpu_env_paddings(limits: PeerLimits, env: Mapping[str, str],
 class Forward(NamedTuple):
     """One forward a runtime runs for an engine step: the graph shape it asks for
     (``phase``, ``batch``, ``query_tokens``, ``context_blocks`` as
-    :meth:`WarmupSet.serves` takes them) and the ``tokens`` it computes (a tuple: a
-    workload's forwards are counted by value)."""
+    :meth:`WarmupSet.serves` takes them), the ``tokens`` it computes, its sequences'
+    cached ``context`` tokens in all and the attention score ``cells`` they need (each
+    sequence's new tokens times its keys, summed). A tuple: a workload's forwards are
+    counted by value."""
 
     phase: Phase
     batch: int
     query_tokens: int
     context_blocks: int | None
     tokens: int
+    context: int
+    cells: int
 
     def rows(self, graph: WarmupGraph) -> int:
         """The query rows ``graph`` computes for this forward: its batch × its query
@@ -655,19 +659,25 @@ def step_forwards(runtime: Runtime, q_lens: Sequence[int], kv_lens: Sequence[int
     - ``rbln``: each prompt (a prefill chunk) alone, padded to its one prefill graph, and
       the decodes as one batch (vllm_rbln/v1/worker/rbln_model_runner.py);
     - ``tpu``: the whole step as one ragged forward of its requests and tokens."""
-    if runtime == "tpu":
-        tokens = sum(q_lens)
-        return (Forward("mixed", len(q_lens), tokens, None, tokens),)
     if len(q_lens) != len(kv_lens):
         raise ConfigError(f"q_lens and kv_lens must have one length per sequence, got {len(q_lens)} and {len(kv_lens)}")
-    if runtime == "rbln":
-        decodes = sum(q == 1 for q in q_lens)
-        prompts = [Forward("prefill", 1, q, None, q) for q in q_lens if q != 1]
-        return (*prompts, Forward("decode", decodes, 1, None, decodes)) if decodes else tuple(prompts)
+
+    def forward(phase: Phase, batch: int, query: int, blocks: int | None, seqs: Sequence[tuple[int, int]]) -> Forward:
+        return Forward(phase, batch, query, blocks, sum(q for q, _ in seqs), sum(kv - q for q, kv in seqs),
+                       sum(q * kv for q, kv in seqs))
+
+    seqs = list(zip(q_lens, kv_lens))
+    if runtime == "tpu":
+        tokens = sum(q_lens)
+        return (forward("mixed", len(seqs), tokens, None, seqs),)
     block = limits.block_size  # gaudi: a context in blocks, -(-n // block) = ceil(n / block)
-    prompts = [Forward("prefill", 1, q, -((q - kv) // block), q) for q, kv in zip(q_lens, kv_lens) if q != 1]
-    blocks = [-(-kv // block) for q, kv in zip(q_lens, kv_lens) if q == 1]
-    return (*prompts, Forward("decode", len(blocks), 1, sum(blocks), len(blocks))) if blocks else tuple(prompts)
+    prompts = [forward("prefill", 1, q, None if runtime == "rbln" else -((q - kv) // block), [(q, kv)])
+               for q, kv in seqs if q != 1]
+    decoding = [(q, kv) for q, kv in seqs if q == 1]
+    if not decoding:
+        return tuple(prompts)
+    blocks = None if runtime == "rbln" else sum(-(-kv // block) for _, kv in decoding)
+    return (*prompts, forward("decode", len(decoding), 1, blocks, decoding))
 
 
 class WorkloadForwards:

@@ -78,8 +78,13 @@ class ModelFit(BaseModel):
     per_segment: NonNegative = 0.0
 
     def __call__(self, key: WholeModelKey) -> float:
-        one, tokens, context, cells, segments = features(key)
-        return (self.base * one + self.per_token * tokens + self.per_context * context + self.per_cell * cells
+        _, tokens, context, cells, segments = features(key)
+        return self.at(tokens, context, cells, segments)
+
+    def at(self, tokens: int, context: int, cells: int, segments: int = 1) -> float:
+        """The fit at these features (a shape priced without a key of this runner:
+        another runtime's graph)."""
+        return (self.base + self.per_token * tokens + self.per_context * context + self.per_cell * cells
                 + self.per_segment * segments)
 
     @classmethod

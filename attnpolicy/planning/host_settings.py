@@ -177,6 +177,12 @@ class GaudiBuckets:
     decode: tuple[tuple[int, int], ...]
     missing: tuple[str, ...]
 
+    @classmethod
+    def of(cls, warm: WarmupSet) -> GaudiBuckets:
+        """The buckets of a warm-up set of vllm-gaudi's form (prefill and decode graphs)."""
+        return cls(tuple((g.batch, g.query_tokens, g.context_blocks or 0) for g in warm.phase("prefill")),
+                   tuple((g.batch, g.context_blocks or 0) for g in warm.phase("decode")), ())
+
     def file_text(self, limits: PeerLimits) -> str:
         """The buckets as vllm-gaudi's bucketing file: one ``(batch, query, blocks)``
         line per bucket, decode lines with query 1 (how the file tells them apart)."""
@@ -331,7 +337,8 @@ def gaudi_settings(gaudi: GaudiBuckets, limits: PeerLimits, bucketing_file: str)
 
 # -- tpu-inference ------------------------------------------------------------------------
 
-def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
+def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
+                 paddings: Sequence[int] | None = None) -> dict[str, Any]:
     """The ``"tpu"`` section of the steps' tpu-inference ``forwards`` (counted)
     (tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88,
     tpu_inference/runner/tpu_runner.py ``_init_inputs``, runner/utils.py, envs.py):
@@ -349,9 +356,14 @@ def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int)
       where it is missing), as ``ATTN_BUCKETIZED_NUM_REQS=1`` and
       ``ATTN_CUSTOM_NUM_REQS_BUCKETS``.
     - ``num_reqs_paddings``: the sampling graphs' request paddings, which no setting
-      but ``max_num_seqs`` changes (reported, not chosen)."""
+      but ``max_num_seqs`` changes (reported, not chosen).
+
+    ``paddings``: token paddings planned already (a ragged plan, multiples of 16 ending at
+    that cover), each a graph of ``max_num_seqs`` requests: set as above, with one
+    attention request padding, ``max_num_seqs``."""
     budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     cover = max(TPU_MIN_TOKEN_BUCKET, 1 << (budget - 1).bit_length())
+    planned = None if paddings is None else sorted(set(paddings))
     ragged = list(forwards.elements())
     tokens = Counter(f.tokens for f in ragged)
     if not tokens:
@@ -360,9 +372,15 @@ def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int)
     if top > budget:
         raise ConfigError(f"a step of {top} tokens is above max_num_batched_tokens ({budget})")
     step = TPU_MIN_TOKEN_BUCKET
-    sizes = fewest_padding(tokens, lambda n: cover if n == top else -(-n // step) * step, max_sizes)
     counts, missing = _within_seqs((f.batch for f in ragged), seqs, "requests")
-    requests = counts_sizes(counts, max_sizes, top=seqs) if counts else (seqs,)
+    if planned is None:
+        sizes = fewest_padding(tokens, lambda n: cover if n == top else -(-n // step) * step, max_sizes)
+        requests = counts_sizes(counts, max_sizes, top=seqs) if counts else (seqs,)
+    else:
+        if not planned or planned[-1] != cover or any(n % step for n in planned):
+            raise ConfigError(f"planned token paddings must be multiples of {step} ending at {cover}, got "
+                              f"{list(planned)}")
+        sizes, requests = tuple(planned), (seqs,)
     extra = [s for s in sizes if s != cover]
     return {"env": {"MIN_TOKEN_BUCKET": str(cover), "VLLM_TPU_BUCKET_PADDING_GAP": "0",
                     "ATTN_BUCKETIZED_NUM_REQS": "1", "ATTN_CUSTOM_NUM_REQS_BUCKETS": ",".join(map(str, requests))},
@@ -426,23 +444,27 @@ class HostSettings:
 
 
 def host_settings(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: PeerLimits, max_sizes: int,
-                  bucketing_file: str = GAUDI_FILE) -> HostSettings:
+                  bucketing_file: str = GAUDI_FILE, *, forwards: WorkloadForwards | None = None,
+                  gaudi: GaudiBuckets | None = None, tpu_tokens: Sequence[int] | None = None) -> HostSettings:
     """The host settings of a plan (module docstring): its ``steps`` (one layout per
     engine step) under the server's ``limits`` (``max_model_len`` is attnpolicy's
     ``max_seq_len``), its planned attention ``buckets``, at most ``max_sizes`` sizes per
-    dimension; ``bucketing_file``: where vllm-gaudi is to read its file."""
+    dimension; ``bucketing_file``: where vllm-gaudi is to read its file. ``forwards``:
+    the steps' forwards when counted already; ``gaudi``: vllm-gaudi's buckets when
+    planned already (a joint prompt and decode plan), else derived from ``buckets``;
+    ``tpu_tokens``: tpu-inference's token paddings when planned already (a ragged plan)."""
     step_tokens = [layout.q_tokens for layout in steps]
     sizes = list(step_sizes(step_tokens, limits.max_num_batched_tokens, max_sizes))
     padding = sorted(set(buckets))
-    forwards = WorkloadForwards(steps, limits)
-    gaudi = gaudi_buckets(forwards.of("gaudi"), buckets, limits, max_sizes)
+    forwards = forwards or WorkloadForwards(steps, limits)
+    gaudi = gaudi or gaudi_buckets(forwards.of("gaudi"), buckets, limits, max_sizes)
     return HostSettings(
         {"vllm": {"compilation_config": {"cudagraph_capture_sizes": sizes,
                                          "max_cudagraph_capture_size": sizes[-1],
                                          "compile_sizes": sizes},
                   "max_num_batched_tokens": limits.max_num_batched_tokens},
          "gaudi": gaudi_settings(gaudi, limits, bucketing_file),
-         "tpu": tpu_settings(forwards.of("tpu"), limits, max_sizes),
+         "tpu": tpu_settings(forwards.of("tpu"), limits, max_sizes, tpu_tokens),
          "rbln": rbln_settings(forwards.of("rbln"), limits, max_sizes),
          "static": {"sequence_padding": [b for b in padding if b <= limits.max_model_len],
                     "packed_padding": padding}},

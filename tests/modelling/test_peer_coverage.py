@@ -35,12 +35,12 @@ def test_each_runtime_runs_a_mixed_step_its_own_way():
     # two decodes over 6 and 130 tokens, a chunk of 300 new tokens on 100 of context
     q, kv = (1, 1, 300), (6, 130, 400)
     assert step_forwards("gaudi", q, kv, LIMITS) == (
-        Forward("prefill", 1, 300, 1, 300),  # alone, ceil(100 / 128) context blocks
-        Forward("decode", 2, 1, 3, 2))  # together, ceil(6 / 128) + ceil(130 / 128) blocks
-    assert step_forwards("rbln", q, kv, LIMITS) == (Forward("prefill", 1, 300, None, 300),
-                                                    Forward("decode", 2, 1, None, 2))
-    assert step_forwards("tpu", q, kv, LIMITS) == (Forward("mixed", 3, 302, None, 302),)
-    assert step_forwards("gaudi", (7,), (7,), LIMITS) == (Forward("prefill", 1, 7, 0, 7),)
+        Forward("prefill", 1, 300, 1, 300, 100, 300 * 400),  # alone, ceil(100 / 128) context blocks
+        Forward("decode", 2, 1, 3, 2, 5 + 129, 6 + 130))  # together, ceil(6 / 128) + ceil(130 / 128) blocks
+    assert step_forwards("rbln", q, kv, LIMITS) == (Forward("prefill", 1, 300, None, 300, 100, 300 * 400),
+                                                    Forward("decode", 2, 1, None, 2, 134, 136))
+    assert step_forwards("tpu", q, kv, LIMITS) == (Forward("mixed", 3, 302, None, 302, 234, 120136),)
+    assert step_forwards("gaudi", (7,), (7,), LIMITS) == (Forward("prefill", 1, 7, 0, 7, 0, 49),)
     assert [runtime_of(name) for name in WARMUPS] == ["gaudi", "gaudi", "rbln", "tpu"]
     with pytest.raises(ConfigError, match="runtimes gaudi, rbln, tpu, got 'cuda'"):
         runtime_of("cuda")
@@ -49,17 +49,17 @@ def test_each_runtime_runs_a_mixed_step_its_own_way():
 def test_coverage_counts_graphs_forwards_unserved_shapes_and_padding():
     warm = WarmupSet.of("gaudi-x", [WarmupGraph("prefill", 1, 512, 4), WarmupGraph("prefill", 1, 1024, 4),
                                      WarmupGraph("decode", 4, 1, 8)])
-    forwards = [Forward("prefill", 1, 300, 1, 300),  # the 512 graph: 212 rows of padding
-                Forward("decode", 2, 1, 3, 2),  # batch 4: 2 rows
-                Forward("decode", 8, 1, 3, 8), Forward("decode", 8, 1, 3, 8),  # no graph holds batch 8
-                Forward("prefill", 1, 600, 9, 600)]  # 9 context blocks: no graph
+    forwards = [Forward("prefill", 1, 300, 1, 300, 0, 0),  # the 512 graph: 212 rows of padding
+                Forward("decode", 2, 1, 3, 2, 0, 0),  # batch 4: 2 rows
+                Forward("decode", 8, 1, 3, 8, 0, 0), Forward("decode", 8, 1, 3, 8, 0, 0),  # no graph holds batch 8
+                Forward("prefill", 1, 600, 9, 600, 0, 0)]  # 9 context blocks: no graph
     row = coverage("gaudi-x", warm, forwards)
     assert (row.graphs, row.prefill_graphs, row.decode_graphs, row.mixed_graphs, row.graphs_used) == (3, 2, 1, 0, 2)
     assert (row.forwards, row.unserved, row.unserved_shapes) == (5, 3, 2)
     assert (row.tokens, row.padded_rows) == (302, 214) and row.padding == pytest.approx(214 / 302)
     assert row.to_json()["padding"] == row.padding
     assert coverage("tpu", WarmupSet.of("tpu", [WarmupGraph("mixed", 8, 64)]),
-                    [Forward("mixed", 3, 40, None, 40)]).padded_rows == 24  # a ragged graph pads tokens only
+                    [Forward("mixed", 3, 40, None, 40, 0, 0)]).padded_rows == 24  # a ragged graph pads tokens only
 
 
 def _steps(prompts: list[int], output: int, seqs: int, budget: int, max_len: int) -> list[BatchLayout]:
