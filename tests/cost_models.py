@@ -4,7 +4,7 @@ built-in attention model with compiles too pricey ever to pay off."""
 from __future__ import annotations
 
 from attnpolicy.graphs.costmodel import CostModel, Fit
-from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelDims, ModelFit
+from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelDims, ModelFit, StepFits
 
 #: The built-in model with every compile priced at a million seconds.
 PRICEY = CostModel.default().model_copy(update={"compile": {f: Fit(base=1e6) for f in CostModel.default().compile}})
@@ -21,3 +21,15 @@ def synthetic(compile_base: float = 2.0) -> ModelCostModel:
                           compile=dict.fromkeys(("causal", "mask", "varlen"), fit),
                           run=dict.fromkeys(("causal", "mask", "varlen"), run),
                           rss=dict.fromkeys(("causal", "mask", "varlen"), rss), warmup_seconds=0.5)
+
+
+def with_steps(compile_base: float = 1.0) -> ModelCostModel:
+    """:func:`synthetic` with step fits: compile ``compile_base`` s plus 1 ms per row and
+    1 µs per context column; run 1 ms plus 10 µs per row, 1 µs per context column and
+    10 ns per cell."""
+    compile_fit = ModelFit(base=compile_base, per_token=1e-3, per_context=1e-6)
+    run = ModelFit(base=1e-3, per_token=1e-5, per_context=1e-6, per_cell=1e-8)
+    modes = ("causal", "mask", "varlen")
+    return synthetic().model_copy(update={"steps": StepFits(
+        compile=dict.fromkeys(modes, compile_fit), run=dict.fromkeys(modes, run),
+        rss=dict.fromkeys(modes, ModelFit(base=1e6)))})

@@ -46,10 +46,9 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.modelling.peer_buckets import PeerLimits, WorkloadForwards
+from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.peer_coverage import COLUMNS, LEGEND, TITLE, PeerCoverage, peer_coverage, table_rows
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
-from attnpolicy.modelling.warmup_costs import Pricing
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     POLICIES,
@@ -63,14 +62,14 @@ from attnpolicy.planning.graph_set import (
     plan_model_graphs,
     plannable,
 )
-from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, host_settings
+from attnpolicy.planning.host_settings import GAUDI_FILE, host_settings
 from attnpolicy.planning.sample import SAMPLE, WINDOWS, sample_steps
 from attnpolicy.planning.scheme_comparison import COLUMNS as COMPARISON_COLUMNS
 from attnpolicy.planning.scheme_comparison import LEGEND as COMPARISON_LEGEND
 from attnpolicy.planning.scheme_comparison import TITLE as COMPARISON_TITLE
-from attnpolicy.planning.scheme_comparison import SchemeComparison, compare_schemes
+from attnpolicy.planning.scheme_comparison import SchemeComparison, plan_whole_requests
 from attnpolicy.planning.scheme_comparison import table_rows as comparison_rows
-from attnpolicy.planning.warmup_plan import Budget, Grid, plan_forms
+from attnpolicy.planning.warmup_plan import Budget, Grid
 from attnpolicy.report.markdown import table
 from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
@@ -164,7 +163,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.whole_requests:
         if family != "model":
             fail("argument --whole-requests: needs --family model (whole-model graphs priced by a cost-model file)")
-        return plan_whole_requests(args)
+        return cmd_plan_whole_requests(args)
     if family == "model":
         not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
                   "model and the flags)", *ATTENTION_ONLY)
@@ -265,7 +264,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_whole_requests(args: argparse.Namespace) -> int:
+def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     """``plan --family model --whole-requests``: the joint prompt and decode plan and the
     model-level comparison of warm-up schemes (plan.md, plan.json, host_settings.json,
     vllm-gaudi's bucketing file)."""
@@ -282,17 +281,10 @@ def plan_whole_requests(args: argparse.Namespace) -> int:
     out = Path(args.out)
     gaudi_file = out / GAUDI_FILE
     try:
-        pricing = Pricing(cost, limits)
-        forwards = WorkloadForwards(layouts, limits)
         with progress(None, "plan --whole-requests"):
-            plans = plan_forms(forwards, pricing, Budget(args.max_graphs, args.max_bytes, args.warmup_seconds),
-                               args.max_buckets)
-            gaudi, ragged = plans
-            settings = host_settings(layouts, gaudi.warm.prefill_lengths(), limits, args.max_buckets,
-                                     str(gaudi_file.resolve()), forwards=forwards, gaudi=GaudiBuckets.of(gaudi.warm),
-                                     tpu_tokens=ragged.warm.prefill_lengths())
-            comparison = compare_schemes(forwards, pricing, plans, args.max_buckets,
-                                         [s for s in settings.warmup_sets() if s[0] == "rbln-plan"])
+            comparison, settings = plan_whole_requests(
+                layouts, limits, cost, Budget(args.max_graphs, args.max_bytes, args.warmup_seconds),
+                args.max_buckets, str(gaudi_file.resolve()))
     except ConfigError as exc:
         fail(str(exc))
     source = source_name(args)
@@ -304,22 +296,12 @@ def plan_whole_requests(args: argparse.Namespace) -> int:
                                        "limits": limits.__dict__, **comparison.to_json()})
         write_text_atomic(out / "plan.md", requests_markdown(comparison, source, cost.spec, w))
     print_table(f"attnpolicy plan on whole requests: {source}, {cost.spec}", COMPARISON_COLUMNS,
-                comparison_rows(comparison), caption=recommendation(comparison))
+                comparison_rows(comparison), caption=comparison.summary())
     for plan in comparison.plans:
         for line in plan.outside:
             warn(f"outside the budget: {line}")
     print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'host_settings.json'}, {gaudi_file}")
     return 0
-
-
-def recommendation(comparison: SchemeComparison) -> str:
-    """One line: the lowest total, then each host's best row against its default."""
-    best = comparison.recommended
-    assert best.cost is not None
-    ratio = best.cost.total_seconds / comparison.floor.total_seconds
-    parts = [f"* lowest modelled total: {best.scheme} ({best.cost.total_seconds:.4g} s, {ratio:.3f}× the floor)"]
-    parts += [f"{c.host}: {c.best.scheme}, {c.speedup:.3f}× below {c.default.scheme}" for c in comparison.per_host()]
-    return "; ".join(parts)
 
 
 def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: Workload) -> str:
@@ -330,7 +312,7 @@ def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: W
     outside = [*gaudi.outside, *ragged.outside]
     return "\n".join([
         f"# attnpolicy plan on whole requests: {source}", "",
-        f"Model {spec}; {w.describe()}.", "", recommendation(comparison) + ".", "",
+        f"Model {spec}; {w.describe()}.", "", comparison.summary() + ".", "",
         f"## {COMPARISON_TITLE}", "", COMPARISON_LEGEND, "", table(COMPARISON_COLUMNS, comparison_rows(comparison)),
         "", "## The plan's sizes", "",
         (f"- gaudi form (`{GAUDI_FILE}`, host_settings.json \"gaudi\"): prompt query tokens {list(g.queries)} × "

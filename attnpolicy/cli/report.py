@@ -39,6 +39,7 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.cli.simulate import add_sweep_args, sweep_size, workload
 from attnpolicy.errors import ConfigError
+from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import OutsideRange
 from attnpolicy.report.build import ReportSettings, known_model, make_report
 from attnpolicy.report.markdown import first_screen
@@ -49,7 +50,8 @@ WIDTH = 160
 FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
          "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets",
-         "model": "--model", "model_lengths": "--model-lengths", "model_backend": "--model-backend",
+         "model": "--model", "model_cost": "--model-cost", "model_lengths": "--model-lengths",
+         "model_backend": "--model-backend",
          "sizes": "--calibrate-sizes"}
 
 
@@ -93,6 +95,10 @@ def register(subparsers: Any) -> None:
                    help=f"lengths of --model (default: {shown(d.model_lengths)})")
     p.add_argument("--model-backend", default=d.model_backend, metavar="NAME",
                    help=f"torch.compile backend of --model (default: {d.model_backend})")
+    p.add_argument("--model-cost", default=None, metavar="PATH",
+                   help="a cost-model file with whole-model step fits ('attnpolicy calibrate --model SPEC'): adds "
+                        "the warm-up schemes on whole requests, as 'attnpolicy plan --family model "
+                        "--whole-requests' (default: off)")
     p.add_argument("--plan-max-buckets", type=positive_int, default=d.plan_max_buckets, metavar="K",
                    help="most bucket sizes per candidate list of the plan step, as 'attnpolicy plan "
                         f"--max-buckets' (default: {d.plan_max_buckets})")
@@ -115,8 +121,17 @@ def cmd_report(args: argparse.Namespace) -> int:
                  validate_requests=args.validate_requests,
                  plan_max_buckets=args.plan_max_buckets,
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
-                 model=args.model, model_lengths=tuple(args.model_lengths), model_backend=args.model_backend,
+                 model=args.model, model_cost=args.model_cost, model_lengths=tuple(args.model_lengths),
+                 model_backend=args.model_backend,
                  bench=bench, former=former_options(args), policy_options=options)
+    if s.model_cost is not None:
+        try:
+            fits = CostFile.load(s.model_cost).model_fits(s.model_cost)
+        except ConfigError as exc:
+            fail(f"argument --model-cost: {exc}")
+        if fits.steps is None:
+            fail(f"argument --model-cost: {s.model_cost} holds no step-graph fits (decode, chunked prefill): "
+                 "calibrate it again with attnpolicy calibrate --model SPEC")
     try:
         known = known_model(s, warn)
     except ConfigError as exc:
@@ -126,7 +141,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     formed(args, former, requests)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
              + (len(s.model_lengths) if s.model else 0)
-             + len(s.validated_policies) + int(s.calibrates) + 1)
+             + len(s.validated_policies) + int(s.calibrates) + 1 + int(s.model_cost is not None))
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance, writing("--out", s.out):  # report.md, plots, the config
         data = make_report(s, command_line, advance, requests, known)

@@ -15,7 +15,8 @@ Rows:
   vllm-gaudi buckets and as a ragged runtime's token paddings
   (:func:`~attnpolicy.planning.warmup_plan.plan_forms`);
 - ``plan @ NAME (FORM)``: the plan re-planned under NAME's graph count and warm-up
-  seconds, the better form (what the plan gives a user of that runtime's budget);
+  seconds, in the form NAME's host runs (vllm-gaudi: the gaudi form; tpu-inference,
+  vLLM: the ragged form; vllm-rbln, which takes neither: the better of the two);
 - the host settings' sets, such as ``rbln-plan``: what a runtime warms up under the
   plan's ``host_settings.json``;
 - ``floor``: no scheme's bound, every step one ragged forward at its own tokens with no
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
@@ -38,6 +40,8 @@ from attnpolicy.modelling.peer_buckets import (
     runtime_of,
 )
 from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost, run_shape, vllm_warmup, warmup_cost
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
+from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, host_settings
 from attnpolicy.planning.warmup_plan import Budget, Grid, WarmupPlan, plan_forms, top_grid
 
 #: The hosts that run each form of the plan.
@@ -106,10 +110,19 @@ class SchemeComparison:
                 out.append(HostChoice(host, _lowest([r for r in self.rows if host in r.hosts]), default))
         return tuple(out)
 
+    def summary(self) -> str:
+        """One line: the lowest total against the floor, then each host's best row against its default."""
+        best = self.recommended
+        assert best.cost is not None
+        ratio = best.cost.total_seconds / self.floor.total_seconds
+        parts = [f"* lowest modelled total: {best.scheme} ({best.cost.total_seconds:.4g} s, {ratio:.3f}× the floor)"]
+        parts += [f"{c.host}: {c.best.scheme}, {c.speedup:.3f}× below {c.default.scheme}" for c in self.per_host()]
+        return "; ".join(parts)
+
     def to_json(self) -> dict[str, Any]:
         return {"plans": {"gaudi": self.plans[0].to_json(), "ragged": self.plans[1].to_json()},
                 "schemes": [r.to_json() for r in self.rows], "floor": self.floor.to_json(),
-                "recommended": self.recommended.scheme,
+                "recommended": self.recommended.scheme, "summary": self.summary(),
                 "per_host": [{"host": c.host, "best": c.best.scheme, "default": c.default.scheme,
                               "speedup": c.speedup} for c in self.per_host()]}
 
@@ -163,10 +176,28 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[W
         if peer.cost is not None:
             at = Budget(peer.cost.graphs, budget.max_bytes, peer.cost.warmup_seconds)
             gaudi, ragged = plan_forms(forwards, pricing, at, max_sizes)
-            better, form = min((gaudi, "gaudi"), (ragged, "ragged"), key=lambda p: p[0].cost.total_seconds)
-            rows.append(SchemeRow(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], better.cost))
+            forms = [(plan, form) for plan, form in ((gaudi, "gaudi"), (ragged, "ragged"))
+                     if peer.hosts[0] in FORM_HOSTS[form]] or [(gaudi, "gaudi"), (ragged, "ragged")]
+            chosen, form = min(forms, key=lambda p: p[0].cost.total_seconds)
+            rows.append(SchemeRow(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], chosen.cost))
     rows += [row(label, make) for label, make in extra]
     return SchemeComparison(plans, tuple(rows), floor_cost(forwards, pricing))
+
+
+def plan_whole_requests(steps: Sequence[BatchLayout], limits: PeerLimits, model: ModelCostModel, budget: Budget,
+                        max_sizes: int, bucketing_file: str = GAUDI_FILE) -> tuple[SchemeComparison, HostSettings]:
+    """The plan of a workload's engine ``steps`` in both forms under ``budget``, the host
+    settings that apply it (vllm-gaudi's bucketing file to be read at ``bucketing_file``,
+    tpu-inference's paddings; vllm-rbln's decode batches by counts) and the comparison
+    of every scheme with them (the host settings' ``rbln-plan`` among the rows)."""
+    pricing, forwards = Pricing(model, limits), WorkloadForwards(steps, limits)
+    plans = plan_forms(forwards, pricing, budget, max_sizes)
+    gaudi, ragged = plans
+    settings = host_settings(steps, gaudi.warm.prefill_lengths(), limits, max_sizes, bucketing_file,
+                             forwards=forwards, gaudi=GaudiBuckets.of(gaudi.warm),
+                             tpu_tokens=ragged.warm.prefill_lengths())
+    extra = [s for s in settings.warmup_sets() if s[0] == "rbln-plan"]
+    return compare_schemes(forwards, pricing, plans, max_sizes, extra), settings
 
 
 #: The table's title and legend (under the title in plan.md).
@@ -176,8 +207,10 @@ LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, price
           "one (tpu, vllm) at its padded tokens over the real context. *warm-up s*: every warm graph compiled once "
           "and the first compile's start-up; *padding*: rows computed beyond the tokens, per token; *run-time "
           "compiles*: distinct shapes no warm graph serves (at most that many compiles), with the forwards they "
-          "serve; *peak graph MiB*: every graph held (static-shape estimates); *plan @ NAME*: the plan under NAME's "
-          "graph count and warm-up seconds; *floor*: every step one ragged forward at its own tokens, no warm-up "
+          "serve; *peak graph MiB*: every graph held (static-shape estimates); *plan (gaudi form)*: vllm-gaudi buckets "
+          "(prompts alone, decodes batched); *plan (ragged form)*: token paddings (tpu, vllm); *plan @ NAME*: the "
+          "plan under NAME's graph count and warm-up seconds, in the form NAME's host runs; *floor*: every step "
+          "one ragged forward at its own tokens, no warm-up "
           "(no scheme runs the workload for less); * marks the lowest total.")
 
 #: The table's columns (:func:`table_rows` gives its cells).

@@ -45,6 +45,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
+from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.ranges import outside_range
 from attnpolicy.modelling.simulation import (
     SimRow,
@@ -53,12 +54,15 @@ from attnpolicy.modelling.simulation import (
     simulate_layouts,
     simulation_config,
 )
+from attnpolicy.planning.host_settings import GAUDI_FILE
+from attnpolicy.planning.scheme_comparison import COLUMNS, plan_whole_requests, table_rows
+from attnpolicy.planning.warmup_plan import Budget
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
 from attnpolicy.report.plots import Marked, plot_bench, plot_hit_rate, plot_sweep
 from attnpolicy.report.recommend import NamedRow, recommend
 from attnpolicy.report.units import MIB, bound_text
-from attnpolicy.workloads.batching import BatchFormer, Workload
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.traces import Request, load_trace
 
 #: The fixed policies cost-aware is compared with in the summary.
@@ -93,6 +97,9 @@ class ReportSettings:
     model_lengths: Annotated[tuple[Annotated[int, Field(ge=1)], ...], Field(min_length=1)] = MODEL_LENGTHS
     model_backend: str = "inductor"
     cost_model: str | None = None
+    #: a cost-model file with whole-model step fits (``attnpolicy calibrate --model SPEC``):
+    #: adds the warm-up schemes on whole requests (``plan --family model --whole-requests``)
+    model_cost: str | None = None
     #: calibrate a cost model now (unless ``cost_model`` is given) with ``calibration``;
     #: off: the built-in model
     calibrate: bool = True
@@ -315,6 +322,23 @@ def marked(row: NamedRow) -> Marked:
                   row.peak_bytes / MIB, row.total_seconds, row.peak_graphs, row.capacity, row.max_bytes, row.hit_rate)
 
 
+def whole_requests(path: str, steps: Sequence[ScheduledBatch], former: BatchFormer, max_sizes: int,
+                   out: Path) -> dict[str, Any]:
+    """The warm-up schemes on the workload's whole requests, priced by the step fits of
+    the cost-model file ``path`` (``attnpolicy plan --family model --whole-requests``, its
+    host settings and bucketing file written under ``out``), as report.json holds them."""
+    model = CostFile.load(path).model_fits(path)
+    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
+    gaudi_file = out / GAUDI_FILE
+    comparison, settings = plan_whole_requests([s.layout for s in steps], limits, model, Budget(), max_sizes,
+                                               str(gaudi_file.resolve()))
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(gaudi_file, settings.gaudi_file)
+    write_json(out / "host_settings.json", settings.sections)
+    return {"cost_model": path, "model": model.spec, "limits": asdict(limits), "dir": str(out),
+            "columns": list(COLUMNS), "table": table_rows(comparison), **comparison.to_json()}
+
+
 def make_report(s: ReportSettings, command: str, progress: Callable[[str], None],
                 requests: Sequence[Request] | None = None,
                 known: tuple[CostModel, Provenance] | None = None) -> dict[str, Any]:
@@ -349,6 +373,10 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     rec, plan, frontier = recommend(steps, sweep, base, model, s.policies, s.evictions, validation, s.out,
                                     s.plan_max_buckets, workload_name, schemes, workload)
     progress(f"planned {rec.policy}")
+    whole = None if s.model_cost is None else whole_requests(s.model_cost, steps, former, s.plan_max_buckets,
+                                                             s.out / "whole_requests")
+    if whole is not None:
+        progress("planned whole requests")
     bench_speedups = speedups(bench_rows)
     s.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {
@@ -372,6 +400,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
         "validation": [asdict(v) for v in validation],
         "recommendation": rec.to_json(),
         "frontier": frontier.to_json(),
+        "whole_requests": whole,
         "plan": [{"policy": p.policy, "buckets": list(p.buckets), "eviction": p.eviction,
                   "total_seconds": p.row.total_seconds, "peak_bytes": p.row.peak_bytes,
                   "base_lru_seconds": p.baseline("lru").total_seconds,

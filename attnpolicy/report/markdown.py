@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from attnpolicy.planning.scheme_comparison import LEGEND
 from attnpolicy.report.plots import TT_XLA
 from attnpolicy.report.units import MIB, bound_text, capacity_text, human_bytes
 from attnpolicy.workloads.batching import Workload
@@ -138,6 +139,10 @@ def first_screen(data: dict[str, Any]) -> list[str]:
         (f"**Simulator error on this machine** (predicted / measured − 1, section 3): compile seconds "
          f"{_err(err['compile'])}, total seconds {_err(err['total'])}."),
     ]
+    whole = data.get("whole_requests")
+    if whole is not None:
+        lines += ["", (f"**Warm-up schemes on whole requests** ({whole['model']}, modelled, section 5): "
+                       f"{whole['summary'].removeprefix('* ')}.")]
     if not err["trusted"]:
         advice = ("The cost model was calibrated in this run, so the machine's load changed between "
                   "calibration and validation: rerun on a quieter machine."
@@ -198,6 +203,22 @@ def _model_bench(bench: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _whole_requests(whole: dict[str, Any] | None) -> list[str]:
+    """Section 5 (``report --model-cost``): the warm-up schemes on whole requests; none without it."""
+    if whole is None:
+        return []
+    limits = whole["limits"]
+    return [
+        "## 5. Warm-up schemes on whole requests (modelled)", "",
+        f"**Takeaway:** {whole['summary'].removeprefix('* ')}.", "",
+        (f"Cost model `{whole['cost_model']}` ({whole['model']}); the server's limits: max_num_seqs "
+         f"{limits['max_num_seqs']}, max_num_batched_tokens {limits['max_num_batched_tokens']}, max_model_len "
+         f"{limits['max_model_len']}, block {limits['block_size']}. The plan's host settings and vllm-gaudi "
+         f"bucketing file: `{whole['dir']}`. {LEGEND}"), "",
+        table(whole["columns"], whole["table"]), "",
+    ]
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The report as Markdown: the answer first, then bench, sweep, simulator check,
     the plan in detail, and the full sweep as an appendix."""
@@ -211,8 +232,9 @@ def markdown(data: dict[str, Any]) -> str:
         *first_screen(data), "",
         (f"Command: `{data['command']}`; {env['machine']}, torch {env['torch']}, {env['threads']} threads, "
          f"{env.get('date', '')}. Took {data['seconds']:.0f} s (the plan step {rec['plan_seconds']:.0f} s)."), "",
-        ("Details: 1. mask vs mask-free, 2. the sweep, 3. simulator vs real compute, 4. the plan per policy; "
-        "appendix: every sweep row (also in report.json)."), "",
+        ("Details: 1. mask vs mask-free, 2. the sweep, 3. simulator vs real compute, 4. the plan per policy"
+         + ("; 5. warm-up schemes on whole requests" if data.get("whole_requests") else "")
+         + "; appendix: every sweep row (also in report.json)."), "",
         "## 1. Mask vs mask-free attention (measured)", "",
         f"**Takeaway:** {_plot_title(data, 'bench.png')}.", "",
         (f"`attnpolicy bench` settings: {bench['env']}. Medians of {bench['env']['repeats']} runs, "
@@ -273,6 +295,7 @@ def markdown(data: dict[str, Any]) -> str:
                f"{rec['base_buckets']} + belady s"),
               [(p["policy"], sizes_text(p["buckets"]), p["eviction"], p["total_seconds"],
                 p["peak_bytes"] / MIB, p["base_lru_seconds"], p["base_belady_seconds"]) for p in data["plan"]]), "",
+        *_whole_requests(data.get("whole_requests")),
         "## Appendix: every sweep row", "",
         ("Bound = max graphs (∞: unbounded), max bytes. Modes c/m/v: batches run causal / mask / varlen."), "",
         table(("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s", "attention s",

@@ -27,27 +27,14 @@ from attnpolicy.modelling.peer_buckets import (
     tpu_env_paddings,
 )
 from attnpolicy.modelling.warmup_costs import Pricing, Shape, graph_shape, warmup_cost
-from attnpolicy.modelling.whole_model_costs import ModelFit, StepFits
 from attnpolicy.planning.host_settings import GaudiBuckets, host_settings
 from attnpolicy.planning.scheme_comparison import compare_schemes, pow2_grid
 from attnpolicy.planning.warmup_plan import Budget, Grid, RaggedGrid, RunPricing, plan_forms, plan_warmup
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
-from tests.cost_models import synthetic
+from tests.cost_models import synthetic, with_steps
 
 LIMITS = PeerLimits(4, 256, 512, block_size=16)
-
-
-def step_model(compile_base: float = 1.0):
-    """The synthetic model with MASK step fits: compile ``compile_base`` s plus 1 ms per
-    row and 1 µs per context column; run 1 ms plus 10 µs per row, 1 µs per context column
-    and 10 ns per cell."""
-    compile_fit = ModelFit(base=compile_base, per_token=1e-3, per_context=1e-6)
-    run = ModelFit(base=1e-3, per_token=1e-5, per_context=1e-6, per_cell=1e-8)
-    modes = ("causal", "mask", "varlen")
-    return synthetic().model_copy(update={"steps": StepFits(
-        compile=dict.fromkeys(modes, compile_fit), run=dict.fromkeys(modes, run),
-        rss=dict.fromkeys(modes, ModelFit(base=1e6)))})
 
 
 def test_each_kind_of_graph_is_priced_at_its_rows_context_and_cells():
@@ -58,7 +45,7 @@ def test_each_kind_of_graph_is_priced_at_its_rows_context_and_cells():
     assert graph_shape(WarmupGraph("decode", 4, 1, 10), LIMITS) == Shape(4, 160, 164)
     assert graph_shape(WarmupGraph("decode", 2, 1), LIMITS) == Shape(2, 1024, 1026)  # rbln: max_model_len each
     assert graph_shape(WarmupGraph("mixed", 4, 128), LIMITS) == Shape(128, 0, 128 * 128)
-    pricing = Pricing(step_model(), LIMITS)
+    pricing = Pricing(with_steps(), LIMITS)
     ragged = WarmupSet.of("tpu", [WarmupGraph("mixed", 4, 128)])
     forward = step_forwards("tpu", (100, 1), (300, 41), LIMITS)[0]  # real context 240, cells 30000 + 41
     cost = warmup_cost("tpu", ragged, Counter({forward: 3}), pricing)
@@ -70,7 +57,7 @@ def test_each_kind_of_graph_is_priced_at_its_rows_context_and_cells():
 
 
 def test_a_forward_no_graph_serves_compiles_its_own_shape_once():
-    pricing = Pricing(step_model(), LIMITS)
+    pricing = Pricing(with_steps(), LIMITS)
     warm = WarmupSet.of("gaudi-x", [WarmupGraph("prefill", 1, 64, 0), WarmupGraph("decode", 4, 1, 8)])
     big = Forward("prefill", 1, 200, 0, 200, 0, 200 * 200)
     small = Forward("prefill", 1, 10, 0, 10, 0, 100)
@@ -119,7 +106,7 @@ def every_forward(limits: PeerLimits, runtime: str) -> list[Forward]:
 @given(workloads(), st.integers(2, 40), st.sampled_from([None, 30.0, 80.0]))
 def test_the_plan_covers_every_step_within_the_limits_and_keeps_its_budget(workload, max_graphs, seconds):
     steps, limits = workload
-    pricing = Pricing(step_model(), limits)
+    pricing = Pricing(with_steps(), limits)
     forwards = WorkloadForwards(steps, limits)
     budget = Budget(max_graphs, None, seconds)
     for plan, runtime in zip(plan_forms(forwards, pricing, budget), ("gaudi", "tpu")):
@@ -141,7 +128,7 @@ def test_the_plan_covers_every_step_within_the_limits_and_keeps_its_budget(workl
 @given(workloads())
 def test_no_scheme_runs_a_workload_below_the_floor(workload):
     steps, limits = workload
-    pricing = Pricing(step_model(), limits)
+    pricing = Pricing(with_steps(), limits)
     forwards = WorkloadForwards(steps, limits)
     comparison = compare_schemes(forwards, pricing, plan_forms(forwards, pricing, Budget()), 16)
     for row in comparison.rows:
@@ -155,7 +142,7 @@ def test_more_graphs_lower_the_total_until_the_search_stops():
     requests = [Request(float(i), p, o) for i, (p, o) in enumerate([(30, 40), (200, 5), (90, 60), (250, 20)] * 3)]
     steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
              .steps(requests)]
-    pricing = Pricing(step_model(compile_base=0.05), LIMITS)
+    pricing = Pricing(with_steps(compile_base=0.05), LIMITS)
     forwards = WorkloadForwards(steps, LIMITS)
     totals = [plan_warmup(forwards.of("gaudi"), LIMITS, pricing, Budget(n)).cost.total_seconds for n in (2, 4, 8, 64)]
     assert totals == sorted(totals, reverse=True) and totals[-1] < totals[0]
@@ -166,7 +153,7 @@ def test_a_phase_over_the_budget_is_left_out_and_its_forwards_priced_as_run_time
     steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
              .steps(requests)]
     forwards = WorkloadForwards(steps, LIMITS)
-    pricing = Pricing(step_model(), LIMITS)
+    pricing = Pricing(with_steps(), LIMITS)
     plan = plan_warmup(forwards.of("gaudi"), LIMITS, pricing, Budget(max_graphs=1))
     assert isinstance(plan.grid, Grid) and plan.grid.queries and not plan.grid.batches  # the prompt's top kept
     decodes = sum(n for f, n in forwards.of("gaudi").items() if f.phase == "decode")
@@ -185,7 +172,7 @@ def test_the_plans_host_settings_read_back_to_the_plans_graphs():
     steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
              .steps(requests)]
     forwards = WorkloadForwards(steps, LIMITS)
-    pricing = Pricing(step_model(compile_base=0.05), LIMITS)
+    pricing = Pricing(with_steps(compile_base=0.05), LIMITS)
     gaudi, ragged = plan_forms(forwards, pricing, Budget(12))
     settings_ = host_settings(steps, gaudi.warm.prefill_lengths(), LIMITS, 16, forwards=forwards,
                               gaudi=GaudiBuckets.of(gaudi.warm), tpu_tokens=ragged.warm.prefill_lengths())
@@ -203,7 +190,7 @@ def test_pow2_doubles_every_dimension_up_to_the_maxima():
 
 
 def test_cli_plans_whole_requests_beside_the_runtimes(tmp_path, capsys):
-    path = CostFile(model=step_model(compile_base=0.05)).save(tmp_path / "m.json")
+    path = CostFile(model=with_steps(compile_base=0.05)).save(tmp_path / "m.json")
     out = tmp_path / "plan"
     flags = ["--limit", "30", "--max-seq-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "4"]
     assert main(["plan", "--family", "model", "--whole-requests", "--cost-model", str(path), "--max-graphs", "24",

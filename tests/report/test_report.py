@@ -14,6 +14,7 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
+from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.simulation import simulate, simulate_layouts, simulation_config
 from attnpolicy.report.build import ValidationRow
 from attnpolicy.report.markdown import first_screen, markdown, sizes_text
@@ -32,6 +33,7 @@ from attnpolicy.report.recommend import (
 from attnpolicy.report.units import human_bytes
 from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request
+from tests.cost_models import synthetic, with_steps
 
 REQUESTS = [Request(0.0, 40, 3), Request(0.1, 150, 2), Request(0.2, 7, 4), Request(0.3, 90, 1),
             Request(0.4, 300, 2), Request(0.5, 64, 3)]
@@ -60,9 +62,11 @@ def _trace(path):
 def small_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     trace = _trace(out.parent / "trace.csv")
+    model_cost = CostFile(model=with_steps(compile_base=0.05)).save(out.parent / "model.json")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["report", "--out", str(out), "--trace", str(trace), *SMALL, *SMALL_WORKLOAD, *MODEL]) == 0
+        assert main(["report", "--out", str(out), "--trace", str(trace), *SMALL, *SMALL_WORKLOAD, *MODEL,
+                     "--model-cost", str(model_cost)]) == 0
     return out, json.loads((out / "report.json").read_text()), " ".join(printed.getvalue().split())
 
 
@@ -316,6 +320,34 @@ def test_report_model_adds_the_whole_model_table_beside_tt_xla(small_report):
     [ratio] = [r for r in bench["ratios"] if r["seq_len"] == 128]
     assert f"{ratio['compiled']:.2f}×" in row128 and f"{TT_XLA[128]:.2f}×" in row128
     assert "Whole-model" not in markdown({**data, "model_bench": None})  # off by default: no section
+
+
+def test_report_model_cost_adds_the_warm_up_schemes_on_whole_requests(small_report):
+    out, data, printed = small_report
+    whole = data["whole_requests"]
+    schemes = {r["scheme"]: r for r in whole["schemes"]}
+    assert {"gaudi-exponential", "tpu", "vllm", "pow2", "plan (gaudi form)", "plan (ragged form)"} <= set(schemes)
+    assert whole["limits"]["max_num_seqs"] == FORMER["max_num_seqs"]
+    best = min((r for r in whole["schemes"] if r.get("runtime_compiles") == 0), key=lambda r: r["total_seconds"])
+    assert whole["recommended"] == best["scheme"]
+    text = (out / "report.md").read_text()
+    screen = text[:text.index("## 1. Mask vs mask-free")]
+    line = f"Warm-up schemes on whole requests** (synthetic, modelled, section 5): lowest modelled total: {best['scheme']}"
+    assert f"**{line}" in screen and "Warm-up schemes on whole requests (synthetic, modelled, section 5)" in printed
+    section = text[text.index("## 5. Warm-up schemes on whole requests"):text.index("## Appendix")]
+    assert f"| {best['scheme']} * |" in section and "| floor |" in section
+    host = json.loads((out / "whole_requests" / "host_settings.json").read_text())
+    assert host["tpu"]["num_tokens_paddings"] == whole["plans"]["ragged"]["grid"]["tokens"]
+    assert (out / "whole_requests" / "gaudi_buckets.txt").read_text().startswith("# vllm-gaudi buckets")
+    assert "## 5." not in markdown({**data, "whole_requests": None})  # off by default: no section
+
+
+def test_report_refuses_a_model_cost_without_step_fits_before_any_work(capsys, tmp_path):
+    path = CostFile(model=synthetic()).save(tmp_path / "m.json")
+    assert main(["report", "--out", str(tmp_path / "r"), "--model-cost", str(path), *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "argument --model-cost" in err and "no step-graph fits" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_report_model_refuses_a_bad_spec_before_any_work(capsys, tmp_path):
