@@ -68,7 +68,7 @@ from attnpolicy.planning.scheme_comparison import COLUMNS as COMPARISON_COLUMNS
 from attnpolicy.planning.scheme_comparison import LEGEND as COMPARISON_LEGEND
 from attnpolicy.planning.scheme_comparison import TITLE as COMPARISON_TITLE
 from attnpolicy.planning.scheme_comparison import SchemeComparison, plan_whole_requests
-from attnpolicy.planning.scheme_comparison import table_rows as comparison_rows
+from attnpolicy.planning.scheme_comparison import comparison_table as comparison_rows
 from attnpolicy.planning.warmup_plan import Budget, Grid
 from attnpolicy.report.markdown import table
 from attnpolicy.workloads.batching import Workload
@@ -268,8 +268,12 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     """``plan --family model --whole-requests``: the joint prompt and decode plan and the
     model-level comparison of warm-up schemes (plan.md, plan.json, host_settings.json,
     vllm-gaudi's bucketing file)."""
-    not_taken(args, "with --whole-requests (steps of the batch former, priced by the cost model's step fits)",
-              *(name for name in ATTENTION_ONLY if name != "warmup_seconds"))
+    why = "with --whole-requests (steps of the batch former, priced by the cost model's step fits)"
+    not_taken(args, why, *(name for name in ATTENTION_ONLY if name != "warmup_seconds"))
+    for name, default in (("policies", POLICIES), ("evictions", EVICTIONS), ("align", ALIGN), ("sample", SAMPLE)):
+        value = getattr(args, name)
+        if (tuple(value) if isinstance(value, list) else value) != default:
+            fail(f"argument --{name}: not taken {why}")
     cost, provenance = priced_model(args)
     former = former_from(args)
     requests = workload(args, former)

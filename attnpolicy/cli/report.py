@@ -96,8 +96,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model-backend", default=d.model_backend, metavar="NAME",
                    help=f"torch.compile backend of --model (default: {d.model_backend})")
     p.add_argument("--model-cost", default=None, metavar="PATH",
-                   help="a cost-model file with whole-model step fits ('attnpolicy calibrate --model SPEC'): adds "
-                        "the warm-up schemes on whole requests, as 'attnpolicy plan --family model "
+                   help="a cost-model file with whole-model step fits, as 'attnpolicy calibrate --model SPEC' "
+                        "writes: adds the warm-up schemes on whole requests, as 'attnpolicy plan --family model "
                         "--whole-requests' (default: off)")
     p.add_argument("--plan-max-buckets", type=positive_int, default=d.plan_max_buckets, metavar="K",
                    help="most bucket sizes per candidate list of the plan step, as 'attnpolicy plan "

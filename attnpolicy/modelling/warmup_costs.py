@@ -85,11 +85,9 @@ class Pricing:
     """One model's step fits (MASK) applied to shapes, each graph's price kept."""
 
     def __init__(self, model: ModelCostModel, limits: PeerLimits) -> None:
-        if model.steps is None:
-            model.compile_seconds(StepKey(MaskMode.MASK, 1, 0, ((1, 0),), model.backend))  # raises, naming the fix
-        assert model.steps is not None
+        steps = model.step_fits()
         self.model, self.limits = model, limits
-        self.compile_fit, self.run_fit = model.steps.compile["mask"], model.steps.run["mask"]
+        self.compile_fit, self.run_fit = steps.compile["mask"], steps.run["mask"]
         self._graphs: dict[WarmupGraph, tuple[float, int]] = {}
 
     def run_seconds(self, shape: Shape) -> float:

@@ -214,14 +214,16 @@ class ModelCostModel(BaseModel):
         return (max(x.tokens for x in samples), max(x.context for x in samples),
                 max(len(x.segments) for x in samples))
 
+    def step_fits(self) -> StepFits:
+        """The step graphs' fits; :class:`ConfigError` naming the fix when it holds none."""
+        if self.steps is None:
+            raise ConfigError(f"the cost model of {self.spec} holds no step-graph fits (decode, chunked "
+                              f"prefill): calibrate it again with attnpolicy calibrate --model SPEC")
+        return self.steps
+
     def _fit(self, key: WholeModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
         """The fit of ``what`` for ``key``'s kind of graph and mode."""
-        source: ModelCostModel | StepFits = self
-        if isinstance(key, StepKey):
-            if self.steps is None:
-                raise ConfigError(f"the cost model of {self.spec} holds no step-graph fits (decode, chunked "
-                                  f"prefill): calibrate it again with attnpolicy calibrate --model SPEC")
-            source = self.steps
+        source: ModelCostModel | StepFits = self.step_fits() if isinstance(key, StepKey) else self
         return {"compile": source.compile, "run": source.run, "rss": source.rss}[what][key.mode.value]
 
     def compile_seconds(self, key: WholeModelKey) -> float:

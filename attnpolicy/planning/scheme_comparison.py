@@ -213,11 +213,11 @@ LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, price
           "one ragged forward at its own tokens, no warm-up "
           "(no scheme runs the workload for less); * marks the lowest total.")
 
-#: The table's columns (:func:`table_rows` gives its cells).
+#: The table's columns (:func:`comparison_table` gives its cells).
 COLUMNS = ("scheme", "graphs", "warm-up s", "padding", "run-time compiles", "peak graph MiB", "run s", "total s")
 
 
-def table_rows(comparison: SchemeComparison) -> list[tuple[str, ...]]:
+def comparison_table(comparison: SchemeComparison) -> list[tuple[str, ...]]:
     """The rows as the cells of :data:`COLUMNS`, the floor last."""
     out: list[tuple[str, ...]] = []
     for r in (*comparison.rows, SchemeRow("floor", (), comparison.floor)):

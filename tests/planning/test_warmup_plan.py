@@ -216,3 +216,8 @@ def test_cli_plans_whole_requests_beside_the_runtimes(tmp_path, capsys):
     assert "## Warm-up schemes on whole requests, modelled" in markdown
     assert main(["plan", "--whole-requests", "--out", str(tmp_path / "x"), *flags]) == 2
     assert "--whole-requests: needs --family model" in capsys.readouterr().err
+    for extra in (["--policies", "varlen"], ["--sample", "0"], ["--align", "64"]):
+        assert main(["plan", "--family", "model", "--whole-requests", "--cost-model", str(path), "--out",
+                     str(tmp_path / "x"), *flags, *extra]) == 2
+        assert f"argument {extra[0]}: not taken with --whole-requests" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
