@@ -1,24 +1,29 @@
-"""Prompt and decode graphs planned together under one budget, with coverage.
+"""Prompt and decode graphs planned together under one budget, with coverage, in the
+two forms the hosts run:
 
-The plan runs engine steps as vllm-gaudi does (each prompt or prefill chunk alone,
-the step's decodes as one batch: :func:`~attnpolicy.modelling.peer_buckets.step_forwards`
-``"gaudi"``), so its graphs are vllm-gaudi buckets and its warm-up set is a bucketing
-file vllm-gaudi runs (``VLLM_BUCKETING_FROM_FILE``). It is a grid: prompt graphs
-``(1, query, context blocks)`` for every planned query size × context size, decode
-graphs ``(batch, 1, blocks)`` for every planned batch × blocks size (those vllm-gaudi
-keeps, :func:`~attnpolicy.modelling.peer_buckets.gaudi_decode_bucket`).
+- the gaudi form (:class:`Grid`) runs engine steps as vllm-gaudi does (each prompt or
+  prefill chunk alone, the step's decodes as one batch:
+  :func:`~attnpolicy.modelling.peer_buckets.step_forwards` ``"gaudi"``), so its graphs
+  are vllm-gaudi buckets and its warm-up set a bucketing file vllm-gaudi runs
+  (``VLLM_BUCKETING_FROM_FILE``): prompt graphs ``(1, query, context blocks)`` for
+  every planned query size × context size, decode graphs ``(batch, 1, blocks)`` for
+  every planned batch × blocks size (those vllm-gaudi keeps,
+  :func:`~attnpolicy.modelling.peer_buckets.gaudi_decode_bucket`);
+- the ragged form (:class:`RaggedGrid`) runs a step as one forward padded on its
+  tokens only (tpu-inference, vLLM's piecewise graphs): a list of token paddings.
 
 **Coverage.** Each list starts at the configured maxima: a prompt of
 ``max_num_batched_tokens`` (at most ``max_model_len``) query tokens over
 ⌈(max_model_len − 1) / block⌉ context blocks, a decode of ``max_num_seqs``
-sequences over ``max_num_seqs`` × ⌈max_model_len / block⌉ blocks. So every step
+sequences over ``max_num_seqs`` × ⌈max_model_len / block⌉ blocks (:func:`top_grid`);
+tpu-inference's cover of ``max_num_batched_tokens`` (:func:`ragged_top`). So every step
 within the maxima is served after warm-up (padded up) and nothing compiles at run
 time. Where the budget cannot hold a phase's largest graph, that phase is left
 uncovered: its forwards compile at run time, and :attr:`WarmupPlan.outside` says so
 with their count and modelled cost.
 
 **Search.** Greedy: from the maxima, add the one size (a prompt query or context, a
-decode batch or blocks size, among the workload's own values) that lowers the
+decode batch or blocks size, a token padding; among the workload's own values) that lowers the
 modelled total most (warm-up compiles plus every forward's run,
 :mod:`~attnpolicy.modelling.warmup_costs`) while the graph count, graph bytes and
 warm-up seconds stay within the budget; stop when no size lowers it.

@@ -184,6 +184,14 @@ def test_the_plans_host_settings_read_back_to_the_plans_graphs():
         host_settings(steps, (), LIMITS, 16, tpu_tokens=(100, 256))
 
 
+def test_a_budget_names_the_bound_a_set_breaks():
+    budget = Budget(max_graphs=4, max_bytes=1000, warmup_seconds=2.5)
+    assert budget.why_over(4, 1000, 2.5) is None and Budget().why_over(10**6, 10**12, 1e9) is None
+    assert budget.why_over(5, 10, 0.0) == "5 graphs > max_graphs 4"
+    assert budget.why_over(1, 1001, 0.0) == "1001 bytes > max_bytes 1000"
+    assert budget.why_over(1, 10, 3.0) == "3 warm-up s > warmup_seconds 2.5"
+
+
 def test_pow2_doubles_every_dimension_up_to_the_maxima():
     grid = pow2_grid(PeerLimits(4, 200, 512, block_size=16))
     assert grid == Grid((16, 32, 64, 128, 200), (0, 1, 2, 4, 8, 16, 32), (1, 2, 4), (1, 2, 4, 8, 16, 32, 64, 128))
