@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -297,7 +298,7 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
         write_json(out / "host_settings.json", settings.sections)
         write_json(out / "plan.json", {"source": source, "model": cost.spec, "steps": len(layouts),
                                        "rejected": w.rejected, "workload": w.to_json(), **fields,
-                                       "limits": limits.__dict__, **comparison.to_json()})
+                                       "limits": asdict(limits), **comparison.to_json()})
         write_text_atomic(out / "plan.md", requests_markdown(comparison, source, cost.spec, w))
     print_table(f"attnpolicy plan on whole requests: {source}, {cost.spec}", COMPARISON_COLUMNS,
                 comparison_rows(comparison), caption=comparison.summary())

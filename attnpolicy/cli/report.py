@@ -126,12 +126,9 @@ def cmd_report(args: argparse.Namespace) -> int:
                  bench=bench, former=former_options(args), policy_options=options)
     if s.model_cost is not None:
         try:
-            fits = CostFile.load(s.model_cost).model_fits(s.model_cost)
+            CostFile.load(s.model_cost).model_fits(s.model_cost).step_fits()
         except ConfigError as exc:
             fail(f"argument --model-cost: {exc}")
-        if fits.steps is None:
-            fail(f"argument --model-cost: {s.model_cost} holds no step-graph fits (decode, chunked prefill): "
-                 "calibrate it again with attnpolicy calibrate --model SPEC")
     try:
         known = known_model(s, warn)
     except ConfigError as exc:

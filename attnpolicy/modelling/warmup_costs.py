@@ -34,7 +34,6 @@ its MASK step key.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,8 +167,3 @@ def vllm_warmup(limits: PeerLimits) -> WarmupSet:
     dynamically shaped graph)."""
     return WarmupSet.of("vllm", (WarmupGraph("mixed", limits.max_num_seqs, t)
                                  for t in vllm_sizes(limits.max_num_batched_tokens)))
-
-
-def cheapest(rows: Sequence[WarmupCost]) -> WarmupCost:
-    """The row of the lowest total."""
-    return min(rows, key=lambda r: r.total_seconds)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,6 +50,8 @@ Mode = Literal["causal", "mask", "varlen"]
 MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
 
 
+#: A feature of a fit: one value, or an array of them priced elementwise.
+Feature = TypeVar("Feature", float, np.ndarray)
 #: A whole-model graph's key: a prefill graph's or a step graph's.
 WholeModelKey = ModelKey | StepKey
 
@@ -81,9 +83,9 @@ class ModelFit(BaseModel):
         _, tokens, context, cells, segments = features(key)
         return self.at(tokens, context, cells, segments)
 
-    def at(self, tokens: int, context: int, cells: int, segments: int = 1) -> float:
+    def at(self, tokens: Feature, context: Feature, cells: Feature, segments: int = 1) -> Feature:
         """The fit at these features (a shape priced without a key of this runner:
-        another runtime's graph)."""
+        another runtime's graph), or elementwise at arrays of them."""
         return (self.base + self.per_token * tokens + self.per_context * context + self.per_cell * cells
                 + self.per_segment * segments)
 

@@ -34,6 +34,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
     PeerLimits,
+    Runtime,
     WarmupGraph,
     WarmupSet,
     WorkloadForwards,
@@ -42,10 +43,12 @@ from attnpolicy.modelling.peer_buckets import (
 from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost, run_shape, vllm_warmup, warmup_cost
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, host_settings
-from attnpolicy.planning.warmup_plan import Budget, Grid, WarmupPlan, plan_forms, top_grid
+from attnpolicy.planning.warmup_plan import Budget, Grid, WarmupPlan, plan_forms, plan_warmup, top_grid
 
 #: The hosts that run each form of the plan.
 FORM_HOSTS = {"gaudi": ("gaudi",), "ragged": ("tpu", "vllm")}
+#: The runtime whose forwards each form plans (:func:`~attnpolicy.planning.warmup_plan.plan_forms`).
+FORM_RUNTIME: dict[str, Runtime] = {"gaudi": "gaudi", "ragged": "tpu"}
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,9 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[W
     for peer in peers:
         if peer.cost is not None:
             at = Budget(peer.cost.graphs, budget.max_bytes, peer.cost.warmup_seconds)
-            gaudi, ragged = plan_forms(forwards, pricing, at, max_sizes)
-            forms = [(plan, form) for plan, form in ((gaudi, "gaudi"), (ragged, "ragged"))
-                     if peer.hosts[0] in FORM_HOSTS[form]] or [(gaudi, "gaudi"), (ragged, "ragged")]
+            names = [form for form in FORM_HOSTS if peer.hosts[0] in FORM_HOSTS[form]] or list(FORM_HOSTS)
+            forms = [(plan_warmup(forwards.of(FORM_RUNTIME[form]), limits, pricing, at, max_sizes), form)
+                     for form in names]
             chosen, form = min(forms, key=lambda p: p[0].cost.total_seconds)
             rows.append(SchemeRow(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], chosen.cost))
     rows += [row(label, make) for label, make in extra]

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations, product
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -82,8 +82,18 @@ class Budget:
         return {"max_graphs": self.max_graphs, "max_bytes": self.max_bytes, "warmup_seconds": self.warmup_seconds}
 
 
+class _Sizes:
+    """A grid's sizes per dimension, changed by copy (each dimension ascending, each size once)."""
+
+    def with_size(self, dimension: str, value: int) -> Self:
+        return self.with_sizes(dimension, (*getattr(self, dimension), value))
+
+    def with_sizes(self, dimension: str, values: Sequence[int]) -> Self:
+        return replace(self, **{dimension: tuple(sorted(set(values)))})  # type: ignore[type-var]
+
+
 @dataclass(frozen=True)
-class Grid:
+class Grid(_Sizes):
     """vllm-gaudi's form: the planned prompt query tokens and context blocks, decode
     batches and blocks, each ascending (an empty phase: uncovered)."""
 
@@ -105,18 +115,12 @@ class Grid:
             return Grid(self.queries, self.contexts, (), ())
         return Grid((), (), self.batches, self.blocks)
 
-    def with_size(self, dimension: str, value: int) -> Grid:
-        return self.with_sizes(dimension, (*getattr(self, dimension), value))
-
-    def with_sizes(self, dimension: str, values: Sequence[int]) -> Grid:
-        return replace(self, **{dimension: tuple(sorted(set(values)))})
-
     def to_json(self) -> dict[str, list[int]]:
         return {name: list(getattr(self, name)) for name in ("queries", "contexts", "batches", "blocks")}
 
 
 @dataclass(frozen=True)
-class RaggedGrid:
+class RaggedGrid(_Sizes):
     """The ragged form (tpu-inference, vLLM's piecewise graphs): the planned token
     paddings of a whole step, ascending, each a graph of ``max_num_seqs`` requests."""
 
@@ -129,12 +133,6 @@ class RaggedGrid:
 
     def phase(self, phase: str) -> RaggedGrid:
         return self
-
-    def with_size(self, dimension: str, value: int) -> RaggedGrid:
-        return self.with_sizes(dimension, (*getattr(self, dimension), value))
-
-    def with_sizes(self, dimension: str, values: Sequence[int]) -> RaggedGrid:
-        return replace(self, **{dimension: tuple(sorted(set(values)))})
 
     def to_json(self) -> dict[str, list[int]]:
         return {"tokens": list(self.tokens)}
@@ -191,9 +189,7 @@ class RunPricing:
                                                       if f.phase == "mixed"], 4)
 
     def _run(self, rows: np.ndarray, context: np.ndarray, cells: np.ndarray, weights: np.ndarray) -> float:
-        fit = self.fit
-        seconds = fit.base + fit.per_token * rows + fit.per_context * context + fit.per_cell * cells
-        return float(np.dot(weights, seconds))
+        return float(np.dot(weights, self.fit.at(rows, context, cells)))
 
     def seconds(self, grid: AnyGrid) -> float:
         """Every covered phase's run seconds on ``grid`` (an uncovered phase is priced elsewhere)."""
