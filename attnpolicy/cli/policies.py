@@ -12,14 +12,18 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from attnpolicy.cli.common import command, int_list, print_table
+from attnpolicy.cli.common import command, int_list, positive_int, print_table
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import FALLBACK_MODES, ON_ILLEGAL
-from attnpolicy.errors import LayoutError, PolicyError
+from attnpolicy.errors import ConfigError, LayoutError, PolicyError
 from attnpolicy.plugins.registry import eviction_registry, policy_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
+
+#: The default of ``decide --max-seq-len``: the config's.
+MAX_SEQ_LEN: int = AttnPolicyConfig.model_fields["max_seq_len"].default
 
 
 def register(subparsers: Any) -> None:
@@ -40,6 +44,9 @@ def register(subparsers: Any) -> None:
                    help="key/value length of each sequence, >= its query length: cached context "
                         "(default: the query lengths)")
     d.add_argument("--bidirectional", action="store_true", help="non-causal attention (default: causal)")
+    d.add_argument("--max-seq-len", type=positive_int, default=MAX_SEQ_LEN, metavar="N",
+                   help="the longest sequence a config serves (max_seq_len): a longer --seq-lens or --kv-lens is "
+                        f"refused (default: the config's, {MAX_SEQ_LEN})")
     d.add_argument("--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                    help="policy option (repeatable); VALUE is parsed as JSON when it can be, "
                         "POLICY:KEY=VALUE is accepted too (default: none)")
@@ -119,6 +126,11 @@ def _error(exc: Exception, code: int) -> int:
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
+    for flag, lens in (("--seq-lens", args.seq_lens), ("--kv-lens", args.kv_lens or ())):
+        longest = max(lens, default=0)
+        if longest > args.max_seq_len:
+            return _error(ConfigError(f"argument {flag}: {longest} is longer than --max-seq-len {args.max_seq_len}, "
+                                      "the longest sequence a config serves"), 2)
     try:
         guard = Guard.for_policy(args.policy, dict(args.option), on_illegal=args.on_illegal,
                                  fallback=MaskMode(args.fallback))
