@@ -43,6 +43,11 @@ class ConfigError(AttnPolicyError, ValueError):
     """A configuration value or file is invalid, missing or corrupt."""
 
 
+class AllocationError(AttnPolicyError, MemoryError):
+    """A buffer the work needs cannot be allocated; the message names what it holds and
+    its bytes."""
+
+
 class KernelError(AttnPolicyError):
     """A kernel returned an output of the wrong shape, dtype or device, or failed the
     verification of a capability it declares; the message names kernel, plugin and case."""

@@ -47,6 +47,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from attnpolicy.kernels.accuracy import MaxAbsError
+
 WORKLOADS = ("attn", "attn_mask", "model")
 MECHANISMS = ("megacache", "aot_compile", "aot_compile_eager", "aoti")
 
@@ -167,8 +169,10 @@ def _load(workload: str, mechanism: str, path: Path) -> dict[str, Any]:
         want = module(*args)
     load, first, got = _load_once(mechanism, module, args, path)
     again = sum(_load_once(mechanism, module, args, path)[:2])
-    return {"load_s": load, "first_call_s": first, "again_s": again,
-            "max_err": float((got - want).abs().max())}
+    err = MaxAbsError()
+    err.add(got, want)
+    return {"load_s": load, "first_call_s": first, "again_s": again, "max_err": err.value,
+            "non_finite": err.non_finite}
 
 
 def _child(phase: str, workload: str, mechanism: str, path: Path, cache: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
+from attnpolicy.kernels.accuracy import MaxAbsError
 from attnpolicy.kernels.masks import window_band
 
 HEADS, HEAD_DIM = 8, 64
@@ -97,9 +98,12 @@ def _batch(n: int, length: int, w: int, repeats: int, no_flex: bool) -> list[dic
         runs[name] = lambda d=d: d.attend(q, k, v, layout, window=w)
     with torch.no_grad():
         times = {name: _median_ms(fn, repeats) for name, fn in runs.items()}
-        errors = {name: float((fn() - want).abs().max()) for name, fn in runs.items()}
+        errors = {name: MaxAbsError() for name in runs}
+        for name, fn in runs.items():
+            errors[name].add(fn(), want)
     return [{"batch": f"{n}x{length}", "window": w, "row": name, "median_ms": round(ms, 2),
-             "vs_loop": round(times["loop"] / ms, 2), "max_err": errors[name]} for name, ms in times.items()]
+             "vs_loop": round(times["loop"] / ms, 2), "max_err": errors[name].value,
+             "non_finite": errors[name].non_finite} for name, ms in times.items()]
 
 
 def main() -> None:

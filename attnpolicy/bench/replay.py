@@ -42,19 +42,19 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.dispatch import Dispatcher
+from attnpolicy.dispatch.stats import BackgroundStats
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import load_model
-from attnpolicy.engine.runner import StaticModelRunner, eager_logits
+from attnpolicy.engine.runner import RunnerStats, StaticModelRunner, eager_logits
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
 from attnpolicy.modelling.simulation import ModelSimRow, simulate_model
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request
 
-#: Largest absolute error against the float64 reference that ``check`` accepts, per dtype.
-TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 #: The tolerance of a model-level replay's fp32 logits against the eager reference model.
 MODEL_TOLERANCE = TOLERANCE["float32"]
 
@@ -64,8 +64,9 @@ class RunResult:
     """What a real replay measured. ``cache`` is the graph cache's stats, ``modes``
     counts batches per mode; ``compile_seconds`` are the seconds batches stalled on
     compiles, ``stalls`` and ``background`` the dispatcher's figures (see
-    docs/cache.md); ``max_abs_err``, ``tolerance`` and ``passed`` are
-    ``None`` unless outputs were checked against the reference; ``switch`` counts the
+    docs/cache.md); ``max_abs_err`` (of the values finite in both), ``non_finite``
+    (values non-finite in an output or its reference: any fails the check), ``tolerance``
+    and ``passed`` are ``None`` unless outputs were checked against the reference; ``switch`` counts the
     switches to re-planned configs (see docs/plan.md), a switch still pending after the
     last batch waited for and applied then (``switch_at_end``): the figures do not
     depend on how fast its graphs built."""
@@ -96,6 +97,7 @@ class RunResult:
     disk: dict[str, Any] | None = None
     switch: dict[str, Any] | None = None
     switch_at_end: bool = False
+    non_finite: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The result as JSON: one key per field."""
@@ -143,7 +145,7 @@ def _run(dispatcher: Dispatcher, steps: Sequence[ScheduledBatch], config: AttnPo
     q_pool = _pool(max_q, spec.heads, spec, gen)
     k_pool, v_pool = (_pool(max_kv, spec.kv_heads, spec, gen) for _ in range(2))
     total = compile_total = 0.0
-    max_err = 0.0
+    err = MaxAbsError()
     with torch.inference_mode():
         for step in steps:
             lay = step.layout
@@ -156,7 +158,7 @@ def _run(dispatcher: Dispatcher, steps: Sequence[ScheduledBatch], config: AttnPo
             if check:
                 ref = attend(q.double(), k.double(), v.double(), lay, MaskMode.VARLEN, "eager",
                              scale=spec.scale)
-                max_err = max(max_err, float((out.double() - ref).abs().max()))
+                err.add(out, ref)
             if observe is not None:
                 observe(dispatcher, lay)
             if progress:
@@ -175,9 +177,9 @@ def _run(dispatcher: Dispatcher, steps: Sequence[ScheduledBatch], config: AttnPo
         attention_seconds=total - compile_total,
         compile_seconds=compile_total,
         total_seconds=total,
-        max_abs_err=max_err if check else None,
+        max_abs_err=err.value if check else None,
         tolerance=tolerance,
-        passed=None if tolerance is None else max_err <= tolerance,
+        passed=None if tolerance is None else err.passes(tolerance),
         config=config.model_dump(mode="json"),
         spec={"dtype": spec.dtype, "heads": spec.heads, "kv_heads": spec.kv_heads,
               "head_dim": spec.head_dim},
@@ -192,12 +194,23 @@ def _run(dispatcher: Dispatcher, steps: Sequence[ScheduledBatch], config: AttnPo
         disk=None if stats["disk"] is None else dict(stats["disk"]),
         switch=dict(stats["switch"]),
         switch_at_end=finished,
+        non_finite=err.non_finite if check else None,
     )
 
 
 @dataclass(frozen=True)
 class ModelReplay:
-    """What a replay measured, and (with a cost model) what the simulator predicted."""
+    """What a replay measured, and (with a cost model) what the simulator predicted.
+
+    ``hits`` and ``misses`` count batches: those that ran on their own graph, resident when
+    they ran, and the others (``hits + misses == batches``). ``compile_seconds``,
+    ``load_seconds`` and ``run_seconds`` split the batches' time on ``clock``: those that
+    compiled their graph, those that loaded it from the store (``loads``; ``disk``: the
+    store's figures, ``None`` without one), the rest. ``background`` (``None`` unless
+    ``compile_mode="background"``): the worker's compiles (as the attention level's
+    ``background``), ``eager_batches`` run on the eager model meanwhile and
+    ``stall_seconds`` waited for the worker; there a batch compiles nothing itself, and its
+    time is run time."""
 
     spec: str
     policy: str
@@ -217,16 +230,23 @@ class ModelReplay:
     context_steps: int = 0
     requests: int = 0
     token_mismatches: int | None = None
+    #: with ``check``: logits non-finite in the served output or the reference (any fails
+    #: the check; ``max_abs_err`` is of the rest)
+    non_finite: int | None = None
+    loads: int = 0
+    load_seconds: float = 0.0
+    disk: dict[str, Any] | None = None
+    background: dict[str, Any] | None = None
 
     @property
     def total_seconds(self) -> float:
-        return self.compile_seconds + self.run_seconds
+        return self.compile_seconds + self.load_seconds + self.run_seconds
 
     @property
     def passed(self) -> bool | None:
         if self.max_abs_err is None:
             return None
-        return self.max_abs_err <= MODEL_TOLERANCE and not self.token_mismatches
+        return MaxAbsError(self.max_abs_err, self.non_finite or 0).passes(MODEL_TOLERANCE) and not self.token_mismatches
 
     def ratios(self) -> dict[str, float | None]:
         """predicted / measured misses, compile seconds, run seconds and total seconds."""
@@ -251,7 +271,9 @@ class ModelReplay:
 def replay_model(spec: str, layouts: Sequence[BatchLayout], config: AttnPolicyConfig, *, check: bool = False,
                  cost: ModelCostModel | None = None, clock: str = "cpu", threads: int = 1,
                  progress: Callable[[str], None] | None = None) -> ModelReplay:
-    """Serve ``layouts`` (random token ids, seeded) through a runner of SPEC's model under ``config``."""
+    """Serve ``layouts`` (random token ids, seeded) through a runner of SPEC's model under
+    ``config``, each batch's graph fetched (compiled or loaded) before it runs, whatever
+    ``compile_mode``: its build and its run are timed apart."""
     torch.set_num_threads(threads)
     model, described = load_model(spec)
     reference = load_model(spec)[0] if check else None
@@ -259,8 +281,8 @@ def replay_model(spec: str, layouts: Sequence[BatchLayout], config: AttnPolicyCo
     now = clock_of(clock)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    compile_s = run_s = 0.0
-    err: float | None = 0.0 if check else None
+    compile_s = load_s = run_s = 0.0
+    err = MaxAbsError()
     modes: dict[str, int] = {}
     try:
         for layout in layouts:
@@ -269,28 +291,45 @@ def replay_model(spec: str, layouts: Sequence[BatchLayout], config: AttnPolicyCo
             modes[mode.value] = modes.get(mode.value, 0) + 1
             placing = now()
             batch = runner.prepare(ids, layout, mode)
-            missed = batch.key not in runner.cache
+            missed, loads = batch.key not in runner.cache, runner.cache.stats().loads
             start = now()
             graph = runner.graph_for(batch, pin=True)
             built = now()
+            loaded = runner.cache.stats().loads > loads
             try:
                 with torch.no_grad():
                     out = batch.scatter(graph(*batch.inputs), layout.q_tokens)
             finally:
                 runner.cache.unpin([batch.key])
-            # a batch's run is what the calibration times (placement, graph, scatter); a miss's build apart
+            # a batch's run is what the calibration times (placement, graph, scatter); a miss's build
+            # (or load from the store) apart
             run_s += now() - built + start - placing + (0.0 if missed else built - start)
-            compile_s += built - start if missed else 0.0
-            if reference is not None and err is not None:
-                err = max(err, float((out - eager_logits(reference, ids, layout)).abs().max()))
+            if missed:
+                if loaded:
+                    load_s += built - start
+                else:
+                    compile_s += built - start
+            if reference is not None:
+                err.add(out, eager_logits(reference, ids, layout))
             if progress:
                 progress(str(batch.key))
-        stats = runner.cache.stats()
+        stats = runner.stats()
     finally:
         runner.close()
     predicted = simulate_model(layouts, cost, [config], [config.eviction])[0] if cost is not None else None
-    return ModelReplay(described, config.policy, len(layouts), modes, stats.hits, stats.misses, stats.compiles,
-                       stats.evictions, clock, compile_s, run_s, err, predicted)
+    c = stats.cache  # one lookup per batch
+    return ModelReplay(described, config.policy, len(layouts), modes, c.hits, c.misses, c.compiles,
+                       c.evictions, clock, compile_s, run_s, err.value if check else None, predicted,
+                       non_finite=err.non_finite if check else None, **_graph_figures(stats, load_s, None))
+
+
+def _graph_figures(stats: RunnerStats, load_seconds: float, bg: BackgroundStats | None) -> dict[str, Any]:
+    """A replay's loads (``load_seconds`` on its clock), store figures and background
+    compiles ``bg`` (see :class:`ModelReplay`)."""
+    return {"loads": stats.cache.loads, "load_seconds": load_seconds,
+            "disk": None if stats.disk is None else asdict(stats.disk),
+            "background": None if bg is None else {**asdict(bg), "eager_batches": stats.eager_served,
+                                                   "stall_seconds": stats.stall_seconds}}
 
 
 def _differs(got: list[int], want: list[int], logits: torch.Tensor, n: int) -> bool:
@@ -305,20 +344,66 @@ def _differs(got: list[int], want: list[int], logits: torch.Tensor, n: int) -> b
     return float(abs(row[got[at]] - row[want[at]])) > MODEL_TOLERANCE
 
 
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where :func:`serve_model` keeps each request's keys and values: ``slots[n][i]`` is
+    the KV-cache slot of sequence ``i`` of step ``n`` (a request's from its first step
+    until it is done: its prompt fed and its decodes run), ``freed[n]`` the slots free
+    again after step ``n``; ``count`` slots in all, holding at most ``longest`` tokens
+    each (what the steps run, not the batch former's bounds)."""
+
+    slots: tuple[tuple[int, ...], ...]
+    freed: tuple[tuple[int, ...], ...]
+    count: int
+    longest: int
+
+    @classmethod
+    def of(cls, requests: Sequence[Request], steps: Sequence[ScheduledBatch]) -> SlotPlan:
+        """The slots of ``requests`` served in ``steps``: a new request takes a freed slot, else a new one."""
+        slot_of: dict[int, int] = {}
+        fed: dict[int, int] = {}
+        left: dict[int, int] = {}  # decode steps to come: the prefill samples the first output token
+        free: list[int] = []
+        slots, freed = [], []
+        count = longest = 0
+        for step in steps:
+            for rid in step.seq_ids:
+                if rid not in slot_of:
+                    slot_of[rid] = free.pop() if free else count
+                    count = max(count, slot_of[rid] + 1)
+                    fed[rid], left[rid] = 0, max(requests[rid].output_tokens - 1, 0)
+            slots.append(tuple(slot_of[r] for r in step.seq_ids))
+            done = []
+            for i, (rid, q) in enumerate(zip(step.seq_ids, step.layout.q_lens)):
+                fed[rid] += q
+                longest = max(longest, fed[rid])
+                if i < step.num_decode:
+                    left[rid] -= 1
+                if fed[rid] >= requests[rid].prompt_tokens and left[rid] == 0:
+                    done.append(slot_of.pop(rid))
+            free += done
+            freed.append(tuple(done))
+        return cls(tuple(slots), tuple(freed), max(count, 1), max(longest, 1))
+
+
 def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[ScheduledBatch], config: AttnPolicyConfig,
-                *, max_model_len: int, max_num_seqs: int, check: bool = False, clock: str = "cpu",
-                threads: int = 1, progress: Callable[[str], None] | None = None,
-                cost: ModelCostModel | None = None) -> ModelReplay:
+                *, check: bool = False, clock: str = "cpu", threads: int = 1,
+                progress: Callable[[str], None] | None = None, cost: ModelCostModel | None = None) -> ModelReplay:
     """Serve ``requests`` in the batch former's ``steps`` through a runner of SPEC's model
-    under ``config``: prompts of random token ids (seeded per request), decodes greedy.
-    A step's compile is its new graphs' builds (compile and first run); the rest is run.
+    under ``config``: prompts of random token ids (seeded per request), decodes greedy,
+    keys and values in a KV cache of the slots and tokens the steps take
+    (:class:`SlotPlan`), allocated before any other work
+    (:class:`~attnpolicy.errors.AllocationError` when it cannot be).
+    A step's time is compile time when it compiled its graph (compile and first run), load
+    time when it loaded it from the store, else run time (see :class:`ModelReplay`).
     With ``cost``, the simulator's row of the steps served (each on a step graph) is
     the ``predicted`` one."""
     torch.set_num_threads(threads)
     model, described = load_model(spec)
+    plan = SlotPlan.of(requests, steps)
+    kv = KVCache.for_model(model, plan.count, plan.longest)
     reference = load_model(spec)[0] if check else None
     runner = StaticModelRunner(model, config)
-    kv = KVCache.for_model(model, max_num_seqs, max_model_len)
     now = clock_of(clock)
     vocab = model.config.vocab_size
     prompts = {rid: torch.randint(0, vocab, (requests[rid].prompt_tokens,),
@@ -326,22 +411,15 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
                for rid in {r for step in steps for r in step.seq_ids}}
     tokens = {rid: list(p) for rid, p in prompts.items()}  # prompt, then each generated token
     rows: dict[int, list[torch.Tensor]] = {rid: [] for rid in prompts}  # each fed token's logits
-    # decode steps to come: the prefill step samples the first output token (as the former)
-    left = {rid: max(requests[rid].output_tokens - 1, 0) for rid in prompts}
-    slot_of: dict[int, int] = {}
-    free = list(range(max_num_seqs))
     fed = dict.fromkeys(prompts, 0)
     modes: dict[str, int] = {}
-    compile_s = run_s = 0.0
+    compile_s = load_s = run_s = 0.0
+    background = config.compile_mode == "background"  # a step builds nothing itself: its time is run time
     context_steps = 0
     served: list[BatchLayout] = []
     try:
-        for step in steps:
+        for step, slots, freed in zip(steps, plan.slots, plan.freed):
             q_lens = step.layout.q_lens
-            for rid in step.seq_ids:
-                if rid not in slot_of:
-                    slot_of[rid] = free.pop()
-            slots = [slot_of[r] for r in step.seq_ids]
             kv_lens = [kv.length(s) + q for s, q in zip(slots, q_lens)]
             layout = BatchLayout.from_lens(list(q_lens), kv_lens, causal=True)
             served.append(layout)
@@ -349,33 +427,33 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
             ids = torch.tensor([t for rid, q in zip(step.seq_ids, q_lens) for t in tokens[rid][fed[rid]:fed[rid] + q]])
             mode = runner.decide(layout).mode
             modes[mode.value] = modes.get(mode.value, 0) + 1
-            misses, start = runner.cache.stats().misses, now()
+            before, start = runner.cache.stats(), now()
             out = runner.run(ids, layout, mode, kv=kv, slots=slots)
             took = now() - start
-            if runner.cache.stats().misses > misses:
-                compile_s += took  # a step that builds a graph: its run is in its build
-            else:
+            after = runner.cache.stats()
+            if background or after.misses == before.misses:
                 run_s += took
+            elif after.loads > before.loads:
+                load_s += took  # a step that loads its graph: its run is in its load
+            else:
+                compile_s += took  # a step that builds its graph: its run is in its build
             for i, (rid, q) in enumerate(zip(step.seq_ids, q_lens)):
                 start = layout.q_starts[i]
                 rows[rid].append(out[start:start + q])
                 fed[rid] += q
                 if fed[rid] == len(tokens[rid]):  # its last token fed: the next, greedy
                     tokens[rid].append(int(out[start + q - 1].argmax()))
-                if i < step.num_decode:
-                    left[rid] -= 1
-                if fed[rid] >= len(prompts[rid]) and left[rid] == 0:  # done: its slot is free
-                    kv.reset(slot_of[rid])
-                    free.append(slot_of.pop(rid))
+            for slot in freed:  # its request done
+                kv.reset(slot)
             if progress:
                 progress(layout.describe())
         stats = runner.stats()
     finally:
         runner.close()
-    err: float | None = None
+    err = MaxAbsError()
     mismatches: int | None = None
     if reference is not None:
-        err, mismatches = 0.0, 0
+        mismatches = 0
         with torch.no_grad():
             for rid, prompt in prompts.items():
                 seq, n = tokens[rid], len(prompt)
@@ -391,8 +469,9 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
                 greedy = whole[n - 1:].argmax(-1).tolist()  # every token the reference would choose
                 mismatches += (_differs(seq, want, whole, n) or
                                _differs(seq, seq[:n] + greedy[:len(seq) - n], whole, n))
-                err = max(err, float((got - whole).abs().max()))
-    c = stats.cache
+                err.add(got, whole)
     predicted = None if cost is None else simulate_model(served, cost, [config], [config.eviction], steps=True)[0]
-    return ModelReplay(described, config.policy, len(steps), modes, c.hits, c.misses, c.compiles, c.evictions,
-                       clock, compile_s, run_s, err, predicted, context_steps, len(prompts), mismatches)
+    return ModelReplay(described, config.policy, len(steps), modes, stats.batch_hits, stats.batch_misses,
+                       stats.cache.compiles, stats.cache.evictions, clock, compile_s, run_s,
+                       err.value if check else None, predicted, context_steps, len(prompts), mismatches,
+                       err.non_finite if check else None, **_graph_figures(stats, load_s, stats.step_background))

@@ -39,6 +39,7 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.cli.simulate import add_sweep_args, sweep_size, workload
 from attnpolicy.errors import ConfigError
+from attnpolicy.kernels.accuracy import MaxAbsError
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import OutsideRange
 from attnpolicy.report.build import ReportSettings, known_model, make_report
@@ -155,4 +156,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         warn(OutsideRange(**outside).line())
     # the answer, on stdout; wide enough for the first screen's table to keep its cells whole
     Console(width=max(Console().width, WIDTH)).print(Markdown("\n".join(first_screen(data))))
-    return 0
+    failed = [v for v in data["validation"] if v["passed"] is False]
+    for v in failed:
+        warn(f"the check of {v['policy']}'s outputs against the float64 reference failed: "
+             f"{MaxAbsError(v['max_abs_err'], v['non_finite']).describe(v['tolerance'])}; "
+             "see section 3 of the report")
+    return 1 if failed else 0

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
-from attnpolicy.bench.replay import MODEL_TOLERANCE, TOLERANCE, replay_model, run_workload, serve_model
+from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_model, run_workload, serve_model
+from attnpolicy.bench.settings import BENCH_DTYPES
 from attnpolicy.cli.common import (
     MIB,
     add_cost_args,
@@ -37,8 +38,9 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.engine.model_specs import max_positions
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import AllocationError, ConfigError
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
 from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
 from attnpolicy.workloads.batching import BatchFormer
@@ -77,7 +79,7 @@ def register(subparsers: Any) -> None:
                         "runs load them instead of compiling (default: the config's, none)")
     p.add_argument("--check", action="store_true",
                    help="compare every output with the float64 reference and print pass or fail against "
-                        f"the dtype's tolerance ({', '.join(f'{d} {t:g}' for d, t in TOLERANCE.items())}) "
+                        f"the dtype's tolerance ({', '.join(f'{d} {TOLERANCE[d]:g}' for d in sorted(BENCH_DTYPES))}) "
                         "(default: off)")
     p.add_argument("--model", type=model_spec, metavar="SPEC", default=None,
                    help="serve whole requests (prefill, chunked prefill, decode) through whole-model graphs of "
@@ -180,15 +182,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("attention s", result.attention_seconds), ("compile s", result.compile_seconds),
         ("total s", result.total_seconds),
         ("stall s p50 / p99 / max", " / ".join(f"{result.stalls[p]:.4g}" for p in ("p50", "p99", "max")))]
-    b = result.background
-    if b["compile_mode"] == "background":
-        done = f"{b['switched']} switched, {b['pending']} pending ({b['compile_seconds']:.4g} s)"
-        rows += [("background compiles", done),
-                 ("pad-up calls / tokens", f"{b['pad_up_calls']} / {b['pad_up_tokens']}")]
-    if result.disk is not None:
-        d = result.disk
-        rows += [("store", f"{config.store_dir}: {d['entries']} graphs, {d['bytes'] / MIB:.3g} MiB"),
-                 ("store loads / saves / evictions", f"{d['hits']} / {d['saves']} / {d['evictions']}")]
+    if result.background["compile_mode"] == "background":
+        rows += background_rows(result.background)
+    rows += store_rows(config, result.disk)
     if config.warmup:
         rows += [("start-up s (warm set ready)", result.startup_seconds),
                  ("warm-up graphs (loaded)", f"{result.warmup_graphs} ({result.warmup_loads})"),
@@ -205,25 +201,46 @@ def cmd_run(args: argparse.Namespace) -> int:
                  ("switches requested / replaced / applied", asked),
                  ("switch graphs compiled / loaded", f"{sw['compiled']} / {sw['loaded']}"),
                  ("batches served during switches", sw["batches"])]
-    return report(args, f"attnpolicy run: {args.trace}, {config.policy}", rows, result.max_abs_err,
-                  result.passed, result.tolerance,
+    return report(args, f"attnpolicy run: {args.trace}, {config.policy}", rows, _error(result.max_abs_err,
+                  result.non_finite), result.passed, TOLERANCE[spec.dtype],
                   lambda: {**result.to_json(), "workload": w.to_json(),
                            **({"replan": replanner.to_json()} if replanner else {})})
 
 
-def report(args: argparse.Namespace, title: str, rows: list[tuple[str, Any]], max_abs_err: float | None,
-           passed: bool | None, tolerance: float | None, data: Callable[[], dict[str, Any]]) -> int:
-    """Print ``rows`` under ``title`` (with the check's rows when outputs were checked),
-    write ``data()`` to --json; the exit status: 1 when the check failed, else 0."""
-    if max_abs_err is not None:
-        rows = [*rows, ("max abs err", max_abs_err),
+def background_rows(b: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The table's rows of background compiles ``b`` (a ``background`` figure of the JSON)."""
+    done = (f"{b['requested']} requested, {b['switched']} switched, {b['pending']} pending "
+            f"({b['compile_seconds']:.4g} s)")
+    return [("background compiles", done), ("pad-up calls / tokens", f"{b['pad_up_calls']} / {b['pad_up_tokens']}")]
+
+
+def store_rows(config: AttnPolicyConfig, disk: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """The table's rows of the graph store's figures ``disk`` (none without a store)."""
+    if disk is None:
+        return []
+    return [("store", f"{config.store_dir}: {disk['entries']} graphs, {disk['bytes'] / MIB:.3g} MiB"),
+            ("store loads / saves / evictions", f"{disk['hits']} / {disk['saves']} / {disk['evictions']}")]
+
+
+def _error(max_abs_err: float | None, non_finite: int | None) -> MaxAbsError | None:
+    """A result's check error (``None``: outputs not checked)."""
+    return None if max_abs_err is None else MaxAbsError(max_abs_err, non_finite or 0)
+
+
+def report(args: argparse.Namespace, title: str, rows: list[tuple[str, Any]], error: MaxAbsError | None,
+           passed: bool | None, tolerance: float, data: Callable[[], dict[str, Any]]) -> int:
+    """Print ``rows`` under ``title`` (with the check's rows when outputs were checked:
+    ``error``), write ``data()`` to --json; the exit status: 1 when the check failed, else 0."""
+    if error is not None:
+        rows = [*rows, ("max abs err", error.value), ("non-finite values", error.non_finite),
                 ("check", f"{'pass' if passed else 'FAIL'} (tolerance {tolerance:g})")]
     print_table(title, ("", "value"), rows)
     if args.json:
         with writing("--json", args.json):
             write_json(args.json, data())
     if passed is False:
-        warn(f"the check failed: max abs err {max_abs_err:.3g} (tolerance {tolerance:g}); see the table")
+        assert error is not None  # a check ran
+        warn(f"the check failed: {error.describe(tolerance)}; see the table")
         return 1
     return 0
 
@@ -232,6 +249,9 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     """``run --model SPEC`` (``--family model``): whole requests (``--prefill-only``: the
     prefill-only batches) of ``former`` through a runner of SPEC's model under
     ``config``; --max-seq-len must fit the model's positions."""
+    if args.prefill_only and config.compile_mode == "background":
+        fail("argument --prefill-only: builds each batch's graph before it runs, its build timed apart: not with "
+             "compile_mode background (--compile-mode or --config); serve whole requests to compile in the background")
     positions = max_positions(args.model)
     if positions is not None and former.max_model_len > positions:
         fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
@@ -254,20 +274,26 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
                 result = replay_model(args.model, model_layouts(steps), config, check=args.check, cost=cost,
                                       clock=clock, progress=advance)
             else:
-                result = serve_model(args.model, requests, steps, config, max_model_len=former.max_model_len,
-                                     max_num_seqs=former.max_num_seqs, check=args.check, clock=clock,
+                result = serve_model(args.model, requests, steps, config, check=args.check, clock=clock,
                                      progress=advance, cost=cost)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
+    except AllocationError as exc:  # the KV cache of the requests that run at once, each at its longest
+        fail(f"argument --max-num-seqs/--max-seq-len: {exc}: lower them, or run fewer or shorter requests")
     rows: list[tuple[str, object]] = [
         ("model", result.spec), ("policy", config.policy), ("backend", config.backend),
         ("buckets", config.buckets.describe()), ("max graphs", config.max_graphs or "∞"),
         ("batches", result.batches), ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
         *([("requests served", result.requests), ("steps with cached context", result.context_steps)]
           if not args.prefill_only else []),
-        ("hits / misses", f"{result.hits} / {result.misses}"), ("evictions", result.evictions),
-        (f"compile s ({result.clock})", result.compile_seconds), (f"run s ({result.clock})", result.run_seconds),
-        (f"total s ({result.clock})", result.total_seconds)]
+        ("hits / misses", f"{result.hits} / {result.misses}"), ("compiles", result.compiles),
+        ("loads", result.loads), ("evictions", result.evictions),
+        (f"compile s ({result.clock})", result.compile_seconds), (f"load s ({result.clock})", result.load_seconds),
+        (f"run s ({result.clock})", result.run_seconds), (f"total s ({result.clock})", result.total_seconds)]
+    if result.background is not None:
+        b = result.background
+        rows += [*background_rows(b), ("eager batches", b["eager_batches"]), ("stall s (wall)", b["stall_seconds"])]
+    rows += store_rows(config, result.disk)
     if result.predicted is not None:
         p = result.predicted
         rows += [("predicted misses", p.misses), ("predicted compile s", p.compile_seconds + p.warmup_seconds),
@@ -275,8 +301,8 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
         rows += [(f"predicted/measured {k}", v) for k, v in result.ratios().items()]
     if result.token_mismatches is not None:
         rows += [("requests whose greedy tokens differ", result.token_mismatches)]
-    return report(args, f"attnpolicy run --model: {args.trace}", rows, result.max_abs_err, result.passed,
-                  MODEL_TOLERANCE, lambda: {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
-                                            "config": config.model_dump(mode="json"), **result.to_json(),
-                                            "outside_calibrated_range": None if outside is None else
-                                            outside.to_json()})
+    return report(args, f"attnpolicy run --model: {args.trace}", rows,
+                  _error(result.max_abs_err, result.non_finite), result.passed, MODEL_TOLERANCE,
+                  lambda: {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
+                           "config": config.model_dump(mode="json"), **result.to_json(),
+                           "outside_calibrated_range": None if outside is None else outside.to_json()})

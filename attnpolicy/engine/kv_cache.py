@@ -9,18 +9,20 @@ graph's padded spans, :meth:`append` writes a step's new rows back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from attnpolicy.errors import ConfigError, LayoutError
+from attnpolicy.errors import AllocationError, ConfigError, LayoutError
 
 
 class KVCache:
     """Keys and values of ``slots`` sequences of up to ``max_len`` tokens for a model
     of ``layers`` layers, ``kv_heads`` heads of ``head_dim``; ``lengths``: what each slot
-    holds to start with (zero keys and values; default nothing)."""
+    holds to start with (zero keys and values; default nothing). A cache the device cannot
+    allocate raises :class:`~attnpolicy.errors.AllocationError` naming its bytes."""
 
     def __init__(self, slots: int, max_len: int, *, layers: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -30,8 +32,15 @@ class KVCache:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
         shape = (layers, slots, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError
+            nbytes = 2 * math.prod(shape) * dtype.itemsize
+            raise AllocationError(
+                f"a KV cache of {slots} slots x {max_len} tokens ({layers} layers, {kv_heads} KV heads of "
+                f"{head_dim}, {str(dtype).removeprefix('torch.')}, keys and values) needs {nbytes} bytes, "
+                f"more than {device} can allocate") from exc
         self.max_len = max_len
         if lengths is not None and len(lengths) != slots:
             raise ConfigError(f"lengths must give one length per slot ({slots}), got {list(lengths)}")

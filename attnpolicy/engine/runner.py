@@ -89,6 +89,11 @@ class RunnerStats(RuntimeStats):
     stall_seconds: float = 0.0
     #: (``compile_mode="background"``) the step graphs' background compiles
     step_background: BackgroundStats | None = None
+    #: batches run (warm-up's not) on their own graph, resident when they ran, and the others
+    #: (their graph built now, or under ``compile_mode="background"`` padded up or run eagerly while
+    #: it compiles): one count per batch, where ``cache`` counts lookups (a pad-up's and a switch-in's)
+    batch_hits: int = 0
+    batch_misses: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +197,7 @@ class StaticModelRunner:
         self._memory: list[GraphMemory] = []
         self._modes: Counter[str] = Counter()
         self._batches = 0
+        self._batch_hits = self._batch_misses = 0
         self._lock = threading.RLock()  # the policy, the counters, the background's pending compiles
         self._background: Background[ModelKey, Inputs] | None = (
             Background(self.source, thread_name="attnpolicy-model-compile")
@@ -229,11 +235,19 @@ class StaticModelRunner:
         """As :meth:`logits` in a given ``mode`` (no policy; the mode must be legal)."""
         if kv is not None or slots is not None:
             return self._run_step(token_ids, layout, mode, kv, slots,
-                                  background=self._step_background is not None)
-        return self._run(token_ids, layout, mode, background=self._background is not None)
+                                  background=self._step_background is not None, counted=True)
+        return self._run(token_ids, layout, mode, background=self._background is not None, counted=True)
+
+    def _count(self, hit: bool) -> None:
+        """One batch run on its own resident graph (``hit``), or not."""
+        with self._lock:
+            if hit:
+                self._batch_hits += 1
+            else:
+                self._batch_misses += 1
 
     def _run_step(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
-                  slots: Sequence[int] | None, *, background: bool) -> torch.Tensor:
+                  slots: Sequence[int] | None, *, background: bool, counted: bool = False) -> torch.Tensor:
         self._check(token_ids, layout, kv, slots)
         assert kv is not None and slots is not None  # checked
         why = why_illegal_step(mode, layout)
@@ -245,7 +259,8 @@ class StaticModelRunner:
         if bg is not None and background:
             with self._lock:
                 bg.next_batch()
-                if step.key in self.cache:
+                hit = step.key in self.cache
+                if hit:
                     graph = self.step_source.get(step.key, step.inputs, pin=True)
                 elif (served := bg.serve(step.key, step.inputs)) is None:
                     graph = self.steps.eager(step.key, step.inputs)
@@ -253,7 +268,10 @@ class StaticModelRunner:
                     step = self._place_step(token_ids, layout, mode, kv, slots, served)
                     graph = self.step_source.get(step.key, step.inputs, pin=True)
         else:
+            hit = self.cache.has_graph(step.key)
             graph = self.step_source.get(step.key, step.inputs, pin=True)
+        if counted:
+            self._count(hit)
         pinned = isinstance(graph, CompiledGraph)
         try:
             with torch.no_grad():
@@ -265,14 +283,15 @@ class StaticModelRunner:
         return step.scatter(logits, layout.q_tokens)
 
     def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *,
-             background: bool) -> torch.Tensor:
+             background: bool, counted: bool = False) -> torch.Tensor:
         batch = self.prepare(token_ids, layout, mode)
         bg = self._background
         graph: Callable[..., torch.Tensor]
         if bg is not None and background:
             with self._lock:
                 bg.next_batch()
-                if batch.key in self.cache:
+                hit = batch.key in self.cache
+                if hit:
                     graph = self.graph_for(batch, pin=True)
                 elif (served := bg.serve(batch.key, batch.inputs)) is None:
                     graph = self.family.eager(batch.key, batch.inputs)
@@ -280,7 +299,10 @@ class StaticModelRunner:
                     batch = self._place(token_ids, layout, mode, served)
                     graph = self.graph_for(batch, pin=True)
         else:
+            hit = self.cache.has_graph(batch.key)
             graph = self.graph_for(batch, pin=True)
+        if counted:
+            self._count(hit)
         pinned = isinstance(graph, CompiledGraph)  # a cached graph (pinned), else the eager forward
         try:
             with torch.no_grad():
@@ -473,7 +495,8 @@ class StaticModelRunner:
                                memory=tuple(self._memory), background=None if bg is None else bg.stats(),
                                eager_served=c.background_eager,
                                stall_seconds=sum(b.waited for b in (bg, step_bg) if b is not None),
-                               step_background=None if step_bg is None else step_bg.stats())
+                               step_background=None if step_bg is None else step_bg.stats(),
+                               batch_hits=self._batch_hits, batch_misses=self._batch_misses)
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""

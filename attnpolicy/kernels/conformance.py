@@ -24,10 +24,9 @@ import torch
 from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import KernelError
+from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
 from attnpolicy.kernels.masks import bounded_mask, mask_for, window_band
 
-#: Probe tolerance per input dtype (max abs error against the float64 reference).
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 _HEADS, _HEAD_DIM = 4, 8
 #: The features a probe turns on for each capability it checks.
 PROBE_WINDOW, PROBE_SOFTCAP = 2, 0.5
@@ -141,9 +140,9 @@ def probe(case: ProbeCase, run: Callable[..., torch.Tensor], kernel: str, plugin
     check_output(out, q, kernel, plugin)
     want = _reference(q, k, v, allowed.cpu(), scale, case.features.softcap,
                       None if sinks is None else sinks.cpu())[:, :layout.q_tokens]
-    got = out[:, :layout.q_tokens].double().cpu()
-    err = float((got - want).abs().max()) if got.isfinite().all() else math.inf
-    if not err <= TOLERANCE[case.dtype]:
+    err = MaxAbsError()
+    err.add(out[:, :layout.q_tokens].cpu(), want)
+    tolerance = TOLERANCE[str(case.dtype).removeprefix("torch.")]
+    if not err.passes(tolerance):
         raise KernelError(f"kernel {kernel!r} of plugin {plugin!r} does not compute attention for "
-                          f"{case.describe()}: max error {err:.3g} against the float64 reference "
-                          f"(tolerance {TOLERANCE[case.dtype]:g})")
+                          f"{case.describe()} against the float64 reference: {err.describe(tolerance)}")

@@ -161,7 +161,10 @@ class ValidationRow:
 
     The replays run in a warm process (the backend's start-up paid before them), so
     the predictions leave out the model's one-off start-up, ``predicted_warmup_seconds``.
-    ``*_ratio`` is predicted over measured seconds (``None`` when nothing was measured)."""
+    ``*_ratio`` is predicted over measured seconds (``None`` when nothing was measured).
+    ``max_abs_err`` (of the values finite in both), ``non_finite`` (values non-finite in
+    an output or its reference), ``tolerance`` and ``passed``: the outputs' check against
+    the float64 reference."""
 
     policy: str
     capacity: int
@@ -179,6 +182,9 @@ class ValidationRow:
     compile_ratio: float | None = None
     attention_ratio: float | None = None
     total_ratio: float | None = None
+    non_finite: int | None = None
+    tolerance: float | None = None
+    passed: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -278,7 +284,8 @@ def validate_predictions(model: CostModel, requests: Sequence[Request], s: Repor
             predicted_warmup_seconds=warm,
             compile_ratio=_ratio(compile_s, measured.compile_seconds),
             attention_ratio=_ratio(predicted.attention_seconds, measured.attention_seconds),
-            total_ratio=_ratio(total_s, measured.total_seconds)))
+            total_ratio=_ratio(total_s, measured.total_seconds),
+            non_finite=measured.non_finite, tolerance=measured.tolerance, passed=measured.passed))
         progress(f"validated {policy}")
     return rows
 

@@ -180,8 +180,17 @@ def _validation_takeaway(data: dict[str, Any]) -> str:
     rows = data["validation"]
     same = all(v["predicted_misses"] == v["measured_misses"] for v in rows)
     verdict = "within 20 % of" if err["trusted"] else "**more than 20 % off**"
-    return (f"Misses {'agree exactly' if same else 'differ'}; predicted seconds are {verdict} the "
+    failed = [v["policy"] for v in rows if v["passed"] is False]
+    check = f"**the outputs of {', '.join(failed)} failed their check** (see the table); " if failed else ""
+    return (f"{check}Misses {'agree exactly' if same else 'differ'}; predicted seconds are {verdict} the "
             f"measured ones (compile {_err(err['compile'])}, total {_err(err['total'])}).")
+
+
+def _check(row: dict[str, Any]) -> str:
+    """A validation row's check: pass, or FAIL with its non-finite values."""
+    if row["passed"] is not False:
+        return "pass"
+    return f"**FAIL** ({row['non_finite']} non-finite)" if row["non_finite"] else "**FAIL**"
 
 
 def _model_bench(bench: dict[str, Any] | None) -> list[str]:
@@ -280,12 +289,12 @@ def markdown(data: dict[str, Any]) -> str:
         (f"First {s['validate_requests']} requests, capacity {s['validate_capacity']}, LRU, "
          "real tensors and real compiles, every output checked against the float64 reference."), "",
         table(("policy", "batches", "misses pred/meas", "compile s pred/meas", "attention s pred/meas",
-               "total s pred/meas", "max abs err"),
+               "total s pred/meas", "max abs err", "check"),
               [(v["policy"], v["batches"], f"{v['predicted_misses']} / {v['measured_misses']}",
                 f"{v['predicted_compile_seconds']:.3g} / {v['measured_compile_seconds']:.3g}",
                 f"{v['predicted_attention_seconds']:.3g} / {v['measured_attention_seconds']:.3g}",
                 f"{v['predicted_total_seconds']:.3g} / {v['measured_total_seconds']:.3g}",
-                v["max_abs_err"]) for v in data["validation"]]), "",
+                v["max_abs_err"], _check(v)) for v in data["validation"]]), "",
         "## 4. The plan per policy (attnpolicy plan)", "",
         (f"**Takeaway:** `{rec['policy']}` with the plan's buckets takes {_pct(rec['saving_vs_base_lru'])} time "
          f"than {rec['base_buckets']} buckets + LRU at {bound_text(rec['max_graphs'], rec['max_bytes'])} (the plan "

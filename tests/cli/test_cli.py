@@ -81,6 +81,8 @@ MISTAKES = [
     (["run", "--model", "qwen3", "--prefill-only", "--max-num-batched-tokens", "1024"],
      ["--max-num-batched-tokens", "1024", "--max-seq-len=8192", "whole-model graphs"]),
     (["run", "--model", "qwen3", "--heads", "4"], ["--heads", "4", "not taken with --model"]),
+    (["run", "--model", "qwen3", "--prefill-only", "--compile-mode", "background"],
+     ["--prefill-only", "compile_mode background"]),
     (["run", "--cost-model", "m.json"], ["--cost-model", "m.json", "needs --model"]),
     (["run", "--prefill-only"], ["--prefill-only", "needs --model"]),
     (["run", "--family", "model"], ["--family", "model", "needs --model SPEC"]),

@@ -279,8 +279,7 @@ def test_the_generate_reference_sees_every_prompt_token_even_the_pad_id():
                for i, r in enumerate(requests))  # the prompts serve_model draws, seeded per request
     former = BatchFormer(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=256)
     result = serve_model(TINY["qwen3"], requests, list(former.steps(requests)),
-                         config().model_copy(update={"max_seq_len": 256, "max_batch_tokens": 1024}), max_model_len=256,
-                         max_num_seqs=3, check=True)
+                         config().model_copy(update={"max_seq_len": 256, "max_batch_tokens": 1024}), check=True)
     assert result.token_mismatches == 0 and result.max_abs_err is not None and result.max_abs_err <= 1e-5
 
 

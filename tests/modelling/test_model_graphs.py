@@ -179,7 +179,7 @@ def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, poli
     former = BatchFormer(max_num_seqs=3, max_num_batched_tokens=32, max_model_len=128)
     steps = list(former.steps(requests))
     config = model_config(model, 128, 512, policy=policy, max_graphs=3)
-    result = serve_model(SPEC, requests, steps, config, max_model_len=128, max_num_seqs=3, cost=model)
+    result = serve_model(SPEC, requests, steps, config, cost=model)
     predicted = result.predicted
     assert predicted is not None and 0 < result.context_steps < len(steps)
     assert (predicted.misses, predicted.compiles, predicted.evictions) == \

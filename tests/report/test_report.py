@@ -210,6 +210,19 @@ def test_plots_mark_the_recommendation_of_the_json(small_report):
         assert (out / name).stat().st_size > 1000
 
 
+def test_a_failed_check_of_the_validation_is_said_in_its_section(small_report):
+    """Every validation row passed its check; one that had not (a NaN in an output) is
+    marked in the table and named in the section's takeaway."""
+    out, data, _ = small_report
+    assert all(v["passed"] and v["non_finite"] == 0 for v in data["validation"])
+    section = (out / "report.md").read_text().split("## 3. Simulator vs real compute")[1].split("## 4.")[0]
+    assert "| check |" in section and "failed their check" not in section
+    bad = {**data["validation"][0], "passed": False, "non_finite": 32}
+    text = markdown({**data, "validation": [bad, *data["validation"][1:]]})
+    section = text.split("## 3. Simulator vs real compute")[1].split("## 4.")[0]
+    assert f"**the outputs of {bad['policy']} failed their check**" in section and "**FAIL** (32 non-finite)" in section
+
+
 def test_report_prints_the_first_screen(small_report):
     _, data, printed = small_report
     assert "Recommended for this workload on this machine" in printed

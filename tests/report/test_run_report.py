@@ -183,3 +183,59 @@ def test_run_prices_cost_aware_with_the_cost_model_it_is_given(tmp_path):
     result = run_workload(requests, config, SPEC, former, check=True, cost_model=dear)
     assert result.modes == dear_row.modes
     assert (result.cache["hits"], result.cache["misses"]) == (dear_row.hits, dear_row.misses)
+
+
+def _register(name, fn):
+    """Register ``fn`` as plugin kernel ``name`` of every call kind."""
+    from attnpolicy.plugins.hookspecs import hookimpl
+    from attnpolicy.plugins.kernels import KernelInfo
+    from attnpolicy.plugins.registry import get_plugin_manager
+
+    class Plugin:
+        @hookimpl
+        def attnpolicy_register_kernels(self, register):
+            for kind in ("causal", "mask", "varlen"):
+                register(KernelInfo(name, kind, fn))
+
+    get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
+
+
+def test_run_check_fails_on_a_kernel_that_returns_nan_in_one_row(tmp_path, capsys, fresh_plugins):
+    """A plugin kernel that passes its probe, then returns NaN in the first row of each
+    prefill (the other rows right): ``run --check`` fails, naming the non-finite values,
+    and its JSON stays strict (the error of the finite values, their count apart)."""
+    from plugin_kernels import nan_row_0
+
+    _register("nan-row-0", nan_row_0)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"version": 1, "kernels": dict.fromkeys(("causal", "mask", "varlen"), "nan-row-0")}))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,60,3\n")
+    out = tmp_path / "run.json"
+    assert main(["run", "--trace", str(trace), "--config", str(config), "--policy", "varlen", "--backend", "none",
+                 "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--max-seq-len", "256", "--check",
+                 "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    # row 0 of the one prefill: 2 heads × 16 values
+    assert "the check failed: 32 non-finite values in the outputs or their reference" in captured.err
+    data = json.loads(out.read_text(), parse_constant=pytest.fail)
+    assert data["passed"] is False and data["non_finite"] == 32 and data["max_abs_err"] < 1e-5
+    assert "FAIL" in captured.out
+
+
+def test_the_reports_validation_fails_on_outputs_that_hold_nan(monkeypatch):
+    """The report's real replays go through the same check: a kernel returning NaN in the
+    first row of each prefill fails its validation row."""
+    from plugin_kernels import nan_row_0
+
+    from attnpolicy.graphs.costmodel import CostModel
+    from attnpolicy.kernels import attention
+    from attnpolicy.report.build import ReportSettings, validate_predictions
+
+    model = CostModel.default().model_copy(update={"backend": "none", "heads": 2, "kv_heads": 1, "head_dim": 16})
+    settings = ReportSettings(policies=("varlen",), former=FORMER)
+    (clean,) = validate_predictions(model, REQUESTS[:2], settings, lambda _: None)
+    assert clean.passed is True and clean.non_finite == 0
+    monkeypatch.setitem(attention._IMPL_FNS, "sdpa", nan_row_0)
+    (row,) = validate_predictions(model, REQUESTS[:2], settings, lambda _: None)
+    assert row.passed is False and row.non_finite > 0 and row.max_abs_err == row.max_abs_err  # finite, no NaN
