@@ -16,7 +16,7 @@ from attnpolicy.cli.common import (
     writing,
 )
 from attnpolicy.cli.plan import check_plannable, print_plan, seconds
-from attnpolicy.cli.simulate import flag_range, priced, provenance_json
+from attnpolicy.cli.simulate import check_recorded_spec, flag_range, priced, provenance_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.errors import ConfigError, PolicyError
@@ -57,6 +57,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
         run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
     except ConfigError as exc:
         fail(f"argument --layouts: {exc}")
+    check_recorded_spec(model, provenance, run)
     check_plannable("--config", [current.policy], current)
     check_plannable("--policies", args.policies or [], current)
     steps = run.layouts[-args.window:] if args.window else run.layouts
