@@ -180,9 +180,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
         except ConfigError as exc:
             fail(f"argument --layouts: {exc}")
-        check_recorded_spec(model, provenance, run)
         base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
         check_plannable("--policies", args.policies, base)
+        check_recorded_spec(model, provenance, run)
         base = with_store(args, base, model)
         steps: list[Any] = run.layouts
         check_step_budget(steps, former_options(args)["max_num_batched_tokens"])

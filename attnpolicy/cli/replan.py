@@ -57,9 +57,9 @@ def cmd_replan(args: argparse.Namespace) -> int:
         run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
     except ConfigError as exc:
         fail(f"argument --layouts: {exc}")
-    check_recorded_spec(model, provenance, run)
     check_plannable("--config", [current.policy], current)
     check_plannable("--policies", args.policies or [], current)
+    check_recorded_spec(model, provenance, run)
     steps = run.layouts[-args.window:] if args.window else run.layouts
     outside = flag_range(model, steps)
     differs = [name for name in type(current).model_fields if getattr(run.config, name) != getattr(current, name)]

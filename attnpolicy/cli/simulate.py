@@ -380,7 +380,6 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Pr
         run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
     except ConfigError as exc:
         fail(f"argument --layouts: {exc}")
-    check_recorded_spec(model, provenance, run)
     base = with_store(args, AttnPolicyConfig.load(args.config) if args.config else run.config, model)
     note_warmup(base, f"--config {args.config}" if args.config else f"the recorded config of run {run.run}")
     options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
@@ -391,6 +390,7 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Pr
     why_not = _why_no_recorded_row(args, run.config, options)
     if args.strict and why_not:
         fail(f"argument --strict: the sweep has no row under the recorded config ({recorded_row}): {why_not}")
+    check_recorded_spec(model, provenance, run)
     print(provenance.line())
     outside = flag_range(model, run.layouts)
     with progress(sweep_size(args), "simulate") as advance:

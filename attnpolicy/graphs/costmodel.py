@@ -85,6 +85,12 @@ def _read_bound(value: float, info: ValidationInfo) -> float:
 #: bool or string is not), at most :data:`MAX_COEFFICIENT` in a file.
 Coefficient = Annotated[float, Field(strict=True, ge=0.0, allow_inf_nan=False), AfterValidator(_read_bound)]
 Positive = Annotated[int, Field(strict=True, ge=1)]
+#: The largest size a cost model holds: a model's dimension (hidden, vocabulary, heads,
+#: layers, ...) or a calibrated length; larger is no model, and keeps every byte count
+#: computed from sizes a finite float.
+MAX_SIZE: Final = 2**31
+#: A size: an integer from 1 to :data:`MAX_SIZE`.
+Size = Annotated[int, Field(strict=True, ge=1, le=MAX_SIZE)]
 
 
 class Fit(BaseModel):
@@ -156,8 +162,8 @@ class Sample(BaseModel):
 
     what: Literal["run", "compile", "mask_build", "mask_build_window", "store_load", "store_bytes"]
     kind: CallKind | None = None
-    rows: Positive
-    cols: Positive
+    rows: Size
+    cols: Size
     seconds: Coefficient  # for ``store_bytes``: the bytes
 
 
@@ -172,11 +178,11 @@ class CostModel(BaseModel):
 
     version: Literal[1] = FORMAT_VERSION
     dtype: DType = "float32"
-    heads: Positive = 8
-    kv_heads: Positive = 8
-    head_dim: Positive = 64
+    heads: Size = 8
+    kv_heads: Size = 8
+    head_dim: Size = 64
     impl: Impl = "sdpa"
-    partition_len: Positive | None = None
+    partition_len: Size | None = None
     backend: Backend = "aot_eager"
     threads: Positive = 1
     torch_version: str = ""

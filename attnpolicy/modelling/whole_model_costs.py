@@ -46,9 +46,11 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
 from attnpolicy.engine.keys import ModelKey, StepKey, estimate_bytes, step_estimate_bytes
 from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.costmodel import Coefficient, Positive, check_run_fits, nonnegative_fit
+from attnpolicy.graphs.costmodel import MAX_SIZE, Coefficient, Positive, Size, check_run_fits, nonnegative_fit
 
 FORMAT_VERSION: Final = 1
+#: A step graph's cached context columns: 0 up to :data:`~attnpolicy.graphs.costmodel.MAX_SIZE`.
+Context = Annotated[int, Field(strict=True, ge=0, le=MAX_SIZE)]
 #: The modes a model cost model covers, as JSON keys.
 Mode = Literal["causal", "mask", "varlen"]
 MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
@@ -117,7 +119,7 @@ class ModelSample(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Mode
-    segments: tuple[Positive, ...]
+    segments: tuple[Size, ...]
     compile_seconds: Coefficient
     run_seconds: Coefficient
     rss_bytes: Annotated[int, Field(strict=True)]
@@ -134,9 +136,9 @@ class StepSample(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Mode
-    tokens: Positive
-    context: Annotated[int, Field(strict=True, ge=0)]
-    segments: tuple[tuple[Positive, Annotated[int, Field(strict=True, ge=0)]], ...]
+    tokens: Size
+    context: Context
+    segments: tuple[tuple[Size, Context], ...]
     compile_seconds: Coefficient
     run_seconds: Coefficient
     rss_bytes: Annotated[int, Field(strict=True)]
@@ -190,14 +192,14 @@ class ModelDims(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    hidden: Positive
-    heads: Positive
-    kv_heads: Positive
-    head_dim: Positive
-    intermediate: Positive
-    vocab: Positive
-    layers: Positive
-    itemsize: Positive = 4
+    hidden: Size
+    heads: Size
+    kv_heads: Size
+    head_dim: Size
+    intermediate: Size
+    vocab: Size
+    layers: Size
+    itemsize: Size = 4
 
     @classmethod
     def of(cls, config: Any, itemsize: int = 4) -> ModelDims:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import dumps, write_json
 from attnpolicy.errors import NonFiniteError
 from attnpolicy.graphs.costmodel import CostModel, Fit
@@ -47,3 +48,11 @@ def test_a_cost_model_holding_a_non_finite_number_is_not_saved(tmp_path):
     with pytest.raises(NonFiniteError, match="warmup_seconds is inf"):
         broken.save(tmp_path / "m.json")
     assert not (tmp_path / "m.json").exists()
+
+
+def test_a_config_holding_a_non_finite_option_is_not_saved(tmp_path):
+    """Once written as ``null``, silently: now refused, naming the option."""
+    config = AttnPolicyConfig(policy_options={"margin": math.inf})
+    with pytest.raises(NonFiniteError, match=r"policy_options.margin is inf"):
+        config.save(tmp_path)
+    assert not (tmp_path / "attnpolicy_config.json").exists()

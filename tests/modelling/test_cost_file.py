@@ -133,6 +133,8 @@ MUTATIONS: list[tuple[str, Callable[[dict[str, Any]], None], str | None, str]] =
     ("huge per_token", _set("model.steps.run.mask.per_token", 1e300), "model", "steps.run.mask.per_token"),
     ("huge per_cell", _set("run.mask.per_cell", 1e300), "attention", "run.mask.per_cell: must be at most"),
     ("huge warm-up", _set("model.warmup_seconds", 1e300), "model", "warmup_seconds: must be at most"),
+    ("huge vocab", _set("model.dims.vocab", 10**300), "model", "dims.vocab: Input should be less than or equal to"),
+    ("huge heads", _each(["heads", "kv_heads"], 10**30), "attention", "heads: Input should be less than or equal to"),
     ("huge sample", _set("samples.0.seconds", 1e300), "attention", "samples.0.seconds: must be at most"),
     ("zero runs", _each(_fits("model.steps.run", MODEL_TERMS), 0.0), "model", "causal predicts 0 s"),
     ("tiny runs", _each(_fits("run", ATTENTION_TERMS), 5e-324), "attention", "run.causal predicts"),
