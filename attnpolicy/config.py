@@ -261,10 +261,9 @@ class AttnPolicyConfig(BaseModel):
         return self.buckets.bucket(n, self.max_batch_tokens)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically:
-        a temporary file in the same directory, then ``os.replace``. Creates the directory."""
-        return jsonfile.write_text_atomic(Path(directory) / CONFIG_FILENAME,
-                                          self.model_dump_json(indent=2) + "\n")
+        """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically
+        as strict JSON (:func:`~attnpolicy.core.jsonfile.write_json`). Creates the directory."""
+        return jsonfile.write_json(Path(directory) / CONFIG_FILENAME, self)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> AttnPolicyConfig:

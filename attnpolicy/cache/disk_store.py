@@ -310,7 +310,7 @@ class DiskStore:
         try:
             if not ours:
                 raise FileExistsError(errno.EEXIST, "another file, left as it is", str(self._index))
-            self._replace_bytes(self._index, json.dumps(index, sort_keys=True).encode())
+            self._replace_bytes(self._index, json.dumps(index, sort_keys=True, allow_nan=False).encode())
         except OSError as e:
             self._count("index_failures")
             self._warn_once(e, "its index.json is not written: stored graphs stay valid, least-recently-used "
@@ -516,7 +516,7 @@ class DiskStore:
         :class:`~attnpolicy.core.bounded_order.BoundedOrder` (the rule the store's model,
         :class:`~attnpolicy.cache.disk_mirror.DiskMirror`, runs too) that admits the new one."""
         manifest = json.dumps({"identity": ident.to_json(), "suffix": suffix, "bytes": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest()}, sort_keys=True).encode()
+                               "sha256": hashlib.sha256(data).hexdigest()}, sort_keys=True, allow_nan=False).encode()
         need = len(data) + len(manifest)
         held: BoundedOrder[str, _Entry] = BoundedOrder.lru(max_bytes=self.max_bytes)
         if not held.fits(need):

@@ -34,6 +34,7 @@ from attnpolicy.cli.common import (
 from attnpolicy.cli.simulate import (
     ATTENTION_ONLY,
     add_store_args,
+    check_recorded_spec,
     family_policies,
     flag_range,
     priced,
@@ -181,6 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             fail(f"argument --layouts: {exc}")
         base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
         check_plannable("--policies", args.policies, base)
+        check_recorded_spec(model, provenance, run)
         base = with_store(args, base, model)
         steps: list[Any] = run.layouts
         check_step_budget(steps, former_options(args)["max_num_batched_tokens"])
@@ -275,7 +277,7 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if (tuple(value) if isinstance(value, list) else value) != default:
             fail(f"argument --{name}: not taken {why}")
-    cost, provenance = priced_model(args)
+    cost, provenance = priced_model(args, steps=True)
     former = former_from(args)
     requests = workload(args, former)
     print(provenance.line())
