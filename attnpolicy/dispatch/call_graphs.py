@@ -108,11 +108,6 @@ class CallFamily:
         assert ident is not None  # only stored keys have an identity
         return ident
 
-    def _unstored(self, key: GraphKey) -> tuple[str, str, str] | None:
-        """Why the graph of storable ``key`` is compiled and not stored, as the store's
-        ``refuse`` takes it; ``None`` when it is stored (:func:`stored_identity`)."""
-        return stored_identity(self.config, key)[1]
-
     def lazy(self, key: GraphKey) -> bool:
         """Whether ``key``'s graph is the host's VARLEN one, compiled at its first call."""
         return self.host_varlen and key.kind is CallKind.VARLEN
@@ -191,15 +186,16 @@ class CallFamily:
         assert not isinstance(fn, FlexGraph)  # flex is compiled above
         store = self._store
         if store is not None and self._storable(key):
-            unstored = self._unstored(key)
-            if unstored is None:  # compiled ahead of time, saved for the next miss
+            stored = stored_identity(self.config, key)
+            if not isinstance(stored, ArtifactIdentity):
+                store.refuse(*stored)
+            else:  # compiled ahead of time, saved for the next miss
                 capture = Capture()
                 with compile_lock():
                     compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec), options=options,
                                                      counter=counter, capture=capture)
-                    store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+                    store.save(stored, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
                 return _aot_graph(compiled, key.backend, capture)
-            store.refuse(*unstored)
         if self.lazy(key):  # the host's kernel runs it: lazy
             return compile_graph(fn, key.backend, options=options, counter=counter)
         return compile_graph(fn, key.backend, options=options, counter=counter,
@@ -368,23 +364,22 @@ def identity(config: AttnPolicyConfig, key: GraphKey) -> ArtifactIdentity | None
     """What makes the stored artifact of ``key`` valid (see docs/store.md); ``None`` for
     a kernel with no source to hash or a compiler that stores nothing (its graphs are
     not stored)."""
-    return stored_identity(config, key)[0]
+    stored = stored_identity(config, key)
+    return stored if isinstance(stored, ArtifactIdentity) else None
 
 
-def stored_identity(config: AttnPolicyConfig, key: GraphKey
-                    ) -> tuple[ArtifactIdentity | None, tuple[str, str, str] | None]:
-    """``(identity, None)`` of ``key``'s stored artifact, else ``(None, (name, why,
-    counter))``: what has no stable identity or stores nothing (the kernel's code, the
-    compiler's code or options, a compiler that declares no reloadable artifacts), as the
-    store's ``refuse`` takes it."""
+def stored_identity(config: AttnPolicyConfig, key: GraphKey) -> ArtifactIdentity | tuple[str, str, str]:
+    """The identity of ``key``'s stored artifact, else ``(name, why, counter)``: what has no
+    stable identity or stores nothing (the kernel's code, the compiler's code or options,
+    a compiler that declares no reloadable artifacts), as the store's ``refuse`` takes it."""
     code, why = code_hash_of(key.impl)
     if code is None:
-        return None, (f"kernel {key.impl!r}", why, "unidentified")
+        return f"kernel {key.impl!r}", why, "unidentified"
     compiler, why, counter = why_unstored(resolve_compiler(key.backend), config.backend_options)
     if compiler is None:
-        return None, (f"compiler {key.backend!r}", why, counter)
+        return f"compiler {key.backend!r}", why, counter
     return ArtifactIdentity.for_graph(key, mechanism=aot.MECHANISM, code_hash=code,
-                                      config={"partition_len": config.partition_len}, compiler=compiler), None
+                                      config={"partition_len": config.partition_len}, compiler=compiler)
 
 
 def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) -> GraphCache[Any]:

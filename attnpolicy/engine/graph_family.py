@@ -196,19 +196,20 @@ class WholeModelGraphs:
     def identity(self, key: Any) -> ArtifactIdentity | None:
         """What makes ``key``'s stored artifact valid; ``None`` on backend ``"none"``, for
         a model whose code has no source to hash or a compiler that stores nothing."""
-        return None if key.backend == "none" else self._stored(key)[0]
+        stored = None if key.backend == "none" else self._stored(key)
+        return stored if isinstance(stored, ArtifactIdentity) else None
 
-    def _stored(self, key: Any) -> tuple[ArtifactIdentity | None, tuple[str, ...]]:
-        """``(identity, ())`` of ``key``'s stored artifact (a compiled key's), else ``(None,
-        (name, why, counter))`` as the store's ``refuse`` takes it."""
+    def _stored(self, key: Any) -> ArtifactIdentity | tuple[str, str, str]:
+        """The identity of compiled ``key``'s stored artifact, else ``(name, why, counter)``
+        as the store's ``refuse`` takes it."""
         if self._code is None:
-            return None, (f"model {type(self.model).__name__}", self._unstored, "unidentified")
+            return f"model {type(self.model).__name__}", self._unstored, "unidentified"
         compiler, why, counter = why_unstored(resolve_compiler(key.backend), self.config.backend_options)
         if compiler is None:
-            return None, (f"compiler {key.backend!r}", why, counter)
+            return f"compiler {key.backend!r}", why, counter
         return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
                                 str(self.device), str(self.dtype).removeprefix("torch."), self._code,
-                                compiler=compiler), ()
+                                compiler=compiler)
 
     def load(self, key: Any) -> CompiledGraph | None:
         """The graph of ``key`` from the store (``None``: no store, not stored, not there
@@ -225,15 +226,15 @@ class WholeModelGraphs:
         saved when it is stored."""
         store, options = self._store, self.config.backend_options
         if store is not None and key.backend != "none":
-            ident, unstored = self._stored(key)
-            if ident is not None:
+            stored = self._stored(key)
+            if isinstance(stored, ArtifactIdentity):
                 capture = Capture()
                 with torch.no_grad(), compile_lock():
                     compiled = aot.aot_compile_graph(self.forward(key), key.backend, (*self.bound(key), *request),
                                                      options=options, counter=self._counter, capture=capture)
-                    store.save(ident, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+                    store.save(stored, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
                 return self._aot_graph(compiled, key, capture)
-            store.refuse(*unstored)
+            store.refuse(*stored)
         # no guards, as a stored graph: its key pins what they check, and a check made
         # while the background worker (or any thread) traces fails (see compile_graph)
         return compile_graph(self.eager(key, request), self.config.backend, options=options,

@@ -139,6 +139,12 @@ class Capture:
         self.compiled: list[Any] = []
         self.lock = threading.Lock()
 
+    def record(self, gm: torch.fx.GraphModule, fn: Callable[..., Any]) -> None:
+        """One compile: its graph module and what the backend returned."""
+        self.gm, self.fn = gm, fn
+        with self.lock:
+            self.compiled.append(fn)
+
     def taken(self) -> list[Any]:
         """Every callable the backend returned, forgotten here (what a release frees)."""
         with self.lock:
@@ -147,7 +153,7 @@ class Capture:
 
 
 def capturing(compiler: CompilerInfo, options: Mapping[str, Any],
-               counter: Callable[[torch.fx.GraphModule], None] | None, box: Capture) -> Callable[..., Any]:
+              counter: Callable[[torch.fx.GraphModule], None] | None, box: Capture) -> Callable[..., Any]:
     """``compiler``'s backend called with ``options``, calling ``counter(gm)`` before each
     compile and recording the graph module and the backend's result in ``box``."""
     inner = compiler.dynamo_backend()
@@ -157,9 +163,7 @@ def capturing(compiler: CompilerInfo, options: Mapping[str, Any],
         if counter is not None:
             counter(gm)
         fn: Callable[..., Any] = inner(gm, inputs, **kwargs)
-        box.gm, box.fn = gm, fn
-        with box.lock:
-            box.compiled.append(fn)
+        box.record(gm, fn)
         return fn
 
     backend.__name__ = compiler.name  # what Dynamo's messages call it

@@ -153,34 +153,17 @@ def test_unknown_eviction_is_an_error_where_it_is_resolved():
 def test_unknown_backend_is_one_line_where_it_is_resolved_before_any_work(backend):
     """Not a registered compiler, a Dynamo backend or an importable module:function: one
     line naming the field, the value (and the known names), before the policy is built."""
-    built = []
-
-    class Counted:
-        name = "counted"
-        description = "counts its builds"
-
-        def __init__(self) -> None:
-            built.append(self)
-
-        def decide(self, layout, ctx):
-            raise AssertionError("not called")
-
-    class Plugin:
-        @hookimpl
-        def attnpolicy_register_policies(self, register):
-            register(Counted)
-
-    get_plugin_manager().register(Plugin(), name="counted-plugin")
+    built = counted_policy()
     config = AttnPolicyConfig(policy="counted", backend=backend)  # plain data: accepted
     for build in (Dispatcher, validate_names):
         with pytest.raises(ConfigError) as err:
             build(config)
         message = str(err.value)
         assert "\n" not in message and f"backend {backend!r}" in message, message
-        if ":" not in backend:
-            assert "known: inductor, aot_eager, eager, none, " in message and "cudagraphs" in message
         if ":" in backend:
             assert "No module named 'no_such_module'" in message
+        else:
+            assert "known: inductor, aot_eager, eager, none, " in message and "cudagraphs" in message
     assert built == []
 
 
@@ -190,8 +173,9 @@ def test_empty_names_are_rejected_by_the_config(name):
         AttnPolicyConfig(policy=name)
 
 
-def test_the_policy_is_built_once_per_dispatcher():
-    built = []
+def counted_policy() -> list[int]:
+    """Registers policy ``counted``, whose builds (their ``depth`` option) the returned list records."""
+    built: list[int] = []
 
     class Counted:
         name = "counted"
@@ -209,6 +193,11 @@ def test_the_policy_is_built_once_per_dispatcher():
             register(Counted)
 
     get_plugin_manager().register(Plugin(), name="counted-plugin")
+    return built
+
+
+def test_the_policy_is_built_once_per_dispatcher():
+    built = counted_policy()
     config = AttnPolicyConfig(policy="counted", policy_options={"depth": 3}, backend="none")
     assert built == []
     Dispatcher(config)
