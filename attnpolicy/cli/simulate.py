@@ -165,7 +165,8 @@ def priced(args: argparse.Namespace) -> tuple[CostModel, Provenance]:
     backend and impl of --config (default: a calibration's), else the built-in model.
     The command prints ``provenance.line()`` first, once its arguments are checked."""
     d = CalibrationSettings()
-    backend, impl = d.backend, d.impl
+    backend: str = d.backend
+    impl: str = d.impl
     if getattr(args, "config", None):
         try:
             config = AttnPolicyConfig.load(args.config)
