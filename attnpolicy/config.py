@@ -5,9 +5,9 @@ Validated once (RBLN-style rules between ``attn_impl``, ``partition_len`` and
 artefacts and read back at load. See ``docs/config.md``.
 
 The config is plain data: it imports neither torch, the plugin registry nor the
-cache. The policy and eviction *names* (and ``policy_options``) are checked where
-they are resolved: when a :class:`~attnpolicy.dispatch.Dispatcher` builds its
-policy and cache, or by :func:`attnpolicy.plugins.resolve.validate_names`
+cache. The policy, eviction and backend *names* (and ``policy_options``) are checked
+where they are resolved: when a :class:`~attnpolicy.dispatch.Dispatcher` builds its
+policy, cache and compiler, or by :func:`attnpolicy.plugins.resolve.validate_names`
 (``attnpolicy config validate``). The runtime integrations read theirs from the
 environment: :func:`attnpolicy.integrations.environment.from_env`.
 """
@@ -32,7 +32,6 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.modes import CallKind
 from attnpolicy.core.names import (
     DEFAULT_MAX_MASK_BYTES,
-    Backend,
     CompileMode,
     FallbackMode,
     Impl,
@@ -102,7 +101,11 @@ class AttnPolicyConfig(BaseModel):
     max_graphs: PositiveInt | None = None
     max_bytes: PositiveInt | None = None
     eviction: str = "lru"
-    backend: Backend = "inductor"
+    #: the compiler: a built-in (inductor, aot_eager, eager, none), a plugin's, a Dynamo
+    #: backend's name or a module:function path (see docs/config.md)
+    backend: str = "inductor"
+    #: keyword options of the compiler's backend (``backend(gm, example_inputs, **options)``)
+    backend_options: dict[str, JsonValue] = Field(default_factory=dict)
     attn_impl: Impl | None = None
     partition_len: PositiveInt | None = None
     #: implementation per call kind ("causal", "mask", "varlen"): a registered kernel
@@ -130,7 +133,7 @@ class AttnPolicyConfig(BaseModel):
     #: the store's bound on disk (artifacts and manifests), least recently used evicted
     max_disk_bytes: PositiveInt = 2 << 30
 
-    @field_validator("policy", "eviction")
+    @field_validator("policy", "eviction", "backend")
     @classmethod
     def _a_name(cls, name: str) -> str:
         if not name.strip():
@@ -261,10 +264,9 @@ class AttnPolicyConfig(BaseModel):
         return self.buckets.bucket(n, self.max_batch_tokens)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically:
-        a temporary file in the same directory, then ``os.replace``. Creates the directory."""
-        return jsonfile.write_text_atomic(Path(directory) / CONFIG_FILENAME,
-                                          self.model_dump_json(indent=2) + "\n")
+        """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically
+        as strict JSON (:func:`~attnpolicy.core.jsonfile.write_json`). Creates the directory."""
+        return jsonfile.write_json(Path(directory) / CONFIG_FILENAME, self)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> AttnPolicyConfig:

@@ -48,6 +48,10 @@ class AllocationError(AttnPolicyError, MemoryError):
     its bytes."""
 
 
+class NonFiniteError(AttnPolicyError, ValueError):
+    """A number to write as JSON is NaN or infinite, which strict JSON cannot hold."""
+
+
 class KernelError(AttnPolicyError):
     """A kernel returned an output of the wrong shape, dtype or device, or failed the
     verification of a capability it declares; the message names kernel, plugin and case."""

@@ -3,6 +3,7 @@ built-in attention model with compiles too pricey ever to pay off."""
 
 from __future__ import annotations
 
+from attnpolicy.engine.model_specs import spec_config
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelDims, ModelFit, StepFits
 
@@ -33,3 +34,10 @@ def with_steps(compile_base: float = 1.0) -> ModelCostModel:
     return synthetic().model_copy(update={"steps": StepFits(
         compile=dict.fromkeys(modes, compile_fit), run=dict.fromkeys(modes, run),
         rss=dict.fromkeys(modes, ModelFit(base=1e6)))})
+
+
+def of_model(model: ModelCostModel, spec: str) -> ModelCostModel:
+    """``model``'s fits as a cost model calibrated on the model of ``spec`` (its spec,
+    architecture and dims), as ``run --model SPEC`` requires."""
+    config = spec_config(spec)
+    return model.model_copy(update={"spec": spec, "model_type": config.model_type, "dims": ModelDims.of(config)})

@@ -430,11 +430,7 @@ def calibrate_model(s: ModelCalibrationSettings, progress: Callable[[str], None]
                     run_seconds=statistics.median(run_s), rss_bytes=memory[str(key)].rss_bytes,
                     estimate_bytes=memory[str(key)].estimate_bytes)
         for (_, _, _, key, compile_s), run_s in zip(built, times))
-    c = model.config
-    dims = ModelDims(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
-                     head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                     intermediate=c.intermediate_size, vocab=c.vocab_size, layers=c.num_hidden_layers,
-                     itemsize=next(model.parameters()).element_size())
+    dims = ModelDims.of(model.config, next(model.parameters()).element_size())
     compile_fits = _model_fits(samples, s.backend, lambda x: x.compile_seconds)
     first_key = samples[0].key(s.backend)
     step_fits = None if not step_samples else StepFits(
@@ -442,7 +438,8 @@ def calibrate_model(s: ModelCalibrationSettings, progress: Callable[[str], None]
         run=_model_fits(step_samples, s.backend, lambda x: x.run_seconds),
         rss=_model_fits(step_samples, s.backend, lambda x: max(x.rss_bytes, 1)), samples=tuple(step_samples))
     return ModelCostModel(
-        spec=described, dims=dims, backend=s.backend, threads=torch.get_num_threads(), clock=s.clock,
+        spec=described, model_type=model.config.model_type, dims=dims, backend=s.backend,
+        threads=torch.get_num_threads(), clock=s.clock,
         torch_version=torch.__version__, compile=compile_fits,
         run=_model_fits(samples, s.backend, lambda x: x.run_seconds),
         rss=_model_fits(samples, s.backend, lambda x: max(x.rss_bytes, 1)),

@@ -45,7 +45,7 @@ class ModelBenchRow:
     eager_ms: float
     rss_mib: float
     estimate_mib: float
-    cuda_mib: float | None
+    device_mib: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +117,7 @@ def run_model_bench(spec: str, lengths: tuple[int, ...] = MODEL_LENGTHS, *, back
             rows.append(ModelBenchRow(n, mode.value, mem.compile_seconds, statistics.median(c for c, _ in times[mode]),
                                       statistics.median(e for _, e in times[mode]), mem.rss_bytes / 2**20,
                                       mem.estimate_bytes / 2**20,
-                                      None if mem.cuda_bytes is None else mem.cuda_bytes / 2**20))
+                                      None if mem.device_bytes is None else mem.device_bytes / 2**20))
         if advance is not None:
             advance(f"L={n}")
     compiled.close()

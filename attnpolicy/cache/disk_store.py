@@ -74,8 +74,10 @@ class ArtifactIdentity:
     field, the scale to full precision; the model runner's own for model graphs);
     ``code_hash`` a hash of all the code the graph runs (:mod:`~attnpolicy.cache.code_identity`,
     or :func:`source_hash` of a graph's own sources); ``config``
-    the compiler settings that change the generated code. ``torch_version``, ``python`` and ``machine`` default to this
-    process's.
+    the settings that change the generated code; ``compiler`` the compiler's identity
+    (:func:`~attnpolicy.plugins.compilers.compiler_identity`: its name, version, code and
+    options; ``backend`` is its name). ``torch_version``, ``python`` and ``machine``
+    default to this process's.
     """
 
     key: str
@@ -85,6 +87,7 @@ class ArtifactIdentity:
     dtype: str
     code_hash: str
     config: tuple[tuple[str, str], ...] = ()
+    compiler: str = ""
     torch_version: str = field(default_factory=_torch_version)
     python: str = f"{sys.version_info.major}.{sys.version_info.minor}"
     machine: str = platform.machine()
@@ -92,10 +95,10 @@ class ArtifactIdentity:
 
     @classmethod
     def for_graph(cls, key: GraphKey, *, mechanism: str, code_hash: str,
-                  config: Mapping[str, object] | None = None) -> ArtifactIdentity:
+                  config: Mapping[str, object] | None = None, compiler: str = "") -> ArtifactIdentity:
         """The identity of an attention graph's artifact (backend, device, dtype from ``key``)."""
         return cls(repr(key), mechanism, key.backend, key.spec.device, key.spec.dtype, code_hash,
-                   _config_items(config))
+                   _config_items(config), compiler)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -155,6 +158,7 @@ class StoreStats:
     oversize: int  # an artifact larger than max_bytes alone: not stored
     index_failures: int  # index.json not written (full, read-only, not the store's): recency lost
     unidentified: int  # graphs compiled, not stored: their code has no stable identity
+    unstorable: int  # graphs compiled, not stored: their compiler declares no reloadable artifacts
     entries: int
     bytes: int
     max_bytes: int
@@ -248,7 +252,8 @@ class DiskStore:
         self._warned = False
         self._refused: set[str] = set()
         self._counts = dict.fromkeys(("hits", "misses", "saves", "evictions", "corrupt", "stale", "load_failures",
-                                      "write_failures", "oversize", "index_failures", "unidentified"), 0)
+                                      "write_failures", "oversize", "index_failures", "unidentified",
+                                      "unstorable"), 0)
         self._seconds = {"load": 0.0, "save": 0.0}
         with contextlib.suppress(OSError):  # a read-only store is still readable
             self._objects.mkdir(parents=True, exist_ok=True)
@@ -310,7 +315,7 @@ class DiskStore:
         try:
             if not ours:
                 raise FileExistsError(errno.EEXIST, "another file, left as it is", str(self._index))
-            self._replace_bytes(self._index, json.dumps(index, sort_keys=True).encode())
+            self._replace_bytes(self._index, json.dumps(index, sort_keys=True, allow_nan=False).encode())
         except OSError as e:
             self._count("index_failures")
             self._warn_once(e, "its index.json is not written: stored graphs stay valid, least-recently-used "
@@ -516,7 +521,7 @@ class DiskStore:
         :class:`~attnpolicy.core.bounded_order.BoundedOrder` (the rule the store's model,
         :class:`~attnpolicy.cache.disk_mirror.DiskMirror`, runs too) that admits the new one."""
         manifest = json.dumps({"identity": ident.to_json(), "suffix": suffix, "bytes": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest()}, sort_keys=True).encode()
+                               "sha256": hashlib.sha256(data).hexdigest()}, sort_keys=True, allow_nan=False).encode()
         need = len(data) + len(manifest)
         held: BoundedOrder[str, _Entry] = BoundedOrder.lru(max_bytes=self.max_bytes)
         if not held.fits(need):
@@ -569,16 +574,18 @@ class DiskStore:
 
     # --- graphs not stored ----------------------------------------------------------
 
-    def refuse(self, name: str, why: str) -> None:
-        """Count a graph compiled without being stored because the code of ``name`` (a
-        kernel, a model) has no stable identity; ``why`` (naming it) is warned once per name."""
+    def refuse(self, name: str, why: str, counter: str = "unidentified") -> None:
+        """Count a graph compiled without being stored in ``counter``: ``unidentified``, the
+        code of ``name`` (a kernel, a model, a compiler) has no stable identity;
+        ``unstorable``, compiler ``name`` declares no reloadable artifacts. ``why`` (naming
+        it) is warned once per name."""
         with self._mutex:
-            self._counts["unidentified"] += 1
+            self._counts[counter] += 1
             first = name not in self._refused
             self._refused.add(name)
         if first:
             warnings.warn(f"{why}; its graphs are compiled and not stored in {self.root} (counted in "
-                          "unidentified)", RuntimeWarning, stacklevel=3)
+                          f"{counter})", RuntimeWarning, stacklevel=3)
 
     # --- stats ----------------------------------------------------------------------
 

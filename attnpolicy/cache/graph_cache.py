@@ -32,6 +32,23 @@ class _Entry(Generic[V]):
 #: The value of a deferred entry (:meth:`GraphCache.reserve`): no graph built yet.
 _UNBUILT: Any = object()
 
+
+def _checked_bytes(name: str, key: Hashable, fn: Callable[[Hashable], int | None], optional: bool = False
+                   ) -> int | None:
+    """``fn(key)``, an int >= 0 (or ``None`` when ``optional``); else :class:`ConfigError`
+    naming ``name``."""
+    try:
+        nbytes = fn(key)
+    except Exception as exc:
+        raise ConfigError(f"{name}({key}) raised {type(exc).__name__}: {exc}") from exc
+    if nbytes is None and optional:
+        return None
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ConfigError(f"{name}({key}) returned {nbytes!r}; it must be an int >= 0"
+                          + (" or None" if optional else ""))
+    return nbytes
+
+
 class GraphCache(Generic[V]):
     """Compiled graphs by key, never holding more than ``max_graphs`` graphs or ``max_bytes`` bytes.
 
@@ -41,6 +58,11 @@ class GraphCache(Generic[V]):
       graph larger than ``max_bytes`` is refused without compiling: ``oversize="raise"``
       raises :class:`GraphTooLargeError`, ``"uncached"`` builds it and returns it
       without caching (counted in ``uncached``).
+    - ``measure(key, graph)``: the bytes a built (or loaded) graph holds on its device, as
+      its compiler reports them, or ``None``; a figure replaces ``sizeof``'s estimate for
+      the graph, in the bounds and statistics (a graph that alone exceeds ``max_bytes``
+      then is released and refused, or served uncached, as ``oversize`` says). Not asked
+      of deferred entries, which are placed before they are built.
     - ``compile_cost(key, measured_seconds)``: the compile seconds to record for a
       build (statistics, ``on_compile``, the ``cost`` eviction); default: the measured
       seconds. A simulation whose builds are stubs returns a modelled cost here.
@@ -79,10 +101,11 @@ class GraphCache(Generic[V]):
         release: Callable[[Hashable, V], None] | None = None,
         eviction_options: dict[str, Any] | None = None,
         compile_cost: Callable[[Hashable, float], float] | None = None,
+        measure: Callable[[Hashable, V], int | None] | None = None,
     ) -> None:
         bounds = Bounds.of(max_graphs=max_graphs, max_bytes=max_bytes, oversize=oversize)
-        for field, fn in (("sizeof", sizeof), ("on_compile", on_compile),
-                          ("on_evict", on_evict), ("release", release), ("compile_cost", compile_cost)):
+        for field, fn in (("sizeof", sizeof), ("on_compile", on_compile), ("on_evict", on_evict),
+                          ("release", release), ("compile_cost", compile_cost), ("measure", measure)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{field} must be callable or None, got {fn!r}")
         self.max_graphs = bounds.max_graphs
@@ -98,6 +121,7 @@ class GraphCache(Generic[V]):
         self._on_evict = on_evict
         self._release = release
         self._compile_cost = compile_cost
+        self._measure = measure
         self._lock = threading.Lock()
         self._inflight: dict[Hashable, tuple[Future[V], int]] = {}
         self._per_key: dict[Hashable, KeyCounters] = {}
@@ -327,23 +351,42 @@ class GraphCache(Generic[V]):
     def size_of(self, key: Hashable) -> int:
         """The bytes ``key``'s graph counts against ``max_bytes`` (``sizeof(key)``,
         checked: a raising or bad ``sizeof`` raises :class:`ConfigError`)."""
-        try:
-            nbytes = self._sizeof(key)
-        except Exception as exc:
-            raise ConfigError(f"sizeof({key}) raised {type(exc).__name__}: {exc}") from exc
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ConfigError(f"sizeof({key}) returned {nbytes!r}; it must be an int >= 0")
+        nbytes = _checked_bytes("sizeof", key, self._sizeof)
+        assert nbytes is not None  # not optional: checked
         return nbytes
 
-    def _size(self, key: Hashable) -> tuple[int, bool]:
-        """``(bytes, cached)`` of ``key``'s graph, or raise: a refusal before building."""
-        nbytes = self.size_of(key)
+    def _size(self, key: Hashable, nbytes: int | None = None) -> tuple[int, bool]:
+        """``(bytes, cached)`` of ``key``'s graph (of ``nbytes`` when given), or raise: a
+        refusal before building."""
+        nbytes = self.size_of(key) if nbytes is None else nbytes
         cached = self._core.fits(nbytes)
         if not cached and self.oversize == "raise":
             raise GraphTooLargeError(
                 f"the graph for key {key} needs {nbytes} bytes, more than max_bytes={self.max_bytes}"
             )
         return nbytes, cached
+
+    def _measured(self, key: Hashable, graph: V, future: Future[V], nbytes: int, cached: bool,
+                  built: KeyCounters | None) -> tuple[int, bool]:
+        """``(bytes, cached)`` of ``key``'s built (``built``: its counters) or loaded ``graph``
+        as ``measure`` reports them (``nbytes``, ``cached`` when it reports none). A graph
+        refused by its measured bytes is released and counted ``refused`` (a build also in
+        ``compiles``: it ran), and the refusal raised."""
+        if self._measure is None:
+            return nbytes, cached
+        measure = self._measure
+        try:
+            measured = _checked_bytes("measure", key, lambda k: measure(k, graph), optional=True)
+            return (nbytes, cached) if measured is None else self._size(key, measured)
+        except BaseException as exc:
+            if built is not None:
+                with self._lock:
+                    self._compiles += 1
+                    built.compiles += 1
+            self._abandon(key, future, exc, refused=True)
+            if self._release is not None:
+                self._release(key, graph)
+            raise
 
     def _abandon(self, key: Hashable, future: Future[V], exc: BaseException, *, refused: bool) -> None:
         """A miss that produced no graph: counted, waiters told, the key free again."""
@@ -374,6 +417,7 @@ class GraphCache(Generic[V]):
             if loaded is None:
                 start = perf_counter()
                 value = build()
+                built_seconds = perf_counter() - start
         except Exception as exc:
             error = GraphCompileError(f"building the graph for key {key} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
@@ -382,13 +426,16 @@ class GraphCache(Generic[V]):
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: counted, not wrapped
             self._abandon(key, future, exc, refused=False)
             raise
+        if entry is None:
+            nbytes, cached = self._measured(key, value if loaded is None else loaded, future, nbytes, cached,
+                                            stats if loaded is None else None)
         if loaded is not None:
             return self._loaded(key, loaded, load_seconds, future, stats, nbytes, cached, pin, entry)
 
         victims: list[tuple[Hashable, _Entry[V], bool]] = []
         inserted = False
         try:
-            seconds = perf_counter() - start if measured is None else measured
+            seconds = built_seconds if measured is None else measured
             if self._compile_cost is not None:
                 seconds = self._compile_cost(key, seconds)
             with self._lock:

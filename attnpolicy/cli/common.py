@@ -307,7 +307,7 @@ def add_capacities_arg(p: argparse.ArgumentParser, capacities: tuple[int | None,
 
 def add_option_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", type=option, default=[], metavar="POLICY:KEY=VALUE",
-                   help="an option of one policy, e.g. cost-aware:margin=0.9 (repeatable; VALUE is "
+                   help="an option of one policy, e.g. length-threshold:threshold=256 (repeatable; VALUE is "
                         "parsed as JSON when it can be) (default: none)")
 
 
@@ -429,7 +429,7 @@ def settings(cls: Callable[..., T], flags: Mapping[str, str], **values: Any) -> 
 
 
 def describe_options(options: Mapping[str, Mapping[str, Any]]) -> str:
-    """``cost-aware margin=0.9; x k=1`` for the policies that have options, else ``""``."""
+    """``length-threshold threshold=256; x k=1`` for the policies that have options, else ``""``."""
     return "; ".join(f"{p} " + " ".join(f"{k}={json.dumps(v)}" for k, v in o.items())
                      for p, o in options.items() if o)
 

@@ -34,6 +34,7 @@ from attnpolicy.cli.common import (
 from attnpolicy.cli.simulate import (
     ATTENTION_ONLY,
     add_store_args,
+    check_recorded_spec,
     family_policies,
     flag_range,
     priced,
@@ -181,6 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             fail(f"argument --layouts: {exc}")
         base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
         check_plannable("--policies", args.policies, base)
+        check_recorded_spec(model, provenance, run)
         base = with_store(args, base, model)
         steps: list[Any] = run.layouts
         check_step_budget(steps, former_options(args)["max_num_batched_tokens"])
@@ -275,7 +277,7 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if (tuple(value) if isinstance(value, list) else value) != default:
             fail(f"argument --{name}: not taken {why}")
-    cost, provenance = priced_model(args)
+    cost, provenance = priced_model(args, steps=True)
     former = former_from(args)
     requests = workload(args, former)
     print(provenance.line())
@@ -315,17 +317,21 @@ def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: W
     g = gaudi.grid
     assert isinstance(g, Grid)
     outside = [*gaudi.outside, *ragged.outside]
+    prompt = (f"prompt query tokens {list(g.queries)} × context blocks {list(g.contexts)}" if g.queries
+              else "no prompt graph")
+    decode = f"decode batches {list(g.batches)} × blocks {list(g.blocks)}" if g.batches else "no decode graph"
     return "\n".join([
         f"# attnpolicy plan on whole requests: {source}", "",
         f"Model {spec}; {w.describe()}.", "", comparison.summary() + ".", "",
         f"## {COMPARISON_TITLE}", "", COMPARISON_LEGEND, "", table(COMPARISON_COLUMNS, comparison_rows(comparison)),
         "", "## The plan's sizes", "",
-        (f"- gaudi form (`{GAUDI_FILE}`, host_settings.json \"gaudi\"): prompt query tokens {list(g.queries)} × "
-         f"context blocks {list(g.contexts)}; decode batches {list(g.batches)} × blocks {list(g.blocks)} "
-         f"({len(gaudi.warm.graphs)} graphs)."),
-        (f"- ragged form (host_settings.json \"tpu\"): token paddings {list(ragged.warm.prefill_lengths())} "
-         f"({len(ragged.warm.graphs)} graphs)."), "",
-        *(["Outside the budget:", "", *(f"- {line}" for line in outside), ""] if outside else
+        (f"- gaudi form (`{GAUDI_FILE}`, host_settings.json \"gaudi\"; \"rbln\" its decode batches): {prompt}; "
+         f"{decode} ({len(gaudi.warm.graphs)} graphs)."),
+        (f"- ragged form (host_settings.json \"tpu\" and \"vllm\"): token paddings "
+         f"{list(ragged.warm.prefill_lengths())} ({len(ragged.warm.graphs)} graphs)."), "",
+        *([("Outside the budget (also in each host's `missing` in host_settings.json, the gaudi form's in "
+                f"`{GAUDI_FILE}`):"), "",
+           *(f"- {line}" for line in outside), ""] if outside else
           ["Every step within the limits is served after warm-up in both forms: nothing compiles at run time.",
            ""])])
 

@@ -16,7 +16,7 @@ from attnpolicy.cli.common import (
     writing,
 )
 from attnpolicy.cli.plan import check_plannable, print_plan, seconds
-from attnpolicy.cli.simulate import flag_range, priced, provenance_json
+from attnpolicy.cli.simulate import check_recorded_spec, flag_range, priced, provenance_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.errors import ConfigError, PolicyError
@@ -59,6 +59,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
         fail(f"argument --layouts: {exc}")
     check_plannable("--config", [current.policy], current)
     check_plannable("--policies", args.policies or [], current)
+    check_recorded_spec(model, provenance, run)
     steps = run.layouts[-args.window:] if args.window else run.layouts
     outside = flag_range(model, steps)
     differs = [name for name in type(current).model_fields if getattr(run.config, name) != getattr(current, name)]

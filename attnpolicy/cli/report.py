@@ -127,7 +127,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                  bench=bench, former=former_options(args), policy_options=options)
     if s.model_cost is not None:
         try:
-            CostFile.load(s.model_cost).model_fits(s.model_cost).step_fits()
+            CostFile.load(s.model_cost).model_fits(s.model_cost, steps=True)
         except ConfigError as exc:
             fail(f"argument --model-cost: {exc}")
     try:

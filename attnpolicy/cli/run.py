@@ -256,7 +256,7 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     if positions is not None and former.max_model_len > positions:
         fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
              f"{args.model}: set --max-seq-len {positions} or less")
-    cost = priced_model(args)[0] if args.cost_model else None
+    cost = priced_model(args, model=args.model)[0] if args.cost_model else None
     if cost is not None and not args.prefill_only and cost.steps is None:
         fail(f"argument --cost-model: {args.cost_model} holds no step-graph fits, which whole requests run on: "
              "calibrate it again with attnpolicy calibrate --model SPEC, or add --prefill-only")

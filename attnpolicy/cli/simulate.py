@@ -38,6 +38,7 @@ from attnpolicy.cli.common import (
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.layout import BatchLayout
+from attnpolicy.engine.model_specs import spec_config
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
@@ -58,7 +59,7 @@ from attnpolicy.modelling.simulation import (
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.report.plots import plot_sweep
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
-from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
+from attnpolicy.workloads.layout_stream import LayoutRun, read_layout_stream, select_run
 from attnpolicy.workloads.traces import Request, TraceError, load_trace
 
 POLICIES = ("always-mask", "dynamic", "varlen", "cost-aware")
@@ -164,7 +165,8 @@ def priced(args: argparse.Namespace) -> tuple[CostModel, Provenance]:
     backend and impl of --config (default: a calibration's), else the built-in model.
     The command prints ``provenance.line()`` first, once its arguments are checked."""
     d = CalibrationSettings()
-    backend, impl = d.backend, d.impl
+    backend: str = d.backend
+    impl: str = d.impl
     if getattr(args, "config", None):
         try:
             config = AttnPolicyConfig.load(args.config)
@@ -178,16 +180,42 @@ def priced(args: argparse.Namespace) -> tuple[CostModel, Provenance]:
     return model, provenance
 
 
-def priced_model(args: argparse.Namespace) -> tuple[ModelCostModel, Provenance]:
+def priced_model(args: argparse.Namespace, *, steps: bool = False,
+                 model: str | None = None) -> tuple[ModelCostModel, Provenance]:
     """The whole-model fits of the file of --cost-model and where they come from
-    (``--family model`` needs the file); errors name the flag."""
-    if args.cost_model is None:
+    (``--family model`` needs the file; ``steps``: with step-graph fits); ``model``: the
+    SPEC of --model, whose model the file must have been calibrated on. Errors name the
+    flag, before any work."""
+    path = args.cost_model
+    if path is None:
         fail("argument --cost-model: --family model needs a cost-model file with whole-model fits (attnpolicy "
              "calibrate --model SPEC --out FILE writes them)")
     try:
-        return CostFile.load(args.cost_model).model_fits(args.cost_model), Provenance("file", args.cost_model)
+        cost = CostFile.load(path).model_fits(path, steps=steps)
+        differs = None if model is None else cost.model_differs(spec_config(model), f"--model {model}")
     except ConfigError as exc:
         fail(f"argument --cost-model: {exc}")
+    if differs:
+        fail(f"argument --cost-model: {path} prices another model: {differs} (attnpolicy calibrate --model SPEC "
+             "--out FILE calibrates one)")
+    return cost, Provenance("file", path)
+
+
+def check_recorded_spec(model: CostModel, provenance: Provenance, run: LayoutRun) -> None:
+    """Refuse (exit 2) a --cost-model file calibrated on another tensor spec than the
+    recorded ``run``'s; say it in one warning when the model is not the user's file (this
+    machine's calibration or the built-in one: the recorded counts still replay)."""
+    differs = model.spec_differs(run.spec)
+    if differs is None:
+        return
+    s = run.spec
+    fix = (f"attnpolicy calibrate --dtype {s.dtype} --heads {s.heads} --kv-heads {s.kv_heads} --head-dim "
+           f"{s.head_dim} --out FILE calibrates one")
+    if provenance.kind == "file":
+        fail(f"argument --cost-model: {provenance.file} prices another tensor spec than run {run.run} of the "
+             f"layout stream: {differs} ({fix})")
+    warn(f"the cost model prices another tensor spec than run {run.run} of the layout stream: {differs}; its "
+         f"seconds are not this run's ({fix}, and give it to --cost-model)")
 
 
 def flag_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch | BatchLayout],
@@ -363,6 +391,7 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Pr
     why_not = _why_no_recorded_row(args, run.config, options)
     if args.strict and why_not:
         fail(f"argument --strict: the sweep has no row under the recorded config ({recorded_row}): {why_not}")
+    check_recorded_spec(model, provenance, run)
     print(provenance.line())
     outside = flag_range(model, run.layouts)
     with progress(sweep_size(args), "simulate") as advance:

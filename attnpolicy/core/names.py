@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-#: ``torch.compile`` backends (``"none"``: nothing is compiled).
+#: The built-in compilers (``"none"``: nothing is compiled). A config's ``backend`` may
+#: also name a plugin's compiler, a Dynamo backend or a ``module:function`` path
+#: (:mod:`attnpolicy.plugins.compilers`); cost models are calibrated for the built-ins.
 Backend = Literal["inductor", "aot_eager", "eager", "none"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 

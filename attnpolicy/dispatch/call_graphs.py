@@ -25,13 +25,14 @@ from attnpolicy.dispatch.graph_source import GraphSource, count_violation
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import ConfigError, GraphCompileError
 from attnpolicy.graphs import aot
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
+from attnpolicy.graphs.compile import Capture, CompiledGraph, compile_graph, compile_lock, device_bytes, release_graph
 from attnpolicy.graphs.execute import GraphFn, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels import attention
 from attnpolicy.kernels.flex import BlockMaskCache, build_block_mask, flex_graph
+from attnpolicy.plugins.compilers import resolve_compiler, why_unstored
 from attnpolicy.plugins.kernels import kernel_code
 from attnpolicy.plugins.observers import Observers
 
@@ -50,10 +51,13 @@ _ONE_ROW = BatchLayout.from_lens([1])
 class CallFamily:
     """The graphs of attention calls (:class:`~attnpolicy.graphs.family.GraphFamily`).
 
-    ``builder``: a custom builder (the simulator's), else :meth:`compile`; with a custom
-    builder nothing is stored. With ``config.store_dir`` a graph of any kernel but flex
-    on a backend (not ``"none"``), not the host's lazy VARLEN graph and whose kernel code
-    has a stable identity is compiled ahead of time and saved, and loaded on a miss.
+    ``builder``: a custom builder (the simulator's), else :meth:`compile`, by the compiler
+    ``config.backend`` names with ``config.backend_options``; with a custom builder
+    nothing is stored. With ``config.store_dir`` a graph of any kernel but flex on a
+    compiler that declares its artifacts storable, not the host's lazy VARLEN graph and
+    whose kernel and compiler have a stable identity is compiled ahead of time and
+    saved, and loaded on a miss; any other is compiled and not stored (one warning per
+    kernel or compiler, counted in the store's ``unidentified`` or ``unstorable``).
     ``host_varlen``: the host runs VARLEN batches on a kernel of its own (their graphs
     compile lazily; FlexAttention is refused). Pad-up ranks candidates by ``cost_model``
     (default: the built-in one)."""
@@ -91,7 +95,7 @@ class CallFamily:
     def identity(self, key: GraphKey) -> ArtifactIdentity | None:
         """What makes the stored artifact of ``key`` valid (see docs/store.md); ``None``
         when it is not stored (flex, backend ``"none"``, the host's lazy VARLEN graph, a
-        kernel with no source to hash)."""
+        kernel with no source to hash, a compiler that stores nothing)."""
         return identity(self.config, key) if self._storable(key) else None
 
     def _storable(self, key: GraphKey) -> bool:
@@ -114,7 +118,7 @@ class CallFamily:
         assert store is not None  # only stored keys are loaded
         with compile_lock():  # taken before the store's file lock, as by every load and save
             loaded = store.load(self._identity(key), aot.load_graph, str(key))
-        return None if loaded is None else _aot_graph(loaded, key.backend)
+        return None if loaded is None else _aot_graph(loaded, key.backend, None)
 
     def pad_up(self, key: GraphKey, resident: Sequence[GraphKey]) -> GraphKey | None:
         """The resident graph a call of ``key`` may pad up to: of its call kind,
@@ -165,7 +169,7 @@ class CallFamily:
     def compile(self, call: Call, key: GraphKey, spec: TensorSpec) -> CompiledGraph | FlexGraph:
         """Compile the graph of ``key`` (no dispatcher state touched: also runs in the
         background worker); ahead of time and saved when it is stored."""
-        counter = self._compile_counter
+        counter, options = self._compile_counter, self.config.backend_options
         feats = spec.features
         if key.impl == "flex":
             if self.host_varlen:
@@ -174,24 +178,28 @@ class CallFamily:
             ins = (*(t[None] for t in example_inputs(call, spec)[:3]),
                    build_block_mask(_ONE_ROW, call.q_bucket, call.kv_bucket, spec.device, feats.window),
                    *example_inputs(call, spec)[4:])
-            graph = compile_graph(flex_graph(spec.scale, feats.softcap, feats.sinks), key.backend, counter=counter,
-                                  example_inputs=ins)
+            graph = compile_graph(flex_graph(spec.scale, feats.softcap, feats.sinks), key.backend, options=options,
+                                  counter=counter, example_inputs=ins)
             # flex graphs take a BlockMask: called through Dynamo
             return FlexGraph(graph, self.block_masks, feats.window)
         fn = graph_fn(call, key.impl, spec.scale, self.config.partition_len, feats)
         assert not isinstance(fn, FlexGraph)  # flex is compiled above
         store = self._store
         if store is not None and self._storable(key):
-            code, why = code_hash_of(key.impl)
-            if code is not None:  # compiled ahead of time, saved for the next miss
+            stored = stored_identity(self.config, key)
+            if not isinstance(stored, ArtifactIdentity):
+                store.refuse(*stored)
+            else:  # compiled ahead of time, saved for the next miss
+                capture = Capture()
                 with compile_lock():
-                    compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec))
-                    store.save(self._identity(key), partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
-                return _aot_graph(compiled, key.backend)
-            store.refuse(f"kernel {key.impl!r}", why)
+                    compiled = aot.aot_compile_graph(fn, key.backend, example_inputs(call, spec), options=options,
+                                                     counter=counter, capture=capture)
+                    store.save(stored, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+                return _aot_graph(compiled, key.backend, capture)
         if self.lazy(key):  # the host's kernel runs it: lazy
-            return compile_graph(fn, key.backend, counter=counter)
-        return compile_graph(fn, key.backend, counter=counter, example_inputs=example_inputs(call, spec))
+            return compile_graph(fn, key.backend, options=options, counter=counter)
+        return compile_graph(fn, key.backend, options=options, counter=counter,
+                             example_inputs=example_inputs(call, spec))
 
 
 class CallSource(GraphSource[GraphKey, CallRequest]):
@@ -209,9 +217,10 @@ class CallSource(GraphSource[GraphKey, CallRequest]):
         self.pinned: list[GraphKey] = []
 
     def _built(self, key: GraphKey, graph: Any) -> None:
-        """Count a compiled graph called through Dynamo (not directly), the host's lazy
-        VARLEN graphs aside."""
-        if isinstance(graph, CompiledGraph) and not graph.direct and not self.calls.lazy(key):
+        """Count a compiled graph of a compiler called directly (a built-in) that is called
+        through Dynamo, the host's lazy VARLEN graphs aside."""
+        if (isinstance(graph, CompiledGraph) and not graph.direct and graph.compiler is not None
+                and graph.compiler.direct and not self.calls.lazy(key)):
             self.counters.direct_call_fallbacks += 1
 
     # -- one batch ----------------------------------------------------------------------
@@ -330,12 +339,6 @@ class CallSource(GraphSource[GraphKey, CallRequest]):
         return self.calls.lazy(key) and call.compiled
 
 
-def kernel_hash(impl: str) -> str | None:
-    """The ``code_hash`` of graphs of kernel ``impl``, or ``None`` when its code has no
-    stable identity (its graphs are compiled, not stored): :func:`code_hash_of`."""
-    return code_hash_of(impl)[0]
-
-
 def code_hash_of(impl: str) -> tuple[str | None, str]:
     """``(code_hash, "")`` of graphs of kernel ``impl``: attnpolicy's graph code
     (:func:`~attnpolicy.cache.code_identity.graph_code`) and, for a plugin kernel, its
@@ -347,22 +350,36 @@ def code_hash_of(impl: str) -> tuple[str | None, str]:
         return None, str(e)
 
 
-def _aot_graph(compiled: Any, backend: str) -> CompiledGraph:
-    """A graph compiled ahead of time (or loaded), as the cache holds graphs: called
-    directly (it checks no guards); releasing it drops the reference."""
-    graph = CompiledGraph(compiled, None, backend)
+def _aot_graph(compiled: Any, backend: str, capture: Capture | None) -> CompiledGraph:
+    """A graph compiled ahead of time (``capture``: what its backend returned) or loaded
+    (``None``), as the cache holds graphs: called directly (it checks no guards);
+    releasing it is its compiler's ``release`` of what was captured, and the reference
+    dropped."""
+    graph = CompiledGraph(compiled, None, backend, capture=capture, compiler=resolve_compiler(backend))
     graph.direct = True
     return graph
 
 
 def identity(config: AttnPolicyConfig, key: GraphKey) -> ArtifactIdentity | None:
     """What makes the stored artifact of ``key`` valid (see docs/store.md); ``None`` for
-    a kernel with no source to hash (its graphs are not stored)."""
-    code = kernel_hash(key.impl)
+    a kernel with no source to hash or a compiler that stores nothing (its graphs are
+    not stored)."""
+    stored = stored_identity(config, key)
+    return stored if isinstance(stored, ArtifactIdentity) else None
+
+
+def stored_identity(config: AttnPolicyConfig, key: GraphKey) -> ArtifactIdentity | tuple[str, str, str]:
+    """The identity of ``key``'s stored artifact, else ``(name, why, counter)``: what has no
+    stable identity or stores nothing (the kernel's code, the compiler's code or options,
+    a compiler that declares no reloadable artifacts), as the store's ``refuse`` takes it."""
+    code, why = code_hash_of(key.impl)
     if code is None:
-        return None
+        return f"kernel {key.impl!r}", why, "unidentified"
+    compiler, why, counter = why_unstored(resolve_compiler(key.backend), config.backend_options)
+    if compiler is None:
+        return f"compiler {key.backend!r}", why, counter
     return ArtifactIdentity.for_graph(key, mechanism=aot.MECHANISM, code_hash=code,
-                                      config={"partition_len": config.partition_len})
+                                      config={"partition_len": config.partition_len}, compiler=compiler)
 
 
 def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) -> GraphCache[Any]:
@@ -373,7 +390,8 @@ def make_cache(config: AttnPolicyConfig, cost_model: Any, observers: Observers) 
     seconds instead (what bringing it back costs)."""
     compile_cost, options = eviction_of(config, cost_model)
     return GraphCache.from_config(config, sizeof=graph_bytes, compile_cost=compile_cost, eviction_options=options,
-                                  on_compile=observers.on_compile, on_evict=observers.on_evict, release=release)
+                                  on_compile=observers.on_compile, on_evict=observers.on_evict, release=release,
+                                  measure=measured_bytes)
 
 
 def eviction_of(config: AttnPolicyConfig, cost_model: Any
@@ -412,6 +430,13 @@ def release(key: GraphKey, graph: Any) -> None:
     inner = graph.graph if isinstance(graph, FlexGraph) else graph
     if isinstance(inner, CompiledGraph):
         release_graph(inner)
+
+
+def measured_bytes(key: GraphKey, graph: Any) -> int | None:
+    """The bytes a graph of the cache holds on its device, where its compiler reports them
+    (:func:`~attnpolicy.graphs.compile.device_bytes`); ``None``: the computed ones stand."""
+    inner = graph.graph if isinstance(graph, FlexGraph) else graph
+    return device_bytes(inner) if isinstance(inner, CompiledGraph) else None
 
 
 def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:

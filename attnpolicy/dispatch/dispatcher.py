@@ -28,6 +28,7 @@ from attnpolicy.graphs.kernel_choice import KernelChoice
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.flex import BlockMaskCache
 from attnpolicy.kernels.mask_cache import MaskCache
+from attnpolicy.plugins.compilers import own_count, resolve_compiler
 from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
@@ -56,9 +57,12 @@ class Dispatcher:
     :meth:`prepare`): evicting one then does not free it.
 
     ``cache`` replaces the graph cache built from the config; ``compile_counter(gm)``
-    sees every backend compile (not the ahead-of-time compiles of a ``store_dir``,
-    which the cache counts in ``compiles``, its loads in ``loads``); ``builder``
-    replaces compilation (simulation). ``planner``: plan with another dispatcher's
+    sees every backend compile (the ahead-of-time compiles of a ``store_dir`` too; the
+    cache counts each build in ``compiles``, each load from the store in ``loads``), and
+    ``stats().backend_compiles`` counts them; ``builder`` replaces compilation
+    (simulation). The compiler is the one ``config.backend`` names
+    (:mod:`~attnpolicy.plugins.compilers`): an unknown name raises :class:`ConfigError`
+    here, before any work. ``planner``: plan with another dispatcher's
     planner and its memos (a sweep's dispatchers, which differ only in bounds, eviction
     or policy; see :class:`~attnpolicy.dispatch.batch_plan.Planner`): a config that would
     plan otherwise raises :class:`ConfigError` naming the field. ``host_varlen``: the
@@ -79,6 +83,8 @@ class Dispatcher:
                  cache: GraphCache[Any] | None = None, compile_counter: Callable[[Any], None] | None = None,
                  builder: Builder | None = None, host_varlen: bool = False, planner: Planner | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
+        #: the compiler of the graphs (``None`` under a custom builder, which compiles nothing)
+        self.compiler = None if builder is not None else resolve_compiler(cfg.backend)
         self.observers = observers = Observers(get_plugin_manager())
         self.guard = Guard.for_policy(cfg.policy, cfg.policy_options, on_illegal=cfg.on_illegal,
                                       fallback=MaskMode(cfg.fallback_mode), observers=observers)
@@ -93,8 +99,9 @@ class Dispatcher:
         elif (differs := planner.difference(cfg, kernels)) is not None:
             raise ConfigError(f"planner: a shared planner plans for another config ({differs} differs)")
         self.planner = planner
-        family = CallFamily(cfg, self.block_masks, builder=builder, compile_counter=compile_counter,
-                            host_varlen=host_varlen, cost_model=cost_model)
+        self._own_compiles = None if self.compiler is None else own_count(self.compiler)
+        family = CallFamily(cfg, self.block_masks, builder=builder, compile_counter=self.counters.backend_counter(
+                                compile_counter), host_varlen=host_varlen, cost_model=cost_model)
         self.source = CallSource(self.cache, self.counters, family)
         self.background: Background[GraphKey, CallRequest] | None = (
             Background(self.source) if cfg.compile_mode == "background" else None)
@@ -393,4 +400,11 @@ class Dispatcher:
             cache=self.cache.stats(), stalls=self.source.stalls,
             pending=len(bg.pending) if bg else 0, compile_seconds=bg.seconds if bg else 0.0,
             disk=None if self.source.store is None else self.source.store.stats(),
-            switching=int(self.switcher.target is not None))
+            switching=int(self.switcher.target is not None), compiler_compiles=self._compiler_compiles())
+
+    def _compiler_compiles(self) -> int | None:
+        """The compiles the compiler counted itself since this dispatcher was built (``None``
+        where it counts none)."""
+        before, compiler = self._own_compiles, self.compiler
+        now = None if compiler is None or before is None else own_count(compiler)
+        return None if now is None or before is None else now - before

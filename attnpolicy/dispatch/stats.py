@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,7 +57,21 @@ class Counters:
     switch_loaded: int = 0
     switch_batches: int = 0
     switch_discarded: int = 0
+    backend_compiles: int = 0
     modes: dict[str, int] = field(default_factory=lambda: dict.fromkeys((m.value for m in MaskMode), 0))
+
+    def backend_counter(self, then: Callable[[Any], None] | None) -> Callable[[Any], None]:
+        """A compile counter (``counter(gm)`` of :func:`~attnpolicy.graphs.compile.compile_graph`)
+        that counts each backend compile in ``backend_compiles`` (from any thread), then calls
+        ``then(gm)`` if given."""
+        lock = threading.Lock()
+
+        def counted(gm: Any) -> None:
+            with lock:
+                self.backend_compiles += 1
+            if then is not None:
+                then(gm)
+        return counted
 
     def count(self, step: Any) -> None:
         """Count one prepared batch: its mode, calls and tokens (``step``: a
@@ -79,7 +95,8 @@ class Counters:
     def snapshot(self, config: AttnPolicyConfig, *, guard_fallbacks: int, observer_errors: dict[str, int],
                  plans: int, masks: MaskCacheStats, block_masks: BlockMaskStats, cache: CacheStats,
                  stalls: list[float], pending: int, compile_seconds: float,
-                 disk: StoreStats | None = None, switching: int = 0) -> DispatcherStats:
+                 disk: StoreStats | None = None, switching: int = 0,
+                 compiler_compiles: int | None = None) -> DispatcherStats:
         """These counts with the figures kept elsewhere, as :class:`DispatcherStats`."""
         real, padded = self.real_tokens, self.padded_tokens
         return DispatcherStats(
@@ -95,7 +112,7 @@ class Counters:
             switch=SwitchStats(self.switch_requested, self.switch_replaced, self.switch_failed, self.switches,
                                switching, self.switch_compiled, self.switch_loaded, self.switch_batches,
                                self.switch_discarded),
-            disk=disk)
+            disk=disk, backend_compiles=self.backend_compiles, compiler_compiles=compiler_compiles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +243,12 @@ class DispatcherStats(RuntimeStats):
     stalls: StallStats
     background: BackgroundStats
     switch: SwitchStats
+    #: backend compiles attnpolicy's wrapper around the compiler's backend saw (every
+    #: compile of this dispatcher's graphs: a recompile after a release, ahead of time too)
+    backend_compiles: int = 0
+    #: the compiles the compiler counted itself since the dispatcher was built (process-wide:
+    #: other runtimes' compiles included); ``None`` where the compiler counts none
+    compiler_compiles: int | None = None
 
 
 def percentile(values: list[float], total: int, p: float) -> float:

@@ -38,8 +38,9 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import aot
-from attnpolicy.graphs.compile import CompiledGraph, compile_graph, compile_lock, release_graph
+from attnpolicy.graphs.compile import Capture, CompiledGraph, compile_graph, compile_lock, release_graph
 from attnpolicy.kernels.attention import bind
+from attnpolicy.plugins.compilers import resolve_compiler, why_unstored
 
 #: The attention implementation name the runner gives the model.
 NAME = "attnpolicy-static"
@@ -166,7 +167,8 @@ class WholeModelGraphs:
     the model's code and config (:func:`model_code`), loaded on a miss, released on
     eviction. A family says what its keys' forward is (:meth:`forward`), what leads its
     inputs (:meth:`bound`), its uncompiled form (:meth:`eager`), its bytes and its pad-up.
-    ``compile_counter(gm)`` sees every backend compile of a graph not stored."""
+    ``compile_counter(gm)`` sees every backend compile. The compiler is ``config.backend``
+    with ``config.backend_options``; a compiler that stores nothing compiles every graph."""
 
     eager_misses = True  # a background miss no resident graph serves runs the eager forward
 
@@ -192,12 +194,22 @@ class WholeModelGraphs:
         return tokens
 
     def identity(self, key: Any) -> ArtifactIdentity | None:
-        """What makes ``key``'s stored artifact valid; ``None`` on backend ``"none"`` or for
-        a model whose code has no source to hash."""
-        if key.backend == "none" or self._code is None:
-            return None
+        """What makes ``key``'s stored artifact valid; ``None`` on backend ``"none"``, for
+        a model whose code has no source to hash or a compiler that stores nothing."""
+        stored = None if key.backend == "none" else self._stored(key)
+        return stored if isinstance(stored, ArtifactIdentity) else None
+
+    def _stored(self, key: Any) -> ArtifactIdentity | tuple[str, str, str]:
+        """The identity of compiled ``key``'s stored artifact, else ``(name, why, counter)``
+        as the store's ``refuse`` takes it."""
+        if self._code is None:
+            return f"model {type(self.model).__name__}", self._unstored, "unidentified"
+        compiler, why, counter = why_unstored(resolve_compiler(key.backend), self.config.backend_options)
+        if compiler is None:
+            return f"compiler {key.backend!r}", why, counter
         return ArtifactIdentity(f"{type(self.model).__name__}/{key}", aot.MECHANISM, key.backend,
-                                str(self.device), str(self.dtype).removeprefix("torch."), self._code)
+                                str(self.device), str(self.dtype).removeprefix("torch."), self._code,
+                                compiler=compiler)
 
     def load(self, key: Any) -> CompiledGraph | None:
         """The graph of ``key`` from the store (``None``: no store, not stored, not there
@@ -207,23 +219,26 @@ class WholeModelGraphs:
             return None
         with compile_lock():  # taken before the store's file lock, as by every load and save
             loaded = store.load(ident, aot.load_graph)
-        return None if loaded is None else self._aot_graph(loaded, key)
+        return None if loaded is None else self._aot_graph(loaded, key, None)
 
     def build(self, key: Any, request: tuple[torch.Tensor, ...]) -> CompiledGraph:
         """The graph of ``key`` compiled for ``request`` (its inputs): ahead of time and
         saved when it is stored."""
-        store, ident = self._store, self.identity(key)
-        if store is None or ident is None:
-            if store is not None and key.backend != "none":
-                store.refuse(f"model {type(self.model).__name__}", self._unstored)
-            # no guards, as a stored graph: its key pins what they check, and a check made
-            # while the background worker (or any thread) traces fails (see compile_graph)
-            return compile_graph(self.eager(key, request), self.config.backend, counter=self._counter,
-                                 example_inputs=request, guards=False)
-        with torch.no_grad(), compile_lock():
-            compiled = aot.aot_compile_graph(self.forward(key), key.backend, (*self.bound(key), *request))
-            store.save(ident, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
-        return self._aot_graph(compiled, key)
+        store, options = self._store, self.config.backend_options
+        if store is not None and key.backend != "none":
+            stored = self._stored(key)
+            if isinstance(stored, ArtifactIdentity):
+                capture = Capture()
+                with torch.no_grad(), compile_lock():
+                    compiled = aot.aot_compile_graph(self.forward(key), key.backend, (*self.bound(key), *request),
+                                                     options=options, counter=self._counter, capture=capture)
+                    store.save(stored, partial(aot.save_graph, compiled), suffix=aot.SUFFIX)
+                return self._aot_graph(compiled, key, capture)
+            store.refuse(*stored)
+        # no guards, as a stored graph: its key pins what they check, and a check made
+        # while the background worker (or any thread) traces fails (see compile_graph)
+        return compile_graph(self.eager(key, request), self.config.backend, options=options,
+                             counter=self._counter, example_inputs=request, guards=False)
 
     def release(self, key: Any, graph: Any) -> None:
         if isinstance(graph, CompiledGraph):
@@ -242,10 +257,12 @@ class WholeModelGraphs:
         """The uncompiled forward of ``key``'s graph (its inputs as ``request``)."""
         raise NotImplementedError
 
-    def _aot_graph(self, compiled: Any, key: Any) -> CompiledGraph:
-        """A graph compiled ahead of time (or loaded) taking the model first, as the
-        cache holds graphs: called directly (it checks no guards)."""
-        graph = CompiledGraph(partial(compiled, *self.bound(key)), None, key.backend)
+    def _aot_graph(self, compiled: Any, key: Any, capture: Capture | None) -> CompiledGraph:
+        """A graph compiled ahead of time (``capture``: what its backend returned) or loaded
+        (``None``) taking the model first, as the cache holds graphs: called directly (it
+        checks no guards)."""
+        graph = CompiledGraph(partial(compiled, *self.bound(key)), None, key.backend, capture=capture,
+                              compiler=resolve_compiler(key.backend))
         graph.direct = True
         return graph
 

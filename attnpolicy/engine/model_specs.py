@@ -67,23 +67,33 @@ class ModelSpec(BaseModel):
         sizes = ",".join(f"{f}={v}" for f, v in self.model_dump(exclude={"arch"}, exclude_none=True).items())
         return f"{self.arch}:{sizes}"
 
+    def hf_config(self, attn_implementation: str = "sdpa") -> Any:
+        """The transformers config of these sizes (no weights built)."""
+        import transformers
+
+        config_cls = getattr(transformers, _CLASSES[self.arch][0])
+        return config_cls(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+                          num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                          num_key_value_heads=self.kv_heads, head_dim=self.dim,
+                          max_position_embeddings=self.max_positions, tie_word_embeddings=False,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, dtype="float32",
+                          attn_implementation=attn_implementation)
+
     def build(self, attn_implementation: str = "sdpa") -> Any:
         """The causal LM of these sizes, random weights seeded by ``seed``, fp32, eval mode."""
         import torch
         import transformers
 
-        names = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
-        config_cls, model_cls = (getattr(transformers, n) for n in names[self.arch])
-        cfg = config_cls(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
-                         num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                         num_key_value_heads=self.kv_heads, head_dim=self.dim,
-                         max_position_embeddings=self.max_positions, tie_word_embeddings=False,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, dtype="float32",
-                         attn_implementation=attn_implementation)
+        cfg = self.hf_config(attn_implementation)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = model_cls(cfg)
+            model = getattr(transformers, _CLASSES[self.arch][1])(cfg)
         return model.eval()
+
+
+#: Each built-in architecture's transformers config and model classes.
+_CLASSES: dict[Arch, tuple[str, str]] = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                                         "llama": ("LlamaConfig", "LlamaForCausalLM")}
 
 
 def parse_spec(spec: str) -> ModelSpec | Path:
@@ -135,6 +145,21 @@ def max_positions(spec: str) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def spec_config(spec: str) -> Any:
+    """The transformers config of a valid SPEC's model, without its weights: a built-in
+    one's (:meth:`ModelSpec.hf_config`), a directory's (read locally); a directory whose
+    config cannot be read raises :class:`ConfigError`."""
+    parsed = parse_spec(spec)
+    if isinstance(parsed, ModelSpec):
+        return parsed.hf_config()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(parsed, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model directory {spec!r}: cannot read its config: {exc}") from None
 
 
 def load_model(spec: str, attn_implementation: str = "sdpa") -> tuple[Any, str]:

@@ -24,7 +24,8 @@ context, and a real row's token id outside the vocabulary (the input embedding's
 raise :class:`~attnpolicy.errors.LayoutError` before any work.
 
 Memory per graph is measured around its build (compile and first run): the RSS
-delta of the process, and on CUDA the ``torch.cuda.memory_allocated`` delta, beside
+delta of the process, and on a device whose allocator reports its bytes (CUDA, XPU …,
+:mod:`~attnpolicy.graphs.device_memory`) that allocator's delta, beside
 the static-shape estimate the cache is bounded by
 (:func:`~attnpolicy.engine.keys.estimate_bytes`).
 """
@@ -54,10 +55,11 @@ from attnpolicy.engine.keys import ModelKey, StepKey, contexts, model_key_for, s
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.step_family import StepFamily, StepInputs
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError
-from attnpolicy.graphs import backend_setup
-from attnpolicy.graphs.compile import CompiledGraph
+from attnpolicy.graphs import backend_setup, device_memory
+from attnpolicy.graphs.compile import CompiledGraph, device_bytes
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.masks import mask_for
+from attnpolicy.plugins.compilers import resolve_compiler
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
@@ -65,12 +67,13 @@ from attnpolicy.policies.guard import Guard
 @dataclass(frozen=True, slots=True)
 class GraphMemory:
     """What one build of a graph held: the static-shape estimate, the process RSS delta
-    (CPU) and the CUDA allocator delta (``None`` off CUDA), in bytes; its compile seconds."""
+    (CPU) and the device allocator's delta (``None`` on a device that reports none, as the
+    CPU), in bytes; its compile seconds."""
 
     key: str
     estimate_bytes: int
     rss_bytes: int
-    cuda_bytes: int | None
+    device_bytes: int | None
     compile_seconds: float
 
 
@@ -163,6 +166,7 @@ class StaticModelRunner:
     def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig | None = None, *,
                  compile_counter: Callable[[torch.fx.GraphModule], None] | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
+        resolve_compiler(cfg.backend)  # an unknown backend: ConfigError, before any work
         if not hasattr(model, "config") or not hasattr(model.config, "num_attention_heads"):
             raise ConfigError(f"model must be an HF transformers model with a config, got {type(model).__name__}")
         register()
@@ -188,7 +192,8 @@ class StaticModelRunner:
         #: one cache holds both families' graphs, bounded together
         self.cache: GraphCache[CompiledGraph] = GraphCache.from_config(
             cfg, sizeof=lambda k: (steps if isinstance(k, StepKey) else family).estimate_bytes(k),
-            release=lambda k, g: (steps if isinstance(k, StepKey) else family).release(k, g))
+            release=lambda k, g: (steps if isinstance(k, StepKey) else family).release(k, g),
+            measure=lambda k, g: device_bytes(g) if isinstance(g, CompiledGraph) else None)
         self.counters = Counters()  # strict mode's and the background's
         self.source: GraphSource[ModelKey, Inputs] = GraphSource(self.cache, self.counters, family,
                                                                  builder=self._measured(family))
@@ -448,18 +453,13 @@ class StaticModelRunner:
     def _measured(self, family: ModelFamily | StepFamily) -> Callable[[Any, Any], CompiledGraph]:
         """``family``'s build, each graph's memory recorded (also in the background worker)."""
         def build(key: Any, inputs: Any) -> CompiledGraph:
-            cuda = self.device.type == "cuda"
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            rss, allocated = _rss(), torch.cuda.memory_allocated(self.device) if cuda else 0
+            rss, before = _rss(), device_memory.allocated(self.device)
             t0 = perf_counter()
             graph = family.build(key, inputs)
-            if cuda:
-                torch.cuda.synchronize(self.device)
+            after = device_memory.allocated(self.device)
             self._memory.append(GraphMemory(
-                str(key), family.estimate_bytes(key),
-                _rss() - rss, torch.cuda.memory_allocated(self.device) - allocated if cuda else None,
-                perf_counter() - t0))
+                str(key), family.estimate_bytes(key), _rss() - rss,
+                None if after is None or before is None else after - before, perf_counter() - t0))
             return graph
         return build
 

@@ -18,30 +18,38 @@ ahead-of-time compile and load are not safe from several threads at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnpolicy.core.names import BACKENDS
 from attnpolicy.errors import ConfigError, GraphCompileError
-from attnpolicy.graphs.compile import compile_lock
+from attnpolicy.graphs.compile import Capture, capturing, compile_lock
+from attnpolicy.plugins.compilers import resolve_compiler
 
 MECHANISM = "aot_compile"
 SUFFIX = ".aot"
 
 
-def aot_compile_graph(fn: Callable[..., Any], backend: str, example_inputs: tuple[Any, ...]) -> Any:
-    """``fn`` compiled now by ``backend`` for ``example_inputs`` (``fullgraph``, static
-    shapes, no guards, no-grad): a callable with ``save_compiled_function(path)``."""
-    if backend not in BACKENDS or backend == "none":
-        raise ConfigError(f"backend must be one of {', '.join(b for b in BACKENDS if b != 'none')} "
-                          f"to compile ahead of time, got {backend!r}")
+def aot_compile_graph(fn: Callable[..., Any], backend: str, example_inputs: tuple[Any, ...], *,
+                      options: Mapping[str, Any] | None = None,
+                      counter: Callable[[torch.fx.GraphModule], None] | None = None,
+                      capture: Capture | None = None) -> Any:
+    """``fn`` compiled now by the compiler ``backend`` names (its backend called with
+    ``options``) for ``example_inputs`` (``fullgraph``, static shapes, no guards,
+    no-grad): a callable with ``save_compiled_function(path)``. Only a compiler that
+    declares its artifacts storable compiles so. ``counter(gm)`` sees the compile;
+    ``capture`` records what the backend returned (for the compiler's ``release``)."""
+    compiler = resolve_compiler(backend)
+    if not compiler.storable:
+        raise ConfigError(f"backend {backend!r} declares no artifacts that can be stored and reloaded: it cannot "
+                          "compile ahead of time")
+    compiled_by = capturing(compiler, options or {}, counter, capture or Capture())
     try:
         with compile_lock():
             with torch._dynamo.config.patch(enable_aot_compile=True):
-                compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
+                compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=compiled_by,
                                          options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
             with torch.no_grad():
                 return compiled.aot_compile((example_inputs, {}))  # type: ignore[attr-defined]

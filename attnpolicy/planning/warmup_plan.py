@@ -78,6 +78,20 @@ class Budget:
             return f"{seconds:.4g} warm-up s > warmup_seconds {self.warmup_seconds:.4g}"
         return None
 
+    def over(self, cost: WarmupCost) -> str | None:
+        """Which bound the warm-up set priced as ``cost`` breaks, or ``None``."""
+        return self.why_over(cost.graphs, cost.warm_bytes, cost.warmup_seconds)
+
+    def over_graphs(self, graphs: Sequence[WarmupGraph], pricing: Pricing) -> str | None:
+        """Which bound a warm-up of ``graphs`` priced by ``pricing`` breaks, or ``None``."""
+        seconds, nbytes = pricing.warmup(graphs)
+        return self.why_over(len(graphs), nbytes, seconds)
+
+    def describe(self) -> str:
+        """The bounds set, as ``max_graphs 4, warmup_seconds 2.5`` (empty: unbounded)."""
+        return ", ".join(f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}"
+                         for name, value in self.to_json().items() if value is not None)
+
     def to_json(self) -> dict[str, Any]:
         return {"max_graphs": self.max_graphs, "max_bytes": self.max_bytes, "warmup_seconds": self.warmup_seconds}
 
@@ -284,13 +298,11 @@ def plan_warmup(forwards: Counter[Forward], limits: PeerLimits, pricing: Pricing
                           f"ragged runtime's (mixed), got {', '.join(sorted(phases))}")
     top: AnyGrid = ragged_top(limits) if "mixed" in phases else top_grid(limits)
     work = RunPricing(forwards, limits, pricing)
-    start = pricing.model.warmup_seconds
 
     def priced(grid: AnyGrid) -> tuple[float, str | None]:
         graphs = grid.graphs(limits)
-        prices = [pricing.graph(g) for g in graphs]
-        seconds = (start if graphs else 0.0) + sum(s for s, _ in prices)
-        return seconds + work.seconds(grid), budget.why_over(len(graphs), sum(b for _, b in prices), seconds)
+        seconds, nbytes = pricing.warmup(graphs)
+        return seconds + work.seconds(grid), budget.why_over(len(graphs), nbytes, seconds)
 
     grid, outside = _covering(top, priced, forwards, limits)
     if not outside:  # every phase covered: search; else its forwards are priced as run-time compiles

@@ -2,10 +2,10 @@
 
 A plugin is a module (or object) with functions decorated by
 ``attnpolicy.hookimpl`` and named like the specs below (taking any subset of
-their arguments). Built-in policies and eviction strategies register through
-these same hooks. A plugin whose register hook fails is rejected alone (see
-:mod:`attnpolicy.plugins.registry`); an observer hook that raises is logged and
-counted, never raised into attention (see :mod:`attnpolicy.plugins.observers`).
+their arguments). Built-in policies, eviction strategies, kernels and compilers
+register through these same hooks. A plugin whose register hook fails is rejected
+alone (see :mod:`attnpolicy.plugins.registry`); an observer hook that raises is
+logged and counted, never raised into attention (see :mod:`attnpolicy.plugins.observers`).
 """
 
 from __future__ import annotations
@@ -67,3 +67,15 @@ def attnpolicy_register_kernels(register: Callable[[Any], None]) -> None:
     """Register attention implementations by calling ``register(KernelInfo(...))``
     (:class:`attnpolicy.plugins.kernels.KernelInfo`: name, call kind, the math of one
     call, capabilities). Called once per plugin; the return value is ignored."""
+
+
+# -- compilers: what compiles a graph behind the cache (see attnpolicy.plugins.compilers) --
+
+
+@hookspec
+def attnpolicy_register_compilers(register: Callable[[Any], None]) -> None:
+    """Register compilers by calling ``register(CompilerInfo(...))``
+    (:class:`attnpolicy.plugins.compilers.CompilerInfo`: a name, its Dynamo backend,
+    and what it declares: how it frees a graph, the bytes a graph holds on its device,
+    its own compile count, whether its graphs can be stored). A config's ``backend``
+    names one. Called once per plugin; the return value is ignored."""

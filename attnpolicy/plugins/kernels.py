@@ -65,7 +65,8 @@ class KernelInfo:
     causal: bool = True
     bidirectional: bool = True
     context: bool = True
-    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    #: the device types it runs on; ``None``: any device torch runs its ops on (the built-ins)
+    devices: frozenset[str] | None = frozenset({"cpu", "cuda"})
     compilable: bool = True
     window: bool = False  # a sliding window (inside the mask)
     softcap: bool = False  # a logit soft cap (the softcap= keyword)
@@ -96,7 +97,7 @@ def why_unfit(info: KernelInfo, *, causal: bool, context: bool, dtype: str, gqa:
         return "bidirectional attention"
     if context and not info.context:
         return "cached context"
-    if device.split(":")[0] not in info.devices:
+    if info.devices is not None and device.split(":")[0] not in info.devices:
         return f"device {device}"
     if compiled and not info.compilable:
         return "compilation (use backend 'none')"
@@ -167,7 +168,7 @@ def declared_cases(info: KernelInfo) -> list[ProbeCase]:
 
     from attnpolicy.kernels.conformance import PROBE_SOFTCAP, PROBE_WINDOW, ProbeCase
 
-    device = "cpu" if "cpu" in info.devices else sorted(info.devices)[0]
+    device = "cpu" if info.devices is None or "cpu" in info.devices else sorted(info.devices)[0]
     causals = [c for c in (True, False) if (info.causal if c else info.bidirectional)]
     if info.kind == "causal":
         causals = [True] if info.causal else []
@@ -305,7 +306,7 @@ def register_builtins(register: Callable[[KernelInfo], None]) -> None:
     hook implementation calls)."""
     for name in IMPLS:
         for kind in KINDS:
-            register(KernelInfo(name, kind, None, window=True, softcap=True, sinks=True,
+            register(KernelInfo(name, kind, None, devices=None, window=True, softcap=True, sinks=True,
                                 description=_BUILTIN_DESCRIPTIONS[name]))
     register(KernelInfo("flex", "mask", None, dtypes=frozenset({"float32", "bfloat16", "float16"}),
                         window=True, softcap=True, sinks=True,

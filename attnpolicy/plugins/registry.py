@@ -1,5 +1,5 @@
 """The plugin manager and the registries of policies and eviction strategies
-(:func:`cached_registry` builds those and the kernel registry alike).
+(:func:`cached_registry` builds those, the kernel and the compiler registries alike).
 
 Built-in plugins (:data:`BUILTIN_PLUGINS`) register through the same hooks as
 third-party plugins, which are found through the ``attnpolicy`` entry-point group
@@ -38,7 +38,7 @@ from attnpolicy.errors import ConfigError, PluginError, PolicyError
 from attnpolicy.plugins import hookspecs
 
 BUILTIN_PLUGINS = ("attnpolicy.policies.builtin", "attnpolicy.cache.evictions", "attnpolicy.policies.costaware",
-                   "attnpolicy.plugins.builtin_kernels")
+                   "attnpolicy.plugins.builtin_kernels", "attnpolicy.plugins.builtin_compilers")
 ENTRY_POINT_GROUP = "attnpolicy"
 LOAD_PLUGINS_ENV = "ATTNPOLICY_LOAD_PLUGINS"
 

@@ -1,7 +1,8 @@
 """The names a config holds, resolved against the registries.
 
-A config is plain data: its ``policy``, ``eviction`` and ``kernels`` are strings that
-only the installed plugins give a meaning. :func:`validate_names` resolves them all
+A config is plain data: its ``policy``, ``eviction``, ``kernels`` and ``backend`` are
+strings that only the installed plugins (and, for a backend, Dynamo or the module it
+names) give a meaning. :func:`validate_names` resolves them all
 (``attnpolicy config validate``/``show``); :func:`check_policy_name` resolves one policy
 name (``ATTNPOLICY_POLICY``); :func:`failed_plugins` lists every rejected plugin.
 """
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from attnpolicy.errors import ConfigError, PolicyError
+from attnpolicy.plugins.compilers import compiler_registry, resolve_compiler
 from attnpolicy.plugins.kernels import check_kernel_names, kernel_registry
 from attnpolicy.plugins.registry import (
     eviction_registry,
@@ -34,13 +36,17 @@ class Named(Protocol):
     def eviction(self) -> str: ...
     @property
     def kernels(self) -> Mapping[str, str]: ...
+    @property
+    def backend(self) -> str: ...
 
 
 def validate_names(config: Named) -> Any:
-    """Resolve ``config``'s ``policy`` and ``eviction`` and build the policy with its
-    ``policy_options``, then check its ``kernels``; returns the built policy. Raises
-    :class:`ConfigError` naming the field and its value (an unknown name lists the
-    known ones). Imports the registry (and so the installed plugins)."""
+    """Resolve ``config``'s ``backend``, its ``policy`` and ``eviction``, build the policy
+    with its ``policy_options``, then check its ``kernels``; returns the built policy.
+    Raises :class:`ConfigError` naming the field and its value (an unknown name lists the
+    known ones). Imports the registry (and so the installed plugins; a backend that is no
+    registered compiler also what it names)."""
+    resolve_compiler(config.backend)
     try:
         policy = make_policy(config.policy, **config.policy_options)
     except PolicyError as exc:
@@ -62,4 +68,5 @@ def failed_plugins() -> Mapping[str, str]:
     policy_registry()
     eviction_registry()
     kernel_registry()
+    compiler_registry()
     return rejected_plugins()

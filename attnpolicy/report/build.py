@@ -334,7 +334,7 @@ def whole_requests(path: str, steps: Sequence[ScheduledBatch], former: BatchForm
     """The warm-up schemes on the workload's whole requests, priced by the step fits of
     the cost-model file ``path`` (``attnpolicy plan --family model --whole-requests``, its
     host settings and bucketing file written under ``out``), as report.json holds them."""
-    model = CostFile.load(path).model_fits(path)
+    model = CostFile.load(path).model_fits(path, steps=True)
     limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
     gaudi_file = out / GAUDI_FILE
     comparison, settings = plan_whole_requests([s.layout for s in steps], limits, model, Budget(), max_sizes,

@@ -112,7 +112,7 @@ class LayoutStreamWriter:
                      "spec": _spec_fields(spec), "runtime": dict(runtime or {})})
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({**record, "run": self.run}, separators=(",", ":")) + "\n")
+        self._file.write(jsonfile.dumps({**record, "run": self.run}, str(self.path), separators=(",", ":")) + "\n")
         self._file.flush()
 
     def write_step(self, layout: BatchLayout, mode: MaskMode, keys: Sequence[GraphKey | str],

@@ -388,6 +388,43 @@ def test_oversize_uncached_builds_every_time_and_counts():
     assert cache.keys() == ["small"] and s.bytes == 5 and s.evictions == 0
 
 
+# -- measured bytes ----------------------------------------------------------------------
+
+def test_measured_bytes_replace_the_estimate_in_the_bounds_and_stats():
+    """A graph's measured bytes (its compiler's figure) bound the cache once it is built;
+    a graph that reports none keeps ``sizeof``'s estimate."""
+    measured = {"a": 6, "b": 6, "c": None}
+    cache = GraphCache(max_bytes=10, sizeof=lambda key: 1, measure=lambda key, graph: measured[key])
+    run(cache, ["a", "c", "b"])  # b's 6 measured bytes evict a's 6
+    s = cache.stats()
+    assert cache.keys() == ["c", "b"] and s.bytes == 7 and s.evictions == 1
+    assert (s.per_key["a"].bytes, s.per_key["c"].bytes) == (6, 1)
+
+
+@pytest.mark.parametrize("oversize", ["raise", "uncached"])
+def test_a_graph_measured_over_max_bytes_is_refused_or_uncached_and_released(oversize):
+    released = []
+    cache = GraphCache(max_bytes=10, sizeof=lambda key: 1, measure=lambda key, graph: 20, oversize=oversize,
+                       release=lambda key, graph: released.append(key))
+    if oversize == "raise":
+        with pytest.raises(GraphTooLargeError, match="needs 20 bytes, more than max_bytes=10"):
+            cache.get_or_compile("big", build_of("big"))
+        assert released == ["big"]  # built, then refused: freed
+    else:
+        assert cache.get_or_compile("big", build_of("big")) == ("graph", "big")
+    s = cache.stats()
+    assert "big" not in cache and s.compiles == 1 and (s.refused, s.uncached) == (
+        (1, 0) if oversize == "raise" else (0, 1))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_a_bad_measure_names_it(bad):
+    cache = GraphCache(measure=lambda key, graph: bad)
+    with pytest.raises(ConfigError, match=f"measure\\(k\\) returned {bad!r}; it must be an int >= 0 or None"):
+        cache.get_or_compile("k", build_of("k"))
+    assert "k" not in cache and cache.stats().refused == 1
+
+
 # -- threads -----------------------------------------------------------------------------
 
 def wait_for_waiters(cache, n, timeout=120.0):

@@ -21,7 +21,7 @@ from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cache.code_identity import module_code, reached, stable_repr
-from attnpolicy.dispatch.call_graphs import kernel_hash
+from attnpolicy.dispatch.call_graphs import code_hash_of
 from attnpolicy.errors import ConfigError
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.kernels import KINDS, KernelInfo
@@ -126,7 +126,7 @@ def test_a_declared_version_is_part_of_the_identity(plugin_package):
     hashes = []
     for version in ("1.0", "1.0", "1.1"):
         _register("versioned", kernel, version)
-        hashes.append(kernel_hash("versioned"))
+        hashes.append(code_hash_of("versioned")[0])
     assert hashes[0] == hashes[1] != hashes[2] and None not in hashes
 
 

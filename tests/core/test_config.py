@@ -17,10 +17,10 @@ from pydantic import ValidationError
 
 from attnpolicy.cli.config import register
 from attnpolicy.config import CONFIG_FILENAME, AttnPolicyConfig
+from attnpolicy.core.names import BACKENDS
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.errors import BucketOverflowError, ConfigError, PolicyError
 from attnpolicy.graphs.buckets import Buckets
-from attnpolicy.graphs.compile import BACKENDS
 from attnpolicy.integrations.environment import from_env
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
@@ -45,9 +45,11 @@ def test_defaults_resolve_attn_impl_to_sdpa():
         "varlen", "lru", "inductor", 8192, Buckets())
 
 
-def test_backend_choices_match_compile():
-    backend = AttnPolicyConfig.model_fields["backend"].annotation
-    assert typing.get_args(backend) == BACKENDS
+def test_builtin_backends_are_the_registered_builtin_compilers():
+    from attnpolicy.plugins.compilers import compiler_registry
+
+    assert {n: c.plugin for n, c in compiler_registry().items()} == dict.fromkeys(
+        BACKENDS, "attnpolicy.plugins.builtin_compilers")
 
 
 def test_partition_len_unlike_max_seq_len_means_flash(caplog):
@@ -117,12 +119,13 @@ def test_unknown_field_is_named():
 def test_building_a_config_imports_neither_torch_nor_plugins():
     """The config is plain data: no torch, no plugin registry, no entry point."""
     code = ("import sys; from attnpolicy import AttnPolicyConfig; AttnPolicyConfig(); "
+            "AttnPolicyConfig(backend='no_such_module:backend', backend_options={'x': 1}); "
             "print(' '.join(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=120).stdout.split()
     bad = [m for m in out if m.split(".")[0] in ("torch", "pluggy", "numpy", "attnpolicy_length_threshold")
            or m.startswith(("attnpolicy.plugins", "attnpolicy.policies"))]
-    assert "attnpolicy.config" in out and bad == []
+    assert "attnpolicy.config" in out and bad == [] and "no_such_module" not in out
 
 
 KNOWN_POLICIES = "always-causal, always-mask, cost-aware, dynamic, varlen"
@@ -146,14 +149,33 @@ def test_unknown_eviction_is_an_error_where_it_is_resolved():
         validate_names(config)
 
 
+@pytest.mark.parametrize("backend", ["tvm-ish", "no_such_module:backend"])
+def test_unknown_backend_is_one_line_where_it_is_resolved_before_any_work(backend):
+    """Not a registered compiler, a Dynamo backend or an importable module:function: one
+    line naming the field, the value (and the known names), before the policy is built."""
+    built = counted_policy()
+    config = AttnPolicyConfig(policy="counted", backend=backend)  # plain data: accepted
+    for build in (Dispatcher, validate_names):
+        with pytest.raises(ConfigError) as err:
+            build(config)
+        message = str(err.value)
+        assert "\n" not in message and f"backend {backend!r}" in message, message
+        if ":" in backend:
+            assert "No module named 'no_such_module'" in message
+        else:
+            assert "known: inductor, aot_eager, eager, none, " in message and "cudagraphs" in message
+    assert built == []
+
+
 @pytest.mark.parametrize("name", ["", "  "])
 def test_empty_names_are_rejected_by_the_config(name):
     with pytest.raises(ValidationError, match="policy\n  Value error, must be a registered name"):
         AttnPolicyConfig(policy=name)
 
 
-def test_the_policy_is_built_once_per_dispatcher():
-    built = []
+def counted_policy() -> list[int]:
+    """Registers policy ``counted``, whose builds (their ``depth`` option) the returned list records."""
+    built: list[int] = []
 
     class Counted:
         name = "counted"
@@ -171,6 +193,11 @@ def test_the_policy_is_built_once_per_dispatcher():
             register(Counted)
 
     get_plugin_manager().register(Plugin(), name="counted-plugin")
+    return built
+
+
+def test_the_policy_is_built_once_per_dispatcher():
+    built = counted_policy()
     config = AttnPolicyConfig(policy="counted", policy_options={"depth": 3}, backend="none")
     assert built == []
     Dispatcher(config)
@@ -195,7 +222,7 @@ def test_policy_options_are_checked_by_building_the_policy():
 
 @pytest.mark.parametrize("field, value", [
     ("max_graphs", 0), ("max_bytes", -1), ("partition_len", 0), ("max_seq_len", 0),
-    ("max_graphs", "8"), ("backend", "xla"), ("on_illegal", "ignore"), ("strict", True), ("version", 2),
+    ("max_graphs", "8"), ("backend", " "), ("on_illegal", "ignore"), ("strict", True), ("version", 2),
 ])
 def test_invalid_values_name_field_and_value(field, value):
     with pytest.raises(ValidationError) as info:
@@ -240,7 +267,8 @@ def configs(draw) -> AttnPolicyConfig:
         max_graphs=draw(st.none() | st.integers(1, 64)),
         max_bytes=draw(st.none() | st.integers(1, 1 << 40)),
         eviction=draw(st.sampled_from(["lru", "lfu", "fifo", "cost"])),
-        backend=draw(lit("backend")),
+        backend=draw(st.sampled_from(BACKENDS)),
+        backend_options=draw(st.sampled_from([{}, {"config_patches": {"size_asserts": False}}])),
         attn_impl=None if impl == "auto" else impl,
         partition_len=partition_len,
         max_seq_len=max_seq_len,

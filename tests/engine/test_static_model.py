@@ -134,7 +134,7 @@ def test_one_graph_per_key_and_the_mask_is_an_input(models):
     assert counted.n == 1 == torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     (memory,) = stats.memory
     assert memory.key == "model/mask/t16/aot_eager" and memory.estimate_bytes == stats.cache.bytes > 0
-    assert memory.cuda_bytes is None and memory.compile_seconds > 0
+    assert memory.device_bytes is None and memory.compile_seconds > 0
 
 
 def test_eviction_releases_the_graph_and_a_return_compiles_again(models):
@@ -281,7 +281,7 @@ def test_bench_model_reports_both_modes_per_length_beside_tt_xla(capsys, tmp_pat
         (16, "causal"), (16, "mask"), (128, "causal"), (128, "mask")]
     for row in report["rows"]:
         assert row["compile_s"] > 0 and row["compiled_ms"] > 0 and row["eager_ms"] > 0
-        assert row["estimate_mib"] > 0 and row["cuda_mib"] is None
+        assert row["estimate_mib"] > 0 and row["device_mib"] is None
     by = {(r["seq_len"], r["mode"]): r for r in report["rows"]}
     _, r128 = report["ratios"]
     assert r128["compiled"] == pytest.approx(by[(128, "mask")]["compiled_ms"] / by[(128, "causal")]["compiled_ms"])

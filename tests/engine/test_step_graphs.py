@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from cost_models import synthetic
+from cost_models import of_model, synthetic
 from docs_blocks import ROOT, blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -284,7 +284,7 @@ def test_the_generate_reference_sees_every_prompt_token_even_the_pad_id():
 
 
 def test_run_model_refuses_a_cost_model_without_step_fits_on_whole_requests(tmp_path, capsys):
-    path = CostFile(model=synthetic()).save(tmp_path / "m.json")  # prefill fits only
+    path = CostFile(model=of_model(synthetic(), TINY["qwen3"])).save(tmp_path / "m.json")  # prefill fits only
     assert main(["run", "--model", TINY["qwen3"], "--cost-model", str(path), "--limit", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no step-graph fits" in err and "--prefill-only" in err
@@ -313,7 +313,7 @@ def test_steps_outside_the_calibrated_rows_context_or_sequences_are_counted(tmp_
     assert outside.line() == ("3 of 5 batches priced outside the calibrated range (sizes up to 33 rows, 65 context "
                               "and 3 sequences, calibrated to 32 rows, 64 context and 2 sequences)")
     assert step_outside_range(synthetic(), layouts) is None  # no step samples: the range is unknown
-    path = CostFile(model=model).save(tmp_path / "m.json")
+    path = CostFile(model=of_model(model, TINY["qwen3"])).save(tmp_path / "m.json")
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
         f"2023-11-16 18:17:0{i}.0,{p},{g}\n" for i, (p, g) in enumerate([(40, 4), (9, 3), (5, 3)])))

@@ -12,7 +12,7 @@ from attnpolicy.cli import main
 from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
-from attnpolicy.graphs.keys import GraphKey
+from attnpolicy.graphs.keys import GraphKey, TensorSpec
 
 
 def key(kind: str, q: int, kv: int, model: CostModel, backend: str = "aot_eager") -> GraphKey:
@@ -112,6 +112,17 @@ def test_corrupt_files_name_the_file_and_problem(tmp_path, text, match):
     (lambda d: d["compile"].pop("varlen"), "compile needs a fit for every graph family; missing: varlen"),
     (lambda d: d.update(kv_heads=3), "kv_heads 3 must divide heads 8"),
     (lambda d: d.update(colour="red"), "colour: Extra inputs are not permitted"),
+    # strict: nothing coerced
+    (lambda d: d["run"]["mask"].update(base=True), r"run.mask.base: Input should be a valid number \(got True\)"),
+    (lambda d: d["run"]["mask"].update(base="0.1"), r"run.mask.base: Input should be a valid number \(got '0.1'\)"),
+    (lambda d: d.update(heads=8.0), "heads: Input should be a valid integer"),
+    (lambda d: d.update(version=True), "unsupported cost model version True"),
+    # every prediction finite: bounded coefficients, run fits above the floor
+    (lambda d: d["run"]["mask"].update(base=1e308), r"run.mask.base: must be at most 1e\+12 .*\(got 1e\+308\)"),
+    (lambda d: d["compile"]["causal"].update(per_token=1e300), "compile.causal.per_token: must be at most 1e"),
+    (lambda d: d.update(warmup_seconds=float("nan")), "warmup_seconds: Input should be a finite number"),
+    (lambda d: d["run"].update(varlen={"base": 0.0}), "run.varlen predicts 0 s for a call of one token"),
+    (lambda d: d["run"].update(causal={"base": 5e-324}), "run.causal predicts 4.94066e-324 s"),
 ])
 def test_bad_field_values_are_named(tmp_path, edit, match):
     data = json.loads(CostModel.default().model_dump_json())
@@ -120,6 +131,23 @@ def test_bad_field_values_are_named(tmp_path, edit, match):
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=match):
         CostModel.load(path)
+
+
+def test_a_model_derived_in_code_may_exceed_the_bound_of_a_file():
+    """The bound guards what is read: a planner's model with compiles some times dearer
+    (or any model built in code) may hold larger coefficients, and still predicts finitely."""
+    model = CostModel.default()
+    dearer = model.model_copy(update={"compile": {k: Fit(base=64 * 1e12) for k in model.compile}})
+    assert dearer.compile_seconds(key("mask", 16, 16, model)) == 64e12
+    with pytest.raises(ConfigError, match="compile.mask.base: must be at most"):
+        CostModel.from_json(dearer.model_dump_json(), "dearer.json")
+
+
+def test_the_spec_a_model_was_calibrated_on_is_compared():
+    model = CostModel.default()
+    assert model.spec_differs(model.spec) is None
+    assert model.spec_differs(TensorSpec("float16", 4, 1, 8)) == ("calibrated on float32 h8/kv8/d64, not "
+                                                                  "float16 h4/kv1/d8")
 
 
 def test_missing_file(tmp_path):

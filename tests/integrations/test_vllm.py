@@ -473,7 +473,7 @@ def test_paged_gather_reads_what_vllm_wrote(vllm_installed):
     import torch
     from vllm import _custom_ops as ops
 
-    from attnpolicy.integrations.vllm_paged import PagedGather, split_cache
+    from attnpolicy.integrations.vllm_paged import PagedGather, cpu_views, split_cache
 
     torch.manual_seed(0)
     blocks, heads, bs, d = 9, 2, 32, 32
@@ -485,7 +485,7 @@ def test_paged_gather_reads_what_vllm_wrote(vllm_installed):
                        for i, n in enumerate(kv_lens)])
     k, v = torch.randn(sum(kv_lens), heads, d), torch.randn(sum(kv_lens), heads, d)
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
-    got_k, got_v = PagedGather(table, kv_lens, bs)(kv_cache)
+    got_k, got_v = PagedGather(table, kv_lens, bs, views=cpu_views)(kv_cache)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 

@@ -45,6 +45,7 @@ from attnpolicy.planning.host_settings import (
     host_settings,
     step_sizes,
     vllm_grid,
+    vllm_settings,
 )
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
@@ -182,7 +183,8 @@ def test_host_settings_are_in_each_hosts_units():
     # step token counts on vLLM's grid (45 -> 48, 2 -> 2), not the attention buckets
     assert vllm == {"cudagraph_capture_sizes": [2, 48], "max_cudagraph_capture_size": 48, "compile_sizes": [2, 48]}
     assert s["vllm"]["max_num_batched_tokens"] == 64
-    assert s["static"] == {"sequence_padding": [16, 48, 128], "packed_padding": [16, 48, 128, 256]}
+    assert s["static"] == {"sequence_padding": [16, 48, 128], "packed_padding": [16, 48, 128, 256], "missing": []}
+    assert s["vllm"]["missing"] == []
     one = host_settings(_tokens(45, 2, 2), [16], _limits(64, 128), 1).sections
     assert one["vllm"]["compilation_config"]["cudagraph_capture_sizes"] == [48]
     two = host_settings(_tokens(64, 3), [64], _limits(64, 64), 2).sections
@@ -225,6 +227,16 @@ def test_vllm_compilation_config_accepts_the_emitted_settings():
     assert config.compile_sizes == emitted["compile_sizes"] and config.max_cudagraph_capture_size == 304
     with pytest.raises(ValidationError):  # vLLM's class does validate: an unknown field is refused
         CompilationConfig(**emitted, not_a_field=1)
+
+
+def test_vllm_takes_a_section_without_capture_sizes_as_no_graph_at_all():
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from vllm.config import CompilationConfig
+
+    section = vllm_settings((), _limits(512, 128), ["token paddings: none within the budget"])
+    config = CompilationConfig(**section["compilation_config"])
+    assert config.cudagraph_mode.name == "NONE" and config.cudagraph_capture_sizes == [] == config.compile_sizes
+    assert section["missing"] == ["token paddings: none within the budget"]
 
 
 def test_the_plan_command_writes_vllm_sizes_from_its_steps(tmp_path):

@@ -217,12 +217,13 @@ def test_drift_is_never_negative_when_the_refit_models_slower():
 
 
 def _recorded(tmp_path, config: AttnPolicyConfig, name: str = "layouts") -> str:
-    """A layout stream of long prompts recorded under ``config`` (in ``name``.jsonl)."""
-    path = tmp_path / f"{name}.jsonl"
-    writer = LayoutStreamWriter(path, config, SPEC)
+    """A layout stream of long prompts recorded under ``config`` (in ``name``.jsonl), on
+    the tensor spec of the built-in cost model that prices it."""
+    path, spec = tmp_path / f"{name}.jsonl", CostModel.default().spec
+    writer = LayoutStreamWriter(path, config, spec)
     counters = {"hits": 0, "misses": 0, "evictions": 0, "graphs": 0}
     for layout in _steps([600 + 29 * i for i in range(12)]):
-        writer.write_step(layout, Dispatcher(config).preview(layout, SPEC).mode, [], counters)
+        writer.write_step(layout, Dispatcher(config).preview(layout, spec).mode, [], counters)
     writer.close()
     return str(path)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -23,11 +24,12 @@ from attnpolicy.modelling.peer_buckets import (
     WarmupSet,
     WorkloadForwards,
     gaudi_file_warmup,
+    rbln_env_warmup,
     step_forwards,
     tpu_env_paddings,
 )
 from attnpolicy.modelling.warmup_costs import Pricing, Shape, graph_shape, warmup_cost
-from attnpolicy.planning.host_settings import GaudiBuckets, host_settings
+from attnpolicy.planning.host_settings import GaudiBuckets, PlannedForms, host_settings
 from attnpolicy.planning.scheme_comparison import compare_schemes, pow2_grid
 from attnpolicy.planning.warmup_plan import Budget, Grid, RaggedGrid, RunPricing, plan_forms, plan_warmup
 from attnpolicy.workloads.batching import BatchFormer
@@ -174,14 +176,18 @@ def test_the_plans_host_settings_read_back_to_the_plans_graphs():
     forwards = WorkloadForwards(steps, LIMITS)
     pricing = Pricing(with_steps(compile_base=0.05), LIMITS)
     gaudi, ragged = plan_forms(forwards, pricing, Budget(12))
-    settings_ = host_settings(steps, gaudi.warm.prefill_lengths(), LIMITS, 16, forwards=forwards,
-                              gaudi=GaudiBuckets.of(gaudi.warm), tpu_tokens=ragged.warm.prefill_lengths())
+    planned = PlannedForms(GaudiBuckets.of(gaudi.warm), (), ragged.warm.prefill_lengths(), (), lambda warm: None)
+    settings_ = host_settings(steps, gaudi.warm.prefill_lengths(), LIMITS, 16, forwards=forwards, planned=planned)
     assert gaudi_file_warmup(settings_.gaudi_file, LIMITS).graphs == gaudi.warm.graphs
     tpu = settings_.sections["tpu"]
     read = tpu_env_paddings(LIMITS, tpu["env"], tpu["additional_config"]["compilation_sizes"]).warmup()
     assert read.graphs == ragged.warm.graphs
+    vllm = settings_.sections["vllm"]["compilation_config"]["cudagraph_capture_sizes"]
+    assert vllm == list(ragged.warm.prefill_lengths())  # max_num_batched_tokens 256: the cover itself
+    rbln = rbln_env_warmup(LIMITS, settings_.sections["rbln"]["env"])
+    assert {g.batch for g in rbln.phase("decode")} == {g.batch for g in gaudi.warm.phase("decode")}
     with pytest.raises(ConfigError, match="multiples of 16 ending at 256"):
-        host_settings(steps, (), LIMITS, 16, tpu_tokens=(100, 256))
+        host_settings(steps, (), LIMITS, 16, planned=replace(planned, paddings=(100, 256)))
 
 
 def test_a_budget_names_the_bound_a_set_breaks():
@@ -214,9 +220,11 @@ def test_cli_plans_whole_requests_beside_the_runtimes(tmp_path, capsys):
                               "block_size": 128}
     for form in ("gaudi", "ragged"):
         assert plan["plans"][form]["budget"]["max_graphs"] == 24 and plan["plans"][form]["cost"]["graphs"] <= 24
-    best = min((r for r in plan["schemes"] if r.get("runtime_compiles") == 0), key=lambda r: r["total_seconds"])
+    runnable = [r for r in plan["schemes"] if r.get("runtime_compiles") == 0 and not r["refused"]
+                and not r["over_budget"] and not r["reference"]]
+    best = min(runnable, key=lambda r: r["total_seconds"])
     assert plan["recommended"] == best["scheme"]
-    assert f"lowest modelled total: {best['scheme']}" in " ".join(printed.split())
+    assert f"lowest modelled total within max_graphs 24: {best['scheme']}" in " ".join(printed.split())
     assert all(r["total_seconds"] >= plan["floor"]["total_seconds"] for r in plan["schemes"] if "total_seconds" in r)
     host = json.loads((out / "host_settings.json").read_text())
     assert host["gaudi"]["env"]["VLLM_BUCKETING_FROM_FILE"] == str((out / "gaudi_buckets.txt").resolve())

@@ -131,6 +131,21 @@ def exercise_on_evict():
         assert all(e[2] > 0 for e in o.seen if e[0] == "evict")
 
 
+def exercise_register_compilers():
+    from plugin_compilers import RECORD, CompilerPlugin
+
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+
+    RECORD.reset()
+    get_plugin_manager().register(CompilerPlugin(), name="counting-plugin")
+    d = Dispatcher(AttnPolicyConfig(policy="always-causal", backend="counting", max_seq_len=64))
+    q = torch.randn(20, 2, 8)
+    torch.testing.assert_close(d.attend(q, q, q, BatchLayout.from_lens([20])),
+                               torch.nn.functional.scaled_dot_product_attention(
+                                   *(q.transpose(0, 1),) * 3, is_causal=True).transpose(0, 1))
+    assert d.stats().cache.compiles == RECORD.compiles == 1
+
+
 def exercise_register_kernels():
     from plugin_kernels import recording_sdpa
     from reference import reference_for
@@ -163,6 +178,7 @@ def exercise_register_kernels():
 
 
 EXERCISED = {
+    "attnpolicy_register_compilers": exercise_register_compilers,
     "attnpolicy_register_kernels": exercise_register_kernels,
     "attnpolicy_register_policies": exercise_register_policies,
     "attnpolicy_register_evictions": exercise_register_evictions,

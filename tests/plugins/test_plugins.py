@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -418,6 +419,16 @@ def test_length_threshold_policy(length_threshold_module, lens, kv_lens, thresho
     policy = make_policy("length-threshold", threshold=threshold)
     assert policy.decide(BatchLayout.from_lens(lens, kv_lens), CTX).mode is mode
     assert policy_registry()["length-threshold"].plugin == "length-threshold"
+
+
+def test_the_option_help_example_is_an_option_its_policy_takes(length_threshold_module):
+    from attnpolicy.cli import build_parser
+    from attnpolicy.cli.common import option
+
+    simulate = next(a for a in build_parser()._actions if a.dest == "command").choices["simulate"]
+    text = next(a.help for a in simulate._actions if a.dest == "option")
+    policy, key, value = option(re.search(r"e\.g\. (\S+)", text)[1])
+    make_policy(policy, **{key: value})  # a policy that takes no such option raises PolicyError
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "512", True])

@@ -217,6 +217,7 @@ SHARED_NAMES = {
     "attnpolicy_register_policies": "pluggy matches a hook implementation to its hookspec by name",
     "attnpolicy_register_evictions": "pluggy matches a hook implementation to its hookspec by name",
     "attnpolicy_register_kernels": "pluggy matches a hook implementation to its hookspec by name",
+    "attnpolicy_register_compilers": "pluggy matches a hook implementation to its hookspec by name",
     "register": "one entry point per CLI subcommand module (attnpolicy.cli calls each one's register(subparsers)) "
                 "and per integration (vLLM's plugin entry point names attnpolicy.integrations.vllm:register)",
 }
