@@ -265,3 +265,17 @@ def test_a_steady_repeat_steps_no_shadow(monkeypatch):
         for _ in range(10):
             d.prepare(BatchLayout.from_lens([5, 7]), SPEC)
         assert len(steps) == stepped, eviction  # 4 shadows: the first batch, the first repeat
+
+
+@pytest.mark.slow
+def test_at_or_below_the_best_fixed_policy_on_the_built_in_workload():
+    """The built-in workload and cost model, the report's sweep: at every capacity
+    cost-aware's best row is at or below the best fixed policy's (of every eviction)."""
+    rows = simulate(synthetic_default(), [*FIXED, "cost-aware"], [2, 4, 8, 16], ["lru", "lfu", "cost"],
+                    model=CostModel.default())
+    best: dict[tuple[str, int | None], float] = {}
+    for r in rows:
+        best[r.policy, r.capacity] = min(best.get((r.policy, r.capacity), float("inf")), r.total_seconds)
+    for capacity in (2, 4, 8, 16):
+        fixed = min(best[p, capacity] for p in FIXED)
+        assert best["cost-aware", capacity] <= fixed, (capacity, best)
