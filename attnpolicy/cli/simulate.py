@@ -43,7 +43,7 @@ from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
-from attnpolicy.modelling.ranges import OutsideRange, model_outside_range, outside_range, step_outside_range
+from attnpolicy.modelling.ranges import OutsideRange, outside_range
 from attnpolicy.modelling.simulation import (
     ModelSimRow,
     SimRow,
@@ -223,11 +223,10 @@ def flag_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch
     """Warn (one line) when some of ``steps`` are priced outside ``model``'s calibrated
     range; returns the count (``None``: the range is unknown). ``step_graphs``: whole
     requests, every step priced on a step graph."""
+    outside = outside_range(model, steps, step_graphs)
     if isinstance(model, CostModel):
-        outside, covers = outside_range(model, steps), "'attnpolicy calibrate --max-len N' covers longer batches"
+        covers = "'attnpolicy calibrate --max-len N' covers longer batches"
     else:
-        layouts = [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
-        outside = (step_outside_range if step_graphs else model_outside_range)(model, layouts)
         covers = f"'attnpolicy calibrate --model SPEC --sizes' covers larger {'steps' if step_graphs else 'graphs'}"
     if outside is not None and outside.outside:
         warn(f"{outside.line()}: their seconds are extrapolated ({covers})")

@@ -18,7 +18,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.cost_file import CostFile
-from attnpolicy.modelling.ranges import model_outside_range
+from attnpolicy.modelling.ranges import outside_range
 from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
 from attnpolicy.modelling.stalls import compare_model_stalls
 from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
@@ -306,11 +306,11 @@ def test_model_batches_outside_the_calibrated_tokens_or_segments_are_counted(tmp
         ModelSample(mode="causal", segments=(24,), **sample), ModelSample(mode="varlen", segments=(12, 6), **sample))})
     assert model.calibrated_range == (24, 2)
     # 40 tokens, and three segments, are beyond what was calibrated; [12, 30] both
-    outside = model_outside_range(model, LAYOUTS)
+    outside = outside_range(model, LAYOUTS)
     assert (outside.outside, outside.batches) == (3, len(LAYOUTS))
     assert outside.line() == ("3 of 9 batches priced outside the calibrated range (sizes up to 42 tokens and 3 "
                               "segments, calibrated to 24 tokens and 2 segments)")
-    assert model_outside_range(synthetic(), LAYOUTS) is None  # no samples: the range is unknown
+    assert outside_range(synthetic(), LAYOUTS) is None  # no samples: the range is unknown
     path = CostFile(model=model).save(tmp_path / "m.json")
     out = tmp_path / "sim.json"
     assert main(["simulate", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies", "dynamic", "--limit", "5",
