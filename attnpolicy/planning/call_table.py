@@ -38,6 +38,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import plan_rules
+from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels import mask_cache
@@ -226,18 +227,18 @@ class CallTable:
             ids, first_at = _first_order((key_kind[crow] * sizes.size + at(qb[rc])) * sizes.size + at(kvb[rc]), span)
         first = rows[crow[first_at]]
         uses = np.bincount(ids, minlength=first.size)
-        keys = []
-        for r in first:
-            call, layout = self._call(int(r), int(qb[r]), int(kvb[r]))
-            keys.append(GraphKey.for_call(call, spec, kernels.impl(call, layout, spec), config.partition_len,
-                                          config.backend))
-        overhead = model.call_overhead_seconds
-        per_key = np.array([model.run_seconds(k) + overhead for k in keys], dtype=float)
+        keys, per_key = [], np.empty(first.size, dtype=float)
+        cost = BatchCost(model, config.max_mask_bytes)  # its per-call seconds; masks are replayed below
+        for i, r in enumerate(first.tolist()):
+            call, layout = self._call(r, int(qb[r]), int(kvb[r]))
+            key = GraphKey.for_call(call, spec, kernels.impl(call, layout, spec), config.partition_len, config.backend)
+            keys.append(key)
+            per_key[i] = cost.call_seconds(call, key)
         seconds_per_call = np.empty(rows.size, dtype=float)
         seconds_per_call[crow] = per_key[ids]
         for i in np.flatnonzero(~compiled):  # uncompiled: the shape's seconds
-            r = rows[i]
-            seconds_per_call[i] = model.call_seconds(KINDS[self.kind[r]], int(qb[r]), int(kvb[r])) + overhead
+            r = int(rows[i])
+            seconds_per_call[i] = cost.call_seconds(self._call(r, int(qb[r]), int(kvb[r]))[0], None)
         seconds = float(np.cumsum(seconds_per_call)[-1]) if rows.size else 0.0  # sequential, as a run adds
         builds, build_seconds = self._masks(config, rows[fam == _MASK], qb, kvb)
         ran = np.where(fell, _MODE_CODE[MaskMode.VARLEN], self.modes)
