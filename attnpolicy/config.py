@@ -43,6 +43,7 @@ from attnpolicy.core.names import (
 )
 from attnpolicy.core.paths import why_not_a_directory
 from attnpolicy.errors import AttnPolicyError
+from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
 
 CONFIG_FILENAME = "attnpolicy_config.json"
@@ -236,11 +237,10 @@ class AttnPolicyConfig(BaseModel):
                              "warm-up would evict its own graphs")
         for i, shape in enumerate(self.warmup):
             mask = shape.kind is CallKind.MASK
-            nbytes = shape.q_bucket * shape.kv_bucket
-            if mask and nbytes > self.max_mask_bytes:
+            if mask and plan_rules.mask_over(shape.q_bucket, shape.kv_bucket, self.max_mask_bytes):
                 raise ValueError(f"warmup.{i}: a mask graph of {shape.q_bucket} x {shape.kv_bucket} needs a "
-                                 f"{nbytes}-byte mask, more than max_mask_bytes={self.max_mask_bytes}: no "
-                                 "batch can use it")
+                                 f"{shape.q_bucket * shape.kv_bucket}-byte mask, more than "
+                                 f"max_mask_bytes={self.max_mask_bytes}: no batch can use it")
             limit = self.max_batch_tokens if mask else self.max_seq_len
             for name in ("q_bucket", "kv_bucket"):
                 n = getattr(shape, name)

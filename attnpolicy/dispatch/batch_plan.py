@@ -21,6 +21,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, Decision, MaskMode
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.errors import BucketOverflowError
+from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.kernel_choice import KernelChoice, call_traits
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
@@ -81,8 +82,8 @@ class Planner:
     def __init__(self, config: AttnPolicyConfig, kernels: KernelChoice) -> None:
         self.config = config
         self.kernels = kernels
-        self.largest = _largest_bucket(config, config.max_seq_len)
-        self.largest_batch = _largest_bucket(config, config.max_batch_tokens)
+        self.largest = config.buckets.largest(config.max_seq_len)
+        self.largest_batch = config.buckets.largest(config.max_batch_tokens)
         self.plans: LRUCache[tuple[BatchLayout, MaskMode, TensorSpec], BatchPlan] = memo()
         #: call shape -> GraphKey: one instance per distinct key
         self._keys: LRUCache[tuple[object, ...], GraphKey] = memo()
@@ -216,21 +217,21 @@ class Planner:
     def _mask_fits(self, call: Call, layout: BatchLayout) -> bool:
         """Whether a MASK call's dense mask is within ``max_mask_bytes`` (raises under
         ``on_overflow='raise'`` when not: nothing is allocated)."""
-        nbytes, limit = call.q_bucket * call.kv_bucket, self.config.max_mask_bytes
-        if nbytes <= limit:
+        limit = self.config.max_mask_bytes
+        if not plan_rules.mask_over(call.q_bucket, call.kv_bucket, limit):
             return True
         if self.config.on_overflow == "raise":
             raise BucketOverflowError(
                 f"the MASK call of {layout.describe()} needs a {call.q_bucket} x {call.kv_bucket} mask "
-                f"({nbytes} bytes), more than max_mask_bytes={limit}; raise max_mask_bytes, or set "
-                "on_overflow='eager' to run such batches in VARLEN mode")
+                f"({call.q_bucket * call.kv_bucket} bytes), more than max_mask_bytes={limit}; raise "
+                "max_mask_bytes, or set on_overflow='eager' to run such batches in VARLEN mode")
         return False
 
     def _fits(self, call: Call) -> Call:
         """``call``, marked uncompiled when it is longer than its largest bucket (it runs
         uncompiled, on_overflow='eager')."""
         limit = self.largest_batch if call.kind is CallKind.MASK else self.largest
-        if max(call.q_bucket, call.kv_bucket) <= limit:
+        if not plan_rules.uncompiled(call.q_bucket, call.kv_bucket, limit):
             return call
         return dataclasses.replace(call, compiled=False)
 
@@ -248,9 +249,3 @@ def warm_call(shape: WarmShape) -> tuple[Call, BatchLayout]:
     call = Call(shape.kind, 0, q_len, 0, kv, q, kv, shape.causal)
     layout = BatchLayout.from_lens([1], [2] if shape.context else None, causal=shape.causal)
     return call, layout
-
-
-def _largest_bucket(cfg: AttnPolicyConfig, max_len: int) -> int:
-    if cfg.buckets.kind == "exact":
-        return max_len
-    return cfg.buckets.sizes_up_to(max_len)[-1]

@@ -24,7 +24,7 @@ from attnpolicy.dispatch.batch_plan import Planned, WarmCall
 from attnpolicy.dispatch.graph_source import GraphSource, count_violation
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import ConfigError, GraphCompileError
-from attnpolicy.graphs import aot
+from attnpolicy.graphs import aot, plan_rules
 from attnpolicy.graphs.compile import Capture, CompiledGraph, compile_graph, compile_lock, device_bytes, release_graph
 from attnpolicy.graphs.execute import GraphFn, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
@@ -137,7 +137,8 @@ class CallFamily:
                     or other.impl != key.impl or other.partition_len != key.partition_len
                     or other.backend != key.backend or other == key):
                 continue
-            if key.kind is CallKind.MASK and other.q_len * other.kv_len > self.config.max_mask_bytes:
+            if key.kind is CallKind.MASK and plan_rules.mask_over(other.q_len, other.kv_len,
+                                                                  self.config.max_mask_bytes):
                 continue
             rank = (model.run_seconds(other), other.q_len, other.kv_len)
             if best is None or rank < best:

@@ -62,7 +62,6 @@ from attnpolicy.dispatch.graph_source import count_violation
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.dispatch.warm_set import WarmSets
 from attnpolicy.errors import ConfigError, GraphCompileError, PolicyError
-from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.plugins.observers import Observers
 from attnpolicy.plugins.registry import make_eviction
@@ -164,7 +163,7 @@ class Switcher:
         limits = ("max_seq_len", "max_batch_tokens") if MaskMode.MASK in guard.modes else ("max_seq_len",)
         for name in limits if running.on_overflow == "raise" else ():
             limit = getattr(running, name)
-            old, new = longest(running.buckets, limit), longest(config.buckets, limit)
+            old, new = running.buckets.largest(limit), config.buckets.largest(limit)
             if new < old:
                 raise ConfigError(f"switch_to: buckets={config.buckets.describe()} serve lengths up to {new} of "
                                   f"{name} {limit}, the running config's {running.buckets.describe()} up to {old}: "
@@ -337,11 +336,6 @@ def _settle(d: SwitchOwner, key: GraphKey, future: Future[Built]) -> None:
     if not future.result().loaded:
         d.counters.switch_discarded += 1
     discard(d.source, key, future)
-
-
-def longest(buckets: Buckets, limit: int) -> int:
-    """The longest length ``buckets`` serve under ``limit`` (above it a call overflows)."""
-    return limit if buckets.kind == "exact" else buckets.sizes_up_to(limit)[-1]
 
 
 def _make_room(cache: GraphCache[Any], key: GraphKey, keep: KeysView[GraphKey]) -> None:

@@ -111,6 +111,11 @@ class Buckets(BaseModel, frozen=True, extra="forbid"):
             raise self._overflow(n, table[-1])
         return table[bisect_left(table, n)]
 
+    def largest(self, max_len: int) -> int:
+        """The largest bucket for ``max_len`` (``max_len`` itself for ``exact``): a
+        longer length overflows."""
+        return max_len if self.kind == "exact" else self.sizes_up_to(max_len)[-1]
+
     def sizes_up_to(self, max_len: int) -> tuple[int, ...]:
         """Every bucket for ``max_len``, ascending (what a warm-up compiles).
         ``exact`` has one bucket per length: :class:`ConfigError`."""

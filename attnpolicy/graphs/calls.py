@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode, check_legal
+from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.keys import Call
 
 
@@ -37,9 +38,10 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
                      batch_bucket(layout.q_tokens), batch_bucket(layout.kv_tokens), layout.causal),)
     calls = []
     for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
-        if layout.causal and ql == kl:
+        if plan_rules.runs_causal(layout.causal, ql, kl):
             b = bucket(ql)
             calls.append(Call(CallKind.CAUSAL, qs, ql, ks, kl, b, b, True))
         else:
             calls.append(Call(CallKind.VARLEN, qs, ql, ks, kl, bucket(ql), bucket(kl), layout.causal))
     return tuple(calls)
+

@@ -48,7 +48,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, overload
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
@@ -102,8 +102,32 @@ class Fit(BaseModel):
     per_cell: Coefficient = 0.0
     per_token: Coefficient = 0.0
 
-    def __call__(self, rows: int, cols: int) -> float:
-        return self.base + self.per_cell * rows * cols + self.per_token * (rows + cols)
+    @overload
+    def __call__(self, rows: float, cols: float) -> float: ...
+    @overload
+    def __call__(self, rows: np.ndarray, cols: np.ndarray | float) -> np.ndarray: ...
+    def __call__(self, rows: float | np.ndarray, cols: float | np.ndarray) -> float | np.ndarray:
+        """Seconds for ``rows × cols``: numbers, or numpy arrays element-wise."""
+        return self.formula(self.base, self.per_cell, self.per_token, rows, cols)
+
+    @overload
+    @staticmethod
+    def formula(base: float, per_cell: float, per_token: float, rows: float, cols: float) -> float: ...
+    @overload
+    @staticmethod
+    def formula(base: float | np.ndarray, per_cell: float | np.ndarray, per_token: float | np.ndarray,
+                rows: np.ndarray, cols: float | np.ndarray) -> np.ndarray: ...
+    @overload
+    @staticmethod
+    def formula(base: float | np.ndarray, per_cell: float | np.ndarray, per_token: float | np.ndarray,
+                rows: float | np.ndarray, cols: float | np.ndarray) -> float | np.ndarray: ...
+    @staticmethod
+    def formula(base: float | np.ndarray, per_cell: float | np.ndarray, per_token: float | np.ndarray,
+                rows: float | np.ndarray, cols: float | np.ndarray) -> float | np.ndarray:
+        """A fit's seconds from its coefficients, each a number or a numpy array
+        (broadcast: a coefficient per shape prices many kinds' shapes at once): the one
+        place the formula is written."""
+        return base + per_cell * rows * cols + per_token * (rows + cols)
 
     @classmethod
     def to_samples(cls, samples: Sequence[tuple[int, int, float]]) -> Fit:

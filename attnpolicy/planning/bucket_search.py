@@ -39,7 +39,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.calls import plan_calls
-from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.graphs.costmodel import CostModel, Fit
 
 #: The default alignment of planned buckets: a multiple of vLLM's capture-size
 #: strides (8 below 256 tokens, 16 from 256) and the planner's historical grid.
@@ -108,9 +108,15 @@ class PlanCost:
         return self.run_seconds + self.compile_seconds
 
 
-def _fits(model: CostModel, which: str) -> list[tuple[float, float, float]]:
+def _fits(model: CostModel, which: str) -> list[Fit]:
+    """The run or compile fits (``which``) of the call kinds, in code order."""
     fits = getattr(model, which)
-    return [(fits[f.value].base, fits[f.value].per_cell, fits[f.value].per_token) for f in KINDS]
+    return [fits[kind.value] for kind in KINDS]
+
+
+def _coefficients(model: CostModel, which: str) -> np.ndarray:
+    """:func:`_fits` as coefficients (kind, (base, per cell, per token)), for :meth:`Fit.formula`."""
+    return np.array([(f.base, f.per_cell, f.per_token) for f in _fits(model, which)])
 
 
 def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> PlanCost:
@@ -128,13 +134,11 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
     for code, q_exact, kv_exact, n in shapes.by_kind():
         iq, ikv = np.searchsorted(s, q_exact), np.searchsorted(s, kv_exact)
         bq = s[iq]
-        base, cell, token = run[code]
         q, kv = bq.astype(float), s[ikv].astype(float)
-        run_total += float((n * (base + cell * q * kv + token * (q + kv))).sum())
+        run_total += float((n * run[code](q, kv)).sum())
         used = np.flatnonzero(np.bincount(iq * s.size + ikv, minlength=s.size * s.size))
-        cb, cc, ct = comp[code]
         kq, kk = s[used // s.size].astype(float), s[used % s.size].astype(float)
-        compile_total += float((cb + cc * kq * kk + ct * (kq + kk)).sum()) if model.backend != "none" else 0.0
+        compile_total += float(comp[code](kq, kk).sum()) if model.backend != "none" else 0.0
         graphs += used.size
         padded += int((n * (bq - q_exact)).sum())
     run_total += model.call_overhead_seconds * shapes.calls
@@ -170,7 +174,7 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     Costs are split into parts that each depend on one bucket. A square shape
     ``(n, n)`` costs ``run(b, b)`` in the bucket ``b`` of ``n``. A rectangular shape
     ``(q, kv)`` costs ``per_cell·b_q·kv + per_token·b_q`` in the bucket ``b_q`` of
-    ``q`` and ``base + per_token·b_kv`` in the bucket ``b_kv`` of ``kv``: its cell
+    ``q`` and ``run(0, b_kv) = base + per_token·b_kv`` in the bucket ``b_kv`` of ``kv``: its cell
     term counts ``kv`` unpadded, so the sum never exceeds the true cost. Compiles:
     one key per call kind and bucket of square shapes, and one rectangular key
     (``q`` bucket at least 1) per call kind and kv bucket with no square key."""
@@ -203,20 +207,20 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
         b = lengths[j - 1]
         seg = np.zeros(j)  # cost of one bucket at cand[j-1] serving candidates i..j-1
         for code, squares, rects in present:
-            base, cell, token = run[code]
+            fit = run[code]
             n_sq = sq[code, j] - sq[code, :j]
             if squares:
-                seg += n_sq * (base + cell * b * b + 2 * token * b)
+                seg += n_sq * fit(b, b)
             if rects:
                 n_kv = rkv_n[code, j] - rkv_n[code, :j]
-                seg += (rq_n[code, j] - rq_n[code, :j]) * token * b + (rq_kv[code, j] - rq_kv[code, :j]) * cell * b
-                seg += n_kv * (base + token * b)
+                seg += ((rq_n[code, j] - rq_n[code, :j]) * fit.per_token * b
+                        + (rq_kv[code, j] - rq_kv[code, :j]) * fit.per_cell * b)
+                seg += n_kv * fit(0, b)
             if compiles:
-                cb, cc, ct = comp[code]
                 if squares:
-                    seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
+                    seg += (n_sq > 0) * comp[code](b, b)
                 if rects:
-                    seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
+                    seg += ((n_kv > 0) & (n_sq == 0)) * comp[code](1, b)
         total = best[:max_buckets, :j] + seg  # row k-1: a plan of k buckets ending at cand[j-1]
         at = np.argmin(total, axis=1)
         best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
@@ -248,9 +252,9 @@ class _Priced:
 
     @classmethod
     def of(cls, shapes: CallShapes, model: CostModel) -> _Priced:
-        comp = np.array(_fits(model, "compile")) if model.backend != "none" else None
+        comp = _coefficients(model, "compile") if model.backend != "none" else None
         return cls(shapes.kind, shapes.q, shapes.kv, shapes.count.astype(float),
-                   np.array(_fits(model, "run"))[shapes.kind], comp)
+                   _coefficients(model, "run")[shapes.kind], comp)
 
     def select(self, sel: np.ndarray) -> _Priced:
         return _Priced(self.kind[sel], self.q[sel], self.kv[sel], self.count[sel], self.run[sel], self.comp)
@@ -280,7 +284,8 @@ class _Priced:
         n = np.where(switch, 0.0, self.count)
         base, cell, token = self.run.T
         c = np.asarray(bounds, dtype=float)
-        total = ((n * (base + cell * aq * akv + token * (aq + akv))).sum()
+        # the formula at ``offset + moved·c``: its value at c = 0, then its terms in c and c²
+        total = ((n * Fit.formula(base, cell, token, aq, akv)).sum()
                  + (n * (cell * (aq * mkv + mq * akv) + token * (mq + mkv))).sum() * c
                  + (n * cell * mq * mkv).sum() * c * c)
         per = self.select(switch)
@@ -292,7 +297,7 @@ class _Priced:
         row = np.arange(t)[:, None]
         bq, bkv = value[row, iq], value[row, ikv]
         base, cell, token = per.run.T
-        total += (per.count * (base + cell * bq * bkv + token * (bq + bkv))).sum(axis=1)
+        total += (per.count * Fit.formula(base, cell, token, bq, bkv)).sum(axis=1)
         if self.comp is None:
             return list(total.tolist())
         graphs = len(KINDS) * k * k
@@ -300,8 +305,7 @@ class _Priced:
                            minlength=t * graphs).reshape(t, graphs) > 0
         used |= np.bincount((self.kind * k + index[0]) * k + index[1], weights=~switch, minlength=graphs) > 0
         cb, cc, ct = self.comp.T[:, None, :, None, None]
-        price = cb + cc * (value[:, None, :, None] * value[:, None, None, :]) \
-            + ct * (value[:, None, :, None] + value[:, None, None, :])
+        price = Fit.formula(cb, cc, ct, value[:, None, :, None], value[:, None, None, :])
         return list((total + np.where(used, price.reshape(t, graphs), 0.0).sum(axis=1)).tolist())
 
 

@@ -12,13 +12,16 @@ rows it makes (:meth:`CallTable.rows`) are those of
 :func:`~attnpolicy.modelling.simulation.simulate_layouts`. The planner evaluates its
 candidate lists with it instead of a dispatcher run each.
 
-The rows follow the dispatcher's rules: VARLEN runs a causal sequence without context
-on the CAUSAL graph of its bucket; a MASK call whose bucketed mask is over
-``max_mask_bytes`` runs its step in VARLEN (the table holds both); a length above the
-largest bucket runs uncompiled (``on_overflow="eager"``) or raises as the dispatcher
-does (``"raise"``: the dispatcher itself is asked to prepare that step). Configs with
-``compile_mode="background"`` (pad-up depends on the cache state) are not tabled:
-:func:`tabled` says so and callers simulate them with the dispatcher.
+The rows follow the dispatcher's rules, applied to every row at once by the functions its
+planner applies to one call (:mod:`attnpolicy.graphs.plan_rules`): VARLEN runs a causal
+sequence without context on the CAUSAL graph of its bucket (``runs_causal``); a MASK
+call whose bucketed mask is over ``max_mask_bytes`` (``mask_over``) runs its step in
+VARLEN (the table holds both); a length above the largest bucket
+(:meth:`~attnpolicy.graphs.buckets.Buckets.largest`) runs uncompiled (``uncompiled``,
+``on_overflow="eager"``) or raises as the dispatcher does (``"raise"``: the dispatcher
+itself is asked to prepare that step). Configs with ``compile_mode="background"``
+(pad-up depends on the cache state) are not tabled: :func:`tabled` says so and callers
+simulate them with the dispatcher.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs import plan_rules
+from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels import mask_cache
@@ -106,7 +111,8 @@ class CallTable:
         skv = np.fromiter(chain.from_iterable(layout.kv_lens for layout in layouts), np.int64, total)[keep]
         s_step = seq_step[keep]
         s_causal = np.array([layout.causal for layout in layouts], dtype=bool)[s_step]
-        seqs = (s_step, np.where(s_causal & (sq == skv), _CAUSAL, _VARLEN), sq, skv, s_causal, skv > sq)
+        s_kind = np.where(plan_rules.runs_causal(s_causal, sq, skv), _CAUSAL, _VARLEN)
+        seqs = (s_step, s_kind, sq, skv, s_causal, skv > sq)
         order = np.argsort(np.concatenate((head[0] * 2, s_step * 2 + 1)), kind="stable")
         self.step, self.kind, self.q, self.kv, self.causal, self.context = (
             np.concatenate((h, t)).astype(h.dtype)[order] for h, t in zip(head, seqs))
@@ -164,8 +170,8 @@ class CallTable:
         seq = _table(config, config.max_seq_len)
         batch = _table(config, config.max_batch_tokens)
         eager = config.on_overflow == "eager"
-        largest, largest_batch = int(seq[-1]) if seq is not None else config.max_seq_len, (
-            int(batch[-1]) if batch is not None else config.max_batch_tokens)
+        largest, largest_batch = config.buckets.largest(config.max_seq_len), config.buckets.largest(
+            config.max_batch_tokens)
         is_mask = self.kind == _MASK
         qb = np.empty_like(self.q)
         kvb = np.empty_like(self.kv)
@@ -178,10 +184,10 @@ class CallTable:
                     b = table[np.minimum(np.searchsorted(table, n), table.size - 1)]
                     b = np.where(n > limit, n, b)
                 dst[sel] = b
-        over = (np.maximum(self.q, self.kv) > np.where(is_mask, largest_batch, largest))
+        over = np.asarray(plan_rules.uncompiled(qb, kvb, np.where(is_mask, largest_batch, largest)))
         fell = np.zeros(self.modes.size, dtype=bool)
         primary_mask = is_mask  # MASK rows are always the primary call of a MASK step
-        too_large = primary_mask & (qb * kvb > config.max_mask_bytes)
+        too_large = primary_mask & plan_rules.mask_over(qb, kvb, config.max_mask_bytes)
         if not eager:
             bad = np.zeros(self.modes.size, dtype=bool)
             bad[self.step[(over & ~self.alt) | too_large]] = True
@@ -221,18 +227,18 @@ class CallTable:
             ids, first_at = _first_order((key_kind[crow] * sizes.size + at(qb[rc])) * sizes.size + at(kvb[rc]), span)
         first = rows[crow[first_at]]
         uses = np.bincount(ids, minlength=first.size)
-        keys = []
-        for r in first:
-            call, layout = self._call(int(r), int(qb[r]), int(kvb[r]))
-            keys.append(GraphKey.for_call(call, spec, kernels.impl(call, layout, spec), config.partition_len,
-                                          config.backend))
-        overhead = model.call_overhead_seconds
-        per_key = np.array([model.run_seconds(k) + overhead for k in keys], dtype=float)
+        keys, per_key = [], np.empty(first.size, dtype=float)
+        cost = BatchCost(model, config.max_mask_bytes)  # its per-call seconds; masks are replayed below
+        for i, r in enumerate(first.tolist()):
+            call, layout = self._call(r, int(qb[r]), int(kvb[r]))
+            key = GraphKey.for_call(call, spec, kernels.impl(call, layout, spec), config.partition_len, config.backend)
+            keys.append(key)
+            per_key[i] = cost.call_seconds(call, key)
         seconds_per_call = np.empty(rows.size, dtype=float)
         seconds_per_call[crow] = per_key[ids]
         for i in np.flatnonzero(~compiled):  # uncompiled: the shape's seconds
-            r = rows[i]
-            seconds_per_call[i] = model.call_seconds(KINDS[self.kind[r]], int(qb[r]), int(kvb[r])) + overhead
+            r = int(rows[i])
+            seconds_per_call[i] = cost.call_seconds(self._call(r, int(qb[r]), int(kvb[r]))[0], None)
         seconds = float(np.cumsum(seconds_per_call)[-1]) if rows.size else 0.0  # sequential, as a run adds
         builds, build_seconds = self._masks(config, rows[fam == _MASK], qb, kvb)
         ran = np.where(fell, _MODE_CODE[MaskMode.VARLEN], self.modes)

@@ -49,7 +49,9 @@ def test_bucket_is_monotone(bm, data):
 @given(bounded_buckets(), st.integers(1, 100))
 def test_above_the_largest_bucket_overflows(bm, over):
     b, max_len = bm
-    top = b.sizes_up_to(max_len)[-1]
+    top = b.largest(max_len)
+    assert top == b.sizes_up_to(max_len)[-1]
+    assert b.bucket(top, max_len) == top
     with pytest.raises(BucketOverflowError, match=f"length {top + over} exceeds the largest bucket {top}"):
         b.bucket(top + over, max_len)
 
@@ -103,6 +105,14 @@ def test_invalid_max_len():
         Buckets(kind="multiple", multiple=4).bucket(3, 0)
     with pytest.raises(ConfigError, match=r"no size <= max_len 32"):
         Buckets(kind="list", sizes=(64,)).bucket(3, 32)
+
+
+@given(st.integers(1, 5000), st.integers(1, 100))
+def test_the_largest_exact_bucket_is_max_len(max_len, over):
+    b = Buckets(kind="exact")
+    assert b.largest(max_len) == b.bucket(max_len, max_len) == max_len
+    with pytest.raises(BucketOverflowError):
+        b.bucket(max_len + over, max_len)
 
 
 def test_exact_has_no_finite_size_list():

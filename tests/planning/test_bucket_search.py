@@ -96,6 +96,25 @@ def test_evaluate_counts_padding_graphs_and_seconds():
     assert cost.padded_tokens == 3 * 6 + 2 * 15
 
 
+def _square_cells(base, per_cell, per_token, rows, cols):
+    """A fit formula other than the built-in one."""
+    return base + per_cell * (rows * cols) ** 2 + per_token * rows
+
+
+@pytest.mark.parametrize("formula", [Fit.formula, _square_cells])
+def test_evaluate_prices_calls_by_the_fit_of_the_cost_model(monkeypatch, formula):
+    """The planner's prices are the cost model's, whatever formula its fits follow."""
+    monkeypatch.setattr(Fit, "formula", staticmethod(formula))
+    m = model()
+    shapes = CallShapes.of(Counter({(CallKind.CAUSAL, 10, 10): 3, (CallKind.VARLEN, 1, 40): 2,
+                                    (CallKind.MASK, 30, 50): 1}))
+    cost = evaluate(shapes, (16, 64), m)
+    calls = [(CallKind.CAUSAL, 16, 16, 3), (CallKind.VARLEN, 16, 64, 2), (CallKind.MASK, 64, 64, 1)]
+    assert cost.run_seconds == pytest.approx(sum(n * m.call_seconds(kind, q, kv) for kind, q, kv, n in calls)
+                                             + 6 * m.call_overhead_seconds)
+    assert cost.compile_seconds == pytest.approx(sum(m.compile[kind](q, kv) for kind, q, kv, _ in calls))
+
+
 def test_shapes_from_layouts_follow_the_plan():
     packed = BatchLayout.from_lens([5, 7])
     decode = BatchLayout.from_lens([1, 1], [9, 30])

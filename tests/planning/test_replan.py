@@ -14,6 +14,7 @@ from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.cli import main
 from attnpolicy.errors import ConfigError, GraphTooLargeError
+from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels import mask_cache
@@ -77,6 +78,40 @@ def test_mask_builds_of_repeated_layouts_are_those_of_the_dispatcher(steps, repe
     expected = simulate_layouts(steps, ["always-mask"], [capacity], ["lru"], config, model)
     got = CallTable(steps, "always-mask", config, model).rows(with_fields(config, max_graphs=capacity), ["lru"],
                                                              expected[0].buckets)
+    assert got == expected
+
+
+def _strict_mask(q_bucket, kv_bucket, max_mask_bytes):
+    """A mask rule four times as strict as the built-in one."""
+    return q_bucket * kv_bucket > max_mask_bytes // 4
+
+
+def _strict_compile(q_bucket, kv_bucket, largest):
+    """A compile rule that runs every call past half the largest bucket uncompiled."""
+    return (q_bucket > largest // 2) | (kv_bucket > largest // 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=layouts, policy=st.sampled_from(POLICIES),
+       buckets=st.sampled_from([{"kind": "pow2", "min": 16}, {"kind": "multiple", "multiple": 48},
+                                {"kind": "list", "sizes": [16, 64, 200]}, {"kind": "exact"}]),
+       max_seq_len=st.sampled_from([256, 700]), max_batch_tokens=st.sampled_from([700, 4096]),
+       mask_bytes=st.sampled_from([5000, 40000, 1 << 24]), rule=st.sampled_from(["built-in", "mask", "compile"]))
+def test_the_call_table_and_the_dispatcher_plan_by_one_rule(steps, policy, buckets, max_seq_len, max_batch_tokens,
+                                                           mask_bytes, rule):
+    """Lengths over the largest bucket (uncompiled) and masks over max_mask_bytes (VARLEN
+    instead) under every kind of buckets give the table the dispatcher's rows, and so
+    does a changed rule: both apply the rules of ``plan_rules``."""
+    model, base = _base(on_overflow="eager")
+    config = with_fields(base, policy=policy, buckets=buckets, max_seq_len=max_seq_len,
+                         max_batch_tokens=max_batch_tokens, max_mask_bytes=mask_bytes)
+    with pytest.MonkeyPatch.context() as patch:
+        if rule == "mask":
+            patch.setattr(plan_rules, "mask_over", _strict_mask)
+        elif rule == "compile":
+            patch.setattr(plan_rules, "uncompiled", _strict_compile)
+        expected = simulate_layouts(steps, [policy], [None], ["lru"], config, model)
+        got = CallTable(steps, policy, config, model).rows(config, ["lru"], expected[0].buckets)
     assert got == expected
 
 
