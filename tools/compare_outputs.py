@@ -10,7 +10,9 @@ commands with a given checkout on ``PYTHONPATH`` and writes their outputs to a f
     python tools/compare_outputs.py compare /tmp/out-base /tmp/out-head
 
 ``--trace PATH --limit N`` records an Azure-format trace instead of the built-in workload.
-``--model-cost PATH`` adds the three modelled commands on whole-model graphs with that cost
+``--cost-model PATH`` prices the attention-level commands with that file (without it each
+checkout uses its own cached calibration, or the built-in model where a change moved the
+calibrated code's identity). ``--model-cost PATH`` adds the three modelled commands on whole-model graphs with that cost
 file (passed as ``--cost-model PATH --family model``, or as ``--model-cost PATH`` to a checkout
 whose CLI predates ``--family``; the line a command prints naming the flag is compared as one);
 ``--run`` adds real ``run --check`` replays (a small spec, ``aot_eager``) at the
@@ -58,13 +60,15 @@ def prefill_flags(checkout: Path) -> list[str]:
 
 
 def _commands(workload: list[str], model_cost: list[str] | None = None, run: bool = False,
-              run_model: str | None = None, prefill_only: tuple[str, ...] = ()) -> dict[str, list[str]]:
+              run_model: str | None = None, prefill_only: tuple[str, ...] = (),
+              cost: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """The commands, by the name of the output each writes (stdout goes to ``NAME.stdout``);
-    ``model_cost``: the flags of :func:`model_flags`; ``prefill_only``: of :func:`prefill_flags`."""
+    ``model_cost``: the flags of :func:`model_flags`; ``prefill_only``: of :func:`prefill_flags`;
+    ``cost``: the attention-level commands' ``--cost-model PATH``, if given."""
     commands = {
-        "simulate": ["simulate", *workload, "--workers", "1", "--json", "simulate.json"],
-        "stalls": ["stalls", *workload, "--json", "stalls.json"],
-        "plan": ["plan", *workload, "--max-graphs", "8", "--out", "plan"],
+        "simulate": ["simulate", *workload, *cost, "--workers", "1", "--json", "simulate.json"],
+        "stalls": ["stalls", *workload, *cost, "--json", "stalls.json"],
+        "plan": ["plan", *workload, *cost, "--max-graphs", "8", "--out", "plan"],
     }
     if model_cost is not None:
         commands |= {
@@ -81,14 +85,15 @@ def _commands(workload: list[str], model_cost: list[str] | None = None, run: boo
 
 
 def record(checkout: Path, out: Path, workload: list[str], model_cost: Path | None = None,
-           run: bool = False, run_model: str | None = None) -> None:
+           run: bool = False, run_model: str | None = None, cost_model: Path | None = None) -> None:
     """Run the commands with ``checkout`` first on the path; outputs and stdout go to ``out``
     (a real run's stdout, all measured seconds, is not kept)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
     flags = None if model_cost is None else model_flags(checkout, model_cost)
     prefill = tuple(prefill_flags(checkout)) if run_model is not None else ()
-    for name, args in _commands(workload, flags, run, run_model, prefill).items():
+    cost = () if cost_model is None else ("--cost-model", str(cost_model.resolve()))
+    for name, args in _commands(workload, flags, run, run_model, prefill, cost).items():
         proc = subprocess.run(
             [sys.executable, "-m", "attnpolicy", *args],
             cwd=out, env=env, capture_output=True, text=True, check=False,
@@ -145,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--trace", default="default")
     rec.add_argument("--limit", type=int, default=None)
     rec.add_argument("--model-cost", type=Path, default=None, help="also the whole-model level, with this file")
+    rec.add_argument("--cost-model", type=Path, default=None,
+                     help="the attention-level cost model (default: the checkout's cached calibration or built-in "
+                          "model, which a change to the calibrated code's identity moves)")
     rec.add_argument("--run", action="store_true", help="also real run --check replays")
     rec.add_argument("--run-model", default=None, metavar="SPEC", help="with --run: a real model-level run too")
     cmp = sub.add_parser("compare", help="compare two recorded folders")
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = ["--trace", args.trace]
         if args.limit is not None:
             workload += ["--limit", str(args.limit)]
-        record(args.checkout, args.out, workload, args.model_cost, args.run, args.run_model)
+        record(args.checkout, args.out, workload, args.model_cost, args.run, args.run_model, args.cost_model)
         return 0
     differ = compare(args.a, args.b)
     for name in differ:

@@ -90,3 +90,12 @@ def test_a_file_naming_its_own_folder_compares_equal_in_another_folder(tmp_path)
     assert compare_outputs.compare(a, b) == []
     (b / "plan" / "host_settings.json").write_text(json.dumps({"file": str(tmp_path / "c" / "plan" / "buckets.txt"), "other": "x"}))
     assert compare_outputs.compare(a, b) == ["plan/host_settings.json"]
+
+
+def test_a_pinned_cost_model_prices_every_attention_level_command_and_no_model_level_one():
+    commands = compare_outputs._commands(["--trace", "default"], ["--cost-model", "m.json", "--family", "model"],
+                                         cost=("--cost-model", "a.json"))
+    for name in ("simulate", "stalls", "plan"):
+        assert commands[name][commands[name].index("--cost-model") + 1] == "a.json", name
+    for name in ("model_simulate", "model_stalls", "model_plan"):
+        assert "a.json" not in commands[name], name
