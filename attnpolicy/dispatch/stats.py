@@ -262,7 +262,8 @@ def percentile(values: list[float], total: int, p: float) -> float:
 
 
 def stall_stats(batches: int, stalls: list[float]) -> StallStats:
-    """The stall statistics of ``batches`` batches of which ``stalls`` stalled."""
+    """The stall statistics of ``batches`` batches of which ``stalls`` stalled (summed
+    in ascending order: a modelled replay's totals are sums of the same stalls)."""
     ordered = sorted(stalls)
-    return StallStats(batches, len(stalls), math.fsum(stalls), percentile(ordered, batches, 0.5),
+    return StallStats(batches, len(stalls), sum(ordered), percentile(ordered, batches, 0.5),
                       percentile(ordered, batches, 0.99), ordered[-1] if ordered else 0.0)

@@ -189,7 +189,8 @@ class WholeModelGraphs:
     def store(self) -> DiskStore | None:
         return self._store
 
-    def rows(self, key: Any) -> int:
+    @staticmethod
+    def rows(key: Any) -> int:
         tokens: int = key.tokens
         return tokens
 
@@ -284,8 +285,10 @@ class ModelFamily(WholeModelGraphs):
     def estimate_bytes(self, key: ModelKey) -> int:
         return estimate_bytes(key, self.model.config, self._itemsize)
 
-    def pad_up(self, key: ModelKey, resident: Sequence[ModelKey]) -> ModelKey | None:
-        """The smallest resident key (by tokens, then segments) that :func:`dominates` ``key``."""
+    @staticmethod
+    def pad_up(key: ModelKey, resident: Sequence[ModelKey]) -> ModelKey | None:
+        """The smallest resident key (by tokens, then segments) that :func:`dominates` ``key``
+        (a pure rule: the simulator's whole-model graphs pad up by it too)."""
         larger = [k for k in resident if isinstance(k, ModelKey) and dominates(k, key)]
         return min(larger, key=lambda k: (k.tokens, k.segments)) if larger else None
 

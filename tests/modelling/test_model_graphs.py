@@ -322,3 +322,31 @@ def test_model_batches_outside_the_calibrated_tokens_or_segments_are_counted(tmp
     line = [x for x in printed.err.splitlines() if "calibrated range" in x]
     assert len(line) == 1 and line[0].startswith(f"attnpolicy: warning: {data['outside_calibrated_range']['outside']} "
                                                  f"of {data['batches']} batches priced outside")
+
+
+def test_model_stalls_serve_batches_as_a_real_runner_with_background_compiles():
+    """The model stalls drive the runner's graph source and background worker: a batch
+    padded up is a hit on the graph that serves it, so under LRU that graph stays and
+    the one unused since is evicted; the pad-ups, eager batches and compile requests are
+    a real runner's."""
+    import torch
+
+    from attnpolicy.engine.model_specs import load_model
+    from attnpolicy.engine.runner import StaticModelRunner
+
+    model = synthetic()
+    config = model_config(model, 64, 128, policy="varlen", max_graphs=2, switch_after=1).model_copy(
+        update={"compile_mode": "background", "backend": "aot_eager"})
+    # [20]'s graph serves [5] padded up, then [5]'s switches in and evicts [3, 3]'s: [20] hits
+    layouts = [BatchLayout.from_lens(lens) for lens in ([20], [3, 3], [5], [5], [20])]
+    runner = StaticModelRunner(load_model(SPEC)[0], config)
+    try:
+        for layout in layouts:
+            runner.logits(torch.randint(0, 64, (layout.q_tokens,)), layout)
+        stats = runner.stats()
+    finally:
+        runner.close()
+    _, row = compare_model_stalls(layouts, model, [config])
+    assert stats.background is not None
+    assert (row.padded_up, row.eager_served, row.compiles) == (
+        stats.background.pad_up_calls, stats.eager_served, stats.background.requested) == (1, 2, 3)
