@@ -7,7 +7,7 @@ artefacts and read back at load. See ``docs/config.md``.
 The config is plain data: it imports neither torch, the plugin registry nor the
 cache. The policy, eviction and backend *names* (and ``policy_options``) are checked
 where they are resolved: when a :class:`~attnpolicy.dispatch.Dispatcher` builds its
-policy, cache and compiler, or by :func:`attnpolicy.plugins.resolve.validate_names`
+policy, cache and compiler, or by :func:`attnpolicy.policies.resolve.validate_names`
 (``attnpolicy config validate``). The runtime integrations read theirs from the
 environment: :func:`attnpolicy.integrations.environment.from_env`.
 """

@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from attnpolicy.cache.code_identity import graph_code, module_code
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.code_identity import graph_code, module_code
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes
 from attnpolicy.errors import ConfigError
@@ -152,7 +152,7 @@ def model_code(model: torch.nn.Module, config: str, dtype: torch.dtype,
     """``(code_hash, "")`` of ``model``'s stored graphs: attnpolicy's graph code (the
     kernels every attention call binds), this module, the model's module with the
     modules of its package it reaches and that package's installed version
-    (:mod:`~attnpolicy.cache.code_identity`), the model ``config`` (its JSON), dtype and device;
+    (:mod:`~attnpolicy.core.code_identity`), the model ``config`` (its JSON), dtype and device;
     ``(None, why)`` when the model's code has no source to hash."""
     try:
         return source_hash(graph_code(), sys.modules[__name__], module_code(type(model).__module__),
@@ -268,7 +268,7 @@ class WholeModelGraphs:
 
 
 class ModelFamily(WholeModelGraphs):
-    """The whole-model prefill graphs of ``model`` (:class:`~attnpolicy.graphs.family.GraphFamily`),
+    """The whole-model prefill graphs of ``model`` (:class:`~attnpolicy.dispatch.family.GraphFamily`),
     keyed by :class:`ModelKey`, built from a placed batch's inputs.
 
     With ``config.store_dir`` every graph on a backend (not ``"none"``) of a model whose

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from attnpolicy.config import FORMAT_VERSION, AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.plugins.resolve import check_policy_name
+from attnpolicy.policies.resolve import check_policy_name
 
 CONFIG_ENV = "ATTNPOLICY_CONFIG"
 POLICY_ENV = "ATTNPOLICY_POLICY"

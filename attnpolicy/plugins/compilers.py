@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnpolicy.cache.code_identity import callable_code, stable_repr
+from attnpolicy.core.code_identity import callable_code, stable_repr
 from attnpolicy.core.names import BACKENDS
 from attnpolicy.errors import ConfigError, PluginError
 
@@ -188,7 +188,7 @@ def resolve_compiler(name: str) -> CompilerInfo:
 def compiler_identity(info: CompilerInfo, options: Mapping[str, Any]) -> str:
     """What identifies ``info``'s stored graphs compiled with ``options``: its name, its
     version, the code of a backend callable of its own
-    (:func:`~attnpolicy.cache.code_identity.callable_code`; a built-in's or a Dynamo
+    (:func:`~attnpolicy.core.code_identity.callable_code`; a built-in's or a Dynamo
     backend's code is torch's, whose version every identity holds) and the options.
     Raises :class:`ConfigError` naming the compiler when that has no stable identity."""
     try:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from attnpolicy.cache.code_identity import callable_code
+from attnpolicy.core.code_identity import callable_code
 from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import ConfigError, PluginError
@@ -260,7 +260,7 @@ def kernel_code(name: str) -> str:
     """The code identity of plugin kernel ``name`` (what its stored graphs' ``code_hash``
     covers besides attnpolicy's own code): its package's source, that package's installed
     version, what its function captures and the ``version`` it declares
-    (:func:`~attnpolicy.cache.code_identity.callable_code`). Raises
+    (:func:`~attnpolicy.core.code_identity.callable_code`). Raises
     :class:`~attnpolicy.errors.ConfigError` naming the kernel when that has no stable identity."""
     from attnpolicy.kernels.attention import _IMPL_FNS
 

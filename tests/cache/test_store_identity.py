@@ -20,7 +20,7 @@ import torch
 from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
-from attnpolicy.cache.code_identity import module_code, reached, stable_repr
+from attnpolicy.core.code_identity import module_code, reached, stable_repr
 from attnpolicy.dispatch.call_graphs import code_hash_of
 from attnpolicy.errors import ConfigError
 from attnpolicy.plugins.hookspecs import hookimpl

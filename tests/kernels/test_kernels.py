@@ -254,7 +254,7 @@ def test_a_kernel_named_auto_is_rejected_at_registration(fresh_plugins):
     from attnpolicy.plugins.hookspecs import hookimpl
     from attnpolicy.plugins.kernels import KernelInfo, kernel_registry
     from attnpolicy.plugins.registry import get_plugin_manager
-    from attnpolicy.plugins.resolve import failed_plugins
+    from attnpolicy.policies.resolve import failed_plugins
 
     class Auto:
         @hookimpl
