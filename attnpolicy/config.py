@@ -46,7 +46,7 @@ from attnpolicy.errors import AttnPolicyError
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
 
 CONFIG_FILENAME = "attnpolicy_config.json"
-FORMAT_VERSION: Literal[1] = 1
+CONFIG_VERSION: Literal[1] = 1
 
 logger = logging.getLogger("attnpolicy.config")
 
@@ -94,7 +94,7 @@ class AttnPolicyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: Literal[1] = FORMAT_VERSION
+    version: Literal[1] = CONFIG_VERSION
     policy: str = "varlen"
     policy_options: dict[str, JsonValue] = Field(default_factory=dict)
     buckets: Buckets = Buckets()
@@ -277,4 +277,4 @@ class AttnPolicyConfig(BaseModel):
         field; nothing is returned unless the whole file is valid."""
         p = Path(path)
         file = p / CONFIG_FILENAME if p.is_dir() else p
-        return jsonfile.parse(cls, jsonfile.read_text(file, "config"), str(file), "config", FORMAT_VERSION)
+        return jsonfile.parse(cls, jsonfile.read_text(file, "config"), str(file), "config", CONFIG_VERSION)

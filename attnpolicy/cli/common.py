@@ -35,7 +35,6 @@ from attnpolicy.workloads.traces import Request
 console = Console(stderr=True)
 T = TypeVar("T")
 #: Bytes are printed in MiB everywhere.
-MIB = 2**20
 
 
 class Parser(argparse.ArgumentParser):

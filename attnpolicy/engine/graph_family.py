@@ -16,7 +16,7 @@ What each mode's graph is (real rows packed back to back, layout padding dropped
 
 Inside a graph attention is a plain kernel call (:func:`attnpolicy.kernels.attention.bind`,
 ``sdpa``) on the graph's inputs; the Python dispatcher is not involved. The model's
-attention implementation is :data:`NAME`, registered with transformers'
+attention implementation is :data:`STATIC_ATTENTION`, registered with transformers'
 ``AttentionInterface`` (no mask function: HF builds no mask, the 4-D mask arrives as-is).
 A graph padded up serves a key it dominates (:func:`dominates`); a stored graph is
 keyed by the model's code and config (:func:`model_code`).
@@ -43,7 +43,7 @@ from attnpolicy.kernels.attention import bind
 from attnpolicy.plugins.compilers import resolve_compiler, why_unstored
 
 #: The attention implementation name the runner gives the model.
-NAME = "attnpolicy-static"
+STATIC_ATTENTION = "attnpolicy-static"
 #: The keyword argument that carries a VARLEN graph's segments to the attention calls.
 SEGMENTS_KWARG = "attnpolicy_segments"
 #: The keyword argument that carries a step's cached context (:class:`Past`) to the attention calls.
@@ -116,10 +116,10 @@ def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 
 def register() -> None:
-    """Register :func:`static_attention` with transformers as :data:`NAME` (idempotent)."""
+    """Register :func:`static_attention` with transformers as :data:`STATIC_ATTENTION` (idempotent)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, static_attention)
+    AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 
 def _causal_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

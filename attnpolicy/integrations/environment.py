@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from attnpolicy.config import FORMAT_VERSION, AttnPolicyConfig
+from attnpolicy.config import CONFIG_VERSION, AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.policies.resolve import check_policy_name
@@ -54,4 +54,4 @@ def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
 
 
 def _validate(data: object, source: str) -> AttnPolicyConfig:
-    return jsonfile.validate(AttnPolicyConfig, data, source, "config", FORMAT_VERSION)
+    return jsonfile.validate(AttnPolicyConfig, data, source, "config", CONFIG_VERSION)

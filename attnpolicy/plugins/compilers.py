@@ -47,7 +47,7 @@ from attnpolicy.errors import ConfigError, PluginError
 
 #: The built-in compilers' names: they register first, without a backend callable
 #: (Dynamo's backend of that name; ``none`` compiles nothing), so no plugin can take one.
-BUILTINS = frozenset(BACKENDS)
+BUILTIN_COMPILERS = frozenset(BACKENDS)
 #: The built-in compilers whose compiled code a graph calls directly, without Dynamo's
 #: per-call frame evaluation (:func:`attnpolicy.graphs.compile.compile_graph`).
 DIRECT = frozenset({"inductor", "aot_eager", "eager"})
@@ -77,7 +77,7 @@ class CompilerInfo:
     @property
     def builtin(self) -> bool:
         """Whether this is one of attnpolicy's built-in compilers."""
-        return self.name in BUILTINS and self.backend is None
+        return self.name in BUILTIN_COMPILERS and self.backend is None
 
     @property
     def direct(self) -> bool:

@@ -13,7 +13,7 @@ from attnpolicy.plugins.registry import cached_registry, rejected_plugins
 from attnpolicy.policies import builtin, costaware
 
 #: The built-in plugins that register policies.
-BUILTIN_POLICIES = (builtin, costaware)
+BUILTIN_POLICY_PLUGINS = (builtin, costaware)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _policy_adder(plugin: str, registry: dict[str, Any], staged: dict[str, Any])
 def policy_registry() -> dict[str, PolicyInfo]:
     """Every registered policy by name (cached until the set of plugins changes)."""
     return cached_registry("attnpolicy_register_policies", "policies", _policy_adder,
-                           builtins=BUILTIN_POLICIES)
+                           builtins=BUILTIN_POLICY_PLUGINS)
 
 
 def get_policy_info(name: str) -> PolicyInfo:

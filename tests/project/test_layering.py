@@ -418,6 +418,41 @@ def test_no_public_name_is_defined_in_two_modules():
     assert [n for n in SHARED_NAMES if len(defined.get(n, ())) < 2] == []  # no stale exception
 
 
+def _type_variable(value: ast.expr | None) -> bool:
+    return isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", None)) in (
+        "TypeVar", "ParamSpec", "TypeVarTuple")
+
+
+def public_constants(trees: dict[str, ast.Module] | None = None) -> dict[str, list[str]]:
+    """Public UPPER_CASE names assigned at the top of each module (default: the
+    package's; type variables aside), each with the ``module:line`` of every assignment."""
+    trees = {m: tree(m) for m in modules()} if trees is None else trees
+    found: dict[str, list[str]] = {}
+    for module, source in trees.items():
+        for node in source.body:
+            if isinstance(node, ast.Assign | ast.AnnAssign) and not _type_variable(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                for name in names:
+                    if isinstance(name, ast.Name) and name.id.isupper() and not name.id.startswith("_"):
+                        found.setdefault(name.id, []).append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_the_constant_scan_sees_a_constant_in_two_modules():
+    found = public_constants({"a": ast.parse("KINDS = (1, 2)\nA, B = 1, 2\nT = TypeVar('T')\n_X = 1\nlower = 1"),
+                              "b": ast.parse("KINDS: tuple[int, ...] = (1, 2)\nT = TypeVar('T')\n_X = 2")})
+    assert {n: w for n, w in found.items() if len(w) > 1} == {"KINDS": ["a:1", "b:1"]}
+    assert sorted(found) == ["A", "B", "KINDS"]
+
+
+def test_no_constant_is_defined_in_two_modules():
+    """One constant, one definition: a module-level UPPER_CASE name is assigned in one
+    module of the package (the same value is imported where needed; two concepts are
+    two names, each saying which)."""
+    assert {n: where for n, where in public_constants().items() if len(where) > 1} == {}
+
+
 #: Modules ``model_X`` allowed beside a module or package ``X``: none, one module holds a
 #: concept at both levels; a new pair fails the test below.
 MERGING_PAIRS: frozenset[str] = frozenset()
