@@ -330,6 +330,15 @@ def test_no_upward_import():
     assert upward() == []
 
 
+def test_graph_code_covers_the_layers_up_to_graphs():
+    """A stored graph's code identity hashes every layer a graph can run: ``graphs`` and
+    everything below it."""
+    from attnpolicy.core.code_identity import GRAPH_LAYERS
+
+    below = [n for names in LAYERS[:layer("attnpolicy.graphs") + 1] for n in names]
+    assert [n.removesuffix(".py") for n in GRAPH_LAYERS] == below
+
+
 def test_no_two_packages_import_each_other_at_any_level():
     """The graph of top-level packages (every import counted, ``TYPE_CHECKING`` too) has no
     cycle: no package imports a package that imports it, directly or around a loop."""
