@@ -7,7 +7,7 @@ artefacts and read back at load. See ``docs/config.md``.
 The config is plain data: it imports neither torch, the plugin registry nor the
 cache. The policy, eviction and backend *names* (and ``policy_options``) are checked
 where they are resolved: when a :class:`~attnpolicy.dispatch.Dispatcher` builds its
-policy, cache and compiler, or by :func:`attnpolicy.plugins.resolve.validate_names`
+policy, cache and compiler, or by :func:`attnpolicy.policies.resolve.validate_names`
 (``attnpolicy config validate``). The runtime integrations read theirs from the
 environment: :func:`attnpolicy.integrations.environment.from_env`.
 """
@@ -47,7 +47,7 @@ from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.buckets import Buckets, PositiveInt
 
 CONFIG_FILENAME = "attnpolicy_config.json"
-FORMAT_VERSION: Literal[1] = 1
+CONFIG_VERSION: Literal[1] = 1
 
 logger = logging.getLogger("attnpolicy.config")
 
@@ -95,7 +95,7 @@ class AttnPolicyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: Literal[1] = FORMAT_VERSION
+    version: Literal[1] = CONFIG_VERSION
     policy: str = "varlen"
     policy_options: dict[str, JsonValue] = Field(default_factory=dict)
     buckets: Buckets = Buckets()
@@ -277,4 +277,4 @@ class AttnPolicyConfig(BaseModel):
         field; nothing is returned unless the whole file is valid."""
         p = Path(path)
         file = p / CONFIG_FILENAME if p.is_dir() else p
-        return jsonfile.parse(cls, jsonfile.read_text(file, "config"), str(file), "config", FORMAT_VERSION)
+        return jsonfile.parse(cls, jsonfile.read_text(file, "config"), str(file), "config", CONFIG_VERSION)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from attnpolicy.bench.mode_timing import DTYPES, split_lengths
+from attnpolicy.bench.mode_timing import BENCH_TORCH_DTYPES, split_lengths
 from attnpolicy.bench.settings import DEFAULT_SIZES, CalibrationSettings, ModelCalibrationSettings
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
@@ -60,7 +60,7 @@ from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.modelling.whole_model_costs import (
-    MODES,
+    MODEL_COST_MODES,
     Mode,
     ModelCostModel,
     ModelDims,
@@ -171,7 +171,7 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     spec = s.spec
-    dtype = DTYPES[s.dtype]
+    dtype = BENCH_TORCH_DTYPES[s.dtype]
     compiled: dict[GraphKey, float] = {}
     def on_compile(key: Hashable, seconds: float, nbytes: int) -> None:
         assert isinstance(key, GraphKey)
@@ -489,4 +489,4 @@ def _model_fits(samples: Sequence[ModelSample] | Sequence[StepSample], backend: 
                 value: Callable[[Any], float]) -> dict[Mode, ModelFit]:
     """Per mode, the fit of ``value`` over the ``samples`` of that mode."""
     return {m: ModelFit.to_samples([(x.key(backend), float(value(x))) for x in samples if x.mode == m])
-            for m in MODES}
+            for m in MODEL_COST_MODES}

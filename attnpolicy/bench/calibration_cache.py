@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
-import attnpolicy
 from attnpolicy.bench.settings import CalibrationSettings
-from attnpolicy.cache.code_identity import graph_code
 from attnpolicy.core import jsonfile
+from attnpolicy.core.code_identity import graph_code
+from attnpolicy.core.version import __version__
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.cost_file import CostFile
@@ -82,12 +82,12 @@ def machine() -> dict[str, Any]:
 @cache
 def calibration_code() -> str:
     """The identity of the code a calibration runs: attnpolicy's version, the graph
-    layers' sources (:func:`~attnpolicy.cache.code_identity.graph_code`) and the
+    layers' sources (:func:`~attnpolicy.core.code_identity.graph_code`) and the
     calibration modules' own (what it runs and its settings), read as files: looking a
     calibration up imports neither them nor torch."""
     here = Path(__file__).parent
     source = b"".join((here / name).read_bytes() for name in ("calibration.py", "settings.py"))
-    return hashlib.sha256(f"{attnpolicy.__version__}\0{graph_code()}\0".encode() + source).hexdigest()[:16]
+    return hashlib.sha256(f"{__version__}\0{graph_code()}\0".encode() + source).hexdigest()[:16]
 
 
 def cache_key(s: CalibrationSettings) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from attnpolicy.kernels.masks import mask_for
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BENCH_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def run_bench(s: BenchSettings, progress: Callable[[str], None] | None = None) -
     """Time every (length, n, mode) of ``s``; returns one row per (length, n, mode)."""
     if s.threads:
         torch.set_num_threads(s.threads)
-    dtype = DTYPES[s.dtype]
+    dtype = BENCH_TORCH_DTYPES[s.dtype]
     gen = torch.Generator().manual_seed(s.seed)
     rows: list[BenchRow] = []
     for length in s.lengths:

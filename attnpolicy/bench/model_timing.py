@@ -30,7 +30,7 @@ from attnpolicy.graphs.buckets import Buckets
 
 #: The lengths of ``bench --model`` unless told otherwise.
 MODEL_LENGTHS = (128, 512, 1024, 2048, 4096)
-MODES = (MaskMode.CAUSAL, MaskMode.MASK)
+TIMED_MODES = (MaskMode.CAUSAL, MaskMode.MASK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +106,13 @@ def run_model_bench(spec: str, lengths: tuple[int, ...] = MODEL_LENGTHS, *, back
         layout = BatchLayout.from_lens([n])
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
         runs = {}
-        for mode in MODES:
+        for mode in TIMED_MODES:
             batch = compiled.prepare(ids, layout, mode)
             runs[mode] = (compiled.graph_for(batch), eager.graph_for(eager.prepare(ids, layout, mode)), batch.inputs)
         with torch.no_grad():
             times = interleaved({mode: partial(_both_ms, *run) for mode, run in runs.items()}, warmup, repeats)
         memory = {m.key: m for m in compiled.stats().memory}
-        for mode in MODES:
+        for mode in TIMED_MODES:
             mem = memory[str(compiled.key_for(layout, mode))]
             rows.append(ModelBenchRow(n, mode.value, mem.compile_seconds, statistics.median(c for c, _ in times[mode]),
                                       statistics.median(e for _, e in times[mode]), mem.rss_bytes / 2**20,

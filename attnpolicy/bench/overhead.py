@@ -35,8 +35,8 @@ from attnpolicy.workloads.traces import synthetic_default
 
 #: (sequences, tokens per sequence) of the overhead table.
 SHAPES = ((1, 16), (1, 128), (4, 256), (16, 64))
-POLICIES = ("varlen", "dynamic", "always-mask", "cost-aware")
-BACKENDS = ("none", "eager", "aot_eager", "inductor")
+OVERHEAD_POLICIES = ("varlen", "dynamic", "always-mask", "cost-aware")
+OVERHEAD_BACKENDS = ("none", "eager", "aot_eager", "inductor")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def measure_overhead(backend: str, policy: str, num_seqs: int, seq_len: int, *, 
                        statistics.median(attends), statistics.median(overheads))
 
 
-def run_overhead(backends: Iterable[str] = BACKENDS, policies: Iterable[str] = POLICIES,
+def run_overhead(backends: Iterable[str] = OVERHEAD_BACKENDS, policies: Iterable[str] = OVERHEAD_POLICIES,
                  shapes: Iterable[tuple[int, int]] = SHAPES, *, threads: int | None = 1,
                  advance: Callable[[], None] = lambda: None, **options: float) -> list[OverheadRow]:
     """:func:`measure_overhead` for every backend × policy × shape (``threads`` torch

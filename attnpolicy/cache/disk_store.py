@@ -30,12 +30,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from attnpolicy.core.bounded_order import BoundedOrder
 from attnpolicy.core.paths import why_not_a_directory
 from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.keys import GraphKey
 
 log = logging.getLogger("attnpolicy.cache.disk_store")
 
@@ -60,6 +59,23 @@ _BAD = {"corrupt": "corrupt (truncated, altered or unreadable: its manifest's si
 _BAD_JSON = (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError)
 
 
+class _Spec(Protocol):
+    @property
+    def device(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+
+
+class GraphName(Protocol):
+    """What :meth:`ArtifactIdentity.for_graph` reads of an attention graph's key (a
+    ``GraphKey``): its ``repr`` (every field), its backend and its tensor spec."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def spec(self) -> _Spec: ...
+
+
 def _torch_version() -> str:
     import torch
 
@@ -72,7 +88,7 @@ class ArtifactIdentity:
 
     ``key`` is the graph's stable name (``repr(GraphKey)`` for attention graphs: every
     field, the scale to full precision; the model runner's own for model graphs);
-    ``code_hash`` a hash of all the code the graph runs (:mod:`~attnpolicy.cache.code_identity`,
+    ``code_hash`` a hash of all the code the graph runs (:mod:`~attnpolicy.core.code_identity`,
     or :func:`source_hash` of a graph's own sources); ``config``
     the settings that change the generated code; ``compiler`` the compiler's identity
     (:func:`~attnpolicy.plugins.compilers.compiler_identity`: its name, version, code and
@@ -94,7 +110,7 @@ class ArtifactIdentity:
     format: int = FORMAT
 
     @classmethod
-    def for_graph(cls, key: GraphKey, *, mechanism: str, code_hash: str,
+    def for_graph(cls, key: GraphName, *, mechanism: str, code_hash: str,
                   config: Mapping[str, object] | None = None, compiler: str = "") -> ArtifactIdentity:
         """The identity of an attention graph's artifact (backend, device, dtype from ``key``)."""
         return cls(repr(key), mechanism, key.backend, key.spec.device, key.spec.dtype, code_hash,

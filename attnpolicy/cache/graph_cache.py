@@ -13,10 +13,10 @@ from time import perf_counter
 from typing import Any, Generic, TypeVar, cast
 
 from attnpolicy.cache.cache_types import Bounds, CacheStats, KeyCounters, KeyStats
+from attnpolicy.cache.eviction_registry import make_eviction
 from attnpolicy.core.bounded_order import BoundedOrder
 from attnpolicy.core.names import Oversize
 from attnpolicy.errors import AttnPolicyError, ConfigError, GraphCompileError, GraphTooLargeError
-from attnpolicy.plugins.registry import make_eviction
 
 V = TypeVar("V")
 __all__ = ["CacheStats", "GraphCache", "KeyStats"]

@@ -4,7 +4,7 @@
 with the same bounds, eviction, ``sizeof``, ``compile_cost`` and ``oversize`` would
 report after serving the same requests in order with builds that never fail: the
 same eviction rule (:class:`~attnpolicy.core.bounded_order.BoundedOrder`, over the
-structure of :func:`~attnpolicy.plugins.registry.make_eviction`) is run the same way
+structure of :func:`~attnpolicy.cache.eviction_registry.make_eviction`) is run the same way
 (a hit reads ``s[key]``, a miss admits the graph), without the cache's locks, futures,
 per-key statistics and callbacks. Pins do not change these counters (a pinned graph
 is evicted like any other; pins only delay its release), so the stream needs none.
@@ -30,10 +30,10 @@ from typing import Any, cast
 import numpy as np
 
 from attnpolicy.cache.disk_mirror import DiskMirror
+from attnpolicy.cache.eviction_registry import make_eviction
 from attnpolicy.core.bounded_order import BoundedOrder, OrderFigures
 from attnpolicy.core.names import Oversize
 from attnpolicy.errors import GraphTooLargeError
-from attnpolicy.plugins.registry import make_eviction
 
 BELADY = "belady"
 
@@ -79,7 +79,7 @@ class StreamCache(OrderFigures):
     thread (a simulation, a policy's shadow of the cache).
 
     The keys are a :class:`~attnpolicy.core.bounded_order.BoundedOrder` of the
-    registered strategy's structure (:func:`~attnpolicy.plugins.registry.make_eviction`),
+    registered strategy's structure (:func:`~attnpolicy.cache.eviction_registry.make_eviction`),
     the graph cache's own eviction rule, touched as the graph cache touches it;
     ``lru`` and ``fifo`` are kept as their ``OrderedDict`` (``ordered``)."""
 

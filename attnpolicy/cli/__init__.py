@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from attnpolicy import __version__
 from attnpolicy.cli.common import Parser, fail
+from attnpolicy.core.version import __version__
 from attnpolicy.errors import AttnPolicyError
 
 #: Modules under ``attnpolicy.cli`` that add subcommands through ``register(subparsers)``.

@@ -27,7 +27,7 @@ from attnpolicy.cli.common import (
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.names import IMPLS
 
-FLAGS = {"kv_heads": "--kv-heads", "seqs": "--seqs", "partition_len": "--partition-len"}
+BENCH_FLAGS = {"kv_heads": "--kv-heads", "seqs": "--seqs", "partition_len": "--partition-len"}
 
 
 def register(subparsers: Any) -> None:
@@ -71,7 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
         return cmd_model_bench(args)
     args.lengths = args.lengths or BenchSettings().lengths
-    s = settings(BenchSettings, FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
+    s = settings(BenchSettings, BENCH_FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
                  warmup=args.warmup, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, threads=args.threads)
     if args.overhead:

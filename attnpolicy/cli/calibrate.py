@@ -30,7 +30,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.cost_file import FAMILIES, CostFile
 
 DEFAULT_COSTMODEL_PATH = "attnpolicy_costmodel.json"
-FLAGS = {"max_len": "--max-len", "kv_heads": "--kv-heads", "head_dim": "--head-dim", "impl": "--impl",
+CALIBRATE_FLAGS = {"max_len": "--max-len", "kv_heads": "--kv-heads", "head_dim": "--head-dim", "impl": "--impl",
          "partition_len": "--partition-len", "sizes": "--sizes"}
 
 
@@ -99,7 +99,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.clock is not None:
         fail(f"argument --clock: {args.clock}: needs --model SPEC (the attention calls are timed in wall seconds)")
     check_writable("--out", args.out)
-    s = settings(CalibrationSettings, FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+    s = settings(CalibrationSettings, CALIBRATE_FLAGS, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                  dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, backend=args.backend,
                  max_len=args.max_len, repeats=args.repeats, quick=args.quick, threads=args.threads,
                  kernels=args.kernels, sizes=tuple(args.sizes) if args.sizes else None,

@@ -35,7 +35,6 @@ from attnpolicy.workloads.traces import Request
 console = Console(stderr=True)
 T = TypeVar("T")
 #: Bytes are printed in MiB everywhere.
-MIB = 2**20
 
 
 class Parser(argparse.ArgumentParser):
@@ -373,7 +372,7 @@ def policy_options(args: argparse.Namespace, flag: str, policies: Sequence[str],
     """Per-policy options from ``--option`` (over ``base``), each checked by building
     the policy; errors name the flag and the value."""
     from attnpolicy.errors import PolicyError
-    from attnpolicy.plugins.registry import make_policy
+    from attnpolicy.policies.registry import make_policy
 
     check_policies(flag, policies)
     out: dict[str, dict[str, Any]] = {p: dict((base or {}).get(p, {})) for p in policies}
@@ -392,7 +391,7 @@ def policy_options(args: argparse.Namespace, flag: str, policies: Sequence[str],
 
 def check_policies(flag: str, names: Sequence[str]) -> None:
     """Refuse (exit 2, naming ``flag``) a name that is not a registered policy."""
-    from attnpolicy.plugins.registry import policy_registry
+    from attnpolicy.policies.registry import policy_registry
 
     known = policy_registry()
     for name in names:
@@ -401,7 +400,7 @@ def check_policies(flag: str, names: Sequence[str]) -> None:
 
 
 def check_evictions(flag: str, names: Sequence[str], simulation: bool) -> None:
-    from attnpolicy.plugins.registry import eviction_registry
+    from attnpolicy.cache.eviction_registry import eviction_registry
 
     known = set(eviction_registry()) - (set() if simulation else {"belady"})
     for name in names:

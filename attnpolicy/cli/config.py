@@ -11,7 +11,7 @@ from typing import Any
 from attnpolicy.cli.common import command, fail
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.errors import ConfigError
-from attnpolicy.plugins.resolve import validate_names
+from attnpolicy.policies.resolve import validate_names
 
 
 def register(subparsers: Any) -> None:

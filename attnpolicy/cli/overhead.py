@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import torch
 
-from attnpolicy.bench.overhead import BACKENDS, POLICIES, SHAPES, measure_decisions, run_overhead
+from attnpolicy.bench.overhead import OVERHEAD_BACKENDS, OVERHEAD_POLICIES, SHAPES, measure_decisions, run_overhead
 from attnpolicy.cli.common import (
     print_table,
     progress,
@@ -23,7 +23,7 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     per decision on the built-in workload; 1 torch thread unless ``--threads``."""
     threads = args.threads or 1
     repeats = max(args.repeats, 3)
-    n = len(BACKENDS) * len(POLICIES) * len(SHAPES)
+    n = len(OVERHEAD_BACKENDS) * len(OVERHEAD_POLICIES) * len(SHAPES)
     with progress(n, "overhead") as advance:
         rows = run_overhead(threads=threads, advance=lambda: advance(""), heads=args.heads,
                             kv_heads=args.kv_heads, head_dim=args.head_dim, repeats=repeats)
@@ -33,7 +33,7 @@ def cmd_overhead(args: argparse.Namespace) -> int:
                 f"{threads} thread(s), H={args.heads}/{args.kv_heads} D={args.head_dim}, float32)",
                 ("backend", "policy", "batch", "mode", "calls", "bare µs", "attend µs", "overhead µs"),
                 table)
-    decisions = [measure_decisions(policy) for policy in POLICIES]
+    decisions = [measure_decisions(policy) for policy in OVERHEAD_POLICIES]
     print_table(f"time per decision, µs (median over the {decisions[0].decisions} batches of the built-in "
                 "workload; cold: new layouts planned inside the decision, warm: planned before)",
                 ("policy", "cold µs", "warm µs"),

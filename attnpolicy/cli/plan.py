@@ -49,11 +49,19 @@ from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.modelling.peer_buckets import PeerLimits
-from attnpolicy.modelling.peer_coverage import COLUMNS, LEGEND, TITLE, PeerCoverage, peer_coverage, table_rows
+from attnpolicy.modelling.peer_coverage import (
+    PEER_COLUMNS,
+    PEER_LEGEND,
+    PEER_TITLE,
+    PeerCoverage,
+    peer_coverage,
+    table_rows,
+)
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
-    POLICIES,
+    PLAN_EVICTIONS,
+    PLAN_POLICIES,
     GraphPlan,
     ModelPlan,
     evaluated,
@@ -66,17 +74,18 @@ from attnpolicy.planning.graph_set import (
 )
 from attnpolicy.planning.host_settings import GAUDI_FILE, host_settings
 from attnpolicy.planning.sample import SAMPLE, WINDOWS, sample_steps
-from attnpolicy.planning.scheme_comparison import COLUMNS as COMPARISON_COLUMNS
-from attnpolicy.planning.scheme_comparison import LEGEND as COMPARISON_LEGEND
-from attnpolicy.planning.scheme_comparison import TITLE as COMPARISON_TITLE
-from attnpolicy.planning.scheme_comparison import SchemeComparison, plan_whole_requests
+from attnpolicy.planning.scheme_comparison import (
+    COMPARISON_COLUMNS,
+    COMPARISON_LEGEND,
+    COMPARISON_TITLE,
+    SchemeComparison,
+    plan_whole_requests,
+)
 from attnpolicy.planning.scheme_comparison import comparison_table as comparison_rows
 from attnpolicy.planning.warmup_plan import Budget, Grid
 from attnpolicy.report.markdown import table
 from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
-
-EVICTIONS = ("lru", "lfu", "fifo", "cost")
 
 
 def seconds(text: str) -> float:
@@ -117,10 +126,10 @@ def register(subparsers: Any) -> None:
                    help="graph-cache byte budget (the cost model's graph bytes) (default: unbounded)")
     p.add_argument("--warmup-seconds", type=seconds, default=None, metavar="S",
                    help="warm-up budget in modelled compile seconds (default: as many graphs as the capacity holds)")
-    p.add_argument("--policies", type=str_list, default=POLICIES, metavar="P[,P...]",
-                   help=f"stateless policies to plan, the best is chosen (default: {shown(POLICIES)})")
-    p.add_argument("--evictions", type=str_list, default=EVICTIONS, metavar="E[,E...]",
-                   help=f"live eviction strategies to try (default: {shown(EVICTIONS)})")
+    p.add_argument("--policies", type=str_list, default=PLAN_POLICIES, metavar="P[,P...]",
+                   help=f"stateless policies to plan, the best is chosen (default: {shown(PLAN_POLICIES)})")
+    p.add_argument("--evictions", type=str_list, default=PLAN_EVICTIONS, metavar="E[,E...]",
+                   help=f"live eviction strategies to try (default: {shown(PLAN_EVICTIONS)})")
     add_store_args(p)
     p.add_argument("--max-buckets", type=positive_int, default=16, metavar="K",
                    help="most bucket sizes per candidate list, and most vLLM capture sizes in host_settings.json "
@@ -209,7 +218,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model_base = model_config(cost, former.max_model_len, former.max_num_batched_tokens,
                                       max_graphs=args.max_graphs, max_bytes=args.max_bytes)
             with progress(None, "plan --family model") as advance:
-                model_plan = plan_model_graphs(layouts, model_base, cost, family_policies(args, family, POLICIES),
+                model_plan = plan_model_graphs(layouts, model_base, cost, family_policies(args, family, PLAN_POLICIES),
                                                evictions, args.max_buckets, advance, args.align)
         except ConfigError as exc:
             fail(str(exc))
@@ -223,7 +232,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                            "rejected": w.rejected, "workload": w.to_json(), **fields,
                                            **model_plan.to_json(), "peers": [p.to_json() for p in peers]})
         print_model_plan(model_plan, source, args.max_graphs, cost.spec)
-        print_table(TITLE, COLUMNS, table_rows(peers))
+        print_table(PEER_TITLE, PEER_COLUMNS, table_rows(peers))
         print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.json'}, {out / 'host_settings.json'}")
         return 0
     outside = flag_range(model, steps)
@@ -261,7 +270,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_plan(plan, source)
     if note:
         print(note)
-    print_table(TITLE, COLUMNS, table_rows(peers))
+    print_table(PEER_TITLE, PEER_COLUMNS, table_rows(peers))
     print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
           f"{out / 'host_settings.json'}")
     return 0
@@ -273,7 +282,8 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     vllm-gaudi's bucketing file)."""
     why = "with --whole-requests (steps of the batch former, priced by the cost model's step fits)"
     not_taken(args, why, *(name for name in ATTENTION_ONLY if name != "warmup_seconds"))
-    for name, default in (("policies", POLICIES), ("evictions", EVICTIONS), ("align", ALIGN), ("sample", SAMPLE)):
+    for name, default in (("policies", PLAN_POLICIES), ("evictions", PLAN_EVICTIONS), ("align", ALIGN),
+                          ("sample", SAMPLE)):
         value = getattr(args, name)
         if (tuple(value) if isinstance(value, list) else value) != default:
             fail(f"argument --{name}: not taken {why}")
@@ -353,7 +363,7 @@ def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequen
 
 def peers_markdown(peers: Sequence[PeerCoverage]) -> str:
     """The coverage table as the last section of ``plan.md``."""
-    return f"\n## {TITLE}\n\n{LEGEND}\n\n{table(COLUMNS, table_rows(peers))}\n"
+    return f"\n## {PEER_TITLE}\n\n{PEER_LEGEND}\n\n{table(PEER_COLUMNS, table_rows(peers))}\n"
 
 
 def print_model_plan(plan: ModelPlan, source: str, max_graphs: int | None, spec: str) -> None:

@@ -12,15 +12,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from attnpolicy.cache.eviction_registry import eviction_registry
 from attnpolicy.cli.common import command, int_list, positive_int, print_table
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import FALLBACK_MODES, ON_ILLEGAL
 from attnpolicy.errors import ConfigError, LayoutError, PolicyError
-from attnpolicy.plugins.registry import eviction_registry, policy_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
+from attnpolicy.policies.registry import policy_registry
 
 #: The default of ``decide --max-seq-len``: the config's.
 MAX_SEQ_LEN: int = AttnPolicyConfig.model_fields["max_seq_len"].default

@@ -48,7 +48,7 @@ from attnpolicy.report.markdown import first_screen
 #: The least width the first screen is printed at (a pipe's default, 80, splits the table's cells).
 WIDTH = 160
 
-FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
+REPORT_FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seqs": "--bench-lengths",
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
          "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets",
          "model": "--model", "model_cost": "--model-cost", "model_lengths": "--model-lengths",
@@ -111,10 +111,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     options = policy_options(args, "--policies", args.policies)
     check_evictions("--evictions", args.evictions, simulation=True)
     requests = workload(args, former)
-    bench = settings(BenchSettings, FLAGS, lengths=tuple(args.bench_lengths), repeats=args.bench_repeats)
-    calibration = settings(partial(dataclasses.replace, ReportSettings().calibration), FLAGS,
+    bench = settings(BenchSettings, REPORT_FLAGS, lengths=tuple(args.bench_lengths), repeats=args.bench_repeats)
+    calibration = settings(partial(dataclasses.replace, ReportSettings().calibration), REPORT_FLAGS,
                            sizes=tuple(args.calibrate_sizes))
-    s = settings(ReportSettings, FLAGS, out=Path(args.out), trace=args.trace, limit=args.limit,
+    s = settings(ReportSettings, REPORT_FLAGS, out=Path(args.out), trace=args.trace, limit=args.limit,
                  policies=tuple(args.policies), capacities=tuple(args.capacities), evictions=tuple(args.evictions),
                  buckets=tuple(args.buckets) or ("pow2",), max_bytes=tuple(args.max_bytes or (None,)),
                  workers=args.workers,

@@ -10,7 +10,6 @@ from attnpolicy.bench.calibration_cache import Provenance
 from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_model, run_workload, serve_model
 from attnpolicy.bench.settings import BENCH_DTYPES
 from attnpolicy.cli.common import (
-    MIB,
     add_cost_args,
     add_option_arg,
     add_spec_args,
@@ -43,6 +42,7 @@ from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
 from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
+from attnpolicy.report.units import MIB
 from attnpolicy.workloads.batching import BatchFormer
 
 DEFAULTS = AttnPolicyConfig.model_fields

@@ -9,7 +9,6 @@ from typing import Any, Protocol, TypeVar
 from attnpolicy.bench.calibration_cache import Provenance, resolve
 from attnpolicy.bench.settings import CalibrationSettings
 from attnpolicy.cli.common import (
-    MIB,
     add_capacities_arg,
     add_cost_args,
     add_option_arg,
@@ -58,13 +57,14 @@ from attnpolicy.modelling.simulation import (
 )
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.report.plots import plot_sweep
+from attnpolicy.report.units import MIB
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.layout_stream import LayoutRun, read_layout_stream, select_run
 from attnpolicy.workloads.traces import Request, TraceError, load_trace
 
-POLICIES = ("always-mask", "dynamic", "varlen", "cost-aware")
-CAPACITIES = (2, 4, 8, 16)
-EVICTIONS = ("lru", "belady")
+SIMULATE_POLICIES = ("always-mask", "dynamic", "varlen", "cost-aware")
+SIMULATE_CAPACITIES = (2, 4, 8, 16)
+SIMULATE_EVICTIONS = ("lru", "belady")
 #: Worker processes of a sweep (this machine has 2 cores).
 WORKERS = 2
 
@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
                 "attnpolicy simulate --limit 20 --policies dynamic,varlen --capacities 4,inf",
                 cmd_simulate)
     add_workload_args(s)
-    add_sweep_args(s, POLICIES, CAPACITIES, EVICTIONS, ())
+    add_sweep_args(s, SIMULATE_POLICIES, SIMULATE_CAPACITIES, SIMULATE_EVICTIONS, ())
     add_store_args(s)
     add_cost_args(s)
     s.add_argument("--config", metavar="PATH",
@@ -335,7 +335,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if family == "model":
         max_len, tokens = former.max_model_len, former.max_num_batched_tokens
         layouts, model_rows = model_sweep(
-            args, POLICIES, steps, cost, provenance, fields,
+            args, SIMULATE_POLICIES, steps, cost, provenance, fields,
             lambda policy: [model_config(cost, max_len, tokens, policy=policy, max_graphs=capacity,
                                          max_bytes=max_bytes, buckets=bucket_scheme(scheme, max_len, tokens).buckets)
                             for scheme in args.buckets or ("pow2",) for capacity in args.capacities

@@ -49,8 +49,8 @@ from attnpolicy.modelling.stalls import (
     warm_layouts,
 )
 
-POLICIES = ("varlen",)
-CAPACITIES = (8, 16, None)
+STALLS_POLICIES = ("varlen",)
+STALLS_CAPACITIES = (8, 16, None)
 WARM = ("none", "prefix:20", "all")
 
 
@@ -61,8 +61,8 @@ def register(subparsers: Any) -> None:
                 "model compile stalls per batch: synchronous compiles against background compiles with pad-up",
                 "attnpolicy stalls --limit 100 --capacities 8,inf --warm prefix:20", cmd_stalls)
     add_workload_args(s)
-    add_policies_arg(s, POLICIES)
-    add_capacities_arg(s, CAPACITIES)
+    add_policies_arg(s, STALLS_POLICIES)
+    add_capacities_arg(s, STALLS_CAPACITIES)
     s.add_argument("--warm", type=str_list, default=WARM, metavar="W[,W...]",
                    help="warm-up sets: 'none', 'all' (every key the workload uses) or 'prefix:N' (the keys "
                         f"of its first N batches) (default: {shown(WARM)})")
@@ -110,7 +110,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
     if family == "model":
         switch = {} if args.switch_after is None else {"switch_after": args.switch_after}
         layouts, model_rows = model_sweep(
-            args, POLICIES, steps, cost, provenance, fields,
+            args, STALLS_POLICIES, steps, cost, provenance, fields,
             lambda policy: [model_config(cost, former.max_model_len, former.max_num_batched_tokens, policy=policy,
                                          max_graphs=capacity, **switch) for capacity in args.capacities],
             lambda layouts, configs: compare_model_stalls(layouts, cost, configs))

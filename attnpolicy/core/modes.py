@@ -62,6 +62,10 @@ class CallKind(str, Enum):
         return self.value
 
 
+#: Every call kind, in the order the planner codes them.
+CALL_KINDS: tuple[CallKind, ...] = tuple(CallKind)
+
+
 def why_not_causal(layout: BatchLayout) -> str | None:
     """The legality rule: ``None`` when CAUSAL computes the right answer for
     ``layout`` (one unpadded causal sequence without cached context), else a short

@@ -1,6 +1,6 @@
 """Background compiles (``compile_mode="background"``) of any graph family: a miss is
 served by a larger resident graph (the family's pad-up) or, for a family that
-:attr:`~attnpolicy.graphs.family.GraphFamily.eager_misses`, uncompiled, while its own
+:attr:`~attnpolicy.dispatch.family.GraphFamily.eager_misses`, uncompiled, while its own
 graph compiles in a worker thread; it enters the cache exactly ``switch_after`` batches
 after it was requested. The :class:`Worker` (one thread) loads a graph from the store
 when it is there instead of compiling it."""
@@ -14,10 +14,10 @@ from time import perf_counter
 from typing import Any, Generic, NamedTuple
 
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.dispatch.family import K, R
 from attnpolicy.dispatch.graph_source import GraphSource, count_violation
 from attnpolicy.dispatch.stats import BackgroundStats
 from attnpolicy.errors import GraphCompileError
-from attnpolicy.graphs.family import K, R
 
 #: The worker thread's name prefix of the attention-call runtime.
 COMPILE_THREAD = "attnpolicy-compile"

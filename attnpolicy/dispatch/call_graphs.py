@@ -14,10 +14,10 @@ from typing import Any, cast
 
 import torch
 
-from attnpolicy.cache.code_identity import graph_code
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.code_identity import graph_code
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch.batch_plan import Planned, WarmCall
@@ -49,7 +49,7 @@ _ONE_ROW = BatchLayout.from_lens([1])
 
 
 class CallFamily:
-    """The graphs of attention calls (:class:`~attnpolicy.graphs.family.GraphFamily`).
+    """The graphs of attention calls (:class:`~attnpolicy.dispatch.family.GraphFamily`).
 
     ``builder``: a custom builder (the simulator's), else :meth:`compile`, by the compiler
     ``config.backend`` names with ``config.backend_options``; with a custom builder
@@ -342,7 +342,7 @@ class CallSource(GraphSource[GraphKey, CallRequest]):
 
 def code_hash_of(impl: str) -> tuple[str | None, str]:
     """``(code_hash, "")`` of graphs of kernel ``impl``: attnpolicy's graph code
-    (:func:`~attnpolicy.cache.code_identity.graph_code`) and, for a plugin kernel, its
+    (:func:`~attnpolicy.core.code_identity.graph_code`) and, for a plugin kernel, its
     own (:func:`~attnpolicy.plugins.kernels.kernel_code`); ``(None, why)`` when the
     plugin kernel's has no stable identity."""
     try:

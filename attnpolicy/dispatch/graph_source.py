@@ -1,4 +1,4 @@
-"""Where a runtime's graphs come from, for any :class:`~attnpolicy.graphs.family.GraphFamily`:
+"""Where a runtime's graphs come from, for any :class:`~attnpolicy.dispatch.family.GraphFamily`:
 the bounded graph cache, the family's builder on a miss, the store it loads from, strict
 mode after warm-up (and the loads after warm-up it allows), and the stalls synchronous
 builds and loads cost."""
@@ -16,9 +16,9 @@ from typing import Any, Generic
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.dispatch.family import GraphFamily, K, R
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import GraphCompileError, KernelError, StrictModeError
-from attnpolicy.graphs.family import GraphFamily, K, R
 
 
 class GraphSource(Generic[K, R]):

@@ -51,6 +51,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from attnpolicy.cache.eviction_registry import make_eviction
 from attnpolicy.cache.graph_cache import GraphCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
@@ -64,7 +65,6 @@ from attnpolicy.dispatch.warm_set import WarmSets
 from attnpolicy.errors import ConfigError, GraphCompileError, PolicyError
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.plugins.observers import Observers
-from attnpolicy.plugins.registry import make_eviction
 from attnpolicy.policies.guard import Guard
 
 log = logging.getLogger("attnpolicy.dispatch")

@@ -16,7 +16,7 @@ What each mode's graph is (real rows packed back to back, layout padding dropped
 
 Inside a graph attention is a plain kernel call (:func:`attnpolicy.kernels.attention.bind`,
 ``sdpa``) on the graph's inputs; the Python dispatcher is not involved. The model's
-attention implementation is :data:`NAME`, registered with transformers'
+attention implementation is :data:`STATIC_ATTENTION`, registered with transformers'
 ``AttentionInterface`` (no mask function: HF builds no mask, the 4-D mask arrives as-is).
 A graph padded up serves a key it dominates (:func:`dominates`); a stored graph is
 keyed by the model's code and config (:func:`model_code`).
@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from attnpolicy.cache.code_identity import graph_code, module_code
 from attnpolicy.cache.disk_store import ArtifactIdentity, DiskStore, source_hash
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.code_identity import graph_code, module_code
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes
 from attnpolicy.errors import ConfigError
@@ -43,7 +43,7 @@ from attnpolicy.kernels.attention import bind
 from attnpolicy.plugins.compilers import resolve_compiler, why_unstored
 
 #: The attention implementation name the runner gives the model.
-NAME = "attnpolicy-static"
+STATIC_ATTENTION = "attnpolicy-static"
 #: The keyword argument that carries a VARLEN graph's segments to the attention calls.
 SEGMENTS_KWARG = "attnpolicy_segments"
 #: The keyword argument that carries a step's cached context (:class:`Past`) to the attention calls.
@@ -116,10 +116,10 @@ def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 
 def register() -> None:
-    """Register :func:`static_attention` with transformers as :data:`NAME` (idempotent)."""
+    """Register :func:`static_attention` with transformers as :data:`STATIC_ATTENTION` (idempotent)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, static_attention)
+    AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 
 def _causal_forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def model_code(model: torch.nn.Module, config: str, dtype: torch.dtype,
     """``(code_hash, "")`` of ``model``'s stored graphs: attnpolicy's graph code (the
     kernels every attention call binds), this module, the model's module with the
     modules of its package it reaches and that package's installed version
-    (:mod:`~attnpolicy.cache.code_identity`), the model ``config`` (its JSON), dtype and device;
+    (:mod:`~attnpolicy.core.code_identity`), the model ``config`` (its JSON), dtype and device;
     ``(None, why)`` when the model's code has no source to hash."""
     try:
         return source_hash(graph_code(), sys.modules[__name__], module_code(type(model).__module__),
@@ -269,7 +269,7 @@ class WholeModelGraphs:
 
 
 class ModelFamily(WholeModelGraphs):
-    """The whole-model prefill graphs of ``model`` (:class:`~attnpolicy.graphs.family.GraphFamily`),
+    """The whole-model prefill graphs of ``model`` (:class:`~attnpolicy.dispatch.family.GraphFamily`),
     keyed by :class:`ModelKey`, built from a placed batch's inputs.
 
     With ``config.store_dir`` every graph on a backend (not ``"none"``) of a model whose

@@ -50,7 +50,7 @@ from attnpolicy.core.modes import Decision, MaskMode, check_legal
 from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.dispatch.stats import BackgroundStats, Counters, RuntimeStats
-from attnpolicy.engine.graph_family import NAME, Inputs, ModelFamily, register
+from attnpolicy.engine.graph_family import STATIC_ATTENTION, Inputs, ModelFamily, register
 from attnpolicy.engine.keys import ModelKey, StepKey, contexts, model_key_for, segment, step_key_for, why_illegal_step
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.step_family import StepFamily, StepInputs
@@ -145,7 +145,7 @@ class StaticModelRunner:
     """Serves packed batches through whole-model graphs, one per :class:`ModelKey`.
 
     ``model`` is an HF causal LM (its attention implementation is switched to
-    :data:`NAME`; the weights are not copied). ``config`` gives the policy (and its
+    :data:`STATIC_ATTENTION`; the weights are not copied). ``config`` gives the policy (and its
     guard), the buckets (``max_seq_len`` bounds a sequence's bucket,
     ``max_batch_tokens`` a MASK graph's), the backend, the cache's bounds and
     eviction, ``strict`` and ``compile_mode`` (``"background"``: a miss runs padded up
@@ -171,7 +171,7 @@ class StaticModelRunner:
             raise ConfigError(f"model must be an HF transformers model with a config, got {type(model).__name__}")
         register()
         c: Any = model.config
-        c._attn_implementation = NAME
+        c._attn_implementation = STATIC_ATTENTION
         self.model = model.eval()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

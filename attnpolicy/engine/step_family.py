@@ -58,7 +58,7 @@ def _step_forward(model: torch.nn.Module, segments: tuple[tuple[int, int], ...] 
 
 
 class StepFamily(WholeModelGraphs):
-    """The step graphs of ``model`` (:class:`~attnpolicy.graphs.family.GraphFamily`),
+    """The step graphs of ``model`` (:class:`~attnpolicy.dispatch.family.GraphFamily`),
     keyed by :class:`StepKey`, built from a placed step's inputs; stored (in ``store``,
     beside the prefill graphs), loaded and padded up as they are."""
 

@@ -60,7 +60,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec, check_kv_heads
 
-FORMAT_VERSION: Final = 1
+COST_MODEL_VERSION: Final = 1
 DEFAULT_RESOURCE = "default_costmodel.json"
 
 #: The largest coefficient or measured value of a cost-model file: seconds (a trillion
@@ -200,7 +200,7 @@ class CostModel(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: Literal[1] = FORMAT_VERSION
+    version: Literal[1] = COST_MODEL_VERSION
     dtype: DType = "float32"
     heads: Size = 8
     kv_heads: Size = 8
@@ -338,7 +338,7 @@ class CostModel(BaseModel):
     @classmethod
     def from_json(cls, text: str, source: str) -> CostModel:
         """Parse and validate a model's JSON; errors are :class:`ConfigError` naming ``source``."""
-        return jsonfile.parse(cls, text, source, "cost model", FORMAT_VERSION, strict=True)
+        return jsonfile.parse(cls, text, source, "cost model", COST_MODEL_VERSION, strict=True)
 
     @classmethod
     def default(cls) -> CostModel:

@@ -13,7 +13,7 @@ import torch
 from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
-from attnpolicy.core.names import IMPLS
+from attnpolicy.core.names import DTYPES, IMPLS
 from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.flexgraph import FlexGraph
@@ -217,7 +217,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
 
 
 #: The dtypes attention computes in (fp16/bf16/fp32 in fp32, fp64 in fp64).
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TORCH_DTYPES = tuple(getattr(torch, name) for name in DTYPES)
 
 
 def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout) -> bool:
@@ -227,7 +227,7 @@ def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout
     qs, ks = q.shape, k.shape
     return (len(qs) == 3 and len(ks) == 3 and ks == v.shape and qs[0] == layout.q_tokens
             and ks[0] == layout.kv_tokens and qs[2] == ks[2] and ks[1] > 0 and qs[2] > 0
-            and qs[1] % ks[1] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
+            and qs[1] % ks[1] == 0 and q.dtype == k.dtype == v.dtype and q.dtype in TORCH_DTYPES
             and q.device == k.device == v.device)
 
 
@@ -243,9 +243,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise LayoutError(f"{name} must be a 3-D tensor [tokens, heads, head_dim], got {shape}")
-        if t.dtype not in DTYPES:
+        if t.dtype not in TORCH_DTYPES:
             raise LayoutError(f"{name} has dtype {t.dtype}; attention takes "
-                              f"{', '.join(str(d) for d in DTYPES)}")
+                              f"{', '.join(str(d) for d in TORCH_DTYPES)}")
         if t.shape[1] < 1 or t.shape[2] < 1:
             raise LayoutError(f"{name} must have at least one head and head_dim >= 1, got shape {tuple(t.shape)}")
     if k.shape != v.shape:

@@ -11,7 +11,7 @@ from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.keys import Call, TensorSpec
 from attnpolicy.plugins.kernels import (
-    KINDS,
+    KERNEL_KINDS,
     KernelInfo,
     check_kernel_names,
     get_kernel,
@@ -42,7 +42,7 @@ class KernelChoice:
         compiled (backend other than ``none``); ``measured``: seconds per call kind and
         kernel from ``calibrate --kernels``, for ``auto``."""
         check_kernel_names(dict(kernels))
-        self._choice = {f: kernels.get(f, default) for f in KINDS}
+        self._choice = {f: kernels.get(f, default) for f in KERNEL_KINDS}
         self._compiled = compiled
         self._measured = measured or {}
         self._chosen: dict[tuple[CallKind, bool, bool, TensorSpec], str] = {}

@@ -11,10 +11,10 @@ import logging
 import os
 from collections.abc import Mapping
 
-from attnpolicy.config import FORMAT_VERSION, AttnPolicyConfig
+from attnpolicy.config import CONFIG_VERSION, AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError, PolicyError
-from attnpolicy.plugins.resolve import check_policy_name
+from attnpolicy.policies.resolve import check_policy_name
 
 CONFIG_ENV = "ATTNPOLICY_CONFIG"
 POLICY_ENV = "ATTNPOLICY_POLICY"
@@ -54,4 +54,4 @@ def from_env(environ: Mapping[str, str] | None = None) -> AttnPolicyConfig:
 
 
 def _validate(data: object, source: str) -> AttnPolicyConfig:
-    return jsonfile.validate(AttnPolicyConfig, data, source, "config", FORMAT_VERSION)
+    return jsonfile.validate(AttnPolicyConfig, data, source, "config", CONFIG_VERSION)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.config import FORMAT_VERSION, AttnPolicyConfig
+from attnpolicy.config import CONFIG_VERSION, AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision
@@ -98,7 +98,7 @@ def fit_to_runtime(config: AttnPolicyConfig, limits: RuntimeLimits, source: str 
     if not fields:
         return config
     data = {**config.model_dump(mode="json", exclude_unset=True), **fields}
-    return jsonfile.validate(AttnPolicyConfig, data, f"{source} fitted to {limits}", "config", FORMAT_VERSION)
+    return jsonfile.validate(AttnPolicyConfig, data, f"{source} fitted to {limits}", "config", CONFIG_VERSION)
 
 
 def layout_stream(dispatcher: Dispatcher, spec: TensorSpec, limits: RuntimeLimits | None = None,

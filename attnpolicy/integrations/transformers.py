@@ -39,7 +39,7 @@ from attnpolicy.integrations.runtime import dispatcher_for, install_decision_log
 
 log = logging.getLogger(__name__)
 
-NAME = "attnpolicy"
+ATTENTION_NAME = "attnpolicy"
 _UNSUPPORTED_KWARGS = ("position_bias", "cache")
 
 _dispatcher: Dispatcher | None = None
@@ -57,8 +57,8 @@ def register(config: AttnPolicyConfig | None = None) -> Dispatcher:
 
     global _dispatcher
     _dispatcher = dispatcher_for(config if config is not None else from_env())
-    AttentionInterface.register(NAME, dispatched_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionInterface.register(ATTENTION_NAME, dispatched_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     install_decision_log()
     return _dispatcher
 

@@ -135,7 +135,7 @@ def register() -> None:
         return
     from attnpolicy.integrations.environment import from_env
     from attnpolicy.integrations.runtime import install_decision_log
-    from attnpolicy.plugins.resolve import validate_names
+    from attnpolicy.policies.resolve import validate_names
 
     validate_names(from_env())
     slots = platform_slots()

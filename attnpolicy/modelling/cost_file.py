@@ -28,7 +28,7 @@ from typing import Any, Final, Literal
 
 from attnpolicy.core import jsonfile
 from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.costmodel import FORMAT_VERSION, CostModel
+from attnpolicy.graphs.costmodel import COST_MODEL_VERSION, CostModel
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 
 #: The key of a file's whole-model section.
@@ -70,7 +70,7 @@ class CostFile:
         return replace(self, model=model)
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = ({"version": FORMAT_VERSION} if self.attention is None
+        data: dict[str, Any] = ({"version": COST_MODEL_VERSION} if self.attention is None
                                 else self.attention.model_dump(mode="json"))
         if self.model is not None:
             data[MODEL_SECTION] = self.model.model_dump(mode="json")
@@ -96,15 +96,15 @@ class CostFile:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
         if "dims" in data and "mask_build" not in data:  # an earlier attnpolicy's whole-model file
-            return cls(model=jsonfile.validate(ModelCostModel, data, source, "model cost model", FORMAT_VERSION,
+            return cls(model=jsonfile.validate(ModelCostModel, data, source, "model cost model", COST_MODEL_VERSION,
                                                strict=True))
         section = data.get(MODEL_SECTION)
         model = None if section is None else jsonfile.validate(
-            ModelCostModel, section, f"{source} (section {MODEL_SECTION})", "model cost model", FORMAT_VERSION,
+            ModelCostModel, section, f"{source} (section {MODEL_SECTION})", "model cost model", COST_MODEL_VERSION,
             strict=True)
         rest = {k: v for k, v in data.items() if k not in (MODEL_SECTION, "version")}
         attention = None if not rest else jsonfile.validate(
-            CostModel, {k: v for k, v in data.items() if k != MODEL_SECTION}, source, "cost model", FORMAT_VERSION,
+            CostModel, {k: v for k, v in data.items() if k != MODEL_SECTION}, source, "cost model", COST_MODEL_VERSION,
             strict=True)
         if attention is None and model is None:
             raise ConfigError(f"cost model {source} holds no fits: run attnpolicy calibrate --out {source}")

@@ -104,18 +104,18 @@ def peer_coverage(forwards: WorkloadForwards,
 
 
 #: The coverage table's title and columns (:func:`table_rows` gives its cells).
-TITLE = "The runtimes' warm-up sets on this workload"
-COLUMNS = ("warm-up set", "graphs", "prefill / decode / mixed", "used", "forwards", "unserved (shapes)", "padding")
+PEER_TITLE = "The runtimes' warm-up sets on this workload"
+PEER_COLUMNS = ("warm-up set", "graphs", "prefill / decode / mixed", "used", "forwards", "unserved (shapes)", "padding")
 #: What the table's columns mean (under the table in plan.md).
-LEGEND = ("Each engine step as vllm-gaudi, vllm-rbln and tpu-inference run it: their default warm-up sets, then "
-          "the sets host_settings.json gives them (`-plan`). *unserved*: forwards no warm-up graph holds (the "
-          "runtime compiles at run time; in brackets their distinct shapes, at most that many compiles since a "
-          "graph compiled for one serves the smaller ones after it); *padding*: rows the serving graphs compute "
-          "beyond the tokens, per token. Counted, not modelled.")
+PEER_LEGEND = ("Each engine step as vllm-gaudi, vllm-rbln and tpu-inference run it: their default warm-up sets, then "
+               "the sets host_settings.json gives them (`-plan`). *unserved*: forwards no warm-up graph holds (the "
+               "runtime compiles at run time; in brackets their distinct shapes, at most that many compiles since a "
+               "graph compiled for one serves the smaller ones after it); *padding*: rows the serving graphs compute "
+               "beyond the tokens, per token. Counted, not modelled.")
 
 
 def table_rows(rows: Sequence[PeerCoverage]) -> list[tuple[str, ...]]:
-    """``rows`` as the cells of :data:`COLUMNS` (the printed table and the Markdown one)."""
+    """``rows`` as the cells of :data:`PEER_COLUMNS` (the printed table and the Markdown one)."""
     return [(r.scheme, f"refused: {r.refused}", "", "", "", "", "") if r.refused is not None else
             (r.scheme, str(r.graphs), f"{r.prefill_graphs} / {r.decode_graphs} / {r.mixed_graphs}",
              str(r.graphs_used), str(r.forwards), f"{r.unserved} ({r.unserved_shapes})", f"{r.padding:.1%}")

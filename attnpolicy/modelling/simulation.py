@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from attnpolicy.cache.eviction_registry import eviction_registry
 from attnpolicy.cache.graph_cache import CacheStats, GraphCache
 from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_stream
 from attnpolicy.config import AttnPolicyConfig
@@ -72,7 +73,6 @@ from attnpolicy.modelling.bucket_schemes import BucketScheme, base_scheme
 from attnpolicy.modelling.streams import KeyStream
 from attnpolicy.modelling.tiers import StoredRuns, StoreFigures, StoreModel, row_json
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
-from attnpolicy.plugins.registry import eviction_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch

@@ -42,6 +42,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.dispatch import Dispatcher
 from attnpolicy.dispatch.background import Background
+from attnpolicy.dispatch.family import K
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.dispatch.stats import Counters, StallStats, stall_stats
 from attnpolicy.engine.graph_family import ModelFamily
@@ -49,7 +50,6 @@ from attnpolicy.engine.keys import ModelKey
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.graphs.family import K
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.modelling.simulation import SimulatedGraph, decided_modes, key_stream, simulated, spec_of
 from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option, row_json
@@ -331,7 +331,7 @@ class ModelStallRow:
 
 
 class ModelledGraphs:
-    """The runner's whole-model graphs (a :class:`~attnpolicy.graphs.family.GraphFamily`)
+    """The runner's whole-model graphs (a :class:`~attnpolicy.dispatch.family.GraphFamily`)
     on ``model``'s clock: :class:`~attnpolicy.engine.graph_family.ModelFamily`'s rows,
     pad-up and eager misses, nothing compiled (a key stands for its graph, built at
     once: the cache records ``model``'s compile seconds), nothing stored."""

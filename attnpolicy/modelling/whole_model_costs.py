@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -46,14 +46,21 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
 from attnpolicy.engine.keys import ModelKey, StepKey, estimate_bytes, step_estimate_bytes
 from attnpolicy.errors import ConfigError
-from attnpolicy.graphs.costmodel import MAX_SIZE, Coefficient, Positive, Size, check_run_fits, nonnegative_fit
+from attnpolicy.graphs.costmodel import (
+    COST_MODEL_VERSION,
+    MAX_SIZE,
+    Coefficient,
+    Positive,
+    Size,
+    check_run_fits,
+    nonnegative_fit,
+)
 
-FORMAT_VERSION: Final = 1
 #: A step graph's cached context columns: 0 up to :data:`~attnpolicy.graphs.costmodel.MAX_SIZE`.
 Context = Annotated[int, Field(strict=True, ge=0, le=MAX_SIZE)]
 #: The modes a model cost model covers, as JSON keys.
 Mode = Literal["causal", "mask", "varlen"]
-MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
+MODEL_COST_MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
 
 
 #: A feature of a fit: one value, or an array of them priced elementwise.
@@ -150,16 +157,16 @@ class StepSample(BaseModel):
 
 def every_mode(fits: dict[Mode, ModelFit]) -> dict[Mode, ModelFit]:
     """``fits`` when it holds a fit of every mode; else ``ValueError`` naming those missing."""
-    missing = [m for m in MODES if m not in fits]
+    missing = [m for m in MODEL_COST_MODES if m not in fits]
     if missing:
-        raise ValueError(f"needs a fit of every mode ({', '.join(MODES)}); missing: {', '.join(missing)}")
+        raise ValueError(f"needs a fit of every mode ({', '.join(MODEL_COST_MODES)}); missing: {', '.join(missing)}")
     return fits
 
 
 def positive_runs(fits: dict[Mode, ModelFit]) -> dict[Mode, ModelFit]:
     """``fits`` (run seconds, every mode) when each predicts a call of one token to take time
     (:func:`~attnpolicy.graphs.costmodel.check_run_fits`)."""
-    check_run_fits({mode: fits[mode].at(1, 0, 1) for mode in MODES})
+    check_run_fits({mode: fits[mode].at(1, 0, 1) for mode in MODEL_COST_MODES})
     return fits
 
 
@@ -219,7 +226,7 @@ class ModelCostModel(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: Literal[1] = FORMAT_VERSION
+    version: Literal[1] = COST_MODEL_VERSION
     spec: str
     #: the architecture calibrated, as HF's ``model_type`` (``None``: not recorded by the calibration)
     model_type: str | None = None

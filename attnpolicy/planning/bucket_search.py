@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import CallKind, MaskMode
+from attnpolicy.core.modes import CALL_KINDS, CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.costmodel import CostModel, Fit
@@ -45,15 +45,14 @@ from attnpolicy.graphs.costmodel import CostModel, Fit
 #: strides (8 below 256 tokens, 16 from 256) and the planner's historical grid.
 ALIGN = 16
 #: Call kinds in the order of :attr:`CallShapes.kind` codes.
-KINDS: tuple[CallKind, ...] = (CallKind.CAUSAL, CallKind.MASK, CallKind.VARLEN)
-_CODE = {kind: code for code, kind in enumerate(KINDS)}
+_CODE = {kind: code for code, kind in enumerate(CALL_KINDS)}
 
 
 @dataclass(frozen=True)
 class CallShapes:
     """Exact (unbucketed) call shapes with their counts, one entry per distinct shape."""
 
-    kind: np.ndarray  # int codes into KINDS
+    kind: np.ndarray  # int codes into CALL_KINDS
     q: np.ndarray
     kv: np.ndarray
     count: np.ndarray
@@ -84,7 +83,7 @@ class CallShapes:
         parts = self.__dict__.get("_parts")
         if parts is None:
             parts = [(code, self.q[sel], self.kv[sel], self.count[sel])
-                     for code in range(len(KINDS)) if (sel := self.kind == code).any()]
+                     for code in range(len(CALL_KINDS)) if (sel := self.kind == code).any()]
             object.__setattr__(self, "_parts", parts)
         return parts
 
@@ -111,7 +110,7 @@ class PlanCost:
 def _fits(model: CostModel, which: str) -> list[Fit]:
     """The run or compile fits (``which``) of the call kinds, in code order."""
     fits = getattr(model, which)
-    return [fits[kind.value] for kind in KINDS]
+    return [fits[kind.value] for kind in CALL_KINDS]
 
 
 def _coefficients(model: CostModel, which: str) -> np.ndarray:
@@ -160,7 +159,7 @@ def candidates(shapes: CallShapes, align: int, limits: Mapping[CallKind, int] | 
     over = np.flatnonzero(up[1] < shapes.kv)
     if over.size:
         i = int(over[0])
-        raise ConfigError(f"a {KINDS[int(shapes.kind[i])].value} call of length {int(shapes.kv[i])} is above "
+        raise ConfigError(f"a {CALL_KINDS[int(shapes.kind[i])].value} call of length {int(shapes.kv[i])} is above "
                           f"its family's limit {int(cap[i])}")
     return np.unique(np.concatenate(up))
 
@@ -178,7 +177,7 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     term counts ``kv`` unpadded, so the sum never exceeds the true cost. Compiles:
     one key per call kind and bucket of square shapes, and one rectangular key
     (``q`` bucket at least 1) per call kind and kv bucket with no square key."""
-    m, nf = cand.size, len(KINDS)
+    m, nf = cand.size, len(CALL_KINDS)
     slot_q = np.searchsorted(cand, shapes.q) + 1
     slot_kv = np.searchsorted(cand, shapes.kv) + 1
     square = shapes.q == shapes.kv
@@ -300,8 +299,8 @@ class _Priced:
         total += (per.count * Fit.formula(base, cell, token, bq, bkv)).sum(axis=1)
         if self.comp is None:
             return list(total.tolist())
-        graphs = len(KINDS) * k * k
-        used = np.bincount((((row * len(KINDS) + per.kind) * k + iq) * k + ikv).ravel(),
+        graphs = len(CALL_KINDS) * k * k
+        used = np.bincount((((row * len(CALL_KINDS) + per.kind) * k + iq) * k + ikv).ravel(),
                            minlength=t * graphs).reshape(t, graphs) > 0
         used |= np.bincount((self.kind * k + index[0]) * k + index[1], weights=~switch, minlength=graphs) > 0
         cb, cc, ct = self.comp.T[:, None, :, None, None]

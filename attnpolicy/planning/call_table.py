@@ -35,7 +35,7 @@ import numpy as np
 from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import CallKind, MaskMode
+from attnpolicy.core.modes import CALL_KINDS, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.batch_cost import BatchCost
@@ -49,7 +49,6 @@ from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
 #: Call kinds by the codes of :attr:`CallTable.kind`.
-KINDS: tuple[CallKind, ...] = (CallKind.CAUSAL, CallKind.MASK, CallKind.VARLEN)
 _CAUSAL, _MASK, _VARLEN = range(3)
 _MODES = tuple(MaskMode)
 _MODE_CODE = {m: i for i, m in enumerate(_MODES)}
@@ -203,7 +202,7 @@ class CallTable:
         kernels = KernelChoice(config.kernels, config.attn_impl or "sdpa", compiled=config.backend != "none",
                                measured=getattr(model, "kernel_seconds", None))
         kind = (fam * 2 + self.causal[rows]) * 2 + self.context[rows]
-        kinds = len(KINDS) * 4
+        kinds = len(CALL_KINDS) * 4
         first_of = np.full(kinds, rows.size)
         np.minimum.at(first_of, kind, np.arange(rows.size))
         impl_of = np.zeros(kinds, dtype=np.int64)
@@ -219,7 +218,7 @@ class CallTable:
         # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
         # unless there are no tables or so many buckets that the count would outweigh a sort
         sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
-        span = 2 * len(KINDS) * len(impls) * sizes.size ** 2 if sizes is not None else 0
+        span = 2 * len(CALL_KINDS) * len(impls) * sizes.size ** 2 if sizes is not None else 0
         if sizes is None or span > max(4 * crow.size, 1 << 16):
             ids, first_at = _first_order(key_kind[crow] << 48 | qb[rc] << 24 | kvb[rc])
         else:
@@ -252,7 +251,7 @@ class CallTable:
     def _call(self, r: int, qb: int, kvb: int) -> tuple[Call, BatchLayout]:
         """Row ``r`` as a call with buckets ``qb``, ``kvb``, and its step's layout."""
         layout = self.layouts[int(self.step[r])]
-        call = Call(KINDS[self.kind[r]], 0, int(self.q[r]), 0, int(self.kv[r]), qb, kvb, bool(self.causal[r]))
+        call = Call(CALL_KINDS[self.kind[r]], 0, int(self.q[r]), 0, int(self.kv[r]), qb, kvb, bool(self.causal[r]))
         return call, layout
 
     def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,

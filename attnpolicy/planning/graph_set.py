@@ -48,7 +48,7 @@ from typing import Any
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import CallKind, MaskMode
+from attnpolicy.core.modes import CALL_KINDS, CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel, Fit
@@ -64,21 +64,23 @@ from attnpolicy.modelling.simulation import (
     spec_of,
 )
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
-from attnpolicy.planning.bucket_search import ALIGN, KINDS, CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import ALIGN, CallShapes, PlanCost, evaluate, plan_sizes
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import ScheduledBatch, Workload
 
 #: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
-POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
+PLAN_POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
+#: The live eviction strategies a plan tries by default.
+PLAN_EVICTIONS = ("lru", "lfu", "fifo", "cost")
 #: Candidates simulated with every eviction strategy (after LRU ranked them).
 FINALISTS = 3
 #: Compile-cost weights of the planner's candidate lists (see :func:`candidate_lists`).
 COMPILE_WEIGHTS = (1, 8, 64)
 #: After warm-up a compile is a strict-mode *warning*: traffic the trace did not hold
 #: (or a warm set smaller than the plan) compiles and is counted, never refused.
-STRICT = "warn"
+PLAN_STRICT = "warn"
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def plannable(policy: str, base: AttnPolicyConfig) -> Guard:
     guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal, fallback=MaskMode(base.fallback_mode))
     if not guard.stateless:
         raise ConfigError(f"policy {policy!r} decides from the cache state: its graph set cannot be planned "
-                          f"from the trace; plan a stateless policy ({', '.join(POLICIES)})")
+                          f"from the trace; plan a stateless policy ({', '.join(PLAN_POLICIES)})")
     return guard
 
 
@@ -225,7 +227,7 @@ def completed(sizes: Sequence[int], config: AttnPolicyConfig, modes: frozenset[M
 
 def longest_sequence(shapes: CallShapes) -> int:
     """The longest key length of ``shapes``' sequence calls (CAUSAL, VARLEN; 0: none)."""
-    seq = shapes.kind != KINDS.index(CallKind.MASK)
+    seq = shapes.kind != CALL_KINDS.index(CallKind.MASK)
     return int(shapes.kv[seq].max()) if seq.any() else 0
 
 
@@ -374,14 +376,14 @@ def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int
 
 
 def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, model: CostModel,
-                policies: Sequence[str] = POLICIES, evictions: Sequence[str] = ("lru", "lfu", "fifo", "cost"),
+                policies: Sequence[str] = PLAN_POLICIES, evictions: Sequence[str] = PLAN_EVICTIONS,
                 warmup_seconds: float | None = None, max_buckets: int = 16,
                 spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
                 rejected: int = 0, store_warm: bool = False, align: int = ALIGN) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
     best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
     ``None``: as many as the capacity holds), and the config applying it (strict mode
-    :data:`STRICT` after warm-up). ``rejected`` (requests the caller left out) is
+    :data:`PLAN_STRICT` after warm-up). ``rejected`` (requests the caller left out) is
     reported in every row. With ``base.store_dir`` the rows model its store (empty at
     start) and, with ``store_warm``, the warm-up set loads what it holds (see
     :func:`graph_uses`). Planned sizes are multiples of ``align`` (or a kind's limit)."""
@@ -401,7 +403,7 @@ def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyC
     config = with_fields(base, policy=chosen.policy,
                          policy_options=base.policy_options if chosen.policy == base.policy else {},
                          buckets={"kind": "list", "sizes": list(chosen.buckets)}, eviction=chosen.eviction,
-                         strict=STRICT)
+                         strict=PLAN_STRICT)
     uses = graph_uses(steps, config, model, spec, tables[chosen.policy], store_warm)
     warm = warm_set(uses, base.max_graphs, base.max_bytes, warmup_seconds)
     config = with_fields(config, warmup=[w.shape.model_dump(mode="json") for w in warm])

@@ -255,27 +255,28 @@ def plan_whole_requests(steps: Sequence[BatchLayout], limits: PeerLimits, model:
 
 
 #: The table's title and legend (under the title in plan.md).
-TITLE = "Warm-up schemes on whole requests, modelled"
-LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, priced by the cost model's step fits "
-          "(MASK) at each graph's rows, context and attention cells: a static graph at its padded shape, a ragged "
-          "one (tpu, vllm) at its padded tokens over the real context. *warm-up s*: every warm graph compiled once "
-          "and the first compile's start-up; *padding*: rows computed beyond the tokens, per token; *run-time "
-          "compiles*: distinct shapes no warm graph serves (at most that many compiles), with the forwards they "
-          "serve; *peak graph MiB*: every graph held (static-shape estimates); *plan (gaudi form)*: vllm-gaudi buckets "
-          "(prompts alone, decodes batched); *plan (ragged form)*: token paddings (tpu, vllm); *plan @ NAME*: the "
-          "plan under NAME's graph count and warm-up seconds, in the form NAME's host runs; *floor*: every step "
-          "one ragged forward at its own tokens, no warm-up "
-          "(no scheme runs the workload for less); *budget*: the bound of the budget asked a warm-up set breaks, or "
-          "why its host refuses it; * marks the lowest total within the budget of the sets a host runs, from the "
-          "plan's files or by default (pow2 and plan @ NAME are comparisons no file sets up).")
+COMPARISON_TITLE = "Warm-up schemes on whole requests, modelled"
+COMPARISON_LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, priced by the cost model's step "
+                     "fits (MASK) at each graph's rows, context and attention cells: a static graph at its padded "
+                     "shape, a ragged one (tpu, vllm) at its padded tokens over the real context. *warm-up s*: every "
+                     "warm graph compiled once and the first compile's start-up; *padding*: rows computed beyond the "
+                     "tokens, per token; *run-time compiles*: distinct shapes no warm graph serves (at most that many "
+                     "compiles), with the forwards they serve; *peak graph MiB*: every graph held (static-shape "
+                     "estimates); *plan (gaudi form)*: vllm-gaudi buckets (prompts alone, decodes batched); *plan "
+                     "(ragged form)*: token paddings (tpu, vllm); *plan @ NAME*: the plan under NAME's graph count "
+                     "and warm-up seconds, in the form NAME's host runs; *floor*: every step one ragged forward at "
+                     "its own tokens, no warm-up (no scheme runs the workload for less); *budget*: the bound of the "
+                     "budget asked a warm-up set breaks, or why its host refuses it; * marks the lowest total within "
+                     "the budget of the sets a host runs, from the plan's files or by default (pow2 and plan @ NAME "
+                     "are comparisons no file sets up).")
 
 #: The table's columns (:func:`comparison_table` gives its cells).
-COLUMNS = ("scheme", "graphs", "warm-up s", "padding", "run-time compiles", "peak graph MiB", "run s", "total s",
-           "budget")
+COMPARISON_COLUMNS = ("scheme", "graphs", "warm-up s", "padding", "run-time compiles", "peak graph MiB", "run s",
+                      "total s", "budget")
 
 
 def comparison_table(comparison: SchemeComparison) -> list[tuple[str, ...]]:
-    """The rows as the cells of :data:`COLUMNS`, the floor last."""
+    """The rows as the cells of :data:`COMPARISON_COLUMNS`, the floor last."""
     out: list[tuple[str, ...]] = []
     for r in (*comparison.rows, None):
         c = comparison.floor if r is None else r.cost

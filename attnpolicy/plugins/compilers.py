@@ -41,13 +41,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnpolicy.cache.code_identity import callable_code, stable_repr
+from attnpolicy.core.code_identity import callable_code, stable_repr
 from attnpolicy.core.names import BACKENDS
 from attnpolicy.errors import ConfigError, PluginError
 
 #: The built-in compilers' names: they register first, without a backend callable
 #: (Dynamo's backend of that name; ``none`` compiles nothing), so no plugin can take one.
-BUILTINS = frozenset(BACKENDS)
+BUILTIN_COMPILERS = frozenset(BACKENDS)
 #: The built-in compilers whose compiled code a graph calls directly, without Dynamo's
 #: per-call frame evaluation (:func:`attnpolicy.graphs.compile.compile_graph`).
 DIRECT = frozenset({"inductor", "aot_eager", "eager"})
@@ -77,7 +77,7 @@ class CompilerInfo:
     @property
     def builtin(self) -> bool:
         """Whether this is one of attnpolicy's built-in compilers."""
-        return self.name in BUILTINS and self.backend is None
+        return self.name in BUILTIN_COMPILERS and self.backend is None
 
     @property
     def direct(self) -> bool:
@@ -188,7 +188,7 @@ def resolve_compiler(name: str) -> CompilerInfo:
 def compiler_identity(info: CompilerInfo, options: Mapping[str, Any]) -> str:
     """What identifies ``info``'s stored graphs compiled with ``options``: its name, its
     version, the code of a backend callable of its own
-    (:func:`~attnpolicy.cache.code_identity.callable_code`; a built-in's or a Dynamo
+    (:func:`~attnpolicy.core.code_identity.callable_code`; a built-in's or a Dynamo
     backend's code is torch's, whose version every identity holds) and the options.
     Raises :class:`ConfigError` naming the compiler when that has no stable identity."""
     try:

@@ -14,7 +14,7 @@ A kernel serving a window gets it inside ``mask`` (in the causal kind too, next
 to ``causal=True``); one serving a soft cap or sinks is called with the keywords
 ``softcap=`` (a float) and ``sinks=`` (``[Hq]`` logits), only when they are set.
 Built-ins register through the same hook (:mod:`attnpolicy.plugins.builtin_kernels`),
-by name alone (:data:`BUILTINS`): this registry, and every choice of a kernel,
+by name alone (:data:`BUILTIN_KERNELS`): this registry, and every choice of a kernel,
 loads no torch, so a planner that only names kernels never does.
 
 A plugin kernel is checked at the framework boundary: every call's output must have
@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from attnpolicy.cache.code_identity import callable_code
+from attnpolicy.core.code_identity import callable_code
 from attnpolicy.core.features import PLAIN, Features
+from attnpolicy.core.modes import CALL_KINDS
 from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import ConfigError, PluginError
 
@@ -43,14 +44,15 @@ if TYPE_CHECKING:
 
     from attnpolicy.kernels.conformance import ProbeCase
 
-KINDS = ("causal", "mask", "varlen")
+#: The call kinds a kernel serves, by value (the kinds of the kernel registry's keys).
+KERNEL_KINDS = tuple(kind.value for kind in CALL_KINDS)
 ALL_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
 #: The config's kernel choice "fastest fit" (``kernels: {kind: auto}``): no kernel may take the name.
 AUTO = "auto"
 #: The built-in kernels' names: they register without ``fn`` (the kernels of
 #: :mod:`attnpolicy.kernels.attention` and :mod:`attnpolicy.kernels.flex`, loaded with
 #: torch when a graph first runs one), and no plugin kernel may take one.
-BUILTINS = frozenset((*IMPLS, "flex"))
+BUILTIN_KERNELS = frozenset((*IMPLS, "flex"))
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class KernelInfo:
 
     name: str
     kind: str
-    fn: Callable[..., Any] | None = None  # None only for the built-ins (BUILTINS)
+    fn: Callable[..., Any] | None = None  # None only for the built-ins (BUILTIN_KERNELS)
     dtypes: frozenset[str] = ALL_DTYPES
     gqa: bool = True
     causal: bool = True
@@ -210,9 +212,9 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
     def register(info: KernelInfo) -> None:
         if not isinstance(info, KernelInfo):
             raise PluginError(f"plugin {plugin!r} registered {info!r}, not a KernelInfo")
-        if info.kind not in KINDS:
+        if info.kind not in KERNEL_KINDS:
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has family {info.kind!r}; "
-                              f"families: {', '.join(KINDS)}")
+                              f"families: {', '.join(KERNEL_KINDS)}")
         if info.name == AUTO:
             raise PluginError(f"plugin {plugin!r}: kernel name {AUTO!r} is reserved (the config's "
                               "'choose for me'); register the kernel under another name")
@@ -221,12 +223,12 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
         if holder is not None:
             raise PluginError(f"kernel {info.name!r} of family {info.kind!r} is registered by two "
                               f"plugins: {holder.plugin!r} and {plugin!r}")
-        if info.fn is None and info.name not in BUILTINS:
+        if info.fn is None and info.name not in BUILTIN_KERNELS:
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} needs fn")
         if not isinstance(info.version, str):
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has version {info.version!r}, not a str")
         others = [i for (_, n), i in (*registry.items(), *staged.items()) if n == info.name]
-        if any(i.fn is not info.fn for i in others) or (info.name in BUILTINS and info.fn is not None):
+        if any(i.fn is not info.fn for i in others) or (info.name in BUILTIN_KERNELS and info.fn is not None):
             raise PluginError(f"plugin {plugin!r}: kernel name {info.name!r} is taken by another "
                               "implementation")
         staged[key] = KernelInfo(**{**info.__dict__, "plugin": plugin})
@@ -260,7 +262,7 @@ def kernel_code(name: str) -> str:
     """The code identity of plugin kernel ``name`` (what its stored graphs' ``code_hash``
     covers besides attnpolicy's own code): its package's source, that package's installed
     version, what its function captures and the ``version`` it declares
-    (:func:`~attnpolicy.cache.code_identity.callable_code`). Raises
+    (:func:`~attnpolicy.core.code_identity.callable_code`). Raises
     :class:`~attnpolicy.errors.ConfigError` naming the kernel when that has no stable identity."""
     from attnpolicy.kernels.attention import _IMPL_FNS
 
@@ -305,7 +307,7 @@ def register_builtins(register: Callable[[KernelInfo], None]) -> None:
     """Register the built-in kernels (what :mod:`attnpolicy.plugins.builtin_kernels`'
     hook implementation calls)."""
     for name in IMPLS:
-        for kind in KINDS:
+        for kind in KERNEL_KINDS:
             register(KernelInfo(name, kind, None, devices=None, window=True, softcap=True, sinks=True,
                                 description=_BUILTIN_DESCRIPTIONS[name]))
     register(KernelInfo("flex", "mask", None, dtypes=frozenset({"float32", "bfloat16", "float16"}),

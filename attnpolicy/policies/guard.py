@@ -14,8 +14,9 @@ from attnpolicy.core.modes import Decision, MaskMode, why_illegal
 from attnpolicy.core.names import ON_ILLEGAL, OnIllegal
 from attnpolicy.errors import IllegalModeError, PolicyError
 from attnpolicy.plugins.observers import Observers
-from attnpolicy.plugins.registry import get_plugin_manager, get_policy_info, make_policy
+from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import Policy, PolicyContext
+from attnpolicy.policies.registry import get_policy_info, make_policy
 
 log = logging.getLogger("attnpolicy.policies.guard")
 

@@ -55,7 +55,7 @@ from attnpolicy.modelling.simulation import (
     simulation_config,
 )
 from attnpolicy.planning.host_settings import GAUDI_FILE
-from attnpolicy.planning.scheme_comparison import COLUMNS, comparison_table, plan_whole_requests
+from attnpolicy.planning.scheme_comparison import COMPARISON_COLUMNS, comparison_table, plan_whole_requests
 from attnpolicy.planning.warmup_plan import Budget
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
@@ -343,7 +343,7 @@ def whole_requests(path: str, steps: Sequence[ScheduledBatch], former: BatchForm
     write_text_atomic(gaudi_file, settings.gaudi_file)
     write_json(out / "host_settings.json", settings.sections)
     return {"cost_model": path, "model": model.spec, "limits": asdict(limits), "dir": str(out),
-            "columns": list(COLUMNS), "table": comparison_table(comparison), **comparison.to_json()}
+            "columns": list(COMPARISON_COLUMNS), "table": comparison_table(comparison), **comparison.to_json()}
 
 
 def make_report(s: ReportSettings, command: str, progress: Callable[[str], None],

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from attnpolicy.planning.scheme_comparison import LEGEND
+from attnpolicy.planning.scheme_comparison import COMPARISON_LEGEND
 from attnpolicy.report.plots import TT_XLA
 from attnpolicy.report.units import MIB, bound_text, capacity_text, human_bytes
 from attnpolicy.workloads.batching import Workload
@@ -223,7 +223,7 @@ def _whole_requests(whole: dict[str, Any] | None) -> list[str]:
         (f"Cost model `{whole['cost_model']}` ({whole['model']}); the server's limits: max_num_seqs "
          f"{limits['max_num_seqs']}, max_num_batched_tokens {limits['max_num_batched_tokens']}, max_model_len "
          f"{limits['max_model_len']}, block {limits['block_size']}. The plan's host settings and vllm-gaudi "
-         f"bucketing file: `{whole['dir']}`. {LEGEND}"), "",
+         f"bucketing file: `{whole['dir']}`. {COMPARISON_LEGEND}"), "",
         table(whole["columns"], whole["table"]), "",
     ]
 

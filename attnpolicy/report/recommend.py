@@ -2,7 +2,7 @@
 
 The sweep's online rows (live evictions, not Belady) give the frontier the user
 chooses on: the *fastest* row, and the *leanest* row (least peak graph memory)
-whose total is within :data:`TOLERANCE` of it. The plan runs at the bound
+whose total is within :data:`LEANEST_TOLERANCE` of it. The plan runs at the bound
 (capacity, byte budget) of the leanest such row among the policies a plan can run
 (stateless ones), with that bound's fastest sweep row's bucket scheme as its base:
 :func:`~attnpolicy.planning.graph_set.plan_graphs` tries those buckets beside its
@@ -35,7 +35,7 @@ from attnpolicy.modelling.bucket_schemes import BucketScheme
 from attnpolicy.modelling.simulation import SimRow, simulate_layouts
 from attnpolicy.planning.graph_set import (
     FINALISTS,
-    POLICIES,
+    PLAN_POLICIES,
     GraphPlan,
     plan_graphs,
     plan_markdown,
@@ -46,7 +46,7 @@ from attnpolicy.report.units import bound_text, human_bytes
 from attnpolicy.workloads.batching import ScheduledBatch, Workload
 
 #: A row is "as good" as the sweep's fastest when its total is within this fraction.
-TOLERANCE = 0.10
+LEANEST_TOLERANCE = 0.10
 #: Totals closer than this fraction are "as fast" in :func:`explain` (no "0 % slower").
 SAME = 0.005
 #: Above this relative error (compile or total seconds) the report warns that its
@@ -55,7 +55,7 @@ TRUST_LIMIT = 0.20
 #: The config directory under the report's output directory.
 CONFIG_DIR = "config"
 #: The names of the first screen's rows, in their order.
-RECOMMENDED, FASTEST, LEANEST = "recommended", "fastest", f"leanest within {TOLERANCE:.0%}"
+RECOMMENDED, FASTEST, LEANEST = "recommended", "fastest", f"leanest within {LEANEST_TOLERANCE:.0%}"
 
 
 class Checked(Protocol):
@@ -156,7 +156,7 @@ class NamedRow:
 
 @dataclass(frozen=True)
 class Frontier:
-    """The first screen's rows (recommended, fastest, leanest within :data:`TOLERANCE`)
+    """The first screen's rows (recommended, fastest, leanest within :data:`LEANEST_TOLERANCE`)
     and :func:`explain`'s sentence (``None``: the recommendation is as fast as the
     fastest row and holds as much graph memory as the leanest)."""
 
@@ -177,7 +177,7 @@ def plannable_policies(policies: Sequence[str], base: AttnPolicyConfig) -> tuple
             return False
         return True
 
-    return tuple(p for p in policies if ok(p)) or POLICIES
+    return tuple(p for p in policies if ok(p)) or PLAN_POLICIES
 
 
 def online(rows: Sequence[SimRow], policies: Sequence[str] | None = None) -> list[SimRow]:
@@ -194,8 +194,8 @@ def fastest_row(rows: Sequence[SimRow]) -> SimRow:
 
 def leanest_row(rows: Sequence[SimRow]) -> SimRow:
     """The row of least peak graph bytes (then least total, then first) among those
-    within :data:`TOLERANCE` of the fastest; ``rows``: online rows."""
-    limit = (1 + TOLERANCE) * fastest_row(rows).total_seconds
+    within :data:`LEANEST_TOLERANCE` of the fastest; ``rows``: online rows."""
+    limit = (1 + LEANEST_TOLERANCE) * fastest_row(rows).total_seconds
     return min((r for r in rows if r.total_seconds <= limit), key=lambda r: (r.peak_bytes, r.total_seconds))
 
 
@@ -257,7 +257,7 @@ def explain(rec: NamedRow, fastest: SimRow, leanest: SimRow, seed: SimRow | None
             reasons.append(f"the fastest row's `{fastest.policy}` decides from the cache state, so no plan "
                            "can fix its graphs")
         if (rec.capacity, rec.max_bytes) != (fastest.capacity, fastest.max_bytes):
-            reasons.append(f"the plan runs at {bound}, the leanest bound within {TOLERANCE:.0%} of the "
+            reasons.append(f"the plan runs at {bound}, the leanest bound within {LEANEST_TOLERANCE:.0%} of the "
                            "fastest row a plan can run, where the fastest row holds "
                            f"{bound_text(fastest.capacity, fastest.max_bytes)}")
         if seed is not None and rec.total_seconds > (1 + SAME) * seed.total_seconds:
@@ -355,7 +355,7 @@ def frontier(rec: Recommendation, rows: Sequence[SimRow], at: AttnPolicyConfig, 
              policies: Sequence[str], max_buckets: int, seed_lru: float | None = None) -> Frontier:
     """The first screen's rows: ``rec`` (planned at ``at``, from ``seed``'s buckets,
     which take ``seed_lru`` seconds in the plan with LRU), the fastest online row of
-    ``rows`` and the leanest within :data:`TOLERANCE` of it, with :func:`explain`'s
+    ``rows`` and the leanest within :data:`LEANEST_TOLERANCE` of it, with :func:`explain`'s
     sentence."""
     runnable = online(rows)
     fastest = fastest_row(runnable)

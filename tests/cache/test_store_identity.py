@@ -20,11 +20,11 @@ import torch
 from reference import reference_for
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
-from attnpolicy.cache.code_identity import module_code, reached, stable_repr
+from attnpolicy.core.code_identity import module_code, reached, stable_repr
 from attnpolicy.dispatch.call_graphs import code_hash_of
 from attnpolicy.errors import ConfigError
 from attnpolicy.plugins.hookspecs import hookimpl
-from attnpolicy.plugins.kernels import KINDS, KernelInfo
+from attnpolicy.plugins.kernels import KERNEL_KINDS, KernelInfo
 from attnpolicy.plugins.registry import get_plugin_manager, reset_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,14 +39,14 @@ def _register(name: str, fn: object, version: str = "") -> None:
     class Plugin:
         @hookimpl
         def attnpolicy_register_kernels(self, register):
-            for kind in KINDS:
+            for kind in KERNEL_KINDS:
                 register(KernelInfo(name, kind, fn, version=version))
     get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
 
 
 def _attend(store: Path, name: str, layouts: tuple[BatchLayout, ...] = LAYOUTS[:1]) -> Dispatcher:
     d = Dispatcher(AttnPolicyConfig(backend="aot_eager", max_seq_len=64, store_dir=str(store),
-                                    kernels=dict.fromkeys(KINDS, name)))
+                                    kernels=dict.fromkeys(KERNEL_KINDS, name)))
     for layout in layouts:
         g = torch.Generator().manual_seed(layout.q_tokens)
         q, k, v = (torch.randn(layout.q_tokens, 2, 16, generator=g) for _ in range(3))

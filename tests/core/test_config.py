@@ -24,7 +24,7 @@ from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.integrations.environment import from_env
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
-from attnpolicy.plugins.resolve import validate_names
+from attnpolicy.policies.resolve import validate_names
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

@@ -23,7 +23,7 @@ from attnpolicy.errors import (
 )
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.plugins.registry import get_plugin_manager
-from attnpolicy.plugins.resolve import validate_names
+from attnpolicy.policies.resolve import validate_names
 
 POLICIES = ["always-mask", "always-causal", "dynamic", "varlen"]
 SPEC = TensorSpec("float32", 4, 2, 16)

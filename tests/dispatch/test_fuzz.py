@@ -31,7 +31,7 @@ from attnpolicy.graphs.compile import release_graph
 from attnpolicy.graphs.execute import graph_fn
 from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.plugins.registry import policy_registry
+from attnpolicy.policies.registry import policy_registry
 
 BACKENDS = ("none", "eager", "aot_eager")
 POLICIES = ("always-causal", "always-mask", "cost-aware", "dynamic", "varlen")

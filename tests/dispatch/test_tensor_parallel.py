@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 from attnpolicy import AttnPolicyConfig, Decision, Dispatcher, hookimpl
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.plugins.registry import get_plugin_manager, policy_registry
+from attnpolicy.plugins.registry import get_plugin_manager
+from attnpolicy.policies.registry import policy_registry
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import synthetic_default
 

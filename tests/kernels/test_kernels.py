@@ -15,7 +15,7 @@ from attnpolicy.core.names import IMPLS
 from attnpolicy.errors import IllegalModeError, LayoutError
 from attnpolicy.graphs.execute import attend
 from attnpolicy.kernels.attention import attention
-from attnpolicy.plugins.kernels import KINDS, get_kernel, impls_for, why_unfit
+from attnpolicy.plugins.kernels import KERNEL_KINDS, get_kernel, impls_for, why_unfit
 
 # fp32 kernels against a float64 reference: rounding only.
 FP32_TOL = 1e-5
@@ -153,7 +153,7 @@ def test_gqa_never_repeats_k_or_v(impl):
 
 
 # Built-ins of every kind run in the suite above; these are the other registered ones.
-EXTRA_KERNELS = [(f, info.name) for f in KINDS for info in impls_for(f) if info.name not in IMPLS]
+EXTRA_KERNELS = [(f, info.name) for f in KERNEL_KINDS for info in impls_for(f) if info.name not in IMPLS]
 
 
 def _fits(kind, impl, layout, q, k):
@@ -254,7 +254,7 @@ def test_a_kernel_named_auto_is_rejected_at_registration(fresh_plugins):
     from attnpolicy.plugins.hookspecs import hookimpl
     from attnpolicy.plugins.kernels import KernelInfo, kernel_registry
     from attnpolicy.plugins.registry import get_plugin_manager
-    from attnpolicy.plugins.resolve import failed_plugins
+    from attnpolicy.policies.resolve import failed_plugins
 
     class Auto:
         @hookimpl
@@ -414,14 +414,14 @@ def test_a_plugin_kernels_wrong_output_is_an_error_naming_plugin_and_kernel(fres
     from attnpolicy import AttnPolicyConfig, Dispatcher
     from attnpolicy.errors import GraphCompileError, KernelError
 
-    for kind in KINDS:
+    for kind in KERNEL_KINDS:
         _register_kernel(f"{broken}-{kind}", BROKEN[broken], kind)
     layout = BatchLayout.from_lens([3, 5, 4], [6, 5, 4])  # three VARLEN calls (context)
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(12, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g), torch.randn(15, 4, 8, generator=g)
-    for kind in KINDS:
+    for kind in KERNEL_KINDS:
         d = Dispatcher(AttnPolicyConfig(policy="varlen", backend=backend, max_seq_len=16,
-                                        kernels={f: f"{broken}-{f}" for f in KINDS}))
+                                        kernels={f: f"{broken}-{f}" for f in KERNEL_KINDS}))
         with pytest.raises((KernelError, GraphCompileError)) as raised:
             d.attend(q, k, v, layout)
         assert f"kernel '{broken}-" in str(raised.value) and f"plugin '{broken}-" in str(raised.value)

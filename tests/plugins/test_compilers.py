@@ -20,7 +20,7 @@ from attnpolicy.graphs.compile import compile_graph, release_graph
 from attnpolicy.plugins.compilers import CompilerInfo, compiler_registry, resolve_compiler
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
-from attnpolicy.plugins.resolve import failed_plugins
+from attnpolicy.policies.resolve import failed_plugins
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

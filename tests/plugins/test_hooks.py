@@ -7,19 +7,16 @@ import pluggy
 import pytest
 import torch
 
+from attnpolicy.cache.eviction_registry import eviction_registry
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.plugins import hookspecs
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.observers import Observers
-from attnpolicy.plugins.registry import (
-    eviction_registry,
-    get_plugin_manager,
-    make_policy,
-    policy_registry,
-)
+from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
+from attnpolicy.policies.registry import make_policy, policy_registry
 
 pytestmark = pytest.mark.usefixtures("fresh_plugins")
 

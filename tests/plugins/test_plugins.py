@@ -18,19 +18,15 @@ import pytest
 
 import attnpolicy.plugins.registry as plugins
 from attnpolicy import AttnPolicyConfig, Dispatcher
+from attnpolicy.cache.eviction_registry import eviction_registry
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.errors import PluginError, PolicyError
 from attnpolicy.plugins.hookspecs import hookimpl
-from attnpolicy.plugins.registry import (
-    eviction_registry,
-    get_plugin_manager,
-    make_policy,
-    policy_registry,
-    reset_plugin_manager,
-)
-from attnpolicy.plugins.resolve import failed_plugins
+from attnpolicy.plugins.registry import get_plugin_manager, reset_plugin_manager
 from attnpolicy.policies.base import PolicyContext
+from attnpolicy.policies.registry import make_policy, policy_registry
+from attnpolicy.policies.resolve import failed_plugins
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "plugins" / "attnpolicy-length-threshold"
@@ -305,8 +301,8 @@ def test_load_plugins_env_warns_about_unknown_names(fake_entry_points, monkeypat
 # -- (c) entry-point discovery in a subprocess ------------------------------------------
 
 LIST_POLICIES = (
-    "import json; from attnpolicy.plugins.registry import policy_registry; "
-    "from attnpolicy.plugins.resolve import failed_plugins; "
+    "import json; from attnpolicy.policies.registry import policy_registry; "
+    "from attnpolicy.policies.resolve import failed_plugins; "
     "print(json.dumps({'policies': {n: i.plugin for n, i in policy_registry().items()}, "
     "'failed': sorted(failed_plugins())}))"
 )

@@ -18,9 +18,10 @@ from attnpolicy.dispatch import Dispatcher
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.simulation import SimulatedGraph, simulate
 from attnpolicy.plugins.hookspecs import hookimpl
-from attnpolicy.plugins.registry import get_plugin_manager, make_policy, policy_registry
+from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.costaware import CostAware
+from attnpolicy.policies.registry import make_policy, policy_registry
 from attnpolicy.workloads.traces import Request, synthetic_default
 
 FIXED = ("always-mask", "dynamic", "varlen")

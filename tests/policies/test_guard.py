@@ -11,9 +11,10 @@ from attnpolicy.core.modes import Decision, MaskMode, is_legal
 from attnpolicy.errors import IllegalModeError, PolicyError
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.observers import Observers
-from attnpolicy.plugins.registry import get_plugin_manager, make_policy, policy_registry
+from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
+from attnpolicy.policies.registry import make_policy, policy_registry
 
 CTX = PolicyContext()
 SINGLE = BatchLayout.from_lens([64])

@@ -13,9 +13,9 @@ from attnpolicy.cli.policies import register
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, is_legal
 from attnpolicy.errors import PolicyError
-from attnpolicy.plugins.registry import make_policy, policy_registry
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.builtin import why_not_causal
+from attnpolicy.policies.registry import make_policy, policy_registry
 
 CTX = PolicyContext()
 #: name -> (q_lens, kv_lens, causal, q_tokens): the raw lengths each layout is built from

@@ -1,11 +1,13 @@
 """The package's layering and encapsulation, read from its source: no import cycle, no
-upward import, no two modules importing each other, no code writing another object's
-private state, no public name defined in two modules.
+upward import (by an import statement or by a module name in a string), no two modules
+and no two packages importing each other, no code writing another object's private
+state, no public name defined in two modules.
 
 Every module of ``attnpolicy`` is parsed; every import in it (at module level or inside
 a function, but not under ``if TYPE_CHECKING:``) is an edge of the import graph; the
 graph of every import (``TYPE_CHECKING`` ones too) has no two modules importing each
-other. The layer order is the one docs/design.md "Package layout" lists.
+other and no cycle between top-level packages. The layer order is the one
+docs/design.md "Package layout" lists.
 """
 
 from __future__ import annotations
@@ -17,21 +19,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "attnpolicy"
 
-#: Bottom up; a module may import its own layer and those below. A name is a module or
-#: a package (every module under it).
+#: Bottom up, one top-level module or package (every module under it) per layer; a
+#: module may import its own layer and those below. ``attnpolicy`` is the package's own
+#: ``__init__``: the front door, which loads the names it exports from every layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("attnpolicy", "errors", "core"),
+    ("errors",),
+    ("core",),
     ("kernels",),
-    ("graphs", "plugins", "cache"),
+    ("plugins",),
+    ("cache",),
+    ("graphs",),
     ("config",),
     ("policies",),
     ("dispatch",),
-    ("workloads", "engine", "integrations"),
+    ("workloads",),
+    ("engine",),
+    ("integrations",),
     ("modelling",),
     ("planning",),
     ("bench",),
     ("report",),
-    ("cli", "__main__"),
+    ("cli",),
+    ("__main__",),
+    ("attnpolicy",),
 )
 
 
@@ -48,10 +58,8 @@ def modules() -> dict[str, Path]:
 
 def layer(module: str) -> int:
     """The index in :data:`LAYERS` of ``module``."""
-    parts = module.split(".")
-    top = parts[1] if len(parts) > 1 else parts[0]
     for i, names in enumerate(LAYERS):
-        if top in names:
+        if top(module) in names:
             return i
     raise AssertionError(f"module {module} is in no layer of LAYERS")
 
@@ -107,9 +115,25 @@ def graph(type_checking: bool = False) -> dict[str, dict[str, int]]:
     return edges
 
 
-def cycles() -> list[list[str]]:
-    """The import cycles: every strongly connected component of more than one module."""
-    edges = graph()
+def top(module: str) -> str:
+    """The top-level module or package of ``module`` (``attnpolicy`` for the package's own ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph() -> dict[str, set[str]]:
+    """top-level package -> the top-level packages it imports, counting every import
+    (module level, in a function, under ``TYPE_CHECKING``)."""
+    edges: dict[str, set[str]] = {}
+    for module, out in graph(type_checking=True).items():
+        edges.setdefault(top(module), set()).update(top(t) for t in out if top(t) != top(module))
+    return edges
+
+
+def cycles(edges: dict[str, Iterable[str]] | None = None) -> list[list[str]]:
+    """The cycles of ``edges`` (default: the module import graph): every strongly
+    connected component of more than one node."""
+    edges = graph() if edges is None else edges
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -141,9 +165,48 @@ def cycles() -> list[list[str]]:
 
 
 def upward() -> list[str]:
-    """Every import of a module from a higher layer, as ``module:line -> imported``."""
-    return [f"{m}:{line} -> {target}" for m, out in sorted(graph().items())
+    """Every import of a module from a higher layer (``TYPE_CHECKING`` ones too), as
+    ``module:line -> imported``."""
+    return [f"{m}:{line} -> {target}" for m, out in sorted(graph(type_checking=True).items())
             for target, line in sorted(out.items()) if layer(target) > layer(m)]
+
+
+#: Calls that import or load what a string names: ``importlib.import_module``,
+#: ``__import__``, ``importlib.util.find_spec``, ``pkgutil.resolve_name``, an entry
+#: point's or a plugin manager's ``load``/``load_setuptools_entrypoints``, ``importlib.reload``.
+LOADERS = frozenset({"import_module", "__import__", "find_spec", "resolve_name", "load",
+                     "load_setuptools_entrypoints", "reload"})
+
+
+def _named_module(node: ast.expr) -> str | None:
+    """The package module a string literal names (``"attnpolicy.x.y"``, ``"attnpolicy.x:attr"``,
+    or an f-string's literal ``"attnpolicy.x."`` head), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        text = node.value.partition(":")[0]
+    elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        text = str(node.values[0].value).rpartition(".")[0]
+    else:
+        return None
+    return text if text.startswith("attnpolicy.") and text in modules() else None
+
+
+def string_loads(module: str, source: ast.Module) -> list[str]:
+    """In ``module`` (its parsed ``source``), when it calls a loader (:data:`LOADERS`),
+    every string literal naming a module of a higher layer (a name it may load however
+    the string reaches the call: a constant, a tuple of names, a dict of exports), as
+    ``module:line -> named``."""
+    calls = any(isinstance(n, ast.Call) and (getattr(n.func, "attr", None) in LOADERS
+                                             or getattr(n.func, "id", None) in LOADERS) for n in ast.walk(source))
+    if not calls:
+        return []
+    found = sorted((n.lineno, named) for n in ast.walk(source)
+                   if (named := _named_module(n)) is not None and layer(named) > layer(module))
+    return [f"{module}:{line} -> {named}" for line, named in found]
+
+
+def upward_string_loads() -> list[str]:
+    """:func:`string_loads` of every module of the package."""
+    return [found for m in modules() for found in string_loads(m, tree(m))]
 
 
 def mutual() -> list[str]:
@@ -236,7 +299,7 @@ def public_definitions() -> dict[str, list[str]]:
 
 def test_the_graph_sees_lazy_imports_and_skips_type_checking():
     edges = graph()
-    assert "attnpolicy.plugins.registry" in edges["attnpolicy.cache.graph_cache"]  # module level
+    assert "attnpolicy.plugins.registry" in edges["attnpolicy.cache.eviction_registry"]  # module level
     assert "attnpolicy.plugins.registry" in edges["attnpolicy.plugins.kernels"]  # inside a function
     assert "attnpolicy.config" not in edges["attnpolicy.policies.base"]  # under TYPE_CHECKING only
     assert "attnpolicy.config" in graph(type_checking=True)["attnpolicy.policies.base"]  # counted when asked
@@ -257,8 +320,62 @@ def test_no_import_cycle():
     assert cycles() == []
 
 
+def test_every_package_is_a_layer_of_its_own():
+    """No two top-level packages share a layer: between any two, one is below the other."""
+    assert [names for names in LAYERS if len(names) != 1] == []
+    assert sorted({top(m) for m in modules()}) == sorted(n for names in LAYERS for n in names)  # none stale
+
+
 def test_no_upward_import():
     assert upward() == []
+
+
+def test_graph_code_covers_the_layers_up_to_graphs():
+    """A stored graph's code identity hashes every layer a graph can run: ``graphs`` and
+    everything below it."""
+    from attnpolicy.core.code_identity import GRAPH_LAYERS
+
+    below = [n for names in LAYERS[:layer("attnpolicy.graphs") + 1] for n in names]
+    assert [n.removesuffix(".py") for n in GRAPH_LAYERS] == below
+
+
+def test_no_two_packages_import_each_other_at_any_level():
+    """The graph of top-level packages (every import counted, ``TYPE_CHECKING`` too) has no
+    cycle: no package imports a package that imports it, directly or around a loop."""
+    assert cycles(package_graph()) == []
+
+
+def test_the_package_scan_sees_a_cycle():
+    assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+
+
+def test_the_string_scan_sees_a_module_loaded_by_name():
+    source = ast.parse("""
+import importlib
+NAMES = ("attnpolicy.policies.builtin", "attnpolicy.core.modes")
+EXPORTS = {"Dispatcher": "attnpolicy.dispatch"}
+LOG = "attnpolicy.policies"  # a package: named all the same
+HOOK = f"attnpolicy.cli.{name}"
+PATH = "attnpolicy.policies.builtin:Varlen"
+NOT_A_MODULE = "attnpolicy.policies.nothing"
+def load(name):
+    return importlib.import_module(name)
+""")
+    assert string_loads("attnpolicy.plugins.registry", source) == [
+        "attnpolicy.plugins.registry:3 -> attnpolicy.policies.builtin",
+        "attnpolicy.plugins.registry:4 -> attnpolicy.dispatch",
+        "attnpolicy.plugins.registry:5 -> attnpolicy.policies",
+        "attnpolicy.plugins.registry:6 -> attnpolicy.cli",
+        "attnpolicy.plugins.registry:7 -> attnpolicy.policies.builtin",
+    ]
+    assert string_loads("attnpolicy.cli.common", source) == []  # cli is above them all
+    assert string_loads("attnpolicy.plugins.registry", ast.parse('NAMES = ("attnpolicy.policies.builtin",)')) == []
+
+
+def test_no_module_loads_a_higher_layer_by_name():
+    """A lower layer never reaches a higher one through a name in a string (a built-in
+    plugin, an export): the higher layer hands it what it needs."""
+    assert upward_string_loads() == []
 
 
 def test_no_two_modules_import_each_other_at_any_level():
@@ -295,7 +412,7 @@ def test_no_code_writes_another_objects_private_state():
 def test_layers_match_the_design_doc():
     text = (ROOT.parent / "docs" / "design.md").read_text()
     section = text.split("## Package layout", 1)[1].split("\n## ", 1)[0]
-    for i, names in enumerate(LAYERS[1:], start=2):
+    for i, names in enumerate(LAYERS, start=1):
         line = next((ln for ln in section.splitlines() if ln.startswith(f"{i}. ")), "")
         assert line, f"docs/design.md Package layout has no layer {i}"
         assert any(f"`{n}" in line for n in names), f"layer {i} of docs/design.md is not {names}: {line}"
@@ -308,6 +425,41 @@ def test_no_public_name_is_defined_in_two_modules():
     defined = public_definitions()
     assert {n: where for n, where in defined.items() if len(where) > 1 and n not in SHARED_NAMES} == {}
     assert [n for n in SHARED_NAMES if len(defined.get(n, ())) < 2] == []  # no stale exception
+
+
+def _type_variable(value: ast.expr | None) -> bool:
+    return isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", None)) in (
+        "TypeVar", "ParamSpec", "TypeVarTuple")
+
+
+def public_constants(trees: dict[str, ast.Module] | None = None) -> dict[str, list[str]]:
+    """Public UPPER_CASE names assigned at the top of each module (default: the
+    package's; type variables aside), each with the ``module:line`` of every assignment."""
+    trees = {m: tree(m) for m in modules()} if trees is None else trees
+    found: dict[str, list[str]] = {}
+    for module, source in trees.items():
+        for node in source.body:
+            if isinstance(node, ast.Assign | ast.AnnAssign) and not _type_variable(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                for name in names:
+                    if isinstance(name, ast.Name) and name.id.isupper() and not name.id.startswith("_"):
+                        found.setdefault(name.id, []).append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_the_constant_scan_sees_a_constant_in_two_modules():
+    found = public_constants({"a": ast.parse("KINDS = (1, 2)\nA, B = 1, 2\nT = TypeVar('T')\n_X = 1\nlower = 1"),
+                              "b": ast.parse("KINDS: tuple[int, ...] = (1, 2)\nT = TypeVar('T')\n_X = 2")})
+    assert {n: w for n, w in found.items() if len(w) > 1} == {"KINDS": ["a:1", "b:1"]}
+    assert sorted(found) == ["A", "B", "KINDS"]
+
+
+def test_no_constant_is_defined_in_two_modules():
+    """One constant, one definition: a module-level UPPER_CASE name is assigned in one
+    module of the package (the same value is imported where needed; two concepts are
+    two names, each saying which)."""
+    assert {n: where for n, where in public_constants().items() if len(where) > 1} == {}
 
 
 #: Modules ``model_X`` allowed beside a module or package ``X``: none, one module holds a

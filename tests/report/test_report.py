@@ -22,8 +22,8 @@ from attnpolicy.report.plots import MIB, TT_XLA, Marked, best_rows, plot_bench, 
 from attnpolicy.report.recommend import (
     FASTEST,
     LEANEST,
+    LEANEST_TOLERANCE,
     RECOMMENDED,
-    TOLERANCE,
     NamedRow,
     explain,
     plan_bound,
@@ -240,10 +240,10 @@ def test_plan_bound_is_the_leanest_bound_near_the_best():
     online = [r for r in rows if r.eviction != "belady"]
     best = min(r.total_seconds for r in online)
     at = [r for r in online if r.capacity == capacity]
-    assert nbytes is None and min(r.total_seconds for r in at) <= (1 + TOLERANCE) * best
-    chosen_peak = min(r.peak_bytes for r in at if r.total_seconds <= (1 + TOLERANCE) * best)
+    assert nbytes is None and min(r.total_seconds for r in at) <= (1 + LEANEST_TOLERANCE) * best
+    chosen_peak = min(r.peak_bytes for r in at if r.total_seconds <= (1 + LEANEST_TOLERANCE) * best)
     for cap in {r.capacity for r in online} - {capacity}:
-        good = [r for r in online if r.capacity == cap and r.total_seconds <= (1 + TOLERANCE) * best]
+        good = [r for r in online if r.capacity == cap and r.total_seconds <= (1 + LEANEST_TOLERANCE) * best]
         assert all(r.peak_bytes >= chosen_peak for r in good)
 
 
@@ -399,7 +399,7 @@ def test_the_plan_is_not_slower_than_the_sweeps_best_row_at_its_bound(tmp_path):
     pow2 = min((r for r in online if r.buckets == "pow2"), key=lambda r: r.total_seconds)
     assert at.buckets == "vllm" and pow2.total_seconds > 2 * at.total_seconds  # the case
     assert rec.total_seconds <= at.total_seconds * (1 + 1e-9)
-    assert rec.total_seconds <= (1 + TOLERANCE) * min(r.total_seconds for r in online)
+    assert rec.total_seconds <= (1 + LEANEST_TOLERANCE) * min(r.total_seconds for r in online)
     assert rec.base_buckets == "vllm" and frontier.rows[0].buckets == "vllm (kept by the plan)"
     config = AttnPolicyConfig.load(tmp_path / "config")
     assert tuple(config.buckets.sizes_up_to(config.max_batch_tokens)) == rec.buckets

@@ -12,17 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from attnpolicy.cache.eviction_registry import eviction_registry, make_eviction
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.plugins.compilers import compiler_registry, resolve_compiler
 from attnpolicy.plugins.kernels import check_kernel_names, kernel_registry
-from attnpolicy.plugins.registry import (
-    eviction_registry,
-    get_policy_info,
-    make_eviction,
-    make_policy,
-    policy_registry,
-    rejected_plugins,
-)
+from attnpolicy.plugins.registry import rejected_plugins
+from attnpolicy.policies.registry import get_policy_info, make_policy, policy_registry
 
 
 class Named(Protocol):

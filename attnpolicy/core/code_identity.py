@@ -5,8 +5,8 @@ A graph is valid only as long as every line of code it runs is unchanged, so an
 identity hashes source files, not one function:
 
 - :func:`graph_code`: attnpolicy's own modules a graph can run, every module of the
-  layers at and below ``graphs/`` (``errors``, ``core``, ``kernels``, ``graphs``,
-  ``plugins``, ``cache``): ``tests/project/test_layering.py`` keeps graph code from importing
+  layers at and below ``graphs/`` (``errors``, ``core``, ``kernels``, ``plugins``,
+  ``cache``, ``graphs``): ``tests/project/test_layering.py`` keeps graph code from importing
   anything above them;
 - :func:`module_code`: a model's module and every module of its top-level package
   that its globals reach (transitively), with that package's installed version;
@@ -39,7 +39,7 @@ from attnpolicy.errors import ConfigError
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 #: The attnpolicy layers graph code lives in and may import (docs/design.md, "Package layout").
-GRAPH_LAYERS = ("errors.py", "core", "kernels", "graphs", "plugins", "cache")
+GRAPH_LAYERS = ("errors.py", "core", "kernels", "plugins", "cache", "graphs")
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _DATA = (*_PLAIN, enum.Enum, tuple, list, dict, set, frozenset)
 
