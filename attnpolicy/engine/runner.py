@@ -19,10 +19,9 @@ Serves prefill of causal layouts without cached context; given a
 :class:`~attnpolicy.engine.kv_cache.KVCache` and each sequence's slot in it, any causal
 step (prefill whose KV is kept, chunked prefill, decode, mixed) through a step graph
 (a key with ``kv``), each slot's KV read and extended: one path, a prefill being a step
-with no context. A
-layout with cached context but no cache, a slot that does not hold a sequence's
-context, and a real row's token id outside the vocabulary (the input embedding's rows)
-raise :class:`~attnpolicy.errors.LayoutError` before any work.
+with no context. A layout with cached context but no cache, a slot that does not hold
+a sequence's context, and a real row's token id outside the vocabulary (the input
+embedding's rows) raise :class:`~attnpolicy.errors.LayoutError` before any work.
 
 Memory per graph is measured around its build (compile and first run): the RSS
 delta of the process, and on a device whose allocator reports its bytes (CUDA, XPU …,
