@@ -48,7 +48,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch import Dispatcher
-from attnpolicy.engine.keys import StepKey
+from attnpolicy.engine.keys import ModelKey
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import load_model
 from attnpolicy.engine.runner import StaticModelRunner
@@ -426,7 +426,7 @@ def calibrate_model(s: ModelCalibrationSettings, progress: Callable[[str], None]
     finally:
         runner.close()
     samples = tuple(
-        ModelSample(mode=key.mode.value, segments=key.segments, compile_seconds=compile_s,
+        ModelSample(mode=key.mode.value, segments=tuple(t for t, _ in key.segments), compile_seconds=compile_s,
                     run_seconds=statistics.median(run_s), rss_bytes=memory[str(key)].rss_bytes,
                     estimate_bytes=memory[str(key)].estimate_bytes)
         for (_, _, _, key, compile_s), run_s in zip(built, times))
@@ -458,10 +458,10 @@ def _step_samples(runner: StaticModelRunner, model: torch.nn.Module,
     config: Any = model.config
     vocab = int(config.vocab_size)
     built = []
-    seen: set[StepKey] = set()
+    seen: set[ModelKey] = set()
     for mode, rows, context in grid:
         layout = BatchLayout.from_lens(list(rows), [q + c for q, c in zip(rows, context)], causal=True)
-        key = runner.step_key_for(layout, mode)
+        key = runner.key_for(layout, mode, kv=True)
         if key in seen:
             continue
         seen.add(key)

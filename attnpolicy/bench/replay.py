@@ -474,4 +474,4 @@ def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[Schedule
     return ModelReplay(described, config.policy, len(steps), modes, stats.batch_hits, stats.batch_misses,
                        stats.cache.compiles, stats.cache.evictions, clock, compile_s, run_s,
                        err.value if check else None, predicted, context_steps, len(prompts), mismatches,
-                       err.non_finite if check else None, **_graph_figures(stats, load_s, stats.step_background))
+                       err.non_finite if check else None, **_graph_figures(stats, load_s, stats.background))

@@ -81,6 +81,12 @@ class Background(Generic[K, R]):
         c.padded_tokens += rows
         return larger
 
+    def route(self, key: K, request: R) -> K | None:
+        """The key whose graph runs a batch's ``key`` now: ``key`` itself when its graph is
+        built, else :meth:`serve`'s (a larger resident key: the batch is placed in it
+        padded up; ``None``: it runs uncompiled)."""
+        return key if self.source.cache.has_graph(key) else self.serve(key, request)
+
     def settle(self, key: K) -> None:
         """Switch ``key`` in now if it is pending (its future waited for): a warm-up reuses
         a pending compile instead of building it twice."""

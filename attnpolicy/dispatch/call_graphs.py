@@ -260,8 +260,8 @@ class CallSource(GraphSource[GraphKey, CallRequest]):
         background.next_batch()
         out: list[tuple[Call, GraphFn]] = []
         for call, key in calls:
-            if call.compiled and not self.cache.has_graph(key):
-                served = background.serve(key, (call, spec))
+            if call.compiled:
+                served = background.route(key, (call, spec))
                 if served is None:  # its compile failed, on_compile_error="eager"
                     out.append((call, self.calls.eager(key, (call, spec))))
                     continue

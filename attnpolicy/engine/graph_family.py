@@ -1,25 +1,42 @@
-"""The whole-model graph family: an HF causal LM's forward as one graph per :class:`ModelKey`.
+"""The whole-model graph family: an HF causal LM's forward as one graph per
+:class:`~attnpolicy.engine.keys.ModelKey`.
 
-What each mode's graph is (real rows packed back to back, layout padding dropped):
+A prefill is a step with no context. A key with ``kv`` is a *step* graph: the KV cache
+is a graph input and output. The runner keeps each running sequence's keys and values in
+a slot of a :class:`~attnpolicy.engine.kv_cache.KVCache`; a step gathers its sequences'
+past into the graph's padded ``past_k``/``past_v`` inputs ``[layers, kv_heads, C,
+head_dim]`` and the graph returns, beside the logits, every layer's new key and value
+rows ``[layers, kv_heads, T, head_dim]``, which the runner writes back into the slots.
+Gathered spans rather than block tables: a static graph then takes two dense tensors
+whose shape the key fixes, and reads only the context its key pads to; block tables
+(vLLM, Gaudi) save that copy but need a paged kernel inside the graph, which no portable
+SDPA graph has. A key without ``kv`` is a prefill whose KV is not kept: ids and
+positions in, logits out.
 
-- ``CAUSAL``: one sequence padded at its end to its token bucket; no mask input,
-  attention is SDPA with ``is_causal`` (trailing padding cannot reach a real row).
-- ``MASK``: every sequence packed, padded to the bucket of the total; the dense
-  block-diagonal mask ``[1, 1, B, B]`` is a graph input, so one graph serves every
-  layout of that bucket.
-- ``VARLEN``: each sequence padded to its own bucket, in a segment of its own;
-  inside the one graph every segment runs its own causal SDPA call (no mask). The
-  key is the tuple of per-sequence buckets, sorted largest first (sequences are
-  reordered into it), so permutations of one batch share a graph. VARLEN graphs
-  need no mask and compute no cross-sequence scores, at the price of one graph per
-  combination of buckets.
+What each mode's graph is (``T`` rows, ``C`` context columns, ``C = 0`` without ``kv``;
+real rows packed back to back, layout padding dropped):
+
+- ``CAUSAL``: one sequence, its context exact (no padding inside it), its rows padded at
+  the end to their bucket; a mask-free causal call (bottom-right aligned: trailing
+  padding reaches no real row). A step graph is keyed by the exact context length:
+  mask-free needs it.
+- ``MASK``: every sequence's rows packed, padded to the batch bucket of their total,
+  every context packed, padded to the batch bucket of its total; the host-built mask is
+  a graph input (a prefill's dense block-diagonal ``[1, 1, T, T]``, a step's ``[T, C +
+  T]``: each row sees its own sequence's context and its own earlier rows), so one graph
+  serves every layout of its buckets.
+- ``VARLEN``: each sequence padded to its own (rows, context) buckets, in a span of its
+  own; one causal call per sequence, seeing only its own span (a step's mask input
+  ``[C]`` marks the real context positions). The key is the tuple of per-sequence
+  buckets, sorted largest first (sequences are reordered into it), so permutations of
+  one batch share a graph, at the price of one graph per combination of buckets.
 
 Inside a graph attention is a plain kernel call (:func:`attnpolicy.kernels.attention.bind`,
 ``sdpa``) on the graph's inputs; the Python dispatcher is not involved. The model's
 attention implementation is :data:`STATIC_ATTENTION`, registered with transformers'
 ``AttentionInterface`` (no mask function: HF builds no mask, the 4-D mask arrives as-is).
-A graph padded up serves a key it dominates (:func:`dominates`); a stored graph is
-keyed by the model's code and config (:func:`model_code`).
+A graph padded up serves a key it dominates (:func:`~attnpolicy.engine.keys.dominates`);
+a stored graph is keyed by the model's code and config (:func:`model_code`).
 """
 
 from __future__ import annotations
@@ -48,7 +65,8 @@ STATIC_ATTENTION = "attnpolicy-static"
 SEGMENTS_KWARG = "attnpolicy_segments"
 #: The keyword argument that carries a step's cached context (:class:`Past`) to the attention calls.
 PAST_KWARG = "attnpolicy_past"
-#: A forward's example inputs: ids, positions and, for MASK, the mask.
+#: A graph's inputs: ids ``[T]``, positions ``[T]``, (``kv``) past keys and values, and
+#: the mask (a prefill's MASK; a step's MASK and VARLEN).
 Inputs = tuple[torch.Tensor, ...]
 
 
@@ -142,7 +160,18 @@ def _varlen_forward(model: torch.nn.Module, segments: tuple[int, ...], ids: torc
     return out.logits[0]
 
 
-#: The forward a stored graph of each mode is compiled from (see :meth:`ModelFamily.bound`).
+def _step_forward(model: torch.nn.Module, segments: tuple[tuple[int, int], ...] | None, ids: torch.Tensor,
+                  positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step graph's forward, the model and (VARLEN) its segments first (constants of
+    the graph): ``(logits [T, vocab], new keys, new values [layers, kv_heads, T, D])``."""
+    new: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                **{PAST_KWARG: Past(past_k, past_v, mask, segments, new)})
+    return out.logits[0], torch.stack([k for k, _ in new]), torch.stack([v for _, v in new])
+
+
+#: The forward a prefill graph of each mode is compiled from (see :meth:`ModelFamily.bound`).
 _FORWARDS: dict[MaskMode, Callable[..., torch.Tensor]] = {
     MaskMode.CAUSAL: _causal_forward, MaskMode.MASK: _masked_forward, MaskMode.VARLEN: _varlen_forward}
 
@@ -161,18 +190,21 @@ def model_code(model: torch.nn.Module, config: str, dtype: torch.dtype,
         return None, f"model {type(model).__name__}: {e}"
 
 
-class WholeModelGraphs:
-    """What every whole-model graph family shares: graphs of ``model`` compiled from a
-    forward that takes the model first, stored (with ``store``) ahead of time and keyed by
-    the model's code and config (:func:`model_code`), loaded on a miss, released on
-    eviction. A family says what its keys' forward is (:meth:`forward`), what leads its
-    inputs (:meth:`bound`), its uncompiled form (:meth:`eager`), its bytes and its pad-up.
-    ``compile_counter(gm)`` sees every backend compile. The compiler is ``config.backend``
-    with ``config.backend_options``; a compiler that stores nothing compiles every graph."""
+class ModelFamily:
+    """The whole-model graphs of ``model`` (:class:`~attnpolicy.dispatch.family.GraphFamily`),
+    keyed by :class:`ModelKey`, built from a placed batch's inputs.
+
+    With ``config.store_dir`` every graph on a backend (not ``"none"``) of a model whose
+    code has a source to hash persists there, compiled ahead of time and keyed by the
+    model's code and config (:func:`model_code`); a miss loads it, eviction releases it.
+    A background miss no resident graph serves runs the eager forward.
+    ``compile_counter(gm)`` sees every backend compile. The compiler is
+    ``config.backend`` with ``config.backend_options``; a compiler that stores nothing
+    compiles every graph."""
 
     eager_misses = True  # a background miss no resident graph serves runs the eager forward
 
-    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, store: DiskStore | None, *,
+    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, *,
                  compile_counter: Callable[[torch.fx.GraphModule], None] | None = None) -> None:
         self.config = config
         self.model = model
@@ -180,27 +212,36 @@ class WholeModelGraphs:
         self.device, self.dtype = param.device, param.dtype
         self._itemsize = param.element_size()
         self._counter = compile_counter
-        self._store = store
+        self._store = DiskStore(config.store_dir, config.max_disk_bytes) if config.store_dir is not None else None
         c: Any = model.config
         self._code, self._unstored = (model_code(model, c.to_json_string(), self.dtype, self.device)
-                                      if store is not None else ("", ""))
+                                      if self._store is not None else ("", ""))
 
     @property
     def store(self) -> DiskStore | None:
         return self._store
 
     @staticmethod
-    def rows(key: Any) -> int:
-        tokens: int = key.tokens
-        return tokens
+    def rows(key: ModelKey) -> int:
+        return key.tokens
 
-    def identity(self, key: Any) -> ArtifactIdentity | None:
+    def estimate_bytes(self, key: ModelKey) -> int:
+        return estimate_bytes(key, self.model.config, self._itemsize)
+
+    @staticmethod
+    def pad_up(key: ModelKey, resident: Sequence[ModelKey]) -> ModelKey | None:
+        """The smallest resident key (by rows, context, then segments) that :func:`dominates` ``key``
+        (a pure rule: the simulator's whole-model graphs pad up by it too)."""
+        larger = [k for k in resident if isinstance(k, ModelKey) and dominates(k, key)]
+        return min(larger, key=lambda k: (k.tokens, k.context, k.segments)) if larger else None
+
+    def identity(self, key: ModelKey) -> ArtifactIdentity | None:
         """What makes ``key``'s stored artifact valid; ``None`` on backend ``"none"``, for
         a model whose code has no source to hash or a compiler that stores nothing."""
         stored = None if key.backend == "none" else self._stored(key)
         return stored if isinstance(stored, ArtifactIdentity) else None
 
-    def _stored(self, key: Any) -> ArtifactIdentity | tuple[str, str, str]:
+    def _stored(self, key: ModelKey) -> ArtifactIdentity | tuple[str, str, str]:
         """The identity of compiled ``key``'s stored artifact, else ``(name, why, counter)``
         as the store's ``refuse`` takes it."""
         if self._code is None:
@@ -212,7 +253,7 @@ class WholeModelGraphs:
                                 str(self.device), str(self.dtype).removeprefix("torch."), self._code,
                                 compiler=compiler)
 
-    def load(self, key: Any) -> CompiledGraph | None:
+    def load(self, key: ModelKey) -> CompiledGraph | None:
         """The graph of ``key`` from the store (``None``: no store, not stored, not there
         or not valid)."""
         store, ident = self._store, self.identity(key)
@@ -222,7 +263,7 @@ class WholeModelGraphs:
             loaded = store.load(ident, aot.load_graph)
         return None if loaded is None else self._aot_graph(loaded, key, None)
 
-    def build(self, key: Any, request: tuple[torch.Tensor, ...]) -> CompiledGraph:
+    def build(self, key: ModelKey, request: Inputs) -> CompiledGraph:
         """The graph of ``key`` compiled for ``request`` (its inputs): ahead of time and
         saved when it is stored."""
         store, options = self._store, self.config.backend_options
@@ -241,24 +282,33 @@ class WholeModelGraphs:
         return compile_graph(self.eager(key, request), self.config.backend, options=options,
                              counter=self._counter, example_inputs=request, guards=False)
 
-    def release(self, key: Any, graph: Any) -> None:
+    def release(self, key: ModelKey, graph: Any) -> None:
         if isinstance(graph, CompiledGraph):
             release_graph(graph)
 
-    def forward(self, key: Any) -> Callable[..., Any]:
+    def forward(self, key: ModelKey) -> Callable[..., Any]:
         """The module-level function ``key``'s stored graph is compiled from: the model
         first, then :meth:`bound`'s other leading inputs, then the request."""
-        raise NotImplementedError
+        return _step_forward if key.kv else _FORWARDS[key.mode]
 
-    def bound(self, key: Any) -> tuple[Any, ...]:
-        """The leading inputs of ``key``'s stored graph: the model, then constants its key pins."""
-        raise NotImplementedError
+    def bound(self, key: ModelKey) -> tuple[Any, ...]:
+        """The leading inputs of ``key``'s stored graph: the model, then a step's segments
+        (VARLEN, else ``None``) or a VARLEN prefill's rows per segment (static: baked into
+        the graph, pinned by the key)."""
+        varlen = key.mode is MaskMode.VARLEN
+        if key.kv:
+            return self.model, key.segments if varlen else None
+        return (self.model, tuple(t for t, _ in key.segments)) if varlen else (self.model,)
 
-    def eager(self, key: Any, request: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+    def eager(self, key: ModelKey, request: Inputs) -> Callable[..., Any]:
         """The uncompiled forward of ``key``'s graph (its inputs as ``request``)."""
-        raise NotImplementedError
+        forward, bound = self.forward(key), self.bound(key)
 
-    def _aot_graph(self, compiled: Any, key: Any, capture: Capture | None) -> CompiledGraph:
+        def uncompiled(*inputs: torch.Tensor) -> Any:
+            return forward(*bound, *inputs)
+        return uncompiled
+
+    def _aot_graph(self, compiled: Any, key: ModelKey, capture: Capture | None) -> CompiledGraph:
         """A graph compiled ahead of time (``capture``: what its backend returned) or loaded
         (``None``) taking the model first, as the cache holds graphs: called directly (it
         checks no guards)."""
@@ -266,52 +316,3 @@ class WholeModelGraphs:
                               compiler=resolve_compiler(key.backend))
         graph.direct = True
         return graph
-
-
-class ModelFamily(WholeModelGraphs):
-    """The whole-model prefill graphs of ``model`` (:class:`~attnpolicy.dispatch.family.GraphFamily`),
-    keyed by :class:`ModelKey`, built from a placed batch's inputs.
-
-    With ``config.store_dir`` every graph on a backend (not ``"none"``) of a model whose
-    code has a source to hash persists there, compiled ahead of time and keyed by the
-    model's code and config; a miss loads it. A background miss no resident graph serves
-    runs the eager forward. ``compile_counter(gm)`` sees every backend compile."""
-
-    def __init__(self, model: torch.nn.Module, config: AttnPolicyConfig, *,
-                 compile_counter: Callable[[torch.fx.GraphModule], None] | None = None) -> None:
-        store = DiskStore(config.store_dir, config.max_disk_bytes) if config.store_dir is not None else None
-        super().__init__(model, config, store, compile_counter=compile_counter)
-
-    def estimate_bytes(self, key: ModelKey) -> int:
-        return estimate_bytes(key, self.model.config, self._itemsize)
-
-    @staticmethod
-    def pad_up(key: ModelKey, resident: Sequence[ModelKey]) -> ModelKey | None:
-        """The smallest resident key (by tokens, then segments) that :func:`dominates` ``key``
-        (a pure rule: the simulator's whole-model graphs pad up by it too)."""
-        larger = [k for k in resident if isinstance(k, ModelKey) and dominates(k, key)]
-        return min(larger, key=lambda k: (k.tokens, k.segments)) if larger else None
-
-    def forward(self, key: ModelKey) -> Callable[..., torch.Tensor]:
-        return _FORWARDS[key.mode]
-
-    def eager(self, key: ModelKey, request: Inputs) -> Callable[..., torch.Tensor]:
-        """The uncompiled forward of ``key``'s graph (its inputs as ``request``)."""
-        model = self.model
-        if key.mode is MaskMode.MASK:
-            def masked(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-                out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
-                            use_cache=False)
-                return out.logits[0]
-            return masked
-        extra = {SEGMENTS_KWARG: key.segments} if key.mode is MaskMode.VARLEN else {}
-
-        def unmasked(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, **extra)
-            return out.logits[0]
-        return unmasked
-
-    def bound(self, key: ModelKey) -> tuple[Any, ...]:
-        """The leading inputs of ``key``'s stored graph: the model, and a VARLEN graph's
-        segments (static: baked into the graph, pinned by the key)."""
-        return (self.model, key.segments) if key.mode is MaskMode.VARLEN else (self.model,)

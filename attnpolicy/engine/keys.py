@@ -1,9 +1,8 @@
-"""The keys of whole-model graphs, pure data: :class:`ModelKey` (a prefill forward,
-:mod:`~attnpolicy.engine.graph_family`) and :class:`StepKey` (a forward over cached
-context, :mod:`~attnpolicy.engine.step_family`), the rule that maps a layout and a
-mode to each (shared by the runner and the simulator), which larger graph serves a key
-padded up, and each graph's static-shape byte estimate. No torch: a planner or a
-simulator prices these keys without loading a model."""
+"""The key of a whole-model graph, pure data: :class:`ModelKey`, a forward over a
+batch's new rows and their cached context (a prefill is a step with no context), the
+one rule that maps a layout and a mode to it (shared by the runner and the simulator),
+which larger graph serves a key padded up, and a graph's static-shape byte estimate.
+No torch: a planner or a simulator prices these keys without loading a model."""
 
 from __future__ import annotations
 
@@ -17,64 +16,23 @@ from attnpolicy.core.modes import MaskMode
 
 @dataclass(frozen=True, slots=True)
 class ModelKey:
-    """One whole-model graph: its mode, padded rows and (VARLEN) per-sequence segments."""
-
-    mode: MaskMode
-    tokens: int
-    segments: tuple[int, ...]
-    backend: str
-
-    def __str__(self) -> str:
-        shape = "+".join(map(str, self.segments)) if self.mode is MaskMode.VARLEN else str(self.tokens)
-        return f"model/{self.mode.value}/t{shape}/{self.backend}"
-
-
-def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> ModelKey:
-    """The whole-model graph key ``layout`` runs under in ``mode`` with ``config``'s
-    buckets and backend (pure: no model needed; the runner and the simulator share it)."""
-    if mode is MaskMode.VARLEN:
-        segments = tuple(sorted((config.bucket(n) for n in layout.q_lens), reverse=True))
-        return ModelKey(mode, sum(segments), segments, config.backend)
-    real = sum(layout.q_lens)
-    tokens = config.bucket(real) if mode is MaskMode.CAUSAL else config.batch_bucket(real)
-    return ModelKey(mode, tokens, (tokens,), config.backend)
-
-
-def estimate_bytes(key: ModelKey, model_config: Any, itemsize: int = 4) -> int:
-    """A static-shape estimate of what one graph holds while it runs: its inputs (ids,
-    positions, a MASK graph's boolean mask), its logits, and one layer's activations
-    (hidden states, q/k/v, MLP)."""
-    c, t = model_config, key.tokens
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    inputs = 16 * t + (t * t if key.mode is MaskMode.MASK else 0)
-    layer = t * (2 * c.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * c.intermediate_size)
-    return inputs + itemsize * (t * c.vocab_size + layer)
-
-
-def dominates(other: ModelKey, key: ModelKey) -> bool:
-    """Whether ``other``'s graph can serve ``key``'s batch: same mode and backend, at
-    least as many rows (``VARLEN``: as many segments, each at least as long)."""
-    if other.mode is not key.mode or other.backend != key.backend or other == key:
-        return False
-    if key.mode is MaskMode.VARLEN:
-        return len(other.segments) == len(key.segments) and all(
-            a >= b for a, b in zip(other.segments, key.segments))
-    return other.tokens >= key.tokens
-
-
-@dataclass(frozen=True, slots=True)
-class StepKey:
-    """One step graph: its mode, padded rows, padded context columns and per-sequence
-    ``(rows, context)`` buckets (one pair for MASK and CAUSAL)."""
+    """One whole-model graph: its mode, padded rows, padded context columns, per-sequence
+    ``(rows, context)`` buckets (one pair for MASK and CAUSAL) and backend; ``kv``: the
+    graph takes the cached context's keys and values and returns its new rows' (a step
+    run with a KV cache), else it returns logits only (a prefill whose KV is not kept:
+    no context)."""
 
     mode: MaskMode
     tokens: int
     context: int
     segments: tuple[tuple[int, int], ...]
     backend: str
+    kv: bool
 
     def __str__(self) -> str:
+        if not self.kv:
+            shape = "+".join(str(t) for t, _ in self.segments) if self.mode is MaskMode.VARLEN else str(self.tokens)
+            return f"model/{self.mode.value}/t{shape}/{self.backend}"
         if self.mode is MaskMode.VARLEN:
             shape = "+".join(f"t{t}c{c}" for t, c in self.segments)
         else:
@@ -88,8 +46,8 @@ def contexts(layout: BatchLayout) -> tuple[int, ...]:
 
 
 def why_illegal_step(mode: MaskMode, layout: BatchLayout) -> str | None:
-    """``None`` when a step graph of ``mode`` computes ``layout`` right: MASK and VARLEN
-    always; CAUSAL for one causal sequence (its context is exact in its key)."""
+    """``None`` when a step graph (``kv``) of ``mode`` computes ``layout`` right: MASK and
+    VARLEN always; CAUSAL for one causal sequence (its context is exact in its key)."""
     if mode is not MaskMode.CAUSAL:
         return None
     if not layout.causal:
@@ -102,28 +60,30 @@ def segment(rows: int, context: int, config: AttnPolicyConfig) -> tuple[int, int
     return config.bucket(rows), config.bucket(context) if context else 0
 
 
-def step_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> StepKey:
-    """The step graph key ``layout`` runs under in ``mode`` with ``config``'s buckets
-    (pure: the runner and a simulator share it). A sequence's rows and context are
-    bucketed by ``config.bucket`` (at most ``max_seq_len``), MASK's totals by
-    ``config.batch_bucket`` (at most ``max_batch_tokens``)."""
+def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig, *, kv: bool) -> ModelKey:
+    """The graph key ``layout`` runs under in ``mode`` with ``config``'s buckets and
+    backend, ``kv`` as :class:`ModelKey`'s (pure: the runner and a simulator share it).
+    A sequence's rows and context are bucketed by ``config.bucket`` (at most
+    ``max_seq_len``), MASK's totals by ``config.batch_bucket`` (at most
+    ``max_batch_tokens``); CAUSAL's context is exact."""
     ctx = contexts(layout)
     if mode is MaskMode.VARLEN:
         segments = tuple(sorted((segment(q, c, config) for q, c in zip(layout.q_lens, ctx)), reverse=True))
-        return StepKey(mode, sum(t for t, _ in segments), sum(c for _, c in segments), segments, config.backend)
+        return ModelKey(mode, sum(t for t, _ in segments), sum(c for _, c in segments), segments,
+                        config.backend, kv)
+    rows, total = sum(layout.q_lens), sum(ctx)
     if mode is MaskMode.CAUSAL:
-        tokens, context = config.bucket(layout.q_lens[0]), ctx[0]
+        tokens, context = config.bucket(rows), total
     else:
-        total = sum(ctx)
-        tokens, context = config.batch_bucket(sum(layout.q_lens)), config.batch_bucket(total) if total else 0
-    return StepKey(mode, tokens, context, ((tokens, context),), config.backend)
+        tokens, context = config.batch_bucket(rows), config.batch_bucket(total) if total else 0
+    return ModelKey(mode, tokens, context, ((tokens, context),), config.backend, kv)
 
 
-def step_dominates(other: StepKey, key: StepKey) -> bool:
-    """Whether ``other``'s graph can serve ``key``'s step padded up: same mode and
-    backend, at least as many rows and context columns (VARLEN: per sequence; CAUSAL:
-    the same context, which must be exact)."""
-    if other.mode is not key.mode or other.backend != key.backend or other == key:
+def dominates(other: ModelKey, key: ModelKey) -> bool:
+    """Whether ``other``'s graph can serve ``key``'s batch padded up: same mode, backend
+    and ``kv``, at least as many rows and context columns (VARLEN: as many sequences,
+    each at least as large; CAUSAL: the same context, which must be exact)."""
+    if other.mode is not key.mode or other.backend != key.backend or other.kv != key.kv or other == key:
         return False
     if key.mode is MaskMode.VARLEN:
         return len(other.segments) == len(key.segments) and all(
@@ -133,14 +93,14 @@ def step_dominates(other: StepKey, key: StepKey) -> bool:
     return other.tokens >= key.tokens and other.context >= key.context
 
 
-def step_estimate_bytes(key: StepKey, model_config: Any, itemsize: int = 4) -> int:
-    """A static-shape estimate of what one step graph holds while it runs: its inputs
-    (ids, positions, past keys and values, the mask), its logits and new KV rows, and
-    one layer's activations (hidden states, q/k/v, MLP)."""
+def estimate_bytes(key: ModelKey, model_config: Any, itemsize: int = 4) -> int:
+    """A static-shape estimate of what one graph holds while it runs: its inputs (ids,
+    positions, the cached context's keys and values, the mask), its logits and (``kv``)
+    its new rows' keys and values, and one layer's activations (hidden states, q/k/v, MLP)."""
     c, t = model_config, key.tokens
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    kv_row = 2 * c.num_hidden_layers * kv_heads * head_dim
+    kv_row = 2 * c.num_hidden_layers * kv_heads * head_dim if key.kv else 0
     mask = t * (key.context + t) if key.mode is MaskMode.MASK else key.context
     layer = t * (2 * c.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * c.intermediate_size)
     return 16 * t + mask + itemsize * (kv_row * (key.context + t) + t * c.vocab_size + layer)

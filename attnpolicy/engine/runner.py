@@ -17,11 +17,11 @@ graph's rows and back, checks its inputs, and records each build's memory.
 
 Serves prefill of causal layouts without cached context; given a
 :class:`~attnpolicy.engine.kv_cache.KVCache` and each sequence's slot in it, any causal
-step (prefill whose KV is kept, chunked prefill, decode, mixed) through the step graph
-family (:mod:`~attnpolicy.engine.step_family`), each slot's KV read and extended. A
-layout with cached context but no cache, a slot that does not hold a sequence's
-context, and a real row's token id outside the vocabulary (the input embedding's rows)
-raise :class:`~attnpolicy.errors.LayoutError` before any work.
+step (prefill whose KV is kept, chunked prefill, decode, mixed) through a step graph
+(a key with ``kv``), each slot's KV read and extended: one path, a prefill being a step
+with no context. A layout with cached context but no cache, a slot that does not hold
+a sequence's context, and a real row's token id outside the vocabulary (the input
+embedding's rows) raise :class:`~attnpolicy.errors.LayoutError` before any work.
 
 Memory per graph is measured around its build (compile and first run): the RSS
 delta of the process, and on a device whose allocator reports its bytes (CUDA, XPU …,
@@ -51,9 +51,8 @@ from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.dispatch.stats import BackgroundStats, Counters, RuntimeStats
 from attnpolicy.engine.graph_family import STATIC_ATTENTION, Inputs, ModelFamily, register
-from attnpolicy.engine.keys import ModelKey, StepKey, contexts, model_key_for, segment, step_key_for, why_illegal_step
+from attnpolicy.engine.keys import ModelKey, contexts, model_key_for, segment, why_illegal_step
 from attnpolicy.engine.kv_cache import KVCache
-from attnpolicy.engine.step_family import StepFamily, StepInputs
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError
 from attnpolicy.graphs import backend_setup, device_memory
 from attnpolicy.graphs.compile import CompiledGraph, device_bytes
@@ -88,10 +87,8 @@ class RunnerStats(RuntimeStats):
     #: (``compile_mode="background"``) batches run on the eager forward while their graph
     #: compiled, no resident graph able to serve them padded up
     eager_served: int = 0
-    #: (``compile_mode="background"``) seconds batches waited for the workers at switch points
+    #: (``compile_mode="background"``) seconds batches waited for the worker at switch points
     stall_seconds: float = 0.0
-    #: (``compile_mode="background"``) the step graphs' background compiles
-    step_background: BackgroundStats | None = None
     #: batches run (warm-up's not) on their own graph, resident when they ran, and the others
     #: (their graph built now, or under ``compile_mode="background"`` padded up or run eagerly while
     #: it compiles): one count per batch, where ``cache`` counts lookups (a pad-up's and a switch-in's)
@@ -102,32 +99,14 @@ class RunnerStats(RuntimeStats):
 @dataclass(frozen=True, slots=True)
 class Placed:
     """A batch placed in its graph: the key, the graph row and the layout row of each
-    real token (in the layout's order), and the graph's inputs (ids, positions and,
-    for MASK, the mask)."""
+    real token (in the layout's order), a step's graph rows of each sequence (in the
+    layout's order, for its slot; a prefill: none), and the graph's inputs."""
 
     key: ModelKey
     rows: torch.Tensor
     src: torch.Tensor
-    inputs: tuple[torch.Tensor, ...]
-
-    def scatter(self, out: torch.Tensor, q_tokens: int) -> torch.Tensor:
-        """The graph's output ``out`` back in the layout's ``q_tokens`` rows (padding zero)."""
-        logits = out.new_zeros(q_tokens, out.shape[-1])
-        logits[self.src] = out[self.rows]
-        return logits
-
-
-@dataclass(frozen=True, slots=True)
-class PlacedStep:
-    """A step placed in its step graph: the key, the graph row and layout row of each
-    real token, each sequence's graph rows (in the layout's order, for its slot), and
-    the graph's inputs (ids, positions, past keys and values, the mask but for CAUSAL)."""
-
-    key: StepKey
-    rows: torch.Tensor
-    src: torch.Tensor
     seq_rows: tuple[torch.Tensor, ...]
-    inputs: StepInputs
+    inputs: Inputs
 
     def scatter(self, out: torch.Tensor, q_tokens: int) -> torch.Tensor:
         """The graph's logits ``out`` back in the layout's ``q_tokens`` rows (padding zero)."""
@@ -187,18 +166,12 @@ class StaticModelRunner:
         #: with ``store_dir``: every graph persists there, keyed by the model's code and
         #: config (``code_hash``); a miss loads it
         self.family = family = ModelFamily(self.model, cfg, compile_counter=compile_counter)
-        #: the step graphs (cached context, KV in and out), stored beside the prefill graphs
-        self.steps = steps = StepFamily(self.model, cfg, family.store, compile_counter=compile_counter)
-        #: one cache holds both families' graphs, bounded together
         self.cache: GraphCache[CompiledGraph] = GraphCache.from_config(
-            cfg, sizeof=lambda k: (steps if isinstance(k, StepKey) else family).estimate_bytes(k),
-            release=lambda k, g: (steps if isinstance(k, StepKey) else family).release(k, g),
+            cfg, sizeof=family.estimate_bytes, release=family.release,
             measure=lambda k, g: device_bytes(g) if isinstance(g, CompiledGraph) else None)
         self.counters = Counters()  # strict mode's and the background's
         self.source: GraphSource[ModelKey, Inputs] = GraphSource(self.cache, self.counters, family,
-                                                                 builder=self._measured(family))
-        self.step_source: GraphSource[StepKey, StepInputs] = GraphSource(self.cache, self.counters, steps,
-                                                                         builder=self._measured(steps))
+                                                                 builder=self._measured)
         self._memory: list[GraphMemory] = []
         self._modes: Counter[str] = Counter()
         self._batches = 0
@@ -206,9 +179,6 @@ class StaticModelRunner:
         self._lock = threading.RLock()  # the policy, the counters, the background's pending compiles
         self._background: Background[ModelKey, Inputs] | None = (
             Background(self.source, thread_name="attnpolicy-model-compile")
-            if cfg.compile_mode == "background" else None)
-        self._step_background: Background[StepKey, StepInputs] | None = (
-            Background(self.step_source, thread_name="attnpolicy-step-compile")
             if cfg.compile_mode == "background" else None)
 
     @property
@@ -238,10 +208,7 @@ class StaticModelRunner:
     def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *, kv: KVCache | None = None,
             slots: Sequence[int] | None = None) -> torch.Tensor:
         """As :meth:`logits` in a given ``mode`` (no policy; the mode must be legal)."""
-        if kv is not None or slots is not None:
-            return self._run_step(token_ids, layout, mode, kv, slots,
-                                  background=self._step_background is not None, counted=True)
-        return self._run(token_ids, layout, mode, background=self._background is not None, counted=True)
+        return self._run(token_ids, layout, mode, kv, slots, background=self._background is not None, counted=True)
 
     def _count(self, hit: bool) -> None:
         """One batch run on its own resident graph (``hit``), or not."""
@@ -251,57 +218,21 @@ class StaticModelRunner:
             else:
                 self._batch_misses += 1
 
-    def _run_step(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
-                  slots: Sequence[int] | None, *, background: bool, counted: bool = False) -> torch.Tensor:
-        self._check(token_ids, layout, kv, slots)
-        assert kv is not None and slots is not None  # checked
-        why = why_illegal_step(mode, layout)
-        if why is not None:
-            raise IllegalModeError(f"mode={mode.value} is illegal for step ({layout.describe()}): {why}")
-        step = self._place_step(token_ids, layout, mode, kv, slots)
-        bg = self._step_background
-        graph: Callable[..., tuple[torch.Tensor, ...]]
-        if bg is not None and background:
-            with self._lock:
-                bg.next_batch()
-                hit = step.key in self.cache
-                if hit:
-                    graph = self.step_source.get(step.key, step.inputs, pin=True)
-                elif (served := bg.serve(step.key, step.inputs)) is None:
-                    graph = self.steps.eager(step.key, step.inputs)
-                else:  # padded up
-                    step = self._place_step(token_ids, layout, mode, kv, slots, served)
-                    graph = self.step_source.get(step.key, step.inputs, pin=True)
-        else:
-            hit = self.cache.has_graph(step.key)
-            graph = self.step_source.get(step.key, step.inputs, pin=True)
-        if counted:
-            self._count(hit)
-        pinned = isinstance(graph, CompiledGraph)
-        try:
-            with torch.no_grad():
-                logits, new_k, new_v = graph(*step.inputs)
-        finally:
-            if pinned:
-                self.cache.unpin([step.key])
-        kv.append(slots, step.seq_rows, new_k, new_v)
-        return step.scatter(logits, layout.q_tokens)
-
-    def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *,
-             background: bool, counted: bool = False) -> torch.Tensor:
-        batch = self.prepare(token_ids, layout, mode)
+    def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+             slots: Sequence[int] | None, *, background: bool, counted: bool = False) -> torch.Tensor:
+        batch = self.prepare(token_ids, layout, mode, kv=kv, slots=slots)
         bg = self._background
-        graph: Callable[..., torch.Tensor]
+        graph: Callable[..., Any]
         if bg is not None and background:
             with self._lock:
                 bg.next_batch()
                 hit = batch.key in self.cache
-                if hit:
-                    graph = self.graph_for(batch, pin=True)
-                elif (served := bg.serve(batch.key, batch.inputs)) is None:
+                served = bg.route(batch.key, batch.inputs)
+                if served is None:
                     graph = self.family.eager(batch.key, batch.inputs)
-                else:  # padded up
-                    batch = self._place(token_ids, layout, mode, served)
+                else:
+                    if served != batch.key:  # padded up
+                        batch = self._place(token_ids, layout, mode, kv, slots, served)
                     graph = self.graph_for(batch, pin=True)
         else:
             hit = self.cache.has_graph(batch.key)
@@ -315,14 +246,22 @@ class StaticModelRunner:
         finally:
             if pinned:
                 self.cache.unpin([batch.key])
+        if kv is not None and slots is not None:  # a step: its KV rows into the slots
+            out, new_k, new_v = out
+            kv.append(slots, batch.seq_rows, new_k, new_v)
         return batch.scatter(out, layout.q_tokens)
 
-    def prepare(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode) -> Placed:
-        """``layout``'s tokens placed in the graph of ``mode``: its key and inputs
+    def prepare(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *, kv: KVCache | None = None,
+                slots: Sequence[int] | None = None) -> Placed:
+        """``layout``'s tokens placed in the graph of ``mode`` (with ``kv`` and ``slots``
+        as :meth:`logits`: a step's, its slots' context gathered): its key and inputs
         (inputs checked, ``mode`` legal for ``layout``; nothing compiled)."""
-        self._check(token_ids, layout)
-        check_legal(mode, layout)
-        return self._place(token_ids, layout, mode)
+        self._check(token_ids, layout, kv, slots)
+        if kv is None:
+            check_legal(mode, layout)
+        elif (why := why_illegal_step(mode, layout)) is not None:
+            raise IllegalModeError(f"mode={mode.value} is illegal for step ({layout.describe()}): {why}")
+        return self._place(token_ids, layout, mode, kv, slots)
 
     def graph_for(self, batch: Placed, *, pin: bool = False) -> CompiledGraph:
         """The compiled graph of ``batch.key`` from the cache, compiled on a miss
@@ -330,13 +269,10 @@ class StaticModelRunner:
         graph: CompiledGraph = self.source.get(batch.key, batch.inputs, pin=pin)
         return graph
 
-    def key_for(self, layout: BatchLayout, mode: MaskMode) -> ModelKey:
-        """The graph key ``layout`` runs under in ``mode`` (:func:`model_key_for`)."""
-        return model_key_for(layout, mode, self.config)
-
-    def step_key_for(self, layout: BatchLayout, mode: MaskMode) -> StepKey:
-        """The step graph key ``layout`` runs under in ``mode`` (:func:`step_key_for`)."""
-        return step_key_for(layout, mode, self.config)
+    def key_for(self, layout: BatchLayout, mode: MaskMode, *, kv: bool = False) -> ModelKey:
+        """The graph key ``layout`` runs under in ``mode`` (``kv``: a step's, run with a KV
+        cache; :func:`~attnpolicy.engine.keys.model_key_for`)."""
+        return model_key_for(layout, mode, self.config, kv=kv)
 
     def _check(self, token_ids: torch.Tensor, layout: BatchLayout, kv: KVCache | None = None,
                slots: Sequence[int] | None = None) -> None:
@@ -373,41 +309,14 @@ class StaticModelRunner:
             more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
             raise LayoutError(f"token_ids outside the vocabulary [0, {self._vocab}): {shown}{more}")
 
-    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode,
-               key: ModelKey | None = None) -> Placed:
-        """``layout`` placed in the graph of ``key`` (default: its own key; else one
-        that dominates it, as :func:`~attnpolicy.engine.keys.dominates`).
-        The inputs are built here in the form every graph is compiled for, whatever the
-        form of ``token_ids``: int64, contiguous, on the model's device."""
-        key = key or self.key_for(layout, mode)
-        token_ids = token_ids.to(device=self.device, dtype=torch.long)
-        order = range(layout.num_seqs)
-        if mode is MaskMode.VARLEN:  # largest bucket first, as the key's segments
-            order = sorted(order, key=lambda i: -self.config.bucket(layout.q_lens[i]))  # type: ignore[assignment]
-        src, rows, positions = [], [], torch.zeros(key.tokens, dtype=torch.long)
-        start = 0
-        for slot, i in enumerate(order):
-            s, n = layout.q_starts[i], layout.q_lens[i]
-            src.append(torch.arange(s, s + n))
-            rows.append(torch.arange(start, start + n))
-            span = key.segments[slot] if mode is MaskMode.VARLEN else n
-            positions[start:start + span] = torch.arange(span)
-            start += span
-        src_t, rows_t = torch.cat(src).to(self.device), torch.cat(rows).to(self.device)
-        ids = torch.zeros(key.tokens, dtype=torch.long, device=self.device)
-        ids[rows_t] = token_ids[src_t]
-        inputs: tuple[torch.Tensor, ...] = (ids, positions.to(self.device))
-        if mode is MaskMode.MASK:
-            packed = BatchLayout.from_lens(list(layout.q_lens), causal=True)
-            mask = mask_for(packed).materialize(key.tokens, key.tokens)
-            inputs += (mask.to(self.device)[None, None],)
-        return Placed(key, rows_t, src_t, inputs)
-
-    def _place_step(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache,
-                    slots: Sequence[int], key: StepKey | None = None) -> PlacedStep:
-        """``layout`` placed in the step graph of ``key`` (default: its own key; else one
-        that dominates it), its slots' context gathered into the past inputs."""
-        key = key or self.step_key_for(layout, mode)
+    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+               slots: Sequence[int] | None, key: ModelKey | None = None) -> Placed:
+        """``layout`` placed in the graph of ``key`` (default: its own key; else one that
+        :func:`~attnpolicy.engine.keys.dominates` it), a step's slots' context gathered
+        into the past inputs. The inputs are built here in the form every graph is
+        compiled for, whatever the form of ``token_ids``: int64, contiguous, on the model's
+        device."""
+        key = key or self.key_for(layout, mode, kv=kv is not None)
         token_ids = token_ids.to(device=self.device, dtype=torch.long)
         ctx = contexts(layout)
         order = list(range(layout.num_seqs))
@@ -423,8 +332,8 @@ class StaticModelRunner:
         t, c = key.tokens, key.context
         positions = torch.zeros(t, dtype=torch.long)
         src, rows = [], []
-        mask = torch.zeros(t, c + t, dtype=torch.bool) if mode is MaskMode.MASK else None
-        valid = torch.zeros(c, dtype=torch.bool) if mode is MaskMode.VARLEN else None
+        mask = torch.zeros(t, c + t, dtype=torch.bool) if mode is MaskMode.MASK and key.kv else None
+        valid = torch.zeros(c, dtype=torch.bool) if mode is MaskMode.VARLEN and key.kv else None
         for i in range(layout.num_seqs):
             s, n, r0, c0, ci = layout.q_starts[i], layout.q_lens[i], row_at[i], col_at[i], ctx[i]
             src.append(torch.arange(s, s + n))
@@ -443,66 +352,66 @@ class StaticModelRunner:
         src_t, rows_t = torch.cat(src).to(self.device), torch.cat(rows).to(self.device)
         ids = torch.zeros(t, dtype=torch.long, device=self.device)
         ids[rows_t] = token_ids[src_t]
-        past_k, past_v = kv.gather(slots, col_at, c)
-        inputs: StepInputs = (ids, positions.to(self.device), past_k, past_v)
+        inputs: Inputs = (ids, positions.to(self.device))
+        if not key.kv:
+            if mode is MaskMode.MASK:  # the packed sequences' block-diagonal causal mask
+                packed = BatchLayout.from_lens(list(layout.q_lens), causal=True)
+                inputs += (mask_for(packed).materialize(t, t).to(self.device)[None, None],)
+            return Placed(key, rows_t, src_t, (), inputs)
+        assert kv is not None and slots is not None  # a step's (checked)
+        inputs += kv.gather(slots, col_at, c)
         if mask is not None or valid is not None:
             inputs += ((mask if mask is not None else valid).to(self.device),)  # type: ignore[union-attr]
-        return PlacedStep(key, rows_t, src_t, tuple(r.to(self.device) for r in rows), inputs)
+        return Placed(key, rows_t, src_t, tuple(r.to(self.device) for r in rows), inputs)
 
     # -- graphs --------------------------------------------------------------------
-    def _measured(self, family: ModelFamily | StepFamily) -> Callable[[Any, Any], CompiledGraph]:
-        """``family``'s build, each graph's memory recorded (also in the background worker)."""
-        def build(key: Any, inputs: Any) -> CompiledGraph:
-            rss, before = _rss(), device_memory.allocated(self.device)
-            t0 = perf_counter()
-            graph = family.build(key, inputs)
-            after = device_memory.allocated(self.device)
-            self._memory.append(GraphMemory(
-                str(key), family.estimate_bytes(key), _rss() - rss,
-                None if after is None or before is None else after - before, perf_counter() - t0))
-            return graph
-        return build
+    def _measured(self, key: ModelKey, inputs: Inputs) -> CompiledGraph:
+        """The family's build of ``key``, its memory recorded (also in the background worker)."""
+        rss, before = _rss(), device_memory.allocated(self.device)
+        t0 = perf_counter()
+        graph = self.family.build(key, inputs)
+        after = device_memory.allocated(self.device)
+        self._memory.append(GraphMemory(
+            str(key), self.family.estimate_bytes(key), _rss() - rss,
+            None if after is None or before is None else after - before, perf_counter() - t0))
+        return graph
 
-    def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey | StepKey]:
+    def warmup(self, layouts: Iterable[tuple[BatchLayout, MaskMode]]) -> list[ModelKey]:
         """Compile (or load from the store) the graph of each ``(layout, mode)`` not
         cached yet (a layout with cached context: its step graph, the context zeros in a
         scratch cache; counted as misses, as requests would be; compiled now in every
         ``compile_mode``), the backend's per-process set-up started ahead (see
         :mod:`~attnpolicy.graphs.backend_setup`); afterwards ``strict`` applies to compiles."""
-        keys: list[ModelKey | StepKey] = []
+        keys: list[ModelKey] = []
         setup = backend_setup.start(self.config.backend, str(self.device))
         try:
             for layout, mode in layouts:
                 ids = torch.zeros(layout.q_tokens, dtype=torch.long)
-                if layout.has_context:  # a step: its context as zeros in a scratch cache
-                    kv = KVCache.holding(self.model, contexts(layout), max(layout.kv_lens))
-                    self._run_step(ids, layout, mode, kv, range(layout.num_seqs), background=False)
-                    keys.append(self.step_key_for(layout, mode))
-                else:
-                    self._run(ids, layout, mode, background=False)
-                    keys.append(self.key_for(layout, mode))
+                # a step: its context as zeros in a scratch cache
+                kv = KVCache.holding(self.model, contexts(layout), max(layout.kv_lens)) if layout.has_context else None
+                slots = None if kv is None else range(layout.num_seqs)
+                self._run(ids, layout, mode, kv, slots, background=False)
+                keys.append(self.key_for(layout, mode, kv=kv is not None))
         finally:
             setup.join()  # its seconds are the warm-up's
-        self.source.warm = self.step_source.warm = True
+        self.source.warm = True
         return keys
 
     def stats(self) -> RunnerStats:
         with self._lock:
-            bg, step_bg, c = self._background, self._step_background, self.counters
+            bg, c = self._background, self.counters
             return RunnerStats(batches=self._batches, modes=dict(self._modes), guard_fallbacks=self.guard.fallbacks,
                                strict_violations=c.strict_violations, loaded_after_warmup=c.loaded_after_warmup,
                                cache=self.cache.stats(), disk=None if self.store is None else self.store.stats(),
                                memory=tuple(self._memory), background=None if bg is None else bg.stats(),
                                eager_served=c.background_eager,
-                               stall_seconds=sum(b.waited for b in (bg, step_bg) if b is not None),
-                               step_background=None if step_bg is None else step_bg.stats(),
+                               stall_seconds=0.0 if bg is None else bg.waited,
                                batch_hits=self._batch_hits, batch_misses=self._batch_misses)
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""
-        for bg in (self._background, self._step_background):
-            if bg is not None:
-                bg.close()
+        if self._background is not None:
+            self._background.close()
         self.cache.clear()
 
 

@@ -64,7 +64,7 @@ from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_s
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import ModelKey, StepKey, model_key_for, step_key_for
+from attnpolicy.engine.keys import ModelKey, model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
@@ -664,18 +664,12 @@ def decided_modes(layouts: Sequence[BatchLayout], config: AttnPolicyConfig, spec
     return [guard.decide(layout, context).mode for layout in layouts]
 
 
-def key_stream(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode], config: AttnPolicyConfig
-               ) -> list[ModelKey]:
-    """The key each batch runs under (the runner's :func:`model_key_for`)."""
-    return [model_key_for(layout, mode, config) for layout, mode in zip(layouts, modes)]
-
-
-def step_stream(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode], config: AttnPolicyConfig
-                ) -> list[StepKey]:
-    """The step graph key each engine step runs under when steps are served over a KV
-    cache, as ``run --model`` serves whole requests (the runner's :func:`step_key_for`:
-    every step, a first prefill too, on a step graph)."""
-    return [step_key_for(layout, mode, config) for layout, mode in zip(layouts, modes)]
+def key_stream(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode], config: AttnPolicyConfig, *,
+               kv: bool = False) -> list[ModelKey]:
+    """The key each batch runs under (the runner's :func:`model_key_for`); ``kv``: each
+    engine step's served over a KV cache, as ``run --model`` serves whole requests (every
+    step, a first prefill too, on a step graph)."""
+    return [model_key_for(layout, mode, config, kv=kv) for layout, mode in zip(layouts, modes)]
 
 
 @dataclass(frozen=True)
@@ -706,14 +700,14 @@ class ModelSimRow:
         return {**asdict(self), "total_seconds": self.total_seconds}
 
 
-def replay_keys(keys: Sequence[ModelKey] | Sequence[StepKey], model: ModelCostModel, config: AttnPolicyConfig,
+def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPolicyConfig,
                 eviction: str, *, builds_run: bool = False) -> ModelSimRow:
     """Replay ``keys`` through a cache of ``config``'s bounds with ``eviction`` (or
     ``belady``), costed by ``model``. ``builds_run``: a miss's build runs its own batch
     (a step graph: the runner builds it on the step, and calibration times build and
     step together), so a batch that misses costs its compile seconds alone and
     ``run_seconds`` are the hits'."""
-    ids: dict[ModelKey | StepKey, int] = {}
+    ids: dict[ModelKey, int] = {}
     stream = [ids.setdefault(k, len(ids)) for k in keys]
     distinct = list(ids)
     sizes = [model.graph_bytes(k) for k in distinct]
@@ -736,11 +730,11 @@ def replay_keys(keys: Sequence[ModelKey] | Sequence[StepKey], model: ModelCostMo
 def simulate_model(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig],
                    evictions: Sequence[str], *, steps: bool = False) -> list[ModelSimRow]:
     """One row per config × eviction: each config's policy decides, its buckets key
-    (``steps``: the layouts are engine steps served over a KV cache, see :func:`step_stream`)."""
+    (``steps``: the layouts are engine steps served over a KV cache, see :func:`key_stream`)."""
     spec = spec_of(model)
     rows = []
     for config in configs:
         modes = decided_modes(layouts, config, spec)
-        keys = step_stream(layouts, modes, config) if steps else key_stream(layouts, modes, config)
+        keys = key_stream(layouts, modes, config, kv=steps)
         rows += [replay_keys(keys, model, config, eviction, builds_run=steps) for eviction in evictions]
     return rows

@@ -41,7 +41,7 @@ from math import fsum
 from typing import Any
 
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import StepKey
+from attnpolicy.engine.keys import ModelKey
 from attnpolicy.modelling.bucket_schemes import vllm_sizes
 from attnpolicy.modelling.peer_buckets import Forward, PeerLimits, WarmupGraph, WarmupSet
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
@@ -100,7 +100,7 @@ class Pricing:
         priced = self._graphs.get(graph)
         if priced is None:
             s = graph_shape(graph, self.limits)
-            key = StepKey(MaskMode.MASK, s.rows, s.context, ((s.rows, s.context),), self.model.backend)
+            key = ModelKey(MaskMode.MASK, s.rows, s.context, ((s.rows, s.context),), self.model.backend, kv=True)
             priced = (self.compile_fit.at(s.rows, s.context, s.cells), self.model.graph_bytes(key))
             self._graphs[graph] = priced
         return priced

@@ -1,7 +1,6 @@
 """The model-level cost model: predicted compile seconds, run seconds and bytes of
-whole-model graphs: prefill graphs (:class:`~attnpolicy.engine.keys.ModelKey`) and
-step graphs over cached context (:class:`~attnpolicy.engine.keys.StepKey`: decode,
-chunked prefill).
+whole-model graphs (:class:`~attnpolicy.engine.keys.ModelKey`): prefill graphs and
+step graphs over cached context (a key with ``kv``: decode, chunked prefill).
 
 A :class:`ModelCostModel` is fitted by ``attnpolicy calibrate --model SPEC``
 (:func:`attnpolicy.bench.calibration.calibrate_model`) through the real
@@ -13,9 +12,9 @@ features of a key, so one form serves every mode and both kinds of graph:
 - ``tokens``: the graph's rows (VARLEN: the sum of its segments);
 - ``context``: the cached context columns a step graph takes as input (its past keys
   and values, gathered into the graph's padded span; a prefill graph has none);
-- ``cells``: the attention score cells per layer (prefill MASK: ``tokens²``, CAUSAL
-  and VARLEN: the sum of each segment's square; a step: each segment's rows times its
-  context and rows, MASK and CAUSAL as one segment);
+- ``cells``: the attention score cells per layer: each segment's rows times its context
+  and rows (MASK and CAUSAL as one segment; a prefill's: ``tokens²``, VARLEN: the sum of
+  each segment's square);
 - ``segments``: the attention calls per layer (VARLEN: its segments, else 1).
 
 A VARLEN graph's run seconds are so a sum over its segments (a per-segment cost and
@@ -44,7 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.core.names import Backend
-from attnpolicy.engine.keys import ModelKey, StepKey, estimate_bytes, step_estimate_bytes
+from attnpolicy.engine.keys import ModelKey, estimate_bytes
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import (
     COST_MODEL_VERSION,
@@ -65,19 +64,11 @@ MODEL_COST_MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
 
 #: A feature of a fit: one value, or an array of them priced elementwise.
 Feature = TypeVar("Feature", float, np.ndarray)
-#: A whole-model graph's key: a prefill graph's or a step graph's.
-WholeModelKey = ModelKey | StepKey
 
 
-def features(key: WholeModelKey) -> tuple[int, int, int, int, int]:
+def features(key: ModelKey) -> tuple[int, int, int, int, int]:
     """The fit's features of ``key``: 1, tokens, context, score cells per layer, segments."""
-    if isinstance(key, StepKey):
-        cells = (sum(t * (c + t) for t, c in key.segments) if key.mode is MaskMode.VARLEN
-                 else key.tokens * (key.context + key.tokens))
-        return 1, key.tokens, key.context, cells, len(key.segments)
-    if key.mode is MaskMode.MASK:
-        return 1, key.tokens, 0, key.tokens * key.tokens, 1
-    return 1, key.tokens, 0, sum(n * n for n in key.segments), len(key.segments)
+    return 1, key.tokens, key.context, sum(t * (c + t) for t, c in key.segments), len(key.segments)
 
 
 class ModelFit(BaseModel):
@@ -92,7 +83,7 @@ class ModelFit(BaseModel):
     per_cell: Coefficient = 0.0
     per_segment: Coefficient = 0.0
 
-    def __call__(self, key: WholeModelKey) -> float:
+    def __call__(self, key: ModelKey) -> float:
         _, tokens, context, cells, segments = features(key)
         return self.at(tokens, context, cells, segments)
 
@@ -103,7 +94,7 @@ class ModelFit(BaseModel):
                 + self.per_segment * segments)
 
     @classmethod
-    def to_samples(cls, samples: Sequence[tuple[WholeModelKey, float]]) -> ModelFit:
+    def to_samples(cls, samples: Sequence[tuple[ModelKey, float]]) -> ModelFit:
         """The non-negative fit of ``(key, value)`` samples minimising the squared
         relative error: the best least-squares solution over every subset of the
         terms that has no negative coefficient. A term no sample has (prefill
@@ -151,8 +142,8 @@ class StepSample(BaseModel):
     rss_bytes: Annotated[int, Field(strict=True)]
     estimate_bytes: Positive
 
-    def key(self, backend: str) -> StepKey:
-        return StepKey(MaskMode(self.mode), self.tokens, self.context, self.segments, backend)
+    def key(self, backend: str) -> ModelKey:
+        return ModelKey(MaskMode(self.mode), self.tokens, self.context, self.segments, backend, kv=True)
 
 
 def every_mode(fits: dict[Mode, ModelFit]) -> dict[Mode, ModelFit]:
@@ -189,9 +180,8 @@ class StepFits(BaseModel):
 
 
 def key_of(mode: str, segments: Sequence[int], backend: str) -> ModelKey:
-    """The :class:`ModelKey` of a mode and its segments (one segment unless VARLEN)."""
-    m = MaskMode(mode)
-    return ModelKey(m, sum(segments), tuple(segments), backend)
+    """The prefill :class:`ModelKey` of a mode and its segments' rows (one segment unless VARLEN)."""
+    return ModelKey(MaskMode(mode), sum(segments), 0, tuple((n, 0) for n in segments), backend, kv=False)
 
 
 class ModelDims(BaseModel):
@@ -280,32 +270,30 @@ class ModelCostModel(BaseModel):
                               f"prefill): calibrate it again with attnpolicy calibrate --model SPEC")
         return self.steps
 
-    def _fit(self, key: WholeModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
+    def _fit(self, key: ModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
         """The fit of ``what`` for ``key``'s kind of graph and mode."""
-        source: ModelCostModel | StepFits = self.step_fits() if isinstance(key, StepKey) else self
+        source: ModelCostModel | StepFits = self.step_fits() if key.kv else self
         return {"compile": source.compile, "run": source.run, "rss": source.rss}[what][key.mode.value]
 
-    def compile_seconds(self, key: WholeModelKey) -> float:
+    def compile_seconds(self, key: ModelKey) -> float:
         """Seconds to build the graph of ``key`` (compile and first run)."""
         return self._fit(key, "compile")(key)
 
-    def run_seconds(self, key: WholeModelKey) -> float:
+    def run_seconds(self, key: ModelKey) -> float:
         """Seconds of one batch (one step) through the graph of ``key`` (placement and
         scatter included; a step's gather of its context and write-back too)."""
         return self._fit(key, "run")(key)
 
-    def rss_bytes(self, key: WholeModelKey) -> int:
+    def rss_bytes(self, key: ModelKey) -> int:
         """The RSS a build of ``key``'s graph is predicted to take (measured in calibration)."""
         return round(self._fit(key, "rss")(key))
 
-    def graph_bytes(self, key: WholeModelKey) -> int:
+    def graph_bytes(self, key: ModelKey) -> int:
         """The runner's static-shape estimate for ``key``: what its cache is bounded by."""
         d = self.dims
         config = SimpleNamespace(hidden_size=d.hidden, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
                                  head_dim=d.head_dim, intermediate_size=d.intermediate, vocab_size=d.vocab,
                                  num_hidden_layers=d.layers)
-        if isinstance(key, StepKey):
-            return step_estimate_bytes(key, config, d.itemsize)
         return estimate_bytes(key, config, d.itemsize)
 
 

@@ -109,14 +109,14 @@ def test_fixed_policies_on_single_packed_and_padded_batches(models, policy, shap
 def test_keys_buckets_and_segments(models):
     runner = StaticModelRunner(models[0], config())
     layout = BatchLayout.from_lens([5, 40, 17])
-    assert runner.key_for(layout, MaskMode.MASK) == ModelKey(MaskMode.MASK, 64, (64,), "aot_eager")
+    assert runner.key_for(layout, MaskMode.MASK) == ModelKey(MaskMode.MASK, 64, 0, ((64, 0),), "aot_eager", kv=False)
     # largest bucket first, whatever the order of the sequences
     varlen = runner.key_for(layout, MaskMode.VARLEN)
-    assert varlen.segments == (64, 32, 16) and varlen.tokens == 112
+    assert varlen.segments == ((64, 0), (32, 0), (16, 0)) and varlen.tokens == 112
     assert runner.key_for(BatchLayout.from_lens([17, 5, 40]), MaskMode.VARLEN) == varlen
     assert str(varlen) == "model/varlen/t64+32+16/aot_eager"
     single = BatchLayout.from_lens([20])
-    assert runner.key_for(single, MaskMode.CAUSAL) == ModelKey(MaskMode.CAUSAL, 32, (32,), "aot_eager")
+    assert runner.key_for(single, MaskMode.CAUSAL) == ModelKey(MaskMode.CAUSAL, 32, 0, ((32, 0),), "aot_eager", kv=False)
 
 
 def test_one_graph_per_key_and_the_mask_is_an_input(models):

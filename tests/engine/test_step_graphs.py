@@ -4,6 +4,7 @@ whole sequence run at once, and HF's own greedy generation."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from test_static_model import TINY, Counted, config
 from attnpolicy.cli import main
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import StepKey, step_dominates, step_key_for
+from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes, model_key_for
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
@@ -108,8 +109,8 @@ def test_one_sequence_runs_causal_over_its_exact_context(models, lens):
     keys = {str(k) for k in runner.cache.keys()}
     assert all(k.startswith("step/causal/") for k in keys)
     done = [sum(lens[:j]) for j in range(len(lens))]
-    assert keys == {str(StepKey(MaskMode.CAUSAL, runner.config.bucket(n), c, ((runner.config.bucket(n), c),),
-                                "aot_eager")) for n, c in zip(lens, done)}
+    assert keys == {str(ModelKey(MaskMode.CAUSAL, runner.config.bucket(n), c, ((runner.config.bucket(n), c),),
+                                 "aot_eager", kv=True)) for n, c in zip(lens, done)}
 
 
 @pytest.mark.parametrize("policy", ["always-mask", "varlen", "dynamic", "always-causal"])
@@ -140,18 +141,35 @@ def test_greedy_tokens_equal_hf_generate(models, policy):
 def test_keys_bucket_rows_and_context_and_a_larger_key_dominates():
     cfg = config()
     layout = BatchLayout.from_lens([1, 1, 3], [20, 9, 3], causal=True)
-    mask = step_key_for(layout, MaskMode.MASK, cfg)
+    mask = model_key_for(layout, MaskMode.MASK, cfg, kv=True)
     assert (mask.tokens, mask.context) == (16, 32)  # rows 5, context 19 + 8 + 0 = 27
-    varlen = step_key_for(layout, MaskMode.VARLEN, cfg)
+    varlen = model_key_for(layout, MaskMode.VARLEN, cfg, kv=True)
     assert varlen.segments == ((16, 32), (16, 16), (16, 0))
     assert str(varlen) == "step/varlen/t16c32+t16c16+t16c0/aot_eager"
     one = BatchLayout.from_lens([2], [13], causal=True)
-    causal = step_key_for(one, MaskMode.CAUSAL, cfg)
+    causal = model_key_for(one, MaskMode.CAUSAL, cfg, kv=True)
     assert (causal.tokens, causal.context) == (16, 11)
-    bigger = StepKey(MaskMode.MASK, 32, 64, ((32, 64),), "aot_eager")
-    assert step_dominates(bigger, mask) and not step_dominates(mask, bigger)
-    assert not step_dominates(StepKey(MaskMode.CAUSAL, 32, 12, ((32, 12),), "aot_eager"), causal)  # exact context
-    assert step_dominates(StepKey(MaskMode.CAUSAL, 32, 11, ((32, 11),), "aot_eager"), causal)
+    bigger = ModelKey(MaskMode.MASK, 32, 64, ((32, 64),), "aot_eager", kv=True)
+    assert dominates(bigger, mask) and not dominates(mask, bigger)
+    assert not dominates(ModelKey(MaskMode.CAUSAL, 32, 12, ((32, 12),), "aot_eager", kv=True), causal)  # exact context
+    assert dominates(ModelKey(MaskMode.CAUSAL, 32, 11, ((32, 11),), "aot_eager", kv=True), causal)
+
+
+@pytest.mark.parametrize("mode", list(MaskMode))
+def test_a_prefill_key_is_a_step_key_with_no_context_whose_kv_is_not_kept(mode):
+    cfg = config()
+    layout = BatchLayout.from_lens([5] if mode is MaskMode.CAUSAL else [5, 20, 3], causal=True)
+    prefill, step = (model_key_for(layout, mode, cfg, kv=kv) for kv in (False, True))
+    assert prefill == ModelKey(step.mode, step.tokens, 0, step.segments, step.backend, kv=False)
+    assert str(prefill).startswith("model/") and str(step).startswith("step/")
+    # neither graph serves the other: one returns the new KV rows, the other does not
+    larger = model_key_for(BatchLayout.from_lens([20] if mode is MaskMode.CAUSAL else [40, 20, 20], causal=True),
+                           mode, cfg, kv=False)
+    assert dominates(larger, prefill) and not dominates(larger, step)
+    dims = SimpleNamespace(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                           intermediate_size=128, vocab_size=64, num_hidden_layers=2)
+    kv_rows = 4 * 2 * 2 * 1 * 32 * step.tokens  # float32 keys and values of every layer's new rows
+    assert estimate_bytes(step, dims) - estimate_bytes(prefill, dims) == kv_rows
 
 
 def test_a_step_pads_up_to_a_resident_graph_in_the_background(models):
@@ -170,8 +188,8 @@ def test_a_step_pads_up_to_a_resident_graph_in_the_background(models):
     for i, (row, tokens) in enumerate(zip(got, [seqs[0] + [9], seqs[1] + [10]])):
         torch.testing.assert_close(row, whole(reference, tokens)[-1], rtol=0, atol=1e-5, msg=f"seq {i}")
     stats = runner.stats()
-    assert stats.step_background is not None
-    assert stats.step_background.pad_up_calls == 1
+    assert stats.background is not None  # one worker serves prefill and step graphs
+    assert stats.background.pad_up_calls == 1
     assert stats.eager_served == 1  # the prefill step, while its graph compiles
     runner.close()
 
@@ -180,7 +198,7 @@ def test_strict_raise_on_a_step_compile_after_warmup(models):
     model, _ = models
     runner = StaticModelRunner(model, config("always-mask", strict="raise"))
     warm = BatchLayout.from_lens([1, 1], [8, 8], causal=True)
-    assert runner.warmup([(warm, MaskMode.MASK)]) == [runner.step_key_for(warm, MaskMode.MASK)]
+    assert runner.warmup([(warm, MaskMode.MASK)]) == [runner.key_for(warm, MaskMode.MASK, kv=True)]
     kv = KVCache.holding(model, [20], MAX_LEN)
     with pytest.raises(StrictModeError, match="step/mask/t16c32"):
         runner.logits(torch.tensor([3]), BatchLayout.from_lens([1], [21], causal=True), kv=kv, slots=[0])

@@ -13,7 +13,7 @@ from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import StepKey, model_key_for, step_key_for
+from attnpolicy.engine.keys import ModelKey, model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel
@@ -52,11 +52,11 @@ def test_one_fit_form_prices_step_graphs_over_their_context():
     its context and rows, its segments; the fit recovers them, and a prefill-only fit
     leaves the context term out (what every prefill fit was before steps)."""
     truth = ModelFit(base=0.2, per_token=1e-3, per_context=5e-4, per_cell=3e-6, per_segment=0.05)
-    keys = [StepKey(MaskMode.MASK, 16, c, ((16, c),), "aot_eager") for c in (16, 64, 256)] + [
-        StepKey(MaskMode.MASK, 64, 512, ((64, 512),), "aot_eager"),
-        StepKey(MaskMode.VARLEN, 32, 96, ((16, 64), (16, 32)), "aot_eager"),
-        StepKey(MaskMode.VARLEN, 80, 64, ((64, 32), (16, 32)), "aot_eager"),
-        StepKey(MaskMode.VARLEN, 48, 384, ((16, 128),) * 3, "aot_eager")]
+    keys = [ModelKey(MaskMode.MASK, 16, c, ((16, c),), "aot_eager", kv=True) for c in (16, 64, 256)] + [
+        ModelKey(MaskMode.MASK, 64, 512, ((64, 512),), "aot_eager", kv=True),
+        ModelKey(MaskMode.VARLEN, 32, 96, ((16, 64), (16, 32)), "aot_eager", kv=True),
+        ModelKey(MaskMode.VARLEN, 80, 64, ((64, 32), (16, 32)), "aot_eager", kv=True),
+        ModelKey(MaskMode.VARLEN, 48, 384, ((16, 128),) * 3, "aot_eager", kv=True)]
     fitted = ModelFit.to_samples([(k, truth(k)) for k in keys])
     for k in keys:
         assert fitted(k) == pytest.approx(truth(k), rel=1e-6)
@@ -127,7 +127,7 @@ def calibrated(tmp_path_factory):
     model = calibrate_model(s)
     assert len(model.samples) == len(model_grid(s))
     config = runner_config(s, 1 << 12, 1 << 12)  # the keys depend on the buckets alone, not on these limits
-    keys = {step_key_for(BatchLayout.from_lens(list(q), [a + b for a, b in zip(q, c)]), mode, config)
+    keys = {model_key_for(BatchLayout.from_lens(list(q), [a + b for a, b in zip(q, c)]), mode, config, kv=True)
             for mode, q, c in step_grid(s)}
     assert model.steps is not None and {x.key(model.backend) for x in model.steps.samples} == keys
     return model, tmp_path_factory.mktemp("model")
@@ -198,7 +198,7 @@ def test_a_step_that_builds_its_graph_costs_its_build_alone():
         compile=dict.fromkeys(("causal", "mask", "varlen"), ModelFit(base=2.0)),
         run=dict.fromkeys(("causal", "mask", "varlen"), ModelFit(base=0.25)),
         rss=dict.fromkeys(("causal", "mask", "varlen"), ModelFit(base=1e6)))})
-    a, b = (StepKey(MaskMode.MASK, 16, c, ((16, c),), "aot_eager") for c in (16, 32))
+    a, b = (ModelKey(MaskMode.MASK, 16, c, ((16, c),), "aot_eager", kv=True) for c in (16, 32))
     config = model_config(model, 64, 128, max_graphs=1)
     for keys, misses, hits in (([a, a, a], 1, 2), ([a, b, a, b], 4, 0), ([a, a, b, b, b], 2, 3)):
         row = replay_keys(keys, model, config, "lru", builds_run=True)
@@ -210,10 +210,10 @@ def test_a_step_that_builds_its_graph_costs_its_build_alone():
 def test_model_key_for_is_the_runners_key():
     config = AttnPolicyConfig(max_seq_len=64, max_batch_tokens=128)
     layout = BatchLayout.from_lens([9, 30, 3])
-    key = model_key_for(layout, MaskMode.VARLEN, config)
-    assert key.segments == (32, 16, 16) and key.tokens == 64  # sorted largest first
-    assert model_key_for(layout, MaskMode.MASK, config).tokens == 64
-    assert model_key_for(BatchLayout.from_lens([17]), MaskMode.CAUSAL, config).tokens == 32
+    key = model_key_for(layout, MaskMode.VARLEN, config, kv=False)
+    assert key.segments == ((32, 0), (16, 0), (16, 0)) and key.tokens == 64  # sorted largest first
+    assert model_key_for(layout, MaskMode.MASK, config, kv=False).tokens == 64
+    assert model_key_for(BatchLayout.from_lens([17]), MaskMode.CAUSAL, config, kv=False).tokens == 32
 
 
 def test_model_layouts_refuse_cached_context():
