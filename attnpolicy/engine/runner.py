@@ -203,11 +203,13 @@ class StaticModelRunner:
             decision = self.decide(layout)
             self._modes[decision.mode.value] += 1
             self._batches += 1
-        return self.run(token_ids, layout, decision.mode, kv=kv, slots=slots)
+        return self._run(token_ids, layout, decision.mode, kv, slots, background=self._background is not None,
+                         counted=True)
 
     def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *, kv: KVCache | None = None,
             slots: Sequence[int] | None = None) -> torch.Tensor:
         """As :meth:`logits` in a given ``mode`` (no policy; the mode must be legal)."""
+        self._check(token_ids, layout, kv, slots)
         return self._run(token_ids, layout, mode, kv, slots, background=self._background is not None, counted=True)
 
     def _count(self, hit: bool) -> None:
@@ -220,7 +222,8 @@ class StaticModelRunner:
 
     def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
              slots: Sequence[int] | None, *, background: bool, counted: bool = False) -> torch.Tensor:
-        batch = self.prepare(token_ids, layout, mode, kv=kv, slots=slots)
+        """Run checked inputs (:meth:`_check`) in ``mode``."""
+        batch = self._legal_place(token_ids, layout, mode, kv, slots)
         bg = self._background
         graph: Callable[..., Any]
         if bg is not None and background:
@@ -257,6 +260,11 @@ class StaticModelRunner:
         as :meth:`logits`: a step's, its slots' context gathered): its key and inputs
         (inputs checked, ``mode`` legal for ``layout``; nothing compiled)."""
         self._check(token_ids, layout, kv, slots)
+        return self._legal_place(token_ids, layout, mode, kv, slots)
+
+    def _legal_place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+                     slots: Sequence[int] | None) -> Placed:
+        """Checked inputs placed as :meth:`prepare` places them, once ``mode`` is legal."""
         if kv is None:
             check_legal(mode, layout)
         elif (why := why_illegal_step(mode, layout)) is not None:
@@ -390,6 +398,7 @@ class StaticModelRunner:
                 # a step: its context as zeros in a scratch cache
                 kv = KVCache.holding(self.model, contexts(layout), max(layout.kv_lens)) if layout.has_context else None
                 slots = None if kv is None else range(layout.num_seqs)
+                self._check(ids, layout, kv, slots)
                 self._run(ids, layout, mode, kv, slots, background=False)
                 keys.append(self.key_for(layout, mode, kv=kv is not None))
         finally:

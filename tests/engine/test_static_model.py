@@ -16,6 +16,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode, legal_modes
 from attnpolicy.engine.keys import ModelKey
+from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import ModelSpec, load_model, parse_spec
 from attnpolicy.engine.runner import MaskMode as RunnerMode
 from attnpolicy.engine.runner import StaticModelRunner, eager_logits
@@ -194,6 +195,25 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(models):
             after = runner.stats()
             assert (after.batches, after.modes, after.cache.misses, after.cache.hits) == (
                 before.batches, before.modes, before.cache.misses, before.cache.hits)
+
+
+@pytest.mark.parametrize("serve", ["logits", "run", "logits-step"])
+def test_a_batch_checks_its_inputs_once(models, monkeypatch, serve):
+    """One check (and its one read of the token ids to the host) per batch served."""
+    runner = StaticModelRunner(models[0], config("always-mask"))
+    checks = []
+    check = StaticModelRunner._check
+    monkeypatch.setattr(StaticModelRunner, "_check", lambda self, *a: (checks.append(a), check(self, *a))[1])
+    layout = BatchLayout.from_lens([3, 4])
+    if serve == "logits":
+        runner.logits(token_ids(layout, 0), layout)
+    elif serve == "run":
+        runner.run(token_ids(layout, 0), layout, MaskMode.VARLEN)
+    else:
+        step = BatchLayout.from_lens([1, 1], [3, 4])
+        kv = KVCache.holding(models[0], [2, 3], 8)
+        runner.logits(token_ids(step, 0), step, kv=kv, slots=[0, 1])
+    assert len(checks) == 1
 
 
 @pytest.mark.parametrize("form", ["int32", "int16", "uint8", "strided", "expanded"])
