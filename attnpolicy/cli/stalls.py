@@ -44,6 +44,7 @@ from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.modelling.stalls import (
     MODES,
+    WARM_NONE,
     AttentionLevel,
     StallLevel,
     StallRow,
@@ -89,7 +90,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
     print(level.provenance.line())
     steps, w = formed(args, level.former, requests)
     fields: dict[str, Any] = {"trace": args.trace, "workload": w.to_json()}
-    layouts, configs = level.sweep(args, steps, len(requests))
+    layouts, configs, head = level.sweep(args, steps, len(requests))
     with progress(len(configs) * len(level.warm) * len(MODES), "stalls") as advance:
         try:
             rows = compare_stalls(layouts, level.stalls, configs, level.warm, advance, args.store_warm)
@@ -97,7 +98,7 @@ def cmd_stalls(args: argparse.Namespace) -> int:
             fail(str(exc))
     print_stalls(f"{level.title(args, w, layouts)}, switch_after={rows[0].switch_after if rows else '-'}", rows,
                  level.columns, level.caption)
-    fields |= level.fields | {"rows": [r.to_json() for r in rows]}
+    fields |= head | {"rows": [r.to_json() for r in rows]}
     if args.json:
         with writing("--json", args.json):
             write_json(args.json, fields)
@@ -145,15 +146,13 @@ class _Attention:
         self.warm = tuple(args.warm)
         self.stalls: StallLevel[Any, Any] = AttentionLevel(model)
         self.model = model
-        self.fields: dict[str, Any] = {}
 
     def sweep(self, args: argparse.Namespace, steps: list[ScheduledBatch], requests: int
-              ) -> tuple[list[ScheduledBatch], list[AttnPolicyConfig]]:
-        """The batches and configs to replay; :attr:`fields` gains the --json head."""
-        self.fields = {"requests": requests, "former": former_options(args),
-                       "config": self.base.model_dump(mode="json"),
-                       **provenance_json(self.provenance, flag_range(self.model, steps))}
-        return steps, self.configs
+              ) -> tuple[list[ScheduledBatch], list[AttnPolicyConfig], dict[str, Any]]:
+        """The batches and configs to replay, and the --json head."""
+        return steps, self.configs, {"requests": requests, "former": former_options(args),
+                                     "config": self.base.model_dump(mode="json"),
+                                     **provenance_json(self.provenance, flag_range(self.model, steps))}
 
     def title(self, args: argparse.Namespace, w: Workload, layouts: Sequence[object]) -> str:
         return (f"modelled {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} batches), "
@@ -164,7 +163,7 @@ class _WholeModel:
     """``stalls --family model``: configs derived from the cost model and the flags per
     policy and capacity, prefill batches, no warm-up and no store."""
 
-    warm = (WARM[0],)
+    warm = (WARM_NONE,)
     columns: tuple[Column, ...] = (
         _POLICY, _CAPACITY, _MODE, ("compiles", lambda r: r.compiles), _PAD_UPS,
         ("eager", lambda r: r.eager_served), _STALLED, ("stall p99 s", lambda r: r.stall_p99),
@@ -179,23 +178,22 @@ class _WholeModel:
         self.model, self.provenance = priced_model(args)
         self.former = former_from(args, prefill_only=True)
         self.stalls: StallLevel[Any, Any] = WholeModelLevel(self.model)
-        self.fields: dict[str, Any] = {}
 
     def sweep(self, args: argparse.Namespace, steps: list[ScheduledBatch], requests: int
-              ) -> tuple[list[BatchLayout], list[AttnPolicyConfig]]:
-        """The prefill batches and the config of each policy (:func:`family_policies`) ×
-        capacity; :attr:`fields` gains the --json head."""
+              ) -> tuple[list[BatchLayout], list[AttnPolicyConfig], dict[str, Any]]:
+        """The prefill batches, the config of each policy (:func:`family_policies`) ×
+        capacity, and the --json head."""
         layouts = model_layouts(steps)
-        self.fields = {"limit": args.limit, "batches": len(layouts), "model": self.model.spec,
-                       **provenance_json(self.provenance, flag_range(self.model, layouts))}
+        head = {"limit": args.limit, "batches": len(layouts), "model": self.model.spec,
+                **provenance_json(self.provenance, flag_range(self.model, layouts))}
         switch = {} if args.switch_after is None else {"switch_after": args.switch_after}
         try:
-            return layouts, [model_config(self.model, self.former.max_model_len, self.former.max_num_batched_tokens,
-                                          policy=policy, max_graphs=capacity, **switch)
-                             for policy in family_policies(args, "model", STALLS_POLICIES)
-                             for capacity in args.capacities]
+            configs = [model_config(self.model, self.former.max_model_len, self.former.max_num_batched_tokens,
+                                    policy=policy, max_graphs=capacity, **switch)
+                       for policy in family_policies(args, "model", STALLS_POLICIES) for capacity in args.capacities]
         except ConfigError as exc:
             fail(str(exc))
+        return layouts, configs, head
 
     def title(self, args: argparse.Namespace, w: Workload, layouts: Sequence[object]) -> str:
         return f"modelled {len(layouts)} model-graph batches of {args.trace}, {self.model.spec} ({self.model.backend})"

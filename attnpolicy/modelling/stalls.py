@@ -60,7 +60,7 @@ from attnpolicy.workloads.batching import ScheduledBatch
 
 #: A batch as a replay serves it (a layout, a key).
 B = TypeVar("B")
-#: A runtime's batch and key (see :class:`Runtime`).
+#: A server's batch and key (see :class:`BatchServer`).
 B_in = TypeVar("B_in", contravariant=True)
 K_out = TypeVar("K_out", covariant=True)
 #: ``warm`` values besides ``prefix:N``.
@@ -197,8 +197,9 @@ class Clock(Generic[K]):
         return stall_stats(batches, self._stalls)
 
 
-class Runtime(Protocol[B_in, K_out]):
-    """A level's runtime serving one replay from one cache: ``counters`` its running counts."""
+class BatchServer(Protocol[B_in, K_out]):
+    """How a level serves one replay's batches from one cache (its real runtime, nothing
+    compiled): ``counters`` its running counts."""
 
     counters: Counters
 
@@ -221,7 +222,7 @@ class Runtime(Protocol[B_in, K_out]):
 class StallLevel(Protocol[B, K]):
     """What differs between the levels in a stalls replay: the batches of a workload under
     a config, the prices of a key, a store's mirror, how a batch is served
-    (:meth:`runtime`) and the JSON keys of the rows (:attr:`StallRow.json_keys`)."""
+    (:meth:`server`) and the JSON keys of the rows (:attr:`StallRow.json_keys`)."""
 
     row_keys: tuple[tuple[str, str], ...]
 
@@ -238,16 +239,12 @@ class StallLevel(Protocol[B, K]):
         """An empty mirror of ``store`` for this level's keys."""
         ...
 
-    def runtime(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> Runtime[B, K]:
+    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> BatchServer[B, K]:
         ...
 
 
-#: The (JSON key, field) pairs both levels' rows share, in the attention rows' order.
-_STALLS = (("stall_seconds", "stall_seconds"), ("stall_p50", "stall_p50"), ("stall_p99", "stall_p99"),
-           ("stall_max", "stall_max"), ("stalled_batches", "stalled_batches"))
-
-
-def _keys(*names: str) -> tuple[tuple[str, str], ...]:
+def _same(*names: str) -> tuple[tuple[str, str], ...]:
+    """(JSON key, field) pairs of fields written under their own names."""
     return tuple((name, name) for name in names)
 
 
@@ -256,11 +253,11 @@ class AttentionLevel:
     with the simulation's builder, priced by ``model`` (default: the built-in one) for
     ``spec`` (default: the model's)."""
 
-    row_keys = (*_keys("policy", "capacity", "eviction", "compile_mode", "switch_after", "warm", "warm_keys",
+    row_keys = (*_same("policy", "capacity", "eviction", "compile_mode", "switch_after", "warm", "warm_keys",
                        "warmup_seconds", "batches"),
-                ("attention_seconds", "run_seconds"), ("stall_seconds", "stall_seconds"),
-                ("total_seconds", "total_seconds"), *_STALLS[1:],
-                *_keys("compiles", "compile_seconds", "background_compiles", "background_compile_seconds",
+                ("attention_seconds", "run_seconds"),
+                *_same("stall_seconds", "total_seconds", "stall_p50", "stall_p99", "stall_max", "stalled_batches",
+                       "compiles", "compile_seconds", "background_compiles", "background_compile_seconds",
                        "pad_up_calls", "pad_up_tokens", "distinct_keys"))
 
     def __init__(self, model: CostModel | None = None, spec: TensorSpec | None = None) -> None:
@@ -279,12 +276,12 @@ class AttentionLevel:
     def disk(self, store: StoreModel) -> DiskMirror:
         return store.disk(self.model)
 
-    def runtime(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> _Dispatched:
+    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> _Dispatched:
         return _Dispatched(self, config, cache)
 
 
 class _Dispatched:
-    """A :class:`~attnpolicy.dispatch.Dispatcher` as a :class:`Runtime`."""
+    """A :class:`~attnpolicy.dispatch.Dispatcher` as a :class:`BatchServer`."""
 
     def __init__(self, level: AttentionLevel, config: AttnPolicyConfig, cache: GraphCache[SimulatedGraph]) -> None:
         self._spec = level.spec
@@ -353,10 +350,10 @@ class WholeModelLevel:
     """Whole-model graphs: the key stream of the model simulation served by the runner's
     graph source and background worker over :class:`ModelledGraphs`, priced by ``model``."""
 
-    row_keys = (*_keys("policy", "capacity", "compile_mode", "switch_after", "batches", "compiles",
-                       "compile_seconds"),
-                ("padded_up", "pad_up_calls"), *_keys("eager_served", "run_seconds"), *_STALLS,
-                ("total_seconds", "total_seconds"))
+    row_keys = (*_same("policy", "capacity", "compile_mode", "switch_after", "batches", "compiles", "compile_seconds"),
+                ("padded_up", "pad_up_calls"),
+                *_same("eager_served", "run_seconds", "stall_seconds", "stall_p50", "stall_p99", "stall_max",
+                       "stalled_batches", "total_seconds"))
 
     def __init__(self, model: ModelCostModel) -> None:
         self.model = model
@@ -373,13 +370,13 @@ class WholeModelLevel:
     def disk(self, store: StoreModel) -> DiskMirror:
         raise ConfigError("whole-model graphs model no graph store: leave store_dir unset")
 
-    def runtime(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> _Sourced:
+    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> _Sourced:
         return _Sourced(self.model, config, cache)
 
 
 class _Sourced:
     """The runner's :class:`~attnpolicy.dispatch.graph_source.GraphSource` and (``background``)
-    :class:`~attnpolicy.dispatch.background.Background` as a :class:`Runtime`."""
+    :class:`~attnpolicy.dispatch.background.Background` as a :class:`BatchServer`."""
 
     def __init__(self, model: ModelCostModel, config: AttnPolicyConfig, cache: GraphCache[ModelKey]) -> None:
         self._model = model
@@ -452,24 +449,24 @@ def _stalls(layouts: Sequence[BatchLayout], config: AttnPolicyConfig, level: Sta
         config, sizeof=level.graph_bytes, compile_cost=lambda key, _: level.compile_seconds(key),
         on_compile=clock.compiled, eviction_options=reload_option(config.eviction, disk))
     keys: set[K] = set()
-    runtime = level.runtime(config, cache)
+    server = level.server(config, cache)
 
     def serve(batch: B) -> float:
-        run, served = runtime.serve(batch)
+        run, served = server.serve(batch)
         keys.update(served)
         return run
 
     try:
-        warm_keys = runtime.warmup(warm_set)
+        warm_keys = server.warmup(warm_set)
         warmed = [fetch(key) for key in clock.inserted]
         warmup_seconds = cache.stats().compile_seconds if disk is None else sum(s for s, _ in warmed)
         batches = level.batches(layouts, config)
-        clock.replay(batches, runtime.pending, serve)
+        clock.replay(batches, server.pending, serve)
     finally:
-        runtime.close()
+        server.close()
     n = len(batches)
     stalls = clock.stalls(n)
-    counters = runtime.counters
+    counters = server.counters
     row = StallRow(
         policy=config.policy, capacity=config.max_graphs, eviction=config.eviction,
         compile_mode=config.compile_mode, switch_after=config.switch_after, warm=warm,
