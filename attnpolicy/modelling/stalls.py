@@ -199,48 +199,30 @@ class Clock(Generic[K]):
 
 class BatchServer(Protocol[B_in, K_out]):
     """How a level serves one replay's batches from one cache (its real runtime, nothing
-    compiled): ``counters`` its running counts."""
+    compiled): ``warmup(layouts)`` warms the cache up and says how many keys it warmed;
+    ``pending()``: the background compiles not switched in yet; ``serve(batch)``: the
+    batch's run seconds and the keys whose graphs served it; ``counters``: its counts."""
 
     counters: Counters
 
-    def warmup(self, layouts: Sequence[BatchLayout]) -> int:
-        """Warm the cache up with the keys of ``layouts``; returns how many keys it warmed."""
-        ...
-
-    def pending(self) -> Iterable[K_out]:
-        """The background compiles requested and not switched in yet."""
-        ...
-
-    def serve(self, batch: B_in) -> tuple[float, Iterable[K_out]]:
-        """Serve ``batch``: its run seconds and the keys whose graphs served it."""
-        ...
-
-    def close(self) -> None:
-        ...
+    def warmup(self, layouts: Sequence[BatchLayout]) -> int: ...
+    def pending(self) -> Iterable[K_out]: ...
+    def serve(self, batch: B_in) -> tuple[float, Iterable[K_out]]: ...
+    def close(self) -> None: ...
 
 
 class StallLevel(Protocol[B, K]):
-    """What differs between the levels in a stalls replay: the batches of a workload under
-    a config, the prices of a key, a store's mirror, how a batch is served
-    (:meth:`server`) and the JSON keys of the rows (:attr:`StallRow.json_keys`)."""
+    """What differs between the levels in a stalls replay: the ``batches`` of a workload
+    under a config, a key's compile seconds and bytes, a store's mirror (``disk``), how
+    a batch is served (``server``) and its rows' JSON keys (:attr:`StallRow.json_keys`)."""
 
     row_keys: tuple[tuple[str, str], ...]
 
-    def batches(self, layouts: Sequence[BatchLayout], config: AttnPolicyConfig) -> Sequence[B]:
-        ...
-
-    def compile_seconds(self, key: K) -> float:
-        ...
-
-    def graph_bytes(self, key: K) -> int:
-        ...
-
-    def disk(self, store: StoreModel) -> DiskMirror:
-        """An empty mirror of ``store`` for this level's keys."""
-        ...
-
-    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> BatchServer[B, K]:
-        ...
+    def batches(self, layouts: Sequence[BatchLayout], config: AttnPolicyConfig) -> Sequence[B]: ...
+    def compile_seconds(self, key: K) -> float: ...
+    def graph_bytes(self, key: K) -> int: ...
+    def disk(self, store: StoreModel) -> DiskMirror: ...
+    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> BatchServer[B, K]: ...
 
 
 def _same(*names: str) -> tuple[tuple[str, str], ...]:
