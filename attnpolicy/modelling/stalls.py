@@ -1,38 +1,40 @@
 """Compile stalls per batch, modelled: synchronous compiles against background
-compiles with pad-up (``compile_mode``), on a modelled clock.
+compiles with pad-up (``compile_mode``), on a modelled clock, at either level.
 
-The batches go through a real :class:`~attnpolicy.dispatch.Dispatcher` with the
-simulation's builder (nothing compiles; see :mod:`attnpolicy.modelling.simulation`),
-so decisions, pad-ups, switch points, hits and evictions are those of a real run.
-Time is the cost model's: a batch runs for its calls' run seconds (plus dispatch
-overhead and host mask builds); a synchronous compile stalls its batch for the
-key's compile seconds; a background compile requested at modelled time ``t`` runs
-on one worker (compiles queue) and finishes at ``max(t, worker free) + compile
-seconds``; at its switch point the batch stalls for ``max(0, finish − now)``. The
-worker is assumed to run beside the batches without slowing them. Warm-up compiles
-before the first batch and is reported apart (``warmup_seconds``), not as a stall.
-With a graph store (``store_dir``, :mod:`attnpolicy.modelling.tiers`) a key on the
-modelled disk is loaded instead, for its load seconds, wherever it would compile:
-at warm-up, in the batch, on the worker. See docs/simulate.md.
+One replay (:func:`stall_row`) serves the batches through a level's real runtime with
+nothing compiled, so decisions, pad-ups, switch points, hits and evictions are those of
+a real run, and prices them on one :class:`Clock`. A batch runs for its run seconds;
+a synchronous compile stalls its batch for the key's compile seconds; a background
+compile requested at modelled time ``t`` runs on one worker (compiles queue) and
+finishes at ``max(t, worker free) + compile seconds``; at its switch point the batch
+stalls for ``max(0, finish − now)``. The worker is assumed to run beside the batches
+without slowing them. Warm-up compiles before the first batch and is reported apart
+(``warmup_seconds``), not as a stall. With a graph store (``store_dir``,
+:mod:`attnpolicy.modelling.tiers`) a key on the modelled disk is loaded instead, for
+its load seconds, wherever it would compile: at warm-up, in the batch, on the worker.
 
-On whole-model graphs (:func:`compare_model_stalls`) the key stream is the model
-simulation's (:func:`~attnpolicy.modelling.simulation.key_stream`: the guarded
-policy's modes, the runner's keys), served as the runner serves it by its
-:class:`~attnpolicy.dispatch.graph_source.GraphSource` and (``background``) its
-:class:`~attnpolicy.dispatch.background.Background` over :class:`ModelledGraphs`
-(nothing compiles), through a cache of the config's bounds and eviction, sized by the
-:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`, on the same
-:class:`Clock`: ``sync`` stalls a batch for the compile seconds of its miss;
-``background`` runs a miss on its pad-up (its run seconds) else eagerly (costed as its
-own graph's run seconds: the model holds no eager figure) while it compiles. The
-process's one-off ``warmup_seconds`` is left out of both.
+What differs between the levels is how a batch is served, a :class:`StallLevel`:
+
+* :class:`AttentionLevel`: each batch's calls go through a
+  :class:`~attnpolicy.dispatch.Dispatcher` with the simulation's builder (see
+  :mod:`attnpolicy.modelling.simulation`) and run for their calls' run seconds (plus
+  dispatch overhead and host mask builds) on a :class:`~attnpolicy.graphs.costmodel.CostModel`.
+* :class:`WholeModelLevel`: the key stream is the model simulation's
+  (:func:`~attnpolicy.modelling.simulation.key_stream`: the guarded policy's modes, the
+  runner's keys), served as the runner serves it by its
+  :class:`~attnpolicy.dispatch.graph_source.GraphSource` and (``background``) its
+  :class:`~attnpolicy.dispatch.background.Background` over :class:`ModelledGraphs`, priced
+  by a :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`: a miss in
+  ``background`` runs on its pad-up (its run seconds) else eagerly (costed as its own
+  graph's run seconds: the model holds no eager figure) while it compiles. No warm-up
+  and no store are modelled. See docs/simulate.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Generic, TypeVar
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -52,26 +54,33 @@ from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.modelling.simulation import SimulatedGraph, decided_modes, key_stream, simulated, spec_of
-from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option, row_json
+from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import ScheduledBatch
 
 #: A batch as a replay serves it (a layout, a key).
 B = TypeVar("B")
+#: A server's batch and key (see :class:`BatchServer`).
+B_in = TypeVar("B_in", contravariant=True)
+K_out = TypeVar("K_out", covariant=True)
 #: ``warm`` values besides ``prefix:N``.
 WARM_NONE, WARM_ALL = "none", "all"
+#: The compile modes each configuration is replayed under, in row order.
+MODES = ("sync", "background")
 
 
 @dataclass(frozen=True)
 class StallRow:
     """One modelled run. ``total_seconds`` is the modelled wall time of the batches:
-    ``attention_seconds`` (run seconds of the calls as they ran, pad-ups included,
-    overheads and mask builds) plus ``stall_seconds`` (synchronous compiles and waits
-    at switch points). ``compiles``/``compile_seconds`` count every compile after
-    warm-up (synchronous and background); ``warm_keys``/``warmup_seconds`` are the
-    warm-up's. Stall percentiles are nearest-rank over all ``batches``. ``store`` (a
-    modelled graph store only, else not in the JSON): what it served after warm-up
-    (its loads are not in ``compiles``; warm-up's are in ``warmup_seconds``)."""
+    ``run_seconds`` (run seconds of the batches as they ran, pad-ups and eager runs
+    included; at the attention level overheads and mask builds too) plus
+    ``stall_seconds`` (synchronous compiles and waits at switch points).
+    ``compiles``/``compile_seconds`` count every compile after warm-up (synchronous and
+    background); ``warm_keys``/``warmup_seconds`` are the warm-up's. Stall percentiles
+    are nearest-rank over all ``batches``. ``distinct_keys``: the graphs that served a
+    batch. ``store`` (a modelled graph store only): what it served after warm-up (its
+    loads are not in ``compiles``; warm-up's are in ``warmup_seconds``).
+    ``json_keys``: the (JSON key, field) pairs of :meth:`to_json`, its level's."""
 
     policy: str
     capacity: int | None
@@ -82,9 +91,8 @@ class StallRow:
     warm_keys: int
     warmup_seconds: float
     batches: int
-    attention_seconds: float
+    run_seconds: float
     stall_seconds: float
-    total_seconds: float
     stall_p50: float
     stall_p99: float
     stall_max: float
@@ -95,12 +103,19 @@ class StallRow:
     background_compile_seconds: float
     pad_up_calls: int
     pad_up_tokens: int
+    eager_served: int
     distinct_keys: int
+    json_keys: tuple[tuple[str, str], ...] = field(repr=False, compare=False)
     store: StoreFigures | None = None
 
+    @property
+    def total_seconds(self) -> float:
+        return self.run_seconds + self.stall_seconds
+
     def to_json(self) -> dict[str, Any]:
-        """The row as JSON: one key per field (``store`` only when one was modelled)."""
-        return row_json(self)
+        """The row as JSON: its level's keys (``store`` too when one was modelled)."""
+        out = {key: getattr(self, name) for key, name in self.json_keys}
+        return out if self.store is None else {**out, "store": asdict(self.store)}
 
 
 def warm_layouts(layouts: Sequence[BatchLayout], warm: str) -> list[BatchLayout]:
@@ -182,152 +197,101 @@ class Clock(Generic[K]):
         return stall_stats(batches, self._stalls)
 
 
-def stall_row(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel | None = None,
-              spec: TensorSpec | None = None, warm: str = WARM_NONE, store_warm: bool = False) -> StallRow:
-    """Replay ``steps`` under ``config`` (its ``compile_mode`` and ``switch_after``)
-    on the modelled clock, after warming up as ``warm`` says (see :func:`warm_layouts`);
-    over ``config``'s graph store if it has one (``store_warm``: filled by a first run)."""
-    model = model or CostModel.default()
-    store = StoreModel.of(config, store_warm)
-    if store is None:
-        return _stalls(steps, config, model, spec, warm, None)[0]
-    disk = store.disk(model)
-    if store_warm:
-        _stalls(steps, config, model, spec, warm, disk)
-        disk.reset_counters()
-    row, loads, seconds = _stalls(steps, config, model, spec, warm, disk)
-    return replace(row, store=StoreFigures(store.max_disk_bytes, store.warm, disk.loads - loads,
-                                           disk.load_seconds - seconds, disk.evictions, disk.peak_bytes))
+class BatchServer(Protocol[B_in, K_out]):
+    """How a level serves one replay's batches from one cache (its real runtime, nothing
+    compiled): ``warmup(layouts)`` warms the cache up and says how many keys it warmed;
+    ``pending()``: the background compiles not switched in yet; ``serve(batch)``: the
+    batch's run seconds and the keys whose graphs served it; ``counters``: its counts."""
+
+    counters: Counters
+
+    def warmup(self, layouts: Sequence[BatchLayout]) -> int: ...
+    def pending(self) -> Iterable[K_out]: ...
+    def serve(self, batch: B_in) -> tuple[float, Iterable[K_out]]: ...
+    def close(self) -> None: ...
 
 
-def _stalls(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
-            spec: TensorSpec | None, warm: str, disk: DiskMirror | None) -> tuple[StallRow, int, float]:
-    """The row over ``disk`` (``None``: no store), and the loads and load seconds of its warm-up."""
-    spec = spec or model.spec
-    layouts = [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
-    warm_set = warm_layouts(layouts, warm)
+class StallLevel(Protocol[B, K]):
+    """What differs between the levels in a stalls replay: the ``batches`` of a workload
+    under a config, a key's compile seconds and bytes, a store's mirror (``disk``), how
+    a batch is served (``server``) and its rows' JSON keys (:attr:`StallRow.json_keys`)."""
 
-    def fetch(key: GraphKey) -> tuple[float, bool]:
-        """The seconds that bring ``key`` in, and whether the disk served it."""
-        loaded = None if disk is None else disk.load(key)
-        if loaded is not None:
-            return loaded, True
-        if disk is not None:
-            disk.save(key)
-        return model.compile_seconds(key), False
+    row_keys: tuple[tuple[str, str], ...]
 
-    clock: Clock[GraphKey] = Clock(fetch)
-    cache: GraphCache[SimulatedGraph] = GraphCache.from_config(
-        config, sizeof=model.graph_bytes, compile_cost=model.compile_cost, on_compile=clock.compiled,
-        eviction_options=reload_option(config.eviction, disk))
-    costs = BatchCost(model, config.max_mask_bytes)
-    keys: set[GraphKey] = set()
-
-    with Dispatcher(config, builder=simulated, cost_model=model, cache=cache) as dispatcher:
-        def serve(layout: BatchLayout) -> float:
-            """Run ``layout`` through the dispatcher: its calls' run seconds and mask builds."""
-            run = 0.0
-            for call, graph in dispatcher.prepare(layout, spec):
-                graph_key = graph.key if isinstance(graph, SimulatedGraph) else None  # None: runs uncompiled
-                if graph_key is not None:
-                    keys.add(graph_key)
-                run += costs.call_seconds(call, graph_key)
-                build = costs.mask_seconds(layout, call, spec.device, spec.features.window)
-                if build is not None:
-                    run += build
-            return run
-
-        warm_keys = dispatcher.warmup(warm_set, spec)
-        warmed = [fetch(key) for key in clock.inserted]
-        warmup_seconds = cache.stats().compile_seconds if disk is None else sum(s for s, _ in warmed)
-        clock.replay(layouts, lambda: [key for key, _ in dispatcher.pending()], serve)
-        stats = dispatcher.stats()
-    n = len(layouts)
-    stalls = clock.stalls(n)
-    row = StallRow(
-        policy=config.policy, capacity=config.max_graphs, eviction=config.eviction,
-        compile_mode=config.compile_mode, switch_after=config.switch_after, warm=warm,
-        warm_keys=len(warm_keys), warmup_seconds=warmup_seconds, batches=n,
-        attention_seconds=clock.run, stall_seconds=stalls.seconds, total_seconds=clock.run + stalls.seconds,
-        stall_p50=stalls.p50, stall_p99=stalls.p99, stall_max=stalls.max, stalled_batches=stalls.stalled,
-        compiles=clock.compiles, compile_seconds=clock.compile_seconds,
-        background_compiles=clock.background, background_compile_seconds=clock.background_seconds,
-        pad_up_calls=stats.background.pad_up_calls, pad_up_tokens=stats.background.pad_up_tokens,
-        distinct_keys=len(keys))
-    return row, sum(loaded for _, loaded in warmed), sum(s for s, loaded in warmed if loaded)
+    def batches(self, layouts: Sequence[BatchLayout], config: AttnPolicyConfig) -> Sequence[B]: ...
+    def compile_seconds(self, key: K) -> float: ...
+    def graph_bytes(self, key: K) -> int: ...
+    def disk(self, store: StoreModel) -> DiskMirror: ...
+    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> BatchServer[B, K]: ...
 
 
-def stall_configs(base: AttnPolicyConfig, policies: Sequence[str], capacities: Sequence[int | None],
-                  switch_after: int | None = None) -> dict[tuple[str, int | None, str], AttnPolicyConfig]:
-    """The config of each (policy, capacity, compile mode) of :func:`compare_stalls`,
-    every one validated before any is run: :class:`ConfigError` names the capacity
-    of one that is invalid (e.g. fewer graphs than the base config's warm-up set)."""
-    fields = base.model_dump(mode="json")
-    configs = {}
-    for policy in policies:
-        for capacity in capacities:
-            for mode in ("sync", "background"):
-                try:
-                    configs[policy, capacity, mode] = AttnPolicyConfig.model_validate(
-                        {**fields, "policy": policy, "policy_options": fields["policy_options"]
-                         if policy == base.policy else {}, "max_graphs": capacity, "compile_mode": mode,
-                         "switch_after": switch_after or base.switch_after})
-                except ValidationError as exc:
-                    message = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
-                    raise ConfigError(f"capacity {'inf' if capacity is None else capacity}: {message}") from None
-    return configs
+def _same(*names: str) -> tuple[tuple[str, str], ...]:
+    """(JSON key, field) pairs of fields written under their own names."""
+    return tuple((name, name) for name in names)
 
 
-def compare_stalls(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, policies: Sequence[str],
-                   capacities: Sequence[int | None], warm: Sequence[str], switch_after: int | None = None,
-                   model: CostModel | None = None, spec: TensorSpec | None = None,
-                   progress: Callable[[str], None] | None = None, store_warm: bool = False) -> list[StallRow]:
-    """For each policy × capacity × warm set, the ``sync`` row then the
-    ``background`` row (``switch_after``: default the base config's; configs as
-    :func:`stall_configs` checks them); ``progress(label)`` after each row."""
-    configs = stall_configs(base, policies, capacities, switch_after)
-    rows = []
-    for policy in policies:
-        for capacity in capacities:
-            for warm_set in warm:
-                for mode in ("sync", "background"):
-                    rows.append(stall_row(steps, configs[policy, capacity, mode], model, spec, warm_set,
-                                             store_warm))
-                    if progress:
-                        progress(f"{policy} capacity={capacity} warm={warm_set} {mode}")
-    return rows
+class AttentionLevel:
+    """Attention calls: each batch's calls served by a :class:`~attnpolicy.dispatch.Dispatcher`
+    with the simulation's builder, priced by ``model`` (default: the built-in one) for
+    ``spec`` (default: the model's)."""
+
+    row_keys = (*_same("policy", "capacity", "eviction", "compile_mode", "switch_after", "warm", "warm_keys",
+                       "warmup_seconds", "batches"),
+                ("attention_seconds", "run_seconds"),
+                *_same("stall_seconds", "total_seconds", "stall_p50", "stall_p99", "stall_max", "stalled_batches",
+                       "compiles", "compile_seconds", "background_compiles", "background_compile_seconds",
+                       "pad_up_calls", "pad_up_tokens", "distinct_keys"))
+
+    def __init__(self, model: CostModel | None = None, spec: TensorSpec | None = None) -> None:
+        self.model = model or CostModel.default()
+        self.spec = spec or self.model.spec
+
+    def batches(self, layouts: Sequence[BatchLayout], config: AttnPolicyConfig) -> Sequence[BatchLayout]:
+        return layouts
+
+    def compile_seconds(self, key: GraphKey) -> float:
+        return self.model.compile_seconds(key)
+
+    def graph_bytes(self, key: GraphKey) -> int:
+        return self.model.graph_bytes(key)
+
+    def disk(self, store: StoreModel) -> DiskMirror:
+        return store.disk(self.model)
+
+    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> _Dispatched:
+        return _Dispatched(self, config, cache)
 
 
-# -- whole-model graphs ------------------------------------------------------------------
+class _Dispatched:
+    """A :class:`~attnpolicy.dispatch.Dispatcher` as a :class:`BatchServer`."""
 
+    def __init__(self, level: AttentionLevel, config: AttnPolicyConfig, cache: GraphCache[SimulatedGraph]) -> None:
+        self._spec = level.spec
+        self._costs = BatchCost(level.model, config.max_mask_bytes)
+        self._dispatcher = Dispatcher(config, builder=simulated, cost_model=level.model, cache=cache)
+        self.counters = self._dispatcher.counters
 
-@dataclass(frozen=True)
-class ModelStallRow:
-    """One modelled run on whole-model graphs: run seconds (as served: padded up or
-    eager included) plus stall seconds (synchronous compiles, waits at switch points)."""
+    def warmup(self, layouts: Sequence[BatchLayout]) -> int:
+        return len(self._dispatcher.warmup(layouts, self._spec))
 
-    policy: str
-    capacity: int | None
-    compile_mode: str
-    switch_after: int
-    batches: int
-    compiles: int
-    compile_seconds: float
-    padded_up: int
-    eager_served: int
-    run_seconds: float
-    stall_seconds: float
-    stall_p50: float
-    stall_p99: float
-    stall_max: float
-    stalled_batches: int
+    def pending(self) -> list[GraphKey]:
+        return [key for key, _ in self._dispatcher.pending()]
 
-    @property
-    def total_seconds(self) -> float:
-        return self.run_seconds + self.stall_seconds
+    def serve(self, layout: BatchLayout) -> tuple[float, list[GraphKey]]:
+        """Run ``layout`` through the dispatcher: its calls' run seconds and mask builds."""
+        run, keys = 0.0, []
+        for call, graph in self._dispatcher.prepare(layout, self._spec):
+            graph_key = graph.key if isinstance(graph, SimulatedGraph) else None  # None: runs uncompiled
+            if graph_key is not None:
+                keys.append(graph_key)
+            run += self._costs.call_seconds(call, graph_key)
+            build = self._costs.mask_seconds(layout, call, self._spec.device, self._spec.features.window)
+            if build is not None:
+                run += build
+        return run, keys
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "total_seconds": self.total_seconds}
+    def close(self) -> None:
+        self._dispatcher.close()
 
 
 class ModelledGraphs:
@@ -364,49 +328,172 @@ class ModelledGraphs:
         return None
 
 
-def _runner_stalls(layouts: Sequence[BatchLayout], model: ModelCostModel, config: AttnPolicyConfig) -> ModelStallRow:
-    """Replay ``layouts`` under ``config`` (its policy, buckets, bounds, ``compile_mode``
-    and ``switch_after``) through the runner's graph source and background worker over
-    :class:`ModelledGraphs`, on ``model``'s clock."""
-    keys = key_stream(layouts, decided_modes(layouts, config, spec_of(model)), config)
-    clock: Clock[ModelKey] = Clock(lambda key: (model.compile_seconds(key), False))
-    family = ModelledGraphs(config, model)
-    cache: GraphCache[ModelKey] = GraphCache.from_config(
-        config, sizeof=family.estimate_bytes, compile_cost=lambda key, _: model.compile_seconds(key),
-        on_compile=clock.compiled)
-    counters = Counters()
-    source: GraphSource[ModelKey, None] = GraphSource(cache, counters, family)
-    background = Background(source) if config.compile_mode == "background" else None
-    try:  # a batch run eagerly (served None) is costed as its own graph
-        clock.replay(keys, lambda: () if background is None else background.pending,
-                     lambda key: model.run_seconds(_served(source, background, key) or key))
+class WholeModelLevel:
+    """Whole-model graphs: the key stream of the model simulation served by the runner's
+    graph source and background worker over :class:`ModelledGraphs`, priced by ``model``."""
+
+    row_keys = (*_same("policy", "capacity", "compile_mode", "switch_after", "batches", "compiles", "compile_seconds"),
+                ("padded_up", "pad_up_calls"),
+                *_same("eager_served", "run_seconds", "stall_seconds", "stall_p50", "stall_p99", "stall_max",
+                       "stalled_batches", "total_seconds"))
+
+    def __init__(self, model: ModelCostModel) -> None:
+        self.model = model
+
+    def batches(self, layouts: Sequence[BatchLayout], config: AttnPolicyConfig) -> list[ModelKey]:
+        return key_stream(layouts, decided_modes(layouts, config, spec_of(self.model)), config)
+
+    def compile_seconds(self, key: ModelKey) -> float:
+        return self.model.compile_seconds(key)
+
+    def graph_bytes(self, key: ModelKey) -> int:
+        return self.model.graph_bytes(key)
+
+    def disk(self, store: StoreModel) -> DiskMirror:
+        raise ConfigError("whole-model graphs model no graph store: leave store_dir unset")
+
+    def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> _Sourced:
+        return _Sourced(self.model, config, cache)
+
+
+class _Sourced:
+    """The runner's :class:`~attnpolicy.dispatch.graph_source.GraphSource` and (``background``)
+    :class:`~attnpolicy.dispatch.background.Background` as a :class:`BatchServer`."""
+
+    def __init__(self, model: ModelCostModel, config: AttnPolicyConfig, cache: GraphCache[ModelKey]) -> None:
+        self._model = model
+        self.counters = Counters()
+        self._source: GraphSource[ModelKey, None] = GraphSource(cache, self.counters, ModelledGraphs(config, model))
+        self._background = Background(self._source) if config.compile_mode == "background" else None
+
+    def warmup(self, layouts: Sequence[BatchLayout]) -> int:
+        if layouts:
+            raise ConfigError("warm must be 'none' on whole-model graphs: no warm-up is modelled")
+        return 0
+
+    def pending(self) -> Iterable[ModelKey]:
+        return () if self._background is None else self._background.pending
+
+    def serve(self, key: ModelKey) -> tuple[float, list[ModelKey]]:
+        """Fetch the graph of a batch of ``key`` as the runner fetches a whole-model batch's:
+        a batch run eagerly while its graph compiles is costed as its own graph."""
+        served = key
+        if self._background is not None:
+            self._background.next_batch()
+            if key not in self._source.cache:
+                key_or_none = self._background.serve(key, None)
+                if key_or_none is None:
+                    return self._model.run_seconds(key), []
+                served = key_or_none
+        self._source.get(served, None)
+        return self._model.run_seconds(served), [served]
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.close()
+
+
+def stall_row(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, level: StallLevel[Any, Any],
+              warm: str = WARM_NONE, store_warm: bool = False) -> StallRow:
+    """Replay ``steps`` under ``config`` (its ``compile_mode`` and ``switch_after``) as
+    ``level`` serves them, on the modelled clock, after warming up as ``warm`` says (see
+    :func:`warm_layouts`); over ``config``'s graph store if it has one (``store_warm``:
+    filled by a first run)."""
+    layouts = [s.layout if isinstance(s, ScheduledBatch) else s for s in steps]
+    store = StoreModel.of(config, store_warm)
+    if store is None:
+        return _stalls(layouts, config, level, warm, None)[0]
+    disk = level.disk(store)
+    if store_warm:
+        _stalls(layouts, config, level, warm, disk)
+        disk.reset_counters()
+    row, loads, seconds = _stalls(layouts, config, level, warm, disk)
+    return replace(row, store=StoreFigures(store.max_disk_bytes, store.warm, disk.loads - loads,
+                                           disk.load_seconds - seconds, disk.evictions, disk.peak_bytes))
+
+
+def _stalls(layouts: Sequence[BatchLayout], config: AttnPolicyConfig, level: StallLevel[B, K], warm: str,
+            disk: DiskMirror | None) -> tuple[StallRow, int, float]:
+    """The row over ``disk`` (``None``: no store), and the loads and load seconds of its warm-up."""
+    warm_set = warm_layouts(layouts, warm)
+
+    def fetch(key: K) -> tuple[float, bool]:
+        """The seconds that bring ``key`` in, and whether the disk served it."""
+        loaded = None if disk is None else disk.load(key)
+        if loaded is not None:
+            return loaded, True
+        if disk is not None:
+            disk.save(key)
+        return level.compile_seconds(key), False
+
+    clock: Clock[K] = Clock(fetch)
+    cache: GraphCache[Any] = GraphCache.from_config(
+        config, sizeof=level.graph_bytes, compile_cost=lambda key, _: level.compile_seconds(key),
+        on_compile=clock.compiled, eviction_options=reload_option(config.eviction, disk))
+    keys: set[K] = set()
+    server = level.server(config, cache)
+
+    def serve(batch: B) -> float:
+        run, served = server.serve(batch)
+        keys.update(served)
+        return run
+
+    try:
+        warm_keys = server.warmup(warm_set)
+        warmed = [fetch(key) for key in clock.inserted]
+        warmup_seconds = cache.stats().compile_seconds if disk is None else sum(s for s, _ in warmed)
+        batches = level.batches(layouts, config)
+        clock.replay(batches, server.pending, serve)
     finally:
-        if background is not None:
-            background.close()
-    n = len(keys)
+        server.close()
+    n = len(batches)
     stalls = clock.stalls(n)
-    return ModelStallRow(config.policy, config.max_graphs, config.compile_mode, config.switch_after, n,
-                         clock.compiles, clock.compile_seconds, counters.pad_up_calls, counters.background_eager,
-                         clock.run, stalls.seconds, stalls.p50, stalls.p99, stalls.max, stalls.stalled)
+    counters = server.counters
+    row = StallRow(
+        policy=config.policy, capacity=config.max_graphs, eviction=config.eviction,
+        compile_mode=config.compile_mode, switch_after=config.switch_after, warm=warm,
+        warm_keys=warm_keys, warmup_seconds=warmup_seconds, batches=n, run_seconds=clock.run,
+        stall_seconds=stalls.seconds, stall_p50=stalls.p50, stall_p99=stalls.p99, stall_max=stalls.max,
+        stalled_batches=stalls.stalled, compiles=clock.compiles, compile_seconds=clock.compile_seconds,
+        background_compiles=clock.background, background_compile_seconds=clock.background_seconds,
+        pad_up_calls=counters.pad_up_calls, pad_up_tokens=counters.pad_up_tokens,
+        eager_served=counters.background_eager, distinct_keys=len(keys), json_keys=level.row_keys)
+    return row, sum(loaded for _, loaded in warmed), sum(s for s, loaded in warmed if loaded)
 
 
-def _served(source: GraphSource[ModelKey, None], background: Background[ModelKey, None] | None,
-            key: ModelKey) -> ModelKey | None:
-    """The key whose graph runs a batch of ``key``, fetched from ``source`` as the runner
-    fetches a whole-model batch's (``None``: it runs eagerly while its graph compiles)."""
-    if background is not None:
-        background.next_batch()
-        if key not in source.cache:
-            key_or_none = background.serve(key, None)
-            if key_or_none is None:
-                return None
-            key = key_or_none
-    source.get(key, None)
-    return key
+def stall_configs(base: AttnPolicyConfig, policies: Sequence[str], capacities: Sequence[int | None],
+                  switch_after: int | None = None) -> list[AttnPolicyConfig]:
+    """The config of each policy × capacity (in that order) of ``base`` (``switch_after``:
+    default the base config's), every one validated before any is run: :class:`ConfigError`
+    names the capacity of one that is invalid (e.g. fewer graphs than the base config's
+    warm-up set)."""
+    fields = base.model_dump(mode="json")
+    configs = []
+    for policy in policies:
+        for capacity in capacities:
+            try:
+                configs.append(AttnPolicyConfig.model_validate(
+                    {**fields, "policy": policy, "policy_options": fields["policy_options"]
+                     if policy == base.policy else {}, "max_graphs": capacity,
+                     "switch_after": switch_after or base.switch_after}))
+            except ValidationError as exc:
+                message = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+                raise ConfigError(f"capacity {'inf' if capacity is None else capacity}: {message}") from None
+    return configs
 
 
-def compare_model_stalls(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig]
-                         ) -> list[ModelStallRow]:
-    """For each config, its ``sync`` row then its ``background`` row."""
-    return [_runner_stalls(layouts, model, config.model_copy(update={"compile_mode": mode}))
-            for config in configs for mode in ("sync", "background")]
+def compare_stalls(steps: Sequence[ScheduledBatch | BatchLayout], level: StallLevel[Any, Any],
+                   configs: Sequence[AttnPolicyConfig], warm: Sequence[str] = (WARM_NONE,),
+                   progress: Callable[[str], None] | None = None, store_warm: bool = False) -> list[StallRow]:
+    """For each of ``configs`` (e.g. :func:`stall_configs`) × warm set, the ``sync`` row
+    then the ``background`` row, served as ``level`` serves them; ``progress(label)``
+    after each row."""
+    rows = []
+    for config in configs:
+        for warm_set in warm:
+            for mode in MODES:
+                rows.append(stall_row(steps, config.model_copy(update={"compile_mode": mode}), level, warm_set,
+                                      store_warm))
+                if progress:
+                    progress(f"{config.policy} capacity={config.max_graphs} warm={warm_set} {mode}")
+    return rows

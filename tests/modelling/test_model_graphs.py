@@ -20,7 +20,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import outside_range
 from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
-from attnpolicy.modelling.stalls import compare_model_stalls
+from attnpolicy.modelling.stalls import WholeModelLevel, compare_stalls
 from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
 from attnpolicy.planning.graph_set import plan_model_graphs
 from attnpolicy.workloads.batching import BatchFormer
@@ -280,11 +280,11 @@ def test_model_sync_stalls_are_the_compile_seconds_of_the_misses(capacity):
     model = synthetic()
     config = model_config(model, 64, 128, policy="varlen", max_graphs=capacity, switch_after=2)
     [sim] = simulate_model(LAYOUTS, model, [config], ["lru"])
-    sync, background = compare_model_stalls(LAYOUTS, model, [config])
+    sync, background = compare_stalls(LAYOUTS, WholeModelLevel(model), [config])
     assert sync.compile_mode == "sync" and background.compile_mode == "background"
     assert sync.compiles == sim.misses and sync.stall_seconds == pytest.approx(sim.compile_seconds)
-    assert sync.run_seconds == pytest.approx(sim.run_seconds) and sync.padded_up == sync.eager_served == 0
-    assert background.padded_up + background.eager_served > 0
+    assert sync.run_seconds == pytest.approx(sim.run_seconds) and sync.pad_up_calls == sync.eager_served == 0
+    assert background.pad_up_calls + background.eager_served > 0
     assert background.stall_seconds < sync.stall_seconds  # compiles overlap the batches
 
 
@@ -346,7 +346,7 @@ def test_model_stalls_serve_batches_as_a_real_runner_with_background_compiles():
         stats = runner.stats()
     finally:
         runner.close()
-    _, row = compare_model_stalls(layouts, model, [config])
+    _, row = compare_stalls(layouts, WholeModelLevel(model), [config])
     assert stats.background is not None
-    assert (row.padded_up, row.eager_served, row.compiles) == (
+    assert (row.pad_up_calls, row.eager_served, row.compiles) == (
         stats.background.pad_up_calls, stats.eager_served, stats.background.requested) == (1, 2, 3)

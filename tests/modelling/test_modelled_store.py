@@ -256,13 +256,13 @@ def test_plan_with_a_warm_store_loads_its_warm_set(tmp_path):
 # --- stalls ----------------------------------------------------------------------------------------
 
 def test_stalls_with_a_store_wait_for_loads_instead_of_compiles():
-    from attnpolicy.modelling.stalls import stall_row
+    from attnpolicy.modelling.stalls import AttentionLevel, stall_row
 
     steps = list(BatchFormer(**FORMER).steps(requests(40)))
     for mode in ("sync", "background"):
-        plain = stall_row(steps, base(max_graphs=1, compile_mode=mode), MODEL, warm="prefix:3")
+        plain = stall_row(steps, base(max_graphs=1, compile_mode=mode), AttentionLevel(MODEL), warm="prefix:3")
         stored = stall_row(steps, base(max_graphs=1, compile_mode=mode, store_dir="s", max_disk_bytes=1 << 20),
-                              MODEL, warm="prefix:3")
+                              AttentionLevel(MODEL), warm="prefix:3")
         assert plain.store is None and "store" not in plain.to_json()
         assert stored.store is not None and stored.store.loads > 0
         assert stored.compiles + stored.store.loads == plain.compiles  # the same misses, fewer compiles
@@ -270,7 +270,7 @@ def test_stalls_with_a_store_wait_for_loads_instead_of_compiles():
         if mode == "sync":  # each load stalls for its load seconds instead of a compile's
             saved = stored.store.loads * (COMPILE - LOAD)
             assert plain.stall_seconds - stored.stall_seconds == pytest.approx(saved, rel=1e-9)
-    warm = stall_row(steps, base(max_graphs=1, store_dir="s", max_disk_bytes=1 << 20), MODEL, store_warm=True)
+    warm = stall_row(steps, base(max_graphs=1, store_dir="s", max_disk_bytes=1 << 20), AttentionLevel(MODEL), store_warm=True)
     assert warm.compiles == 0 and warm.store.warm
 
 
