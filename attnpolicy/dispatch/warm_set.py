@@ -22,7 +22,7 @@ from attnpolicy.graphs.keys import GraphKey, TensorSpec
 log = logging.getLogger("attnpolicy.dispatch")
 
 
-class WarmSets:
+class WarmSet:
     """The config's warm set per tensor spec, and the graphs of warmed layouts."""
 
     def __init__(self, config: AttnPolicyConfig, planner: Planner, cache: GraphCache[Any], source: CallSource,

@@ -96,7 +96,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class WarmGraph:
+class WarmShapeCost:
     """A graph of the warm-up set: its shape, the planned calls it serves, and its
     modelled compile seconds and bytes; ``load_seconds`` when a warm store holds it
     (warm-up loads it), else ``None``."""
@@ -144,7 +144,7 @@ class GraphPlan:
     warmup_seconds: float | None
     base_buckets: str
     policies: tuple[PolicyPlan, ...]
-    warm: tuple[WarmGraph, ...]
+    warm: tuple[WarmShapeCost, ...]
     config: AttnPolicyConfig
 
     @property
@@ -324,7 +324,7 @@ def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base
 
 def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
                spec: TensorSpec | None = None, table: CallTable | None = None,
-               store_warm: bool = False) -> list[WarmGraph]:
+               store_warm: bool = False) -> list[WarmShapeCost]:
     """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
     calls it serves, most used first (ties: cheaper to compile first). ``table``: the
     :class:`CallTable` of ``config``'s policy for ``steps`` (built when not given).
@@ -337,8 +337,8 @@ def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicy
     for i, (key, r, n) in enumerate(zip(b.keys, b.first.tolist(), b.uses.tolist())):
         shape = WarmShape(kind=key.kind, q_bucket=int(b.q_bucket[i]), kv_bucket=int(b.kv_bucket[i]),
                           causal=bool(table.causal[r]), context=bool(table.context[r]))
-        graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key),
-                                model.load_seconds(key) if i in on_disk else None))
+        graphs.append(WarmShapeCost(shape, n, model.compile_seconds(key), model.graph_bytes(key),
+                                    model.load_seconds(key) if i in on_disk else None))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
 
@@ -354,12 +354,12 @@ def evaluated(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyC
     return table.rows(config, [config.eviction], base_scheme(config).name, rejected)[0]
 
 
-def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int | None,
-             budget_seconds: float | None) -> tuple[WarmGraph, ...]:
+def warm_set(graphs: Sequence[WarmShapeCost], max_graphs: int | None, max_bytes: int | None,
+             budget_seconds: float | None) -> tuple[WarmShapeCost, ...]:
     """The graphs to compile (or load, from a warm store) at start: most uses per warm-up
     second first, skipping one that does not fit what is left of the budget, the
     capacity or the byte bound."""
-    chosen: list[WarmGraph] = []
+    chosen: list[WarmShapeCost] = []
     seconds = 0.0
     nbytes = 0
     for g in sorted(graphs, key=lambda g: (-g.uses / max(g.seconds, 1e-12), -g.uses)):

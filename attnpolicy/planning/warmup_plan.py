@@ -19,7 +19,7 @@ sequences over ``max_num_seqs`` × ⌈max_model_len / block⌉ blocks (:func:`to
 tpu-inference's cover of ``max_num_batched_tokens`` (:func:`ragged_top`). So every step
 within the maxima is served after warm-up (padded up) and nothing compiles at run
 time. Where the budget cannot hold a phase's largest graph, that phase is left
-uncovered: its forwards compile at run time, and :attr:`WarmupPlan.outside` says so
+uncovered: its forwards compile at run time, and :attr:`PeerPlan.outside` says so
 with their count and modelled cost.
 
 **Search.** Greedy: from the maxima, add the one size (a prompt query or context, a
@@ -43,9 +43,9 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     TPU_MIN_TOKEN_BUCKET,
     Forward,
+    PeerGraph,
     PeerLimits,
-    WarmupGraph,
-    WarmupSet,
+    PeerWarmSet,
     WorkloadForwards,
     gaudi_decode_graphs,
 )
@@ -82,7 +82,7 @@ class Budget:
         """Which bound the warm-up set priced as ``cost`` breaks, or ``None``."""
         return self.why_over(cost.graphs, cost.warm_bytes, cost.warmup_seconds)
 
-    def over_graphs(self, graphs: Sequence[WarmupGraph], pricing: Pricing) -> str | None:
+    def over_graphs(self, graphs: Sequence[PeerGraph], pricing: Pricing) -> str | None:
         """Which bound a warm-up of ``graphs`` priced by ``pricing`` breaks, or ``None``."""
         seconds, nbytes = pricing.warmup(graphs)
         return self.why_over(len(graphs), nbytes, seconds)
@@ -119,8 +119,8 @@ class Grid(_Sizes):
     #: the phases and the dimension whose emptiness leaves each uncovered
     PHASES = (("prefill", "queries"), ("decode", "batches"))
 
-    def graphs(self, limits: PeerLimits) -> tuple[WarmupGraph, ...]:
-        prompt = [WarmupGraph("prefill", 1, q, c) for q, c in product(self.queries, self.contexts)]
+    def graphs(self, limits: PeerLimits) -> tuple[PeerGraph, ...]:
+        prompt = [PeerGraph("prefill", 1, q, c) for q, c in product(self.queries, self.contexts)]
         return (*prompt, *gaudi_decode_graphs(limits, self.batches, self.blocks))
 
     def phase(self, phase: str) -> Grid:
@@ -142,8 +142,8 @@ class RaggedGrid(_Sizes):
 
     PHASES = (("mixed", "tokens"),)
 
-    def graphs(self, limits: PeerLimits) -> tuple[WarmupGraph, ...]:
-        return tuple(WarmupGraph("mixed", limits.max_num_seqs, t) for t in self.tokens)
+    def graphs(self, limits: PeerLimits) -> tuple[PeerGraph, ...]:
+        return tuple(PeerGraph("mixed", limits.max_num_seqs, t) for t in self.tokens)
 
     def phase(self, phase: str) -> RaggedGrid:
         return self
@@ -156,12 +156,12 @@ AnyGrid = Grid | RaggedGrid
 
 
 @dataclass(frozen=True)
-class WarmupPlan:
+class PeerPlan:
     """The planned grid, its warm-up set, its cost on the workload it was planned on,
     the budget, and what falls outside it (empty: every step within the maxima served)."""
 
     grid: AnyGrid
-    warm: WarmupSet
+    warm: PeerWarmSet
     cost: WarmupCost
     budget: Budget
     outside: tuple[str, ...]
@@ -279,7 +279,7 @@ def ragged_top(limits: PeerLimits) -> RaggedGrid:
 
 
 def plan_forms(forwards: WorkloadForwards, pricing: Pricing, budget: Budget,
-               max_sizes: int = 16) -> tuple[WarmupPlan, WarmupPlan]:
+               max_sizes: int = 16) -> tuple[PeerPlan, PeerPlan]:
     """The plan in both forms under ``budget``: vllm-gaudi's (its forwards) and the
     ragged one (tpu-inference's forwards, every step one)."""
     return (plan_warmup(forwards.of("gaudi"), forwards.limits, pricing, budget, max_sizes),
@@ -287,7 +287,7 @@ def plan_forms(forwards: WorkloadForwards, pricing: Pricing, budget: Budget,
 
 
 def plan_warmup(forwards: Counter[Forward], limits: PeerLimits, pricing: Pricing, budget: Budget,
-                max_sizes: int = 16) -> WarmupPlan:
+                max_sizes: int = 16) -> PeerPlan:
     """The warm-up set of the module docstring for ``forwards`` (vllm-gaudi's forwards
     of the workload's steps, counted: the gaudi form; or tpu-inference's, every step one
     ragged forward: the ragged form, token paddings only) under ``limits`` and
@@ -307,13 +307,13 @@ def plan_warmup(forwards: Counter[Forward], limits: PeerLimits, pricing: Pricing
     grid, outside = _covering(top, priced, forwards, limits)
     if not outside:  # every phase covered: search; else its forwards are priced as run-time compiles
         grid = _search(grid, _candidates(forwards, grid), priced, max_sizes)
-    warm = WarmupSet.of("plan", grid.graphs(limits))
+    warm = PeerWarmSet.of("plan", grid.graphs(limits))
     cost = warmup_cost("plan", warm, forwards, pricing)
     if outside:
         serving = (f"serving them: {cost.runtime_compiles} graphs compiled at run time, "
                    f"{cost.runtime_compile_seconds:.4g} modelled s")
         outside = (*outside, serving)
-    return WarmupPlan(grid, warm, cost, budget, outside)
+    return PeerPlan(grid, warm, cost, budget, outside)
 
 
 def _covering(top: AnyGrid, priced: Callable[[AnyGrid], tuple[float, str | None]], forwards: Counter[Forward],
