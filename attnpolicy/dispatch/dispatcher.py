@@ -15,7 +15,7 @@ from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background
-from attnpolicy.dispatch.batch_plan import Planner
+from attnpolicy.dispatch.batch_plan import BatchPlanner
 from attnpolicy.dispatch.call_graphs import Builder, CallFamily, CallRequest, CallSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
@@ -64,7 +64,7 @@ class Dispatcher:
     (:mod:`~attnpolicy.plugins.compilers`): an unknown name raises :class:`ConfigError`
     here, before any work. ``planner``: plan with another dispatcher's
     planner and its memos (a sweep's dispatchers, which differ only in bounds, eviction
-    or policy; see :class:`~attnpolicy.dispatch.batch_plan.Planner`): a config that would
+    or policy; see :class:`~attnpolicy.dispatch.batch_plan.BatchPlanner`): a config that would
     plan otherwise raises :class:`ConfigError` naming the field. ``host_varlen``: the
     host runs VARLEN batches on a kernel of its own (vLLM's paged kernel):
     :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for them,
@@ -81,7 +81,8 @@ class Dispatcher:
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
                  cache: GraphCache[Any] | None = None, compile_counter: Callable[[Any], None] | None = None,
-                 builder: Builder | None = None, host_varlen: bool = False, planner: Planner | None = None) -> None:
+                 builder: Builder | None = None, host_varlen: bool = False,
+                 planner: BatchPlanner | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
         #: the compiler of the graphs (``None`` under a custom builder, which compiles nothing)
         self.compiler = None if builder is not None else resolve_compiler(cfg.backend)
@@ -95,7 +96,7 @@ class Dispatcher:
         kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
                                measured=getattr(cost_model, "kernel_seconds", None))
         if planner is None:
-            planner = Planner(cfg, kernels)
+            planner = BatchPlanner(cfg, kernels)
         elif (differs := planner.difference(cfg, kernels)) is not None:
             raise ConfigError(f"planner: a shared planner plans for another config ({differs} differs)")
         self.planner = planner
@@ -335,7 +336,7 @@ class Dispatcher:
                 self.source.release()
             return self.switcher.finish(self)
 
-    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: Planner, warm_set: WarmSet) -> None:
+    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: BatchPlanner, warm_set: WarmSet) -> None:
         """Serve ``config`` with ``guard`` (its fallback count carried over), ``planner`` and
         ``warm_set`` from the next batch on: the steps, plans and policy contexts of the old
         config go (what a switch calls once its graphs are cached)."""

@@ -57,7 +57,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background, Built, Worker, discard
-from attnpolicy.dispatch.batch_plan import Planner
+from attnpolicy.dispatch.batch_plan import BatchPlanner
 from attnpolicy.dispatch.call_graphs import CallRequest, CallSource, eviction_of
 from attnpolicy.dispatch.graph_source import count_violation
 from attnpolicy.dispatch.stats import Counters
@@ -82,7 +82,7 @@ class SwitchOwner(Protocol):
     @property
     def guard(self) -> Guard: ...
     @property
-    def planner(self) -> Planner: ...
+    def planner(self) -> BatchPlanner: ...
     @property
     def cache(self) -> GraphCache[Any]: ...
     @property
@@ -104,7 +104,7 @@ class SwitchOwner(Protocol):
         """The decision ``layout`` would get now, with no side effect."""
         ...
 
-    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: Planner, warm_set: WarmSet) -> None:
+    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: BatchPlanner, warm_set: WarmSet) -> None:
         """Serve ``config`` with ``guard``, ``planner`` and ``warm_set`` from the next batch on."""
         ...
 
@@ -116,7 +116,7 @@ class _Target:
 
     config: AttnPolicyConfig
     guard: Guard
-    planner: Planner
+    planner: BatchPlanner
     warm_set: WarmSet
     calls: dict[GraphKey, tuple[Call, TensorSpec]]
     builds: dict[GraphKey, Future[Built]]
@@ -176,7 +176,7 @@ class Switcher:
         if config.warmup and not served:
             raise ConfigError(f"switch_to: warmup holds {len(config.warmup)} graphs but the dispatcher has served "
                               "no tensor spec yet: pass specs=[...] to build them for")
-        planner = Planner(config, d.planner.kernels)
+        planner = BatchPlanner(config, d.planner.kernels)
         warm_set = WarmSet(config, planner, d.cache, d.source, d.background)
         calls: dict[GraphKey, tuple[Call, TensorSpec]] = {}
         for spec in served:

@@ -64,7 +64,7 @@ from attnpolicy.modelling.simulation import (
     spec_of,
 )
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
-from attnpolicy.planning.bucket_search import ALIGN, CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import ALIGN, BucketListCost, CallShapes, evaluate, plan_sizes
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
@@ -242,7 +242,7 @@ def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
 
 
 def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel,
-                    max_buckets: int, align: int = ALIGN) -> list[PlanCost]:
+                    max_buckets: int, align: int = ALIGN) -> list[BucketListCost]:
     """The bucket lists to simulate, each with its capacity-free modelled time: for
     every number of buckets up to ``max_buckets``, the planner's best list of sizes
     aligned to ``align`` (see :func:`~attnpolicy.planning.bucket_search.candidates`)
