@@ -153,14 +153,14 @@ def candidates(shapes: CallShapes, align: int, limits: Mapping[CallKind, int] | 
     cap = np.full(shapes.kind.size, np.iinfo(np.int64).max, dtype=np.int64)
     for kind, limit in (limits or {}).items():
         if limit < 1:
-            raise ConfigError(f"the limit of family {kind.value} must be >= 1, got {limit}")
+            raise ConfigError(f"the limit of call kind {kind.value} must be >= 1, got {limit}")
         cap[shapes.kind == _CODE[kind]] = limit
     up = [np.minimum(-(-x // align) * align, cap) for x in (shapes.q, shapes.kv)]
     over = np.flatnonzero(up[1] < shapes.kv)
     if over.size:
         i = int(over[0])
         raise ConfigError(f"a {CALL_KINDS[int(shapes.kind[i])].value} call of length {int(shapes.kv[i])} is above "
-                          f"its family's limit {int(cap[i])}")
+                          f"its call kind's limit {int(cap[i])}")
     return np.unique(np.concatenate(up))
 
 

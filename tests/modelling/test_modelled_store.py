@@ -68,7 +68,7 @@ def test_store_fits_come_together_and_cover_every_kind():
     fields = MODEL.model_dump()
     with pytest.raises(ConfigError, match="store_load and store_bytes"):
         CostModel.from_json(json.dumps({**fields, "store_bytes": {}}), "half.json")
-    with pytest.raises(ConfigError, match="store_load needs a fit for every graph family"):
+    with pytest.raises(ConfigError, match="store_load needs a fit for every call kind"):
         CostModel.from_json(json.dumps({**fields, "store_load": {"causal": {"base": 1.0}}}), "some.json")
 
 
