@@ -11,6 +11,8 @@ from collections import defaultdict
 from functools import cache
 from pathlib import Path
 
+from test_layering import modules, tree
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "attnpolicy"
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(\(.*\))?")
@@ -35,16 +37,14 @@ class Package:
         self.members: defaultdict[str, set[str]] = defaultdict(set)  # class name -> its members
         self.bases: defaultdict[str, set[str]] = defaultdict(set)  # class name -> its bases' names
         self.strings: set[str] = set()  # string constants that are not docstrings
-        for path in sorted(PACKAGE.rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            tree = ast.parse(path.read_text())
-            self.modules[module] = self._top_names(tree)
-            docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+        for module in modules():
+            source = tree(module)
+            self.modules[module] = self._top_names(source)
+            docstrings = {id(node.body[0].value) for node in ast.walk(source)
                           if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
                           and node.body and isinstance(node.body[0], ast.Expr)
                           and isinstance(node.body[0].value, ast.Constant)}
-            for node in ast.walk(tree):
+            for node in ast.walk(source):
                 if isinstance(node, ast.ClassDef):
                     self._class(node)
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
