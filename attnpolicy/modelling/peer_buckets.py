@@ -40,7 +40,7 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 
 Phase = Literal["prefill", "decode", "mixed"]
-#: The peers whose warm-up sets and forwards are modelled here.
+#: The peers whose warm sets and forwards are modelled here.
 Peer = Literal["gaudi", "rbln", "tpu"]
 PEERS: tuple[Peer, ...] = ("gaudi", "rbln", "tpu")
 GaudiStrategy = Literal["linear", "exponential"]
@@ -77,7 +77,7 @@ def _ordered(graphs: Iterable[PeerGraph]) -> tuple[PeerGraph, ...]:
 
 @dataclass(frozen=True)
 class PeerLimits:
-    """The vLLM limits a peer derives its warm-up set from; each an int >= 1
+    """The vLLM limits a peer derives its warm set from; each an int >= 1
     (else :class:`ConfigError` naming it)."""
 
     max_num_seqs: int
@@ -400,7 +400,7 @@ def gaudi_file_buckets(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def gaudi_file_warmup(text: str, limits: PeerLimits) -> PeerWarmSet:
-    """vllm-gaudi's warm-up set from a bucketing file
+    """vllm-gaudi's warm set from a bucketing file
     (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
     vllm_gaudi/extension/bucketing/common.py ``generate_prompt_buckets``,
     ``generate_decode_buckets`` and ``generate_buckets`` with file buckets): of
@@ -637,7 +637,7 @@ class Forward(NamedTuple):
 
 
 def peer_of(scheme: str) -> Peer:
-    """The peer whose warm-up set ``scheme`` is: its name up to the first ``-``
+    """The peer whose warm set ``scheme`` is: its name up to the first ``-``
     (``gaudi-linear``, ``gaudi-file``: ``gaudi``), one of :data:`PEERS`."""
     peer = scheme.split("-")[0]
     if peer not in PEERS:

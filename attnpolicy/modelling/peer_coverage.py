@@ -1,4 +1,4 @@
-"""What the peers' warm-up sets serve of a workload, counted exactly (no cost model).
+"""What the peers' warm sets serve of a workload, counted exactly (no cost model).
 
 Each engine step of a workload (one layout per step, as the batch former forms them)
 runs as the forwards its peer runs for it
@@ -6,7 +6,7 @@ runs as the forwards its peer runs for it
 the first warm-up graph that holds it (:meth:`PeerWarmSet.serves
 <attnpolicy.modelling.peer_buckets.PeerWarmSet.serves>`) or by none: the peer then
 compiles a graph after warm-up (vllm-gaudi can be told to fail instead). A
-:class:`PeerCoverage` counts, for one warm-up set: its graphs (prefill, decode and
+:class:`PeerCoverage` counts, for one warm set: its graphs (prefill, decode and
 ragged ``mixed``), the graphs the workload used, the forwards it left unserved with
 their distinct shapes (at most that many graphs compiled at run time: a graph compiled
 for one serves the smaller ones after it), and the padding: the query rows the serving
@@ -36,7 +36,7 @@ from attnpolicy.modelling.peer_buckets import (
 
 @dataclass(frozen=True)
 class PeerCoverage:
-    """One warm-up set against one workload (see the module docstring); ``refused``:
+    """One warm set against one workload (see the module docstring); ``refused``:
     why the peer would not start (then every count is 0)."""
 
     scheme: str
@@ -86,7 +86,7 @@ def coverage(label: str, warm: PeerWarmSet, forwards: Iterable[Forward]) -> Peer
 
 def peer_coverage(forwards: WorkloadForwards,
                   extra: Sequence[tuple[str, Callable[[], PeerWarmSet]]] = ()) -> tuple[PeerCoverage, ...]:
-    """Every peer's default warm-up set (:data:`~attnpolicy.modelling.peer_buckets.WARMUPS`)
+    """Every peer's default warm set (:data:`~attnpolicy.modelling.peer_buckets.WARMUPS`)
     for the workload's limits, then each ``(label, make)`` of ``extra`` (``make()``: a
     peer's set under other settings, such as a plan's), against the workload's
     ``forwards``."""

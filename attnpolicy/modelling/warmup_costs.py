@@ -1,4 +1,4 @@
-"""What a warm-up set costs on a workload, in modelled seconds and bytes: the
+"""What a warm set costs on a workload, in modelled seconds and bytes: the
 peers' own sets and a plan's, priced by one rule with one model's step fits.
 
 A whole-model graph of any peer is priced as this machine's calibrated MASK step
@@ -116,7 +116,7 @@ class Pricing:
 
 @dataclass(frozen=True)
 class WarmupCost:
-    """One warm-up set on one workload: its graphs, the warm-up's modelled compile
+    """One warm set on one workload: its graphs, the warm-up's modelled compile
     seconds, the forwards' run seconds, the graphs compiled at run time (distinct
     shapes no warm graph serves), the forwards they served, their compile seconds,
     padding (rows computed beyond the tokens, per token), peak graph bytes and the

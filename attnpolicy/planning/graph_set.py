@@ -1,4 +1,4 @@
-"""Plan the graph set of a workload: buckets, policy, eviction and warm-up set.
+"""Plan the graph set of a workload: buckets, policy, eviction and warm set.
 
 For each policy whose decisions depend only on the layout (``stateless``), the
 workload's exact call shapes give candidate bucket lists, one per number of buckets
@@ -14,7 +14,7 @@ best bucket list and eviction strategy are kept:
    simulated with every live eviction strategy. When every graph fits, eviction
    never runs and LRU is kept.
 
-The policy with the lowest simulated total wins. Its warm-up set is the graphs the
+The policy with the lowest simulated total wins. Its warm set is the graphs the
 planned traffic uses most, within the capacity and the warm-up budget (modelled
 compile seconds): a knapsack solved greedily by uses per compile second, whose
 value is the calls served without a compile stall. With a graph store
@@ -97,7 +97,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class WarmShapeCost:
-    """A graph of the warm-up set: its shape, the planned calls it serves, and its
+    """A graph of the warm set: its shape, the planned calls it serves, and its
     modelled compile seconds and bytes; ``load_seconds`` when a warm store holds it
     (warm-up loads it), else ``None``."""
 
@@ -136,7 +136,7 @@ class PolicyPlan:
 @dataclass(frozen=True)
 class GraphPlan:
     """What ``attnpolicy plan`` chose: per policy its :class:`PolicyPlan`, the chosen
-    policy, its warm-up set and the config that applies it."""
+    policy, its warm set and the config that applies it."""
 
     policy: str
     max_graphs: int | None
@@ -381,11 +381,11 @@ def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyC
                 spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
                 rejected: int = 0, store_warm: bool = False, align: int = ALIGN) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
-    best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
+    best policy, its warm set within ``warmup_seconds`` (modelled compile seconds;
     ``None``: as many as the capacity holds), and the config applying it (strict mode
     :data:`PLAN_STRICT` after warm-up). ``rejected`` (requests the caller left out) is
     reported in every row. With ``base.store_dir`` the rows model its store (empty at
-    start) and, with ``store_warm``, the warm-up set loads what it holds (see
+    start) and, with ``store_warm``, the warm set loads what it holds (see
     :func:`graph_uses`). Planned sizes are multiples of ``align`` (or a kind's limit)."""
     if not steps:
         raise ConfigError("a plan needs at least one step, got none (empty workload)")

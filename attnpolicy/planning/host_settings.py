@@ -184,7 +184,7 @@ class GaudiBuckets:
 
     @classmethod
     def of(cls, warm: PeerWarmSet, outside: Sequence[str] = ()) -> GaudiBuckets:
-        """The buckets of a warm-up set of vllm-gaudi's form (prefill and decode graphs)
+        """The buckets of a warm set of vllm-gaudi's form (prefill and decode graphs)
         planned under a budget, ``outside``: what the budget leaves out of it; a phase
         without a bucket is named too (vllm-gaudi refuses the file)."""
         prompt = tuple((g.batch, g.query_tokens, g.context_blocks or 0) for g in warm.phase("prefill"))
@@ -483,11 +483,11 @@ class HostSettings:
 
 @dataclass(frozen=True)
 class PlannedForms:
-    """A joint prompt and decode plan's warm-up sets under its budget: vllm-gaudi's
+    """A joint prompt and decode plan's warm sets under its budget: vllm-gaudi's
     ``gaudi`` buckets (their ``missing`` holding what the budget leaves out of that
     form), ``gaudi_outside`` (that alone), the ragged form's token ``paddings`` (empty:
     none within the budget) and ``ragged_outside``, what the budget leaves out of it;
-    ``over``: the bound a warm-up set breaks under the budget, or ``None``."""
+    ``over``: the bound a warm set breaks under the budget, or ``None``."""
 
     gaudi: GaudiBuckets
     gaudi_outside: tuple[str, ...]

@@ -6,7 +6,7 @@ row priced by one rule (:mod:`~attnpolicy.modelling.warmup_costs`).
 Rows:
 
 - ``gaudi-linear``, ``gaudi-exponential``, ``rbln``, ``tpu``: each peer's default
-  warm-up set for the server's limits, its steps run as that peer runs them;
+  warm set for the server's limits, its steps run as that peer runs them;
 - ``vllm``: vLLM's piecewise graphs at its capture sizes (steps run ragged, as tpu);
 - ``pow2``: the plan's form (vllm-gaudi buckets) with powers of two on every
   dimension: prompt query tokens from 16, context blocks from 1 (and 0), decode
@@ -20,9 +20,9 @@ Rows:
 - the host settings' sets, such as ``rbln-plan``: what a peer warms up under the
   plan's ``host_settings.json``;
 - ``floor``: no scheme's bound, every step one ragged forward at its own tokens with no
-  padding and no warm-up: no warm-up set runs the workload for less under this rule.
+  padding and no warm-up: no warm set runs the workload for less under this rule.
 
-Each row says which bound of the budget asked its warm-up set breaks, if any. The
+Each row says which bound of the budget asked its warm set breaks, if any. The
 recommendation (and each host's best row) is the lowest total among the rows a host
 runs, from the files the plan writes or by default, within that budget: ``pow2`` and
 ``plan @ NAME`` are comparisons that no file sets up, and a plan its host refuses (a
@@ -60,10 +60,10 @@ FORM_PEER: dict[str, Peer] = {"gaudi": "gaudi", "ragged": "tpu"}
 
 @dataclass(frozen=True)
 class SchemeRow:
-    """One row: the ``hosts`` that can run its warm-up set, whether it is one host's
+    """One row: the ``hosts`` that can run its warm set, whether it is one host's
     ``default``, and its cost, or why the peer refuses to start under the limits
     (``refused``, with or without a cost); ``over``: the bound of the budget asked its
-    warm-up set breaks (``None``: within); ``reference``: a comparison no file sets up."""
+    warm set breaks (``None``: within); ``reference``: a comparison no file sets up."""
 
     scheme: str
     hosts: tuple[str, ...]
@@ -192,7 +192,7 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[P
     """The rows of the module docstring for the workload's ``forwards``: the ``plans``
     (:func:`~attnpolicy.planning.warmup_plan.plan_forms` of them under a budget), and
     the plan under each peer's own budget (at most ``max_sizes`` sizes per
-    dimension); ``extra``: more warm-up sets to price (``(label, make)``, such as the
+    dimension); ``extra``: more warm sets to price (``(label, make)``, such as the
     host settings' sets)."""
     limits, budget = forwards.limits, plans[0].budget
 

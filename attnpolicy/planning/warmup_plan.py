@@ -4,7 +4,7 @@ two forms the hosts run:
 - the gaudi form (:class:`Grid`) runs engine steps as vllm-gaudi does (each prompt or
   prefill chunk alone, the step's decodes as one batch:
   :func:`~attnpolicy.modelling.peer_buckets.step_forwards` ``"gaudi"``), so its graphs
-  are vllm-gaudi buckets and its warm-up set a bucketing file vllm-gaudi runs
+  are vllm-gaudi buckets and its warm set a bucketing file vllm-gaudi runs
   (``VLLM_BUCKETING_FROM_FILE``): prompt graphs ``(1, query, context blocks)`` for
   every planned query size × context size, decode graphs ``(batch, 1, blocks)`` for
   every planned batch × blocks size (those vllm-gaudi keeps,
@@ -62,7 +62,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Budget:
-    """What a warm-up set may take: graphs, graph bytes, warm-up seconds (``None``: unbounded)."""
+    """What a warm set may take: graphs, graph bytes, warm-up seconds (``None``: unbounded)."""
 
     max_graphs: int | None = None
     max_bytes: int | None = None
@@ -79,7 +79,7 @@ class Budget:
         return None
 
     def over(self, cost: WarmupCost) -> str | None:
-        """Which bound the warm-up set priced as ``cost`` breaks, or ``None``."""
+        """Which bound the warm set priced as ``cost`` breaks, or ``None``."""
         return self.why_over(cost.graphs, cost.warm_bytes, cost.warmup_seconds)
 
     def over_graphs(self, graphs: Sequence[PeerGraph], pricing: Pricing) -> str | None:
@@ -157,7 +157,7 @@ AnyGrid = Grid | RaggedGrid
 
 @dataclass(frozen=True)
 class PeerPlan:
-    """The planned grid, its warm-up set, its cost on the workload it was planned on,
+    """The planned grid, its warm set, its cost on the workload it was planned on,
     the budget, and what falls outside it (empty: every step within the maxima served)."""
 
     grid: AnyGrid
@@ -288,7 +288,7 @@ def plan_forms(forwards: WorkloadForwards, pricing: Pricing, budget: Budget,
 
 def plan_warmup(forwards: Counter[Forward], limits: PeerLimits, pricing: Pricing, budget: Budget,
                 max_sizes: int = 16) -> PeerPlan:
-    """The warm-up set of the module docstring for ``forwards`` (vllm-gaudi's forwards
+    """The warm set of the module docstring for ``forwards`` (vllm-gaudi's forwards
     of the workload's steps, counted: the gaudi form; or tpu-inference's, every step one
     ragged forward: the ragged form, token paddings only) under ``limits`` and
     ``budget``, at most ``max_sizes`` sizes per dimension."""
