@@ -1,4 +1,4 @@
-"""``attnpolicy plan``: choose buckets, policy, eviction and warm-up set from a workload."""
+"""``attnpolicy plan``: choose buckets, policy, eviction and warm set from a workload."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def register(subparsers: Any) -> None:
 
 
 def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConfig:
-    """The base config at the flags' capacity, without a warm-up set (the plan chooses
+    """The base config at the flags' capacity, without a warm set (the plan chooses
     its own: a previous plan's need not fit the new capacity or buckets)."""
     try:
         base = AttnPolicyConfig.load(args.config) if args.config else default
@@ -353,7 +353,7 @@ def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequen
     it: each host's settings from the planned ``steps`` and ``buckets`` (at most
     ``--max-buckets`` sizes per dimension) for a server of ``--max-num-seqs``,
     ``--max-num-batched-tokens`` and ``config``'s ``max_seq_len``. Returns how the
-    runtimes' default warm-up sets and those of these settings serve ``steps``."""
+    peers' default warm sets and those of these settings serve ``steps``."""
     gaudi, limits = out / GAUDI_FILE, PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len)
     settings = host_settings(steps, buckets, limits, max_buckets, str(gaudi.resolve()))
     write_text_atomic(gaudi, settings.gaudi_file)

@@ -1,4 +1,4 @@
-"""Plan the graph set of a workload: buckets, policy, eviction and warm-up set.
+"""Plan the graph set of a workload: buckets, policy, eviction and warm set.
 
 For each policy whose decisions depend only on the layout (``stateless``), the
 workload's exact call shapes give candidate bucket lists, one per number of buckets
@@ -14,7 +14,7 @@ best bucket list and eviction strategy are kept:
    simulated with every live eviction strategy. When every graph fits, eviction
    never runs and LRU is kept.
 
-The policy with the lowest simulated total wins. Its warm-up set is the graphs the
+The policy with the lowest simulated total wins. Its warm set is the graphs the
 planned traffic uses most, within the capacity and the warm-up budget (modelled
 compile seconds): a knapsack solved greedily by uses per compile second, whose
 value is the calls served without a compile stall. With a graph store
@@ -64,7 +64,7 @@ from attnpolicy.modelling.simulation import (
     spec_of,
 )
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
-from attnpolicy.planning.bucket_search import ALIGN, CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import ALIGN, BucketListCost, CallShapes, evaluate, plan_sizes
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
@@ -96,8 +96,8 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class WarmGraph:
-    """A graph of the warm-up set: its shape, the planned calls it serves, and its
+class WarmShapeCost:
+    """A graph of the warm set: its shape, the planned calls it serves, and its
     modelled compile seconds and bytes; ``load_seconds`` when a warm store holds it
     (warm-up loads it), else ``None``."""
 
@@ -136,7 +136,7 @@ class PolicyPlan:
 @dataclass(frozen=True)
 class GraphPlan:
     """What ``attnpolicy plan`` chose: per policy its :class:`PolicyPlan`, the chosen
-    policy, its warm-up set and the config that applies it."""
+    policy, its warm set and the config that applies it."""
 
     policy: str
     max_graphs: int | None
@@ -144,7 +144,7 @@ class GraphPlan:
     warmup_seconds: float | None
     base_buckets: str
     policies: tuple[PolicyPlan, ...]
-    warm: tuple[WarmGraph, ...]
+    warm: tuple[WarmShapeCost, ...]
     config: AttnPolicyConfig
 
     @property
@@ -242,7 +242,7 @@ def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
 
 
 def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel,
-                    max_buckets: int, align: int = ALIGN) -> list[PlanCost]:
+                    max_buckets: int, align: int = ALIGN) -> list[BucketListCost]:
     """The bucket lists to simulate, each with its capacity-free modelled time: for
     every number of buckets up to ``max_buckets``, the planner's best list of sizes
     aligned to ``align`` (see :func:`~attnpolicy.planning.bucket_search.candidates`)
@@ -324,7 +324,7 @@ def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base
 
 def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
                spec: TensorSpec | None = None, table: CallTable | None = None,
-               store_warm: bool = False) -> list[WarmGraph]:
+               store_warm: bool = False) -> list[WarmShapeCost]:
     """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
     calls it serves, most used first (ties: cheaper to compile first). ``table``: the
     :class:`CallTable` of ``config``'s policy for ``steps`` (built when not given).
@@ -337,8 +337,8 @@ def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicy
     for i, (key, r, n) in enumerate(zip(b.keys, b.first.tolist(), b.uses.tolist())):
         shape = WarmShape(kind=key.kind, q_bucket=int(b.q_bucket[i]), kv_bucket=int(b.kv_bucket[i]),
                           causal=bool(table.causal[r]), context=bool(table.context[r]))
-        graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key),
-                                model.load_seconds(key) if i in on_disk else None))
+        graphs.append(WarmShapeCost(shape, n, model.compile_seconds(key), model.graph_bytes(key),
+                                    model.load_seconds(key) if i in on_disk else None))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
 
@@ -354,12 +354,12 @@ def evaluated(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyC
     return table.rows(config, [config.eviction], base_scheme(config).name, rejected)[0]
 
 
-def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int | None,
-             budget_seconds: float | None) -> tuple[WarmGraph, ...]:
+def warm_set(graphs: Sequence[WarmShapeCost], max_graphs: int | None, max_bytes: int | None,
+             budget_seconds: float | None) -> tuple[WarmShapeCost, ...]:
     """The graphs to compile (or load, from a warm store) at start: most uses per warm-up
     second first, skipping one that does not fit what is left of the budget, the
     capacity or the byte bound."""
-    chosen: list[WarmGraph] = []
+    chosen: list[WarmShapeCost] = []
     seconds = 0.0
     nbytes = 0
     for g in sorted(graphs, key=lambda g: (-g.uses / max(g.seconds, 1e-12), -g.uses)):
@@ -381,11 +381,11 @@ def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyC
                 spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
                 rejected: int = 0, store_warm: bool = False, align: int = ALIGN) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
-    best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
+    best policy, its warm set within ``warmup_seconds`` (modelled compile seconds;
     ``None``: as many as the capacity holds), and the config applying it (strict mode
     :data:`PLAN_STRICT` after warm-up). ``rejected`` (requests the caller left out) is
     reported in every row. With ``base.store_dir`` the rows model its store (empty at
-    start) and, with ``store_warm``, the warm-up set loads what it holds (see
+    start) and, with ``store_warm``, the warm set loads what it holds (see
     :func:`graph_uses`). Planned sizes are multiples of ``align`` (or a kind's limit)."""
     if not steps:
         raise ConfigError("a plan needs at least one step, got none (empty workload)")

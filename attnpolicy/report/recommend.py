@@ -8,7 +8,7 @@ whose total is within :data:`LEANEST_TOLERANCE` of it. The plan runs at the boun
 :func:`~attnpolicy.planning.graph_set.plan_graphs` tries those buckets beside its
 own lists (at most ``max_buckets`` sizes), so the plan is not slower than the
 sweep at that bound unless no list can express the scheme (``exact``). It chooses
-the policy, buckets, eviction and warm-up set, and its config is saved where the
+the policy, buckets, eviction and warm set, and its config is saved where the
 report writes (``DIR/config``). The plan's total is set against the defaults
 (``varlen``, pow2 buckets, unbounded, LRU), against its base scheme + LRU at the
 same bound, and against the fastest and the leanest rows; :func:`explain` says in
