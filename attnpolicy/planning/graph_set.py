@@ -427,7 +427,7 @@ def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int
     return tuple(chosen)
 
 
-class Planner(Protocol[R]):
+class PlanSearch(Protocol[R]):
     """One workload's search at one level (see :class:`PlanLevel`): ``plan(policy, ...)``
     its :class:`PolicyPlan`; ``warm_graphs(config, store_warm)``: every graph a planned
     config uses, most used first, for :func:`warm_set`."""
@@ -439,7 +439,7 @@ class Planner(Protocol[R]):
 
 class PlanLevel(Protocol[R]):
     """What differs between the levels in a plan: how a workload's policies are searched
-    (``planner``), the strict mode a plan's config runs in after warm-up (``strict``;
+    (``search``), the strict mode a plan's config runs in after warm-up (``strict``;
     ``None``: the base config's), and the JSON keys of a plan and of a policy's plan
     (:attr:`GraphPlan.json_keys`, :attr:`PolicyPlan.json_keys`)."""
 
@@ -447,8 +447,8 @@ class PlanLevel(Protocol[R]):
     policy_keys: tuple[tuple[str, str], ...]
     strict: str | None
 
-    def planner(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
-                policies: Sequence[str]) -> Planner[R]: ...
+    def search(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
+                policies: Sequence[str]) -> PlanSearch[R]: ...
 
 
 def _same(*names: str) -> tuple[tuple[str, str], ...]:
@@ -470,7 +470,7 @@ class AttentionPlanLevel:
     def __init__(self, model: CostModel, spec: TensorSpec | None = None, rejected: int = 0) -> None:
         self.model, self.spec, self.rejected = model, spec, rejected
 
-    def planner(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
+    def search(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
                 policies: Sequence[str]) -> _Tabled:
         return _Tabled(self, steps, base, policies)
 
@@ -514,14 +514,14 @@ def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyC
     if warmup_seconds is not None and warmup_seconds < 0:
         raise ConfigError(f"warmup_seconds must be >= 0, got {warmup_seconds}")
     base = with_fields(base, warmup=[])  # a previous plan's warm set may not fit the new buckets
-    planner = level.planner(steps, base, policies)
-    per_policy = tuple(planner.plan(p, evictions, max_buckets, progress, align) for p in policies)
+    search = level.search(steps, base, policies)
+    per_policy = tuple(search.plan(p, evictions, max_buckets, progress, align) for p in policies)
     chosen = min(per_policy, key=lambda p: p.row.total_seconds)
     config = with_fields(base, policy=chosen.policy,
                          policy_options=base.policy_options if chosen.policy == base.policy else {},
                          buckets={"kind": "list", "sizes": list(chosen.buckets)}, eviction=chosen.eviction,
                          **({} if level.strict is None else {"strict": level.strict}))
-    warm = warm_set(planner.warm_graphs(config, store_warm), base.max_graphs, base.max_bytes, warmup_seconds)
+    warm = warm_set(search.warm_graphs(config, store_warm), base.max_graphs, base.max_bytes, warmup_seconds)
     config = with_fields(config, warmup=[w.shape.model_dump(mode="json") for w in warm])
     return GraphPlan(chosen.policy, base.max_graphs, base.max_bytes, warmup_seconds, base.buckets.describe(),
                      per_policy, warm, config, level.plan_keys)
@@ -614,7 +614,7 @@ class WholeModelPlanLevel:
     def __init__(self, model: ModelCostModel) -> None:
         self.model = model
 
-    def planner(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
+    def search(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
                 policies: Sequence[str]) -> _Greedy:
         return _Greedy(self.model, layouts_of(steps), base)
 
