@@ -237,6 +237,12 @@ def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
     assert again.total_seconds == pytest.approx(chosen.row.total_seconds)
 
 
+def test_plan_on_model_graphs_refuses_an_empty_workload_as_the_attention_plan_does():
+    model = synthetic()
+    with pytest.raises(ConfigError, match="at least one step"):
+        plan_graphs([], model_config(model, 512, 512, max_graphs=4), WholeModelPlanLevel(model), ["dynamic"])
+
+
 def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):
     path = CostFile(model=synthetic()).save(tmp_path / "m.json")
     out = tmp_path / "plan"
