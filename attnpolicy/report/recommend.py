@@ -36,6 +36,7 @@ from attnpolicy.modelling.simulation import SimRow, simulate_layouts
 from attnpolicy.planning.graph_set import (
     FINALISTS,
     PLAN_POLICIES,
+    AttentionPlanLevel,
     GraphPlan,
     plan_graphs,
     plan_markdown,
@@ -305,7 +306,7 @@ def apply_commands(config_dir: Path) -> tuple[str, ...]:
 def recommend(steps: Sequence[ScheduledBatch], rows: Sequence[SimRow], base: AttnPolicyConfig, model: CostModel,
               policies: Sequence[str], evictions: Sequence[str], validation: Sequence[Checked], out: Path,
               max_buckets: int, source: str, schemes: Sequence[BucketScheme],
-              workload: Workload | None = None) -> tuple[Recommendation, GraphPlan, Frontier]:
+              workload: Workload | None = None) -> tuple[Recommendation, GraphPlan[SimRow], Frontier]:
     """Plan ``steps`` at the sweep's :func:`plan_bound`, from the buckets of its
     :func:`seed_row` (``schemes``: the sweep's bucket schemes, by name), save the
     config (and the plan's ``plan.md``, ``plan.json``) under ``out / CONFIG_DIR``,
@@ -326,7 +327,7 @@ def recommend(steps: Sequence[ScheduledBatch], rows: Sequence[SimRow], base: Att
     at = with_fields(base, max_graphs=capacity, max_bytes=nbytes,
                      **({} if origin is None else {"buckets": origin.buckets.model_dump(mode="json")}))
     live = [e for e in evictions if e != BELADY] or ["lru"]
-    plan = plan_graphs(steps, at, model, candidates, live, None, max_buckets, rejected=rejected)
+    plan = plan_graphs(steps, at, AttentionPlanLevel(model, rejected=rejected), candidates, live, None, max_buckets)
     (defaults,) = simulate_layouts(steps, ["varlen"], [None], ["lru"], base, model, rejected=rejected)
     config_dir = out / CONFIG_DIR
     plan.config.save(config_dir)

@@ -20,7 +20,7 @@ from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.simulation import simulate, simulation_config
-from attnpolicy.planning.graph_set import WarmShapeCost, plan_graphs, warm_set
+from attnpolicy.planning.graph_set import AttentionPlanLevel, WarmShapeCost, plan_graphs, warm_set
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
 
@@ -242,9 +242,9 @@ def test_plan_with_a_warm_store_loads_its_warm_set(tmp_path):
     former = BatchFormer(**FORMER)
     steps = list(former.steps(requests(40)))
     kwargs = {"policies": ["varlen"], "evictions": ["lru"], "warmup_seconds": 1.5}
-    cold = plan_graphs(steps, base(max_graphs=4), MODEL, **kwargs)
-    warm = plan_graphs(steps, base(max_graphs=4, store_dir="s", max_disk_bytes=1 << 20), MODEL, **kwargs,
-                       store_warm=True)
+    cold = plan_graphs(steps, base(max_graphs=4), AttentionPlanLevel(MODEL), **kwargs)
+    warm = plan_graphs(steps, base(max_graphs=4, store_dir="s", max_disk_bytes=1 << 20), AttentionPlanLevel(MODEL),
+                       **kwargs, store_warm=True)
     assert len(cold.warm) == 1 and all(w.load_seconds is None for w in cold.warm)  # 1.5 s: one compile
     assert len(warm.warm) == min(4, warm.chosen.row.distinct_keys) > 1  # loads: as many as the capacity holds
     assert all(w.load_seconds == LOAD for w in warm.warm)
