@@ -229,7 +229,7 @@ def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
     plan = plan_model_graphs(layouts, base, model, ["dynamic"], ["lru"], 8)
     chosen = plan.chosen
     assert chosen.row.total_seconds < chosen.base_lru.total_seconds
-    assert chosen.row.graphs <= 4 and chosen.row.evictions == 0  # every graph fits: compulsory misses only
+    assert chosen.row.distinct_keys <= 4 and chosen.row.evictions == 0  # every graph fits: compulsory misses only
     assert chosen.base_lru.evictions > 0  # pow2 needs more graphs than the cache holds
     assert plan.config.buckets == Buckets(kind="list", sizes=chosen.buckets)
     # the planned config serves the workload: re-simulated, the same row
