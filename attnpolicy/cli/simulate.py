@@ -50,7 +50,6 @@ from attnpolicy.modelling.simulation import (
     model_config,
     model_layouts,
     simulate_layouts,
-    simulate_model,
     simulate_run,
     simulation_config,
 )
@@ -359,11 +358,10 @@ class _WholeModel:
         head = {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
                 **provenance_json(self.provenance, flag_range(cost, layouts))}
         try:
-            rows = simulate_model(layouts, cost, [
-                model_config(cost, max_len, tokens, policy=policy, max_graphs=capacity, max_bytes=max_bytes,
-                             buckets=bucket_scheme(scheme, max_len, tokens).buckets)
-                for policy in family_policies(args, "model", SIMULATE_POLICIES) for scheme in args.buckets or ("pow2",)
-                for capacity in args.capacities for max_bytes in args.max_bytes or (None,)], args.evictions)
+            rows = simulate_layouts(layouts, family_policies(args, "model", SIMULATE_POLICIES), args.capacities,
+                                    args.evictions, model_config(cost, max_len, tokens), cost,
+                                    buckets=[bucket_scheme(s, max_len, tokens) for s in args.buckets or ("pow2",)],
+                                    max_bytes=args.max_bytes)
         except (ConfigError, GraphTooLargeError) as exc:
             fail(str(exc))
         print_table(f"simulated {len(layouts)} model-graph batches of {args.trace}, {cost.spec} ({cost.backend}, "

@@ -441,7 +441,7 @@ def simulate_layouts(
     capacities: Sequence[int | None],
     evictions: Sequence[str],
     config_base: AttnPolicyConfig,
-    model: CostModel | None = None,
+    model: CostModel | ModelCostModel | None = None,
     spec: TensorSpec | None = None,
     progress: Callable[[str], None] | None = None,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -462,26 +462,40 @@ def simulate_layouts(
     starts with an empty cache: ``config_base``'s warm-up set is not modelled (it is
     left out of the rows' configs, whose buckets and capacities it may not fit; see
     :mod:`attnpolicy.modelling.stalls` for warm-up).
+
+    A :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` simulates the
+    whole-model level instead: one row per (policy, bucket scheme, capacity,
+    ``max_bytes``, eviction), in that nesting order, each config's key stream replayed
+    (:func:`simulate_model`) over the prefill batches of ``steps``; ``spec``,
+    ``progress``, ``rejected``, ``workers`` and ``store_warm`` do not apply.
     """
     model = model or CostModel.default()
+    base = config_base
+    fields = {**base.model_dump(mode="json"), "warmup": []}
+    schemes = list(buckets) if buckets else [base_scheme(base)]
+    byte_bounds = [base.max_bytes] if max_bytes is None else max_bytes
+
+    def scheme_fields(policy: str, scheme: BucketScheme) -> dict[str, Any]:
+        options = {**(base.policy_options if policy == base.policy else {}), **(policy_options or {}).get(policy, {})}
+        return {**fields, "policy": policy, "policy_options": options,
+                "buckets": scheme.buckets.model_dump(mode="json")}
+
+    if isinstance(model, ModelCostModel):
+        return simulate_model(model_layouts(steps), model, [
+            _config(scheme_fields(policy, scheme), capacity, nbytes, "lru") for policy in policies
+            for scheme in schemes for capacity in capacities for nbytes in byte_bounds], evictions)
     _check_evictions(evictions)
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
-    base = config_base
     if base.store_dir is not None or store_warm:
         StoreModel.of(base, store_warm).disk(model)  # type: ignore[union-attr]  # refused up front
-    fields = {**base.model_dump(mode="json"), "warmup": []}
-    schemes = list(buckets) if buckets else [base_scheme(base)]
-    bounds = list(enumerate(capacities)), list(enumerate([base.max_bytes] if max_bytes is None else max_bytes))
+    bounds = list(enumerate(capacities)), list(enumerate(byte_bounds))
     jobs: list[_Job] = []
     for s, scheme in enumerate(schemes):
         for p, policy in enumerate(policies):
-            options = {**(base.policy_options if policy == base.policy else {}),
-                       **(policy_options or {}).get(policy, {})}
-            stateless = Guard.for_policy(policy, options).stateless
-            job = partial(_Job, s, scheme.name, p, policy,
-                          {**fields, "policy": policy, "policy_options": options,
-                           "buckets": scheme.buckets.model_dump(mode="json")}, stateless)
+            job_fields = scheme_fields(policy, scheme)
+            stateless = Guard.for_policy(policy, job_fields["policy_options"]).stateless
+            job = partial(_Job, s, scheme.name, p, policy, job_fields, stateless)
             if stateless:
                 jobs.append(job([(c, b, list(enumerate(evictions))) for c in bounds[0] for b in bounds[1]]))
                 continue
@@ -490,6 +504,12 @@ def simulate_layouts(
             jobs += [job(runs[i::workers]) for i in range(min(workers, len(runs)))]
     sweep = _Sweep(steps, model, spec, rejected, store_warm)
     return _run(jobs, sweep, workers, progress)
+
+
+def _config(fields: dict[str, Any], capacity: int | None, max_bytes: int | None, eviction: str) -> AttnPolicyConfig:
+    """The config of ``fields`` with these bounds and eviction (``belady`` replays ``lru``'s)."""
+    return AttnPolicyConfig.model_validate({**fields, "max_graphs": capacity, "max_bytes": max_bytes,
+                                            "eviction": "lru" if eviction == BELADY else eviction})
 
 
 #: A row's place in the sweep: (scheme, policy, capacity, max_bytes, eviction) indices.
@@ -535,8 +555,7 @@ class _Job:
     runs: list[_JobRun]
 
     def config(self, capacity: int | None, max_bytes: int | None, eviction: str) -> AttnPolicyConfig:
-        return AttnPolicyConfig.model_validate({**self.fields, "max_graphs": capacity, "max_bytes": max_bytes,
-                                                "eviction": "lru" if eviction == BELADY else eviction})
+        return _config(self.fields, capacity, max_bytes, eviction)
 
     def run(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
         return self._replayed(sweep) if self.stateless else self._dispatched(sweep)
