@@ -14,13 +14,13 @@ from attnpolicy.cli.common import (
     add_option_arg,
     add_policies_arg,
     add_workload_args,
+    by_family,
     byte_list,
     check_evictions,
     check_policies,
     check_writable,
     describe_options,
     fail,
-    family_of,
     formed,
     former_from,
     former_options,
@@ -41,7 +41,7 @@ from attnpolicy.engine.model_specs import spec_config
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
-from attnpolicy.modelling.cost_file import CostFile
+from attnpolicy.modelling.cost_file import CostFile, Family
 from attnpolicy.modelling.ranges import OutsideRange, outside_range
 from attnpolicy.modelling.simulation import (
     SimRow,
@@ -277,7 +277,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
-    level = (_WholeModel if family_of(args) == "model" else _Attention)(args)
+    level = by_family(args, LEVELS)(args)
     if (replayed := level.prepare(args)) is not None:
         return replayed
     requests = workload(args, level.former)
@@ -372,6 +372,10 @@ class _WholeModel:
                       r.misses, r.evictions, r.compiled_seconds, r.run_seconds, r.total_seconds, r.peak_bytes / MIB)
                      for r in rows])
         return head, rows
+
+
+#: What ``simulate`` runs per --family.
+LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}
 
 
 def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Provenance) -> int:
