@@ -36,17 +36,18 @@ See ``docs/simulate.md``.
 
 On whole-model graphs (the ``model`` family: one graph per forward of a
 :class:`~attnpolicy.engine.runner.StaticModelRunner`, priced by a
-:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`) the batches are the
-key stream the runner would request: each batch's mode is the guarded policy's
-decision (as the runner's), its key the runner's own
-:func:`~attnpolicy.engine.keys.model_key_for`, and the stream is
-replayed by :func:`~attnpolicy.cache.key_stream.replay_stream` with the runner's cache
-bounds and eviction, the graphs' bytes being the runner's own estimate: the misses,
-compiles and evictions are those a real runner replay of the same batches counts
-(tested). Seconds come from the cost model: a compile per miss, a run per batch, and
-the process's one-off ``warmup_seconds`` once when anything compiles. The runner
-serves prefill without cached context, so the batches are prefill-only (an
-embedding-style workload: :func:`~attnpolicy.workloads.batching.model_former`).
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` given to
+:func:`simulate_layouts` as its model; same :class:`SimRow`, whole-model JSON keys) the
+batches are the key stream the runner would request: each batch's mode is the guarded
+policy's decision (as the runner's), its key the runner's own
+:func:`~attnpolicy.engine.keys.model_key_for`, and the stream is replayed by
+:func:`~attnpolicy.cache.key_stream.replay_stream` with the runner's cache bounds and
+eviction, the graphs' bytes being the runner's own estimate: the misses, compiles and
+evictions are those a real runner replay of the same batches counts (tested). Seconds
+come from the cost model: a compile per miss, a run per batch, and the process's one-off
+``warmup_seconds`` once when anything compiles. The runner serves prefill without cached
+context, so the batches are prefill-only (an embedding-style workload:
+:func:`~attnpolicy.workloads.batching.model_former`).
 """
 
 from __future__ import annotations
