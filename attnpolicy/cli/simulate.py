@@ -277,7 +277,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
-    level = by_family(args, LEVELS)(args)
+    level = by_family(args, SIMULATE_LEVELS)(args)
     if (replayed := level.prepare(args)) is not None:
         return replayed
     requests = workload(args, level.former)
@@ -375,7 +375,7 @@ class _WholeModel:
 
 
 #: What ``simulate`` runs per --family.
-LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}
+SIMULATE_LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}
 
 
 def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Provenance) -> int:
