@@ -12,12 +12,12 @@ from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
     add_cost_args,
     add_workload_args,
+    by_family,
     check_evictions,
     check_policies,
     check_writable,
     command,
     fail,
-    family_of,
     formed,
     former_from,
     former_options,
@@ -35,11 +35,11 @@ from attnpolicy.cli.simulate import (
     ATTENTION_ONLY,
     add_store_args,
     check_recorded_spec,
-    family_policies,
     flag_range,
     priced,
     priced_model,
     provenance_json,
+    whole_model_policies,
     with_store,
     workload,
 )
@@ -49,6 +49,7 @@ from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
 from attnpolicy.graphs.keys import TensorSpec
+from attnpolicy.modelling.cost_file import Family
 from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.peer_coverage import (
     PEER_COLUMNS,
@@ -176,7 +177,7 @@ def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConf
 def cmd_plan(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--out", args.out, directory=True)
-    level = _WholeModel if family_of(args) == "model" else _Attention
+    level = by_family(args, PLAN_LEVELS)
     if args.whole_requests:
         return level.whole_requests(args)
     planning = level(args)
@@ -302,7 +303,7 @@ class _WholeModel:
         return formed(args, self.former, requests)
 
     def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan:
-        """The plan of each policy (:func:`family_policies`) on the prefill batches of ``steps``."""
+        """The plan of each policy (:func:`whole_model_policies`) on the prefill batches of ``steps``."""
         layouts, former = model_layouts(steps), self.former
         fields = provenance_json(self.provenance, flag_range(self.model, layouts))
         try:
@@ -310,7 +311,7 @@ class _WholeModel:
                                 max_graphs=args.max_graphs, max_bytes=args.max_bytes)
             with progress(None, "plan --family model") as advance:
                 plan = plan_graphs(layouts, base, WholeModelPlanLevel(self.model),
-                                   family_policies(args, "model", PLAN_POLICIES),
+                                   whole_model_policies(args, PLAN_POLICIES),
                                    [e for e in args.evictions if e != BELADY], None, args.max_buckets, advance,
                                    align=args.align)
         except ConfigError as exc:
@@ -452,3 +453,7 @@ def plan_caption(plan: GraphPlan) -> str:
     return ("* chosen; +N: a cover bucket (max_seq_len, max_batch_tokens) no planned call uses; "
             f"warm-up set: {len(plan.warm)} graphs, {plan.warm_compile_seconds:.3g} modelled compile s"
             + (f", {plan.warm_load_seconds:.3g} load s" if plan.config.store_dir is not None else ""))
+
+
+#: What ``plan`` runs per --family.
+PLAN_LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}

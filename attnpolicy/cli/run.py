@@ -147,10 +147,10 @@ def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolic
 def cmd_run(args: argparse.Namespace) -> int:
     check_writable("--json", args.json)
     check_writable("--store", args.store, directory=True)
-    return by_family(args, {"attention": _run_calls, "model": _run_model}, by_model=True)(args)
+    return by_family(args, {"attention": _run_calls, "model": _run_graphs}, by_model=True)(args)
 
 
-def _run_model(args: argparse.Namespace) -> int:
+def _run_graphs(args: argparse.Namespace) -> int:
     """``run --model``: the workload served by whole-model graphs."""
     if args.replan_every is not None:
         fail("argument --replan-every: re-planning runs attention calls, not --model graphs")

@@ -267,10 +267,10 @@ MODEL_POLICIES = ("always-mask", "dynamic", "varlen")
 ATTENTION_ONLY = ("layouts", "config", "plot", "strict", "option", "warmup_seconds", "store_bytes", "store_warm")
 
 
-def family_policies(args: argparse.Namespace, family: str, default: tuple[str, ...]) -> tuple[str, ...]:
-    """--policies; left at ``default`` on whole-model graphs: :data:`MODEL_POLICIES`."""
+def whole_model_policies(args: argparse.Namespace, default: tuple[str, ...]) -> tuple[str, ...]:
+    """--policies on whole-model graphs; left at the command's ``default``: :data:`MODEL_POLICIES`."""
     same = tuple(args.policies) == tuple(default)
-    return MODEL_POLICIES if family == "model" and same else tuple(args.policies)
+    return MODEL_POLICIES if same else tuple(args.policies)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -358,7 +358,7 @@ class _WholeModel:
         head = {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
                 **provenance_json(self.provenance, flag_range(cost, layouts))}
         try:
-            rows = simulate_layouts(layouts, family_policies(args, "model", SIMULATE_POLICIES), args.capacities,
+            rows = simulate_layouts(layouts, whole_model_policies(args, SIMULATE_POLICIES), args.capacities,
                                     args.evictions, model_config(cost, max_len, tokens), cost,
                                     buckets=[bucket_scheme(s, max_len, tokens) for s in args.buckets or ("pow2",)],
                                     max_bytes=args.max_bytes)

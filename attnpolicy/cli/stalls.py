@@ -29,11 +29,11 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.cli.simulate import (
     add_store_args,
-    family_policies,
     flag_range,
     priced,
     priced_model,
     provenance_json,
+    whole_model_policies,
     with_store,
     workload,
 )
@@ -182,7 +182,7 @@ class _WholeModel:
 
     def sweep(self, args: argparse.Namespace, steps: list[ScheduledBatch], requests: int
               ) -> tuple[list[BatchLayout], list[AttnPolicyConfig], dict[str, Any]]:
-        """The prefill batches, the config of each policy (:func:`family_policies`) ×
+        """The prefill batches, the config of each policy (:func:`whole_model_policies`) ×
         capacity, and the --json head."""
         layouts = model_layouts(steps)
         head = {"limit": args.limit, "batches": len(layouts), "model": self.model.spec,
@@ -191,7 +191,7 @@ class _WholeModel:
         try:
             configs = [model_config(self.model, self.former.max_model_len, self.former.max_num_batched_tokens,
                                     policy=policy, max_graphs=capacity, **switch)
-                       for policy in family_policies(args, "model", STALLS_POLICIES) for capacity in args.capacities]
+                       for policy in whole_model_policies(args, STALLS_POLICIES) for capacity in args.capacities]
         except ConfigError as exc:
             fail(str(exc))
         return layouts, configs, head
