@@ -120,15 +120,15 @@ def test_graph_bytes_are_the_runners_estimate():
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from attnpolicy.bench.calibration import calibrate_model, model_grid, runner_config, step_grid
+    from attnpolicy.bench.calibration import calibrate, graph_grid, runner_config
     from attnpolicy.bench.settings import ModelCalibrationSettings
 
     s = ModelCalibrationSettings(spec=SPEC, quick=True, repeats=1)
-    model = calibrate_model(s)
-    assert len(model.samples) == len(model_grid(s))
+    model = calibrate(s)
+    assert len(model.samples) == sum(not any(c) for _, _, c in graph_grid(s))
     config = runner_config(s, 1 << 12, 1 << 12)  # the keys depend on the buckets alone, not on these limits
     keys = {model_key_for(BatchLayout.from_lens(list(q), [a + b for a, b in zip(q, c)]), mode, config, kv=True)
-            for mode, q, c in step_grid(s)}
+            for mode, q, c in graph_grid(s) if any(c)}
     assert model.steps is not None and {x.key(model.backend) for x in model.steps.samples} == keys
     return model, tmp_path_factory.mktemp("model")
 
