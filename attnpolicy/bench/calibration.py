@@ -35,7 +35,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar, overload
 
@@ -91,14 +91,6 @@ def window(kv_bucket: int) -> int:
 def _real(bucket: int) -> int:
     """The real length timed in a bucket: three quarters of it."""
     return bucket - bucket // 4
-
-
-def _rounds(repeats: int, progress: Callable[[str], None] | None) -> Iterator[int]:
-    """The timing rounds 0 .. ``repeats`` - 1, ``progress`` told after each."""
-    for r in range(repeats):
-        yield r
-        if progress:
-            progress(f"timing round {r + 1}/{repeats}")
 
 
 def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
@@ -254,19 +246,21 @@ def _measure(grid: Iterable[G], build: Callable[[G], tuple[T, float, Sequence[Ca
              repeats: int, progress: Callable[[str], None] | None) -> list[tuple[T, float, list[list[float]]]]:
     """The one timing loop of both levels: ``build(entry)`` builds each entry's graph
     (``progress`` told its key) and gives its key, its compile seconds and its timers
-    (each the seconds of one or more runs); then ``repeats`` rounds (:func:`_rounds`)
-    call every timer once, in order (rounds spread each graph's runs over the whole
-    calibration). Per entry: its key, compile seconds and each timer's seconds."""
+    (each the seconds of one or more runs); then ``repeats`` rounds (``progress`` told
+    after each) call every timer once, in order (rounds spread each graph's runs over
+    the whole calibration). Per entry: its key, compile seconds and each timer's seconds."""
     built = []
     for entry in grid:
         built.append(build(entry))
         if progress:
             progress(f"compiled {built[-1][0]}")
     times: list[list[list[float]]] = [[[] for _ in timers] for *_, timers in built]
-    for _ in _rounds(repeats, progress):
+    for r in range(repeats):
         for seconds, (*_, timers) in zip(times, built):
             for timed, timer in zip(seconds, timers):
                 timed += timer()
+        if progress:
+            progress(f"timing round {r + 1}/{repeats}")
     return [(key, compile_s, t) for (key, compile_s, _), t in zip(built, times)]
 
 
