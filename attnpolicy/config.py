@@ -163,7 +163,7 @@ class AttnPolicyConfig(BaseModel):
         kinds = tuple(f.value for f in CallKind)
         for kind, name in kernels.items():
             if kind not in kinds:
-                raise ValueError(f"kernels: family {kind!r} is not one of {', '.join(kinds)}")
+                raise ValueError(f"kernels: call kind {kind!r} is not one of {', '.join(kinds)}")
             if not name.strip():
                 raise ValueError(f"kernels: {kind} must name a registered kernel or 'auto', got {name!r}")
         return kernels

@@ -15,8 +15,8 @@ import torch
 
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.bench.overhead import (
-    BACKENDS,
-    POLICIES,
+    OVERHEAD_BACKENDS,
+    OVERHEAD_POLICIES,
     SHAPES,
     bare_kernel,
     measure_overhead,
@@ -44,8 +44,8 @@ def _case(policy, backend, num_seqs, seq_len, kv_heads=8):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{s}" for n, s in SHAPES])
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", OVERHEAD_POLICIES)
+@pytest.mark.parametrize("backend", OVERHEAD_BACKENDS)
 def test_attend_overhead(benchmark, backend, policy, shape):
     num_seqs, seq_len = shape
     d, layout, q, k, v = _case(policy, backend, num_seqs, seq_len)

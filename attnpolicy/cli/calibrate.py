@@ -11,12 +11,12 @@ from attnpolicy.bench.calibration_cache import cache_dir, store
 from attnpolicy.bench.settings import CalibrationSettings, ModelCalibrationSettings
 from attnpolicy.cli.common import (
     add_spec_args,
+    by_family,
     check_spec_args,
     check_writable,
     command,
     console,
     fail,
-    family_of,
     int_list,
     model_spec,
     positive_int,
@@ -93,9 +93,17 @@ def kept_file(out: str) -> CostFile:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    if family_of(args, by_model=True) == "model":
-        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-        return whole_model_fits(args)
+    return by_family(args, {"attention": _calibrate_calls, "model": _calibrate_graphs}, by_model=True)(args)
+
+
+def _calibrate_graphs(args: argparse.Namespace) -> int:
+    """``calibrate --model``: whole-model graphs."""
+    check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
+    return whole_model_fits(args)
+
+
+def _calibrate_calls(args: argparse.Namespace) -> int:
+    """``calibrate``: attention calls."""
     if args.clock is not None:
         fail(f"argument --clock: {args.clock}: needs --model SPEC (the attention calls are timed in wall seconds)")
     check_writable("--out", args.out)

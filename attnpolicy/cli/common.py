@@ -287,6 +287,12 @@ def family_of(args: argparse.Namespace, *, by_model: bool = False) -> Family:
     return cast(Family, args.family)
 
 
+def by_family(args: argparse.Namespace, choices: Mapping[Family, T], *, by_model: bool = False) -> T:
+    """What ``choices`` holds for the --family of ``args`` (:func:`family_of`): the one
+    place a command picks what differs between the levels."""
+    return choices[family_of(args, by_model=by_model)]
+
+
 def not_taken(args: argparse.Namespace, why: str, *names: str) -> None:
     """Refuse (exit 2) each flag of ``names`` (``args`` attributes) that is set: not taken ``why``."""
     for name in names:

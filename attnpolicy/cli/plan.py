@@ -1,4 +1,4 @@
-"""``attnpolicy plan``: choose buckets, policy, eviction and warm-up set from a workload."""
+"""``attnpolicy plan``: choose buckets, policy, eviction and warm set from a workload."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, PolicyError
+from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.peer_coverage import (
     PEER_COLUMNS,
@@ -57,19 +58,26 @@ from attnpolicy.modelling.peer_coverage import (
     peer_coverage,
     table_rows,
 )
-from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
+from attnpolicy.modelling.simulation import (
+    ModelSimRow,
+    SimRow,
+    check_model,
+    model_config,
+    model_layouts,
+    simulation_config,
+)
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     PLAN_EVICTIONS,
     PLAN_POLICIES,
+    AttentionPlanLevel,
     GraphPlan,
-    ModelPlan,
+    WholeModelPlanLevel,
     evaluated,
     graph_uses,
     layouts_of,
     plan_graphs,
     plan_markdown,
-    plan_model_graphs,
     plannable,
 )
 from attnpolicy.planning.host_settings import GAUDI_FILE, host_settings
@@ -153,7 +161,7 @@ def register(subparsers: Any) -> None:
 
 
 def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConfig:
-    """The base config at the flags' capacity, without a warm-up set (the plan chooses
+    """The base config at the flags' capacity, without a warm set (the plan chooses
     its own: a previous plan's need not fit the new capacity or buckets)."""
     try:
         base = AttnPolicyConfig.load(args.config) if args.config else default
@@ -170,110 +178,151 @@ def _base(args: argparse.Namespace, default: AttnPolicyConfig) -> AttnPolicyConf
 def cmd_plan(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--out", args.out, directory=True)
-    family = family_of(args)
+    level = _WholeModel if family_of(args) == "model" else _Attention
     if args.whole_requests:
-        if family != "model":
-            fail("argument --whole-requests: needs --family model (whole-model graphs priced by a cost-model file)")
-        return cmd_plan_whole_requests(args)
-    if family == "model":
-        not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
-                  "model and the flags)", *ATTENTION_ONLY)
-        cost, provenance = priced_model(args)
-        evictions = [e for e in args.evictions if e != BELADY]
-    else:
-        model, provenance = priced(args)
-        check_evictions("--evictions", args.evictions, simulation=False)
-    w: Workload | None = None
-    if args.layouts:
-        try:
-            run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
-        except ConfigError as exc:
-            fail(f"argument --layouts: {exc}")
-        base, spec, source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
-        check_plannable("--policies", args.policies, base)
-        check_recorded_spec(model, provenance, run)
-        base = with_store(args, base, model)
-        steps: list[Any] = run.layouts
-        check_step_budget(steps, former_options(args)["max_num_batched_tokens"])
-        print(provenance.line())
-    else:
-        former = former_from(args, prefill_only=family == "model")
-        if family == "attention":
-            base = _base(args, simulation_config(model, former))
-            try:
-                check_model(base, model)
-            except ConfigError as exc:
-                fail(f"argument --config: {exc}")
-            check_plannable("--policies", args.policies, base)
-            base = with_store(args, base, model)
-        spec, source = None, source_name(args)
-        requests = workload(args, former)
-        print(provenance.line())
-        steps, w = formed(args, former, requests)
+        return level.whole_requests(args)
+    planning = level(args)
+    steps, w = planning.workload(args)
+    plan = planning.plan(args, steps, w)
     out = Path(args.out)
-    if family == "model":
-        layouts = model_layouts(steps)
-        fields = provenance_json(provenance, flag_range(cost, layouts))
-        try:
-            model_base = model_config(cost, former.max_model_len, former.max_num_batched_tokens,
-                                      max_graphs=args.max_graphs, max_bytes=args.max_bytes)
-            with progress(None, "plan --family model") as advance:
-                model_plan = plan_model_graphs(layouts, model_base, cost, family_policies(args, family, PLAN_POLICIES),
-                                               evictions, args.max_buckets, advance, args.align)
-        except ConfigError as exc:
-            fail(str(exc))
-        source = args.trace + (f" (first {args.limit} requests)" if args.limit else "")
-        assert w is not None
-        with writing("--out", out):
-            model_plan.config.save(out)
-            peers = write_host_settings(out, layouts, model_plan.chosen.buckets, model_plan.config,
-                                        former.max_num_batched_tokens, former.max_num_seqs, args.max_buckets)
-            write_json(out / "plan.json", {"source": source, "model": cost.spec, "batches": len(layouts),
-                                           "rejected": w.rejected, "workload": w.to_json(), **fields,
-                                           **model_plan.to_json(), "peers": [p.to_json() for p in peers]})
-        print_model_plan(model_plan, source, args.max_graphs, cost.spec)
-        print_table(PEER_TITLE, PEER_COLUMNS, table_rows(peers))
-        print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.json'}, {out / 'host_settings.json'}")
-        return 0
-    outside = flag_range(model, steps)
-    planned: list[Any]
-    planned, sample = sample_steps(steps, args.sample)
-    rejected = w.rejected if w else 0
-    try:
-        with progress(None, "plan") as advance:
-            plan = plan_graphs(planned, base, model, args.policies, args.evictions, args.warmup_seconds,
-                               args.max_buckets, spec, advance, rejected, args.store_warm, args.align)
-            full = evaluated(steps, plan.config, model, spec, rejected) if sample else None
-    except ConfigError as exc:
-        fail(str(exc))
-    note = ""
-    if sample and full:
-        note = (f"{sample.describe()}; the plan on all {sample.of}: {full.total_seconds:.4g} modelled s "
-                f"(--sample 0 plans on every batch)")
-    if plan.max_bytes is not None and plan.chosen.row.peak_graphs == 0:
-        smallest = min(g.bytes for g in graph_uses(planned, plan.config, model, spec))
-        warn(f"--max-bytes {plan.max_bytes}: no graph of this plan fits (the smallest needs {smallest} bytes); "
-             "the config caches nothing and every call compiles")
     with writing("--out", out):
         plan.config.save(out)
-        limits = former_options(args)
-        peers = write_host_settings(out, layouts_of(steps), plan.chosen.buckets, plan.config,
-                                    limits["max_num_batched_tokens"], limits["max_num_seqs"], args.max_buckets)
-        write_json(out / "plan.json", {"source": source, "rejected": w.rejected if w else 0,
-                                       **({"workload": w.to_json()} if w else {}),
-                                       **provenance_json(provenance, outside), **plan.to_json(),
-                                       **({"sample": {**sample.to_json(), "row": full.to_json()}}
-                                          if sample and full else {}),
+        peers = write_host_settings(out, planning.layouts, plan.chosen.buckets, plan.config, *planning.limits,
+                                    args.max_buckets)
+        write_json(out / "plan.json", {**planning.head, **plan.to_json(), **planning.tail,
                                        "peers": [p.to_json() for p in peers]})
-        write_text_atomic(out / "plan.md", plan_markdown(plan, source, w) + (f"\n{note[0].upper()}{note[1:]}.\n"
-                                                                            if note else "") + peers_markdown(peers))
-    print_plan(plan, source)
-    if note:
-        print(note)
+        if planning.markdown is not None:
+            write_text_atomic(out / "plan.md", planning.markdown + peers_markdown(peers))
+    print_plan(plan, planning.title, planning.baseline, planning.caption)
+    if planning.note:
+        print(planning.note)
     print_table(PEER_TITLE, PEER_COLUMNS, table_rows(peers))
-    print(f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, "
-          f"{out / 'host_settings.json'}")
+    print(f"wrote {out / 'attnpolicy_config.json'}, " + "".join(f"{out / name}, " for name in planning.files)
+          + f"{out / 'host_settings.json'}")
     return 0
+
+
+class _Attention:
+    """``plan`` on attention calls: the base config of --config (or the recorded run's
+    with --layouts, or derived), a plan on a sample evaluated on every batch, a warm-up
+    set and plan.md."""
+
+    files = ("plan.md", "plan.json")
+    limits: tuple[int, int]  # host settings' max_num_batched_tokens, max_num_seqs
+
+    @staticmethod
+    def whole_requests(args: argparse.Namespace) -> int:
+        fail("argument --whole-requests: needs --family model (whole-model graphs priced by a cost-model file)")
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.model, self.provenance = priced(args)
+        check_evictions("--evictions", args.evictions, simulation=False)
+        self.note, self.tail = "", dict[str, Any]()
+        self.spec: TensorSpec | None = None
+
+    def workload(self, args: argparse.Namespace) -> tuple[list[Any], Workload | None]:
+        """The steps to plan (of --layouts or the workload flags) and their workload (none: recorded)."""
+        if args.layouts:
+            try:
+                run = select_run(read_layout_stream(args.layouts), args.run, args.layouts)
+            except ConfigError as exc:
+                fail(f"argument --layouts: {exc}")
+            base, self.spec, self.source = _base(args, run.config), run.spec, f"{args.layouts} run {run.run}"
+            check_plannable("--policies", args.policies, base)
+            check_recorded_spec(self.model, self.provenance, run)
+            self.base = with_store(args, base, self.model)
+            check_step_budget(run.layouts, former_options(args)["max_num_batched_tokens"])
+            print(self.provenance.line())
+            return run.layouts, None
+        former = former_from(args)
+        base = _base(args, simulation_config(self.model, former))
+        try:
+            check_model(base, self.model)
+        except ConfigError as exc:
+            fail(f"argument --config: {exc}")
+        check_plannable("--policies", args.policies, base)
+        self.base = with_store(args, base, self.model)
+        self.source = source_name(args)
+        requests = workload(args, former)
+        print(self.provenance.line())
+        return formed(args, former, requests)
+
+    def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan[SimRow]:
+        """The plan of a sample of ``steps`` (:func:`sample_steps`), evaluated on all of them."""
+        outside = flag_range(self.model, steps)
+        planned, sample = sample_steps(steps, args.sample)
+        rejected = w.rejected if w else 0
+        try:
+            with progress(None, "plan") as advance:
+                plan = plan_graphs(planned, self.base, AttentionPlanLevel(self.model, self.spec, rejected),
+                                   args.policies, args.evictions, args.warmup_seconds, args.max_buckets, advance,
+                                   args.store_warm, args.align)
+                full = evaluated(steps, plan.config, self.model, self.spec, rejected) if sample else None
+        except ConfigError as exc:
+            fail(str(exc))
+        if sample and full:
+            self.note = (f"{sample.describe()}; the plan on all {sample.of}: {full.total_seconds:.4g} modelled s "
+                         f"(--sample 0 plans on every batch)")
+            self.tail = {"sample": {**sample.to_json(), "row": full.to_json()}}
+        if plan.max_bytes is not None and plan.chosen.row.peak_graphs == 0:
+            smallest = min(g.bytes for g in graph_uses(planned, plan.config, self.model, self.spec))
+            warn(f"--max-bytes {plan.max_bytes}: no graph of this plan fits (the smallest needs {smallest} bytes); "
+                 "the config caches nothing and every call compiles")
+        self.head = {"source": self.source, "rejected": rejected, **({"workload": w.to_json()} if w else {}),
+                     **provenance_json(self.provenance, outside)}
+        limits = former_options(args)
+        self.layouts, self.limits = layouts_of(steps), (limits["max_num_batched_tokens"], limits["max_num_seqs"])
+        note = self.note
+        self.markdown = plan_markdown(plan, self.source, w) + (f"\n{note[0].upper()}{note[1:]}.\n" if note else "")
+        self.title, self.baseline = f"attnpolicy plan: {self.source}", plan.base_buckets
+        self.caption = plan_caption(plan)
+        return plan
+
+
+class _WholeModel:
+    """``plan --family model``: prefill batches of the workload flags, the config derived
+    from the cost model and the flags, no warm-up set and no plan.md."""
+
+    files = ("plan.json",)
+    limits: tuple[int, int]
+    note, markdown, baseline, caption = "", None, "pow2", "* chosen"
+
+    @staticmethod
+    def whole_requests(args: argparse.Namespace) -> int:
+        return cmd_plan_whole_requests(args)
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
+                  "model and the flags)", *ATTENTION_ONLY)
+        self.model, self.provenance = priced_model(args)
+        self.tail: dict[str, Any] = {}
+
+    def workload(self, args: argparse.Namespace) -> tuple[list[Any], Workload]:
+        self.former = former_from(args, prefill_only=True)
+        requests = workload(args, self.former)
+        print(self.provenance.line())
+        return formed(args, self.former, requests)
+
+    def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan[ModelSimRow]:
+        """The plan of each policy (:func:`family_policies`) on the prefill batches of ``steps``."""
+        layouts, former = model_layouts(steps), self.former
+        fields = provenance_json(self.provenance, flag_range(self.model, layouts))
+        try:
+            base = model_config(self.model, former.max_model_len, former.max_num_batched_tokens,
+                                max_graphs=args.max_graphs, max_bytes=args.max_bytes)
+            with progress(None, "plan --family model") as advance:
+                plan = plan_graphs(layouts, base, WholeModelPlanLevel(self.model),
+                                   family_policies(args, "model", PLAN_POLICIES),
+                                   [e for e in args.evictions if e != BELADY], None, args.max_buckets, advance,
+                                   align=args.align)
+        except ConfigError as exc:
+            fail(str(exc))
+        self.title = f"attnpolicy plan on model graphs: {source_name(args)}, {self.model.spec}"
+        assert w is not None
+        self.head = {"source": source_name(args), "model": self.model.spec, "batches": len(layouts),
+                     "rejected": w.rejected, "workload": w.to_json(), **fields}
+        self.layouts, self.limits = layouts, (former.max_num_batched_tokens, former.max_num_seqs)
+        return plan
 
 
 def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
@@ -353,7 +402,7 @@ def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequen
     it: each host's settings from the planned ``steps`` and ``buckets`` (at most
     ``--max-buckets`` sizes per dimension) for a server of ``--max-num-seqs``,
     ``--max-num-batched-tokens`` and ``config``'s ``max_seq_len``. Returns how the
-    runtimes' default warm-up sets and those of these settings serve ``steps``."""
+    peers' default warm sets and those of these settings serve ``steps``."""
     gaudi, limits = out / GAUDI_FILE, PeerLimits(max_num_seqs, max_num_batched_tokens, config.max_seq_len)
     settings = host_settings(steps, buckets, limits, max_buckets, str(gaudi.resolve()))
     write_text_atomic(gaudi, settings.gaudi_file)
@@ -364,17 +413,6 @@ def write_host_settings(out: Path, steps: Sequence[BatchLayout], buckets: Sequen
 def peers_markdown(peers: Sequence[PeerCoverage]) -> str:
     """The coverage table as the last section of ``plan.md``."""
     return f"\n## {PEER_TITLE}\n\n{PEER_LEGEND}\n\n{table(PEER_COLUMNS, table_rows(peers))}\n"
-
-
-def print_model_plan(plan: ModelPlan, source: str, max_graphs: int | None, spec: str) -> None:
-    cap = "∞" if max_graphs is None else max_graphs
-    print_table(f"attnpolicy plan on model graphs: {source}, {spec}, max_graphs {cap}",
-                ("policy", "buckets", "eviction", "plan s", "pow2 lru s", "pow2 belady s", "× lru", "× belady"),
-                [(p.policy + (" *" if p is plan.chosen else ""), ",".join(map(str, p.buckets)), p.row.eviction,
-                  p.row.total_seconds, p.base_lru.total_seconds, p.base_belady.total_seconds,
-                  p.base_lru.total_seconds / p.row.total_seconds,
-                  p.base_belady.total_seconds / p.row.total_seconds) for p in plan.policies],
-                caption="* chosen")
 
 
 def check_step_budget(layouts: Sequence[BatchLayout], budget: int) -> None:
@@ -395,20 +433,24 @@ def check_plannable(flag: str, policies: Sequence[str], base: AttnPolicyConfig) 
             fail(f"argument {flag}: {exc}")
 
 
-def print_plan(plan: GraphPlan, source: str) -> None:
+def print_plan(plan: GraphPlan[Any], title: str, base: str, caption: str) -> None:
+    """Each policy's plan against the ``base`` buckets with LRU and with Belady, under
+    ``title`` (the capacity added)."""
     cap = "∞" if plan.max_graphs is None else plan.max_graphs
     rows = []
     for p in plan.policies:
-        lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
         planned = ",".join(str(b) for b in p.buckets if b not in p.cover)
         rows.append((p.policy + (" *" if p.policy == plan.policy else ""),
-                     planned + (f" +{','.join(map(str, p.cover))}" if p.cover else ""),
-                     p.eviction, p.row.total_seconds, lru, bel, lru / p.row.total_seconds,
-                     bel / p.row.total_seconds))
-    print_table(f"attnpolicy plan: {source}, max_graphs {cap}",
-                ("policy", "buckets", "eviction", "plan s", f"{plan.base_buckets} lru s",
-                 f"{plan.base_buckets} belady s", "× lru", "× belady"), rows,
-                caption="* chosen; +N: a cover bucket (max_seq_len, max_batch_tokens) no planned call uses; "
-                        f"warm-up set: {len(plan.warm)} graphs, "
-                        f"{plan.warm_compile_seconds:.3g} modelled compile s"
-                        + (f", {plan.warm_load_seconds:.3g} load s" if plan.config.store_dir is not None else ""))
+                     planned + (f" +{','.join(map(str, p.cover))}" if p.cover else ""), p.eviction,
+                     p.row.total_seconds, p.base_lru.total_seconds, p.base_belady.total_seconds, p.vs_lru,
+                     p.vs_belady))
+    print_table(f"{title}, max_graphs {cap}",
+                ("policy", "buckets", "eviction", "plan s", f"{base} lru s", f"{base} belady s", "× lru", "× belady"),
+                rows, caption=caption)
+
+
+def plan_caption(plan: GraphPlan[SimRow]) -> str:
+    """The caption of an attention plan's table: the cover and the warm-up set."""
+    return ("* chosen; +N: a cover bucket (max_seq_len, max_batch_tokens) no planned call uses; "
+            f"warm-up set: {len(plan.warm)} graphs, {plan.warm_compile_seconds:.3g} modelled compile s"
+            + (f", {plan.warm_load_seconds:.3g} load s" if plan.config.store_dir is not None else ""))

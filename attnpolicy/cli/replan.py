@@ -15,7 +15,7 @@ from attnpolicy.cli.common import (
     warn,
     writing,
 )
-from attnpolicy.cli.plan import check_plannable, print_plan, seconds
+from attnpolicy.cli.plan import check_plannable, plan_caption, print_plan, seconds
 from attnpolicy.cli.simulate import check_recorded_spec, flag_range, priced, provenance_json
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
@@ -89,7 +89,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
             new.save(out)
             write_json(out / "plan.json", {"source": source, "rejected": 0, **drift.refit.to_json()})
             write_text_atomic(out / "plan.md", plan_markdown(drift.refit, source))
-        print_plan(drift.refit, source)
+        print_plan(drift.refit, f"attnpolicy plan: {source}", drift.refit.base_buckets, plan_caption(drift.refit))
         print(f"replan: {len(switch)} new warm graphs to compile in the background; "
               f"wrote {out / 'attnpolicy_config.json'}, {out / 'plan.md'}, {out / 'plan.json'}, {out / 'replan.json'}")
     else:

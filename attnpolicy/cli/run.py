@@ -14,13 +14,13 @@ from attnpolicy.cli.common import (
     add_option_arg,
     add_spec_args,
     add_workload_args,
+    by_family,
     check_evictions,
     check_spec_args,
     check_writable,
     command,
     describe_options,
     fail,
-    family_of,
     formed,
     former_from,
     model_spec,
@@ -147,15 +147,23 @@ def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolic
 def cmd_run(args: argparse.Namespace) -> int:
     check_writable("--json", args.json)
     check_writable("--store", args.store, directory=True)
-    if family_of(args, by_model=True) == "model":
-        if args.replan_every is not None:
-            fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
-        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-        former = former_from(args, prefill_only=args.prefill_only)
-        # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
-        # whole requests: of every running sequence's context too, as at the attention level
-        return run_model_graphs(args, former,
-                                config_from(args, former.max_num_batched_tokens if args.prefill_only else None))
+    return by_family(args, {"attention": _run_calls, "model": _run_model}, by_model=True)(args)
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    """``run --model``: the workload served by whole-model graphs."""
+    if args.replan_every is not None:
+        fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
+    check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
+    former = former_from(args, prefill_only=args.prefill_only)
+    # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
+    # whole requests: of every running sequence's context too, as at the attention level
+    return run_model_graphs(args, former,
+                            config_from(args, former.max_num_batched_tokens if args.prefill_only else None))
+
+
+def _run_calls(args: argparse.Namespace) -> int:
+    """``run``: the workload's attention calls through a dispatcher."""
     for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock,
                         "--prefill-only": args.prefill_only or None}.items():
         if value is not None:

@@ -256,7 +256,7 @@ def workload(args: argparse.Namespace, former: BatchFormer) -> list[Request]:
 
 
 def note_warmup(base: AttnPolicyConfig, what: str) -> None:
-    """Say once that ``base``'s warm-up set is not simulated (the rows start with an
+    """Say once that ``base``'s warm set is not simulated (the rows start with an
     empty cache, whatever their buckets and bounds), when it has one."""
     if base.warmup:
         warn(f"the warm-up set of {what} ({len(base.warmup)} graphs) is not simulated: every row starts with an "

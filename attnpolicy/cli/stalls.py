@@ -12,10 +12,10 @@ from attnpolicy.cli.common import (
     add_cost_args,
     add_policies_arg,
     add_workload_args,
+    by_family,
     check_policies,
     check_writable,
     fail,
-    family_of,
     formed,
     former_from,
     former_options,
@@ -41,6 +41,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, GraphTooLargeError
+from attnpolicy.modelling.cost_file import Family
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.modelling.stalls import (
     MODES,
@@ -85,7 +86,7 @@ def register(subparsers: Any) -> None:
 def cmd_stalls(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--json", args.json)
-    level = (_WholeModel if family_of(args) == "model" else _Attention)(args)
+    level = by_family(args, LEVELS)(args)
     requests = workload(args, level.former)
     print(level.provenance.line())
     steps, w = formed(args, level.former, requests)
@@ -213,3 +214,7 @@ def print_stalls(title: str, rows: list[StallRow], columns: Sequence[Column], ca
                     [(r.policy, "∞" if r.capacity is None else r.capacity, r.warm, r.compile_mode, r.compiles,
                       r.store.loads, r.store.load_seconds, r.store.disk_evictions)
                      for r in stored if r.store is not None])
+
+
+#: What ``stalls`` runs per --family.
+LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}

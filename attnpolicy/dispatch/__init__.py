@@ -5,7 +5,7 @@
 - :mod:`~attnpolicy.dispatch.step`: :class:`Step` and :class:`HostStep`, a prepared batch;
 - :mod:`~attnpolicy.dispatch.batch_plan`: the whole plan of one batch, in one call;
 - :mod:`~attnpolicy.dispatch.graph_source`: any graph family's graphs from the cache, the
-  store and the builder, strict mode (the runtime the whole-model engine shares);
+  store and the builder, strict mode (shared with the whole-model engine);
 - :mod:`~attnpolicy.dispatch.background`: any family's background compiles, pad-up and switch-in;
 - :mod:`~attnpolicy.dispatch.call_graphs`: the attention-call family, a batch's graphs fetched and pinned;
 - :mod:`~attnpolicy.dispatch.switch`: switching to a re-planned config without a stall;

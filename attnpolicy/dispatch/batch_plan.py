@@ -1,7 +1,7 @@
 """The plan of one batch: in one call, the mode that runs, its calls, their graph
 keys and buckets, with overflows and the MASK→VARLEN fallback applied.
 
-:class:`Planner` owns everything planning reads (the config's buckets and limits,
+:class:`BatchPlanner` owns everything a batch plan reads (the config's buckets and limits,
 the kernel choice) and its memos; it never calls back into the dispatcher. The
 calls come from :func:`~attnpolicy.graphs.calls.plan_calls`, the causality and
 context of a key from :func:`~attnpolicy.graphs.kernel_choice.call_traits`.
@@ -62,19 +62,19 @@ class BatchPlan:
         return cls(MaskMode.VARLEN, (), (), len(seqs), sum(q for _, q in seqs) - layout.total_tokens)
 
 
-#: The config fields planning reads: dispatchers whose configs agree on them (and on
-#: the kernel choice) may share one :class:`Planner`.
-PLANNING_FIELDS = ("buckets", "max_seq_len", "max_batch_tokens", "on_overflow", "max_mask_bytes", "partition_len",
+#: The config fields a batch plan reads: dispatchers whose configs agree on them (and on
+#: the kernel choice) may share one :class:`BatchPlanner`.
+BATCH_PLAN_FIELDS = ("buckets", "max_seq_len", "max_batch_tokens", "on_overflow", "max_mask_bytes", "partition_len",
                    "backend", "attn_impl", "kernels", "warmup")
 
 
-class Planner:
+class BatchPlanner:
     """Plans batches for one config: ``plan(layout, mode, spec)`` is the whole plan,
     remembered per (layout, mode, spec); :meth:`seq_plans` plans VARLEN sequence by
     sequence for layouts that never repeat (decode steps).
 
     A plan never reads a graph cache, so dispatchers whose configs differ only outside
-    :data:`PLANNING_FIELDS` (bounds, eviction, policy: a sweep's) may share one planner
+    :data:`BATCH_PLAN_FIELDS` (bounds, eviction, policy: a sweep's) may share one planner
     and its memos (:meth:`difference`), one thread at a time. ``derived`` is kept with it
     for policies: what a policy derives from plans and a cost model alone (never from
     a cache), shared by those dispatchers (see :class:`~attnpolicy.policies.base.PolicyContext`)."""
@@ -97,7 +97,7 @@ class Planner:
         """``None`` when a dispatcher of ``config`` choosing kernels by ``kernels`` plans
         exactly as this planner does, else the first field that differs, as
         ``name=value`` (``kernels`` for the kernel choice)."""
-        for name in PLANNING_FIELDS:
+        for name in BATCH_PLAN_FIELDS:
             if getattr(config, name) != getattr(self.config, name):
                 return f"{name}={getattr(config, name)!r}"
         return None if kernels.rules == self.kernels.rules else "kernels"

@@ -15,13 +15,13 @@ from attnpolicy.core.features import PLAIN, Features
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background
-from attnpolicy.dispatch.batch_plan import Planner
+from attnpolicy.dispatch.batch_plan import BatchPlanner
 from attnpolicy.dispatch.call_graphs import Builder, CallFamily, CallRequest, CallSource, make_cache
 from attnpolicy.dispatch.memo import memo
 from attnpolicy.dispatch.stats import BlockMaskStats, Counters, DispatcherStats
 from attnpolicy.dispatch.step import HostStep, Step, new_step
 from attnpolicy.dispatch.switch import Switcher
-from attnpolicy.dispatch.warm_set import WarmSets
+from attnpolicy.dispatch.warm_set import WarmSet
 from attnpolicy.errors import ConfigError, KernelError
 from attnpolicy.graphs.execute import check_inputs, graph_sinks
 from attnpolicy.graphs.kernel_choice import KernelChoice
@@ -64,7 +64,7 @@ class Dispatcher:
     (:mod:`~attnpolicy.plugins.compilers`): an unknown name raises :class:`ConfigError`
     here, before any work. ``planner``: plan with another dispatcher's
     planner and its memos (a sweep's dispatchers, which differ only in bounds, eviction
-    or policy; see :class:`~attnpolicy.dispatch.batch_plan.Planner`): a config that would
+    or policy; see :class:`~attnpolicy.dispatch.batch_plan.BatchPlanner`): a config that would
     plan otherwise raises :class:`ConfigError` naming the field. ``host_varlen``: the
     host runs VARLEN batches on a kernel of its own (vLLM's paged kernel):
     :meth:`prepare` returns a :class:`~attnpolicy.dispatch.step.HostStep` for them,
@@ -81,7 +81,8 @@ class Dispatcher:
 
     def __init__(self, config: AttnPolicyConfig | None = None, *, cost_model: Any = None,
                  cache: GraphCache[Any] | None = None, compile_counter: Callable[[Any], None] | None = None,
-                 builder: Builder | None = None, host_varlen: bool = False, planner: Planner | None = None) -> None:
+                 builder: Builder | None = None, host_varlen: bool = False,
+                 planner: BatchPlanner | None = None) -> None:
         self.config = cfg = config or AttnPolicyConfig()
         #: the compiler of the graphs (``None`` under a custom builder, which compiles nothing)
         self.compiler = None if builder is not None else resolve_compiler(cfg.backend)
@@ -95,7 +96,7 @@ class Dispatcher:
         kernels = KernelChoice(cfg.kernels, cfg.attn_impl or "sdpa", compiled=cfg.backend != "none",
                                measured=getattr(cost_model, "kernel_seconds", None))
         if planner is None:
-            planner = Planner(cfg, kernels)
+            planner = BatchPlanner(cfg, kernels)
         elif (differs := planner.difference(cfg, kernels)) is not None:
             raise ConfigError(f"planner: a shared planner plans for another config ({differs} differs)")
         self.planner = planner
@@ -106,7 +107,7 @@ class Dispatcher:
         self.background: Background[GraphKey, CallRequest] | None = (
             Background(self.source) if cfg.compile_mode == "background" else None)
         self.host_varlen = host_varlen
-        self.warm_sets = WarmSets(cfg, self.planner, self.cache, self.source, self.background)
+        self.warm_set = WarmSet(cfg, self.planner, self.cache, self.source, self.background)
         self.switcher = Switcher()
         self._cost_model = cost_model
         self._steps: LRUCache[tuple[BatchLayout, TensorSpec], Step] = memo()  # stateless policies' steps
@@ -248,7 +249,7 @@ class Dispatcher:
             return spec
         except KeyError:
             spec = TensorSpec.of(q, k, scale, features)
-            if self.config.warmup and spec not in self.warm_sets.warmed:
+            if self.config.warmup and spec not in self.warm_set.warmed:
                 self.warmup(spec)  # kept once warmed: a refused warm set is refused again
             self._specs[props] = spec
             self._last_spec = (props, spec)
@@ -316,7 +317,7 @@ class Dispatcher:
         else:
             batches = layouts
         with self._lock:
-            return self.warm_sets.warm(batches, spec, self.preview)
+            return self.warm_set.warm(batches, spec, self.preview)
 
     def switch_to(self, config: AttnPolicyConfig, specs: Iterable[TensorSpec] | None = None) -> tuple[GraphKey, ...]:
         """Switch to the re-planned ``config``, checked now, at the first batch once its warm set
@@ -335,14 +336,14 @@ class Dispatcher:
                 self.source.release()
             return self.switcher.finish(self)
 
-    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: Planner, warm_sets: WarmSets) -> None:
+    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: BatchPlanner, warm_set: WarmSet) -> None:
         """Serve ``config`` with ``guard`` (its fallback count carried over), ``planner`` and
-        ``warm_sets`` from the next batch on: the steps, plans and policy contexts of the old
+        ``warm_set`` from the next batch on: the steps, plans and policy contexts of the old
         config go (what a switch calls once its graphs are cached)."""
         with self._lock:
             guard.fallbacks = self.guard.fallbacks  # the count stays the dispatcher's
             self.config = self.source.config = config
-            self.guard, self.planner, self.warm_sets = guard, planner, warm_sets
+            self.guard, self.planner, self.warm_set = guard, planner, warm_set
             for step in self._batch:
                 step.forget()
             self._batch, self._last = [], None
@@ -353,7 +354,7 @@ class Dispatcher:
     def served_specs(self) -> set[TensorSpec]:
         """The tensor specs warmed or attended so far (what a switch builds its warm set for)."""
         with self._lock:
-            return {*self.warm_sets.warmed, *self._specs.values()}
+            return {*self.warm_set.warmed, *self._specs.values()}
 
     @property
     def cost_model(self) -> Any:

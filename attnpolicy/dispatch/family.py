@@ -1,14 +1,14 @@
-"""A graph family: a class of graphs one runtime serves (attention calls, whole-model
-forwards), described by what the runtime needs of it and nothing else.
+"""A graph family: a class of graphs one dispatcher or model runner serves (attention
+calls, whole-model forwards), described by what serving it needs and nothing else.
 
-The runtime (:class:`~attnpolicy.dispatch.graph_source.GraphSource` and
+The shared serving code (:class:`~attnpolicy.dispatch.graph_source.GraphSource` and
 :class:`~attnpolicy.dispatch.background.Background`) keeps the cache, the store, strict
 mode, the warm set, the background worker, pad-up and switch-in for any family; a
 family says what its keys are, how a key's graph is built, stored, loaded, padded up to
 and run uncompiled. A key is hashable; a *request* is what building a key's graph
 needs beyond its key (an attention call and its tensor spec; a forward's example
 inputs). A family's methods other than :meth:`~GraphFamily.pad_up` may run in the
-background worker: they touch no runtime state.
+background worker: they touch no serving state.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ R_contra = TypeVar("R_contra", contravariant=True)
 
 
 class GraphFamily(Protocol[K, R_contra]):
-    """What a runtime needs of the graphs of one family: keys ``K``, built from requests
-    ``R_contra``. A new family (decode steps, say) implements these members and is served
-    by the same runtime: nothing in it names a family."""
+    """What serving needs of the graphs of one family: keys ``K``, built from requests
+    ``R_contra``. A new family implements these members and is served by the same
+    :class:`~attnpolicy.dispatch.graph_source.GraphSource` and
+    :class:`~attnpolicy.dispatch.background.Background`: nothing in them names a family."""
 
-    #: the config its graphs are built under (a runtime switching configs replaces it)
+    #: the config its graphs are built under (a dispatcher switching configs replaces it)
     config: AttnPolicyConfig
 
     @property

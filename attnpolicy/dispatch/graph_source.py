@@ -1,4 +1,4 @@
-"""Where a runtime's graphs come from, for any :class:`~attnpolicy.dispatch.family.GraphFamily`:
+"""Where a dispatcher's or model runner's graphs come from, for any :class:`~attnpolicy.dispatch.family.GraphFamily`:
 the bounded graph cache, the family's builder on a miss, the store it loads from, strict
 mode after warm-up (and the loads after warm-up it allows), and the stalls synchronous
 builds and loads cost."""
@@ -120,7 +120,7 @@ class GraphSource(Generic[K, R]):
 
     def load(self, key: K) -> Any | None:
         """The graph of stored ``key`` from the store (``None``: not there or not valid);
-        no runtime state touched: also runs in the background worker."""
+        no serving state touched: also runs in the background worker."""
         return self.family.load(key)
 
     # -- strict mode --------------------------------------------------------------------
@@ -186,7 +186,7 @@ def after_warm_up(key: Any, load: Callable[[], Any] | None, strict: Callable[[An
 
 
 def warn_loaded(key: Any, strict: str) -> None:
-    """The one warning of the first load from the store after warm-up (of any runtime;
+    """The one warning of the first load from the store after warm-up (of any family;
     the later ones are counted)."""
     warnings.warn(f"graph {key} loaded from the store after warm-up (strict={strict!r} allows loads: they compile "
                   "nothing); further loads after warm-up are counted in stats().loaded_after_warmup, not warned "

@@ -19,7 +19,7 @@ from attnpolicy.kernels.mask_cache import MaskCacheStats
 
 @dataclass(slots=True)
 class Counters:
-    """The running counts of one runtime: a dispatcher's, or a model runner's strict-mode
+    """The running counts of a dispatcher, or a model runner's strict-mode
     and background counts (every field an int, all start at 0).
 
     ``modes`` counts batches by the mode that ran (a mode's value: the stats key).
@@ -86,7 +86,7 @@ class Counters:
 
     def background(self, config: AttnPolicyConfig, pending: int, compile_seconds: float) -> BackgroundStats:
         """The background compiles of these counts, ``pending`` of them not switched in, the
-        worker's ``compile_seconds``: the one schema of every runtime."""
+        worker's ``compile_seconds``: the one schema of dispatchers and model runners."""
         return BackgroundStats(
             config.compile_mode, config.switch_after, self.background_requested, self.background_switched,
             self.background_failed, self.background_discarded, pending, compile_seconds, self.pad_up_calls,
@@ -201,7 +201,7 @@ class SwitchStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RuntimeStats:
-    """What a snapshot of every runtime (a :class:`Dispatcher`, a model runner) holds:
+    """What a snapshot of a :class:`Dispatcher` and of a model runner holds:
     batches, batches per mode (a mode's value: the key), guard fallbacks, strict-mode
     violations, its graph cache's stats and its graph store's (``disk``; ``None``
     without one, see docs/store.md). ``to_json()`` gives the dict of the JSON outputs."""
@@ -233,7 +233,7 @@ class DispatcherStats(RuntimeStats):
     #: plugin kernels caught breaking their contract: a failed probe, a bad output
     #: at run time, a compile that failed on one
     kernel_violations: int
-    #: attention layers of a runtime's model that run on the runtime's own code (vLLM)
+    #: attention layers of a host's model that run on the host's own code (vLLM)
     layers_elsewhere: int
     observer_errors: dict[str, int]
     padding: PaddingStats

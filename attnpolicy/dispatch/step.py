@@ -19,7 +19,7 @@ import torch
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, Decision, MaskMode
-from attnpolicy.dispatch.batch_plan import BatchPlan, Planner
+from attnpolicy.dispatch.batch_plan import BatchPlan, BatchPlanner
 from attnpolicy.dispatch.stats import Counters
 from attnpolicy.errors import KernelError, LayoutError
 from attnpolicy.graphs.execute import GraphFn, check_inputs, execute
@@ -182,7 +182,7 @@ class HostStep(Step):
                            "kernel (a dispatcher built with host_varlen=True): the host calls it")
 
 
-def new_step(planner: Planner, layout: BatchLayout, spec: TensorSpec, asked: Decision, masks: MaskCache, *,
+def new_step(planner: BatchPlanner, layout: BatchLayout, spec: TensorSpec, asked: Decision, masks: MaskCache, *,
              host_varlen: bool) -> Step:
     """The step of decision ``asked`` for ``layout``, planned by ``planner``: a
     :class:`HostStep` when ``host_varlen`` and the mode that runs is VARLEN (planned

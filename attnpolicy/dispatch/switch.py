@@ -57,11 +57,11 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.dispatch.background import Background, Built, Worker, discard
-from attnpolicy.dispatch.batch_plan import Planner
+from attnpolicy.dispatch.batch_plan import BatchPlanner
 from attnpolicy.dispatch.call_graphs import CallRequest, CallSource, eviction_of
 from attnpolicy.dispatch.graph_source import count_violation
 from attnpolicy.dispatch.stats import Counters
-from attnpolicy.dispatch.warm_set import WarmSets
+from attnpolicy.dispatch.warm_set import WarmSet
 from attnpolicy.errors import ConfigError, GraphCompileError, PolicyError
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.plugins.observers import Observers
@@ -82,7 +82,7 @@ class SwitchOwner(Protocol):
     @property
     def guard(self) -> Guard: ...
     @property
-    def planner(self) -> Planner: ...
+    def planner(self) -> BatchPlanner: ...
     @property
     def cache(self) -> GraphCache[Any]: ...
     @property
@@ -104,8 +104,8 @@ class SwitchOwner(Protocol):
         """The decision ``layout`` would get now, with no side effect."""
         ...
 
-    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: Planner, warm_sets: WarmSets) -> None:
-        """Serve ``config`` with ``guard``, ``planner`` and ``warm_sets`` from the next batch on."""
+    def adopt(self, config: AttnPolicyConfig, guard: Guard, planner: BatchPlanner, warm_set: WarmSet) -> None:
+        """Serve ``config`` with ``guard``, ``planner`` and ``warm_set`` from the next batch on."""
         ...
 
 
@@ -116,8 +116,8 @@ class _Target:
 
     config: AttnPolicyConfig
     guard: Guard
-    planner: Planner
-    warm_sets: WarmSets
+    planner: BatchPlanner
+    warm_set: WarmSet
     calls: dict[GraphKey, tuple[Call, TensorSpec]]
     builds: dict[GraphKey, Future[Built]]
 
@@ -176,12 +176,12 @@ class Switcher:
         if config.warmup and not served:
             raise ConfigError(f"switch_to: warmup holds {len(config.warmup)} graphs but the dispatcher has served "
                               "no tensor spec yet: pass specs=[...] to build them for")
-        planner = Planner(config, d.planner.kernels)
-        warm_sets = WarmSets(config, planner, d.cache, d.source, d.background)
+        planner = BatchPlanner(config, d.planner.kernels)
+        warm_set = WarmSet(config, planner, d.cache, d.source, d.background)
         calls: dict[GraphKey, tuple[Call, TensorSpec]] = {}
         for spec in served:
-            warm_sets.keys.update(warm_sets.resident(spec))  # refused before anything builds
-            for call, key, _, _ in planner.warm_calls((), spec, d.preview, warm_sets.warmed):
+            warm_set.keys.update(warm_set.resident(spec))  # refused before anything builds
+            for call, key, _, _ in planner.warm_calls((), spec, d.preview, warm_set.warmed):
                 calls.setdefault(key, (call, spec))
         # checked: from here on nothing raises
         builds: dict[GraphKey, Future[Built]] = {}
@@ -195,7 +195,7 @@ class Switcher:
         for key, (call, spec) in calls.items():
             if key not in builds and key not in d.cache and not d.source.host_runs(call, key):
                 builds[key] = self.worker(d).submit(key, (call, spec))
-        self.target = _Target(config, guard, planner, warm_sets, calls, builds)
+        self.target = _Target(config, guard, planner, warm_set, calls, builds)
         self.busy = True
         d.counters.switch_requested += 1
         return tuple(builds)
@@ -278,7 +278,7 @@ class Switcher:
                 deferred += 1
         c.switch_loaded += loaded
         c.switch_compiled += built_here - loaded
-        d.adopt(config, target.guard, target.planner, target.warm_sets)
+        d.adopt(config, target.guard, target.planner, target.warm_set)
         c.switches += 1
         host = f", {deferred} left to the host's own kernel" if deferred else ""
         log.info("attnpolicy: switched from policy %s, buckets %s, eviction %s to policy %s, buckets %s, eviction "

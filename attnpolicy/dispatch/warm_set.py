@@ -13,7 +13,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision
 from attnpolicy.dispatch.background import Background
-from attnpolicy.dispatch.batch_plan import Planner, WarmCall, warm_call
+from attnpolicy.dispatch.batch_plan import BatchPlanner, WarmCall, warm_call
 from attnpolicy.dispatch.call_graphs import CallRequest, CallSource
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import backend_setup
@@ -22,10 +22,10 @@ from attnpolicy.graphs.keys import GraphKey, TensorSpec
 log = logging.getLogger("attnpolicy.dispatch")
 
 
-class WarmSets:
+class WarmSet:
     """The config's warm set per tensor spec, and the graphs of warmed layouts."""
 
-    def __init__(self, config: AttnPolicyConfig, planner: Planner, cache: GraphCache[Any], source: CallSource,
+    def __init__(self, config: AttnPolicyConfig, planner: BatchPlanner, cache: GraphCache[Any], source: CallSource,
                  background: Background[GraphKey, CallRequest] | None) -> None:
         self.config, self.planner, self.cache = config, planner, cache
         self.source, self.background = source, background

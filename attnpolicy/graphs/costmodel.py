@@ -232,7 +232,7 @@ class CostModel(BaseModel):
             fits = getattr(self, field)
             missing = [f.value for f in CallKind if f not in fits]
             if missing and (fits or field in ("run", "compile")):
-                raise ValueError(f"{field} needs a fit for every graph family; missing: {', '.join(missing)}")
+                raise ValueError(f"{field} needs a fit for every call kind; missing: {', '.join(missing)}")
         if bool(self.store_load) != bool(self.store_bytes):
             raise ValueError("store_load and store_bytes are calibrated together: give both or neither")
         check_kv_heads(self.heads, self.kv_heads)

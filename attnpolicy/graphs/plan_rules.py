@@ -1,7 +1,7 @@
 """The rules a batch's calls are planned by, written once for one call and for many.
 
 Each rule takes Python ints and bools or numpy arrays of them alike (element-wise):
-the dispatcher's :class:`~attnpolicy.dispatch.batch_plan.Planner` applies it to one
+the dispatcher's :class:`~attnpolicy.dispatch.batch_plan.BatchPlanner` applies it to one
 call, the planner's :class:`~attnpolicy.planning.call_table.CallTable` to every call
 of a workload at once, so both plan by the same rule (callers look the rules up on
 this module when they run, so a test may swap one for both). Given numbers a rule

@@ -6,8 +6,8 @@
   vLLM 0.32), continued in steps of 16 up to ``max_seq_len`` (vLLM itself stops at 512
   and runs larger batches without a graph);
 - ``exact``: every length its own graph (no padding);
-- ``gaudi-linear``, ``gaudi-exponential``, ``rbln``, ``tpu``: other runtimes' own
-  warm-up sets (:mod:`attnpolicy.modelling.peer_buckets`) projected to the lengths
+- ``gaudi-linear``, ``gaudi-exponential``, ``rbln``, ``tpu``: the peers' own
+  warm sets (:mod:`attnpolicy.modelling.peer_buckets`) projected to the lengths
   this level buckets: the query-token sizes of the graphs that serve prefill
   (vllm-gaudi's prompt query buckets, at its block size of 128 and one prompt per
   graph; vllm-rbln's one prefill length; tpu-inference's token paddings), for a
@@ -58,8 +58,8 @@ def vllm_sizes(max_len: int) -> tuple[int, ...]:
 
 
 def peer_sizes(name: str, max_seq_len: int, max_batch_tokens: int) -> tuple[int, ...]:
-    """The prefill lengths of the runtime scheme ``name`` (module docstring); a
-    :class:`ConfigError` naming the scheme and lengths when the runtime cannot start
+    """The prefill lengths of the peer scheme ``name`` (module docstring); a
+    :class:`ConfigError` naming the scheme and lengths when the peer cannot start
     with those limits."""
     try:
         limits = PeerLimits(max_num_seqs=1, max_num_batched_tokens=min(max_seq_len, max_batch_tokens),
@@ -100,7 +100,7 @@ def scheme_name(buckets: Buckets, max_seq_len: int, max_batch_tokens: int) -> st
 @cache
 def _named_schemes(max_seq_len: int, max_batch_tokens: int) -> tuple[tuple[str, Buckets], ...]:
     """Each :data:`NAMED` scheme that can be built for these lengths, with its buckets
-    (built once per lengths: a runtime's warm-up set takes a while to derive)."""
+    (built once per lengths: a peer's warm set takes a while to derive)."""
     schemes = []
     for name in NAMED:
         try:

@@ -1,9 +1,9 @@
-"""The graphs other runtimes' vLLM plugins compile at warm-up, re-implemented from their rules.
+"""The graphs the peers (other hosts' vLLM plugins) compile at warm-up, re-implemented from their rules.
 
 For a server's limits (:class:`PeerLimits`: vLLM's ``max_num_seqs``,
 ``max_num_batched_tokens``, ``max_model_len``, ``block_size``) each scheme gives a
-:class:`WarmupSet` of :class:`WarmupGraph` (phase, padded batch, padded query
-tokens, context blocks where the runtime pads them):
+:class:`PeerWarmSet` of :class:`PeerGraph` (phase, padded batch, padded query
+tokens, context blocks where the peer pads them):
 
 - ``gaudi-linear``, ``gaudi-exponential``: vllm-gaudi's two generated strategies,
   prompt graphs batch × query × context blocks and decode graphs batch × 1 × blocks
@@ -18,7 +18,7 @@ tokens, context blocks where the runtime pads them):
 Read (not copied) from vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
 rebellions-sw/vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e and
 vllm-project/tpu-inference@b8692ff01fa191343836996c27a39dc95f008b88; each function
-names its files. Modelled: every runtime's defaults (its environment variables
+names its files. Modelled: every peer's defaults (its environment variables
 unset), one device (no data or pipeline parallelism), no speculative decoding, LoRA,
 multimodal or mamba layers; for vllm-gaudi no merged prefill, no contiguous paged
 attention (its default under prefix caching, vLLM's default) and no sliding-window
@@ -40,9 +40,9 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 
 Phase = Literal["prefill", "decode", "mixed"]
-#: The runtimes whose warm-up sets and forwards are modelled here.
-Runtime = Literal["gaudi", "rbln", "tpu"]
-RUNTIMES: tuple[Runtime, ...] = ("gaudi", "rbln", "tpu")
+#: The peers whose warm sets and forwards are modelled here.
+Peer = Literal["gaudi", "rbln", "tpu"]
+PEERS: tuple[Peer, ...] = ("gaudi", "rbln", "tpu")
 GaudiStrategy = Literal["linear", "exponential"]
 RblnStrategy = Literal["exponential", "linear"]
 
@@ -71,13 +71,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _ordered(graphs: Iterable[WarmupGraph]) -> tuple[WarmupGraph, ...]:
-    return tuple(sorted(set(graphs), key=WarmupGraph.sort_key))
+def _ordered(graphs: Iterable[PeerGraph]) -> tuple[PeerGraph, ...]:
+    return tuple(sorted(set(graphs), key=PeerGraph.sort_key))
 
 
 @dataclass(frozen=True)
 class PeerLimits:
-    """The vLLM limits a runtime derives its warm-up set from; each an int >= 1
+    """The vLLM limits a peer derives its warm set from; each an int >= 1
     (else :class:`ConfigError` naming it)."""
 
     max_num_seqs: int
@@ -91,11 +91,11 @@ class PeerLimits:
 
 
 @dataclass(frozen=True)
-class WarmupGraph:
+class PeerGraph:
     """One compiled shape: a ``prefill`` or ``decode`` graph pads ``batch`` sequences
     to ``query_tokens`` each; a ``mixed`` graph (tpu's ragged batch) takes up to
     ``batch`` requests of ``query_tokens`` tokens in all. ``context_blocks`` is
-    ``None`` where the runtime does not pad the context (a whole-length KV cache)."""
+    ``None`` where the peer does not pad the context (a whole-length KV cache)."""
 
     phase: Phase
     batch: int
@@ -107,18 +107,18 @@ class WarmupGraph:
 
 
 @dataclass(frozen=True)
-class WarmupSet:
-    """The graphs a runtime compiles at warm-up, sorted by (phase, batch, query
+class PeerWarmSet:
+    """The graphs a peer compiles at warm-up, sorted by (phase, batch, query
     tokens, context blocks), each once."""
 
     scheme: str
-    graphs: tuple[WarmupGraph, ...]
+    graphs: tuple[PeerGraph, ...]
 
     @classmethod
-    def of(cls, scheme: str, graphs: Iterable[WarmupGraph]) -> WarmupSet:
+    def of(cls, scheme: str, graphs: Iterable[PeerGraph]) -> PeerWarmSet:
         return cls(scheme, _ordered(graphs))
 
-    def phase(self, phase: Phase) -> tuple[WarmupGraph, ...]:
+    def phase(self, phase: Phase) -> tuple[PeerGraph, ...]:
         return tuple(g for g in self.graphs if g.phase == phase)
 
     def prefill_lengths(self) -> tuple[int, ...]:
@@ -126,9 +126,9 @@ class WarmupSet:
         return tuple(sorted({g.query_tokens for g in self.graphs if g.phase != "decode"}))
 
     def serves(self, phase: Phase, batch: int, query_tokens: int,
-               context_blocks: int | None = None) -> WarmupGraph | None:
+               context_blocks: int | None = None) -> PeerGraph | None:
         """The first graph (in order) of ``phase`` at least as large in every
-        dimension, as vllm-gaudi's bucket lookup picks it; ``None``: the runtime
+        dimension, as vllm-gaudi's bucket lookup picks it; ``None``: the peer
         compiles a new graph. A graph without context blocks serves any context."""
         for g in self.graphs:
             if (g.phase == phase and g.batch >= batch and g.query_tokens >= query_tokens
@@ -269,7 +269,7 @@ def gaudi_config(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill
 
 
 def gaudi_prompt_graphs(limits: PeerLimits, batches: Iterable[int], queries: Iterable[int],
-                        contexts: Iterable[int]) -> tuple[WarmupGraph, ...]:
+                        contexts: Iterable[int]) -> tuple[PeerGraph, ...]:
     """vllm-gaudi's prompt buckets from its ranges (vllm_gaudi/extension/bucketing/common.py
     ``generate_buckets``): every batch × query × context that
     :func:`gaudi_prompt_refusal` does not refuse. From max_model_len 8192 on, the
@@ -282,7 +282,7 @@ def gaudi_prompt_graphs(limits: PeerLimits, batches: Iterable[int], queries: Ite
         if mml >= GAUDI_LONG_CONTEXT and c == top and mml >= q:
             c = (mml - q) // block
         if gaudi_prompt_refusal(limits, b, q, c) is None:
-            out.append(WarmupGraph("prefill", b, q, c))
+            out.append(PeerGraph("prefill", b, q, c))
     return _ordered(out)
 
 
@@ -303,7 +303,7 @@ def gaudi_prompt_refusal(limits: PeerLimits, batch: int, query: int, context: in
     return None
 
 
-def gaudi_decode_bucket(limits: PeerLimits, batch: int, blocks: int) -> WarmupGraph | None:
+def gaudi_decode_bucket(limits: PeerLimits, batch: int, blocks: int) -> PeerGraph | None:
     """The decode bucket vllm-gaudi keeps of (batch, blocks)
     (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
     vllm_gaudi/extension/bucketing/common.py ``generate_buckets`` without contiguous
@@ -311,10 +311,10 @@ def gaudi_decode_bucket(limits: PeerLimits, batch: int, blocks: int) -> WarmupGr
     batch > blocks, else the blocks cut to batch · ⌈max_model_len / block⌉."""
     if batch > blocks:
         return None
-    return WarmupGraph("decode", batch, 1, min(blocks, batch * _cdiv(limits.max_model_len, limits.block_size)))
+    return PeerGraph("decode", batch, 1, min(blocks, batch * _cdiv(limits.max_model_len, limits.block_size)))
 
 
-def gaudi_decode_graphs(limits: PeerLimits, batches: Iterable[int], blocks: Iterable[int]) -> tuple[WarmupGraph, ...]:
+def gaudi_decode_graphs(limits: PeerLimits, batches: Iterable[int], blocks: Iterable[int]) -> tuple[PeerGraph, ...]:
     """vllm-gaudi's decode buckets from its ranges: every batch × blocks that
     :func:`gaudi_decode_bucket` keeps, as it keeps it."""
     kept = (gaudi_decode_bucket(limits, b, n) for b, n in product(batches, tuple(blocks)))
@@ -322,7 +322,7 @@ def gaudi_decode_graphs(limits: PeerLimits, batches: Iterable[int], blocks: Iter
 
 
 def gaudi_warmup(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill_seqs: int = 1,
-                 num_kv_blocks: int | None = None) -> WarmupSet:
+                 num_kv_blocks: int | None = None) -> PeerWarmSet:
     """vllm-gaudi's prompt and decode buckets (:func:`gaudi_config`'s ranges through
     :func:`gaudi_prompt_graphs` and :func:`gaudi_decode_graphs`); no prompt bucket
     left by the filters is a :class:`ConfigError`, as vllm-gaudi refuses to start."""
@@ -333,7 +333,7 @@ def gaudi_warmup(limits: PeerLimits, strategy: GaudiStrategy, *, max_num_prefill
         raise ConfigError(f"gaudi-{strategy}: no prompt bucket fits max_model_len={limits.max_model_len} "
                           f"(its smallest query bucket is {min(cfg.prompt_query.values())} tokens)")
     decode = gaudi_decode_graphs(limits, cfg.decode_batch.values(), cfg.decode_blocks.values())
-    return WarmupSet.of(f"gaudi-{strategy}", (*prompt, *decode))
+    return PeerWarmSet.of(f"gaudi-{strategy}", (*prompt, *decode))
 
 
 #: The most elements vllm-gaudi expands a bucket file's ``range(...)`` to (file_strategy.py).
@@ -399,8 +399,8 @@ def gaudi_file_buckets(text: str) -> tuple[tuple[int, int, int], ...]:
     return tuple(sorted(out))
 
 
-def gaudi_file_warmup(text: str, limits: PeerLimits) -> WarmupSet:
-    """vllm-gaudi's warm-up set from a bucketing file
+def gaudi_file_warmup(text: str, limits: PeerLimits) -> PeerWarmSet:
+    """vllm-gaudi's warm set from a bucketing file
     (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
     vllm_gaudi/extension/bucketing/common.py ``generate_prompt_buckets``,
     ``generate_decode_buckets`` and ``generate_buckets`` with file buckets): of
@@ -413,12 +413,12 @@ def gaudi_file_warmup(text: str, limits: PeerLimits) -> WarmupSet:
         if q == 1:
             decode.append(gaudi_decode_bucket(limits, b, n))
         elif gaudi_prompt_refusal(limits, b, q, n) is None:
-            prompt.append(WarmupGraph("prefill", b, q, n))
+            prompt.append(PeerGraph("prefill", b, q, n))
     kept = [g for g in decode if g is not None]
     for phase, graphs in (("prompt", prompt), ("decode", kept)):
         if not graphs:
             raise ConfigError(f"the vllm-gaudi bucketing file leaves no {phase} bucket: vllm-gaudi refuses to start")
-    return WarmupSet.of("gaudi-file", (*prompt, *kept))
+    return PeerWarmSet.of("gaudi-file", (*prompt, *kept))
 
 
 # -- vllm-rbln ----------------------------------------------------------------------------
@@ -473,7 +473,7 @@ def rbln_manual_decode_batches(value: str, max_batch_size: int) -> tuple[int, ..
 
 
 def rbln_warmup(limits: PeerLimits, strategy: RblnStrategy = "exponential", *, min_batch: int = 1, step: int = 2,
-                limit: int = 1, pipeline_parallel_size: int = 1, manual: str | None = None) -> WarmupSet:
+                limit: int = 1, pipeline_parallel_size: int = 1, manual: str | None = None) -> PeerWarmSet:
     """vllm-rbln's warm-up (vllm_rbln/v1/worker/rbln_model_runner.py ``warm_up_model``
     and the prefill padding of its model step; docs/bucketing.md): one prefill graph
     of one request padded to ``max_num_batched_tokens``, one decode graph per
@@ -485,11 +485,11 @@ def rbln_warmup(limits: PeerLimits, strategy: RblnStrategy = "exponential", *, m
     largest = limits.max_num_seqs // pipeline_parallel_size
     batches = (rbln_decode_batches(largest, strategy, min_batch=min_batch, step=step, limit=limit)
                if manual is None else rbln_manual_decode_batches(manual, largest))
-    return WarmupSet.of("rbln", (WarmupGraph("prefill", 1, limits.max_num_batched_tokens),
-                                 *(WarmupGraph("decode", b, 1) for b in batches)))
+    return PeerWarmSet.of("rbln", (PeerGraph("prefill", 1, limits.max_num_batched_tokens),
+                                   *(PeerGraph("decode", b, 1) for b in batches)))
 
 
-def rbln_env_warmup(limits: PeerLimits, env: Mapping[str, str]) -> WarmupSet:
+def rbln_env_warmup(limits: PeerLimits, env: Mapping[str, str]) -> PeerWarmSet:
     """vllm-rbln's warm-up under the environment ``env``: its decode batch buckets by
     ``VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY`` (default exponential), the list of
     ``VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS`` under ``manual``; the other
@@ -549,10 +549,10 @@ class TpuPaddings:
     requests: tuple[int, ...]
     attention_requests: tuple[int, ...]
 
-    def warmup(self) -> WarmupSet:
+    def warmup(self) -> PeerWarmSet:
         """The model graphs tpu-inference compiles (tpu_inference/runner/compilation_manager.py
         ``_precompile_backbone_text_only``): every token padding × attention request padding."""
-        return WarmupSet.of("tpu", (WarmupGraph("mixed", r, t) for t, r in product(self.tokens,
+        return PeerWarmSet.of("tpu", (PeerGraph("mixed", r, t) for t, r in product(self.tokens,
                                                                                     self.attention_requests)))
 
 
@@ -579,7 +579,7 @@ def tpu_paddings(limits: PeerLimits, *, padding_gap: int = 0, min_tokens: int = 
         attention = listed if seqs in listed else (*listed, seqs)
     tokens = tuple(sorted((*tpu_token_paddings(min_tokens, limits.max_num_batched_tokens, padding_gap),
                            *compilation_sizes)))
-    if not tokens:  # the runtime's own rule gives nothing here: it could serve no step
+    if not tokens:  # the peer's own rule gives nothing here: it could serve no step
         raise ConfigError(f"tpu-inference's token paddings are empty for min_tokens={min_tokens}, "
                           f"padding_gap={padding_gap} and max_num_batched_tokens={limits.max_num_batched_tokens} "
                           f"(above a gap under min_tokens, its first padding is min_tokens / 2 + padding_gap): "
@@ -612,12 +612,12 @@ def tpu_env_paddings(limits: PeerLimits, env: Mapping[str, str],
                         compilation_sizes=compilation_sizes, custom_attention_requests=requests)
 
 
-# -- one engine step, as each runtime runs it ---------------------------------------------
+# -- one engine step, as each peer runs it ------------------------------------------------
 
 class Forward(NamedTuple):
-    """One forward a runtime runs for an engine step: the graph shape it asks for
+    """One forward a peer runs for an engine step: the graph shape it asks for
     (``phase``, ``batch``, ``query_tokens``, ``context_blocks`` as
-    :meth:`WarmupSet.serves` takes them), the ``tokens`` it computes, its sequences'
+    :meth:`PeerWarmSet.serves` takes them), the ``tokens`` it computes, its sequences'
     cached ``context`` tokens in all and the attention score ``cells`` they need (each
     sequence's new tokens times its keys, summed). A tuple: a workload's forwards are
     counted by value."""
@@ -630,24 +630,24 @@ class Forward(NamedTuple):
     context: int
     cells: int
 
-    def rows(self, graph: WarmupGraph) -> int:
+    def rows(self, graph: PeerGraph) -> int:
         """The query rows ``graph`` computes for this forward: its batch × its query
         tokens, or its tokens for a ragged ``mixed`` graph."""
         return graph.query_tokens if graph.phase == "mixed" else graph.batch * graph.query_tokens
 
 
-def runtime_of(scheme: str) -> Runtime:
-    """The runtime whose warm-up set ``scheme`` is: its name up to the first ``-``
-    (``gaudi-linear``, ``gaudi-file``: ``gaudi``), one of :data:`RUNTIMES`."""
-    runtime = scheme.split("-")[0]
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"scheme must name one of the runtimes {', '.join(RUNTIMES)}, got {scheme!r}")
-    return runtime
+def peer_of(scheme: str) -> Peer:
+    """The peer whose warm set ``scheme`` is: its name up to the first ``-``
+    (``gaudi-linear``, ``gaudi-file``: ``gaudi``), one of :data:`PEERS`."""
+    peer = scheme.split("-")[0]
+    if peer not in PEERS:
+        raise ConfigError(f"scheme must name one of the runtimes {', '.join(PEERS)}, got {scheme!r}")
+    return peer
 
 
-def step_forwards(runtime: Runtime, q_lens: Sequence[int], kv_lens: Sequence[int],
+def step_forwards(peer: Peer, q_lens: Sequence[int], kv_lens: Sequence[int],
                   limits: PeerLimits) -> tuple[Forward, ...]:
-    """The forwards ``runtime`` runs for one engine step of sequences with ``q_lens``
+    """The forwards ``peer`` runs for one engine step of sequences with ``q_lens``
     new tokens over ``kv_lens`` tokens in all (context included), under its defaults
     (both of vllm-gaudi's strategies run steps alike):
 
@@ -667,40 +667,40 @@ def step_forwards(runtime: Runtime, q_lens: Sequence[int], kv_lens: Sequence[int
                        sum(q * kv for q, kv in seqs))
 
     seqs = list(zip(q_lens, kv_lens))
-    if runtime == "tpu":
+    if peer == "tpu":
         tokens = sum(q_lens)
         return (forward("mixed", len(seqs), tokens, None, seqs),)
     block = limits.block_size  # gaudi: a context in blocks, -(-n // block) = ceil(n / block)
-    prompts = [forward("prefill", 1, q, None if runtime == "rbln" else -((q - kv) // block), [(q, kv)])
+    prompts = [forward("prefill", 1, q, None if peer == "rbln" else -((q - kv) // block), [(q, kv)])
                for q, kv in seqs if q != 1]
     decoding = [(q, kv) for q, kv in seqs if q == 1]
     if not decoding:
         return tuple(prompts)
-    blocks = None if runtime == "rbln" else sum(-(-kv // block) for _, kv in decoding)
+    blocks = None if peer == "rbln" else sum(-(-kv // block) for _, kv in decoding)
     return (*prompts, forward("decode", len(decoding), 1, blocks, decoding))
 
 
 class WorkloadForwards:
-    """The forwards each runtime runs for a workload's engine ``steps`` under ``limits``
-    (:func:`step_forwards`), counted by value, once per runtime and kept: what the host
+    """The forwards each peer runs for a workload's engine ``steps`` under ``limits``
+    (:func:`step_forwards`), counted by value, once per peer and kept: what the host
     settings and the coverage table both read."""
 
     def __init__(self, steps: Sequence[BatchLayout], limits: PeerLimits) -> None:
         self.steps = steps
         self.limits = limits
-        self._counted: dict[Runtime, Counter[Forward]] = {}
+        self._counted: dict[Peer, Counter[Forward]] = {}
 
-    def of(self, runtime: Runtime) -> Counter[Forward]:
-        """``runtime``'s forwards with how many times each runs (do not change it)."""
-        counted = self._counted.get(runtime)
+    def of(self, peer: Peer) -> Counter[Forward]:
+        """``peer``'s forwards with how many times each runs (do not change it)."""
+        counted = self._counted.get(peer)
         if counted is None:
-            counted = self._counted[runtime] = Counter(
-                f for layout in self.steps for f in step_forwards(runtime, layout.q_lens, layout.kv_lens, self.limits))
+            counted = self._counted[peer] = Counter(
+                f for layout in self.steps for f in step_forwards(peer, layout.q_lens, layout.kv_lens, self.limits))
         return counted
 
 
-#: The schemes by name, each under its runtime's defaults.
-WARMUPS: dict[str, Callable[[PeerLimits], WarmupSet]] = {
+#: The schemes by name, each under its peer's defaults.
+WARMUPS: dict[str, Callable[[PeerLimits], PeerWarmSet]] = {
     "gaudi-linear": partial(gaudi_warmup, strategy="linear"),
     "gaudi-exponential": partial(gaudi_warmup, strategy="exponential"),
     "rbln": rbln_warmup,

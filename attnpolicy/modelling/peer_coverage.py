@@ -1,16 +1,16 @@
-"""What other runtimes' warm-up sets serve of a workload, counted exactly (no cost model).
+"""What the peers' warm sets serve of a workload, counted exactly (no cost model).
 
 Each engine step of a workload (one layout per step, as the batch former forms them)
-runs as the forwards its runtime runs for it
+runs as the forwards its peer runs for it
 (:func:`~attnpolicy.modelling.peer_buckets.step_forwards`); each forward is served by
-the first warm-up graph that holds it (:meth:`WarmupSet.serves
-<attnpolicy.modelling.peer_buckets.WarmupSet.serves>`) or by none: the runtime then
+the first warm-up graph that holds it (:meth:`PeerWarmSet.serves
+<attnpolicy.modelling.peer_buckets.PeerWarmSet.serves>`) or by none: the peer then
 compiles a graph after warm-up (vllm-gaudi can be told to fail instead). A
-:class:`PeerCoverage` counts, for one warm-up set: its graphs (prefill, decode and
+:class:`PeerCoverage` counts, for one warm set: its graphs (prefill, decode and
 ragged ``mixed``), the graphs the workload used, the forwards it left unserved with
 their distinct shapes (at most that many graphs compiled at run time: a graph compiled
 for one serves the smaller ones after it), and the padding: the query rows the serving
-graphs compute beyond the tokens they hold. A runtime that refuses to start
+graphs compute beyond the tokens they hold. A peer that refuses to start
 under the limits (its own rule, a :class:`~attnpolicy.errors.ConfigError`) gets a row
 that says why and counts nothing.
 """
@@ -27,17 +27,17 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
     Forward,
-    WarmupGraph,
-    WarmupSet,
+    PeerGraph,
+    PeerWarmSet,
     WorkloadForwards,
-    runtime_of,
+    peer_of,
 )
 
 
 @dataclass(frozen=True)
 class PeerCoverage:
-    """One warm-up set against one workload (see the module docstring); ``refused``:
-    why the runtime would not start (then every count is 0)."""
+    """One warm set against one workload (see the module docstring); ``refused``:
+    why the peer would not start (then every count is 0)."""
 
     scheme: str
     graphs: int
@@ -65,11 +65,11 @@ class PeerCoverage:
                 "refused": self.refused}
 
 
-def coverage(label: str, warm: WarmupSet, forwards: Iterable[Forward]) -> PeerCoverage:
-    """How ``warm`` serves ``forwards`` (each of its runtime's forwards of a workload),
+def coverage(label: str, warm: PeerWarmSet, forwards: Iterable[Forward]) -> PeerCoverage:
+    """How ``warm`` serves ``forwards`` (each of its peer's forwards of a workload),
     as the row ``label``."""
     counted = forwards if isinstance(forwards, Counter) else Counter(forwards)  # forwards repeat: decodes above all
-    used: set[WarmupGraph] = set()
+    used: set[PeerGraph] = set()
     unserved = unserved_shapes = tokens = padded = 0
     for f, n in counted.items():
         graph = warm.serves(f.phase, f.batch, f.query_tokens, f.context_blocks)
@@ -85,21 +85,21 @@ def coverage(label: str, warm: WarmupSet, forwards: Iterable[Forward]) -> PeerCo
 
 
 def peer_coverage(forwards: WorkloadForwards,
-                  extra: Sequence[tuple[str, Callable[[], WarmupSet]]] = ()) -> tuple[PeerCoverage, ...]:
-    """Every runtime's default warm-up set (:data:`~attnpolicy.modelling.peer_buckets.WARMUPS`)
+                  extra: Sequence[tuple[str, Callable[[], PeerWarmSet]]] = ()) -> tuple[PeerCoverage, ...]:
+    """Every peer's default warm set (:data:`~attnpolicy.modelling.peer_buckets.WARMUPS`)
     for the workload's limits, then each ``(label, make)`` of ``extra`` (``make()``: a
-    runtime's set under other settings, such as a plan's), against the workload's
+    peer's set under other settings, such as a plan's), against the workload's
     ``forwards``."""
 
-    def row(label: str, make: Callable[[], WarmupSet]) -> PeerCoverage:
+    def row(label: str, make: Callable[[], PeerWarmSet]) -> PeerCoverage:
         try:
             warm = make()
         except ConfigError as exc:
             return PeerCoverage(label, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, str(exc))
-        return coverage(label, warm, forwards.of(runtime_of(warm.scheme)))
+        return coverage(label, warm, forwards.of(peer_of(warm.scheme)))
 
-    defaults: list[tuple[str, Callable[[], WarmupSet]]] = [(name, partial(make, forwards.limits))
-                                                            for name, make in WARMUPS.items()]
+    defaults: list[tuple[str, Callable[[], PeerWarmSet]]] = [(name, partial(make, forwards.limits))
+                                                              for name, make in WARMUPS.items()]
     return tuple(row(label, make) for label, make in [*defaults, *extra])
 
 

@@ -1,7 +1,7 @@
-"""What a warm-up set costs on a workload, in modelled seconds and bytes: the
-runtimes' own sets and a plan's, priced by one rule with one model's step fits.
+"""What a warm set costs on a workload, in modelled seconds and bytes: the
+peers' own sets and a plan's, priced by one rule with one model's step fits.
 
-A whole-model graph of any runtime is priced as this machine's calibrated MASK step
+A whole-model graph of any peer is priced as this machine's calibrated MASK step
 graph (:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` ``steps``)
 at three features of its shape: the query ``rows`` it computes, the cached
 ``context`` columns it holds and the attention score ``cells`` it computes per layer
@@ -25,7 +25,7 @@ sets differ only by their shapes: how many graphs, how much padding.
 Warm-up compiles every graph of the set once, plus the model's first-compile start-up
 (``warmup_seconds``; paid by the first run-time compile instead when the set is
 empty). Each forward runs on the graph that serves it
-(:meth:`~attnpolicy.modelling.peer_buckets.WarmupSet.serves`); a forward no graph
+(:meth:`~attnpolicy.modelling.peer_buckets.PeerWarmSet.serves`); a forward no graph
 serves compiles a graph of its own shape at run time (each distinct shape once, then
 reused) and runs there. Warm graph bytes hold the warm
 graphs, peak graph bytes every warm graph and every graph compiled at run time
@@ -43,7 +43,7 @@ from typing import Any
 from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.keys import ModelKey
 from attnpolicy.modelling.bucket_schemes import vllm_sizes
-from attnpolicy.modelling.peer_buckets import Forward, PeerLimits, WarmupGraph, WarmupSet
+from attnpolicy.modelling.peer_buckets import Forward, PeerGraph, PeerLimits, PeerWarmSet
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 
 
@@ -56,7 +56,7 @@ class Shape:
     cells: int
 
 
-def graph_shape(graph: WarmupGraph, limits: PeerLimits) -> Shape:
+def graph_shape(graph: PeerGraph, limits: PeerLimits) -> Shape:
     """The static shape ``graph`` compiles and holds (see the module docstring)."""
     b, q = graph.batch, graph.query_tokens
     if graph.phase == "mixed":
@@ -69,7 +69,7 @@ def graph_shape(graph: WarmupGraph, limits: PeerLimits) -> Shape:
     return Shape(b, context, context + b)
 
 
-def run_shape(graph: WarmupGraph, forward: Forward, limits: PeerLimits) -> Shape:
+def run_shape(graph: PeerGraph, forward: Forward, limits: PeerLimits) -> Shape:
     """The shape ``forward`` runs at on ``graph``: a ragged graph's padded rows over the
     forward's real context and cells, any other graph's static shape."""
     if graph.phase == "mixed":
@@ -77,10 +77,10 @@ def run_shape(graph: WarmupGraph, forward: Forward, limits: PeerLimits) -> Shape
     return graph_shape(graph, limits)
 
 
-def own_graph(forward: Forward) -> WarmupGraph:
-    """The graph a runtime compiles at run time for a forward none of its graphs serves:
+def own_graph(forward: Forward) -> PeerGraph:
+    """The graph a peer compiles at run time for a forward none of its graphs serves:
     the forward's own shape."""
-    return WarmupGraph(forward.phase, forward.batch, forward.query_tokens, forward.context_blocks)
+    return PeerGraph(forward.phase, forward.batch, forward.query_tokens, forward.context_blocks)
 
 
 class Pricing:
@@ -90,12 +90,12 @@ class Pricing:
         steps = model.step_fits()
         self.model, self.limits = model, limits
         self.compile_fit, self.run_fit = steps.compile["mask"], steps.run["mask"]
-        self._graphs: dict[WarmupGraph, tuple[float, int]] = {}
+        self._graphs: dict[PeerGraph, tuple[float, int]] = {}
 
     def run_seconds(self, shape: Shape) -> float:
         return self.run_fit.at(shape.rows, shape.context, shape.cells)
 
-    def graph(self, graph: WarmupGraph) -> tuple[float, int]:
+    def graph(self, graph: PeerGraph) -> tuple[float, int]:
         """``graph``'s compile seconds and bytes."""
         priced = self._graphs.get(graph)
         if priced is None:
@@ -105,7 +105,7 @@ class Pricing:
             self._graphs[graph] = priced
         return priced
 
-    def warmup(self, graphs: Sequence[WarmupGraph]) -> tuple[float, int]:
+    def warmup(self, graphs: Sequence[PeerGraph]) -> tuple[float, int]:
         """A warm-up of ``graphs``: its seconds (each compile, and the first compile's
         start-up unless there is none; summed exactly, so in any order alike) and the
         graphs' bytes."""
@@ -116,7 +116,7 @@ class Pricing:
 
 @dataclass(frozen=True)
 class WarmupCost:
-    """One warm-up set on one workload: its graphs, the warm-up's modelled compile
+    """One warm set on one workload: its graphs, the warm-up's modelled compile
     seconds, the forwards' run seconds, the graphs compiled at run time (distinct
     shapes no warm graph serves), the forwards they served, their compile seconds,
     padding (rows computed beyond the tokens, per token), peak graph bytes and the
@@ -150,11 +150,11 @@ class WarmupCost:
                 "total_seconds": self.total_seconds}
 
 
-def warmup_cost(label: str, warm: WarmupSet, forwards: Counter[Forward], pricing: Pricing) -> WarmupCost:
-    """What ``warm`` costs serving ``forwards`` (its runtime's forwards of a workload,
+def warmup_cost(label: str, warm: PeerWarmSet, forwards: Counter[Forward], pricing: Pricing) -> WarmupCost:
+    """What ``warm`` costs serving ``forwards`` (its peer's forwards of a workload,
     counted), as the row ``label`` (see the module docstring)."""
     limits = pricing.limits
-    compiled: dict[WarmupGraph, None] = {}  # compiled at run time, in order
+    compiled: dict[PeerGraph, None] = {}  # compiled at run time, in order
     run = 0.0
     tokens = padded = unserved = 0
     for f, n in forwards.items():
@@ -174,10 +174,10 @@ def warmup_cost(label: str, warm: WarmupSet, forwards: Counter[Forward], pricing
                       start + sum(s for s, _ in late), tokens, padded, warm_bytes + sum(b for _, b in late), warm_bytes)
 
 
-def vllm_warmup(limits: PeerLimits) -> WarmupSet:
+def vllm_warmup(limits: PeerLimits) -> PeerWarmSet:
     """vLLM's own piecewise graphs: one ragged graph per default capture size
     (:func:`~attnpolicy.modelling.bucket_schemes.vllm_sizes`, continued in steps of 16
     up to ``max_num_batched_tokens``; vLLM itself runs steps above 512 tokens on one
     dynamically shaped graph)."""
-    return WarmupSet.of("vllm", (WarmupGraph("mixed", limits.max_num_seqs, t)
-                                 for t in vllm_sizes(limits.max_num_batched_tokens)))
+    return PeerWarmSet.of("vllm", (PeerGraph("mixed", limits.max_num_seqs, t)
+                                   for t in vllm_sizes(limits.max_num_batched_tokens)))

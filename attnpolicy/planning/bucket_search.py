@@ -93,7 +93,7 @@ class CallShapes:
 
 
 @dataclass(frozen=True)
-class PlanCost:
+class BucketListCost:
     """The modelled time of a workload under one bucket list (every graph compiled once)."""
 
     sizes: tuple[int, ...]
@@ -118,7 +118,7 @@ def _coefficients(model: CostModel, which: str) -> np.ndarray:
     return np.array([(f.base, f.per_cell, f.per_token) for f in _fits(model, which)])
 
 
-def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> PlanCost:
+def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> BucketListCost:
     """The exact modelled time of ``shapes`` bucketed by ``sizes`` (ascending, the last
     at least the longest length)."""
     s = np.asarray(sorted(sizes), dtype=np.int64)
@@ -141,7 +141,7 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Plan
         graphs += used.size
         padded += int((n * (bq - q_exact)).sum())
     run_total += model.call_overhead_seconds * shapes.calls
-    return PlanCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)
+    return BucketListCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)
 
 
 def candidates(shapes: CallShapes, align: int, limits: Mapping[CallKind, int] | None = None) -> np.ndarray:
@@ -153,14 +153,14 @@ def candidates(shapes: CallShapes, align: int, limits: Mapping[CallKind, int] | 
     cap = np.full(shapes.kind.size, np.iinfo(np.int64).max, dtype=np.int64)
     for kind, limit in (limits or {}).items():
         if limit < 1:
-            raise ConfigError(f"the limit of family {kind.value} must be >= 1, got {limit}")
+            raise ConfigError(f"the limit of call kind {kind.value} must be >= 1, got {limit}")
         cap[shapes.kind == _CODE[kind]] = limit
     up = [np.minimum(-(-x // align) * align, cap) for x in (shapes.q, shapes.kv)]
     over = np.flatnonzero(up[1] < shapes.kv)
     if over.size:
         i = int(over[0])
         raise ConfigError(f"a {CALL_KINDS[int(shapes.kind[i])].value} call of length {int(shapes.kv[i])} is above "
-                          f"its family's limit {int(cap[i])}")
+                          f"its call kind's limit {int(cap[i])}")
     return np.unique(np.concatenate(up))
 
 
@@ -386,7 +386,7 @@ class SizePlan:
     """The best bucket list found for one number of buckets, and the program's lower bound."""
 
     buckets: int
-    cost: PlanCost
+    cost: BucketListCost
     lower_bound: float
 
     @property

@@ -1,6 +1,13 @@
-"""Plan the graph set of a workload: buckets, policy, eviction and warm-up set.
+"""Plan the graph set of a workload: buckets, policy, eviction and warm set, at
+either level.
 
-For each policy whose decisions depend only on the layout (``stateless``), the
+One pipeline (:func:`plan_graphs`) plans each policy, keeps the one with the lowest
+simulated total and writes the config that applies it; one result (:class:`GraphPlan`)
+holds it. What differs between the levels is how a policy's buckets are searched and
+whether a warm set is planned, a :class:`PlanLevel`: :class:`AttentionPlanLevel`
+(below) and :class:`WholeModelPlanLevel` (the last paragraph).
+
+At the attention level, for each policy whose decisions depend only on the layout (``stateless``), the
 workload's exact call shapes give candidate bucket lists, one per number of buckets
 (:func:`~attnpolicy.planning.bucket_search.plan_sizes`: exact or near-optimal for the
 modelled time with every graph compiled once). Each candidate is then simulated at
@@ -14,7 +21,7 @@ best bucket list and eviction strategy are kept:
    simulated with every live eviction strategy. When every graph fits, eviction
    never runs and LRU is kept.
 
-The policy with the lowest simulated total wins. Its warm-up set is the graphs the
+The policy with the lowest simulated total wins. Its warm set is the graphs the
 planned traffic uses most, within the capacity and the warm-up budget (modelled
 compile seconds): a knapsack solved greedily by uses per compile second, whose
 value is the calls served without a compile stall. With a graph store
@@ -25,7 +32,7 @@ under LRU and under Belady's offline optimum at the same capacity.
 
 Everything is a pure function of the steps, the base config and the cost model.
 
-Whole-model graphs (:func:`plan_model_graphs`) cost seconds each to compile, so the
+Whole-model graphs (:class:`WholeModelPlanLevel`) cost seconds each to compile, so the
 number of distinct graphs (buckets × modes, VARLEN: combinations of buckets) weighs
 on their plan far more than padding. For each stateless policy the planner decides
 every batch's mode once, then grows a bucket list greedily: it starts from the
@@ -35,6 +42,7 @@ lowers the simulated total at the given capacity (best of the live evictions tri
 until no size lowers it or ``max_buckets`` is reached. Every candidate is costed by a
 replay of its key stream (:func:`~attnpolicy.modelling.simulation.replay_keys`); the
 plan is compared with the base config's buckets (pow2) under LRU and under Belady.
+No warm set is planned.
 """
 
 from __future__ import annotations
@@ -42,8 +50,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field, is_dataclass
+from operator import attrgetter
+from typing import Any, Generic, Protocol, TypeVar
 
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
@@ -64,12 +73,14 @@ from attnpolicy.modelling.simulation import (
     spec_of,
 )
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
-from attnpolicy.planning.bucket_search import ALIGN, CallShapes, PlanCost, evaluate, plan_sizes
+from attnpolicy.planning.bucket_search import ALIGN, BucketListCost, CallShapes, evaluate, plan_sizes
 from attnpolicy.planning.call_table import CallTable, tabled
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import ScheduledBatch, Workload
 
+#: A policy plan's simulated row (a level's).
+R = TypeVar("R", bound=SimRow | ModelSimRow)
 #: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
 PLAN_POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
 #: The live eviction strategies a plan tries by default.
@@ -96,8 +107,8 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class WarmGraph:
-    """A graph of the warm-up set: its shape, the planned calls it serves, and its
+class WarmShapeCost:
+    """A graph of the warm set: its shape, the planned calls it serves, and its
     modelled compile seconds and bytes; ``load_seconds`` when a warm store holds it
     (warm-up loads it), else ``None``."""
 
@@ -114,41 +125,66 @@ class WarmGraph:
 
 
 @dataclass(frozen=True)
-class PolicyPlan:
+class PolicyPlan(Generic[R]):
     """The best bucket list and eviction found for one policy, the simulated row of
     that plan, the baselines (the base buckets with LRU and with Belady at the same
-    capacity) and every candidate tried. ``fits``: the plan never evicts. ``buckets``
-    holds ``cover``, the sizes :func:`completed` added that no planned call uses."""
+    capacity) and every candidate tried (none at the model level). ``fits``: the plan
+    never evicts. ``buckets`` holds ``cover``, the sizes :func:`completed` added that no
+    planned call uses. ``json_keys``: the (JSON key, attribute) pairs of :meth:`to_json`,
+    its level's."""
 
     policy: str
     buckets: tuple[int, ...]
     cover: tuple[int, ...]
     eviction: str
     fits: bool
-    row: SimRow
-    baselines: tuple[SimRow, ...]
+    row: R
+    baselines: tuple[R, ...]
     candidates: tuple[Candidate, ...]
+    json_keys: tuple[tuple[str, str], ...] = field(repr=False, compare=False)
 
-    def baseline(self, eviction: str) -> SimRow:
+    def baseline(self, eviction: str) -> R:
         return next(r for r in self.baselines if r.eviction == eviction)
+
+    @property
+    def base_lru(self) -> R:
+        return self.baseline("lru")
+
+    @property
+    def base_belady(self) -> R:
+        return self.baseline(BELADY)
+
+    @property
+    def vs_lru(self) -> float:
+        """The base buckets' total with LRU over the plan's (above 1: the plan is faster)."""
+        return float(self.base_lru.total_seconds / self.row.total_seconds)
+
+    @property
+    def vs_belady(self) -> float:
+        return float(self.base_belady.total_seconds / self.row.total_seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        return _keyed(self, self.json_keys)
 
 
 @dataclass(frozen=True)
-class GraphPlan:
-    """What ``attnpolicy plan`` chose: per policy its :class:`PolicyPlan`, the chosen
-    policy, its warm-up set and the config that applies it."""
+class GraphPlan(Generic[R]):
+    """What ``attnpolicy plan`` chose at one level: per policy its :class:`PolicyPlan`,
+    the chosen policy, its warm set (none at the model level) and the config that
+    applies it. ``json_keys``: as :attr:`PolicyPlan.json_keys`."""
 
     policy: str
     max_graphs: int | None
     max_bytes: int | None
     warmup_seconds: float | None
     base_buckets: str
-    policies: tuple[PolicyPlan, ...]
-    warm: tuple[WarmGraph, ...]
+    policies: tuple[PolicyPlan[R], ...]
+    warm: tuple[WarmShapeCost, ...]
     config: AttnPolicyConfig
+    json_keys: tuple[tuple[str, str], ...] = field(repr=False, compare=False)
 
     @property
-    def chosen(self) -> PolicyPlan:
+    def chosen(self) -> PolicyPlan[R]:
         return next(p for p in self.policies if p.policy == self.policy)
 
     @property
@@ -159,18 +195,34 @@ class GraphPlan:
     def warm_load_seconds(self) -> float:
         return sum(w.load_seconds for w in self.warm if w.load_seconds is not None)
 
-    def to_json(self) -> dict[str, Any]:
-        """The plan as JSON (the config as saved); a warm graph has ``from_disk`` and
-        ``load_seconds`` only when a store was planned with."""
-        out = asdict(self)
-        out["config"] = self.config.model_dump(mode="json")
-        out["policies"] = [{**d, "row": p.row.to_json(), "baselines": [b.to_json() for b in p.baselines]}
-                           for d, p in zip(out["policies"], self.policies)]
+    @property
+    def warm_json(self) -> list[dict[str, Any]]:
+        """The warm set as JSON: a graph has ``from_disk`` and ``load_seconds`` only
+        when a store was planned with."""
         store = self.config.store_dir is not None
-        out["warm"] = [{**{k: v for k, v in asdict(w).items() if store or k != "load_seconds"},
-                        "shape": w.shape.model_dump(mode="json"),
-                        **({"from_disk": w.load_seconds is not None} if store else {})} for w in self.warm]
-        return out
+        return [{**{k: v for k, v in asdict(w).items() if store or k != "load_seconds"},
+                 "shape": w.shape.model_dump(mode="json"),
+                 **({"from_disk": w.load_seconds is not None} if store else {})} for w in self.warm]
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON (the config as saved)."""
+        return _keyed(self, self.json_keys)
+
+
+def _keyed(obj: object, keys: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """``obj`` as JSON under ``keys`` ((JSON key, dotted attribute) pairs): a row or
+    plan by its ``to_json``, a config as saved, a tuple as a list."""
+
+    def value(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [value(x) for x in v]
+        if isinstance(v, AttnPolicyConfig):
+            return v.model_dump(mode="json")
+        if hasattr(v, "to_json"):
+            return v.to_json()
+        return asdict(v) if is_dataclass(v) and not isinstance(v, type) else v
+
+    return {key: value(attrgetter(name)(obj)) for key, name in keys}
 
 
 def layouts_of(steps: Sequence[ScheduledBatch | BatchLayout]) -> list[BatchLayout]:
@@ -242,7 +294,7 @@ def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
 
 
 def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel,
-                    max_buckets: int, align: int = ALIGN) -> list[PlanCost]:
+                    max_buckets: int, align: int = ALIGN) -> list[BucketListCost]:
     """The bucket lists to simulate, each with its capacity-free modelled time: for
     every number of buckets up to ``max_buckets``, the planner's best list of sizes
     aligned to ``align`` (see :func:`~attnpolicy.planning.bucket_search.candidates`)
@@ -266,7 +318,7 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
 def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
                 evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
                 progress: Callable[[str], None] | None = None, rejected: int = 0,
-                table: CallTable | None = None, align: int = ALIGN) -> PolicyPlan:
+                table: CallTable | None = None, align: int = ALIGN) -> PolicyPlan[SimRow]:
     """The best bucket list (sizes aligned to ``align``) and eviction for ``policy`` at
     ``base``'s capacity (``max_graphs``, ``max_bytes``), searched as the module
     docstring says, :func:`completed`; ``progress(label)`` is called after each
@@ -319,12 +371,12 @@ def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base
                                  {e: r.total_seconds for e, r in rows.get(p.sizes, {}).items()})
                        for p in plans)
     return PolicyPlan(policy, *completed(sizes, base, modes, longest), eviction, row.evictions == 0, row, baselines,
-                      candidates)
+                      candidates, AttentionPlanLevel.policy_keys)
 
 
 def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyConfig, model: CostModel,
                spec: TensorSpec | None = None, table: CallTable | None = None,
-               store_warm: bool = False) -> list[WarmGraph]:
+               store_warm: bool = False) -> list[WarmShapeCost]:
     """Every graph ``config``'s dispatcher requests for ``steps``, with its shape and the
     calls it serves, most used first (ties: cheaper to compile first). ``table``: the
     :class:`CallTable` of ``config``'s policy for ``steps`` (built when not given).
@@ -337,7 +389,7 @@ def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicy
     for i, (key, r, n) in enumerate(zip(b.keys, b.first.tolist(), b.uses.tolist())):
         shape = WarmShape(kind=key.kind, q_bucket=int(b.q_bucket[i]), kv_bucket=int(b.kv_bucket[i]),
                           causal=bool(table.causal[r]), context=bool(table.context[r]))
-        graphs.append(WarmGraph(shape, n, model.compile_seconds(key), model.graph_bytes(key),
+        graphs.append(WarmShapeCost(shape, n, model.compile_seconds(key), model.graph_bytes(key),
                                 model.load_seconds(key) if i in on_disk else None))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
 
@@ -354,12 +406,12 @@ def evaluated(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicyC
     return table.rows(config, [config.eviction], base_scheme(config).name, rejected)[0]
 
 
-def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int | None,
-             budget_seconds: float | None) -> tuple[WarmGraph, ...]:
+def warm_set(graphs: Sequence[WarmShapeCost], max_graphs: int | None, max_bytes: int | None,
+             budget_seconds: float | None) -> tuple[WarmShapeCost, ...]:
     """The graphs to compile (or load, from a warm store) at start: most uses per warm-up
     second first, skipping one that does not fit what is left of the budget, the
     capacity or the byte bound."""
-    chosen: list[WarmGraph] = []
+    chosen: list[WarmShapeCost] = []
     seconds = 0.0
     nbytes = 0
     for g in sorted(graphs, key=lambda g: (-g.uses / max(g.seconds, 1e-12), -g.uses)):
@@ -375,53 +427,117 @@ def warm_set(graphs: Sequence[WarmGraph], max_graphs: int | None, max_bytes: int
     return tuple(chosen)
 
 
-def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, model: CostModel,
+class PlanSearch(Protocol[R]):
+    """One workload's search at one level (see :class:`PlanLevel`): ``plan(policy, ...)``
+    its :class:`PolicyPlan`; ``warm_graphs(config, store_warm)``: every graph a planned
+    config uses, most used first, for :func:`warm_set`."""
+
+    def plan(self, policy: str, evictions: Sequence[str], max_buckets: int,
+             progress: Callable[[str], None] | None, align: int) -> PolicyPlan[R]: ...
+    def warm_graphs(self, config: AttnPolicyConfig, store_warm: bool) -> list[WarmShapeCost]: ...
+
+
+class PlanLevel(Protocol[R]):
+    """What differs between the levels in a plan: how a workload's policies are searched
+    (``search``), the strict mode a plan's config runs in after warm-up (``strict``;
+    ``None``: the base config's), and the JSON keys of a plan and of a policy's plan
+    (:attr:`GraphPlan.json_keys`, :attr:`PolicyPlan.json_keys`)."""
+
+    plan_keys: tuple[tuple[str, str], ...]
+    policy_keys: tuple[tuple[str, str], ...]
+    strict: str | None
+
+    def search(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
+                policies: Sequence[str]) -> PlanSearch[R]: ...
+
+
+def _same(*names: str) -> tuple[tuple[str, str], ...]:
+    """(JSON key, attribute) pairs of attributes written under their own names."""
+    return tuple((name, name) for name in names)
+
+
+class AttentionPlanLevel:
+    """Attention calls: candidate bucket lists simulated on each policy's
+    :class:`CallTable` (the tables share their work), priced by ``model`` for ``spec``
+    (default: the model's); ``rejected`` (requests the caller left out) is reported in
+    every row. After warm-up a plan's config is :data:`PLAN_STRICT`."""
+
+    plan_keys = (*_same("policy", "max_graphs", "max_bytes", "warmup_seconds", "base_buckets", "policies"),
+                 ("warm", "warm_json"), ("config", "config"))
+    policy_keys = _same("policy", "buckets", "cover", "eviction", "fits", "row", "baselines", "candidates")
+    strict: str | None = PLAN_STRICT
+
+    def __init__(self, model: CostModel, spec: TensorSpec | None = None, rejected: int = 0) -> None:
+        self.model, self.spec, self.rejected = model, spec, rejected
+
+    def search(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
+                policies: Sequence[str]) -> _Tabled:
+        return _Tabled(self, steps, base, policies)
+
+
+class _Tabled:
+    """:func:`plan_policy` and :func:`graph_uses` on one workload's shared call tables."""
+
+    def __init__(self, level: AttentionPlanLevel, steps: Sequence[ScheduledBatch | BatchLayout],
+                 base: AttnPolicyConfig, policies: Sequence[str]) -> None:
+        self._level, self._steps, self._base = level, steps, base
+        self._tables: dict[str, CallTable] = {}
+        for p in policies:
+            table = self._tables[p] = CallTable(layouts_of(steps), p, base, level.model, level.spec)
+            for other in self._tables.values():
+                table.share(other)
+
+    def plan(self, policy: str, evictions: Sequence[str], max_buckets: int,
+             progress: Callable[[str], None] | None, align: int) -> PolicyPlan[SimRow]:
+        level = self._level
+        return plan_policy(self._steps, policy, self._base, level.model, evictions, max_buckets, level.spec, progress,
+                           level.rejected, self._tables[policy], align)
+
+    def warm_graphs(self, config: AttnPolicyConfig, store_warm: bool) -> list[WarmShapeCost]:
+        return graph_uses(self._steps, config, self._level.model, self._level.spec, self._tables[config.policy],
+                          store_warm)
+
+
+def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, level: PlanLevel[R],
                 policies: Sequence[str] = PLAN_POLICIES, evictions: Sequence[str] = PLAN_EVICTIONS,
                 warmup_seconds: float | None = None, max_buckets: int = 16,
-                spec: TensorSpec | None = None, progress: Callable[[str], None] | None = None,
-                rejected: int = 0, store_warm: bool = False, align: int = ALIGN) -> GraphPlan:
-    """Plan ``steps`` at ``base``'s capacity: per policy its buckets and eviction, the
-    best policy, its warm-up set within ``warmup_seconds`` (modelled compile seconds;
-    ``None``: as many as the capacity holds), and the config applying it (strict mode
-    :data:`PLAN_STRICT` after warm-up). ``rejected`` (requests the caller left out) is
-    reported in every row. With ``base.store_dir`` the rows model its store (empty at
-    start) and, with ``store_warm``, the warm-up set loads what it holds (see
-    :func:`graph_uses`). Planned sizes are multiples of ``align`` (or a kind's limit)."""
+                progress: Callable[[str], None] | None = None, store_warm: bool = False,
+                align: int = ALIGN) -> GraphPlan[R]:
+    """Plan ``steps`` at ``base``'s capacity, as ``level`` searches: per policy its
+    buckets and eviction, the best policy, its warm set within ``warmup_seconds``
+    (modelled compile seconds; ``None``: as many as the capacity holds), and the config
+    applying it. With ``base.store_dir`` the rows model its store (empty at start) and,
+    with ``store_warm``, the warm set loads what it holds (see :func:`graph_uses`).
+    Planned sizes are multiples of ``align`` (or a kind's limit)."""
     if not steps:
         raise ConfigError("a plan needs at least one step, got none (empty workload)")
     if warmup_seconds is not None and warmup_seconds < 0:
         raise ConfigError(f"warmup_seconds must be >= 0, got {warmup_seconds}")
     base = with_fields(base, warmup=[])  # a previous plan's warm set may not fit the new buckets
-    tables: dict[str, CallTable] = {}
-    for p in policies:
-        table = tables[p] = CallTable(layouts_of(steps), p, base, model, spec)
-        for other in tables.values():
-            table.share(other)
-    per_policy = tuple(plan_policy(steps, p, base, model, evictions, max_buckets, spec, progress, rejected,
-                                   tables[p], align) for p in policies)
+    search = level.search(steps, base, policies)
+    per_policy = tuple(search.plan(p, evictions, max_buckets, progress, align) for p in policies)
     chosen = min(per_policy, key=lambda p: p.row.total_seconds)
     config = with_fields(base, policy=chosen.policy,
                          policy_options=base.policy_options if chosen.policy == base.policy else {},
                          buckets={"kind": "list", "sizes": list(chosen.buckets)}, eviction=chosen.eviction,
-                         strict=PLAN_STRICT)
-    uses = graph_uses(steps, config, model, spec, tables[chosen.policy], store_warm)
-    warm = warm_set(uses, base.max_graphs, base.max_bytes, warmup_seconds)
+                         **({} if level.strict is None else {"strict": level.strict}))
+    warm = warm_set(search.warm_graphs(config, store_warm), base.max_graphs, base.max_bytes, warmup_seconds)
     config = with_fields(config, warmup=[w.shape.model_dump(mode="json") for w in warm])
     return GraphPlan(chosen.policy, base.max_graphs, base.max_bytes, warmup_seconds, base.buckets.describe(),
-                     per_policy, warm, config)
+                     per_policy, warm, config, level.plan_keys)
 
 
 def _seconds(x: float) -> str:
     return f"{x:.4g}"
 
 
-def describe_buckets(plan: PolicyPlan) -> str:
+def describe_buckets(plan: PolicyPlan[SimRow]) -> str:
     """``plan``'s buckets, the cover (:func:`completed`) apart: ``[16, 880] + cover [8192]``."""
     planned = [b for b in plan.buckets if b not in plan.cover]
     return f"{planned}" + (f" + cover {list(plan.cover)}" if plan.cover else "")
 
 
-def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None) -> str:
+def plan_markdown(plan: GraphPlan[SimRow], source: str, workload: Workload | None = None) -> str:
     """The plan report (``plan.md``): the workload planned (when given: its requests,
     rejections and batches), what was chosen and the predicted totals against the base
     buckets with LRU and with Belady at the same capacity."""
@@ -445,11 +561,9 @@ def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in plan.policies:
-        lru, bel = p.baseline("lru").total_seconds, p.baseline(BELADY).total_seconds
-        total = p.row.total_seconds
         lines.append(f"| {p.policy} | {describe_buckets(p)} | {p.eviction} | {p.row.distinct_keys} "
-                     f"| {p.row.peak_graphs} | {_seconds(total)} | {_seconds(lru)} | {_seconds(bel)} "
-                     f"| {lru / total:.2f}× | {bel / total:.2f}× |")
+                     f"| {p.row.peak_graphs} | {_seconds(p.row.total_seconds)} | {_seconds(p.base_lru.total_seconds)} "
+                     f"| {_seconds(p.base_belady.total_seconds)} | {p.vs_lru:.2f}× | {p.vs_belady:.2f}× |")
     lines += [
         "",
         ("planned buckets: multiples of the alignment that serve every call of the trace, the last one its "
@@ -487,38 +601,22 @@ def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None
 # -- whole-model graphs ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelPolicyPlan:
-    """One policy's plan: its buckets and eviction, the simulated row, and the base
-    buckets' rows under LRU and Belady."""
+class WholeModelPlanLevel:
+    """Whole-model graphs: per policy a bucket list grown greedily (see the module
+    docstring), each candidate priced by a replay of its key stream on ``model``; no
+    warm set. A policy's plan has no cover and no candidates."""
 
-    policy: str
-    buckets: tuple[int, ...]
-    row: ModelSimRow
-    base_lru: ModelSimRow
-    base_belady: ModelSimRow
+    plan_keys = (("policy", "policy"), ("buckets", "chosen.buckets"), ("eviction", "chosen.eviction"),
+                 *_same("max_graphs", "policies"))
+    policy_keys = (*_same("policy", "buckets", "row", "base_lru", "base_belady"), ("speedup_vs_base_lru", "vs_lru"))
+    strict: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"policy": self.policy, "buckets": list(self.buckets), "row": self.row.to_json(),
-                "base_lru": self.base_lru.to_json(), "base_belady": self.base_belady.to_json(),
-                "speedup_vs_base_lru": self.base_lru.total_seconds / self.row.total_seconds}
+    def __init__(self, model: ModelCostModel) -> None:
+        self.model = model
 
-
-@dataclass(frozen=True)
-class ModelPlan:
-    """The best policy's plan (lowest simulated total) and every policy's."""
-
-    config: AttnPolicyConfig
-    policies: tuple[ModelPolicyPlan, ...]
-
-    @property
-    def chosen(self) -> ModelPolicyPlan:
-        return min(self.policies, key=lambda p: p.row.total_seconds)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"policy": self.chosen.policy, "buckets": list(self.chosen.buckets),
-                "eviction": self.chosen.row.eviction, "max_graphs": self.config.max_graphs,
-                "policies": [p.to_json() for p in self.policies]}
+    def search(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
+                policies: Sequence[str]) -> _Greedy:
+        return _Greedy(self.model, layouts_of(steps), base)
 
 
 def _needs(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode]) -> tuple[list[int], list[int]]:
@@ -536,8 +634,8 @@ def _needs(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode]) -> tuple[l
     return seq, batch
 
 
-def plan_model_policy(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig, model: ModelCostModel,
-                      evictions: Sequence[str], max_buckets: int, align: int = ALIGN) -> ModelPolicyPlan:
+def greedy_plan(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig, model: ModelCostModel,
+                evictions: Sequence[str], max_buckets: int, align: int = ALIGN) -> PolicyPlan[ModelSimRow]:
     """The greedy bucket list of ``policy`` (see the module docstring)."""
     if align < 1:
         raise ConfigError(f"align must be >= 1, got {align}")
@@ -573,21 +671,24 @@ def plan_model_policy(layouts: Sequence[BatchLayout], policy: str, base: AttnPol
         chosen.add(c)
         best = row
     base_keys = key_stream(layouts, decided_modes(layouts, with_policy, spec_of(model)), with_policy)
-    return ModelPolicyPlan(policy, tuple(sorted(chosen)), best, replay_keys(base_keys, model, with_policy, "lru"),
-                           replay_keys(base_keys, model, with_policy, "belady"))
+    return PolicyPlan(policy, tuple(sorted(chosen)), (), best.eviction, best.evictions == 0, best,
+                      tuple(replay_keys(base_keys, model, with_policy, e) for e in ("lru", BELADY)), (),
+                      WholeModelPlanLevel.policy_keys)
 
 
-def plan_model_graphs(layouts: Sequence[BatchLayout], base: AttnPolicyConfig, model: ModelCostModel,
-                      policies: Sequence[str], evictions: Sequence[str], max_buckets: int,
-                      progress: Callable[[str], None] | None = None, align: int = ALIGN) -> ModelPlan:
-    """Plan every policy of ``policies``, sizes aligned to ``align``; the config is the
-    best one's (buckets, policy, eviction)."""
-    plans = []
-    for policy in policies:
-        plans.append(plan_model_policy(layouts, policy, base, model, evictions, max_buckets, align))
+class _Greedy:
+    """:func:`greedy_plan` on one workload's layouts."""
+
+    def __init__(self, model: ModelCostModel, layouts: Sequence[BatchLayout], base: AttnPolicyConfig) -> None:
+        self._model, self._layouts, self._base = model, layouts, base
+
+    def plan(self, policy: str, evictions: Sequence[str], max_buckets: int,
+             progress: Callable[[str], None] | None, align: int) -> PolicyPlan[ModelSimRow]:
+        """``policy``'s :func:`greedy_plan`; ``progress(policy)`` when done."""
+        plan = greedy_plan(self._layouts, policy, self._base, self._model, evictions, max_buckets, align)
         if progress:
             progress(policy)
-    best = min(plans, key=lambda p: p.row.total_seconds)
-    config = AttnPolicyConfig(**{**base.model_dump(), "policy": best.policy, "eviction": best.row.eviction,
-                                 "buckets": Buckets(kind="list", sizes=best.buckets)})
-    return ModelPlan(config, tuple(plans))
+        return plan
+
+    def warm_graphs(self, config: AttnPolicyConfig, store_warm: bool) -> list[WarmShapeCost]:
+        return []  # no warm-up is modelled at this level

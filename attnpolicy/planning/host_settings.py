@@ -53,7 +53,7 @@ from attnpolicy.modelling.peer_buckets import (
     Forward,
     LinearRange,
     PeerLimits,
-    WarmupSet,
+    PeerWarmSet,
     WorkloadForwards,
     gaudi_decode_bucket,
     gaudi_decode_graphs,
@@ -183,8 +183,8 @@ class GaudiBuckets:
     missing: tuple[str, ...]
 
     @classmethod
-    def of(cls, warm: WarmupSet, outside: Sequence[str] = ()) -> GaudiBuckets:
-        """The buckets of a warm-up set of vllm-gaudi's form (prefill and decode graphs)
+    def of(cls, warm: PeerWarmSet, outside: Sequence[str] = ()) -> GaudiBuckets:
+        """The buckets of a warm set of vllm-gaudi's form (prefill and decode graphs)
         planned under a budget, ``outside``: what the budget leaves out of it; a phase
         without a bucket is named too (vllm-gaudi refuses the file)."""
         prompt = tuple((g.batch, g.query_tokens, g.context_blocks or 0) for g in warm.phase("prefill"))
@@ -417,7 +417,7 @@ def tpu_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
 
 def rbln_settings(forwards: Counter[Forward], limits: PeerLimits, max_sizes: int,
                   planned: Sequence[int] | None = None,
-                  over: Callable[[WarmupSet], str | None] | None = None) -> dict[str, Any]:
+                  over: Callable[[PeerWarmSet], str | None] | None = None) -> dict[str, Any]:
     """The ``"rbln"`` section of the steps' vllm-rbln ``forwards`` (counted)
     (vllm-rbln@e9ff4c1bc9edcad27bfbd4960310498e5c40c48e, vllm_rbln/rbln_envs.py,
     vllm_rbln/v1/worker/bucketing/manual_bucketing_manager.py):
@@ -469,7 +469,7 @@ class HostSettings:
     def limits(self) -> PeerLimits:
         return self.forwards.limits
 
-    def warmup_sets(self) -> tuple[tuple[str, Callable[[], WarmupSet]], ...]:
+    def warmup_sets(self) -> tuple[tuple[str, Callable[[], PeerWarmSet]], ...]:
         """What vllm-gaudi, tpu-inference and vllm-rbln warm up under these settings, each
         read back as the runtime reads it (its bucketing file, its environment and
         ``additional_config``) when called (a :class:`ConfigError` where the runtime
@@ -483,17 +483,17 @@ class HostSettings:
 
 @dataclass(frozen=True)
 class PlannedForms:
-    """A joint prompt and decode plan's warm-up sets under its budget: vllm-gaudi's
+    """A joint prompt and decode plan's warm sets under its budget: vllm-gaudi's
     ``gaudi`` buckets (their ``missing`` holding what the budget leaves out of that
     form), ``gaudi_outside`` (that alone), the ragged form's token ``paddings`` (empty:
     none within the budget) and ``ragged_outside``, what the budget leaves out of it;
-    ``over``: the bound a warm-up set breaks under the budget, or ``None``."""
+    ``over``: the bound a warm set breaks under the budget, or ``None``."""
 
     gaudi: GaudiBuckets
     gaudi_outside: tuple[str, ...]
     paddings: tuple[int, ...]
     ragged_outside: tuple[str, ...]
-    over: Callable[[WarmupSet], str | None]
+    over: Callable[[PeerWarmSet], str | None]
 
 
 def vllm_settings(sizes: Sequence[int], limits: PeerLimits, missing: Sequence[str] = ()) -> dict[str, Any]:

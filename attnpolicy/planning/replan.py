@@ -38,7 +38,7 @@ from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.bucket_schemes import base_scheme
 from attnpolicy.modelling.simulation import SimRow
 from attnpolicy.planning.call_table import CallTable
-from attnpolicy.planning.graph_set import GraphPlan, layouts_of, plan_graphs, plannable
+from attnpolicy.planning.graph_set import AttentionPlanLevel, GraphPlan, layouts_of, plan_graphs, plannable
 from attnpolicy.workloads.batching import ScheduledBatch
 
 #: Drift above which a refit plan replaces the current one (10 % modelled time).
@@ -50,7 +50,7 @@ class Drift:
     """The current config's modelled row on the window, the refit plan, and their ratio."""
 
     current: SimRow
-    refit: GraphPlan
+    refit: GraphPlan[SimRow]
     drift: float
     threshold: float
 
@@ -77,7 +77,7 @@ def measure_drift(window: Sequence[ScheduledBatch | BatchLayout], current: AttnP
     for name in dict.fromkeys((current.policy, *policies)):
         plannable(name, current)
     row = modelled_row(window, current, model, spec)
-    refit = plan_graphs(window, current, model, policies, spec=spec)
+    refit = plan_graphs(window, current, AttentionPlanLevel(model, spec), policies)
     best = min(row.total_seconds, refit.chosen.row.total_seconds)
     return Drift(row, refit, row.total_seconds / best - 1 if best > 0 else 0.0, threshold)
 

@@ -1,28 +1,28 @@
 """The model-level comparison of warm-up schemes on one workload of whole requests:
-the runtimes' own sets, pow2, the host settings of the plan, and the joint plan at
-the budget asked and at each runtime's own graph count and warm-up seconds, every
+the peers' own sets, pow2, the host settings of the plan, and the joint plan at
+the budget asked and at each peer's own graph count and warm-up seconds, every
 row priced by one rule (:mod:`~attnpolicy.modelling.warmup_costs`).
 
 Rows:
 
-- ``gaudi-linear``, ``gaudi-exponential``, ``rbln``, ``tpu``: each runtime's default
-  warm-up set for the server's limits, its steps run as that runtime runs them;
+- ``gaudi-linear``, ``gaudi-exponential``, ``rbln``, ``tpu``: each peer's default
+  warm set for the server's limits, its steps run as that peer runs them;
 - ``vllm``: vLLM's piecewise graphs at its capture sizes (steps run ragged, as tpu);
 - ``pow2``: the plan's form (vllm-gaudi buckets) with powers of two on every
   dimension: prompt query tokens from 16, context blocks from 1 (and 0), decode
   batches from 1 and blocks from 1, each up to the maxima (coverage as the plan's);
 - ``plan (gaudi form)``, ``plan (ragged form)``: the plan under the budget asked, as
-  vllm-gaudi buckets and as a ragged runtime's token paddings
+  vllm-gaudi buckets and as a ragged peer's token paddings
   (:func:`~attnpolicy.planning.warmup_plan.plan_forms`);
 - ``plan @ NAME (FORM)``: the plan re-planned under NAME's graph count and warm-up
   seconds, in the form NAME's host runs (vllm-gaudi: the gaudi form; tpu-inference,
   vLLM: the ragged form; vllm-rbln, which takes neither: the better of the two);
-- the host settings' sets, such as ``rbln-plan``: what a runtime warms up under the
+- the host settings' sets, such as ``rbln-plan``: what a peer warms up under the
   plan's ``host_settings.json``;
 - ``floor``: no scheme's bound, every step one ragged forward at its own tokens with no
-  padding and no warm-up: no warm-up set runs the workload for less under this rule.
+  padding and no warm-up: no warm set runs the workload for less under this rule.
 
-Each row says which bound of the budget asked its warm-up set breaks, if any. The
+Each row says which bound of the budget asked its warm set breaks, if any. The
 recommendation (and each host's best row) is the lowest total among the rows a host
 runs, from the files the plan writes or by default, within that budget: ``pow2`` and
 ``plan @ NAME`` are comparisons that no file sets up, and a plan its host refuses (a
@@ -39,31 +39,31 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
+    Peer,
+    PeerGraph,
     PeerLimits,
-    Runtime,
-    WarmupGraph,
-    WarmupSet,
+    PeerWarmSet,
     WorkloadForwards,
     gaudi_file_warmup,
-    runtime_of,
+    peer_of,
 )
 from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost, run_shape, vllm_warmup, warmup_cost
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, PlannedForms, host_settings
-from attnpolicy.planning.warmup_plan import Budget, Grid, WarmupPlan, plan_forms, plan_warmup, top_grid
+from attnpolicy.planning.warmup_plan import Budget, Grid, PeerPlan, plan_forms, plan_warmup, top_grid
 
 #: The hosts that run each form of the plan.
 FORM_HOSTS = {"gaudi": ("gaudi",), "ragged": ("tpu", "vllm")}
-#: The runtime whose forwards each form plans (:func:`~attnpolicy.planning.warmup_plan.plan_forms`).
-FORM_RUNTIME: dict[str, Runtime] = {"gaudi": "gaudi", "ragged": "tpu"}
+#: The peer whose forwards each form plans (:func:`~attnpolicy.planning.warmup_plan.plan_forms`).
+FORM_PEER: dict[str, Peer] = {"gaudi": "gaudi", "ragged": "tpu"}
 
 
 @dataclass(frozen=True)
 class SchemeRow:
-    """One row: the ``hosts`` that can run its warm-up set, whether it is one host's
-    ``default``, and its cost, or why the runtime refuses to start under the limits
+    """One row: the ``hosts`` that can run its warm set, whether it is one host's
+    ``default``, and its cost, or why the peer refuses to start under the limits
     (``refused``, with or without a cost); ``over``: the bound of the budget asked its
-    warm-up set breaks (``None``: within); ``reference``: a comparison no file sets up."""
+    warm set breaks (``None``: within); ``reference``: a comparison no file sets up."""
 
     scheme: str
     hosts: tuple[str, ...]
@@ -124,7 +124,7 @@ def _lowest(rows: Sequence[SchemeRow]) -> SchemeRow | None:
 class SchemeComparison:
     """Every row of the module docstring, the plans asked for (each form), and the floor."""
 
-    plans: tuple[WarmupPlan, WarmupPlan]
+    plans: tuple[PeerPlan, PeerPlan]
     rows: tuple[SchemeRow, ...]
     floor: WarmupCost
 
@@ -181,37 +181,37 @@ def pow2_grid(limits: PeerLimits) -> Grid:
 def floor_cost(forwards: WorkloadForwards, pricing: Pricing) -> WarmupCost:
     """Every step as one ragged forward on a graph of its own tokens, nothing compiled."""
     ragged = forwards.of("tpu")
-    run = sum(n * pricing.run_seconds(run_shape(WarmupGraph("mixed", f.batch, f.tokens), f, pricing.limits))
+    run = sum(n * pricing.run_seconds(run_shape(PeerGraph("mixed", f.batch, f.tokens), f, pricing.limits))
               for f, n in ragged.items())
     tokens = sum(n * f.tokens for f, n in ragged.items())
     return WarmupCost("floor", 0, 0.0, run, 0, 0, 0.0, tokens, 0, 0, 0)
 
 
-def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[WarmupPlan, WarmupPlan],
-                    max_sizes: int, extra: Sequence[tuple[str, Callable[[], WarmupSet]]] = ()) -> SchemeComparison:
+def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[PeerPlan, PeerPlan],
+                    max_sizes: int, extra: Sequence[tuple[str, Callable[[], PeerWarmSet]]] = ()) -> SchemeComparison:
     """The rows of the module docstring for the workload's ``forwards``: the ``plans``
     (:func:`~attnpolicy.planning.warmup_plan.plan_forms` of them under a budget), and
-    the plan under each runtime's own budget (at most ``max_sizes`` sizes per
-    dimension); ``extra``: more warm-up sets to price (``(label, make)``, such as the
+    the plan under each peer's own budget (at most ``max_sizes`` sizes per
+    dimension); ``extra``: more warm sets to price (``(label, make)``, such as the
     host settings' sets)."""
     limits, budget = forwards.limits, plans[0].budget
 
     def priced(label: str, hosts: tuple[str, ...], cost: WarmupCost, **kw: Any) -> SchemeRow:
         return SchemeRow(label, hosts, cost, over=budget.over(cost), **kw)
 
-    def row(label: str, make: Callable[[], WarmupSet], default: bool = False, host: str | None = None) -> SchemeRow:
+    def row(label: str, make: Callable[[], PeerWarmSet], default: bool = False, host: str | None = None) -> SchemeRow:
         try:
             warm = make()
         except ConfigError as exc:
-            return SchemeRow(label, (host or runtime_of(label),), None, str(exc), default)
-        host = host or runtime_of(warm.scheme)
-        ran = forwards.of("tpu" if host == "vllm" else runtime_of(host))
+            return SchemeRow(label, (host or peer_of(label),), None, str(exc), default)
+        host = host or peer_of(warm.scheme)
+        ran = forwards.of("tpu" if host == "vllm" else peer_of(host))
         return priced(label, (host,), warmup_cost(label, warm, ran, pricing), default=default)
 
     peers = [row(name, lambda make=make: make(limits), True)  # type: ignore[misc]
              for name, make in WARMUPS.items()]
     peers.append(row("vllm", lambda: vllm_warmup(limits), True, "vllm"))
-    pow2 = WarmupSet.of("gaudi-pow2", pow2_grid(limits).graphs(limits))
+    pow2 = PeerWarmSet.of("gaudi-pow2", pow2_grid(limits).graphs(limits))
     gaudi, ragged = plans
     try:  # the plan's bucketing file read back as vllm-gaudi reads it
         gaudi_file_warmup(GaudiBuckets.of(gaudi.warm).file_text(limits), limits)
@@ -227,7 +227,7 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[W
         if peer.cost is not None:
             at = Budget(peer.cost.graphs, budget.max_bytes, peer.cost.warmup_seconds)
             names = [form for form in FORM_HOSTS if peer.hosts[0] in FORM_HOSTS[form]] or list(FORM_HOSTS)
-            forms = [(plan_warmup(forwards.of(FORM_RUNTIME[form]), limits, pricing, at, max_sizes), form)
+            forms = [(plan_warmup(forwards.of(FORM_PEER[form]), limits, pricing, at, max_sizes), form)
                      for form in names]
             chosen, form = min(forms, key=lambda p: p[0].cost.total_seconds)
             rows.append(priced(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], chosen.cost, reference=True))

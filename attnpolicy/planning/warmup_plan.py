@@ -4,7 +4,7 @@ two forms the hosts run:
 - the gaudi form (:class:`Grid`) runs engine steps as vllm-gaudi does (each prompt or
   prefill chunk alone, the step's decodes as one batch:
   :func:`~attnpolicy.modelling.peer_buckets.step_forwards` ``"gaudi"``), so its graphs
-  are vllm-gaudi buckets and its warm-up set a bucketing file vllm-gaudi runs
+  are vllm-gaudi buckets and its warm set a bucketing file vllm-gaudi runs
   (``VLLM_BUCKETING_FROM_FILE``): prompt graphs ``(1, query, context blocks)`` for
   every planned query size × context size, decode graphs ``(batch, 1, blocks)`` for
   every planned batch × blocks size (those vllm-gaudi keeps,
@@ -19,7 +19,7 @@ sequences over ``max_num_seqs`` × ⌈max_model_len / block⌉ blocks (:func:`to
 tpu-inference's cover of ``max_num_batched_tokens`` (:func:`ragged_top`). So every step
 within the maxima is served after warm-up (padded up) and nothing compiles at run
 time. Where the budget cannot hold a phase's largest graph, that phase is left
-uncovered: its forwards compile at run time, and :attr:`WarmupPlan.outside` says so
+uncovered: its forwards compile at run time, and :attr:`PeerPlan.outside` says so
 with their count and modelled cost.
 
 **Search.** Greedy: from the maxima, add the one size (a prompt query or context, a
@@ -43,9 +43,9 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     TPU_MIN_TOKEN_BUCKET,
     Forward,
+    PeerGraph,
     PeerLimits,
-    WarmupGraph,
-    WarmupSet,
+    PeerWarmSet,
     WorkloadForwards,
     gaudi_decode_graphs,
 )
@@ -62,7 +62,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Budget:
-    """What a warm-up set may take: graphs, graph bytes, warm-up seconds (``None``: unbounded)."""
+    """What a warm set may take: graphs, graph bytes, warm-up seconds (``None``: unbounded)."""
 
     max_graphs: int | None = None
     max_bytes: int | None = None
@@ -79,10 +79,10 @@ class Budget:
         return None
 
     def over(self, cost: WarmupCost) -> str | None:
-        """Which bound the warm-up set priced as ``cost`` breaks, or ``None``."""
+        """Which bound the warm set priced as ``cost`` breaks, or ``None``."""
         return self.why_over(cost.graphs, cost.warm_bytes, cost.warmup_seconds)
 
-    def over_graphs(self, graphs: Sequence[WarmupGraph], pricing: Pricing) -> str | None:
+    def over_graphs(self, graphs: Sequence[PeerGraph], pricing: Pricing) -> str | None:
         """Which bound a warm-up of ``graphs`` priced by ``pricing`` breaks, or ``None``."""
         seconds, nbytes = pricing.warmup(graphs)
         return self.why_over(len(graphs), nbytes, seconds)
@@ -119,8 +119,8 @@ class Grid(_Sizes):
     #: the phases and the dimension whose emptiness leaves each uncovered
     PHASES = (("prefill", "queries"), ("decode", "batches"))
 
-    def graphs(self, limits: PeerLimits) -> tuple[WarmupGraph, ...]:
-        prompt = [WarmupGraph("prefill", 1, q, c) for q, c in product(self.queries, self.contexts)]
+    def graphs(self, limits: PeerLimits) -> tuple[PeerGraph, ...]:
+        prompt = [PeerGraph("prefill", 1, q, c) for q, c in product(self.queries, self.contexts)]
         return (*prompt, *gaudi_decode_graphs(limits, self.batches, self.blocks))
 
     def phase(self, phase: str) -> Grid:
@@ -142,8 +142,8 @@ class RaggedGrid(_Sizes):
 
     PHASES = (("mixed", "tokens"),)
 
-    def graphs(self, limits: PeerLimits) -> tuple[WarmupGraph, ...]:
-        return tuple(WarmupGraph("mixed", limits.max_num_seqs, t) for t in self.tokens)
+    def graphs(self, limits: PeerLimits) -> tuple[PeerGraph, ...]:
+        return tuple(PeerGraph("mixed", limits.max_num_seqs, t) for t in self.tokens)
 
     def phase(self, phase: str) -> RaggedGrid:
         return self
@@ -156,12 +156,12 @@ AnyGrid = Grid | RaggedGrid
 
 
 @dataclass(frozen=True)
-class WarmupPlan:
-    """The planned grid, its warm-up set, its cost on the workload it was planned on,
+class PeerPlan:
+    """The planned grid, its warm set, its cost on the workload it was planned on,
     the budget, and what falls outside it (empty: every step within the maxima served)."""
 
     grid: AnyGrid
-    warm: WarmupSet
+    warm: PeerWarmSet
     cost: WarmupCost
     budget: Budget
     outside: tuple[str, ...]
@@ -279,7 +279,7 @@ def ragged_top(limits: PeerLimits) -> RaggedGrid:
 
 
 def plan_forms(forwards: WorkloadForwards, pricing: Pricing, budget: Budget,
-               max_sizes: int = 16) -> tuple[WarmupPlan, WarmupPlan]:
+               max_sizes: int = 16) -> tuple[PeerPlan, PeerPlan]:
     """The plan in both forms under ``budget``: vllm-gaudi's (its forwards) and the
     ragged one (tpu-inference's forwards, every step one)."""
     return (plan_warmup(forwards.of("gaudi"), forwards.limits, pricing, budget, max_sizes),
@@ -287,8 +287,8 @@ def plan_forms(forwards: WorkloadForwards, pricing: Pricing, budget: Budget,
 
 
 def plan_warmup(forwards: Counter[Forward], limits: PeerLimits, pricing: Pricing, budget: Budget,
-                max_sizes: int = 16) -> WarmupPlan:
-    """The warm-up set of the module docstring for ``forwards`` (vllm-gaudi's forwards
+                max_sizes: int = 16) -> PeerPlan:
+    """The warm set of the module docstring for ``forwards`` (vllm-gaudi's forwards
     of the workload's steps, counted: the gaudi form; or tpu-inference's, every step one
     ragged forward: the ragged form, token paddings only) under ``limits`` and
     ``budget``, at most ``max_sizes`` sizes per dimension."""
@@ -307,13 +307,13 @@ def plan_warmup(forwards: Counter[Forward], limits: PeerLimits, pricing: Pricing
     grid, outside = _covering(top, priced, forwards, limits)
     if not outside:  # every phase covered: search; else its forwards are priced as run-time compiles
         grid = _search(grid, _candidates(forwards, grid), priced, max_sizes)
-    warm = WarmupSet.of("plan", grid.graphs(limits))
+    warm = PeerWarmSet.of("plan", grid.graphs(limits))
     cost = warmup_cost("plan", warm, forwards, pricing)
     if outside:
         serving = (f"serving them: {cost.runtime_compiles} graphs compiled at run time, "
                    f"{cost.runtime_compile_seconds:.4g} modelled s")
         outside = (*outside, serving)
-    return WarmupPlan(grid, warm, cost, budget, outside)
+    return PeerPlan(grid, warm, cost, budget, outside)
 
 
 def _covering(top: AnyGrid, priced: Callable[[AnyGrid], tuple[float, str | None]], forwards: Counter[Forward],

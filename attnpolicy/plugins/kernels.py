@@ -213,15 +213,15 @@ def _kernel_adder(plugin: str, registry: dict[Any, Any],
         if not isinstance(info, KernelInfo):
             raise PluginError(f"plugin {plugin!r} registered {info!r}, not a KernelInfo")
         if info.kind not in KERNEL_KINDS:
-            raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has family {info.kind!r}; "
-                              f"families: {', '.join(KERNEL_KINDS)}")
+            raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} has call kind {info.kind!r}; "
+                              f"call kinds: {', '.join(KERNEL_KINDS)}")
         if info.name == AUTO:
             raise PluginError(f"plugin {plugin!r}: kernel name {AUTO!r} is reserved (the config's "
                               "'choose for me'); register the kernel under another name")
         key = (info.kind, info.name)
         holder = registry.get(key) or staged.get(key)
         if holder is not None:
-            raise PluginError(f"kernel {info.name!r} of family {info.kind!r} is registered by two "
+            raise PluginError(f"kernel {info.name!r} of call kind {info.kind!r} is registered by two "
                               f"plugins: {holder.plugin!r} and {plugin!r}")
         if info.fn is None and info.name not in BUILTIN_KERNELS:
             raise PluginError(f"plugin {plugin!r}: kernel {info.name!r} needs fn")
@@ -300,7 +300,7 @@ def get_kernel(kind: str, name: str) -> KernelInfo:
         return registry[(kind, name)]
     except KeyError:
         known = ", ".join(n for f, n in registry if f == kind) or "(none)"
-        raise PluginError(f"no kernel {name!r} for the {kind} family; registered: {known}") from None
+        raise PluginError(f"no kernel {name!r} for the {kind} call kind; registered: {known}") from None
 
 
 def register_builtins(register: Callable[[KernelInfo], None]) -> None:

@@ -8,7 +8,7 @@ whose total is within :data:`LEANEST_TOLERANCE` of it. The plan runs at the boun
 :func:`~attnpolicy.planning.graph_set.plan_graphs` tries those buckets beside its
 own lists (at most ``max_buckets`` sizes), so the plan is not slower than the
 sweep at that bound unless no list can express the scheme (``exact``). It chooses
-the policy, buckets, eviction and warm-up set, and its config is saved where the
+the policy, buckets, eviction and warm set, and its config is saved where the
 report writes (``DIR/config``). The plan's total is set against the defaults
 (``varlen``, pow2 buckets, unbounded, LRU), against its base scheme + LRU at the
 same bound, and against the fastest and the leanest rows; :func:`explain` says in
@@ -36,6 +36,7 @@ from attnpolicy.modelling.simulation import SimRow, simulate_layouts
 from attnpolicy.planning.graph_set import (
     FINALISTS,
     PLAN_POLICIES,
+    AttentionPlanLevel,
     GraphPlan,
     plan_graphs,
     plan_markdown,
@@ -305,7 +306,7 @@ def apply_commands(config_dir: Path) -> tuple[str, ...]:
 def recommend(steps: Sequence[ScheduledBatch], rows: Sequence[SimRow], base: AttnPolicyConfig, model: CostModel,
               policies: Sequence[str], evictions: Sequence[str], validation: Sequence[Checked], out: Path,
               max_buckets: int, source: str, schemes: Sequence[BucketScheme],
-              workload: Workload | None = None) -> tuple[Recommendation, GraphPlan, Frontier]:
+              workload: Workload | None = None) -> tuple[Recommendation, GraphPlan[SimRow], Frontier]:
     """Plan ``steps`` at the sweep's :func:`plan_bound`, from the buckets of its
     :func:`seed_row` (``schemes``: the sweep's bucket schemes, by name), save the
     config (and the plan's ``plan.md``, ``plan.json``) under ``out / CONFIG_DIR``,
@@ -326,7 +327,7 @@ def recommend(steps: Sequence[ScheduledBatch], rows: Sequence[SimRow], base: Att
     at = with_fields(base, max_graphs=capacity, max_bytes=nbytes,
                      **({} if origin is None else {"buckets": origin.buckets.model_dump(mode="json")}))
     live = [e for e in evictions if e != BELADY] or ["lru"]
-    plan = plan_graphs(steps, at, model, candidates, live, None, max_buckets, rejected=rejected)
+    plan = plan_graphs(steps, at, AttentionPlanLevel(model, rejected=rejected), candidates, live, None, max_buckets)
     (defaults,) = simulate_layouts(steps, ["varlen"], [None], ["lru"], base, model, rejected=rejected)
     config_dir = out / CONFIG_DIR
     plan.config.save(config_dir)

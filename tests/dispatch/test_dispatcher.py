@@ -349,7 +349,7 @@ def test_unknown_kernel_in_config_is_refused():
         Dispatcher(config)
     with pytest.raises(ConfigError, match="kernels: 'flex' is not a registered varlen kernel"):
         validate_names(config)
-    with pytest.raises(ValueError, match="kernels: family 'decode' is not one of"):
+    with pytest.raises(ValueError, match="kernels: call kind 'decode' is not one of"):
         AttnPolicyConfig(kernels={"decode": "sdpa"})
 
 

@@ -414,7 +414,7 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
     from attnpolicy.dispatch.call_graphs import CallFamily
     from attnpolicy.graphs.costmodel import CostModel
     from attnpolicy.modelling.simulation import simulation_config
-    from attnpolicy.planning.graph_set import plan_graphs
+    from attnpolicy.planning.graph_set import AttentionPlanLevel, plan_graphs
     from attnpolicy.workloads.batching import BatchFormer
     from attnpolicy.workloads.traces import load_trace
 
@@ -429,7 +429,7 @@ def test_attnpolicy_run_replans_when_the_lengths_change_halfway(tmp_path, caplog
     steps = [s.layout for s in BatchFormer(**former).steps(load_trace(trace))]
     assert max(steps[9].kv_lens) < 300 < max(steps[19].kv_lens)  # the lengths change at batch 10
     old = plan_graphs(steps[:10], simulation_config(model, BatchFormer(**former), max_graphs=4, backend="eager"),
-                      model, ["varlen"], max_buckets=4).config
+                      AttentionPlanLevel(model), ["varlen"], max_buckets=4).config
     old.save(tmp_path / "plan")
     if held:
         replayed, build, finish = threading.Event(), CallFamily.compile, Dispatcher.finish_switch

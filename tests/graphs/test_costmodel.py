@@ -109,7 +109,7 @@ def test_corrupt_files_name_the_file_and_problem(tmp_path, text, match):
 
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d["run"]["mask"].update(per_cell=-1.0), "run.mask.per_cell: Input should be greater"),
-    (lambda d: d["compile"].pop("varlen"), "compile needs a fit for every graph family; missing: varlen"),
+    (lambda d: d["compile"].pop("varlen"), "compile needs a fit for every call kind; missing: varlen"),
     (lambda d: d.update(kv_heads=3), "kv_heads 3 must divide heads 8"),
     (lambda d: d.update(colour="red"), "colour: Extra inputs are not permitted"),
     # strict: nothing coerced

@@ -118,7 +118,7 @@ ATTENTION_TERMS = ("base", "per_cell", "per_token")
 MUTATIONS: list[tuple[str, Callable[[dict[str, Any]], None], str | None, str]] = [
     ("no steps.run.mask", _set("model.steps.run.mask", DELETE), "model", "steps.run: needs a fit of every mode"),
     ("no run.varlen", _set("model.run.varlen", DELETE), "model", "run: needs a fit of every mode"),
-    ("no attention run.mask", _set("run.mask", DELETE), "attention", "run needs a fit for every graph family"),
+    ("no attention run.mask", _set("run.mask", DELETE), "attention", "run needs a fit for every call kind"),
     ("no dims", _set("model.dims", DELETE), "model", "dims: Field required"),
     ("no model section", _set("model", DELETE), "model", "holds no whole-model fits"),
     ("no attention section", _only_model, "attention", "holds no attention fits"),

@@ -22,7 +22,7 @@ from attnpolicy.modelling.ranges import outside_range
 from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
 from attnpolicy.modelling.stalls import WholeModelLevel, compare_stalls
 from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
-from attnpolicy.planning.graph_set import plan_model_graphs
+from attnpolicy.planning.graph_set import WholeModelPlanLevel, plan_graphs
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
 
@@ -226,7 +226,7 @@ def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
     layouts = [BatchLayout.from_lens([n]) for n in lens]
     model = synthetic()
     base = model_config(model, 512, 512, max_graphs=4)
-    plan = plan_model_graphs(layouts, base, model, ["dynamic"], ["lru"], 8)
+    plan = plan_graphs(layouts, base, WholeModelPlanLevel(model), ["dynamic"], ["lru"], max_buckets=8)
     chosen = plan.chosen
     assert chosen.row.total_seconds < chosen.base_lru.total_seconds
     assert chosen.row.graphs <= 4 and chosen.row.evictions == 0  # every graph fits: compulsory misses only
@@ -235,6 +235,12 @@ def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
     # the planned config serves the workload: re-simulated, the same row
     [again] = simulate_model(layouts, model, [plan.config], ["lru"])
     assert again.total_seconds == pytest.approx(chosen.row.total_seconds)
+
+
+def test_plan_on_model_graphs_refuses_an_empty_workload_as_the_attention_plan_does():
+    model = synthetic()
+    with pytest.raises(ConfigError, match="at least one step"):
+        plan_graphs([], model_config(model, 512, 512, max_graphs=4), WholeModelPlanLevel(model), ["dynamic"])
 
 
 def test_cli_plan_and_simulate_with_a_model_cost_model(tmp_path, capsys):

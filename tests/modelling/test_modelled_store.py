@@ -20,7 +20,7 @@ from attnpolicy.core.modes import CallKind
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.simulation import simulate, simulation_config
-from attnpolicy.planning.graph_set import WarmGraph, plan_graphs, warm_set
+from attnpolicy.planning.graph_set import AttentionPlanLevel, WarmShapeCost, plan_graphs, warm_set
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
 
@@ -68,7 +68,7 @@ def test_store_fits_come_together_and_cover_every_kind():
     fields = MODEL.model_dump()
     with pytest.raises(ConfigError, match="store_load and store_bytes"):
         CostModel.from_json(json.dumps({**fields, "store_bytes": {}}), "half.json")
-    with pytest.raises(ConfigError, match="store_load needs a fit for every graph family"):
+    with pytest.raises(ConfigError, match="store_load needs a fit for every call kind"):
         CostModel.from_json(json.dumps({**fields, "store_load": {"causal": {"base": 1.0}}}), "some.json")
 
 
@@ -232,8 +232,8 @@ def test_cost_eviction_asks_the_disk_when_it_chooses():
 
 def test_a_warm_store_fits_more_graphs_into_the_warm_up_budget():
     shape = WarmShape(kind=CallKind.VARLEN, q_bucket=16, kv_bucket=64, causal=True, context=True)
-    cold = [WarmGraph(shape, 10 - i, 1.0, 100) for i in range(6)]
-    warm = [WarmGraph(shape, 10 - i, 1.0, 100, 0.1) for i in range(6)]
+    cold = [WarmShapeCost(shape, 10 - i, 1.0, 100) for i in range(6)]
+    warm = [WarmShapeCost(shape, 10 - i, 1.0, 100, 0.1) for i in range(6)]
     assert len(warm_set(cold, None, None, 2.0)) == 2
     assert len(warm_set(warm, None, None, 2.0)) == 6
 
@@ -242,9 +242,9 @@ def test_plan_with_a_warm_store_loads_its_warm_set(tmp_path):
     former = BatchFormer(**FORMER)
     steps = list(former.steps(requests(40)))
     kwargs = {"policies": ["varlen"], "evictions": ["lru"], "warmup_seconds": 1.5}
-    cold = plan_graphs(steps, base(max_graphs=4), MODEL, **kwargs)
-    warm = plan_graphs(steps, base(max_graphs=4, store_dir="s", max_disk_bytes=1 << 20), MODEL, **kwargs,
-                       store_warm=True)
+    cold = plan_graphs(steps, base(max_graphs=4), AttentionPlanLevel(MODEL), **kwargs)
+    warm = plan_graphs(steps, base(max_graphs=4, store_dir="s", max_disk_bytes=1 << 20), AttentionPlanLevel(MODEL),
+                       **kwargs, store_warm=True)
     assert len(cold.warm) == 1 and all(w.load_seconds is None for w in cold.warm)  # 1.5 s: one compile
     assert len(warm.warm) == min(4, warm.chosen.row.distinct_keys) > 1  # loads: as many as the capacity holds
     assert all(w.load_seconds == LOAD for w in warm.warm)

@@ -17,8 +17,8 @@ from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
     ExponentialRange,
     LinearRange,
+    PeerGraph,
     PeerLimits,
-    WarmupGraph,
     gaudi_config,
     gaudi_decode_graphs,
     gaudi_prompt_graphs,
@@ -98,8 +98,8 @@ def test_gaudi_warmup_pads_a_request_as_the_doc_describes():
     # its decode pads up in batch and blocks
     limits = PeerLimits(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024, block_size=128)
     warm = gaudi_warmup(limits, "exponential")
-    assert warm.serves("prefill", 1, 412, 0) == WarmupGraph("prefill", 1, 512, 0)
-    assert warm.serves("decode", 3, 1, 5) == WarmupGraph("decode", 4, 1, 8)
+    assert warm.serves("prefill", 1, 412, 0) == PeerGraph("prefill", 1, 512, 0)
+    assert warm.serves("decode", 3, 1, 5) == PeerGraph("decode", 4, 1, 8)
     assert warm.serves("prefill", 1, 1025, 0) is None  # beyond the largest bucket: a new graph
 
 
@@ -110,9 +110,9 @@ def test_rbln_reproduces_its_doc_examples():
     assert rbln_decode_batches(16, "linear", min_batch=2, step=4, limit=32) == (4, 8, 12, 16)
     # RBLN vllm_rbln/rbln_envs.py defaults (limit 1): max_num_seqs alone
     warm = rbln_warmup(PeerLimits(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=4096))
-    assert warm.graphs == (WarmupGraph("decode", 32, 1), WarmupGraph("prefill", 1, 512))
+    assert warm.graphs == (PeerGraph("decode", 32, 1), PeerGraph("prefill", 1, 512))
     assert rbln_warmup(PeerLimits(32, 512, 4096), limit=3, pipeline_parallel_size=2).phase("decode") == (
-        WarmupGraph("decode", 4, 1), WarmupGraph("decode", 8, 1), WarmupGraph("decode", 16, 1))
+        PeerGraph("decode", 4, 1), PeerGraph("decode", 8, 1), PeerGraph("decode", 16, 1))
 
 
 def test_tpu_reproduces_its_unit_tests():
@@ -158,7 +158,7 @@ def test_bad_input_is_a_config_error_naming_the_field(call, message):
 # -- properties ---------------------------------------------------------------------------
 
 def ordered(graphs):
-    return list(graphs) == sorted(set(graphs), key=WarmupGraph.sort_key)
+    return list(graphs) == sorted(set(graphs), key=PeerGraph.sort_key)
 
 
 @given(st.integers(0, 300), st.integers(1, 300), st.integers(0, 5000))
@@ -224,7 +224,7 @@ def test_rbln_decode_batches_cover_every_batch_up_to_the_largest(max_batch, stra
     assert all(min_batch <= b <= max_batch for b in batches)
     warm = rbln_warmup(PeerLimits(max_batch, 512, 4096), strategy, min_batch=min_batch, step=step, limit=limit)
     assert warm.serves("decode", data.draw(st.integers(1, max_batch)), 1) is not None
-    assert warm.serves("prefill", 1, data.draw(st.integers(1, 512))) == WarmupGraph("prefill", 1, 512)
+    assert warm.serves("prefill", 1, data.draw(st.integers(1, 512))) == PeerGraph("prefill", 1, 512)
 
 
 @given(st.integers(1, 1024), st.integers(1, 100000), st.sampled_from((0, 16, 64, 100, 512)),

@@ -17,10 +17,10 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
     Forward,
+    PeerGraph,
     PeerLimits,
-    WarmupGraph,
-    WarmupSet,
-    runtime_of,
+    PeerWarmSet,
+    peer_of,
     step_forwards,
 )
 from attnpolicy.modelling.peer_coverage import coverage, peer_coverage
@@ -41,14 +41,14 @@ def test_each_runtime_runs_a_mixed_step_its_own_way():
                                                     Forward("decode", 2, 1, None, 2, 134, 136))
     assert step_forwards("tpu", q, kv, LIMITS) == (Forward("mixed", 3, 302, None, 302, 234, 120136),)
     assert step_forwards("gaudi", (7,), (7,), LIMITS) == (Forward("prefill", 1, 7, 0, 7, 0, 49),)
-    assert [runtime_of(name) for name in WARMUPS] == ["gaudi", "gaudi", "rbln", "tpu"]
+    assert [peer_of(name) for name in WARMUPS] == ["gaudi", "gaudi", "rbln", "tpu"]
     with pytest.raises(ConfigError, match="runtimes gaudi, rbln, tpu, got 'cuda'"):
-        runtime_of("cuda")
+        peer_of("cuda")
 
 
 def test_coverage_counts_graphs_forwards_unserved_shapes_and_padding():
-    warm = WarmupSet.of("gaudi-x", [WarmupGraph("prefill", 1, 512, 4), WarmupGraph("prefill", 1, 1024, 4),
-                                     WarmupGraph("decode", 4, 1, 8)])
+    warm = PeerWarmSet.of("gaudi-x", [PeerGraph("prefill", 1, 512, 4), PeerGraph("prefill", 1, 1024, 4),
+                                      PeerGraph("decode", 4, 1, 8)])
     forwards = [Forward("prefill", 1, 300, 1, 300, 0, 0),  # the 512 graph: 212 rows of padding
                 Forward("decode", 2, 1, 3, 2, 0, 0),  # batch 4: 2 rows
                 Forward("decode", 8, 1, 3, 8, 0, 0), Forward("decode", 8, 1, 3, 8, 0, 0),  # no graph holds batch 8
@@ -58,7 +58,7 @@ def test_coverage_counts_graphs_forwards_unserved_shapes_and_padding():
     assert (row.forwards, row.unserved, row.unserved_shapes) == (5, 3, 2)
     assert (row.tokens, row.padded_rows) == (302, 214) and row.padding == pytest.approx(214 / 302)
     assert row.to_json()["padding"] == row.padding
-    assert coverage("tpu", WarmupSet.of("tpu", [WarmupGraph("mixed", 8, 64)]),
+    assert coverage("tpu", PeerWarmSet.of("tpu", [PeerGraph("mixed", 8, 64)]),
                     [Forward("mixed", 3, 40, None, 40, 0, 0)]).padded_rows == 24  # a ragged graph pads tokens only
 
 

@@ -28,8 +28,8 @@ from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     LinearRange,
+    PeerGraph,
     PeerLimits,
-    WarmupGraph,
     WorkloadForwards,
     gaudi_decode_graphs,
     gaudi_file_buckets,
@@ -345,8 +345,8 @@ def test_gaudi_file_reader_follows_vllm_gaudis_reader_and_filters():
     warm = gaudi_file_warmup(text, PeerLimits(64, 2048, 4096))
     # decode blocks cut to batch * ceil(4096 / 128) = 32 for batch 1
     assert [(g.batch, g.context_blocks) for g in warm.phase("decode")] == [(1, 32), (64, 1024)]
-    assert WarmupGraph("prefill", 1, 2048, 0) in warm.graphs and len(warm.phase("prefill")) == 10
-    assert WarmupGraph("prefill", 1, 2048, 0) not in gaudi_file_warmup(text, PeerLimits(64, 1024, 4096)).graphs
+    assert PeerGraph("prefill", 1, 2048, 0) in warm.graphs and len(warm.phase("prefill")) == 10
+    assert PeerGraph("prefill", 1, 2048, 0) not in gaudi_file_warmup(text, PeerLimits(64, 1024, 4096)).graphs
     for bad in ("(2, 3)", "(1, 2, range(0, 5, 0))", "not python", "(1, 1, range(0, 100000))", "(1, 64, range(3))",
                 "[1, 64, 3]", "(1, range(+1, 3), 2)"):  # what vllm-gaudi cannot read stops it
         with pytest.raises(ConfigError, match=r"line 2 of the vllm-gaudi bucketing file .* vllm-gaudi fails on it"):

@@ -14,6 +14,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.simulation import simulation_config
 from attnpolicy.planning.graph_set import (
+    AttentionPlanLevel,
     candidate_lists,
     completed,
     decided_shapes,
@@ -49,7 +50,7 @@ def _base(**fields):
 def test_plan_buckets_come_from_the_planner_and_the_warm_set_fits(max_graphs):
     model, base = _base(max_graphs=max_graphs)
     steps = _steps()
-    plan = plan_graphs(steps, base, model, ["varlen", "always-mask"], warmup_seconds=0.5, max_buckets=4)
+    plan = plan_graphs(steps, base, AttentionPlanLevel(model), ["varlen", "always-mask"], warmup_seconds=0.5, max_buckets=4)
     chosen = plan.chosen
     shapes = decided_shapes([s.layout for s in steps], chosen.policy, base, model)
     modes, longest = plannable(chosen.policy, base).modes, longest_sequence(shapes)
@@ -177,7 +178,7 @@ def test_plan_a_recorded_layout_stream_keeps_its_config_and_spec(tmp_path):
 
 def test_plan_md_counts_distinct_graphs_apart_from_the_peak_the_cache_held():
     model, base = _base(max_graphs=1)
-    plan = plan_graphs(_steps(), base, model, ["varlen", "always-mask"], max_buckets=4)
+    plan = plan_graphs(_steps(), base, AttentionPlanLevel(model), ["varlen", "always-mask"], max_buckets=4)
     text = plan_markdown(plan, "eight prompts")
     header = next(line for line in text.splitlines() if line.startswith("| policy |"))
     columns = [c.strip() for c in header.strip("|").split("|")]

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from attnpolicy.cli import main
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.peer_buckets import (
+    PeerGraph,
     PeerLimits,
-    WarmupGraph,
     gaudi_file_buckets,
     rbln_env_warmup,
     tpu_env_paddings,
@@ -58,9 +58,9 @@ def _plan(model_file: Path, out: Path, max_graphs: int | None, max_bytes: int | 
             "file": (out / "gaudi_buckets.txt").read_text()}
 
 
-def _file_graphs(text: str) -> list[WarmupGraph]:
+def _file_graphs(text: str) -> list[PeerGraph]:
     """The bucketing file's buckets as graphs (query 1: a decode bucket)."""
-    return [WarmupGraph("decode", b, 1, n) if q == 1 else WarmupGraph("prefill", b, q, n)
+    return [PeerGraph("decode", b, 1, n) if q == 1 else PeerGraph("prefill", b, q, n)
             for b, q, n in gaudi_file_buckets(text)]
 
 
@@ -96,7 +96,7 @@ def check_written(written: dict[str, Any], budget: Budget) -> None:
     sizes = vllm["compilation_config"]["cudagraph_capture_sizes"]
     assert sizes == sorted({min(t, limits.max_num_batched_tokens) for t in paddings})
     for tokens in (paddings, sizes):
-        assert budget.over_graphs([WarmupGraph("mixed", limits.max_num_seqs, t) for t in tokens], pricing) is None
+        assert budget.over_graphs([PeerGraph("mixed", limits.max_num_seqs, t) for t in tokens], pricing) is None
     # vllm-rbln: the gaudi form's decode batches, its warm-up within the budget or said to break it
     batches = sorted({b for b, _ in section["decode_buckets"]}) or [limits.max_num_seqs]
     assert host["rbln"]["decode_batch_buckets"] == batches

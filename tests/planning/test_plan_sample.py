@@ -15,7 +15,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.simulation import simulation_config
-from attnpolicy.planning.graph_set import evaluated, plan_graphs
+from attnpolicy.planning.graph_set import AttentionPlanLevel, evaluated, plan_graphs
 from attnpolicy.planning.sample import PlanSample, sample_steps
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
@@ -73,7 +73,7 @@ def test_the_plan_evaluated_on_its_own_steps_is_its_row(max_graphs):
     model = CostModel.default()
     base = simulation_config(model, BatchFormer(**FORMER), max_graphs=max_graphs)
     steps = _steps()
-    plan = plan_graphs(steps, base, model, ["varlen", "dynamic"], max_buckets=4)
+    plan = plan_graphs(steps, base, AttentionPlanLevel(model), ["varlen", "dynamic"], max_buckets=4)
     assert evaluated(steps, plan.config, model).to_json() == plan.chosen.row.to_json()
 
 

@@ -20,7 +20,7 @@ from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels import mask_cache
 from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
 from attnpolicy.planning.call_table import CallTable, _first_order, _positions
-from attnpolicy.planning.graph_set import plan_graphs, with_fields
+from attnpolicy.planning.graph_set import AttentionPlanLevel, plan_graphs, with_fields
 from attnpolicy.planning.replan import measure_drift, modelled_row, switch_set
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.layout_stream import LayoutStreamWriter
@@ -198,7 +198,7 @@ def test_dense_first_request_ids_are_the_sorted_ones(codes):
 def test_drift_is_zero_on_the_traffic_the_plan_was_fitted_on():
     model, base = _base(max_graphs=4)
     steps = _steps([20, 300, 45, 700, 90, 33, 512, 128])
-    plan = plan_graphs(steps, base, model, ["varlen"], max_buckets=4)
+    plan = plan_graphs(steps, base, AttentionPlanLevel(model), ["varlen"], max_buckets=4)
     drift = measure_drift(steps, plan.config, model)
     assert drift.drift == pytest.approx(0.0, abs=1e-9) and not drift.replan
     assert switch_set(plan.config, drift.refit.config) == ()
@@ -208,7 +208,7 @@ def test_replanning_follows_traffic_whose_lengths_shift():
     model, base = _base(max_graphs=4)
     short = _steps([30 + 7 * i for i in range(12)])
     long = _steps([600 + 29 * i for i in range(12)], seed_arrival=100.0)
-    old = plan_graphs(short, base, model, ["varlen"], max_buckets=4).config
+    old = plan_graphs(short, base, AttentionPlanLevel(model), ["varlen"], max_buckets=4).config
     drift = measure_drift(long, old, model)
     assert drift.drift > drift.threshold and drift.replan
     new = drift.refit.config
@@ -223,7 +223,7 @@ def test_replanning_follows_traffic_whose_lengths_shift():
 
 def test_the_replan_command_writes_the_drift_and_the_refit_config(tmp_path):
     model, base = _base(max_graphs=4)
-    old = plan_graphs(_steps([30 + 7 * i for i in range(12)]), base, model, ["varlen"], max_buckets=4).config
+    old = plan_graphs(_steps([30 + 7 * i for i in range(12)]), base, AttentionPlanLevel(model), ["varlen"], max_buckets=4).config
     current = tmp_path / "current"
     old.save(current)
     path = tmp_path / "layouts.jsonl"
@@ -245,7 +245,7 @@ def test_drift_is_never_negative_when_the_refit_models_slower():
     slower than the current config: the current config is the best plan known, drift 0."""
     model, base = _base(max_graphs=4)
     steps = _steps([20, 300, 45, 700, 90, 33, 512, 128])
-    current = plan_graphs(steps, base, model, ["dynamic"]).config
+    current = plan_graphs(steps, base, AttentionPlanLevel(model), ["dynamic"]).config
     drift = measure_drift(steps, current, model, ["varlen"])
     assert drift.refit.chosen.row.total_seconds > drift.current.total_seconds  # varlen is slower here
     assert drift.drift == 0.0 and not drift.replan
@@ -288,7 +288,7 @@ def test_replan_refuses_a_policy_plan_refuses(tmp_path, capsys, args, flag):
 
 def test_replan_says_when_the_stream_was_recorded_under_another_config(tmp_path, capsys):
     model, base = _base(max_graphs=4)
-    old = plan_graphs(_steps([30 + 7 * i for i in range(12)]), base, model, ["varlen"], max_buckets=4).config
+    old = plan_graphs(_steps([30 + 7 * i for i in range(12)]), base, AttentionPlanLevel(model), ["varlen"], max_buckets=4).config
     old.save(tmp_path / "current")
     for i, (recorded, said) in enumerate(((old, ""), (with_fields(old, policy="dynamic", eviction="fifo"),
                                                          "policy, eviction"))):

@@ -19,9 +19,9 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.peer_buckets import (
     Forward,
+    PeerGraph,
     PeerLimits,
-    WarmupGraph,
-    WarmupSet,
+    PeerWarmSet,
     WorkloadForwards,
     gaudi_file_warmup,
     rbln_env_warmup,
@@ -42,30 +42,30 @@ LIMITS = PeerLimits(4, 256, 512, block_size=16)
 def test_each_kind_of_graph_is_priced_at_its_rows_context_and_cells():
     """A static graph at its padded shape, a flat-paged decode at its blocks plus rows, a
     ragged graph compiled as a prefill of its tokens and run over the real context."""
-    assert graph_shape(WarmupGraph("prefill", 1, 64, 2), LIMITS) == Shape(64, 32, 64 * (32 + 64))
-    assert graph_shape(WarmupGraph("prefill", 1, 256), LIMITS) == Shape(256, 512, 256 * (512 + 256))  # rbln
-    assert graph_shape(WarmupGraph("decode", 4, 1, 10), LIMITS) == Shape(4, 160, 164)
-    assert graph_shape(WarmupGraph("decode", 2, 1), LIMITS) == Shape(2, 1024, 1026)  # rbln: max_model_len each
-    assert graph_shape(WarmupGraph("mixed", 4, 128), LIMITS) == Shape(128, 0, 128 * 128)
+    assert graph_shape(PeerGraph("prefill", 1, 64, 2), LIMITS) == Shape(64, 32, 64 * (32 + 64))
+    assert graph_shape(PeerGraph("prefill", 1, 256), LIMITS) == Shape(256, 512, 256 * (512 + 256))  # rbln
+    assert graph_shape(PeerGraph("decode", 4, 1, 10), LIMITS) == Shape(4, 160, 164)
+    assert graph_shape(PeerGraph("decode", 2, 1), LIMITS) == Shape(2, 1024, 1026)  # rbln: max_model_len each
+    assert graph_shape(PeerGraph("mixed", 4, 128), LIMITS) == Shape(128, 0, 128 * 128)
     pricing = Pricing(with_steps(), LIMITS)
-    ragged = WarmupSet.of("tpu", [WarmupGraph("mixed", 4, 128)])
+    ragged = PeerWarmSet.of("tpu", [PeerGraph("mixed", 4, 128)])
     forward = step_forwards("tpu", (100, 1), (300, 41), LIMITS)[0]  # real context 240, cells 30000 + 41
     cost = warmup_cost("tpu", ragged, Counter({forward: 3}), pricing)
     assert (forward.tokens, forward.context, forward.cells) == (101, 240, 30041)
     assert cost.run_seconds == pytest.approx(3 * (1e-3 + 1e-5 * 128 + 1e-6 * 240 + 1e-8 * 30041))
     assert cost.warmup_seconds == pytest.approx(0.5 + 1.0 + 1e-3 * 128)  # start-up + the one compile
     assert (cost.padded_rows, cost.tokens, cost.runtime_compiles) == (3 * 27, 3 * 101, 0)
-    assert cost.peak_bytes == pricing.graph(WarmupGraph("mixed", 4, 128))[1] > 0
+    assert cost.peak_bytes == pricing.graph(PeerGraph("mixed", 4, 128))[1] > 0
 
 
 def test_a_forward_no_graph_serves_compiles_its_own_shape_once():
     pricing = Pricing(with_steps(), LIMITS)
-    warm = WarmupSet.of("gaudi-x", [WarmupGraph("prefill", 1, 64, 0), WarmupGraph("decode", 4, 1, 8)])
+    warm = PeerWarmSet.of("gaudi-x", [PeerGraph("prefill", 1, 64, 0), PeerGraph("decode", 4, 1, 8)])
     big = Forward("prefill", 1, 200, 0, 200, 0, 200 * 200)
     small = Forward("prefill", 1, 10, 0, 10, 0, 100)
     cost = warmup_cost("gaudi-x", warm, Counter({big: 2, small: 5}), pricing)
     assert (cost.runtime_compiles, cost.unserved) == (1, 2)
-    compile_big = pricing.graph(WarmupGraph("prefill", 1, 200, 0))[0]
+    compile_big = pricing.graph(PeerGraph("prefill", 1, 200, 0))[0]
     assert cost.runtime_compile_seconds == pytest.approx(compile_big)
     assert cost.padded_rows == 5 * (64 - 10)  # the compiled graph runs its own forwards unpadded
     assert cost.total_seconds == pytest.approx(cost.warmup_seconds + cost.runtime_compile_seconds + cost.run_seconds)
