@@ -50,7 +50,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
-from attnpolicy.modelling.simulation import ModelSimRow, simulate_model
+from attnpolicy.modelling.simulation import SimRow, simulate_model
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request
@@ -224,7 +224,7 @@ class ModelReplay:
     compile_seconds: float
     run_seconds: float
     max_abs_err: float | None
-    predicted: ModelSimRow | None
+    predicted: SimRow | None
     #: (:func:`serve_model`) steps with cached context (decode, chunked prefill), requests
     #: served, and with ``check`` the requests whose greedy tokens differ from ``generate``'s
     context_steps: int = 0

@@ -59,8 +59,6 @@ from attnpolicy.modelling.peer_coverage import (
     table_rows,
 )
 from attnpolicy.modelling.simulation import (
-    ModelSimRow,
-    SimRow,
     check_model,
     model_config,
     model_layouts,
@@ -247,7 +245,7 @@ class _Attention:
         print(self.provenance.line())
         return formed(args, former, requests)
 
-    def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan[SimRow]:
+    def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan:
         """The plan of a sample of ``steps`` (:func:`sample_steps`), evaluated on all of them."""
         outside = flag_range(self.model, steps)
         planned, sample = sample_steps(steps, args.sample)
@@ -303,7 +301,7 @@ class _WholeModel:
         print(self.provenance.line())
         return formed(args, self.former, requests)
 
-    def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan[ModelSimRow]:
+    def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan:
         """The plan of each policy (:func:`family_policies`) on the prefill batches of ``steps``."""
         layouts, former = model_layouts(steps), self.former
         fields = provenance_json(self.provenance, flag_range(self.model, layouts))
@@ -433,7 +431,7 @@ def check_plannable(flag: str, policies: Sequence[str], base: AttnPolicyConfig) 
             fail(f"argument {flag}: {exc}")
 
 
-def print_plan(plan: GraphPlan[Any], title: str, base: str, caption: str) -> None:
+def print_plan(plan: GraphPlan, title: str, base: str, caption: str) -> None:
     """Each policy's plan against the ``base`` buckets with LRU and with Belady, under
     ``title`` (the capacity added)."""
     cap = "∞" if plan.max_graphs is None else plan.max_graphs
@@ -449,7 +447,7 @@ def print_plan(plan: GraphPlan[Any], title: str, base: str, caption: str) -> Non
                 rows, caption=caption)
 
 
-def plan_caption(plan: GraphPlan[SimRow]) -> str:
+def plan_caption(plan: GraphPlan) -> str:
     """The caption of an attention plan's table: the cover and the warm-up set."""
     return ("* chosen; +N: a cover bucket (max_seq_len, max_batch_tokens) no planned call uses; "
             f"warm-up set: {len(plan.warm)} graphs, {plan.warm_compile_seconds:.3g} modelled compile s"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance, resolve
 from attnpolicy.bench.settings import CalibrationSettings
@@ -14,13 +14,13 @@ from attnpolicy.cli.common import (
     add_option_arg,
     add_policies_arg,
     add_workload_args,
+    by_family,
     byte_list,
     check_evictions,
     check_policies,
     check_writable,
     describe_options,
     fail,
-    family_of,
     formed,
     former_from,
     former_options,
@@ -41,24 +41,22 @@ from attnpolicy.engine.model_specs import spec_config
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
-from attnpolicy.modelling.cost_file import CostFile
+from attnpolicy.modelling.cost_file import CostFile, Family
 from attnpolicy.modelling.ranges import OutsideRange, outside_range
 from attnpolicy.modelling.simulation import (
-    ModelSimRow,
     SimRow,
     check_model,
     lower_bounds,
     model_config,
     model_layouts,
     simulate_layouts,
-    simulate_model,
     simulate_run,
     simulation_config,
 )
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.report.plots import plot_sweep
 from attnpolicy.report.units import MIB
-from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.layout_stream import LayoutRun, read_layout_stream, select_run
 from attnpolicy.workloads.traces import Request, TraceError, load_trace
 
@@ -275,87 +273,19 @@ def family_policies(args: argparse.Namespace, family: str, default: tuple[str, .
     return MODEL_POLICIES if family == "model" and same else tuple(args.policies)
 
 
-class JsonRow(Protocol):
-    """A row of a sweep's table: its --json form."""
-
-    def to_json(self) -> dict[str, Any]: ...
-
-
-RowT = TypeVar("RowT", bound=JsonRow)
-
-
-def model_sweep(args: argparse.Namespace, policies: tuple[str, ...], steps: Sequence[ScheduledBatch],
-                cost: ModelCostModel, provenance: Provenance, fields: dict[str, Any],
-                configs: Callable[[str], list[AttnPolicyConfig]],
-                sweep: Callable[[list[BatchLayout], list[AttnPolicyConfig]], list[RowT]],
-                ) -> tuple[list[BatchLayout], list[RowT]]:
-    """A command's ``--family model`` sweep: ``sweep(layouts, configs)`` over the prefill
-    batches of ``steps`` and ``configs(policy)`` of every --policies (:func:`family_policies`
-    of the command's default ``policies``), in order. A ConfigError or GraphTooLargeError
-    fails the command. ``fields`` (the --json) gains the batches, the cost model's
-    provenance and range, and the rows; returns the batches and the rows."""
-    layouts = model_layouts(steps)
-    fields |= {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
-               **provenance_json(provenance, flag_range(cost, layouts))}
-    try:
-        rows = sweep(layouts, [c for policy in family_policies(args, "model", policies) for c in configs(policy)])
-    except (ConfigError, GraphTooLargeError) as exc:
-        fail(str(exc))
-    fields["rows"] = [r.to_json() for r in rows]
-    return layouts, rows
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--json", args.json)
     check_writable("--plot", args.plot)
-    family = family_of(args)
-    if family == "model":
-        not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
-                  "model and the flags)", *ATTENTION_ONLY)
-        cost, provenance = priced_model(args)
-    else:
-        model, provenance = priced(args)
-        if args.layouts:
-            return simulate_recorded(args, model, provenance)
-        if args.strict:
-            fail("argument --strict: compares a replay with its recording, it needs --layouts")
-    former = former_from(args, prefill_only=family == "model")
-    if family == "attention":
-        base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, former)
-        base = with_store(args, base, model)
-        options = policy_options(args, "--policies", args.policies, {base.policy: base.policy_options})
-        check_evictions("--evictions", args.evictions, simulation=True)
-        check_model(base, model)
-        buckets = schemes(args, base)
-    requests = workload(args, former)
-    print(provenance.line())
-    steps, w = formed(args, former, requests)
+    level = by_family(args, SIMULATE_LEVELS)(args)
+    if (replayed := level.prepare(args)) is not None:
+        return replayed
+    requests = workload(args, level.former)
+    print(level.provenance.line())
+    steps, w = formed(args, level.former, requests)
     fields: dict[str, Any] = {"trace": args.trace, "workload": w.to_json()}
-    if family == "model":
-        max_len, tokens = former.max_model_len, former.max_num_batched_tokens
-        layouts, model_rows = model_sweep(
-            args, SIMULATE_POLICIES, steps, cost, provenance, fields,
-            lambda policy: [model_config(cost, max_len, tokens, policy=policy, max_graphs=capacity,
-                                         max_bytes=max_bytes, buckets=bucket_scheme(scheme, max_len, tokens).buckets)
-                            for scheme in args.buckets or ("pow2",) for capacity in args.capacities
-                            for max_bytes in args.max_bytes or (None,)],
-            lambda layouts, configs: simulate_model(layouts, cost, configs, args.evictions))
-        print_model_rows(f"simulated {len(layouts)} model-graph batches of {args.trace}, {cost.spec} "
-                         f"({cost.backend}, {cost.clock} s)", model_rows)
-    else:
-        outside = flag_range(model, steps)
-        note_warmup(base, f"--config {args.config}")
-        with progress(sweep_size(args), "simulate") as advance:
-            rows = simulate_layouts(steps, args.policies, args.capacities, args.evictions, base, model,
-                                    progress=advance, policy_options=options, rejected=w.rejected, buckets=buckets,
-                                    max_bytes=args.max_bytes, workers=args.workers, store_warm=args.store_warm)
-        ran = describe_options(options)
-        print_sweep(f"simulated {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
-                    f"batches), cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
-        fields |= {"requests": len(requests), "former": former_options(args), "config": base.model_dump(mode="json"),
-                   **provenance_json(provenance, outside), "policy_options": options,
-                   "rows": [r.to_json() for r in rows]}
+    head, rows = level.sweep(args, steps, w)
+    fields |= head | {"rows": [r.to_json() for r in rows]}
     if args.json:
         with writing("--json", args.json):
             write_json(args.json, fields)
@@ -365,12 +295,87 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_model_rows(title: str, rows: list[ModelSimRow]) -> None:
-    print_table(title, ("policy", "buckets", "graphs", "eviction", "distinct", "misses", "evictions",
-                        "compile s", "run s", "total s", "peak MiB"),
-                [(r.policy, r.buckets, "∞" if r.max_graphs is None else r.max_graphs, r.eviction, r.graphs,
-                  r.misses, r.evictions, r.compile_seconds + r.warmup_seconds, r.run_seconds, r.total_seconds,
-                  r.peak_bytes / MIB) for r in rows])
+class _Attention:
+    """``simulate`` on attention calls: a base config (``--config`` or derived), bucket
+    schemes, policy options, an optional graph store, or a recorded layout stream."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.model, self.provenance = priced(args)
+
+    def prepare(self, args: argparse.Namespace) -> int | None:
+        """Check the flags of a trace's sweep, before any work; with --layouts, replay
+        the recorded run instead (:func:`simulate_recorded`: its exit status)."""
+        if args.layouts:
+            return simulate_recorded(args, self.model, self.provenance)
+        if args.strict:
+            fail("argument --strict: compares a replay with its recording, it needs --layouts")
+        self.former = former_from(args)
+        model = self.model
+        base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, self.former)
+        self.base = with_store(args, base, model)
+        self.options = policy_options(args, "--policies", args.policies, {self.base.policy: self.base.policy_options})
+        check_evictions("--evictions", args.evictions, simulation=True)
+        check_model(self.base, model)
+        self.buckets = schemes(args, self.base)
+        return None
+
+    def sweep(self, args: argparse.Namespace, steps: list[ScheduledBatch], w: Workload
+              ) -> tuple[dict[str, Any], list[SimRow]]:
+        """The rows (printed) and the --json head."""
+        model, base, options = self.model, self.base, self.options
+        outside = flag_range(model, steps)
+        note_warmup(base, f"--config {args.config}")
+        with progress(sweep_size(args), "simulate") as advance:
+            rows = simulate_layouts(steps, args.policies, args.capacities, args.evictions, base, model,
+                                    progress=advance, policy_options=options, rejected=w.rejected,
+                                    buckets=self.buckets, max_bytes=args.max_bytes, workers=args.workers,
+                                    store_warm=args.store_warm)
+        ran = describe_options(options)
+        print_sweep(f"simulated {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} "
+                    f"batches), cost model {model.impl}/{model.backend}" + (f", options: {ran}" if ran else ""), rows)
+        return {"requests": w.requests, "former": former_options(args),
+                "config": base.model_dump(mode="json"), **provenance_json(self.provenance, outside),
+                "policy_options": options}, rows
+
+
+class _WholeModel:
+    """``simulate --family model``: prefill-only --trace batches, the configs derived from
+    the cost model and the flags per policy, bucket scheme, capacity and byte bound."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
+                  "model and the flags)", *ATTENTION_ONLY)
+        self.model, self.provenance = priced_model(args)
+
+    def prepare(self, args: argparse.Namespace) -> None:
+        self.former = former_from(args, prefill_only=True)
+
+    def sweep(self, args: argparse.Namespace, steps: list[ScheduledBatch], w: Workload
+              ) -> tuple[dict[str, Any], list[SimRow]]:
+        """The rows of the prefill batches (printed) and the --json head."""
+        cost, max_len, tokens = self.model, self.former.max_model_len, self.former.max_num_batched_tokens
+        layouts = model_layouts(steps)
+        head = {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
+                **provenance_json(self.provenance, flag_range(cost, layouts))}
+        try:
+            rows = simulate_layouts(layouts, family_policies(args, "model", SIMULATE_POLICIES), args.capacities,
+                                    args.evictions, model_config(cost, max_len, tokens), cost,
+                                    buckets=[bucket_scheme(s, max_len, tokens) for s in args.buckets or ("pow2",)],
+                                    max_bytes=args.max_bytes)
+        except (ConfigError, GraphTooLargeError) as exc:
+            fail(str(exc))
+        print_table(f"simulated {len(layouts)} model-graph batches of {args.trace}, {cost.spec} ({cost.backend}, "
+                    f"{cost.clock} s)",
+                    ("policy", "buckets", "graphs", "eviction", "distinct", "misses", "evictions", "compile s",
+                     "run s", "total s", "peak MiB"),
+                    [(r.policy, r.buckets, "∞" if r.capacity is None else r.capacity, r.eviction, r.distinct_keys,
+                      r.misses, r.evictions, r.compiled_seconds, r.run_seconds, r.total_seconds, r.peak_bytes / MIB)
+                     for r in rows])
+        return head, rows
+
+
+#: What ``simulate`` runs per --family.
+SIMULATE_LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}
 
 
 def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Provenance) -> int:
@@ -458,7 +463,7 @@ def print_sweep(title: str, rows: list[SimRow]) -> None:
     print_table(title, ("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s",
                         "attention s", "total s", "over lower bound", "peak MiB", "batches c/m/v"),
                 [(r.buckets, r.policy, bounds_cell(r.capacity, r.max_bytes), r.eviction, r.misses, r.hit_rate,
-                  r.compile_seconds, r.attention_seconds, r.total_seconds, f"{r.bound_gap:+.1%}",
+                  r.compiled_seconds, r.run_seconds, r.total_seconds, f"{r.bound_gap:+.1%}",
                   r.peak_bytes / MIB, "/".join(str(r.modes[m]) for m in ("causal", "mask", "varlen")))
                  for r in rows],
                 caption="bound: max graphs (∞: unbounded), max bytes; batches c/m/v: batches run causal / mask / "
@@ -496,7 +501,7 @@ def print_store(rows: list[SimRow]) -> None:
                 ("buckets", "policy", "bound", "eviction", "misses", "compiles", "compile s", "loads", "load s",
                  "disk evictions", "disk peak MiB"),
                 [(r.buckets, r.policy, bounds_cell(r.capacity, r.max_bytes), r.eviction, r.misses, r.compiles,
-                  r.compile_seconds, r.store.loads, r.store.load_seconds, r.store.disk_evictions,
+                  r.compiled_seconds, r.store.loads, r.store.load_seconds, r.store.disk_evictions,
                   r.store.disk_peak_bytes / MIB) for r in stored if r.store is not None],
                 caption="a memory miss of a graph on the disk loads it (load s), any other compiles it and saves "
                         "it there, least recently used out, as the graph store does")

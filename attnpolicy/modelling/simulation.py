@@ -36,17 +36,18 @@ See ``docs/simulate.md``.
 
 On whole-model graphs (the ``model`` family: one graph per forward of a
 :class:`~attnpolicy.engine.runner.StaticModelRunner`, priced by a
-:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`) the batches are the
-key stream the runner would request: each batch's mode is the guarded policy's
-decision (as the runner's), its key the runner's own
-:func:`~attnpolicy.engine.keys.model_key_for`, and the stream is
-replayed by :func:`~attnpolicy.cache.key_stream.replay_stream` with the runner's cache
-bounds and eviction, the graphs' bytes being the runner's own estimate: the misses,
-compiles and evictions are those a real runner replay of the same batches counts
-(tested). Seconds come from the cost model: a compile per miss, a run per batch, and
-the process's one-off ``warmup_seconds`` once when anything compiles. The runner
-serves prefill without cached context, so the batches are prefill-only (an
-embedding-style workload: :func:`~attnpolicy.workloads.batching.model_former`).
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` given to
+:func:`simulate_layouts` as its model; same :class:`SimRow`, whole-model JSON keys) the
+batches are the key stream the runner would request: each batch's mode is the guarded
+policy's decision (as the runner's), its key the runner's own
+:func:`~attnpolicy.engine.keys.model_key_for`, and the stream is replayed by
+:func:`~attnpolicy.cache.key_stream.replay_stream` with the runner's cache bounds and
+eviction, the graphs' bytes being the runner's own estimate: the misses, compiles and
+evictions are those a real runner replay of the same batches counts (tested). Seconds
+come from the cost model: a compile per miss, a run per batch, and the process's one-off
+``warmup_seconds`` once when anything compiles. The runner serves prefill without cached
+context, so the batches are prefill-only (an embedding-style workload:
+:func:`~attnpolicy.workloads.batching.model_former`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.modelling.bucket_schemes import BucketScheme, base_scheme
 from attnpolicy.modelling.streams import KeyStream
-from attnpolicy.modelling.tiers import StoredRuns, StoreFigures, StoreModel, row_json
+from attnpolicy.modelling.tiers import StoredRuns, StoreFigures, StoreModel
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
@@ -82,30 +83,27 @@ from attnpolicy.workloads.traces import Request
 if TYPE_CHECKING:
     from attnpolicy.dispatch import Dispatcher
 
-#: The JSON form of every row holds at least these keys (the stable contract).
-ROW_FIELDS = ("policy", "buckets", "capacity", "max_bytes", "eviction", "hits", "misses", "hit_rate",
-              "compiles", "compile_seconds", "attention_seconds", "total_seconds", "peak_bytes",
-              "bound_seconds", "bound_gap")
-
-
 @dataclass(frozen=True)
 class SimRow:
-    """One simulated (bucket scheme, policy, bounds, eviction): cache counters and
-    modelled seconds.
+    """One simulated (bucket scheme, policy, bounds, eviction) at either level: cache
+    counters and modelled seconds.
 
     ``buckets`` names the bucket scheme; ``capacity`` is ``max_graphs`` and
-    ``max_bytes`` the byte bound (``None``: unbounded); ``attention_seconds``
-    includes dispatch overheads and mask builds (also given alone as
-    ``mask_build_seconds``); ``total_seconds`` is attention plus compile seconds;
-    ``bound_seconds`` is attention plus each distinct graph's compile once (no
-    eviction or bound does better for these decisions) and ``bound_gap`` is
-    ``total / bound - 1``; ``modes`` counts batches per mode; ``policy_options`` are
-    the options the policy ran with; ``rejected`` counts the requests the batch
-    former left out (too long); ``warmup_seconds`` is the cost model's one-off
-    backend start-up (:meth:`~attnpolicy.graphs.costmodel.CostModel.warmup_cost`),
-    included in ``compile_seconds``, ``total_seconds`` and ``bound_seconds`` when
-    the row compiles anything. ``store`` (a modelled graph store only, else not in
-    the JSON): the misses the disk served, their ``load_seconds`` in ``total_seconds``."""
+    ``max_bytes`` the byte bound (``None``: unbounded); ``run_seconds`` are the batches'
+    (at the attention level its calls' with dispatch overheads and mask builds, also
+    given alone as ``mask_build_seconds``); ``compile_seconds`` the cache's compiles and
+    ``warmup_seconds`` the cost model's one-off backend start-up, charged when the row
+    compiles anything (:attr:`compiled_seconds`: both); ``total_seconds``: run plus
+    compiled seconds (plus a modelled store's loads); ``distinct_keys``: the graphs used.
+
+    At the attention level only: ``bound_seconds`` is run seconds plus each distinct
+    graph's compile once (no eviction or bound does better for these decisions) and
+    ``bound_gap`` is ``total / bound - 1``; ``modes`` counts batches per mode;
+    ``policy_options`` are the options the policy ran with; ``rejected`` counts the
+    requests the batch former left out (too long); ``store`` (a modelled graph store
+    only, else not in the JSON): the misses the disk served, their ``load_seconds`` in
+    ``total_seconds``. ``json_keys``: the (JSON key, attribute) pairs of :meth:`to_json`,
+    its level's."""
 
     policy: str
     buckets: str
@@ -114,32 +112,64 @@ class SimRow:
     eviction: str
     hits: int
     misses: int
-    hit_rate: float
     compiles: int
     compile_seconds: float
-    attention_seconds: float
+    warmup_seconds: float
+    run_seconds: float
     total_seconds: float
     peak_bytes: int
     peak_graphs: int
     evictions: int
     distinct_keys: int
     batches: int
-    calls: int
-    modes: dict[str, int]
-    guard_fallbacks: int
-    overflow_calls: int
-    mask_builds: int
-    mask_build_seconds: float
-    bound_seconds: float
-    bound_gap: float
+    json_keys: tuple[tuple[str, str], ...] = field(repr=False, compare=False)
+    calls: int = 0
+    modes: dict[str, int] = field(default_factory=dict)
+    guard_fallbacks: int = 0
+    overflow_calls: int = 0
+    mask_builds: int = 0
+    mask_build_seconds: float = 0.0
+    bound_seconds: float = 0.0
+    bound_gap: float = 0.0
     policy_options: dict[str, Any] = field(default_factory=dict)
     rejected: int = 0
-    warmup_seconds: float = 0.0
     store: StoreFigures | None = None
 
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+    @property
+    def compiled_seconds(self) -> float:
+        """Compile seconds with the backend start-up."""
+        return self.compile_seconds + self.warmup_seconds
+
     def to_json(self) -> dict[str, Any]:
-        """The row as JSON: one key per field (``store`` only when one was modelled)."""
-        return row_json(self)
+        """The row as JSON: its level's keys (``store`` too when one was modelled)."""
+        out = {key: getattr(self, name) for key, name in self.json_keys}
+        return out if self.store is None else {**out, "store": asdict(self.store)}
+
+
+def own_keys(*names: str) -> tuple[tuple[str, str], ...]:
+    """(JSON key, attribute) pairs of attributes written under their own names."""
+    return tuple((name, name) for name in names)
+
+
+#: The JSON keys of an attention-level row (:attr:`SimRow.json_keys`).
+ATTENTION_KEYS = (*own_keys("policy", "buckets", "capacity", "max_bytes", "eviction", "hits", "misses", "hit_rate",
+                            "compiles"), ("compile_seconds", "compiled_seconds"), ("attention_seconds", "run_seconds"),
+                  *own_keys("total_seconds", "peak_bytes", "peak_graphs", "evictions", "distinct_keys", "batches",
+                            "calls", "modes", "guard_fallbacks", "overflow_calls", "mask_builds", "mask_build_seconds",
+                            "bound_seconds", "bound_gap", "policy_options", "rejected", "warmup_seconds"))
+#: The JSON keys of a whole-model row.
+MODEL_KEYS = (*own_keys("policy", "buckets"), ("max_graphs", "capacity"), *own_keys("max_bytes", "eviction", "batches"),
+              ("graphs", "distinct_keys"), *own_keys("misses", "compiles", "evictions", "compile_seconds",
+                                                    "warmup_seconds", "run_seconds", "peak_graphs", "peak_bytes",
+                                                    "total_seconds"))
+#: The JSON form of every attention row holds at least these keys (the stable contract).
+ROW_FIELDS = ("policy", "buckets", "capacity", "max_bytes", "eviction", "hits", "misses", "hit_rate",
+              "compiles", "compile_seconds", "attention_seconds", "total_seconds", "peak_bytes",
+              "bound_seconds", "bound_gap")
 
 
 class SimulatedGraph:
@@ -291,7 +321,6 @@ def sim_row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, r
             store_warm: bool = False) -> SimRow:
     """The row of ``replay`` served by a cache that counted ``cache`` (``warmup``: the cost
     model's start-up seconds, charged when the row compiles; ``store_warm``: a warm store)."""
-    hits, misses = cache.hits, cache.misses
     stats = replay.stats
     warmup = warmup if cache.compiles else 0.0
     store = StoreModel.of(config, store_warm)
@@ -299,36 +328,16 @@ def sim_row(scheme: str, policy: str, config: AttnPolicyConfig, eviction: str, r
     total = replay.attention_seconds + cache.compile_seconds + cache.load_seconds + warmup
     bound = replay.attention_seconds + compulsory + warmup
     return SimRow(
-        policy=policy,
-        buckets=scheme,
-        capacity=config.max_graphs,
-        max_bytes=config.max_bytes,
-        eviction=eviction,
-        hits=hits,
-        misses=misses,
-        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
-        compiles=cache.compiles,
-        compile_seconds=cache.compile_seconds + warmup,
-        attention_seconds=replay.attention_seconds,
-        total_seconds=total,
-        peak_bytes=cache.peak_bytes,
-        peak_graphs=cache.peak_graphs,
-        evictions=cache.evictions,
-        distinct_keys=len(set(replay.keys)),
-        batches=stats["batches"],
-        calls=stats["calls"],
-        modes=dict(stats["modes"]),
-        guard_fallbacks=stats["guard_fallbacks"],
-        overflow_calls=replay.overflow_calls,
-        mask_builds=replay.mask_builds,
-        mask_build_seconds=replay.mask_build_seconds,
-        bound_seconds=bound,
-        bound_gap=total / bound - 1 if bound else 0.0,
-        policy_options=dict(config.policy_options),
-        rejected=rejected,
-        warmup_seconds=warmup,
-        store=None if store is None else StoreFigures.of(store, cache),
-    )
+        policy=policy, buckets=scheme, capacity=config.max_graphs, max_bytes=config.max_bytes, eviction=eviction,
+        hits=cache.hits, misses=cache.misses, compiles=cache.compiles, compile_seconds=cache.compile_seconds,
+        warmup_seconds=warmup, run_seconds=replay.attention_seconds, total_seconds=total,
+        peak_bytes=cache.peak_bytes, peak_graphs=cache.peak_graphs, evictions=cache.evictions,
+        distinct_keys=len(set(replay.keys)), batches=stats["batches"], json_keys=ATTENTION_KEYS,
+        calls=stats["calls"], modes=dict(stats["modes"]), guard_fallbacks=stats["guard_fallbacks"],
+        overflow_calls=replay.overflow_calls, mask_builds=replay.mask_builds,
+        mask_build_seconds=replay.mask_build_seconds, bound_seconds=bound,
+        bound_gap=total / bound - 1 if bound else 0.0, policy_options=dict(config.policy_options),
+        rejected=rejected, store=None if store is None else StoreFigures.of(store, cache))
 
 
 @dataclass(frozen=True)
@@ -357,7 +366,7 @@ def lower_bounds(rows: Sequence[SimRow]) -> list[PolicyBound]:
         low = min(group, key=lambda r: r.bound_seconds)
         online = [r.total_seconds for r in group if r.eviction != BELADY]
         belady = [r.total_seconds for r in group if r.eviction == BELADY]
-        out.append(PolicyBound(buckets, policy, low.distinct_keys, low.attention_seconds, low.bound_seconds,
+        out.append(PolicyBound(buckets, policy, low.distinct_keys, low.run_seconds, low.bound_seconds,
                                min(online, default=None), min(belady, default=None)))
     return out
 
@@ -433,7 +442,7 @@ def simulate_layouts(
     capacities: Sequence[int | None],
     evictions: Sequence[str],
     config_base: AttnPolicyConfig,
-    model: CostModel | None = None,
+    model: CostModel | ModelCostModel | None = None,
     spec: TensorSpec | None = None,
     progress: Callable[[str], None] | None = None,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -454,26 +463,40 @@ def simulate_layouts(
     starts with an empty cache: ``config_base``'s warm-up set is not modelled (it is
     left out of the rows' configs, whose buckets and capacities it may not fit; see
     :mod:`attnpolicy.modelling.stalls` for warm-up).
+
+    A :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` simulates the
+    whole-model level instead: one row per (policy, bucket scheme, capacity,
+    ``max_bytes``, eviction), in that nesting order, each config's key stream replayed
+    (:func:`simulate_model`) over the prefill batches of ``steps``; ``spec``,
+    ``progress``, ``rejected``, ``workers`` and ``store_warm`` do not apply.
     """
     model = model or CostModel.default()
+    base = config_base
+    fields = {**base.model_dump(mode="json"), "warmup": []}
+    schemes = list(buckets) if buckets else [base_scheme(base)]
+    byte_bounds = [base.max_bytes] if max_bytes is None else max_bytes
+
+    def scheme_fields(policy: str, scheme: BucketScheme) -> dict[str, Any]:
+        options = {**(base.policy_options if policy == base.policy else {}), **(policy_options or {}).get(policy, {})}
+        return {**fields, "policy": policy, "policy_options": options,
+                "buckets": scheme.buckets.model_dump(mode="json")}
+
+    if isinstance(model, ModelCostModel):
+        return simulate_model(model_layouts(steps), model, [
+            _config(scheme_fields(policy, scheme), capacity, nbytes, "lru") for policy in policies
+            for scheme in schemes for capacity in capacities for nbytes in byte_bounds], evictions)
     _check_evictions(evictions)
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
-    base = config_base
     if base.store_dir is not None or store_warm:
         StoreModel.of(base, store_warm).disk(model)  # type: ignore[union-attr]  # refused up front
-    fields = {**base.model_dump(mode="json"), "warmup": []}
-    schemes = list(buckets) if buckets else [base_scheme(base)]
-    bounds = list(enumerate(capacities)), list(enumerate([base.max_bytes] if max_bytes is None else max_bytes))
+    bounds = list(enumerate(capacities)), list(enumerate(byte_bounds))
     jobs: list[_Job] = []
     for s, scheme in enumerate(schemes):
         for p, policy in enumerate(policies):
-            options = {**(base.policy_options if policy == base.policy else {}),
-                       **(policy_options or {}).get(policy, {})}
-            stateless = Guard.for_policy(policy, options).stateless
-            job = partial(_Job, s, scheme.name, p, policy,
-                          {**fields, "policy": policy, "policy_options": options,
-                           "buckets": scheme.buckets.model_dump(mode="json")}, stateless)
+            job_fields = scheme_fields(policy, scheme)
+            stateless = Guard.for_policy(policy, job_fields["policy_options"]).stateless
+            job = partial(_Job, s, scheme.name, p, policy, job_fields, stateless)
             if stateless:
                 jobs.append(job([(c, b, list(enumerate(evictions))) for c in bounds[0] for b in bounds[1]]))
                 continue
@@ -482,6 +505,12 @@ def simulate_layouts(
             jobs += [job(runs[i::workers]) for i in range(min(workers, len(runs)))]
     sweep = _Sweep(steps, model, spec, rejected, store_warm)
     return _run(jobs, sweep, workers, progress)
+
+
+def _config(fields: dict[str, Any], capacity: int | None, max_bytes: int | None, eviction: str) -> AttnPolicyConfig:
+    """The config of ``fields`` with these bounds and eviction (``belady`` replays ``lru``'s)."""
+    return AttnPolicyConfig.model_validate({**fields, "max_graphs": capacity, "max_bytes": max_bytes,
+                                            "eviction": "lru" if eviction == BELADY else eviction})
 
 
 #: A row's place in the sweep: (scheme, policy, capacity, max_bytes, eviction) indices.
@@ -527,8 +556,7 @@ class _Job:
     runs: list[_JobRun]
 
     def config(self, capacity: int | None, max_bytes: int | None, eviction: str) -> AttnPolicyConfig:
-        return AttnPolicyConfig.model_validate({**self.fields, "max_graphs": capacity, "max_bytes": max_bytes,
-                                                "eviction": "lru" if eviction == BELADY else eviction})
+        return _config(self.fields, capacity, max_bytes, eviction)
 
     def run(self, sweep: _Sweep) -> list[tuple[Position, SimRow]]:
         return self._replayed(sweep) if self.stateless else self._dispatched(sweep)
@@ -672,36 +700,8 @@ def key_stream(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode], config
     return [model_key_for(layout, mode, config, kv=kv) for layout, mode in zip(layouts, modes)]
 
 
-@dataclass(frozen=True)
-class ModelSimRow:
-    """One replay of a key stream: the cache's counters and the modelled seconds."""
-
-    policy: str
-    buckets: str
-    max_graphs: int | None
-    max_bytes: int | None
-    eviction: str
-    batches: int
-    graphs: int
-    misses: int
-    compiles: int
-    evictions: int
-    compile_seconds: float
-    warmup_seconds: float
-    run_seconds: float
-    peak_graphs: int
-    peak_bytes: int
-
-    @property
-    def total_seconds(self) -> float:
-        return self.compile_seconds + self.warmup_seconds + self.run_seconds
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "total_seconds": self.total_seconds}
-
-
 def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPolicyConfig,
-                eviction: str, *, builds_run: bool = False) -> ModelSimRow:
+                eviction: str, *, builds_run: bool = False) -> SimRow:
     """Replay ``keys`` through a cache of ``config``'s bounds with ``eviction`` (or
     ``belady``), costed by ``model``. ``builds_run``: a miss's build runs its own batch
     (a step graph: the runner builds it on the step, and calibration times build and
@@ -721,14 +721,15 @@ def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPol
     run_seconds = sum(run[i] for i in stream)
     if builds_run:  # the same misses, priced at their run seconds: those are in their builds
         run_seconds -= replayed(run).compile_seconds
-    return ModelSimRow(config.policy, config.buckets.describe(), config.max_graphs, config.max_bytes, eviction,
-                       len(keys), len(distinct), stats.misses, stats.compiles, stats.evictions,
-                       stats.compile_seconds, model.warmup_seconds if stats.compiles else 0.0,
-                       run_seconds, stats.peak_graphs, stats.peak_bytes)
+    warmup = model.warmup_seconds if stats.compiles else 0.0
+    return SimRow(config.policy, config.buckets.describe(), config.max_graphs, config.max_bytes, eviction,
+                  stats.hits, stats.misses, stats.compiles, stats.compile_seconds, warmup, run_seconds,
+                  stats.compile_seconds + warmup + run_seconds, stats.peak_bytes, stats.peak_graphs,
+                  stats.evictions, len(distinct), len(keys), MODEL_KEYS)
 
 
 def simulate_model(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig],
-                   evictions: Sequence[str], *, steps: bool = False) -> list[ModelSimRow]:
+                   evictions: Sequence[str], *, steps: bool = False) -> list[SimRow]:
     """One row per config × eviction: each config's policy decides, its buckets key
     (``steps``: the layouts are engine steps served over a KV cache, see :func:`key_stream`)."""
     spec = spec_of(model)

@@ -53,7 +53,14 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
-from attnpolicy.modelling.simulation import SimulatedGraph, decided_modes, key_stream, simulated, spec_of
+from attnpolicy.modelling.simulation import (
+    SimulatedGraph,
+    decided_modes,
+    key_stream,
+    own_keys,
+    simulated,
+    spec_of,
+)
 from attnpolicy.modelling.tiers import StoreFigures, StoreModel, reload_option
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import ScheduledBatch
@@ -225,22 +232,17 @@ class StallLevel(Protocol[B, K]):
     def server(self, config: AttnPolicyConfig, cache: GraphCache[Any]) -> BatchServer[B, K]: ...
 
 
-def _same(*names: str) -> tuple[tuple[str, str], ...]:
-    """(JSON key, field) pairs of fields written under their own names."""
-    return tuple((name, name) for name in names)
-
-
 class AttentionLevel:
     """Attention calls: each batch's calls served by a :class:`~attnpolicy.dispatch.Dispatcher`
     with the simulation's builder, priced by ``model`` (default: the built-in one) for
     ``spec`` (default: the model's)."""
 
-    row_keys = (*_same("policy", "capacity", "eviction", "compile_mode", "switch_after", "warm", "warm_keys",
-                       "warmup_seconds", "batches"),
+    row_keys = (*own_keys("policy", "capacity", "eviction", "compile_mode", "switch_after", "warm", "warm_keys",
+                          "warmup_seconds", "batches"),
                 ("attention_seconds", "run_seconds"),
-                *_same("stall_seconds", "total_seconds", "stall_p50", "stall_p99", "stall_max", "stalled_batches",
-                       "compiles", "compile_seconds", "background_compiles", "background_compile_seconds",
-                       "pad_up_calls", "pad_up_tokens", "distinct_keys"))
+                *own_keys("stall_seconds", "total_seconds", "stall_p50", "stall_p99", "stall_max", "stalled_batches",
+                          "compiles", "compile_seconds", "background_compiles", "background_compile_seconds",
+                          "pad_up_calls", "pad_up_tokens", "distinct_keys"))
 
     def __init__(self, model: CostModel | None = None, spec: TensorSpec | None = None) -> None:
         self.model = model or CostModel.default()
@@ -332,10 +334,11 @@ class WholeModelLevel:
     """Whole-model graphs: the key stream of the model simulation served by the runner's
     graph source and background worker over :class:`ModelledGraphs`, priced by ``model``."""
 
-    row_keys = (*_same("policy", "capacity", "compile_mode", "switch_after", "batches", "compiles", "compile_seconds"),
+    row_keys = (*own_keys("policy", "capacity", "compile_mode", "switch_after", "batches", "compiles",
+                          "compile_seconds"),
                 ("padded_up", "pad_up_calls"),
-                *_same("eager_served", "run_seconds", "stall_seconds", "stall_p50", "stall_p99", "stall_max",
-                       "stalled_batches", "total_seconds"))
+                *own_keys("eager_served", "run_seconds", "stall_seconds", "stall_p50", "stall_p99", "stall_max",
+                          "stalled_batches", "total_seconds"))
 
     def __init__(self, model: ModelCostModel) -> None:
         self.model = model

@@ -13,9 +13,9 @@ once first, its counters dropped). Nothing is written to disk. See docs/simulate
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from attnpolicy.cache.disk_mirror import DiskMirror
 from attnpolicy.cache.graph_cache import GraphCache
@@ -23,9 +23,6 @@ from attnpolicy.cache.key_stream import StreamStats
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 V = TypeVar("V")
 #: The eviction strategy that weighs a reload against a recompile (its ``reload`` option).
@@ -71,15 +68,6 @@ class StoreFigures:
     def of(cls, store: StoreModel, stats: StreamStats) -> StoreFigures:
         return cls(store.max_disk_bytes, store.warm, stats.loads, stats.load_seconds, stats.disk_evictions,
                    stats.disk_peak_bytes)
-
-
-def row_json(row: DataclassInstance) -> dict[str, Any]:
-    """A modelled row (a dataclass with a ``store`` field of :class:`StoreFigures`) as JSON:
-    one key per field, ``store`` only when one was modelled."""
-    out = asdict(row)
-    if out["store"] is None:
-        del out["store"]
-    return out
 
 
 def reload_option(eviction: str, disk: DiskMirror | None) -> dict[str, Any] | None:

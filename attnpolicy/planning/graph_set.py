@@ -52,7 +52,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from operator import attrgetter
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.config import AttnPolicyConfig, WarmShape
@@ -64,7 +64,6 @@ from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.bucket_schemes import base_scheme
 from attnpolicy.modelling.simulation import (
-    ModelSimRow,
     SimRow,
     decided_modes,
     key_stream,
@@ -80,7 +79,6 @@ from attnpolicy.policies.guard import Guard
 from attnpolicy.workloads.batching import ScheduledBatch, Workload
 
 #: A policy plan's simulated row (a level's).
-R = TypeVar("R", bound=SimRow | ModelSimRow)
 #: The policies planned by default (each where its modes are legal; the guard falls back otherwise).
 PLAN_POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
 #: The live eviction strategies a plan tries by default.
@@ -125,7 +123,7 @@ class WarmShapeCost:
 
 
 @dataclass(frozen=True)
-class PolicyPlan(Generic[R]):
+class PolicyPlan:
     """The best bucket list and eviction found for one policy, the simulated row of
     that plan, the baselines (the base buckets with LRU and with Belady at the same
     capacity) and every candidate tried (none at the model level). ``fits``: the plan
@@ -138,20 +136,20 @@ class PolicyPlan(Generic[R]):
     cover: tuple[int, ...]
     eviction: str
     fits: bool
-    row: R
-    baselines: tuple[R, ...]
+    row: SimRow
+    baselines: tuple[SimRow, ...]
     candidates: tuple[Candidate, ...]
     json_keys: tuple[tuple[str, str], ...] = field(repr=False, compare=False)
 
-    def baseline(self, eviction: str) -> R:
+    def baseline(self, eviction: str) -> SimRow:
         return next(r for r in self.baselines if r.eviction == eviction)
 
     @property
-    def base_lru(self) -> R:
+    def base_lru(self) -> SimRow:
         return self.baseline("lru")
 
     @property
-    def base_belady(self) -> R:
+    def base_belady(self) -> SimRow:
         return self.baseline(BELADY)
 
     @property
@@ -168,7 +166,7 @@ class PolicyPlan(Generic[R]):
 
 
 @dataclass(frozen=True)
-class GraphPlan(Generic[R]):
+class GraphPlan:
     """What ``attnpolicy plan`` chose at one level: per policy its :class:`PolicyPlan`,
     the chosen policy, its warm set (none at the model level) and the config that
     applies it. ``json_keys``: as :attr:`PolicyPlan.json_keys`."""
@@ -178,13 +176,13 @@ class GraphPlan(Generic[R]):
     max_bytes: int | None
     warmup_seconds: float | None
     base_buckets: str
-    policies: tuple[PolicyPlan[R], ...]
+    policies: tuple[PolicyPlan, ...]
     warm: tuple[WarmShapeCost, ...]
     config: AttnPolicyConfig
     json_keys: tuple[tuple[str, str], ...] = field(repr=False, compare=False)
 
     @property
-    def chosen(self) -> PolicyPlan[R]:
+    def chosen(self) -> PolicyPlan:
         return next(p for p in self.policies if p.policy == self.policy)
 
     @property
@@ -318,7 +316,7 @@ def candidate_lists(shapes: CallShapes, base: AttnPolicyConfig, model: CostModel
 def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base: AttnPolicyConfig, model: CostModel,
                 evictions: Sequence[str], max_buckets: int = 16, spec: TensorSpec | None = None,
                 progress: Callable[[str], None] | None = None, rejected: int = 0,
-                table: CallTable | None = None, align: int = ALIGN) -> PolicyPlan[SimRow]:
+                table: CallTable | None = None, align: int = ALIGN) -> PolicyPlan:
     """The best bucket list (sizes aligned to ``align``) and eviction for ``policy`` at
     ``base``'s capacity (``max_graphs``, ``max_bytes``), searched as the module
     docstring says, :func:`completed`; ``progress(label)`` is called after each
@@ -427,17 +425,17 @@ def warm_set(graphs: Sequence[WarmShapeCost], max_graphs: int | None, max_bytes:
     return tuple(chosen)
 
 
-class PlanSearch(Protocol[R]):
+class PlanSearch(Protocol):
     """One workload's search at one level (see :class:`PlanLevel`): ``plan(policy, ...)``
     its :class:`PolicyPlan`; ``warm_graphs(config, store_warm)``: every graph a planned
     config uses, most used first, for :func:`warm_set`."""
 
     def plan(self, policy: str, evictions: Sequence[str], max_buckets: int,
-             progress: Callable[[str], None] | None, align: int) -> PolicyPlan[R]: ...
+             progress: Callable[[str], None] | None, align: int) -> PolicyPlan: ...
     def warm_graphs(self, config: AttnPolicyConfig, store_warm: bool) -> list[WarmShapeCost]: ...
 
 
-class PlanLevel(Protocol[R]):
+class PlanLevel(Protocol):
     """What differs between the levels in a plan: how a workload's policies are searched
     (``search``), the strict mode a plan's config runs in after warm-up (``strict``;
     ``None``: the base config's), and the JSON keys of a plan and of a policy's plan
@@ -448,7 +446,7 @@ class PlanLevel(Protocol[R]):
     strict: str | None
 
     def search(self, steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig,
-                policies: Sequence[str]) -> PlanSearch[R]: ...
+                policies: Sequence[str]) -> PlanSearch: ...
 
 
 def _same(*names: str) -> tuple[tuple[str, str], ...]:
@@ -488,7 +486,7 @@ class _Tabled:
                 table.share(other)
 
     def plan(self, policy: str, evictions: Sequence[str], max_buckets: int,
-             progress: Callable[[str], None] | None, align: int) -> PolicyPlan[SimRow]:
+             progress: Callable[[str], None] | None, align: int) -> PolicyPlan:
         level = self._level
         return plan_policy(self._steps, policy, self._base, level.model, evictions, max_buckets, level.spec, progress,
                            level.rejected, self._tables[policy], align)
@@ -498,11 +496,11 @@ class _Tabled:
                           store_warm)
 
 
-def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, level: PlanLevel[R],
+def plan_graphs(steps: Sequence[ScheduledBatch | BatchLayout], base: AttnPolicyConfig, level: PlanLevel,
                 policies: Sequence[str] = PLAN_POLICIES, evictions: Sequence[str] = PLAN_EVICTIONS,
                 warmup_seconds: float | None = None, max_buckets: int = 16,
                 progress: Callable[[str], None] | None = None, store_warm: bool = False,
-                align: int = ALIGN) -> GraphPlan[R]:
+                align: int = ALIGN) -> GraphPlan:
     """Plan ``steps`` at ``base``'s capacity, as ``level`` searches: per policy its
     buckets and eviction, the best policy, its warm set within ``warmup_seconds``
     (modelled compile seconds; ``None``: as many as the capacity holds), and the config
@@ -531,13 +529,13 @@ def _seconds(x: float) -> str:
     return f"{x:.4g}"
 
 
-def describe_buckets(plan: PolicyPlan[SimRow]) -> str:
+def describe_buckets(plan: PolicyPlan) -> str:
     """``plan``'s buckets, the cover (:func:`completed`) apart: ``[16, 880] + cover [8192]``."""
     planned = [b for b in plan.buckets if b not in plan.cover]
     return f"{planned}" + (f" + cover {list(plan.cover)}" if plan.cover else "")
 
 
-def plan_markdown(plan: GraphPlan[SimRow], source: str, workload: Workload | None = None) -> str:
+def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None) -> str:
     """The plan report (``plan.md``): the workload planned (when given: its requests,
     rejections and batches), what was chosen and the predicted totals against the base
     buckets with LRU and with Belady at the same capacity."""
@@ -635,7 +633,7 @@ def _needs(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode]) -> tuple[l
 
 
 def greedy_plan(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyConfig, model: ModelCostModel,
-                evictions: Sequence[str], max_buckets: int, align: int = ALIGN) -> PolicyPlan[ModelSimRow]:
+                evictions: Sequence[str], max_buckets: int, align: int = ALIGN) -> PolicyPlan:
     """The greedy bucket list of ``policy`` (see the module docstring)."""
     if align < 1:
         raise ConfigError(f"align must be >= 1, got {align}")
@@ -654,7 +652,7 @@ def greedy_plan(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyCon
         required.add(limit_seq)
     candidates = sorted({_up(n, limit_seq) for n in seq} | {_up(n, limit_batch) for n in batch})
 
-    def cost(sizes: set[int]) -> ModelSimRow:
+    def cost(sizes: set[int]) -> SimRow:
         config = AttnPolicyConfig(**{**with_policy.model_dump(),
                                      "buckets": Buckets(kind="list", sizes=tuple(sorted(sizes)))})
         keys = key_stream(layouts, modes, config)
@@ -683,7 +681,7 @@ class _Greedy:
         self._model, self._layouts, self._base = model, layouts, base
 
     def plan(self, policy: str, evictions: Sequence[str], max_buckets: int,
-             progress: Callable[[str], None] | None, align: int) -> PolicyPlan[ModelSimRow]:
+             progress: Callable[[str], None] | None, align: int) -> PolicyPlan:
         """``policy``'s :func:`greedy_plan`; ``progress(policy)`` when done."""
         plan = greedy_plan(self._layouts, policy, self._base, self._model, evictions, max_buckets, align)
         if progress:

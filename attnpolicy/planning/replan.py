@@ -50,7 +50,7 @@ class Drift:
     """The current config's modelled row on the window, the refit plan, and their ratio."""
 
     current: SimRow
-    refit: GraphPlan[SimRow]
+    refit: GraphPlan
     drift: float
     threshold: float
 

@@ -306,7 +306,7 @@ def apply_commands(config_dir: Path) -> tuple[str, ...]:
 def recommend(steps: Sequence[ScheduledBatch], rows: Sequence[SimRow], base: AttnPolicyConfig, model: CostModel,
               policies: Sequence[str], evictions: Sequence[str], validation: Sequence[Checked], out: Path,
               max_buckets: int, source: str, schemes: Sequence[BucketScheme],
-              workload: Workload | None = None) -> tuple[Recommendation, GraphPlan[SimRow], Frontier]:
+              workload: Workload | None = None) -> tuple[Recommendation, GraphPlan, Frontier]:
     """Plan ``steps`` at the sweep's :func:`plan_bound`, from the buckets of its
     :func:`seed_row` (``schemes``: the sweep's bucket schemes, by name), save the
     config (and the plan's ``plan.md``, ``plan.json``) under ``out / CONFIG_DIR``,

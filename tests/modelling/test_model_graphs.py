@@ -17,9 +17,10 @@ from attnpolicy.engine.keys import ModelKey, model_key_for
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel
+from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import outside_range
-from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_model
+from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_layouts, simulate_model
 from attnpolicy.modelling.stalls import WholeModelLevel, compare_stalls
 from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
 from attnpolicy.planning.graph_set import WholeModelPlanLevel, plan_graphs
@@ -216,6 +217,23 @@ def test_model_key_for_is_the_runners_key():
     assert model_key_for(BatchLayout.from_lens([17]), MaskMode.CAUSAL, config, kv=False).tokens == 32
 
 
+def test_the_sweep_takes_the_level_from_its_cost_model():
+    """Given a whole-model cost model, the attention sweep's entry point sweeps whole-model
+    configs built from the base config, policy by policy, into rows with the model's keys."""
+    model = synthetic()
+    schemes = [bucket_scheme(s, 64, 128) for s in ("pow2", "exact")]
+    rows = simulate_layouts(LAYOUTS, ["varlen", "dynamic"], [1, None], ["lru", "belady"],
+                            model_config(model, 64, 128), model, buckets=schemes, max_bytes=[None, 2**40])
+    want = simulate_model(LAYOUTS, model, [
+        model_config(model, 64, 128, policy=p, max_graphs=c, max_bytes=b, buckets=s.buckets)
+        for p in ("varlen", "dynamic") for s in schemes for c in (1, None) for b in (None, 2**40)], ["lru", "belady"])
+    assert [r.to_json() for r in rows] == [r.to_json() for r in want] and len(rows) == 32
+    assert list(rows[0].to_json()) == ["policy", "buckets", "max_graphs", "max_bytes", "eviction", "batches", "graphs",
+                                       "misses", "compiles", "evictions", "compile_seconds", "warmup_seconds",
+                                       "run_seconds", "peak_graphs", "peak_bytes", "total_seconds"]
+    assert any(r.misses > r.distinct_keys for r in rows)  # one graph is too few: the bounds were applied
+
+
 def test_model_layouts_refuse_cached_context():
     with pytest.raises(ConfigError, match="prefill"):
         model_layouts([BatchLayout.from_lens([1], [9])])
@@ -229,7 +247,7 @@ def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
     plan = plan_graphs(layouts, base, WholeModelPlanLevel(model), ["dynamic"], ["lru"], max_buckets=8)
     chosen = plan.chosen
     assert chosen.row.total_seconds < chosen.base_lru.total_seconds
-    assert chosen.row.graphs <= 4 and chosen.row.evictions == 0  # every graph fits: compulsory misses only
+    assert chosen.row.distinct_keys <= 4 and chosen.row.evictions == 0  # every graph fits: compulsory misses only
     assert chosen.base_lru.evictions > 0  # pow2 needs more graphs than the cache holds
     assert plan.config.buckets == Buckets(kind="list", sizes=chosen.buckets)
     # the planned config serves the workload: re-simulated, the same row
