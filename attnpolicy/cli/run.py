@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
-from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_model, run_workload, serve_model
+from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_prefills, run_workload, serve_requests
 from attnpolicy.bench.settings import BENCH_DTYPES
 from attnpolicy.cli.common import (
     add_cost_args,
@@ -147,10 +147,10 @@ def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolic
 def cmd_run(args: argparse.Namespace) -> int:
     check_writable("--json", args.json)
     check_writable("--store", args.store, directory=True)
-    return by_family(args, {"attention": _run_calls, "model": _run_model}, by_model=True)(args)
+    return by_family(args, {"attention": _run_calls, "model": _run_graphs}, by_model=True)(args)
 
 
-def _run_model(args: argparse.Namespace) -> int:
+def _run_graphs(args: argparse.Namespace) -> int:
     """``run --model``: the workload served by whole-model graphs."""
     if args.replan_every is not None:
         fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
@@ -279,10 +279,10 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     try:
         with progress(len(steps), "run --model") as advance:
             if args.prefill_only:
-                result = replay_model(args.model, model_layouts(steps), config, check=args.check, cost=cost,
+                result = replay_prefills(args.model, model_layouts(steps), config, check=args.check, cost=cost,
                                       clock=clock, progress=advance)
             else:
-                result = serve_model(args.model, requests, steps, config, check=args.check, clock=clock,
+                result = serve_requests(args.model, requests, steps, config, check=args.check, clock=clock,
                                      progress=advance, cost=cost)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
