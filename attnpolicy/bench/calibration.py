@@ -1,12 +1,14 @@
-"""Calibrate a cost model on this machine: an attention call's
-:class:`~attnpolicy.graphs.costmodel.CostModel` (:func:`calibrate`) or a whole model's
-:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` (:func:`calibrate_model`).
+"""Calibrate a cost model on this machine (:func:`calibrate`): an attention call's
+:class:`~attnpolicy.graphs.costmodel.CostModel` or a whole model's
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`. Both levels build
+each graph of their grid (its compile timed), then time its runs in ``repeats`` rounds
+through one loop (:func:`_measure`), on real lengths of three quarters of each bucket.
 
 Attention level: every sample runs through the real machinery: a :class:`~attnpolicy.dispatch.Dispatcher`
 decides, plans and compiles the graph of one key (``compile_graph`` with the chosen
 backend, timed by the graph cache), then its call is timed through
-:func:`attnpolicy.graphs.execute.execute` on real tensors. Real lengths are three quarters of each bucket,
-so the timed calls pay a typical padding. The first compile in the process is timed
+:func:`attnpolicy.graphs.execute.execute` on real tensors, so the timed calls pay a
+typical padding. The first compile in the process is timed
 too: what it pays over a later compile of its key is the model's ``warmup_seconds``.
 Each MASK shape's dense mask build is timed plain and under a sliding window
 (:func:`window`): ``mask_build`` and ``mask_build_window``.
@@ -16,18 +18,16 @@ configured with it, then loaded back by fresh dispatchers: the load seconds and 
 bytes on disk of each are the ``store_load`` and ``store_bytes`` samples.
 
 Model level: every sample goes through the real :class:`~attnpolicy.engine.runner.StaticModelRunner`
-of the SPEC's model: one graph per (mode, segment buckets) of the grid is built
-through the runner's graph cache (compile and first run, timed), then batches of
-its key are run through :meth:`~attnpolicy.engine.runner.StaticModelRunner.run`
-(placement, graph, scatter: what a replay pays per batch), and the build's RSS delta
-and static-shape estimate are taken from the runner's stats. Seconds are process CPU
+of the SPEC's model: one graph per key of the grid (prefill graphs, then step graphs
+over cached context) is built through the runner's graph cache (compile and first run,
+timed), then batches of its key are run through
+:meth:`~attnpolicy.engine.runner.StaticModelRunner.run` (placement, graph, scatter:
+what a replay pays per batch), and the build's RSS delta and static-shape estimate are
+taken from the runner's stats. Seconds are process CPU
 seconds (``clock="cpu"``, stable on a loaded machine; a backend's compile workers in
 other processes are not counted) or wall seconds (``clock="wall"``). The first compile
 of the process is timed in a throwaway runner: what it pays over the same key's later
 compile is ``warmup_seconds``.
-
-Both levels time real lengths of three quarters of each bucket, in ``repeats`` rounds
-(:func:`_rounds`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -48,7 +48,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.dispatch import Dispatcher
-from attnpolicy.engine.keys import ModelKey
+from attnpolicy.engine.keys import ModelKey, contexts
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import load_model
 from attnpolicy.engine.runner import StaticModelRunner
@@ -78,6 +78,9 @@ OVERHEAD_CALLS = 2000
 MIN_REPEATS = 2
 MAX_REPEATS = 10
 MIN_TIMED_SECONDS = 0.02
+#: A grid entry and a graph key of :func:`_measure`.
+G = TypeVar("G")
+T = TypeVar("T")
 
 
 def window(kv_bucket: int) -> int:
@@ -88,14 +91,6 @@ def window(kv_bucket: int) -> int:
 def _real(bucket: int) -> int:
     """The real length timed in a bucket: three quarters of it."""
     return bucket - bucket // 4
-
-
-def _rounds(repeats: int, progress: Callable[[str], None] | None) -> Iterator[int]:
-    """The timing rounds 0 .. ``repeats`` - 1, ``progress`` told after each."""
-    for r in range(repeats):
-        yield r
-        if progress:
-            progress(f"timing round {r + 1}/{repeats}")
 
 
 def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
@@ -157,17 +152,27 @@ def warm_up(backend: str) -> float:
         return time.perf_counter() - start
 
 
-def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = None) -> CostModel:
+@overload
+def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = None) -> CostModel: ...
+@overload
+def calibrate(s: ModelCalibrationSettings, progress: Callable[[str], None] | None = None) -> ModelCostModel: ...
+def calibrate(s: CalibrationSettings | ModelCalibrationSettings, progress: Callable[[str], None] | None = None
+              ) -> CostModel | ModelCostModel:
+    """Calibrate the level ``s`` is the settings of: the attention calls (:func:`_attention`)
+    or a whole model's graphs (:func:`_whole_model`)."""
+    return _whole_model(s, progress) if isinstance(s, ModelCalibrationSettings) else _attention(s, progress)
+
+
+def _attention(s: CalibrationSettings, progress: Callable[[str], None] | None) -> CostModel:
     """Measure every shape of :func:`shapes` and fit a :class:`CostModel`.
 
     First one tiny graph is compiled (:func:`warm_up`), then each shape's graph (one
-    compile sample per key), then ``repeats`` rounds time every shape; a call's
-    sample is its fastest or mean run over all rounds (``statistic``; rounds spread
-    each shape's runs over the whole calibration). ``warmup_seconds`` is what the
-    tiny graph's compile took over a later compile of its key (0 when the process
-    had compiled with this backend before: nothing left to pay). ``progress(label)``
-    is called once per shape compiled and once per round: ``len(shapes(s)) + repeats``
-    times in all."""
+    compile sample per key) and its call run once (its mask cached), then
+    :func:`_measure` times every shape; a call's sample is its fastest or mean run over
+    all rounds (``statistic``). ``warmup_seconds`` is what the tiny graph's compile
+    took over a later compile of its key (0 when the process had compiled with this
+    backend before: nothing left to pay). ``progress(label)`` is called once per shape
+    compiled and once per round: ``len(shapes(s)) + repeats`` times in all."""
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     spec = s.spec
@@ -189,41 +194,32 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         policy=policy, backend=s.backend, attn_impl=s.impl, partition_len=s.partition_len,
         max_seq_len=max_seq_len), cache=cache) for kind, policy in _POLICY.items()}
     gen = torch.Generator().manual_seed(0)
-    samples: list[Sample] = []
 
-    def tensors(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def build(shape: tuple[CallKind, int, int]) -> tuple[GraphKey, float, list[Callable[[], list[float]]]]:
+        """The shape's graph compiled, its call run once; timers: the call, and MASK's mask builds."""
+        kind, qb, kvb = shape
+        layout = _layout(kind, qb, kvb)
         q = torch.randn(layout.q_tokens, s.heads, s.head_dim, generator=gen).to(dtype)
         k = torch.randn(layout.kv_tokens, s.kv_heads, s.head_dim, generator=gen).to(dtype)
-        return q, k, torch.randn_like(k)
+        graphs = list(dispatchers[kind].prepare(layout, spec))  # kept: timed after later batches
+        (key,) = dispatchers[kind].graph_keys_for(layout, spec)
+        run = partial(execute, q, k, torch.randn_like(k), layout, graphs, dispatchers[kind].masks)
+        run()  # caches its mask
+        builds = [partial(mask_for(layout, w).materialize, qb, kvb) for w in (None, window(kvb))
+                  ] if kind is CallKind.MASK else []
+        return key, compiled[key], [partial(_run_seconds, fn) for fn in (run, *builds)]
 
     first = warm_up(s.backend) if s.backend != "none" else 0.0
     try:
         with torch.inference_mode():
-            runs: list[tuple[CallKind, GraphKey, Callable[[], object], tuple[Callable[[], object], ...]]] = []
-            for kind, qb, kvb in grid:
-                layout = _layout(kind, qb, kvb)
-                tensors_ = tensors(layout)
-                graphs = list(dispatchers[kind].prepare(layout, spec))  # kept: timed after later batches
-                (key,) = dispatchers[kind].graph_keys_for(layout, spec)
-                samples.append(Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len,
-                                      seconds=compiled[key]))
-                build: tuple[Callable[[], object], ...] = ((partial(mask_for(layout).materialize, qb, kvb),
-                          partial(mask_for(layout, window(kvb)).materialize, qb, kvb))
-                         if kind is CallKind.MASK else ())
-                runs.append((kind, key, partial(execute, *tensors_, layout, graphs, dispatchers[kind].masks), build))
-                if progress:
-                    progress(f"compiled {key}")
-            timed: list[tuple[list[float], list[list[float]]]] = [([], [[] for _ in b]) for *_, b in runs]
-            for r in _rounds(s.repeats, progress):
-                for (run_s, build_s), (_, _, run, build) in zip(timed, runs):
-                    run_s += _run_seconds(run)[r == 0:]  # the first run caches its mask
-                    for seconds, fn in zip(build_s, build):
-                        seconds += _run_seconds(fn)
+            measured = _measure(grid, build, s.repeats, progress)
             overhead = _call_overhead(dispatchers[CallKind.CAUSAL], spec)
     finally:
         cache.clear()
     pick = min if s.statistic == "min" else statistics.fmean
-    for (kind, key, *_), (run_s, build_s) in zip(runs, timed):
+    samples = [Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=compile_s)
+               for (kind, *_), (key, compile_s, _) in zip(grid, measured)]
+    for (kind, *_), (key, _, (run_s, *build_s)) in zip(grid, measured):
         samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=pick(run_s)))
         for what, seconds in zip(("mask_build", "mask_build_window"), build_s):
             samples.append(Sample(what=what, rows=key.q_len, cols=key.kv_len, seconds=pick(seconds)))
@@ -244,6 +240,28 @@ def calibrate(s: CalibrationSettings, progress: Callable[[str], None] | None = N
         compile=compile_fits, warmup_seconds=max(0.0, first - compile_fits[CallKind.CAUSAL](16, 16)),
         mask_build=_fit(samples, "mask_build", None), mask_build_window=_fit(samples, "mask_build_window", None),
         call_overhead_seconds=overhead, samples=tuple(samples))
+
+
+def _measure(grid: Iterable[G], build: Callable[[G], tuple[T, float, Sequence[Callable[[], list[float]]]]],
+             repeats: int, progress: Callable[[str], None] | None) -> list[tuple[T, float, list[list[float]]]]:
+    """The one timing loop of both levels: ``build(entry)`` builds each entry's graph
+    (``progress`` told its key) and gives its key, its compile seconds and its timers
+    (each the seconds of one or more runs); then ``repeats`` rounds (``progress`` told
+    after each) call every timer once, in order (rounds spread each graph's runs over
+    the whole calibration). Per entry: its key, compile seconds and each timer's seconds."""
+    built = []
+    for entry in grid:
+        built.append(build(entry))
+        if progress:
+            progress(f"compiled {built[-1][0]}")
+    times: list[list[list[float]]] = [[[] for _ in timers] for *_, timers in built]
+    for r in range(repeats):
+        for seconds, (*_, timers) in zip(times, built):
+            for timed, timer in zip(seconds, timers):
+                timed += timer()
+        if progress:
+            progress(f"timing round {r + 1}/{repeats}")
+    return [(key, compile_s, t) for (key, compile_s, _), t in zip(built, times)]
 
 
 #: Shapes per call kind saved and loaded through a store by :func:`calibrate_store`.
@@ -336,35 +354,27 @@ def clock_of(name: str) -> Callable[[], float]:
     return time.process_time if name == "cpu" else time.perf_counter
 
 
-def model_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, ...]]]:
-    """The (mode, real sequence lengths) of every calibrated graph: per size one CAUSAL
-    sequence, a MASK batch of up to four sequences, a VARLEN sequence and (from 32) a
-    VARLEN pair of the size and its half."""
+def graph_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]]:
+    """The (mode, rows, context) per sequence of every calibrated whole-model graph.
+    Prefill graphs (no context), per size: one CAUSAL sequence, a MASK batch of up to
+    four sequences, a VARLEN sequence and (from 32) a VARLEN pair of the size and its
+    half. Then with ``steps`` the step graphs, per size a context ``c`` of three quarters
+    of it and a chunk of ``r`` rows, three quarters of twice the size (a bucket above a
+    decode's): CAUSAL one decode and one chunk over ``c``; MASK one decode, four
+    decodes, and a chunk beside a decode; VARLEN two decodes (over ``c`` and ``c/2``),
+    eight decodes (a VARLEN graph unrolls its sequences: its compile grows with their
+    number) and a chunk beside a decode. Entries whose graph is one already in the grid
+    are timed once."""
     sizes = sorted(s.sizes or (DEFAULT_SIZES[:2] if s.quick else DEFAULT_SIZES))
-    out: list[tuple[MaskMode, tuple[int, ...]]] = []
+    out: list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]] = []
     for n in sizes:
         r = _real(n)
         parts = min(4, r)
-        out += [(MaskMode.CAUSAL, (r,)),
-                (MaskMode.MASK, tuple(r // parts + (i < r % parts) for i in range(parts))),
-                (MaskMode.VARLEN, (r,))]
+        out += [(MaskMode.CAUSAL, (r,), (0,)), (MaskMode.MASK, tuple(split_lengths(r, parts)), (0,) * parts),
+                (MaskMode.VARLEN, (r,), (0,))]
         if n >= 32:
-            out.append((MaskMode.VARLEN, (r, _real(n // 2))))
-    return out
-
-
-def step_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]]:
-    """The (mode, rows, context) per sequence of every calibrated step graph (none
-    without ``steps``): per size a context ``c`` of three quarters of it and a chunk of
-    ``r`` rows, three quarters of twice the size (a bucket above a decode's): CAUSAL
-    one decode and one chunk over ``c``; MASK one decode, four decodes, and a chunk
-    beside a decode; VARLEN two decodes (over ``c`` and ``c/2``), eight decodes (a
-    VARLEN graph unrolls its sequences: its compile grows with their number) and a
-    chunk beside a decode. Entries whose graph is one already in the grid are timed once."""
-    if not s.steps:
-        return []
-    out: list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]] = []
-    for n in sorted(s.sizes or (DEFAULT_SIZES[:2] if s.quick else DEFAULT_SIZES)):
+            out.append((MaskMode.VARLEN, (r, _real(n // 2)), (0, 0)))
+    for n in sizes if s.steps else ():
         c, r = _real(n), _real(2 * n)
         out += [(MaskMode.CAUSAL, (1,), (c,)), (MaskMode.CAUSAL, (r,), (c,)),
                 (MaskMode.MASK, (1,), (c,)), (MaskMode.MASK, (1,) * 4, (c,) * 4), (MaskMode.MASK, (r, 1), (c, c)),
@@ -380,113 +390,85 @@ def runner_config(s: ModelCalibrationSettings, max_len: int, max_batch: int = 0)
                             max_batch_tokens=max(2 * max_len, 2 * max_batch, 64))
 
 
-def calibrate_model(s: ModelCalibrationSettings, progress: Callable[[str], None] | None = None
-                    ) -> ModelCostModel:
-    """Build and time every graph of :func:`model_grid` and :func:`step_grid` and fit a
-    :class:`ModelCostModel`. ``progress(label)`` is called once per graph and once per
-    timing round (of each kind of graph)."""
+def _whole_model(s: ModelCalibrationSettings, progress: Callable[[str], None] | None) -> ModelCostModel:
+    """Build and time every graph of :func:`graph_grid` through a runner and fit a
+    :class:`ModelCostModel`: each graph is placed and fetched (compile and first run,
+    timed; a step's context from a cache of zeros), then :func:`_measure` times its
+    batches through :meth:`~attnpolicy.engine.runner.StaticModelRunner.run` (a step
+    over a fresh cache holding its context: the gather, the graph and the write-back of
+    its new rows, as a serving step pays); a graph's sample is its median run.
+    ``progress(label)`` is called once per graph and once per timing round."""
     torch.set_num_threads(s.threads)
     model, described = load_model(s.spec)
     clock = clock_of(s.clock)
-    graphs = model_grid(s)
-    steps = step_grid(s)
-    config = runner_config(s, max([max(lens) for _, lens in graphs] + [q + c for _, qs, cs in steps
-                                                                       for q, c in zip(qs, cs)]) * 2,
-                           max([sum(cs) + sum(qs) for _, qs, cs in steps], default=0))
+    grid = [(mode, BatchLayout.from_lens(list(rows), [q + c for q, c in zip(rows, context)]))
+            for mode, rows, context in graph_grid(s)]
+    config = runner_config(s, 2 * max(max(layout.kv_lens) for _, layout in grid),
+                           max([layout.kv_tokens for _, layout in grid if layout.has_context], default=0))
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
-    first_layout = BatchLayout.from_lens(list(graphs[0][1]))
+    def inputs(layout: BatchLayout) -> tuple[torch.Tensor, KVCache | None, range | None]:
+        """Random token ids of ``layout``, and a step's cache holding its context and its slots."""
+        ids = torch.randint(0, vocab, (layout.q_tokens,), generator=gen)
+        if not layout.has_context:
+            return ids, None, None
+        return ids, KVCache.holding(model, contexts(layout), max(layout.kv_lens)), range(layout.num_seqs)
+
+    first_mode, first_layout = grid[0]
     throwaway = StaticModelRunner(model, config)
     start = clock()
-    throwaway.run(torch.zeros(first_layout.q_tokens, dtype=torch.long), first_layout, graphs[0][0])
+    throwaway.run(torch.zeros(first_layout.q_tokens, dtype=torch.long), first_layout, first_mode)
     first = clock() - start
     throwaway.close()
 
     runner = StaticModelRunner(model, config)
-    built = []
+    unique: dict[ModelKey, tuple[MaskMode, BatchLayout]] = {}
+    for mode, layout in grid:
+        unique.setdefault(runner.key_for(layout, mode, kv=layout.has_context), (mode, layout))
+
+    def build(entry: tuple[ModelKey, tuple[MaskMode, BatchLayout]]) -> tuple[ModelKey, float,
+                                                                               list[Callable[[], list[float]]]]:
+        key, (mode, layout) = entry
+        ids, kv, slots = inputs(layout)
+        batch = runner.prepare(ids, layout, mode, kv=kv, slots=slots)
+        start = clock()
+        runner.graph_for(batch)
+        return key, clock() - start, [partial(timed_run, mode, layout)]
+
+    def timed_run(mode: MaskMode, layout: BatchLayout) -> list[float]:
+        ids, kv, slots = inputs(layout)
+        start = clock()
+        runner.run(ids, layout, mode, kv=kv, slots=slots)
+        return [clock() - start]
+
     try:
-        for mode, lens in graphs:
-            layout = BatchLayout.from_lens(list(lens))
-            ids = torch.randint(0, vocab, (layout.q_tokens,), generator=gen)
-            batch = runner.prepare(ids, layout, mode)
-            start = clock()
-            runner.graph_for(batch)
-            built.append((mode, layout, ids, batch.key, clock() - start))
-            if progress:
-                progress(f"compiled {batch.key}")
-        times: list[list[float]] = [[] for _ in built]
-        for _ in _rounds(s.repeats, progress):
-            for seconds, (mode, layout, ids, _, _) in zip(times, built):
-                start = clock()
-                runner.run(ids, layout, mode)
-                seconds.append(clock() - start)
-        step_samples = _step_samples(runner, model, steps, s, clock, progress)
+        measured = _measure(unique.items(), build, s.repeats, progress)
         memory = {m.key: m for m in runner.stats().memory}
     finally:
         runner.close()
-    samples = tuple(
-        ModelSample(mode=key.mode.value, segments=tuple(t for t, _ in key.segments), compile_seconds=compile_s,
-                    run_seconds=statistics.median(run_s), rss_bytes=memory[str(key)].rss_bytes,
-                    estimate_bytes=memory[str(key)].estimate_bytes)
-        for (_, _, _, key, compile_s), run_s in zip(built, times))
-    dims = ModelDims.of(model.config, next(model.parameters()).element_size())
-    compile_fits = _model_fits(samples, s.backend, lambda x: x.compile_seconds)
+    samples, steps = [], []
+    for key, compile_s, (run_s,) in measured:
+        figures = {"mode": key.mode.value, "compile_seconds": compile_s, "run_seconds": statistics.median(run_s),
+                   "rss_bytes": memory[str(key)].rss_bytes, "estimate_bytes": memory[str(key)].estimate_bytes}
+        if key.kv:
+            steps.append(StepSample(tokens=key.tokens, context=key.context, segments=key.segments, **figures))
+        else:
+            samples.append(ModelSample(segments=tuple(t for t, _ in key.segments), **figures))
+    fits = _mode_fits(samples, s.backend)
     first_key = samples[0].key(s.backend)
-    step_fits = None if not step_samples else StepFits(
-        compile=_model_fits(step_samples, s.backend, lambda x: x.compile_seconds),
-        run=_model_fits(step_samples, s.backend, lambda x: x.run_seconds),
-        rss=_model_fits(step_samples, s.backend, lambda x: max(x.rss_bytes, 1)), samples=tuple(step_samples))
     return ModelCostModel(
-        spec=described, model_type=model.config.model_type, dims=dims, backend=s.backend,
-        threads=torch.get_num_threads(), clock=s.clock,
-        torch_version=torch.__version__, compile=compile_fits,
-        run=_model_fits(samples, s.backend, lambda x: x.run_seconds),
-        rss=_model_fits(samples, s.backend, lambda x: max(x.rss_bytes, 1)),
-        warmup_seconds=max(0.0, first - compile_fits[first_key.mode.value](first_key)), samples=samples,
-        steps=step_fits)
+        spec=described, model_type=model.config.model_type,
+        dims=ModelDims.of(model.config, next(model.parameters()).element_size()), backend=s.backend,
+        threads=torch.get_num_threads(), clock=s.clock, torch_version=torch.__version__, **fits,
+        warmup_seconds=max(0.0, first - fits["compile"][first_key.mode.value](first_key)), samples=tuple(samples),
+        steps=StepFits(**_mode_fits(steps, s.backend), samples=tuple(steps)) if steps else None)
 
 
-def _step_samples(runner: StaticModelRunner, model: torch.nn.Module,
-                  grid: Sequence[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]], s: ModelCalibrationSettings,
-                  clock: Callable[[], float], progress: Callable[[str], None] | None) -> list[StepSample]:
-    """Build (:meth:`~attnpolicy.engine.runner.StaticModelRunner.warmup`: compile and
-    first run, the context zeros) and time every step graph of ``grid`` through
-    ``runner``: each timed step runs over a fresh cache holding its context (the
-    gather, the graph and the write-back of its new rows, as a serving step pays)."""
-    gen = torch.Generator().manual_seed(1)
-    config: Any = model.config
-    vocab = int(config.vocab_size)
-    built = []
-    seen: set[ModelKey] = set()
-    for mode, rows, context in grid:
-        layout = BatchLayout.from_lens(list(rows), [q + c for q, c in zip(rows, context)], causal=True)
-        key = runner.key_for(layout, mode, kv=True)
-        if key in seen:
-            continue
-        seen.add(key)
-        start = clock()
-        runner.warmup([(layout, mode)])
-        built.append((mode, layout, context, key, clock() - start))
-        if progress:
-            progress(f"compiled {key}")
-    times: list[list[float]] = [[] for _ in built]
-    for _ in _rounds(s.repeats, progress):
-        for seconds, (mode, layout, context, _, _) in zip(times, built):
-            ids = torch.randint(0, vocab, (layout.q_tokens,), generator=gen)
-            kv = KVCache.holding(model, context, max(layout.kv_lens))
-            start = clock()
-            runner.run(ids, layout, mode, kv=kv, slots=range(layout.num_seqs))
-            seconds.append(clock() - start)
-    memory = {m.key: m for m in runner.stats().memory}
-    return [StepSample(mode=key.mode.value, tokens=key.tokens, context=key.context, segments=key.segments,
-                       compile_seconds=compile_s, run_seconds=statistics.median(run_s),
-                       rss_bytes=memory[str(key)].rss_bytes, estimate_bytes=memory[str(key)].estimate_bytes)
-            for (_, _, _, key, compile_s), run_s in zip(built, times)]
-
-
-def _model_fits(samples: Sequence[ModelSample] | Sequence[StepSample], backend: str,
-                value: Callable[[Any], float]) -> dict[Mode, ModelFit]:
-    """Per mode, the fit of ``value`` over the ``samples`` of that mode."""
-    return {m: ModelFit.to_samples([(x.key(backend), float(value(x))) for x in samples if x.mode == m])
-            for m in MODEL_COST_MODES}
+def _mode_fits(samples: Sequence[ModelSample] | Sequence[StepSample], backend: str
+               ) -> dict[str, dict[Mode, ModelFit]]:
+    """Per mode, the compile, run and RSS fits over the ``samples`` of that mode."""
+    values: dict[str, Callable[[Any], float]] = {"compile": lambda x: x.compile_seconds,
+                                                 "run": lambda x: x.run_seconds, "rss": lambda x: max(x.rss_bytes, 1)}
+    return {what: {m: ModelFit.to_samples([(x.key(backend), float(value(x))) for x in samples if x.mode == m])
+                   for m in MODEL_COST_MODES} for what, value in values.items()}

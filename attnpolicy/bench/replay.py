@@ -1,7 +1,7 @@
 """Replay a workload for real: real tensors, real compiles, real time, at the attention
 level through a Dispatcher (:func:`run_workload`) or at the model level through a
 :class:`~attnpolicy.engine.runner.StaticModelRunner`: prefill batches
-(:func:`replay_model`) and whole requests (:func:`serve_model`).
+(:func:`replay_prefills`) and whole requests (:func:`serve_requests`).
 
 Attention level: each step of the batch former becomes one ``Dispatcher.attend`` call on random
 tensors of the step's layout (one attention layer). Time a call stalled on a
@@ -20,7 +20,7 @@ with transformers' own SDPA attention. With a
 simulator's prediction for the same batches, config and eviction sits beside the
 measurement, with predicted/measured ratios.
 
-Whole requests (:func:`serve_model`): every step of the batch former (prefill,
+Whole requests (:func:`serve_requests`): every step of the batch former (prefill,
 chunked prefill, decode, mixed) runs through the runner with a
 :class:`~attnpolicy.engine.kv_cache.KVCache` (one slot per running request, reused
 when it finishes), each decode fed the token the step before chose greedily. With
@@ -225,7 +225,7 @@ class ModelReplay:
     run_seconds: float
     max_abs_err: float | None
     predicted: SimRow | None
-    #: (:func:`serve_model`) steps with cached context (decode, chunked prefill), requests
+    #: (:func:`serve_requests`) steps with cached context (decode, chunked prefill), requests
     #: served, and with ``check`` the requests whose greedy tokens differ from ``generate``'s
     context_steps: int = 0
     requests: int = 0
@@ -268,7 +268,7 @@ class ModelReplay:
                 "predicted_over_measured": self.ratios()}
 
 
-def replay_model(spec: str, layouts: Sequence[BatchLayout], config: AttnPolicyConfig, *, check: bool = False,
+def replay_prefills(spec: str, layouts: Sequence[BatchLayout], config: AttnPolicyConfig, *, check: bool = False,
                  cost: ModelCostModel | None = None, clock: str = "cpu", threads: int = 1,
                  progress: Callable[[str], None] | None = None) -> ModelReplay:
     """Serve ``layouts`` (random token ids, seeded) through a runner of SPEC's model under
@@ -346,7 +346,7 @@ def _differs(got: list[int], want: list[int], logits: torch.Tensor, n: int) -> b
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """Where :func:`serve_model` keeps each request's keys and values: ``slots[n][i]`` is
+    """Where :func:`serve_requests` keeps each request's keys and values: ``slots[n][i]`` is
     the KV-cache slot of sequence ``i`` of step ``n`` (a request's from its first step
     until it is done: its prompt fed and its decodes run), ``freed[n]`` the slots free
     again after step ``n``; ``count`` slots in all, holding at most ``longest`` tokens
@@ -386,7 +386,7 @@ class SlotPlan:
         return cls(tuple(slots), tuple(freed), max(count, 1), max(longest, 1))
 
 
-def serve_model(spec: str, requests: Sequence[Request], steps: Sequence[ScheduledBatch], config: AttnPolicyConfig,
+def serve_requests(spec: str, requests: Sequence[Request], steps: Sequence[ScheduledBatch], config: AttnPolicyConfig,
                 *, check: bool = False, clock: str = "cpu", threads: int = 1,
                 progress: Callable[[str], None] | None = None, cost: ModelCostModel | None = None) -> ModelReplay:
     """Serve ``requests`` in the batch former's ``steps`` through a runner of SPEC's model

@@ -118,7 +118,7 @@ class ModelCalibrationSettings:
     clock: Literal["cpu", "wall"] = "cpu"
     quick: bool = False
     #: also the step graphs over cached context (decode, chunked prefill) of
-    #: :func:`~attnpolicy.bench.calibration.step_grid`
+    #: :func:`~attnpolicy.bench.calibration.graph_grid`
     steps: bool = True
 
     @field_validator("sizes")

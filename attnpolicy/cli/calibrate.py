@@ -8,7 +8,7 @@ from typing import Any
 
 from attnpolicy.bench.calibration import calibrate, shapes, store_shapes
 from attnpolicy.bench.calibration_cache import cache_dir, store
-from attnpolicy.bench.settings import CalibrationSettings
+from attnpolicy.bench.settings import CalibrationSettings, ModelCalibrationSettings
 from attnpolicy.cli.common import (
     add_spec_args,
     by_family,
@@ -99,7 +99,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _calibrate_graphs(args: argparse.Namespace) -> int:
     """``calibrate --model``: whole-model graphs."""
     check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-    return calibrate_model_fits(args)
+    return whole_model_fits(args)
 
 
 def _calibrate_calls(args: argparse.Namespace) -> int:
@@ -138,11 +138,8 @@ def _calibrate_calls(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate_model_fits(args: argparse.Namespace) -> int:
+def whole_model_fits(args: argparse.Namespace) -> int:
     """``calibrate --model SPEC``: the whole-model fits of SPEC, into the model section of --out."""
-    from attnpolicy.bench.calibration import calibrate_model
-    from attnpolicy.bench.settings import ModelCalibrationSettings
-
     out = args.out
     check_writable("--out", out)
     s = settings(ModelCalibrationSettings, {"spec": "--model"}, spec=args.model, backend=args.backend,
@@ -150,7 +147,7 @@ def calibrate_model_fits(args: argparse.Namespace) -> int:
                  clock=args.clock or "cpu", quick=args.quick)
     try:
         with progress(None, "calibrate --model") as advance:
-            model = calibrate_model(s, advance)
+            model = calibrate(s, advance)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")
     with writing("--out", out):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
-from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_model, run_workload, serve_model
+from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_prefills, run_workload, serve_requests
 from attnpolicy.bench.settings import BENCH_DTYPES
 from attnpolicy.cli.common import (
     add_cost_args,
@@ -279,10 +279,10 @@ def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: Attn
     try:
         with progress(len(steps), "run --model") as advance:
             if args.prefill_only:
-                result = replay_model(args.model, model_layouts(steps), config, check=args.check, cost=cost,
+                result = replay_prefills(args.model, model_layouts(steps), config, check=args.check, cost=cost,
                                       clock=clock, progress=advance)
             else:
-                result = serve_model(args.model, requests, steps, config, check=args.check, clock=clock,
+                result = serve_requests(args.model, requests, steps, config, check=args.check, clock=clock,
                                      progress=advance, cost=cost)
     except ConfigError as exc:
         fail(f"argument --model: {exc}")

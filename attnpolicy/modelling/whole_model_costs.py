@@ -3,7 +3,7 @@ whole-model graphs (:class:`~attnpolicy.engine.keys.ModelKey`): prefill graphs a
 step graphs over cached context (a key with ``kv``: decode, chunked prefill).
 
 A :class:`ModelCostModel` is fitted by ``attnpolicy calibrate --model SPEC``
-(:func:`attnpolicy.bench.calibration.calibrate_model`) through the real
+(:func:`attnpolicy.bench.calibration.calibrate`) through the real
 :class:`~attnpolicy.engine.runner.StaticModelRunner`. Per mode it holds
 one :class:`ModelFit` each for compile seconds, run seconds and the RSS a build
 took, for prefill graphs and (``steps``) for step graphs. A fit is linear in four

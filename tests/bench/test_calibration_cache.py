@@ -15,7 +15,8 @@ import torch
 from cost_models import synthetic
 
 from attnpolicy.bench import calibration_cache as cc
-from attnpolicy.bench.settings import CalibrationSettings
+from attnpolicy.bench.settings import CalibrationSettings, ModelCalibrationSettings
+from attnpolicy.cli import calibrate as cli_calibrate
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.graphs.costmodel import CostModel
@@ -188,7 +189,13 @@ def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp
     from attnpolicy.modelling.cost_file import CostFile
 
     whole = synthetic()
-    monkeypatch.setattr("attnpolicy.bench.calibration.calibrate_model", lambda s, progress=None: whole)
+    attention = cli_calibrate.calibrate  # the calls fixture's
+
+    def calibrating(model):  # the model level's calibration returns ``model``
+        monkeypatch.setattr(cli_calibrate, "calibrate", lambda s, progress=None: model if isinstance(
+            s, ModelCalibrationSettings) else attention(s, progress))
+
+    calibrating(whole)
     path = tmp_path / "costs.json"
     run(["calibrate", "--model", "llama:layers=1", "--out", str(path)])  # no file yet: the model section only
     assert CostFile.load(path) == CostFile(model=whole)
@@ -197,7 +204,7 @@ def test_one_file_keeps_both_families_and_the_cache_keeps_the_attention_fits(tmp
     cached = cc.find("aot_eager", "sdpa", lambda message: pytest.fail(message))
     assert cached is not None and cached.model == CALIBRATED and "model" not in json.loads(cached.path.read_text())
     newer = whole.model_copy(update={"warmup_seconds": 9.0})
-    monkeypatch.setattr("attnpolicy.bench.calibration.calibrate_model", lambda s, progress=None: newer)
+    calibrating(newer)
     run(["calibrate", "--model", "llama:layers=1", "--out", str(path)])  # replaces the model section only
     assert CostFile.load(path) == CostFile(CALIBRATED, newer)
     out, _ = run([*SIMULATE, "--cost-model", str(path)])  # each family reads its own section

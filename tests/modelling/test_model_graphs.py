@@ -121,15 +121,15 @@ def test_graph_bytes_are_the_runners_estimate():
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from attnpolicy.bench.calibration import calibrate_model, model_grid, runner_config, step_grid
+    from attnpolicy.bench.calibration import calibrate, graph_grid, runner_config
     from attnpolicy.bench.settings import ModelCalibrationSettings
 
     s = ModelCalibrationSettings(spec=SPEC, quick=True, repeats=1)
-    model = calibrate_model(s)
-    assert len(model.samples) == len(model_grid(s))
+    model = calibrate(s)
+    assert len(model.samples) == sum(not any(c) for _, _, c in graph_grid(s))
     config = runner_config(s, 1 << 12, 1 << 12)  # the keys depend on the buckets alone, not on these limits
     keys = {model_key_for(BatchLayout.from_lens(list(q), [a + b for a, b in zip(q, c)]), mode, config, kv=True)
-            for mode, q, c in step_grid(s)}
+            for mode, q, c in graph_grid(s) if any(c)}
     assert model.steps is not None and {x.key(model.backend) for x in model.steps.samples} == keys
     return model, tmp_path_factory.mktemp("model")
 
@@ -153,11 +153,11 @@ def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
 
 @pytest.mark.parametrize("policy", ["dynamic", "varlen"])
 def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
-    from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_model
+    from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_prefills
 
     model, _ = calibrated
     config = model_config(model, 64, 128, policy=policy, max_graphs=2)
-    result = replay_model(SPEC, LAYOUTS, config, check=True, cost=model)
+    result = replay_prefills(SPEC, LAYOUTS, config, check=True, cost=model)
     predicted = result.predicted
     assert predicted is not None
     assert (predicted.misses, predicted.compiles, predicted.evictions) == \
@@ -173,14 +173,14 @@ def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, poli
     """Whole requests (chunked prefill, decodes) served over a KV cache, every step on a
     step graph: the simulator's misses, compiles and evictions are the runner's, and its
     seconds come from the step fits."""
-    from attnpolicy.bench.replay import serve_model
+    from attnpolicy.bench.replay import serve_requests
 
     model, _ = calibrated
     requests = [Request(0.0, 40, 6), Request(0.0, 9, 12), Request(0.1, 70, 3), Request(0.2, 3, 5)]
     former = BatchFormer(max_num_seqs=3, max_num_batched_tokens=32, max_model_len=128)
     steps = list(former.steps(requests))
     config = model_config(model, 128, 512, policy=policy, max_graphs=3)
-    result = serve_model(SPEC, requests, steps, config, cost=model)
+    result = serve_requests(SPEC, requests, steps, config, cost=model)
     predicted = result.predicted
     assert predicted is not None and 0 < result.context_steps < len(steps)
     assert (predicted.misses, predicted.compiles, predicted.evictions) == \

@@ -288,11 +288,13 @@ SHARED_NAMES = {
 
 def public_definitions() -> dict[str, list[str]]:
     """Public (no leading underscore) top-level function and class names of the package,
-    each with the ``module:line`` of every definition."""
+    each with the ``module:line`` of every definition (a function's ``@overload``
+    signatures are not definitions)."""
     found: dict[str, list[str]] = {}
     for module in modules():
         for node in tree(module).body:
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+            if (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and not node.name.startswith("_")
+                    and not any(isinstance(d, ast.Name) and d.id == "overload" for d in node.decorator_list)):
                 found.setdefault(node.name, []).append(f"{module}:{node.lineno}")
     return found
 

@@ -31,7 +31,6 @@ NOT_TWINS: dict[str, str] = {
     "why_illegal": "why_illegal_step: a step's legality (cached context); why_illegal: a prefill's",
     "write": "write_step: one step of a layout stream; write: a runtime's output",
     "_identity": "_step_identity: a vLLM step's identity; _identity: a call graph's stored identity",
-    "_fits": "_model_fits: fitting a whole model's samples; _fits: a planner's mask-size rule",
 }
 
 
