@@ -50,7 +50,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
-from attnpolicy.modelling.simulation import SimRow, simulate_model
+from attnpolicy.modelling.simulation import SimRow, replay_key_streams
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request
@@ -316,7 +316,7 @@ def replay_prefills(spec: str, layouts: Sequence[BatchLayout], config: AttnPolic
         stats = runner.stats()
     finally:
         runner.close()
-    predicted = simulate_model(layouts, cost, [config], [config.eviction])[0] if cost is not None else None
+    predicted = replay_key_streams(layouts, cost, [config], [config.eviction])[0] if cost is not None else None
     c = stats.cache  # one lookup per batch
     return ModelReplay(described, config.policy, len(layouts), modes, c.hits, c.misses, c.compiles,
                        c.evictions, clock, compile_s, run_s, err.value if check else None, predicted,
@@ -470,7 +470,7 @@ def serve_requests(spec: str, requests: Sequence[Request], steps: Sequence[Sched
                 mismatches += (_differs(seq, want, whole, n) or
                                _differs(seq, seq[:n] + greedy[:len(seq) - n], whole, n))
                 err.add(got, whole)
-    predicted = None if cost is None else simulate_model(served, cost, [config], [config.eviction], steps=True)[0]
+    predicted = None if cost is None else replay_key_streams(served, cost, [config], [config.eviction], steps=True)[0]
     return ModelReplay(described, config.policy, len(steps), modes, stats.batch_hits, stats.batch_misses,
                        stats.cache.compiles, stats.cache.evictions, clock, compile_s, run_s,
                        err.value if check else None, predicted, context_steps, len(prompts), mismatches,

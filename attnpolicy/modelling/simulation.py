@@ -467,7 +467,7 @@ def simulate_layouts(
     A :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` simulates the
     whole-model level instead: one row per (policy, bucket scheme, capacity,
     ``max_bytes``, eviction), in that nesting order, each config's key stream replayed
-    (:func:`simulate_model`) over the prefill batches of ``steps``; ``spec``,
+    (:func:`replay_key_streams`) over the prefill batches of ``steps``; ``spec``,
     ``progress``, ``rejected``, ``workers`` and ``store_warm`` do not apply.
     """
     model = model or CostModel.default()
@@ -482,7 +482,7 @@ def simulate_layouts(
                 "buckets": scheme.buckets.model_dump(mode="json")}
 
     if isinstance(model, ModelCostModel):
-        return simulate_model(model_layouts(steps), model, [
+        return replay_key_streams(model_layouts(steps), model, [
             _config(scheme_fields(policy, scheme), capacity, nbytes, "lru") for policy in policies
             for scheme in schemes for capacity in capacities for nbytes in byte_bounds], evictions)
     _check_evictions(evictions)
@@ -728,7 +728,7 @@ def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPol
                   stats.evictions, len(distinct), len(keys), MODEL_KEYS)
 
 
-def simulate_model(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig],
+def replay_key_streams(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig],
                    evictions: Sequence[str], *, steps: bool = False) -> list[SimRow]:
     """One row per config × eviction: each config's policy decides, its buckets key
     (``steps``: the layouts are engine steps served over a KV cache, see :func:`key_stream`)."""

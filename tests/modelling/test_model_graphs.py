@@ -20,7 +20,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import outside_range
-from attnpolicy.modelling.simulation import model_config, model_layouts, simulate_layouts, simulate_model
+from attnpolicy.modelling.simulation import model_config, model_layouts, replay_key_streams, simulate_layouts
 from attnpolicy.modelling.stalls import WholeModelLevel, compare_stalls
 from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
 from attnpolicy.planning.graph_set import WholeModelPlanLevel, plan_graphs
@@ -224,7 +224,7 @@ def test_the_sweep_takes_the_level_from_its_cost_model():
     schemes = [bucket_scheme(s, 64, 128) for s in ("pow2", "exact")]
     rows = simulate_layouts(LAYOUTS, ["varlen", "dynamic"], [1, None], ["lru", "belady"],
                             model_config(model, 64, 128), model, buckets=schemes, max_bytes=[None, 2**40])
-    want = simulate_model(LAYOUTS, model, [
+    want = replay_key_streams(LAYOUTS, model, [
         model_config(model, 64, 128, policy=p, max_graphs=c, max_bytes=b, buckets=s.buckets)
         for p in ("varlen", "dynamic") for s in schemes for c in (1, None) for b in (None, 2**40)], ["lru", "belady"])
     assert [r.to_json() for r in rows] == [r.to_json() for r in want] and len(rows) == 32
@@ -251,7 +251,7 @@ def test_plan_on_model_graphs_beats_pow2_lru_when_compiles_dominate():
     assert chosen.base_lru.evictions > 0  # pow2 needs more graphs than the cache holds
     assert plan.config.buckets == Buckets(kind="list", sizes=chosen.buckets)
     # the planned config serves the workload: re-simulated, the same row
-    [again] = simulate_model(layouts, model, [plan.config], ["lru"])
+    [again] = replay_key_streams(layouts, model, [plan.config], ["lru"])
     assert again.total_seconds == pytest.approx(chosen.row.total_seconds)
 
 
@@ -303,7 +303,7 @@ def test_cli_calibrate_and_run_with_a_model(tmp_path):
 def test_model_sync_stalls_are_the_compile_seconds_of_the_misses(capacity):
     model = synthetic()
     config = model_config(model, 64, 128, policy="varlen", max_graphs=capacity, switch_after=2)
-    [sim] = simulate_model(LAYOUTS, model, [config], ["lru"])
+    [sim] = replay_key_streams(LAYOUTS, model, [config], ["lru"])
     sync, background = compare_stalls(LAYOUTS, WholeModelLevel(model), [config])
     assert sync.compile_mode == "sync" and background.compile_mode == "background"
     assert sync.compiles == sim.misses and sync.stall_seconds == pytest.approx(sim.compile_seconds)
