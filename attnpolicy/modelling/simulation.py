@@ -93,8 +93,8 @@ class SimRow:
     (at the attention level its calls' with dispatch overheads and mask builds, also
     given alone as ``mask_build_seconds``); ``compile_seconds`` the cache's compiles and
     ``warmup_seconds`` the cost model's one-off backend start-up, charged when the row
-    compiles anything (:attr:`compiled_seconds`: both); ``total_seconds``: run plus
-    compiled seconds (plus a modelled store's loads); ``distinct_keys``: the graphs used.
+    compiles anything (:attr:`compile_with_warmup_seconds`: both); ``total_seconds``: run plus
+    those (plus a modelled store's loads); ``distinct_keys``: the graphs used.
 
     At the attention level only: ``bound_seconds`` is run seconds plus each distinct
     graph's compile once (no eviction or bound does better for these decisions) and
@@ -140,7 +140,7 @@ class SimRow:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
     @property
-    def compiled_seconds(self) -> float:
+    def compile_with_warmup_seconds(self) -> float:
         """Compile seconds with the backend start-up."""
         return self.compile_seconds + self.warmup_seconds
 
@@ -157,7 +157,8 @@ def own_keys(*names: str) -> tuple[tuple[str, str], ...]:
 
 #: The JSON keys of an attention-level row (:attr:`SimRow.json_keys`).
 ATTENTION_KEYS = (*own_keys("policy", "buckets", "capacity", "max_bytes", "eviction", "hits", "misses", "hit_rate",
-                            "compiles"), ("compile_seconds", "compiled_seconds"), ("attention_seconds", "run_seconds"),
+                            "compiles"), ("compile_seconds", "compile_with_warmup_seconds"),
+                  ("attention_seconds", "run_seconds"),
                   *own_keys("total_seconds", "peak_bytes", "peak_graphs", "evictions", "distinct_keys", "batches",
                             "calls", "modes", "guard_fallbacks", "overflow_calls", "mask_builds", "mask_build_seconds",
                             "bound_seconds", "bound_gap", "policy_options", "rejected", "warmup_seconds"))
