@@ -43,7 +43,6 @@ from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
 from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
 from attnpolicy.report.units import MIB
-from attnpolicy.workloads.batching import BatchFormer
 
 DEFAULTS = AttnPolicyConfig.model_fields
 
@@ -150,18 +149,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return by_family(args, {"attention": _run_calls, "model": _run_graphs}, by_model=True)(args)
 
 
-def _run_graphs(args: argparse.Namespace) -> int:
-    """``run --model``: the workload served by whole-model graphs."""
-    if args.replan_every is not None:
-        fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
-    check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-    former = former_from(args, prefill_only=args.prefill_only)
-    # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
-    # whole requests: of every running sequence's context too, as at the attention level
-    return run_model_graphs(args, former,
-                            config_from(args, former.max_num_batched_tokens if args.prefill_only else None))
-
-
 def _run_calls(args: argparse.Namespace) -> int:
     """``run``: the workload's attention calls through a dispatcher."""
     for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock,
@@ -253,10 +240,17 @@ def report(args: argparse.Namespace, title: str, rows: list[tuple[str, Any]], er
     return 0
 
 
-def run_model_graphs(args: argparse.Namespace, former: BatchFormer, config: AttnPolicyConfig) -> int:
+def _run_graphs(args: argparse.Namespace) -> int:
     """``run --model SPEC`` (``--family model``): whole requests (``--prefill-only``: the
-    prefill-only batches) of ``former`` through a runner of SPEC's model under
-    ``config``; --max-seq-len must fit the model's positions."""
+    prefill-only batches) through a runner of SPEC's model; --max-seq-len must fit the
+    model's positions."""
+    if args.replan_every is not None:
+        fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
+    check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
+    former = former_from(args, prefill_only=args.prefill_only)
+    # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
+    # whole requests: of every running sequence's context too, as at the attention level
+    config = config_from(args, former.max_num_batched_tokens if args.prefill_only else None)
     if args.prefill_only and config.compile_mode == "background":
         fail("argument --prefill-only: builds each batch's graph before it runs, its build timed apart: not with "
              "compile_mode background (--compile-mode or --config); serve whole requests to compile in the background")
