@@ -86,7 +86,7 @@ def register(subparsers: Any) -> None:
 def cmd_stalls(args: argparse.Namespace) -> int:
     check_policies("--policies", args.policies)
     check_writable("--json", args.json)
-    level = by_family(args, LEVELS)(args)
+    level = by_family(args, STALLS_LEVELS)(args)
     requests = workload(args, level.former)
     print(level.provenance.line())
     steps, w = formed(args, level.former, requests)
@@ -217,4 +217,4 @@ def print_stalls(title: str, rows: list[StallRow], columns: Sequence[Column], ca
 
 
 #: What ``stalls`` runs per --family.
-LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}
+STALLS_LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}
