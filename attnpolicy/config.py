@@ -114,6 +114,10 @@ class AttnPolicyConfig(BaseModel):
     kernels: dict[str, str] = Field(default_factory=dict)
     max_seq_len: PositiveInt = 8192
     max_batch_tokens: PositiveInt = 65536
+    #: the rows a ROWS graph may hold (one sequence a row): a batch's sequence count
+    #: rounds up to the first of these; a batch with more runs in several calls of the
+    #: largest (a runtime's fixed batch size, or its batch buckets)
+    row_buckets: tuple[PositiveInt, ...] = (1, 2, 4, 8, 16, 32)
     max_mask_bytes: PositiveInt = DEFAULT_MAX_MASK_BYTES
     on_illegal: OnIllegal = "fallback"
     fallback_mode: FallbackMode = "varlen"
@@ -167,6 +171,13 @@ class AttnPolicyConfig(BaseModel):
             if not name.strip():
                 raise ValueError(f"kernels: {kind} must name a registered kernel or 'auto', got {name!r}")
         return kernels
+
+    @field_validator("row_buckets")
+    @classmethod
+    def _increasing(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if not sizes or any(a >= b for a, b in zip(sizes, sizes[1:])):
+            raise ValueError(f"must be a non-empty, strictly increasing list of row counts, got {list(sizes)}")
+        return sizes
 
     @model_validator(mode="after")
     def _rules(self) -> AttnPolicyConfig:
@@ -262,6 +273,15 @@ class AttnPolicyConfig(BaseModel):
         """The compiled row count of a packed MASK call of ``n`` rows (all sequences'
         queries, or all their keys with cached context); at most ``max_batch_tokens``."""
         return self.buckets.bucket(n, self.max_batch_tokens)
+
+    def rows_bucket(self, n: int) -> int:
+        """The compiled row count of a ROWS call of ``n`` sequences: the first of
+        ``row_buckets`` that holds them (``ValueError`` above the largest: such a batch
+        runs in several calls)."""
+        for size in self.row_buckets:
+            if size >= n:
+                return size
+        raise ValueError(f"{n} sequences exceed the largest of row_buckets {list(self.row_buckets)}")
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``<directory>/attnpolicy_config.json`` (all fields, resolved) atomically

@@ -487,3 +487,16 @@ def test_cli_invalid_file(tmp_path, capsys, command):
 def test_cli_validate_needs_a_path():
     with pytest.raises(SystemExit):
         run_cli(["config", "validate"])
+
+
+@pytest.mark.parametrize("sizes", [(), (4, 2), (2, 2), (0, 1)])
+def test_row_buckets_must_be_positive_and_increasing(sizes: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="row_buckets"):
+        AttnPolicyConfig(row_buckets=sizes)
+
+
+def test_rows_bucket_is_the_first_row_bucket_that_holds_the_sequences() -> None:
+    config = AttnPolicyConfig(row_buckets=(1, 4, 32))
+    assert [config.rows_bucket(n) for n in (1, 2, 4, 5, 32)] == [1, 4, 4, 32, 32]
+    with pytest.raises(ValueError, match="33 sequences exceed the largest of row_buckets"):
+        config.rows_bucket(33)
