@@ -59,6 +59,7 @@ from attnpolicy.modelling.peer_coverage import (
     peer_coverage,
     table_rows,
 )
+from attnpolicy.modelling.ranges import CALL_RANGE, GRAPH_RANGE, STEP_RANGE
 from attnpolicy.modelling.simulation import (
     check_model,
     model_config,
@@ -248,7 +249,7 @@ class _Attention:
 
     def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan:
         """The plan of a sample of ``steps`` (:func:`sample_steps`), evaluated on all of them."""
-        outside = flag_range(self.model, steps)
+        outside = flag_range(self.model, steps, CALL_RANGE)
         planned, sample = sample_steps(steps, args.sample)
         rejected = w.rejected if w else 0
         try:
@@ -305,7 +306,7 @@ class _WholeModel:
     def plan(self, args: argparse.Namespace, steps: list[Any], w: Workload | None) -> GraphPlan:
         """The plan of each policy (:func:`whole_model_policies`) on the prefill batches of ``steps``."""
         layouts, former = model_layouts(steps), self.former
-        fields = provenance_json(self.provenance, flag_range(self.model, layouts))
+        fields = provenance_json(self.provenance, flag_range(self.model, layouts, GRAPH_RANGE))
         try:
             base = model_config(self.model, former.max_model_len, former.max_num_batched_tokens,
                                 max_graphs=args.max_graphs, max_bytes=args.max_bytes)
@@ -341,7 +342,7 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     print(provenance.line())
     steps, w = formed(args, former, requests)
     layouts = layouts_of(steps)
-    fields = provenance_json(provenance, flag_range(cost, layouts, step_graphs=True))
+    fields = provenance_json(provenance, flag_range(cost, layouts, STEP_RANGE))
     limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
     out = Path(args.out)
     gaudi_file = out / GAUDI_FILE

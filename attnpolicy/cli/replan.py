@@ -20,6 +20,7 @@ from attnpolicy.cli.simulate import check_recorded_spec, flag_range, priced, pro
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.errors import ConfigError, PolicyError
+from attnpolicy.modelling.ranges import CALL_RANGE
 from attnpolicy.planning.graph_set import plan_markdown
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, measure_drift, switch_set
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
@@ -61,7 +62,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
     check_plannable("--policies", args.policies or [], current)
     check_recorded_spec(model, provenance, run)
     steps = run.layouts[-args.window:] if args.window else run.layouts
-    outside = flag_range(model, steps)
+    outside = flag_range(model, steps, CALL_RANGE)
     differs = [name for name in type(current).model_fields if getattr(run.config, name) != getattr(current, name)]
     if differs:
         warn(f"the layout stream was recorded under a config that differs from --config in {', '.join(differs)}: "

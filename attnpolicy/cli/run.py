@@ -40,6 +40,7 @@ from attnpolicy.engine.model_specs import max_positions
 from attnpolicy.errors import AllocationError, ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
+from attnpolicy.modelling.ranges import GRAPH_RANGE, STEP_RANGE
 from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
 from attnpolicy.report.units import MIB
@@ -269,7 +270,7 @@ def _run_graphs(args: argparse.Namespace) -> int:
     if args.cost_model:
         print(Provenance("file", args.cost_model).line())
     steps, w = formed(args, former, requests)
-    outside = None if cost is None else flag_range(cost, steps, step_graphs=not args.prefill_only)
+    outside = None if cost is None else flag_range(cost, steps, GRAPH_RANGE if args.prefill_only else STEP_RANGE)
     try:
         with progress(len(steps), "run --model") as advance:
             if args.prefill_only:

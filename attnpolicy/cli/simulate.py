@@ -42,16 +42,18 @@ from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile, Family
-from attnpolicy.modelling.ranges import OutsideRange, outside_range
+from attnpolicy.modelling.ranges import CALL_RANGE, GRAPH_RANGE, M, OutsideRange, Reach, outside_range
 from attnpolicy.modelling.simulation import (
     SimRow,
     check_model,
     lower_bounds,
     model_config,
     model_layouts,
+    replay_key_streams,
     simulate_layouts,
     simulate_run,
     simulation_config,
+    sweep_configs,
 )
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.report.plots import plot_sweep
@@ -216,18 +218,13 @@ def check_recorded_spec(model: CostModel, provenance: Provenance, run: LayoutRun
          f"seconds are not this run's ({fix}, and give it to --cost-model)")
 
 
-def flag_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch | BatchLayout],
-               step_graphs: bool = False) -> OutsideRange | None:
+def flag_range(model: M, steps: Sequence[ScheduledBatch | BatchLayout], reach: Reach[M]) -> OutsideRange | None:
     """Warn (one line) when some of ``steps`` are priced outside ``model``'s calibrated
-    range; returns the count (``None``: the range is unknown). ``step_graphs``: whole
-    requests, every step priced on a step graph."""
-    outside = outside_range(model, steps, step_graphs)
-    if isinstance(model, CostModel):
-        covers = "'attnpolicy calibrate --max-len N' covers longer batches"
-    else:
-        covers = f"'attnpolicy calibrate --model SPEC --sizes' covers larger {'steps' if step_graphs else 'graphs'}"
+    range in the dimensions of ``reach`` (its level's); returns the count (``None``: the
+    range is unknown)."""
+    outside = outside_range(model, steps, reach)
     if outside is not None and outside.outside:
-        warn(f"{outside.line()}: their seconds are extrapolated ({covers})")
+        warn(f"{outside.line()}: their seconds are extrapolated ({reach.covers})")
     return outside
 
 
@@ -323,7 +320,7 @@ class _Attention:
               ) -> tuple[dict[str, Any], list[SimRow]]:
         """The rows (printed) and the --json head."""
         model, base, options = self.model, self.base, self.options
-        outside = flag_range(model, steps)
+        outside = flag_range(model, steps, CALL_RANGE)
         note_warmup(base, f"--config {args.config}")
         with progress(sweep_size(args), "simulate") as advance:
             rows = simulate_layouts(steps, args.policies, args.capacities, args.evictions, base, model,
@@ -356,12 +353,12 @@ class _WholeModel:
         cost, max_len, tokens = self.model, self.former.max_model_len, self.former.max_num_batched_tokens
         layouts = model_layouts(steps)
         head = {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
-                **provenance_json(self.provenance, flag_range(cost, layouts))}
+                **provenance_json(self.provenance, flag_range(cost, layouts, GRAPH_RANGE))}
         try:
-            rows = simulate_layouts(layouts, whole_model_policies(args, SIMULATE_POLICIES), args.capacities,
-                                    args.evictions, model_config(cost, max_len, tokens), cost,
-                                    buckets=[bucket_scheme(s, max_len, tokens) for s in args.buckets or ("pow2",)],
-                                    max_bytes=args.max_bytes)
+            configs = sweep_configs(model_config(cost, max_len, tokens), whole_model_policies(args, SIMULATE_POLICIES),
+                                    args.capacities, max_bytes=args.max_bytes,
+                                    buckets=[bucket_scheme(s, max_len, tokens) for s in args.buckets or ("pow2",)])
+            rows = replay_key_streams(layouts, cost, configs, args.evictions)
         except (ConfigError, GraphTooLargeError) as exc:
             fail(str(exc))
         print_table(f"simulated {len(layouts)} model-graph batches of {args.trace}, {cost.spec} ({cost.backend}, "
@@ -398,7 +395,7 @@ def simulate_recorded(args: argparse.Namespace, model: CostModel, provenance: Pr
         fail(f"argument --strict: the sweep has no row under the recorded config ({recorded_row}): {why_not}")
     check_recorded_spec(model, provenance, run)
     print(provenance.line())
-    outside = flag_range(model, run.layouts)
+    outside = flag_range(model, run.layouts, CALL_RANGE)
     with progress(sweep_size(args), "simulate") as advance:
         rows = simulate_run(run, args.policies, args.capacities, args.evictions, model, base, advance, options,
                             buckets=schemes(args, base), max_bytes=args.max_bytes, workers=args.workers,

@@ -42,6 +42,7 @@ from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.modelling.cost_file import Family
+from attnpolicy.modelling.ranges import CALL_RANGE, GRAPH_RANGE
 from attnpolicy.modelling.simulation import check_model, model_config, model_layouts, simulation_config
 from attnpolicy.modelling.stalls import (
     MODES,
@@ -153,7 +154,7 @@ class _Attention:
         """The batches and configs to replay, and the --json head."""
         return steps, self.configs, {"requests": requests, "former": former_options(args),
                                      "config": self.base.model_dump(mode="json"),
-                                     **provenance_json(self.provenance, flag_range(self.model, steps))}
+                                     **provenance_json(self.provenance, flag_range(self.model, steps, CALL_RANGE))}
 
     def title(self, args: argparse.Namespace, w: Workload, layouts: Sequence[object]) -> str:
         return (f"modelled {w.admitted} requests of {args.trace} ({w.rejected} rejected, {w.batches} batches), "
@@ -186,7 +187,7 @@ class _WholeModel:
         capacity, and the --json head."""
         layouts = model_layouts(steps)
         head = {"limit": args.limit, "batches": len(layouts), "model": self.model.spec,
-                **provenance_json(self.provenance, flag_range(self.model, layouts))}
+                **provenance_json(self.provenance, flag_range(self.model, layouts, GRAPH_RANGE))}
         switch = {} if args.switch_after is None else {"switch_after": args.switch_after}
         try:
             configs = [model_config(self.model, self.former.max_model_len, self.former.max_num_batched_tokens,

@@ -4,29 +4,31 @@ was calibrated on.
 A fit is linear in its features and extrapolates beyond its samples without saying
 so; :func:`outside_range` counts the batches it prices there, so that every command
 that prices a workload can say how many (one line, and a JSON field). A batch is
-measured in the dimensions its graphs' fits were calibrated in, each against the
-largest calibrated value (:class:`Extent`):
+measured in the dimensions its level's fits were calibrated in, each against the
+largest calibrated value; the level says which (its :class:`Reach`):
 
 - attention calls (:class:`~attnpolicy.graphs.costmodel.CostModel`): its packed query
   tokens or its longest sequence's keys, whichever is more (the longest length any
   call of the batch can span, under any policy), against the run samples' largest
-  bucket (:attr:`~attnpolicy.graphs.costmodel.CostModel.calibrated_len`);
+  bucket (:attr:`~attnpolicy.graphs.costmodel.CostModel.calibrated_len`), :data:`CALL_RANGE`;
 - whole-model graphs (:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`):
-  its tokens and its sequences (a VARLEN graph's segments);
+  its tokens and its sequences (a VARLEN graph's segments), :data:`GRAPH_RANGE`;
 - whole-model step graphs (whole requests): its rows, its cached context and its
-  sequences.
+  sequences, :data:`STEP_RANGE`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import ScheduledBatch
+
+M = TypeVar("M")
 
 
 @dataclass(frozen=True)
@@ -55,13 +57,16 @@ def batch_len(layout: BatchLayout) -> int:
 
 
 @dataclass(frozen=True)
-class Extent:
-    """The dimensions a cost model's fits were calibrated in: their names, the largest
-    calibrated value of each (``limits``) and a batch's value of each (``sizes``)."""
+class Reach(Generic[M]):
+    """What a level's fits are calibrated in: the dimensions' names, a batch's value of
+    each (``sizes``), a cost model's largest calibrated value of each (``limits``:
+    ``None`` when unknown, a model without samples) and the command that calibrates
+    larger batches (``covers``)."""
 
     names: tuple[str, ...]
-    limits: tuple[int, ...]
+    limits: Callable[[M], tuple[int, ...] | None]
     sizes: Callable[[BatchLayout], tuple[int, ...]]
+    covers: str
 
     def describe(self, values: Sequence[int]) -> str:
         """``values`` named: ``8 tokens``, ``8 tokens and 2 segments``, ``a, b and c``."""
@@ -82,27 +87,27 @@ def _step_size(layout: BatchLayout) -> tuple[int, ...]:
     return rows, sum(layout.kv_lens) - rows, layout.num_seqs
 
 
-def extent(model: CostModel | ModelCostModel, step_graphs: bool = False) -> Extent | None:
-    """What ``model`` was calibrated on (``step_graphs``: its step graphs'); ``None``
-    when that is unknown (a model without samples)."""
-    if isinstance(model, CostModel):
-        length = model.calibrated_len
-        return None if length is None else Extent(("tokens",), (length,), _call_size)
-    if step_graphs:
-        step = model.step_range
-        return None if step is None else Extent(("rows", "context", "sequences"), step, _step_size)
-    graph = model.calibrated_range
-    return None if graph is None else Extent(("tokens", "segments"), graph, _graph_size)
+#: Attention calls: a batch's :func:`batch_len` against the longest calibrated bucket.
+CALL_RANGE: Reach[CostModel] = Reach(
+    ("tokens",), lambda m: None if m.calibrated_len is None else (m.calibrated_len,), _call_size,
+    "'attnpolicy calibrate --max-len N' covers longer batches")
+#: Whole-model graphs: a batch's tokens and sequences.
+GRAPH_RANGE: Reach[ModelCostModel] = Reach(
+    ("tokens", "segments"), lambda m: m.calibrated_range, _graph_size,
+    "'attnpolicy calibrate --model SPEC --sizes' covers larger graphs")
+#: Whole-model step graphs (whole requests): a step's rows, cached context and sequences.
+STEP_RANGE: Reach[ModelCostModel] = Reach(
+    ("rows", "context", "sequences"), lambda m: m.step_range, _step_size,
+    "'attnpolicy calibrate --model SPEC --sizes' covers larger steps")
 
 
-def outside_range(model: CostModel | ModelCostModel, steps: Sequence[ScheduledBatch | BatchLayout],
-                  step_graphs: bool = False) -> OutsideRange | None:
+def outside_range(model: M, steps: Sequence[ScheduledBatch | BatchLayout], reach: Reach[M]) -> OutsideRange | None:
     """The batches of ``steps`` larger than ``model`` was calibrated on in any dimension
-    of its :func:`extent`; ``None`` when its range is unknown."""
-    bounds = extent(model, step_graphs)
-    if bounds is None:
+    of ``reach`` (its level's); ``None`` when its range is unknown."""
+    limits = reach.limits(model)
+    if limits is None:
         return None
-    sizes = [bounds.sizes(s.layout if isinstance(s, ScheduledBatch) else s) for s in steps]
-    outside = sum(any(v > limit for v, limit in zip(size, bounds.limits, strict=True)) for size in sizes)
-    most = [max((size[i] for size in sizes), default=0) for i in range(len(bounds.names))]
-    return OutsideRange(outside, len(sizes), bounds.describe(most), bounds.describe(bounds.limits))
+    sizes = [reach.sizes(s.layout if isinstance(s, ScheduledBatch) else s) for s in steps]
+    outside = sum(any(v > limit for v, limit in zip(size, limits, strict=True)) for size in sizes)
+    most = [max((size[i] for size in sizes), default=0) for i in range(len(reach.names))]
+    return OutsideRange(outside, len(sizes), reach.describe(most), reach.describe(limits))

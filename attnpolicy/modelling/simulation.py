@@ -36,8 +36,8 @@ See ``docs/simulate.md``.
 
 On whole-model graphs (the ``model`` family: one graph per forward of a
 :class:`~attnpolicy.engine.runner.StaticModelRunner`, priced by a
-:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` given to
-:func:`simulate_layouts` as its model; same :class:`SimRow`, whole-model JSON keys) the
+:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`; :func:`replay_key_streams`
+over the configs of :func:`sweep_configs`; same :class:`SimRow`, whole-model JSON keys) the
 batches are the key stream the runner would request: each batch's mode is the guarded
 policy's decision (as the runner's), its key the runner's own
 :func:`~attnpolicy.engine.keys.model_key_for`, and the stream is replayed by
@@ -443,7 +443,7 @@ def simulate_layouts(
     capacities: Sequence[int | None],
     evictions: Sequence[str],
     config_base: AttnPolicyConfig,
-    model: CostModel | ModelCostModel | None = None,
+    model: CostModel | None = None,
     spec: TensorSpec | None = None,
     progress: Callable[[str], None] | None = None,
     policy_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -463,29 +463,12 @@ def simulate_layouts(
     ``rejected`` is reported in every row (requests the caller left out). Every row
     starts with an empty cache: ``config_base``'s warm-up set is not modelled (it is
     left out of the rows' configs, whose buckets and capacities it may not fit; see
-    :mod:`attnpolicy.modelling.stalls` for warm-up).
-
-    A :class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` simulates the
-    whole-model level instead: one row per (policy, bucket scheme, capacity,
-    ``max_bytes``, eviction), in that nesting order, each config's key stream replayed
-    (:func:`replay_key_streams`) over the prefill batches of ``steps``; ``spec``,
-    ``progress``, ``rejected``, ``workers`` and ``store_warm`` do not apply.
+    :mod:`attnpolicy.modelling.stalls` for warm-up). Whole-model graphs are swept by
+    :func:`replay_key_streams` over the configs of :func:`sweep_configs`.
     """
     model = model or CostModel.default()
     base = config_base
-    fields = {**base.model_dump(mode="json"), "warmup": []}
-    schemes = list(buckets) if buckets else [base_scheme(base)]
-    byte_bounds = [base.max_bytes] if max_bytes is None else max_bytes
-
-    def scheme_fields(policy: str, scheme: BucketScheme) -> dict[str, Any]:
-        options = {**(base.policy_options if policy == base.policy else {}), **(policy_options or {}).get(policy, {})}
-        return {**fields, "policy": policy, "policy_options": options,
-                "buckets": scheme.buckets.model_dump(mode="json")}
-
-    if isinstance(model, ModelCostModel):
-        return replay_key_streams(model_layouts(steps), model, [
-            _config(scheme_fields(policy, scheme), capacity, nbytes, "lru") for policy in policies
-            for scheme in schemes for capacity in capacities for nbytes in byte_bounds], evictions)
+    schemes, byte_bounds = _swept(base, buckets, max_bytes)
     _check_evictions(evictions)
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
@@ -495,7 +478,7 @@ def simulate_layouts(
     jobs: list[_Job] = []
     for s, scheme in enumerate(schemes):
         for p, policy in enumerate(policies):
-            job_fields = scheme_fields(policy, scheme)
+            job_fields = _sweep_fields(base, policy, scheme, policy_options)
             stateless = Guard.for_policy(policy, job_fields["policy_options"]).stateless
             job = partial(_Job, s, scheme.name, p, policy, job_fields, stateless)
             if stateless:
@@ -506,6 +489,33 @@ def simulate_layouts(
             jobs += [job(runs[i::workers]) for i in range(min(workers, len(runs)))]
     sweep = _Sweep(steps, model, spec, rejected, store_warm)
     return _run(jobs, sweep, workers, progress)
+
+
+def sweep_configs(base: AttnPolicyConfig, policies: Sequence[str], capacities: Sequence[int | None], *,
+                  buckets: Sequence[BucketScheme] | None = None, max_bytes: Sequence[int | None] | None = None,
+                  policy_options: Mapping[str, Mapping[str, Any]] | None = None) -> list[AttnPolicyConfig]:
+    """The config of each row of a sweep of ``base`` (eviction ``lru``; the sweep gives
+    each its evictions), built by :func:`simulate_layouts`' rule: one per (policy, bucket
+    scheme, capacity, ``max_bytes``), in that nesting order; no ``buckets`` or
+    ``max_bytes``: ``base``'s."""
+    schemes, byte_bounds = _swept(base, buckets, max_bytes)
+    return [_config(_sweep_fields(base, policy, scheme, policy_options), capacity, nbytes, "lru")
+            for policy in policies for scheme in schemes for capacity in capacities for nbytes in byte_bounds]
+
+
+def _swept(base: AttnPolicyConfig, buckets: Sequence[BucketScheme] | None, max_bytes: Sequence[int | None] | None
+           ) -> tuple[list[BucketScheme], Sequence[int | None]]:
+    """The bucket schemes and byte bounds a sweep of ``base`` rows (none given: ``base``'s)."""
+    return list(buckets) if buckets else [base_scheme(base)], [base.max_bytes] if max_bytes is None else max_bytes
+
+
+def _sweep_fields(base: AttnPolicyConfig, policy: str, scheme: BucketScheme,
+                  policy_options: Mapping[str, Mapping[str, Any]] | None) -> dict[str, Any]:
+    """The fields of ``base`` under ``policy`` (its options: ``base``'s when it is
+    ``base``'s policy, then ``policy_options``') and ``scheme``'s buckets, no warm-up set."""
+    options = {**(base.policy_options if policy == base.policy else {}), **(policy_options or {}).get(policy, {})}
+    return {**base.model_dump(mode="json"), "warmup": [], "policy": policy, "policy_options": options,
+            "buckets": scheme.buckets.model_dump(mode="json")}
 
 
 def _config(fields: dict[str, Any], capacity: int | None, max_bytes: int | None, eviction: str) -> AttnPolicyConfig:

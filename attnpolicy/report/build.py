@@ -46,7 +46,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.peer_buckets import PeerLimits
-from attnpolicy.modelling.ranges import outside_range
+from attnpolicy.modelling.ranges import CALL_RANGE, outside_range
 from attnpolicy.modelling.simulation import (
     SimRow,
     lower_bounds,
@@ -368,7 +368,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     base = simulation_config(model, former)
     schemes = [bucket_scheme(b, base.max_seq_len, base.max_batch_tokens) for b in s.buckets]
     steps = list(former.steps(requests))
-    outside = outside_range(model, steps)
+    outside = outside_range(model, steps, CALL_RANGE)
     workload = Workload.of(len(requests), former, len(steps))
     if workload.rejected and not workload.admitted:
         raise ConfigError(f"{workload.why_rejected}: nothing to report (raise max_model_len or check the trace)")

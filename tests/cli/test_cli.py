@@ -19,7 +19,7 @@ from attnpolicy.cli import build_parser, main
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.modes import Decision, MaskMode
 from attnpolicy.graphs.costmodel import CostModel
-from attnpolicy.modelling.ranges import outside_range
+from attnpolicy.modelling.ranges import CALL_RANGE, outside_range
 from attnpolicy.modelling.simulation import simulation_config
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.plugins.registry import get_plugin_manager
@@ -584,10 +584,10 @@ def test_simulate_counts_the_batches_priced_outside_the_calibrated_range(tmp_pat
         "longer batches)"]
     assert json.loads(out.read_text())["outside_calibrated_range"] == {
         "outside": outside, "batches": len(steps), "largest": f"{max(sizes)} tokens", "calibrated": "2048 tokens"}
-    assert outside_range(short, steps).line() == line
-    assert outside_range(model.model_copy(update={"samples": ()}), steps) is None  # range unknown
-    assert outside_range(model, [s for s in steps if max(s.layout.total_tokens, s.layout.max_kv_len) <= 4096]
-                         ).outside == 0
+    assert outside_range(short, steps, CALL_RANGE).line() == line
+    assert outside_range(model.model_copy(update={"samples": ()}), steps, CALL_RANGE) is None  # range unknown
+    assert outside_range(model, [s for s in steps if max(s.layout.total_tokens, s.layout.max_kv_len) <= 4096],
+                         CALL_RANGE).outside == 0
 
 
 def test_plot_of_capacities_that_tie(tmp_path, capsys):

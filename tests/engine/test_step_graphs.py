@@ -312,7 +312,7 @@ def test_steps_outside_the_calibrated_rows_context_or_sequences_are_counted(tmp_
     """Whole requests are priced on step graphs: a step with more rows, more cached
     context or more sequences than any calibrated step graph is extrapolated, and
     ``run --model --cost-model`` says how many (one line, and its JSON)."""
-    from attnpolicy.modelling.ranges import outside_range
+    from attnpolicy.modelling.ranges import STEP_RANGE, outside_range
     from attnpolicy.modelling.whole_model_costs import StepFits, StepSample
 
     measured = {"compile_seconds": 1.0, "run_seconds": 1e-3, "rss_bytes": 1, "estimate_bytes": 1}
@@ -326,11 +326,11 @@ def test_steps_outside_the_calibrated_rows_context_or_sequences_are_counted(tmp_
                BatchLayout.from_lens([33], [33]),  # 33 rows
                BatchLayout.from_lens([1, 1], [40, 27]),  # 65 context
                BatchLayout.from_lens([1, 1, 1], [2, 2, 2])]  # 3 sequences
-    outside = outside_range(model, layouts, step_graphs=True)
+    outside = outside_range(model, layouts, STEP_RANGE)
     assert outside is not None and (outside.outside, outside.batches) == (3, 5)
     assert outside.line() == ("3 of 5 batches priced outside the calibrated range (sizes up to 33 rows, 65 context "
                               "and 3 sequences, calibrated to 32 rows, 64 context and 2 sequences)")
-    assert outside_range(synthetic(), layouts, step_graphs=True) is None  # no step samples: the range is unknown
+    assert outside_range(synthetic(), layouts, STEP_RANGE) is None  # no step samples: the range is unknown
     path = CostFile(model=of_model(model, TINY["qwen3"])).save(tmp_path / "m.json")
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(

@@ -19,8 +19,8 @@ from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
-from attnpolicy.modelling.ranges import outside_range
-from attnpolicy.modelling.simulation import model_config, model_layouts, replay_key_streams, simulate_layouts
+from attnpolicy.modelling.ranges import GRAPH_RANGE, outside_range
+from attnpolicy.modelling.simulation import model_config, model_layouts, replay_key_streams, sweep_configs
 from attnpolicy.modelling.stalls import WholeModelLevel, compare_stalls
 from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
 from attnpolicy.planning.graph_set import WholeModelPlanLevel, plan_graphs
@@ -217,17 +217,21 @@ def test_model_key_for_is_the_runners_key():
     assert model_key_for(BatchLayout.from_lens([17]), MaskMode.CAUSAL, config, kv=False).tokens == 32
 
 
-def test_the_sweep_takes_the_level_from_its_cost_model():
-    """Given a whole-model cost model, the attention sweep's entry point sweeps whole-model
-    configs built from the base config, policy by policy, into rows with the model's keys."""
+def test_a_whole_model_sweep_builds_its_configs_by_the_sweeps_rule():
+    """The configs of a whole-model sweep are the base config's per policy, bucket scheme,
+    capacity and byte bound, in that nesting order (the rule the attention sweep builds
+    its rows' configs by), and their key streams replay into rows with the model's keys."""
     model = synthetic()
     schemes = [bucket_scheme(s, 64, 128) for s in ("pow2", "exact")]
-    rows = simulate_layouts(LAYOUTS, ["varlen", "dynamic"], [1, None], ["lru", "belady"],
-                            model_config(model, 64, 128), model, buckets=schemes, max_bytes=[None, 2**40])
-    want = replay_key_streams(LAYOUTS, model, [
-        model_config(model, 64, 128, policy=p, max_graphs=c, max_bytes=b, buckets=s.buckets)
-        for p in ("varlen", "dynamic") for s in schemes for c in (1, None) for b in (None, 2**40)], ["lru", "belady"])
-    assert [r.to_json() for r in rows] == [r.to_json() for r in want] and len(rows) == 32
+    configs = sweep_configs(model_config(model, 64, 128), ["varlen", "dynamic"], [1, None], buckets=schemes,
+                            max_bytes=[None, 2**40])
+    assert configs == [model_config(model, 64, 128, policy=p, max_graphs=c, max_bytes=b, buckets=s.buckets)
+                       for p in ("varlen", "dynamic") for s in schemes for c in (1, None) for b in (None, 2**40)]
+    base = model_config(model, 64, 128, max_bytes=2**30)  # no schemes or byte bounds given: the base config's
+    assert sweep_configs(base, ["varlen"], [4]) == [model_config(model, 64, 128, policy="varlen", max_graphs=4,
+                                                                 max_bytes=2**30)]
+    rows = replay_key_streams(LAYOUTS, model, configs, ["lru", "belady"])
+    assert len(rows) == 32
     assert list(rows[0].to_json()) == ["policy", "buckets", "max_graphs", "max_bytes", "eviction", "batches", "graphs",
                                        "misses", "compiles", "evictions", "compile_seconds", "warmup_seconds",
                                        "run_seconds", "peak_graphs", "peak_bytes", "total_seconds"]
@@ -330,11 +334,11 @@ def test_model_batches_outside_the_calibrated_tokens_or_segments_are_counted(tmp
         ModelSample(mode="causal", segments=(24,), **sample), ModelSample(mode="varlen", segments=(12, 6), **sample))})
     assert model.calibrated_range == (24, 2)
     # 40 tokens, and three segments, are beyond what was calibrated; [12, 30] both
-    outside = outside_range(model, LAYOUTS)
+    outside = outside_range(model, LAYOUTS, GRAPH_RANGE)
     assert (outside.outside, outside.batches) == (3, len(LAYOUTS))
     assert outside.line() == ("3 of 9 batches priced outside the calibrated range (sizes up to 42 tokens and 3 "
                               "segments, calibrated to 24 tokens and 2 segments)")
-    assert outside_range(synthetic(), LAYOUTS) is None  # no samples: the range is unknown
+    assert outside_range(synthetic(), LAYOUTS, GRAPH_RANGE) is None  # no samples: the range is unknown
     path = CostFile(model=model).save(tmp_path / "m.json")
     out = tmp_path / "sim.json"
     assert main(["simulate", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies", "dynamic", "--limit", "5",

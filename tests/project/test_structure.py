@@ -1,6 +1,6 @@
 """One pipeline over the graph families, read from the source: no function or class
-that twins another under a family prefix, and one place in the CLI that branches on
-``--family`` (parsing it).
+that twins another under a family prefix, one place in the CLI that branches on
+``--family`` (parsing it), and no code that learns the level from a cost model's type.
 
 A *twin* is a pair of names defined in the package that differ only by ``model_``,
 ``_model`` or ``_step`` (``simulate`` and ``simulate_model``): one job written once per
@@ -24,7 +24,7 @@ NOT_TWINS: dict[str, str] = {
     "check": "check_model: a cost model against a config; check: a KV cache's slots",
     "layouts": "model_layouts: prefill batches of scheduled steps; layouts: a layout stream's",
     "fits": "model_fits: whether a cost file holds a source's fits; fits: the fits of a timing",
-    "_size": "_step_size: a step's extent dimensions; _size: a cache entry's bytes",
+    "_size": "_step_size: a step's calibrated-range dimensions; _size: a cache entry's bytes",
     "cost": "cost_model: the model a dispatcher prices with; cost: a plan's priced total",
     "spec": "model_spec: parses a --model SPEC; spec: a tensor spec",
     "key_for": "model_key_for: the whole-model key rule; key_for: a planner's or runner's method using it",
@@ -96,3 +96,26 @@ def test_the_cli_branches_on_the_family_in_one_place():
               if (n := _family_branches(ast.parse(path.read_text())))}
     assert list(places) == ["common.py"], places
     assert _family_branches(ast.parse("if family_of(args) == 'model': pass")) == 1
+
+
+#: The cost models of the two levels: a level says its pricing and range check itself.
+COST_MODELS = {"CostModel", "ModelCostModel"}
+
+
+def _cost_model_branches(tree: ast.AST) -> list[str]:
+    """``isinstance`` calls whose class (or one of a tuple's) is a level's cost model."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(ast.unparse(k).rsplit(".", 1)[-1] in COST_MODELS for k in kinds):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_no_code_picks_the_level_by_the_cost_models_type():
+    places = {str(path.relative_to(ROOT)): found for path in sorted(ROOT.rglob("*.py"))
+              if (found := _cost_model_branches(ast.parse(path.read_text())))}
+    assert not places, places
+    assert _cost_model_branches(ast.parse("if isinstance(m, (int, costmodel.ModelCostModel)): pass")) == [
+        "isinstance(m, (int, costmodel.ModelCostModel))"]
