@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
-from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_prefills, run_workload, serve_requests
+from attnpolicy.bench.replay import (
+    AttentionReplay,
+    PrefillReplay,
+    ReplayLevel,
+    ReplayResult,
+    RequestReplay,
+    replay,
+)
 from attnpolicy.bench.settings import BENCH_DTYPES
 from attnpolicy.cli.common import (
     add_cost_args,
@@ -40,10 +46,13 @@ from attnpolicy.engine.model_specs import max_positions
 from attnpolicy.errors import AllocationError, ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
+from attnpolicy.modelling.cost_file import Family
 from attnpolicy.modelling.ranges import GRAPH_RANGE, STEP_RANGE
 from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
 from attnpolicy.report.units import MIB
+from attnpolicy.workloads.batching import ScheduledBatch, Workload
+from attnpolicy.workloads.traces import Request
 
 DEFAULTS = AttnPolicyConfig.model_fields
 
@@ -147,60 +156,91 @@ def replanner_from(args: argparse.Namespace, spec: TensorSpec, config: AttnPolic
 def cmd_run(args: argparse.Namespace) -> int:
     check_writable("--json", args.json)
     check_writable("--store", args.store, directory=True)
-    return by_family(args, {"attention": _run_calls, "model": _run_graphs}, by_model=True)(args)
+    level = by_family(args, RUN_LEVELS, by_model=True)(args)
+    requests = workload(args, level.former)
+    level.prepare(args)
+    steps, w = formed(args, level.former, requests)
+    result = level.replay(args, requests, steps)
+    rows = level.rows(result, w)
+    if result.max_abs_err is not None:
+        rows += [("max abs err", result.max_abs_err), ("non-finite values", result.non_finite),
+                 ("check", f"{'pass' if result.passed else 'FAIL'} (tolerance {result.tolerance:g})")]
+    print_table(level.title(args), ("", "value"), rows)
+    if args.json:
+        with writing("--json", args.json):
+            write_json(args.json, level.json(args, result, w))
+    if result.passed is False:
+        assert result.tolerance is not None  # a check ran
+        error = MaxAbsError(result.max_abs_err or 0.0, result.non_finite or 0)
+        warn(f"the check failed: {error.describe(result.tolerance)}; see the table")
+        return 1
+    return 0
 
 
-def _run_calls(args: argparse.Namespace) -> int:
+class _Attention:
     """``run``: the workload's attention calls through a dispatcher."""
-    for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock,
-                        "--prefill-only": args.prefill_only or None}.items():
-        if value is not None:
-            fail(f"argument {flag}: {value}: needs --model SPEC (without it the run replays attention calls)")
-    check_spec_args(args)
-    config = config_from(args)
-    former = former_from(args)
-    requests = workload(args, former)
-    spec = TensorSpec(args.dtype, args.heads, args.kv_heads, args.head_dim)
-    replanner = replanner_from(args, spec, config)
-    steps, w = formed(args, former, requests)
-    with progress(len(steps), "run") as advance:
-        result = run_workload(requests, config, spec, check=args.check, steps=steps, progress=advance,
-                              observe=None if replanner is None else replanner.observe)
-    c = result.cache
-    rows: list[tuple[str, Any]] = [
-        ("policy", config.policy), ("policy options", describe_options({config.policy: config.policy_options})
-                                    or "none"),
-        ("backend", config.backend), ("requests (rejected)", f"{w.requests} ({w.rejected})"),
-        ("batches", result.batches), ("graph calls", result.calls),
-        ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
-        ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]), ("loads", c["loads"]),
-        ("evictions", c["evictions"]), ("peak graph MiB", c["peak_bytes"] / MIB),
-        ("attention s", result.attention_seconds), ("compile s", result.compile_seconds),
-        ("total s", result.total_seconds),
-        ("stall s p50 / p99 / max", " / ".join(f"{result.stalls[p]:.4g}" for p in ("p50", "p99", "max")))]
-    if result.background["compile_mode"] == "background":
-        rows += background_rows(result.background)
-    rows += store_rows(config, result.disk)
-    if config.warmup:
-        rows += [("start-up s (warm set ready)", result.startup_seconds),
-                 ("warm-up graphs (loaded)", f"{result.warmup_graphs} ({result.warmup_loads})"),
-                 ("warm-up compile s", result.warmup_seconds),
-                 ("compiles after warm-up", result.compiles_after_warmup),
-                 ("strict violations", result.strict_violations)]
-    if replanner is not None:
-        sw = result.switch or {}
-        asked = " / ".join(str(sw[n]) for n in ("requested", "replaced", "switches"))
-        if result.switch_at_end:  # its builds waited for once the replay had run
-            asked += " (1 after the last batch)"
-        drifts = ", ".join(f"{c.drift:.3g}" for c in replanner.checks) or "none"
-        rows += [("re-plan drift checks", f"{len(replanner.checks)} ({drifts})"),
-                 ("switches requested / replaced / applied", asked),
-                 ("switch graphs compiled / loaded", f"{sw['compiled']} / {sw['loaded']}"),
-                 ("batches served during switches", sw["batches"])]
-    return report(args, f"attnpolicy run: {args.trace}, {config.policy}", rows, _error(result.max_abs_err,
-                  result.non_finite), result.passed, TOLERANCE[spec.dtype],
-                  lambda: {**result.to_json(), "workload": w.to_json(),
-                           **({"replan": replanner.to_json()} if replanner else {})})
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock,
+                            "--prefill-only": args.prefill_only or None}.items():
+            if value is not None:
+                fail(f"argument {flag}: {value}: needs --model SPEC (without it the run replays attention calls)")
+        check_spec_args(args)
+        self.config = config_from(args)
+        self.former = former_from(args)
+        self.spec = TensorSpec(args.dtype, args.heads, args.kv_heads, args.head_dim)
+
+    def prepare(self, args: argparse.Namespace) -> None:
+        """The re-planning of --replan-every, checked once the workload is read."""
+        self.replanner = replanner_from(args, self.spec, self.config)
+
+    def replay(self, args: argparse.Namespace, requests: list[Request], steps: list[ScheduledBatch]) -> ReplayResult:
+        replanner = self.replanner
+        with progress(len(steps), "run") as advance:
+            return replay(AttentionReplay(requests, self.config, self.spec, check=args.check, steps=steps,
+                                          observe=None if replanner is None else replanner.observe), advance)
+
+    def title(self, args: argparse.Namespace) -> str:
+        return f"attnpolicy run: {args.trace}, {self.config.policy}"
+
+    def rows(self, result: ReplayResult, w: Workload) -> list[tuple[str, Any]]:
+        config, f, replanner = self.config, result.figures, self.replanner
+        c = f["cache"]
+        rows: list[tuple[str, Any]] = [
+            ("policy", config.policy), ("policy options", describe_options({config.policy: config.policy_options})
+                                        or "none"),
+            ("backend", config.backend), ("requests (rejected)", f"{w.requests} ({w.rejected})"),
+            ("batches", result.batches), ("graph calls", f["calls"]),
+            ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
+            ("hits / misses", f"{c['hits']} / {c['misses']}"), ("compiles", c["compiles"]), ("loads", c["loads"]),
+            ("evictions", c["evictions"]), ("peak graph MiB", c["peak_bytes"] / MIB),
+            ("attention s", result.run_seconds), ("compile s", result.compile_seconds),
+            ("total s", result.total_seconds),
+            ("stall s p50 / p99 / max", " / ".join(f"{f['stalls'][p]:.4g}" for p in ("p50", "p99", "max")))]
+        if f["background"]["compile_mode"] == "background":
+            rows += background_rows(f["background"])
+        rows += store_rows(config, f["disk"])
+        if config.warmup:
+            rows += [("start-up s (warm set ready)", f["startup_seconds"]),
+                     ("warm-up graphs (loaded)", f"{f['warmup_graphs']} ({f['warmup_loads']})"),
+                     ("warm-up compile s", f["warmup_seconds"]),
+                     ("compiles after warm-up", f["compiles_after_warmup"]),
+                     ("strict violations", f["strict_violations"])]
+        if replanner is not None:
+            sw = f["switch"] or {}
+            asked = " / ".join(str(sw[n]) for n in ("requested", "replaced", "switches"))
+            if f["switch_at_end"]:  # its builds waited for once the replay had run
+                asked += " (1 after the last batch)"
+            drifts = ", ".join(f"{c.drift:.3g}" for c in replanner.checks) or "none"
+            rows += [("re-plan drift checks", f"{len(replanner.checks)} ({drifts})"),
+                     ("switches requested / replaced / applied", asked),
+                     ("switch graphs compiled / loaded", f"{sw['compiled']} / {sw['loaded']}"),
+                     ("batches served during switches", sw["batches"])]
+        return rows
+
+    def json(self, args: argparse.Namespace, result: ReplayResult, w: Workload) -> dict[str, Any]:
+        replanner = self.replanner
+        return {**result.to_json(), "workload": w.to_json(), **({"replan": replanner.to_json()} if replanner else {})}
 
 
 def background_rows(b: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -218,94 +258,89 @@ def store_rows(config: AttnPolicyConfig, disk: dict[str, Any] | None) -> list[tu
             ("store loads / saves / evictions", f"{disk['hits']} / {disk['saves']} / {disk['evictions']}")]
 
 
-def _error(max_abs_err: float | None, non_finite: int | None) -> MaxAbsError | None:
-    """A result's check error (``None``: outputs not checked)."""
-    return None if max_abs_err is None else MaxAbsError(max_abs_err, non_finite or 0)
-
-
-def report(args: argparse.Namespace, title: str, rows: list[tuple[str, Any]], error: MaxAbsError | None,
-           passed: bool | None, tolerance: float, data: Callable[[], dict[str, Any]]) -> int:
-    """Print ``rows`` under ``title`` (with the check's rows when outputs were checked:
-    ``error``), write ``data()`` to --json; the exit status: 1 when the check failed, else 0."""
-    if error is not None:
-        rows = [*rows, ("max abs err", error.value), ("non-finite values", error.non_finite),
-                ("check", f"{'pass' if passed else 'FAIL'} (tolerance {tolerance:g})")]
-    print_table(title, ("", "value"), rows)
-    if args.json:
-        with writing("--json", args.json):
-            write_json(args.json, data())
-    if passed is False:
-        assert error is not None  # a check ran
-        warn(f"the check failed: {error.describe(tolerance)}; see the table")
-        return 1
-    return 0
-
-
-def _run_graphs(args: argparse.Namespace) -> int:
+class _WholeModel:
     """``run --model SPEC`` (``--family model``): whole requests (``--prefill-only``: the
     prefill-only batches) through a runner of SPEC's model; --max-seq-len must fit the
     model's positions."""
-    if args.replan_every is not None:
-        fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
-    check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-    former = former_from(args, prefill_only=args.prefill_only)
-    # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
-    # whole requests: of every running sequence's context too, as at the attention level
-    config = config_from(args, former.max_num_batched_tokens if args.prefill_only else None)
-    if args.prefill_only and config.compile_mode == "background":
-        fail("argument --prefill-only: builds each batch's graph before it runs, its build timed apart: not with "
-             "compile_mode background (--compile-mode or --config); serve whole requests to compile in the background")
-    positions = max_positions(args.model)
-    if positions is not None and former.max_model_len > positions:
-        fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
-             f"{args.model}: set --max-seq-len {positions} or less")
-    cost = priced_model(args, model=args.model)[0] if args.cost_model else None
-    if cost is not None and not args.prefill_only and cost.steps is None:
-        fail(f"argument --cost-model: {args.cost_model} holds no step-graph fits, which whole requests run on: "
-             "calibrate it again with attnpolicy calibrate --model SPEC, or add --prefill-only")
-    clock = args.clock or "cpu"
-    if cost is not None and cost.backend != config.backend:
-        warn(f"--cost-model was calibrated with backend {cost.backend}, the run uses {config.backend}")
-    requests = workload(args, former)
-    if args.cost_model:
-        print(Provenance("file", args.cost_model).line())
-    steps, w = formed(args, former, requests)
-    outside = None if cost is None else flag_range(cost, steps, GRAPH_RANGE if args.prefill_only else STEP_RANGE)
-    try:
-        with progress(len(steps), "run --model") as advance:
-            if args.prefill_only:
-                result = replay_prefills(args.model, model_layouts(steps), config, check=args.check, cost=cost,
-                                      clock=clock, progress=advance)
-            else:
-                result = serve_requests(args.model, requests, steps, config, check=args.check, clock=clock,
-                                     progress=advance, cost=cost)
-    except ConfigError as exc:
-        fail(f"argument --model: {exc}")
-    except AllocationError as exc:  # the KV cache of the requests that run at once, each at its longest
-        fail(f"argument --max-num-seqs/--max-seq-len: {exc}: lower them, or run fewer or shorter requests")
-    rows: list[tuple[str, object]] = [
-        ("model", result.spec), ("policy", config.policy), ("backend", config.backend),
-        ("buckets", config.buckets.describe()), ("max graphs", config.max_graphs or "∞"),
-        ("batches", result.batches), ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
-        *([("requests served", result.requests), ("steps with cached context", result.context_steps)]
-          if not args.prefill_only else []),
-        ("hits / misses", f"{result.hits} / {result.misses}"), ("compiles", result.compiles),
-        ("loads", result.loads), ("evictions", result.evictions),
-        (f"compile s ({result.clock})", result.compile_seconds), (f"load s ({result.clock})", result.load_seconds),
-        (f"run s ({result.clock})", result.run_seconds), (f"total s ({result.clock})", result.total_seconds)]
-    if result.background is not None:
-        b = result.background
-        rows += [*background_rows(b), ("eager batches", b["eager_batches"]), ("stall s (wall)", b["stall_seconds"])]
-    rows += store_rows(config, result.disk)
-    if result.predicted is not None:
-        p = result.predicted
-        rows += [("predicted misses", p.misses), ("predicted compile s", p.compile_seconds + p.warmup_seconds),
-                 ("predicted total s", p.total_seconds)]
-        rows += [(f"predicted/measured {k}", v) for k, v in result.ratios().items()]
-    if result.token_mismatches is not None:
-        rows += [("requests whose greedy tokens differ", result.token_mismatches)]
-    return report(args, f"attnpolicy run --model: {args.trace}", rows,
-                  _error(result.max_abs_err, result.non_finite), result.passed, MODEL_TOLERANCE,
-                  lambda: {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
-                           "config": config.model_dump(mode="json"), **result.to_json(),
-                           "outside_calibrated_range": None if outside is None else outside.to_json()})
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        if args.replan_every is not None:
+            fail("argument --replan-every: re-planning runs attention calls, not --model graphs")
+        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
+        self.former = former = former_from(args, prefill_only=args.prefill_only)
+        # prefill only: a MASK graph's bucket is of the step's token budget, as in simulate --family model;
+        # whole requests: of every running sequence's context too, as at the attention level
+        self.config = config = config_from(args, former.max_num_batched_tokens if args.prefill_only else None)
+        if args.prefill_only and config.compile_mode == "background":
+            fail("argument --prefill-only: builds each batch's graph before it runs, its build timed apart: not "
+                 "with compile_mode background (--compile-mode or --config); serve whole requests to compile in the "
+                 "background")
+        positions = max_positions(args.model)
+        if positions is not None and former.max_model_len > positions:
+            fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
+                 f"{args.model}: set --max-seq-len {positions} or less")
+        self.cost = cost = priced_model(args, model=args.model)[0] if args.cost_model else None
+        if cost is not None and not args.prefill_only and cost.steps is None:
+            fail(f"argument --cost-model: {args.cost_model} holds no step-graph fits, which whole requests run on: "
+                 "calibrate it again with attnpolicy calibrate --model SPEC, or add --prefill-only")
+        self.clock, self.prefill_only = args.clock or "cpu", args.prefill_only
+        if cost is not None and cost.backend != config.backend:
+            warn(f"--cost-model was calibrated with backend {cost.backend}, the run uses {config.backend}")
+
+    def prepare(self, args: argparse.Namespace) -> None:
+        """Say where the cost model comes from, once the workload is read."""
+        if args.cost_model:
+            print(Provenance("file", args.cost_model).line())
+
+    def replay(self, args: argparse.Namespace, requests: list[Request], steps: list[ScheduledBatch]) -> ReplayResult:
+        """Whole requests, or (--prefill-only) prefill batches, each batch's build timed apart."""
+        cost, config, prefill = self.cost, self.config, self.prefill_only
+        self.outside = None if cost is None else flag_range(cost, steps, GRAPH_RANGE if prefill else STEP_RANGE)
+        try:
+            with progress(len(steps), "run --model") as advance:
+                level: ReplayLevel[Any] = (
+                    PrefillReplay(args.model, model_layouts(steps), config, check=args.check, cost=cost,
+                                  clock=self.clock) if prefill else
+                    RequestReplay(args.model, requests, steps, config, check=args.check, clock=self.clock, cost=cost))
+                return replay(level, advance)
+        except ConfigError as exc:
+            fail(f"argument --model: {exc}")
+        except AllocationError as exc:  # the KV cache of the requests that run at once, each at its longest
+            fail(f"argument --max-num-seqs/--max-seq-len: {exc}: lower them, or run fewer or shorter requests")
+
+    def title(self, args: argparse.Namespace) -> str:
+        return f"attnpolicy run --model: {args.trace}"
+
+    def rows(self, result: ReplayResult, w: Workload) -> list[tuple[str, Any]]:
+        config, f, clock = self.config, result.figures, self.clock
+        rows: list[tuple[str, Any]] = [
+            ("model", f["spec"]), ("policy", config.policy), ("backend", config.backend),
+            ("buckets", config.buckets.describe()), ("max graphs", config.max_graphs or "∞"),
+            ("batches", result.batches),
+            ("batches per mode", ", ".join(f"{m} {n}" for m, n in result.modes.items())),
+            *([("requests served", f["requests"]), ("steps with cached context", f["context_steps"])]
+              if not self.prefill_only else []),
+            ("hits / misses", f"{f['hits']} / {result.misses}"), ("compiles", f["compiles"]),
+            ("loads", f["loads"]), ("evictions", f["evictions"]),
+            (f"compile s ({clock})", result.compile_seconds), (f"load s ({clock})", result.load_seconds),
+            (f"run s ({clock})", result.run_seconds), (f"total s ({clock})", result.total_seconds)]
+        if (b := f["background"]) is not None:
+            rows += [*background_rows(b), ("eager batches", b["eager_batches"]), ("stall s (wall)", b["stall_seconds"])]
+        rows += store_rows(config, f["disk"])
+        if (p := result.predicted) is not None:
+            rows += [("predicted misses", p.misses), ("predicted compile s", p.compile_seconds + p.warmup_seconds),
+                     ("predicted total s", p.total_seconds)]
+            rows += [(f"predicted/measured {k}", v) for k, v in result.ratios().items()]
+        if result.token_mismatches is not None:
+            rows += [("requests whose greedy tokens differ", result.token_mismatches)]
+        return rows
+
+    def json(self, args: argparse.Namespace, result: ReplayResult, w: Workload) -> dict[str, Any]:
+        outside = self.outside
+        return {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
+                "config": self.config.model_dump(mode="json"), **result.to_json(),
+                "outside_calibrated_range": None if outside is None else outside.to_json()}
+
+
+#: What ``run`` replays per --family.
+RUN_LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}

@@ -35,7 +35,7 @@ from attnpolicy.bench.calibration_cache import Provenance, lookup, store
 from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
 from attnpolicy.bench.mode_timing import run_bench, speedups
 from attnpolicy.bench.model_timing import MODEL_LENGTHS, run_model_bench
-from attnpolicy.bench.replay import run_workload
+from attnpolicy.bench.replay import AttentionReplay, replay
 from attnpolicy.bench.settings import BenchSettings, CalibrationSettings
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
@@ -268,22 +268,22 @@ def validate_predictions(model: CostModel, requests: Sequence[Request], s: Repor
         config = simulation_config(model, former, policy=policy, max_graphs=s.validate_capacity,
                                    policy_options=s.policy_options.get(policy, {}))
         (predicted,) = simulate(requests, [policy], [s.validate_capacity], ["lru"], config, model, s.former)
-        measured = run_workload(requests, config, model.spec, steps=steps, check=True, cost_model=model)
+        measured = replay(AttentionReplay(requests, config, model.spec, steps=steps, check=True, cost_model=model))
         warm = predicted.warmup_seconds
         compile_s, total_s = predicted.compile_seconds, predicted.total_seconds - warm
         rows.append(ValidationRow(
             policy=policy, capacity=s.validate_capacity, batches=len(steps),
-            predicted_misses=predicted.misses, measured_misses=measured.cache["misses"],
+            predicted_misses=predicted.misses, measured_misses=measured.misses,
             predicted_compile_seconds=compile_s,
             measured_compile_seconds=measured.compile_seconds,
             predicted_attention_seconds=predicted.run_seconds,
-            measured_attention_seconds=measured.attention_seconds,
+            measured_attention_seconds=measured.run_seconds,
             predicted_total_seconds=total_s,
             measured_total_seconds=measured.total_seconds,
             max_abs_err=measured.max_abs_err,
             predicted_warmup_seconds=warm,
             compile_ratio=_ratio(compile_s, measured.compile_seconds),
-            attention_ratio=_ratio(predicted.run_seconds, measured.attention_seconds),
+            attention_ratio=_ratio(predicted.run_seconds, measured.run_seconds),
             total_ratio=_ratio(total_s, measured.total_seconds),
             non_finite=measured.non_finite, tolerance=measured.tolerance, passed=measured.passed))
         progress(f"validated {policy}")

@@ -287,17 +287,18 @@ def test_the_generate_reference_sees_every_prompt_token_even_the_pad_id():
     """Served prompts are random ids, the pad token's among them; transformers' generate,
     given no attention mask, would infer one from pad_token_id and hide those tokens:
     the check must give it the whole prompt (this workload reported a mismatch before)."""
-    from attnpolicy.bench.replay import serve_requests
+    from attnpolicy.bench.replay import RequestReplay, replay
     from attnpolicy.workloads.batching import BatchFormer
     from attnpolicy.workloads.traces import Request
 
     requests = [Request(0.0, 120, 8), Request(0.0, 90, 8), Request(0.0, 150, 8)]
     pad = parse_spec(TINY["qwen3"]).build().generation_config.pad_token_id
     assert any(pad in torch.randint(0, VOCAB, (r.prompt_tokens,), generator=torch.Generator().manual_seed(i)).tolist()
-               for i, r in enumerate(requests))  # the prompts serve_requests draws, seeded per request
+               for i, r in enumerate(requests))  # the prompts RequestReplay draws, seeded per request
     former = BatchFormer(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=256)
-    result = serve_requests(TINY["qwen3"], requests, list(former.steps(requests)),
-                         config().model_copy(update={"max_seq_len": 256, "max_batch_tokens": 1024}), check=True)
+    result = replay(RequestReplay(TINY["qwen3"], requests, list(former.steps(requests)),
+                                  config().model_copy(update={"max_seq_len": 256, "max_batch_tokens": 1024}),
+                                  check=True))
     assert result.token_mismatches == 0 and result.max_abs_err is not None and result.max_abs_err <= 1e-5
 
 

@@ -153,17 +153,17 @@ def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
 
 @pytest.mark.parametrize("policy", ["dynamic", "varlen"])
 def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
-    from attnpolicy.bench.replay import MODEL_TOLERANCE, replay_prefills
+    from attnpolicy.bench.replay import MODEL_TOLERANCE, PrefillReplay, replay
 
     model, _ = calibrated
     config = model_config(model, 64, 128, policy=policy, max_graphs=2)
-    result = replay_prefills(SPEC, LAYOUTS, config, check=True, cost=model)
+    result = replay(PrefillReplay(SPEC, LAYOUTS, config, check=True, cost=model))
     predicted = result.predicted
     assert predicted is not None
     assert (predicted.misses, predicted.compiles, predicted.evictions) == \
-        (result.misses, result.compiles, result.evictions)
-    assert result.evictions > 0  # the cache was too small: eviction order mattered
-    assert result.hits + result.misses == len(LAYOUTS)
+        (result.misses, result.figures["compiles"], result.figures["evictions"])
+    assert result.figures["evictions"] > 0  # the cache was too small: eviction order mattered
+    assert result.figures["hits"] + result.misses == len(LAYOUTS)
     assert result.max_abs_err is not None and result.max_abs_err <= MODEL_TOLERANCE
     assert result.ratios()["misses"] == 1.0
 
@@ -173,19 +173,19 @@ def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, poli
     """Whole requests (chunked prefill, decodes) served over a KV cache, every step on a
     step graph: the simulator's misses, compiles and evictions are the runner's, and its
     seconds come from the step fits."""
-    from attnpolicy.bench.replay import serve_requests
+    from attnpolicy.bench.replay import RequestReplay, replay
 
     model, _ = calibrated
     requests = [Request(0.0, 40, 6), Request(0.0, 9, 12), Request(0.1, 70, 3), Request(0.2, 3, 5)]
     former = BatchFormer(max_num_seqs=3, max_num_batched_tokens=32, max_model_len=128)
     steps = list(former.steps(requests))
     config = model_config(model, 128, 512, policy=policy, max_graphs=3)
-    result = serve_requests(SPEC, requests, steps, config, cost=model)
+    result = replay(RequestReplay(SPEC, requests, steps, config, cost=model))
     predicted = result.predicted
-    assert predicted is not None and 0 < result.context_steps < len(steps)
+    assert predicted is not None and 0 < result.figures["context_steps"] < len(steps)
     assert (predicted.misses, predicted.compiles, predicted.evictions) == \
-        (result.misses, result.compiles, result.evictions)
-    assert result.evictions > 0  # three graphs were too few: the eviction order mattered
+        (result.misses, result.figures["compiles"], result.figures["evictions"])
+    assert result.figures["evictions"] > 0  # three graphs were too few: the eviction order mattered
     assert predicted.batches == len(steps) and predicted.run_seconds > 0 and predicted.compile_seconds > 0
     assert result.ratios()["misses"] == 1.0
 

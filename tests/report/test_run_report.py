@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from attnpolicy.bench.replay import run_workload
+from attnpolicy.bench.replay import AttentionReplay, replay
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.graphs.keys import TensorSpec
@@ -25,15 +25,15 @@ def test_run_checks_every_output_and_counts_like_the_simulator():
     for policy in ("dynamic", "varlen", "always-mask"):
         config = AttnPolicyConfig(policy=policy, backend="none", max_graphs=3, max_seq_len=512,
                                   max_batch_tokens=2048)
-        result = run_workload(REQUESTS, config, SPEC, former, check=True)
+        result = replay(AttentionReplay(REQUESTS, config, SPEC, former, check=True))
         assert result.max_abs_err < 1e-5
         assert result.batches == len(list(former.steps(REQUESTS)))
         assert sum(result.modes.values()) == result.batches
-        assert result.total_seconds >= result.attention_seconds >= 0
+        assert result.total_seconds >= result.run_seconds >= 0
         # the built-in cost model is for aot_eager; the backend does not change hits and misses
         modelled = AttnPolicyConfig.model_validate({**config.model_dump(), "backend": "aot_eager"})
         (row,) = simulate(REQUESTS, [policy], [3], ["lru"], modelled, None, FORMER)
-        assert (row.hits, row.misses) == (result.cache["hits"], result.cache["misses"])
+        assert (row.hits, row.misses) == (result.figures["cache"]["hits"], result.misses)
 
 
 def test_run_command_writes_json(tmp_path, capsys):
@@ -180,9 +180,9 @@ def test_run_prices_cost_aware_with_the_cost_model_it_is_given(tmp_path):
     (cheap_row,) = simulate(requests, ["cost-aware"], [2], ["lru"], config, None, FORMER)
     (dear_row,) = simulate(requests, ["cost-aware"], [2], ["lru"], config, dear, FORMER)
     assert cheap_row.modes != dear_row.modes  # the model changes the decisions
-    result = run_workload(requests, config, SPEC, former, check=True, cost_model=dear)
+    result = replay(AttentionReplay(requests, config, SPEC, former, check=True, cost_model=dear))
     assert result.modes == dear_row.modes
-    assert (result.cache["hits"], result.cache["misses"]) == (dear_row.hits, dear_row.misses)
+    assert (result.figures["cache"]["hits"], result.misses) == (dear_row.hits, dear_row.misses)
 
 
 def _register(name, fn):
