@@ -17,12 +17,11 @@ LENGTHS = (128, 512, 1024, 2048)
 SEQS = (1, 4)
 
 
-@pytest.mark.parametrize("num_seqs", SEQS)
-@pytest.mark.parametrize("length", LENGTHS)
-@pytest.mark.parametrize("which", [0, 1])
-def test_mode(benchmark, length, num_seqs, which):
+@pytest.mark.parametrize(("length", "num_seqs", "mode"),
+                         [(length, n, mode) for length in LENGTHS for n in SEQS for mode in modes_for(n)],
+                         ids=str)
+def test_mode(benchmark, length, num_seqs, mode):
     settings = BenchSettings()
-    mode = modes_for(num_seqs)[which]
     layout = BatchLayout.from_lens(split_lengths(length, num_seqs))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(length, settings.heads, settings.head_dim, generator=g) for _ in range(3))

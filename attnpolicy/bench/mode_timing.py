@@ -1,26 +1,45 @@
-"""Mask vs mask-free attention, timed side by side (``attnpolicy bench``).
+"""Modes timed side by side (``attnpolicy bench``): one pipeline over the levels.
 
-For each total length L and sequence count n (n sequences of about L/n tokens):
-n = 1 compares CAUSAL with MASK, n > 1 compares MASK with VARLEN. Modes are
-interleaved within each repeat so drift on a shared machine hits all alike.
-MASK's time includes building its dense mask on the host (uncached), as a runtime
-without a mask cache pays it; the build is also reported on its own.
+A level (:class:`BenchLevel`) names its shapes (a total length L in n sequences of
+about L/n tokens) and prepares one run per mode it compares at a shape; the runs
+are interleaved within each repeat so drift on a shared machine hits all alike
+(:func:`interleaved`). Each (shape, mode) becomes one :class:`BenchRow` of the ms
+of each measure per round; a shape's modes are put side by side in one
+:class:`Ratio` (:func:`ratios`). What the levels really differ in:
+
+* :class:`AttentionBench`: packed q/k/v through one uncompiled attention call per
+  mode; n = 1 compares CAUSAL with MASK, n > 1 MASK with VARLEN (:func:`modes_for`).
+  MASK's time includes building its dense mask on the host (uncached), as a runtime
+  without a mask cache pays it; the build is also measured on its own.
+* :class:`WholeModelBench` (``bench --model``): one sequence of L tokens through a
+  :class:`~attnpolicy.engine.runner.StaticModelRunner` in each of
+  :data:`MODEL_MODES`: each mode's graph is compiled once (its compile seconds and
+  memory measured by the runner), then the compiled graph and the same forward
+  uncompiled (backend ``"none"``) are timed on the same inputs. Times are the graph
+  call alone: the MASK graph's mask is an input built before timing, as a runtime
+  that caches masks per layout pays it.
+
+A new mode is one entry in :func:`modes_for` or :data:`MODEL_MODES`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from attnpolicy.bench.settings import BenchSettings
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.engine.model_specs import load_model
+from attnpolicy.engine.runner import StaticModelRunner
+from attnpolicy.graphs.buckets import Buckets
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.execute import attend, graph_fn
 from attnpolicy.graphs.flexgraph import FlexGraph
@@ -30,26 +49,40 @@ K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 BENCH_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: A median this many times its run's minimum is flagged as noisy.
+NOISY = 2.0
+#: The lengths of ``bench --model`` unless told otherwise.
+MODEL_LENGTHS = (128, 512, 1024, 2048, 4096)
+#: The modes of ``bench --model``, the first the one the others are divided by.
+MODEL_MODES = (MaskMode.CAUSAL, MaskMode.MASK)
+
+#: One timed round of one mode: ms per measure.
+Sample = dict[str, float]
+#: One mode's timed round at one shape, ready to call.
+Run = Callable[[], Sample]
 
 
 @dataclass(frozen=True)
 class BenchRow:
+    """One (shape, mode): each measure's ms per timed round, and what the level knows
+    of the mode's graph (``facts``: the whole model's compile seconds and memory)."""
+
     seq_len: int
     num_seqs: int
     mode: str
-    impl: str
-    median_ms: float
-    min_ms: float
-    max_ms: float
-    mask_build_ms: float | None = None
+    samples: Mapping[str, tuple[float, ...]]
+    facts: Mapping[str, float | None] = field(default_factory=dict)
+
+    def median(self, measure: str) -> float:
+        return statistics.median(self.samples[measure])
 
 
-#: A median this many times its run's minimum is flagged as noisy.
-NOISY = 2.0
 @dataclass(frozen=True)
-class Speedup:
-    """Per (length, sequences): the faster mode and the slower/faster median ratio;
-    ``noisy`` when a median is more than :data:`NOISY` times its minimum."""
+class Ratio:
+    """One shape's modes side by side: on the level's ranking measure, the faster of the
+    two fastest modes and the slower/faster median ratio, ``noisy`` when a median is more
+    than :data:`NOISY` times its minimum; ``over``: per measure every mode has, each
+    mode's median over the shape's first mode's."""
 
     seq_len: int
     num_seqs: int
@@ -57,9 +90,91 @@ class Speedup:
     slower: str
     ratio: float
     noisy: bool = False
+    over: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+
+def ratios(rows: Iterable[BenchRow], measure: str) -> list[Ratio]:
+    """Per shape of ``rows`` (in order): its modes side by side, ranked by ``measure``."""
+    groups: dict[tuple[int, int], list[BenchRow]] = {}
+    for row in rows:
+        groups.setdefault((row.seq_len, row.num_seqs), []).append(row)
+    out = []
+    for (length, n), group in groups.items():
+        fast, slow = sorted(group, key=lambda r: r.median(measure))[:2] if len(group) > 1 else (group[0], group[0])
+        noisy = any(r.median(measure) > NOISY * min(r.samples[measure]) for r in group)
+        first = group[0]
+        over = {m: {r.mode: r.median(m) / first.median(m) for r in group}
+                for m in first.samples if all(m in r.samples for r in group)}
+        out.append(Ratio(length, n, fast.mode, slow.mode, slow.median(measure) / fast.median(measure), noisy, over))
+    return out
+
+
+def interleaved(runs: Mapping[K, Callable[[], T]], warmup: int, repeats: int) -> dict[K, list[T]]:
+    """Each run's results of ``repeats`` rounds after ``warmup`` discarded ones; every
+    round calls each run once, in order (drift on a shared machine hits all alike)."""
+    out: dict[K, list[T]] = {key: [] for key in runs}
+    for r in range(warmup + repeats):
+        for key, run in runs.items():
+            result = run()
+            if r >= warmup:
+                out[key].append(result)
+    return out
+
+
+class BenchLevel(Protocol):
+    """What differs between the levels :func:`run_bench` times at."""
+
+    @property
+    def warmup(self) -> int: ...
+
+    @property
+    def repeats(self) -> int: ...
+
+    @property
+    def threads(self) -> int | None: ...
+
+    #: The measure that ranks the modes (:class:`Ratio`).
+    @property
+    def measure(self) -> str: ...
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (total length, sequences) timed, in order."""
+
+    def start(self) -> None:
+        """Load what every shape needs (after the threads are set)."""
+
+    def runs(self, length: int, num_seqs: int) -> Mapping[MaskMode, Run]:
+        """One ready run per mode compared at a shape, each returning one round's sample."""
+
+    def facts(self, length: int, num_seqs: int, mode: MaskMode) -> dict[str, float | None]:
+        """What the level knows of a mode's graph after its timing."""
+
+    def close(self) -> None:
+        """Release what :meth:`start` loaded."""
+
+    def to_json(self, rows: Sequence[BenchRow]) -> dict[str, Any]:
+        """What ``bench --json`` writes of ``rows``."""
+
+
+def run_bench(level: BenchLevel, advance: Callable[[str], None] | None = None) -> list[BenchRow]:
+    """Time every (shape, mode) of ``level``, modes interleaved; one row each."""
+    if level.threads:
+        torch.set_num_threads(level.threads)
+    level.start()
+    rows: list[BenchRow] = []
+    try:
+        for length, n in level.shapes():
+            timed = interleaved(level.runs(length, n), level.warmup, level.repeats)
+            rows += [BenchRow(length, n, mode.value, {m: tuple(s[m] for s in samples) for m in samples[0]},
+                              level.facts(length, n, mode)) for mode, samples in timed.items()]
+            if advance is not None:
+                advance(f"L={length} n={n}")
+    finally:
+        level.close()
+    return rows
+
+
+# -- attention calls ---------------------------------------------------------------------
 
 
 def split_lengths(total: int, n: int) -> list[int]:
@@ -68,7 +183,8 @@ def split_lengths(total: int, n: int) -> list[int]:
     return [base + (i < extra) for i in range(n)]
 
 
-def modes_for(num_seqs: int) -> tuple[MaskMode, MaskMode]:
+def modes_for(num_seqs: int) -> tuple[MaskMode, ...]:
+    """The attention modes compared at ``num_seqs`` sequences, the first the one the others are divided by."""
     return (MaskMode.CAUSAL, MaskMode.MASK) if num_seqs == 1 else (MaskMode.MASK, MaskMode.VARLEN)
 
 
@@ -95,64 +211,131 @@ def time_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLa
     return time.perf_counter() - t0, None
 
 
-def interleaved(runs: Mapping[K, Callable[[], T]], warmup: int, repeats: int) -> dict[K, list[T]]:
-    """Each run's results of ``repeats`` rounds after ``warmup`` discarded ones; every
-    round calls each run once, in order (drift on a shared machine hits all alike)."""
-    out: dict[K, list[T]] = {key: [] for key in runs}
-    for r in range(warmup + repeats):
-        for key, run in runs.items():
-            result = run()
-            if r >= warmup:
-                out[key].append(result)
-    return out
+def _attention_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, mode: MaskMode,
+                      s: BenchSettings) -> Sample:
+    """One round of :func:`time_mode` (inference mode), in ms: ``call``, and ``mask_build`` where built."""
+    with torch.inference_mode():
+        total, build = time_mode(q, k, v, layout, mode, s)
+    return {"call": total * 1e3} | ({} if build is None else {"mask_build": build * 1e3})
 
 
-def run_bench(s: BenchSettings, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
-    """Time every (length, n, mode) of ``s``; returns one row per (length, n, mode)."""
-    if s.threads:
-        torch.set_num_threads(s.threads)
-    dtype = BENCH_TORCH_DTYPES[s.dtype]
-    gen = torch.Generator().manual_seed(s.seed)
-    rows: list[BenchRow] = []
-    for length in s.lengths:
-        for n in s.seqs:
-            layout = BatchLayout.from_lens(split_lengths(length, n))
-            q = torch.randn(length, s.heads, s.head_dim, generator=gen).to(dtype)
-            k = torch.randn(length, s.kv_heads, s.head_dim, generator=gen).to(dtype)
-            v = torch.randn(length, s.kv_heads, s.head_dim, generator=gen).to(dtype)
-            modes = modes_for(n)
-            with torch.inference_mode():
-                timed = interleaved({mode: partial(time_mode, q, k, v, layout, mode, s) for mode in modes},
-                                    s.warmup, s.repeats)
-            builds = [build for mode in modes for _, build in timed[mode] if build is not None]
-            for mode in modes:
-                ms = [t * 1e3 for t, _ in timed[mode]]
-                rows.append(BenchRow(length, n, mode.value, s.impl, statistics.median(ms), min(ms), max(ms),
-                                     statistics.median(builds) * 1e3 if mode is MaskMode.MASK else None))
-            if progress:
-                progress(f"L={length} n={n}")
-    return rows
+class AttentionBench:
+    """``bench``: packed q/k/v of :class:`BenchSettings` through one attention call per mode."""
+
+    measure = "call"
+
+    def __init__(self, settings: BenchSettings) -> None:
+        self.settings = settings
+        self.warmup, self.repeats, self.threads = settings.warmup, settings.repeats, settings.threads
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(length, n) for length in self.settings.lengths for n in self.settings.seqs]
+
+    def start(self) -> None:
+        self._gen = torch.Generator().manual_seed(self.settings.seed)
+
+    def runs(self, length: int, num_seqs: int) -> Mapping[MaskMode, Run]:
+        s, dtype = self.settings, BENCH_TORCH_DTYPES[self.settings.dtype]
+        layout = BatchLayout.from_lens(split_lengths(length, num_seqs))
+        q, k, v = (torch.randn(length, heads, s.head_dim, generator=self._gen).to(dtype)
+                   for heads in (s.heads, s.kv_heads, s.kv_heads))
+        return {mode: partial(_attention_sample, q, k, v, layout, mode, s) for mode in modes_for(num_seqs)}
+
+    def facts(self, length: int, num_seqs: int, mode: MaskMode) -> dict[str, float | None]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def row_json(self, row: BenchRow) -> dict[str, Any]:
+        call = row.samples["call"]
+        return {"seq_len": row.seq_len, "num_seqs": row.num_seqs, "mode": row.mode, "impl": self.settings.impl,
+                "median_ms": row.median("call"), "min_ms": min(call), "max_ms": max(call),
+                "mask_build_ms": row.median("mask_build") if "mask_build" in row.samples else None}
+
+    def to_json(self, rows: Sequence[BenchRow]) -> dict[str, Any]:
+        """``bench --json``: the rows, the speedups and what they ran on."""
+        s = self.settings
+        return {"rows": [self.row_json(r) for r in rows],
+                "speedups": [{"seq_len": r.seq_len, "num_seqs": r.num_seqs, "faster": r.faster, "slower": r.slower,
+                              "ratio": r.ratio, "noisy": r.noisy} for r in ratios(rows, self.measure)],
+                "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": s.dtype,
+                        "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "impl": s.impl,
+                        "repeats": s.repeats, "warmup": s.warmup}}
 
 
-def speedups(rows: Iterable[BenchRow]) -> list[Speedup]:
-    """Per (length, n): the faster mode and slower/faster median ratio."""
-    groups: dict[tuple[int, int], list[BenchRow]] = {}
-    for row in rows:
-        groups.setdefault((row.seq_len, row.num_seqs), []).append(row)
-    out = []
-    for (length, n), pair in groups.items():
-        fast, slow = sorted(pair, key=lambda r: r.median_ms)[:2] if len(pair) > 1 else (pair[0], pair[0])
-        noisy = any(r.median_ms > NOISY * r.min_ms for r in pair)
-        out.append(Speedup(length, n, fast.mode, slow.mode, slow.median_ms / fast.median_ms, noisy))
-    return out
+# -- whole-model forwards ----------------------------------------------------------------
 
 
-def environment(s: BenchSettings) -> dict[str, Any]:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": s.dtype,
-            "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "impl": s.impl,
-            "repeats": s.repeats, "warmup": s.warmup}
+def _ms(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> float:
+    t0 = time.perf_counter()
+    fn(*inputs)
+    return (time.perf_counter() - t0) * 1e3
 
 
-def to_json(s: BenchSettings, rows: list[BenchRow]) -> dict[str, Any]:
-    return {"rows": [asdict(r) for r in rows], "speedups": [sp.to_json() for sp in speedups(rows)],
-            "env": environment(s)}
+def _model_sample(graph: Callable[..., Any], plain: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> Sample:
+    """One round (no grad), in ms: ``compiled``, one call of the graph, then ``eager``,
+    one of the uncompiled forward, on ``inputs``."""
+    with torch.no_grad():
+        return {"compiled": _ms(graph, inputs), "eager": _ms(plain, inputs)}
+
+
+class WholeModelBench:
+    """``bench --model``: the whole forward of the model ``spec`` names, one sequence
+    per length, compiled (``backend``) and plain."""
+
+    measure = "compiled"
+
+    def __init__(self, spec: str, lengths: tuple[int, ...] = MODEL_LENGTHS, *, backend: str = "inductor",
+                 repeats: int = 5, warmup: int = 1, threads: int | None = 1) -> None:
+        self.spec, self.lengths, self.backend = spec, lengths, backend
+        self.warmup, self.repeats, self.threads = warmup, repeats, threads
+        #: the spec as loaded (every field), once :meth:`start` has loaded it
+        self.described = spec
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(n, 1) for n in self.lengths]
+
+    def start(self) -> None:
+        model, self.described = load_model(self.spec)
+        top = max(self.lengths)
+        cfg = AttnPolicyConfig(policy="always-mask", backend=self.backend, buckets=Buckets(kind="exact"),
+                               max_seq_len=top, max_batch_tokens=top)
+        self._vocab = model.config.vocab_size
+        self._compiled = StaticModelRunner(model, cfg)
+        self._eager = StaticModelRunner(model, cfg.model_copy(update={"backend": "none"}))
+
+    def runs(self, length: int, num_seqs: int) -> Mapping[MaskMode, Run]:
+        layout = BatchLayout.from_lens([length])
+        ids = torch.randint(0, self._vocab, (length,), generator=torch.Generator().manual_seed(length))
+        runs = {}
+        for mode in MODEL_MODES:
+            batch = self._compiled.prepare(ids, layout, mode)
+            runs[mode] = partial(_model_sample, self._compiled.graph_for(batch),
+                                 self._eager.graph_for(self._eager.prepare(ids, layout, mode)), batch.inputs)
+        return runs
+
+    def facts(self, length: int, num_seqs: int, mode: MaskMode) -> dict[str, float | None]:
+        """The compile seconds and memory of the mode's compiled graph (from the runner)."""
+        key = str(self._compiled.key_for(BatchLayout.from_lens([length]), mode))
+        mem = next(m for m in self._compiled.stats().memory if m.key == key)
+        return {"compile_s": mem.compile_seconds, "rss_mib": mem.rss_bytes / 2**20,
+                "estimate_mib": mem.estimate_bytes / 2**20,
+                "device_mib": None if mem.device_bytes is None else mem.device_bytes / 2**20}
+
+    def close(self) -> None:
+        self._compiled.close()
+
+    def row_json(self, row: BenchRow) -> dict[str, Any]:
+        f = row.facts
+        return {"seq_len": row.seq_len, "mode": row.mode, "compile_s": f["compile_s"],
+                "compiled_ms": row.median("compiled"), "eager_ms": row.median("eager"), "rss_mib": f["rss_mib"],
+                "estimate_mib": f["estimate_mib"], "device_mib": f["device_mib"]}
+
+    def to_json(self, rows: Sequence[BenchRow]) -> dict[str, Any]:
+        """``bench --model --json``: what was measured, on what; ``ratios``: MASK over
+        CAUSAL per length, compiled and eager."""
+        return {"model": self.described, "backend": self.backend, "threads": torch.get_num_threads(),
+                "repeats": self.repeats, "rows": [self.row_json(r) for r in rows],
+                "ratios": [{"seq_len": r.seq_len, **{m: over[MaskMode.MASK.value] for m, over in r.over.items()}}
+                           for r in ratios(rows, self.measure)]}

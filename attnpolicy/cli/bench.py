@@ -5,17 +5,28 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from attnpolicy.bench.mode_timing import NOISY, run_bench, speedups, to_json
-from attnpolicy.bench.model_timing import MODEL_LENGTHS
+from attnpolicy.bench.mode_timing import (
+    MODEL_LENGTHS,
+    MODEL_MODES,
+    NOISY,
+    AttentionBench,
+    BenchRow,
+    Ratio,
+    WholeModelBench,
+    ratios,
+    run_bench,
+)
 from attnpolicy.bench.settings import BenchSettings
 from attnpolicy.cli.common import (
     add_spec_args,
+    by_family,
     check_spec_args,
     check_writable,
     command,
     int_list,
     model_spec,
     natural_int,
+    not_taken,
     positive_int,
     print_table,
     progress,
@@ -26,6 +37,8 @@ from attnpolicy.cli.common import (
 )
 from attnpolicy.core.jsonfile import write_json
 from attnpolicy.core.names import IMPLS
+from attnpolicy.modelling.cost_file import FAMILIES, Family
+from attnpolicy.report.plots import TT_XLA
 
 BENCH_FLAGS = {"kv_heads": "--kv-heads", "seqs": "--seqs", "partition_len": "--partition-len"}
 
@@ -60,6 +73,9 @@ def register(subparsers: Any) -> None:
                         "(default: off)")
     p.add_argument("--backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
                    help="torch.compile backend of --model (default: inductor)")
+    p.add_argument("--family", choices=FAMILIES, default=None,
+                   help="the level timed: attention calls, or the whole model's forward (needs --model SPEC) "
+                        "(default: model with --model SPEC, else attention)")
     p.add_argument("--kernels", action="store_true",
                    help="instead: every registered implementation per call kind against the SDPA loop "
                         "(default: off)")
@@ -67,13 +83,7 @@ def register(subparsers: Any) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     check_writable("--json", args.json)
-    if args.model is not None:
-        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
-        return cmd_model_bench(args)
-    args.lengths = args.lengths or BenchSettings().lengths
-    s = settings(BenchSettings, BENCH_FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
-                 warmup=args.warmup, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                 dtype=args.dtype, impl=args.impl, partition_len=args.partition_len, threads=args.threads)
+    level = by_family(args, BENCH_LEVELS, by_model=True)(args)
     if args.overhead:
         from attnpolicy.cli.overhead import cmd_overhead
 
@@ -82,48 +92,70 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from attnpolicy.cli.kernels import cmd_kernels
 
         return cmd_kernels(args)
-    with progress(len(s.lengths) * len(s.seqs), "bench") as advance:
-        rows = run_bench(s, advance)
-    ratio = {(sp.seq_len, sp.num_seqs): sp for sp in speedups(rows)}
-    table = []
-    for row in rows:
-        sp = ratio[(row.seq_len, row.num_seqs)]
-        mark = f"{sp.faster} {sp.ratio:.2f}× faster" if row.mode == sp.faster else ""
-        table.append((row.seq_len, row.num_seqs, row.mode, row.median_ms, row.min_ms, row.max_ms,
-                      row.mask_build_ms, mark + (" (noisy)" if mark and sp.noisy else "")))
-    print_table(f"attention modes, {s.impl}, {s.dtype}, H={s.heads}/{s.kv_heads} D={s.head_dim}, "
-                f"{s.threads} thread(s)",
-                ("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms", "speedup"), table,
-                caption="speedup: slower median / faster median")
-    noisy = [f"L={sp.seq_len} seqs={sp.num_seqs}" for sp in ratio.values() if sp.noisy]
+    with progress(len(level.bench.shapes()), level.name) as advance:
+        rows = run_bench(level.bench, advance)
+    found = ratios(rows, level.bench.measure)
+    level.print(rows, found)
+    noisy = [f"L={r.seq_len} seqs={r.num_seqs}" for r in found if r.noisy]
     if noisy:
         warn(f"a median is more than {NOISY:g}× its minimum at {', '.join(noisy)}: the machine was busy, "
-             "the speedup is unreliable (rerun with more --repeats)")
+             "the ratio is unreliable (rerun with more --repeats)")
     if args.json:
         with writing("--json", args.json):
-            write_json(args.json, to_json(s, rows))
+            write_json(args.json, level.bench.to_json(rows))
     return 0
 
 
-def cmd_model_bench(args: argparse.Namespace) -> int:
+class _Attention:
+    """``bench``: the mask-vs-mask-free table of attention calls."""
+
+    name = "bench"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        args.lengths = args.lengths or BenchSettings().lengths
+        self.bench = AttentionBench(settings(
+            BenchSettings, BENCH_FLAGS, lengths=tuple(args.lengths), seqs=tuple(args.seqs), repeats=args.repeats,
+            warmup=args.warmup, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+            impl=args.impl, partition_len=args.partition_len, threads=args.threads))
+
+    def print(self, rows: list[BenchRow], found: list[Ratio]) -> None:
+        s = self.bench.settings
+        ratio = {(r.seq_len, r.num_seqs): r for r in found}
+        table = []
+        for row in rows:
+            r, j = ratio[(row.seq_len, row.num_seqs)], self.bench.row_json(row)
+            mark = f"{r.faster} {r.ratio:.2f}× faster" if row.mode == r.faster else ""
+            table.append((row.seq_len, row.num_seqs, row.mode, j["median_ms"], j["min_ms"], j["max_ms"],
+                          j["mask_build_ms"], mark + (" (noisy)" if mark and r.noisy else "")))
+        print_table(f"attention modes, {s.impl}, {s.dtype}, H={s.heads}/{s.kv_heads} D={s.head_dim}, "
+                    f"{s.threads} thread(s)",
+                    ("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms", "speedup"), table,
+                    caption="speedup: slower median / faster median")
+
+
+class _WholeModel:
     """``bench --model``: the whole-model table, beside tt-xla's published ratios."""
-    from attnpolicy.bench.model_timing import run_model_bench
-    from attnpolicy.report.plots import TT_XLA
 
-    lengths = tuple(args.lengths or MODEL_LENGTHS)
-    with progress(len(lengths), "bench --model") as advance:
-        bench = run_model_bench(args.model, lengths, backend=args.backend, repeats=args.repeats,
-                                warmup=args.warmup, threads=args.threads, advance=advance)
-    ratios = {r.seq_len: r for r in bench.ratios()}
-    table = [(r.seq_len, r.mode, r.compile_s, r.compiled_ms, r.eager_ms, r.rss_mib, r.estimate_mib,
-              ratios[r.seq_len].compiled if r.mode == "mask" else None,
-              TT_XLA.get(r.seq_len) if r.mode == "mask" else None) for r in bench.rows]
-    print_table(f"whole-model forward, 1 sequence, {bench.model}, {bench.backend}, {bench.threads} thread(s)",
-                ("L", "mode", "compile s", "compiled ms", "eager ms", "RSS per graph MiB", "estimate MiB",
-                 "mask/causal", "tt-xla mask/causal"), table,
-                caption="medians of --repeats runs; compile s and RSS: the graph's build (the first build "
-                        "in a process also pays the backend's start-up)")
-    if args.json:
-        with writing("--json", args.json):
-            write_json(args.json, bench.to_json())
-    return 0
+    name = "bench --model"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        check_spec_args(args, not_with="--model (the model's own heads and head dim, in float32)")
+        not_taken(args, "with --model (a whole model's forward, not attention calls)", "overhead", "kernels")
+        self.bench = WholeModelBench(args.model, tuple(args.lengths or MODEL_LENGTHS), backend=args.backend,
+                                     repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+
+    def print(self, rows: list[BenchRow], found: list[Ratio]) -> None:
+        data, first = self.bench.to_json(rows), MODEL_MODES[0].value
+        over = {r.seq_len: r.over["compiled"] for r in found}
+        table = [(j["seq_len"], j["mode"], j["compile_s"], j["compiled_ms"], j["eager_ms"], j["rss_mib"],
+                  j["estimate_mib"], None if j["mode"] == first else over[j["seq_len"]][j["mode"]],
+                  TT_XLA.get(j["seq_len"]) if j["mode"] == "mask" else None) for j in data["rows"]]
+        print_table(f"whole-model forward, 1 sequence, {data['model']}, {data['backend']}, {data['threads']} thread(s)",
+                    ("L", "mode", "compile s", "compiled ms", "eager ms", "RSS per graph MiB", "estimate MiB",
+                     f"mode/{first}", f"tt-xla mask/{first}"), table,
+                    caption="medians of --repeats runs; compile s and RSS: the graph's build (the first build "
+                            "in a process also pays the backend's start-up)")
+
+
+#: What ``bench`` times per level (--family, or --model SPEC).
+BENCH_LEVELS: dict[Family, type[_Attention] | type[_WholeModel]] = {"attention": _Attention, "model": _WholeModel}

@@ -33,8 +33,7 @@ from pydantic.dataclasses import dataclass as validated
 from attnpolicy.bench.calibration import calibrate, warm_up
 from attnpolicy.bench.calibration_cache import Provenance, lookup, store
 from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
-from attnpolicy.bench.mode_timing import run_bench, speedups
-from attnpolicy.bench.model_timing import MODEL_LENGTHS, run_model_bench
+from attnpolicy.bench.mode_timing import MODEL_LENGTHS, AttentionBench, WholeModelBench, ratios, run_bench
 from attnpolicy.bench.replay import AttentionReplay, replay
 from attnpolicy.bench.settings import BenchSettings, CalibrationSettings
 from attnpolicy.cache.key_stream import BELADY
@@ -359,10 +358,12 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
-    bench_rows = run_bench(s.bench, progress)
+    attention = AttentionBench(s.bench)
+    bench_rows = run_bench(attention, progress)
     kernel_rows = kernel_table(s, progress)
-    model_bench = None if s.model is None else run_model_bench(
-        s.model, s.model_lengths, backend=s.model_backend, repeats=s.bench.repeats, threads=None, advance=progress)
+    whole_model = None if s.model is None else WholeModelBench(s.model, s.model_lengths, backend=s.model_backend,
+                                                               repeats=s.bench.repeats, threads=None)
+    model_bench = None if whole_model is None else whole_model.to_json(run_bench(whole_model, progress))
     model, provenance, source = _model(s, progress, known)
     former = BatchFormer(**s.former)
     base = simulation_config(model, former)
@@ -384,18 +385,18 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
                                                              s.out / "whole_requests")
     if whole is not None:
         progress("planned whole requests")
-    bench_speedups = speedups(bench_rows)
+    bench_speedups = ratios(bench_rows, attention.measure)
     s.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {
         "command": command,
         "settings": {**asdict(s), "out": str(s.out), "bench": asdict(s.bench)},
         "env": env,
-        "bench": {"rows": [asdict(r) for r in bench_rows], "speedups": [sp.to_json() for sp in bench_speedups],
+        "bench": {**attention.to_json(bench_rows),
                   "env": {"dtype": s.bench.dtype, "heads": s.bench.heads, "kv_heads": s.bench.kv_heads,
                           "head_dim": s.bench.head_dim, "impl": s.bench.impl, "repeats": s.bench.repeats,
                           "threads": s.bench.threads}},
         "kernels": {"rows": [asdict(r) for r in kernel_rows], "seqs": s.kernel_seqs, "skip": list(s.kernel_skip)},
-        "model_bench": None if model_bench is None else model_bench.to_json(),
+        "model_bench": model_bench,
         "cost_model_source": source,
         "cost_model_provenance": provenance.to_json(),
         "outside_calibrated_range": None if outside is None else outside.to_json(),

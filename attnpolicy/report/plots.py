@@ -19,7 +19,7 @@ from attnpolicy.modelling.simulation import SimRow
 from attnpolicy.report.units import MIB, capacity_text
 
 if TYPE_CHECKING:
-    from attnpolicy.bench.mode_timing import Speedup
+    from attnpolicy.bench.mode_timing import Ratio
 
 #: tt-xla (Tenstorrent's XLA compiler), 1 sequence: masked / mask-free time on their
 #: accelerator, as published in their issue tracker (tenstorrent/tt-xla#1784).
@@ -242,13 +242,13 @@ def plot_hit_rate(rows: Sequence[SimRow], path: str | Path, marks: Sequence[Mark
     return _save(fig, plt, path, title, points)
 
 
-def mask_ratios(speedups: Sequence[Speedup], num_seqs: int) -> list[tuple[int, float]]:
+def mask_ratios(speedups: Sequence[Ratio], num_seqs: int) -> list[tuple[int, float]]:
     """(L, masked / mask-free time) of the bench rows of ``num_seqs`` sequences."""
     return [(sp.seq_len, sp.ratio if sp.slower == "mask" else 1 / sp.ratio)
             for sp in speedups if sp.num_seqs == num_seqs]
 
 
-def bench_finding(speedups: Sequence[Speedup]) -> str:
+def bench_finding(speedups: Sequence[Ratio]) -> str:
     """One sequence's MASK / causal here against tt-xla's, at the longest length both
     measured (else this machine's range)."""
     pts = dict(mask_ratios(speedups, 1))
@@ -263,7 +263,7 @@ def bench_finding(speedups: Sequence[Speedup]) -> str:
             f"L {min(pts)}–{max(pts)} (no length in common with tt-xla's)")
 
 
-def plot_bench(speedups: Sequence[Speedup], path: str | Path) -> Plot:
+def plot_bench(speedups: Sequence[Ratio], path: str | Path) -> Plot:
     """Masked / mask-free time per total length on this machine, next to tt-xla's."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 5.0))

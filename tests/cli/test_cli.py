@@ -14,7 +14,6 @@ import cachetools
 import pytest
 
 from attnpolicy import __version__
-from attnpolicy.bench.mode_timing import BenchRow, interleaved, speedups
 from attnpolicy.cli import build_parser, main
 from attnpolicy.config import AttnPolicyConfig, WarmShape
 from attnpolicy.core.modes import Decision, MaskMode
@@ -107,6 +106,10 @@ MISTAKES = [
     (["bench", "--model", ""], ["--model", "got ''"]),
     (["bench", "--model", "qwen3:head_dim=3"], ["--model", "head_dim (3) must be even"]),
     (["bench", "--model", "qwen3", "--dtype", "float16"], ["--dtype", "float16", "not taken with --model"]),
+    (["bench", "--model", "qwen3", "--overhead"], ["--overhead", "not taken with --model"]),
+    (["bench", "--model", "qwen3", "--kernels"], ["--kernels", "not taken with --model"]),
+    (["bench", "--family", "model"], ["--family", "model", "needs --model SPEC"]),
+    (["bench", "--family", "attention", "--model", "qwen3"], ["--family", "attention", "not taken with --model"]),
     (["calibrate", "--model", ""], ["--model", "got ''"]),
     (["calibrate", "--model", "qwen3:head_dim=5"], ["--model", "head_dim (5) must be even"]),
     (["calibrate", "--clock", "wall"], ["--clock", "wall", "needs --model"]),
@@ -534,27 +537,6 @@ def test_bench_says_which_mode_is_faster(capsys, tmp_path):
     assert len(re.findall(r"(causal|mask|varlen) \d+\.\d\d× faster", text)) == 2
     assert "1 thread(s)" in text
     assert {sp["num_seqs"] for sp in json.loads(out.read_text())["speedups"]} == {1, 2}
-
-
-def test_speedups_flag_a_median_far_from_its_minimum():
-    rows = [BenchRow(128, 4, "mask", "sdpa", 12.0, 0.36, 20.0), BenchRow(128, 4, "varlen", "sdpa", 0.4, 0.35, 0.5),
-            BenchRow(256, 4, "mask", "sdpa", 1.0, 0.9, 1.1), BenchRow(256, 4, "varlen", "sdpa", 0.5, 0.45, 0.6)]
-    noisy = {sp.seq_len: sp.noisy for sp in speedups(rows)}
-    assert noisy == {128: True, 256: False}
-
-
-def test_interleaved_runs_alternate_within_each_round_and_drop_the_warmup_rounds():
-    calls: list[str] = []
-
-    def run(name: str):
-        def call() -> tuple[str, int]:
-            calls.append(name)
-            return name, len(calls)
-        return call
-
-    out = interleaved({"causal": run("causal"), "mask": run("mask")}, warmup=1, repeats=2)
-    assert calls == ["causal", "mask"] * 3
-    assert out == {"causal": [("causal", 3), ("causal", 5)], "mask": [("mask", 4), ("mask", 6)]}
 
 
 def test_run_check_prints_pass_against_its_tolerance(capsys):

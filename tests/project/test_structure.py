@@ -33,9 +33,6 @@ NOT_TWINS: dict[str, str] = {
     "_identity": "_step_identity: a vLLM step's identity; _identity: a call graph's stored identity",
     "priced": "the cost model a level is priced with: priced_model reads whole-model fits, which only a "
               "--cost-model file holds; priced falls back to this machine's cached calibration or the built-in model",
-    "cmd_bench": "bench --model times whole forwards compiled and eager with compile seconds and memory; "
-                 "bench times uncompiled attention calls with their host mask builds",
-    "run_bench": "as cmd_bench: two measurements (their shared part, interleaved rounds, is one function)",
 }
 
 
