@@ -44,6 +44,8 @@ from attnpolicy.graphs.costmodel import CostModel, Fit
 #: The default alignment of planned buckets: a multiple of vLLM's capture-size
 #: strides (8 below 256 tokens, 16 from 256) and the planner's historical grid.
 ALIGN = 16
+#: Boundaries the program prices at once (a block of rows of its segment costs).
+_BLOCK = 64
 #: Call kinds in the order of :attr:`CallShapes.kind` codes.
 _CODE = {kind: code for code, kind in enumerate(CALL_KINDS)}
 
@@ -206,27 +208,32 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     # a kind without square (rectangular) shapes adds exact zeros for them: skipped
     present = [(code, sq[code, -1] > 0, rq_n[code, -1] > 0) for code in range(nf)]
     present = [p for p in present if p[1] or p[2]]
-    for j in range(1, m + 1):
+    for j0 in range(1, m + 1, _BLOCK):  # a block of boundaries j (rows), every start i < j (columns)
+        j = np.arange(j0, min(j0 + _BLOCK, m + 1))[:, None]
+        i = np.arange(int(j[-1, 0]))
         b = lengths[j - 1]
-        seg = np.zeros(j)  # cost of one bucket at cand[j-1] serving candidates i..j-1
+        seg = np.zeros((j.size, i.size))  # cost of one bucket at cand[j-1] serving candidates i..j-1
         for code, squares, rects in present:
             fit = run[code]
-            n_sq = sq[code, j] - sq[code, :j]
+            n_sq = sq[code, j] - sq[code, i]
             if squares:
                 seg += n_sq * fit(b, b)
             if rects:
-                n_kv = rkv_n[code, j] - rkv_n[code, :j]
-                seg += ((rq_n[code, j] - rq_n[code, :j]) * fit.per_token * b
-                        + (rq_kv[code, j] - rq_kv[code, :j]) * fit.per_cell * b)
+                n_kv = rkv_n[code, j] - rkv_n[code, i]
+                seg += ((rq_n[code, j] - rq_n[code, i]) * fit.per_token * b
+                        + (rq_kv[code, j] - rq_kv[code, i]) * fit.per_cell * b)
                 seg += n_kv * fit(0, b)
             if compiles:
                 if squares:
                     seg += (n_sq > 0) * comp[code](b, b)
                 if rects:
                     seg += ((n_kv > 0) & (n_sq == 0)) * comp[code](1, b)
-        total = best[:max_buckets, :j] + seg  # row k-1: a plan of k buckets ending at cand[j-1]
-        at = np.argmin(total, axis=1)
-        best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
+        seg[i >= j] = np.inf  # a start at or after its boundary is no bucket
+        rows = np.arange(j.size)
+        for k in range(1, max_buckets + 1):  # a plan of k buckets ending at cand[j-1]: k-1 ending at cand[i-1]
+            total = best[k - 1, :i.size] + seg
+            at = np.argmin(total, axis=1)
+            best[k, j[:, 0]], arg[k, j[:, 0]] = total[rows, at], at
     return best, arg
 
 

@@ -220,6 +220,22 @@ def test_the_fast_program_and_search_take_the_plain_ones_decisions(raw, k, backe
         assert _improve(shapes, tally, start, cand, m) == reference_improve(shapes, start, cand, m)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "none"])
+def test_the_program_over_many_blocks_of_boundaries_is_the_plain_one(backend):
+    """Some 250 candidate boundaries: the program prices them in several blocks."""
+    rng = np.random.default_rng(7)
+    q = rng.integers(1, 4000, 300)
+    kinds = rng.choice(list(CallKind), 300)
+    kv = np.where(rng.random(300) < 0.5, q, q + rng.integers(0, 600, 300))
+    shapes = CallShapes.of(Counter({(f, int(a), int(b) if f is not CallKind.MASK else int(a)): int(n)
+                                    for f, a, b, n in zip(kinds, q, kv, rng.integers(1, 20, 300), strict=True)}))
+    cand = candidates(shapes, 16)
+    assert cand.size > 200
+    best, arg = _program(shapes, cand, model(backend), 6)
+    ref_best, ref_arg = reference_program(shapes, cand, model(backend), 6)
+    assert np.array_equal(best, ref_best) and np.array_equal(arg, ref_arg)  # bit for bit
+
+
 @settings(max_examples=40, deadline=None)
 @given(many_shapes, st.sampled_from(["aot_eager", "none"]), st.randoms(use_true_random=False))
 def test_shapes_on_the_candidate_grid_cost_what_the_exact_shapes_cost(raw, backend, rnd):
