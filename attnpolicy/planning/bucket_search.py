@@ -115,13 +115,9 @@ def _fits(model: CostModel, which: str) -> list[Fit]:
     return [fits[kind.value] for kind in CALL_KINDS]
 
 
-#: A fit's coefficients (base, per cell, per token), for :meth:`Fit.formula`.
-_Coefficients = tuple[float, float, float]
-
-
-def _coefficients(model: CostModel, which: str) -> list[_Coefficients]:
-    """:func:`_fits` as coefficients, for :meth:`Fit.formula`."""
-    return [(f.base, f.per_cell, f.per_token) for f in _fits(model, which)]
+def _coefficients(model: CostModel, which: str) -> np.ndarray:
+    """:func:`_fits` as coefficients (kind, (base, per cell, per token)), for :meth:`Fit.formula`."""
+    return np.array([(f.base, f.per_cell, f.per_token) for f in _fits(model, which)])
 
 
 def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> BucketListCost:
@@ -247,31 +243,38 @@ def _boundaries(arg: np.ndarray, cand: np.ndarray, k: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+#: Fits' coefficients (base, per cell, per token), arrays for :meth:`Fit.formula`.
+_Coefficients = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass(frozen=True)
 class _Tally:
-    """Shapes counted by bucket pair, to price many bucket lists at once: per call kind
-    present, its distinct q and kv lengths, the calls with q and kv at most each of them
-    (a cumulative count in two dimensions) and the kind's run and compile coefficients
+    """Shapes counted by bucket pair, to price many bucket lists at once: the distinct q
+    and kv lengths, per call kind present the calls with q and kv at most each of them
+    (a cumulative count in two dimensions), and the kinds' run and compile coefficients
     (``None``: nothing compiles). The calls of one (q bucket, kv bucket) pair are a
     difference of four counts, so a list of ``k`` buckets is priced in ``k²`` terms per
     kind whatever the number of shapes: the run and compile seconds :func:`evaluate`
     gives, call overheads left out."""
 
-    parts: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, _Coefficients, _Coefficients | None], ...]
+    q: np.ndarray
+    kv: np.ndarray
+    table: np.ndarray  # (kind present, q lengths at most, kv lengths at most)
+    run: _Coefficients  # each (kind present, 1, 1, 1)
+    comp: _Coefficients | None
     lengths: np.ndarray  # every q and kv length, sorted
 
     @classmethod
     def of(cls, shapes: CallShapes, model: CostModel) -> _Tally:
-        run = _coefficients(model, "run")
-        comp = _coefficients(model, "compile") if model.backend != "none" else None
-        parts = []
-        for code, q, kv, count in shapes.by_kind():
-            uq, iq = np.unique(q, return_inverse=True)
-            ukv, ikv = np.unique(kv, return_inverse=True)
-            table = np.zeros((uq.size + 1, ukv.size + 1))
-            np.add.at(table, (iq + 1, ikv + 1), count)
-            parts.append((uq, ukv, table.cumsum(0).cumsum(1), run[code], None if comp is None else comp[code]))
-        return cls(tuple(parts), np.sort(np.concatenate((shapes.q, shapes.kv))))
+        kinds = np.unique(shapes.kind)
+        uq, iq = np.unique(shapes.q, return_inverse=True)
+        ukv, ikv = np.unique(shapes.kv, return_inverse=True)
+        table = np.zeros((kinds.size, uq.size + 1, ukv.size + 1))
+        np.add.at(table, (np.searchsorted(kinds, shapes.kind), iq + 1, ikv + 1), shapes.count)
+        rb, rc, rt = _coefficients(model, "run")[kinds].T[:, :, None, None, None]
+        cb, cc, ct = _coefficients(model, "compile")[kinds].T[:, :, None, None, None]
+        return cls(uq, ukv, table.cumsum(1).cumsum(2), (rb, rc, rt), (cb, cc, ct) if model.backend != "none" else None,
+                   np.sort(np.concatenate((shapes.q, shapes.kv))))
 
     def near(self, lo: int, hi: int) -> bool:
         """Whether some call has a length in ``(lo, hi]``."""
@@ -283,13 +286,12 @@ class _Tally:
         value = lists.astype(float)
         bq, bkv = value[:, :, None], value[:, None, :]
         ends = np.concatenate((np.full((lists.shape[0], 1), -1, dtype=np.int64), lists), axis=1)  # -1: none below
-        total = np.zeros(lists.shape[0])
-        for uq, ukv, table, run, comp in self.parts:
-            cum = table[np.searchsorted(uq, ends, "right")[:, :, None], np.searchsorted(ukv, ends, "right")[:, None, :]]
-            calls = cum[:, 1:, 1:] - cum[:, :-1, 1:] - cum[:, 1:, :-1] + cum[:, :-1, :-1]  # per bucket pair
-            total += (calls * Fit.formula(*run, bq, bkv)).sum(axis=(1, 2))
-            if comp is not None:
-                total += np.where(calls > 0, Fit.formula(*comp, bq, bkv), 0.0).sum(axis=(1, 2))
+        cum = self.table[:, np.searchsorted(self.q, ends, "right")[:, :, None],
+                         np.searchsorted(self.kv, ends, "right")[:, None, :]]
+        calls = cum[..., 1:, 1:] - cum[..., :-1, 1:] - cum[..., 1:, :-1] + cum[..., :-1, :-1]  # per kind, bucket pair
+        total: np.ndarray = (calls * Fit.formula(*self.run, bq, bkv)).sum(axis=(0, 2, 3))
+        if self.comp is not None:
+            total += np.where(calls > 0, Fit.formula(*self.comp, bq, bkv), 0.0).sum(axis=(0, 2, 3))
         return total
 
 
