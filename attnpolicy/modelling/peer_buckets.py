@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -699,22 +700,21 @@ def step_forwards(peer: Peer, q_lens: Sequence[int], kv_lens: Sequence[int],
     if len(q_lens) != len(kv_lens):
         raise ConfigError(f"q_lens and kv_lens must have one length per sequence, got {len(q_lens)} and {len(kv_lens)}")
 
-    def forward(phase: Phase, batch: int, query: int, blocks: int | None, seqs: Sequence[tuple[int, int]]) -> Forward:
-        return Forward(phase, batch, query, blocks, sum(q for q, _ in seqs), sum(kv - q for q, kv in seqs),
-                       sum(q * kv for q, kv in seqs))
+    def forward(phase: Phase, batch: int, query: int, blocks: int | None, q: Sequence[int],
+                kv: Sequence[int]) -> Forward:
+        tokens, keys = sum(q), sum(kv)
+        return Forward(phase, batch, query, blocks, tokens, keys - tokens, sum(map(operator.mul, q, kv)))
 
-    seqs = list(zip(q_lens, kv_lens))
     if peer == "tpu":
-        tokens = sum(q_lens)
-        return (forward("mixed", len(seqs), tokens, None, seqs),)
+        return (forward("mixed", len(q_lens), sum(q_lens), None, q_lens, kv_lens),)
     block = limits.block_size  # gaudi: a context in blocks, -(-n // block) = ceil(n / block)
-    prompts = [forward("prefill", 1, q, None if peer == "rbln" else -((q - kv) // block), [(q, kv)])
-               for q, kv in seqs if q != 1]
-    decoding = [(q, kv) for q, kv in seqs if q == 1]
-    if not decoding:
+    prompts = [Forward("prefill", 1, q, None if peer == "rbln" else -((q - kv) // block), q, kv - q, q * kv)
+               for q, kv in zip(q_lens, kv_lens) if q != 1]
+    if len(prompts) == len(q_lens):
         return tuple(prompts)
-    blocks = None if peer == "rbln" else sum(-(-kv // block) for _, kv in decoding)
-    return (*prompts, forward("decode", len(decoding), 1, blocks, decoding))
+    decoding = [kv for q, kv in zip(q_lens, kv_lens) if q == 1]
+    blocks = None if peer == "rbln" else sum(-(-kv // block) for kv in decoding)
+    return (*prompts, forward("decode", len(decoding), 1, blocks, [1] * len(decoding), decoding))
 
 
 class WorkloadForwards:
