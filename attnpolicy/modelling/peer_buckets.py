@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import ast
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from itertools import product
 from typing import Literal, NamedTuple
+
+import numpy as np
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
@@ -55,6 +58,10 @@ TPU_MIN_NUM_SEQS = 8
 #: tpu-inference's smallest token padding on one device with a bf16 KV cache
 #: (``max(MIN_TOKEN_BUCKET, next_power_of_2(dp_size * kv_packing))`` in tpu_runner.py).
 TPU_MIN_TOKEN_BUCKET = 16
+
+
+#: Context blocks of none: a graph that serves any context, a forward any graph serves.
+_ANY = -1
 
 
 def _check_int(name: str, value: int, least: int) -> None:
@@ -130,11 +137,42 @@ class PeerWarmSet:
         """The first graph (in order) of ``phase`` at least as large in every
         dimension, as vllm-gaudi's bucket lookup picks it; ``None``: the peer
         compiles a new graph. A graph without context blocks serves any context."""
-        for g in self.graphs:
-            if (g.phase == phase and g.batch >= batch and g.query_tokens >= query_tokens
-                    and (context_blocks is None or g.context_blocks is None or g.context_blocks >= context_blocks)):
-                return g
-        return None
+        at = int(self.serving([(phase, batch, query_tokens, context_blocks)])[0])
+        return None if at < 0 else self.graphs[at]
+
+    def serving(self, shapes: Sequence[tuple[Phase, int, int, int | None]]) -> np.ndarray:
+        """The position in :attr:`graphs` of the graph :meth:`serves` picks for each
+        ``(phase, batch, query tokens, context blocks)`` of ``shapes`` (-1: none), all
+        of a phase at once."""
+        out = np.full(len(shapes), -1, dtype=np.int64)
+        if not shapes:
+            return out
+        phases, batches, queries, contexts = zip(*shapes, strict=True)
+        phase = np.array(phases)
+        want = np.array([batches, queries], dtype=np.int64).T
+        want_blocks = np.array([_ANY if c is None else c for c in contexts], dtype=np.int64)
+        for name, (at, batch, query, blocks) in self._phases.items():
+            mine = np.flatnonzero(phase == name)
+            step = max(1, (1 << 22) // at.size)  # shapes per block of (shape, graph) cells
+            for rows in (mine[lo:lo + step] for lo in range(0, mine.size, step)):
+                fits = ((batch >= want[rows, :1]) & (query >= want[rows, 1:])
+                        & ((blocks == _ANY) | (blocks >= want_blocks[rows, None])))
+                first = fits.argmax(axis=1)  # the first in order of those that fit
+                out[rows] = np.where(fits[np.arange(rows.size), first], at[first], -1)
+        return out
+
+    @cached_property
+    def _phases(self) -> dict[Phase, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per phase, its graphs' positions in :attr:`graphs`, batches, query tokens and
+        context blocks (:data:`_ANY`: none, any context)."""
+        out = {}
+        for phase in dict.fromkeys(g.phase for g in self.graphs):
+            mine = [(i, g) for i, g in enumerate(self.graphs) if g.phase == phase]
+            at, batch, query, blocks = (np.array(col, dtype=np.int64) for col in zip(
+                *((i, g.batch, g.query_tokens, _ANY if g.context_blocks is None else g.context_blocks)
+                  for i, g in mine), strict=True))
+            out[phase] = (at, batch, query, blocks)
+        return out
 
 
 # -- vllm-gaudi ---------------------------------------------------------------------------
@@ -662,22 +700,21 @@ def step_forwards(peer: Peer, q_lens: Sequence[int], kv_lens: Sequence[int],
     if len(q_lens) != len(kv_lens):
         raise ConfigError(f"q_lens and kv_lens must have one length per sequence, got {len(q_lens)} and {len(kv_lens)}")
 
-    def forward(phase: Phase, batch: int, query: int, blocks: int | None, seqs: Sequence[tuple[int, int]]) -> Forward:
-        return Forward(phase, batch, query, blocks, sum(q for q, _ in seqs), sum(kv - q for q, kv in seqs),
-                       sum(q * kv for q, kv in seqs))
+    def forward(phase: Phase, batch: int, query: int, blocks: int | None, q: Sequence[int],
+                kv: Sequence[int]) -> Forward:
+        tokens, keys = sum(q), sum(kv)
+        return Forward(phase, batch, query, blocks, tokens, keys - tokens, sum(map(operator.mul, q, kv)))
 
-    seqs = list(zip(q_lens, kv_lens))
     if peer == "tpu":
-        tokens = sum(q_lens)
-        return (forward("mixed", len(seqs), tokens, None, seqs),)
+        return (forward("mixed", len(q_lens), sum(q_lens), None, q_lens, kv_lens),)
     block = limits.block_size  # gaudi: a context in blocks, -(-n // block) = ceil(n / block)
-    prompts = [forward("prefill", 1, q, None if peer == "rbln" else -((q - kv) // block), [(q, kv)])
-               for q, kv in seqs if q != 1]
-    decoding = [(q, kv) for q, kv in seqs if q == 1]
-    if not decoding:
+    prompts = [Forward("prefill", 1, q, None if peer == "rbln" else -((q - kv) // block), q, kv - q, q * kv)
+               for q, kv in zip(q_lens, kv_lens) if q != 1]
+    if len(prompts) == len(q_lens):
         return tuple(prompts)
-    blocks = None if peer == "rbln" else sum(-(-kv // block) for _, kv in decoding)
-    return (*prompts, forward("decode", len(decoding), 1, blocks, decoding))
+    decoding = [kv for q, kv in zip(q_lens, kv_lens) if q == 1]
+    blocks = None if peer == "rbln" else sum(-(-kv // block) for kv in decoding)
+    return (*prompts, forward("decode", len(decoding), 1, blocks, [1] * len(decoding), decoding))
 
 
 class WorkloadForwards:

@@ -27,7 +27,6 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     WARMUPS,
     Forward,
-    PeerGraph,
     PeerWarmSet,
     WorkloadForwards,
     peer_of,
@@ -69,18 +68,18 @@ def coverage(label: str, warm: PeerWarmSet, forwards: Iterable[Forward]) -> Peer
     """How ``warm`` serves ``forwards`` (each of its peer's forwards of a workload),
     as the row ``label``."""
     counted = forwards if isinstance(forwards, Counter) else Counter(forwards)  # forwards repeat: decodes above all
-    used: set[PeerGraph] = set()
     unserved = unserved_shapes = tokens = padded = 0
-    for f, n in counted.items():
-        graph = warm.serves(f.phase, f.batch, f.query_tokens, f.context_blocks)
-        if graph is None:
+    rows: dict[int, int] = {}  # the rows of each serving graph, by position
+    for (f, n), at in zip(counted.items(), warm.serving([f[:4] for f in counted]).tolist(), strict=True):
+        if at < 0:
             unserved, unserved_shapes = unserved + n, unserved_shapes + 1
             continue
-        used.add(graph)
+        if at not in rows:
+            rows[at] = f.rows(warm.graphs[at])
         tokens += n * f.tokens
-        padded += n * (f.rows(graph) - f.tokens)
+        padded += n * (rows[at] - f.tokens)
     return PeerCoverage(label, len(warm.graphs), len(warm.phase("prefill")), len(warm.phase("decode")),
-                        len(warm.phase("mixed")), len(used), counted.total(), unserved, unserved_shapes, tokens,
+                        len(warm.phase("mixed")), len(rows), counted.total(), unserved, unserved_shapes, tokens,
                         padded)
 
 

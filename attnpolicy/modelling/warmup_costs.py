@@ -157,8 +157,8 @@ def warmup_cost(label: str, warm: PeerWarmSet, forwards: Counter[Forward], prici
     compiled: dict[PeerGraph, None] = {}  # compiled at run time, in order
     run = 0.0
     tokens = padded = unserved = 0
-    for f, n in forwards.items():
-        graph = warm.serves(f.phase, f.batch, f.query_tokens, f.context_blocks)
+    for (f, n), at in zip(forwards.items(), warm.serving([f[:4] for f in forwards]).tolist(), strict=True):
+        graph = None if at < 0 else warm.graphs[at]
         if graph is None:
             graph = own_graph(f)
             unserved += n

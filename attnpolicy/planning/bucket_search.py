@@ -44,6 +44,8 @@ from attnpolicy.graphs.costmodel import CostModel, Fit
 #: The default alignment of planned buckets: a multiple of vLLM's capture-size
 #: strides (8 below 256 tokens, 16 from 256) and the planner's historical grid.
 ALIGN = 16
+#: Boundaries the program prices at once (a block of rows of its segment costs).
+_BLOCK = 64
 #: Call kinds in the order of :attr:`CallShapes.kind` codes.
 _CODE = {kind: code for code, kind in enumerate(CALL_KINDS)}
 
@@ -202,27 +204,32 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     # a kind without square (rectangular) shapes adds exact zeros for them: skipped
     present = [(code, sq[code, -1] > 0, rq_n[code, -1] > 0) for code in range(nf)]
     present = [p for p in present if p[1] or p[2]]
-    for j in range(1, m + 1):
+    for j0 in range(1, m + 1, _BLOCK):  # a block of boundaries j (rows), every start i < j (columns)
+        j = np.arange(j0, min(j0 + _BLOCK, m + 1))[:, None]
+        i = np.arange(int(j[-1, 0]))
         b = lengths[j - 1]
-        seg = np.zeros(j)  # cost of one bucket at cand[j-1] serving candidates i..j-1
+        seg = np.zeros((j.size, i.size))  # cost of one bucket at cand[j-1] serving candidates i..j-1
         for code, squares, rects in present:
             fit = run[code]
-            n_sq = sq[code, j] - sq[code, :j]
+            n_sq = sq[code, j] - sq[code, i]
             if squares:
                 seg += n_sq * fit(b, b)
             if rects:
-                n_kv = rkv_n[code, j] - rkv_n[code, :j]
-                seg += ((rq_n[code, j] - rq_n[code, :j]) * fit.per_token * b
-                        + (rq_kv[code, j] - rq_kv[code, :j]) * fit.per_cell * b)
+                n_kv = rkv_n[code, j] - rkv_n[code, i]
+                seg += ((rq_n[code, j] - rq_n[code, i]) * fit.per_token * b
+                        + (rq_kv[code, j] - rq_kv[code, i]) * fit.per_cell * b)
                 seg += n_kv * fit(0, b)
             if compiles:
                 if squares:
                     seg += (n_sq > 0) * comp[code](b, b)
                 if rects:
                     seg += ((n_kv > 0) & (n_sq == 0)) * comp[code](1, b)
-        total = best[:max_buckets, :j] + seg  # row k-1: a plan of k buckets ending at cand[j-1]
-        at = np.argmin(total, axis=1)
-        best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
+        seg[i >= j] = np.inf  # a start at or after its boundary is no bucket
+        rows = np.arange(j.size)
+        for k in range(1, max_buckets + 1):  # a plan of k buckets ending at cand[j-1]: k-1 ending at cand[i-1]
+            total = best[k - 1, :i.size] + seg
+            at = np.argmin(total, axis=1)
+            best[k, j[:, 0]], arg[k, j[:, 0]] = total[rows, at], at
     return best, arg
 
 
@@ -236,76 +243,56 @@ def _boundaries(arg: np.ndarray, cand: np.ndarray, k: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-@dataclass(frozen=True)
-class _Priced:
-    """Shapes with each one's run coefficients (base, per cell, per token) and the
-    kinds' compile coefficients (``None``: nothing compiles), to price many bucket
-    lists: the run and compile seconds :func:`evaluate` gives, call overheads left out."""
+#: Fits' coefficients (base, per cell, per token), arrays for :meth:`Fit.formula`.
+_Coefficients = tuple[np.ndarray, np.ndarray, np.ndarray]
 
-    kind: np.ndarray
+
+@dataclass(frozen=True)
+class _Tally:
+    """Shapes counted by bucket pair, to price many bucket lists at once: the distinct q
+    and kv lengths, per call kind present the calls with q and kv at most each of them
+    (a cumulative count in two dimensions), and the kinds' run and compile coefficients
+    (``None``: nothing compiles). The calls of one (q bucket, kv bucket) pair are a
+    difference of four counts, so a list of ``k`` buckets is priced in ``k²`` terms per
+    kind whatever the number of shapes: the run and compile seconds :func:`evaluate`
+    gives, call overheads left out."""
+
     q: np.ndarray
     kv: np.ndarray
-    count: np.ndarray
-    run: np.ndarray  # (shape, coefficient)
-    comp: np.ndarray | None  # (kind, coefficient)
+    table: np.ndarray  # (kind present, q lengths at most, kv lengths at most)
+    run: _Coefficients  # each (kind present, 1, 1, 1)
+    comp: _Coefficients | None
+    lengths: np.ndarray  # every q and kv length, sorted
 
     @classmethod
-    def of(cls, shapes: CallShapes, model: CostModel) -> _Priced:
-        comp = _coefficients(model, "compile") if model.backend != "none" else None
-        return cls(shapes.kind, shapes.q, shapes.kv, shapes.count.astype(float),
-                   _coefficients(model, "run")[shapes.kind], comp)
+    def of(cls, shapes: CallShapes, model: CostModel) -> _Tally:
+        kinds = np.unique(shapes.kind)
+        uq, iq = np.unique(shapes.q, return_inverse=True)
+        ukv, ikv = np.unique(shapes.kv, return_inverse=True)
+        table = np.zeros((kinds.size, uq.size + 1, ukv.size + 1))
+        np.add.at(table, (np.searchsorted(kinds, shapes.kind), iq + 1, ikv + 1), shapes.count)
+        rb, rc, rt = _coefficients(model, "run")[kinds].T[:, :, None, None, None]
+        cb, cc, ct = _coefficients(model, "compile")[kinds].T[:, :, None, None, None]
+        return cls(uq, ukv, table.cumsum(1).cumsum(2), (rb, rc, rt), (cb, cc, ct) if model.backend != "none" else None,
+                   np.sort(np.concatenate((shapes.q, shapes.kv))))
 
-    def select(self, sel: np.ndarray) -> _Priced:
-        return _Priced(self.kind[sel], self.q[sel], self.kv[sel], self.count[sel], self.run[sel], self.comp)
+    def near(self, lo: int, hi: int) -> bool:
+        """Whether some call has a length in ``(lo, hi]``."""
+        return bool(np.searchsorted(self.lengths, hi, "right") > np.searchsorted(self.lengths, lo, "right"))
 
-    def moves(self, sizes: tuple[int, ...], pos: int, bounds: Sequence[int]) -> list[float]:
-        """The run and compile seconds under ``sizes`` with boundary ``pos`` moved to each
-        of ``bounds`` (ascending, between its neighbours ``lo`` and ``hi``), every move at once.
-
-        A length in ``(lo, hi]`` goes to the moved boundary ``c`` when at most ``c``, else
-        to ``hi``; any other keeps its bucket. A shape with no length in ``(bounds[0],
-        bounds[-1]]`` goes the same way under every move: its run seconds are a
-        quadratic in ``c`` (summed once) and its graph the same bucket indices (the
-        moved boundary keeps index ``pos``). The other shapes are priced per move."""
-        s = np.asarray(sizes, dtype=np.int64)
-        k, t = s.size, len(bounds)
-        lo, hi, first, last = (s[pos - 1] if pos else 0), s[pos + 1], bounds[0], bounds[-1]
-        index, offset, moved, switch = [], [], [], np.zeros(self.q.size, dtype=bool)
-        for x in (self.q, self.kv):
-            inside = (x > lo) & (x <= hi)
-            switch |= inside & (x > first) & (x <= last)
-            m = inside & (x <= first)
-            i = np.where(inside, pos + 1, np.searchsorted(s, x))  # inside and beyond the last move: hi
-            index.append(np.where(m, pos, i))
-            offset.append(np.where(m, 0.0, s[i].astype(float)))  # bucket = offset + moved·c
-            moved.append(m.astype(float))
-        (aq, akv), (mq, mkv) = offset, moved
-        n = np.where(switch, 0.0, self.count)
-        base, cell, token = self.run.T
-        c = np.asarray(bounds, dtype=float)
-        # the formula at ``offset + moved·c``: its value at c = 0, then its terms in c and c²
-        total = ((n * Fit.formula(base, cell, token, aq, akv)).sum()
-                 + (n * (cell * (aq * mkv + mq * akv) + token * (mq + mkv))).sum() * c
-                 + (n * cell * mq * mkv).sum() * c * c)
-        per = self.select(switch)
-        trial = np.tile(s, (t, 1))
-        trial[:, pos] = bounds
-        iq, ikv = (np.where((i == pos) | (i == pos + 1), np.where(x <= trial[:, pos, None], pos, pos + 1), i)
-                   for x in (per.q, per.kv) for i in [np.searchsorted(s, x)])
-        value = trial.astype(float)
-        row = np.arange(t)[:, None]
-        bq, bkv = value[row, iq], value[row, ikv]
-        base, cell, token = per.run.T
-        total += (per.count * Fit.formula(base, cell, token, bq, bkv)).sum(axis=1)
-        if self.comp is None:
-            return list(total.tolist())
-        graphs = len(CALL_KINDS) * k * k
-        used = np.bincount((((row * len(CALL_KINDS) + per.kind) * k + iq) * k + ikv).ravel(),
-                           minlength=t * graphs).reshape(t, graphs) > 0
-        used |= np.bincount((self.kind * k + index[0]) * k + index[1], weights=~switch, minlength=graphs) > 0
-        cb, cc, ct = self.comp.T[:, None, :, None, None]
-        price = Fit.formula(cb, cc, ct, value[:, None, :, None], value[:, None, None, :])
-        return list((total + np.where(used, price.reshape(t, graphs), 0.0).sum(axis=1)).tolist())
+    def prices(self, lists: np.ndarray) -> np.ndarray:
+        """The run and compile seconds under each row of ``lists`` (bucket lists of one
+        length, ascending, the last at least the longest length)."""
+        value = lists.astype(float)
+        bq, bkv = value[:, :, None], value[:, None, :]
+        ends = np.concatenate((np.full((lists.shape[0], 1), -1, dtype=np.int64), lists), axis=1)  # -1: none below
+        cum = self.table[:, np.searchsorted(self.q, ends, "right")[:, :, None],
+                         np.searchsorted(self.kv, ends, "right")[:, None, :]]
+        calls = cum[..., 1:, 1:] - cum[..., :-1, 1:] - cum[..., 1:, :-1] + cum[..., :-1, :-1]  # per kind, bucket pair
+        total: np.ndarray = (calls * Fit.formula(*self.run, bq, bkv)).sum(axis=(0, 2, 3))
+        if self.comp is not None:
+            total += np.where(calls > 0, Fit.formula(*self.comp, bq, bkv), 0.0).sum(axis=(0, 2, 3))
+        return total
 
 
 def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
@@ -321,24 +308,22 @@ def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
     return CallShapes(fam, uq, ukv, count)
 
 
-def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,
+def _improve(shapes: CallShapes, tally: _Tally, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,
              window: int = 4) -> tuple[int, ...]:
     """Move each boundary (but the largest) to a nearby candidate (``window`` steps either
     way) while that lowers the exact modelled time. Only rectangular shapes need it:
     on square shapes the program is already exact.
 
-    Moving boundary ``pos`` between its neighbours ``lo`` and ``hi`` changes only the
-    shapes with a length in ``(lo, hi]`` and the graphs of buckets ``pos`` and ``pos+1``,
-    which only those shapes use: a move is priced on them alone, taken from ``grid``
-    (``shapes`` :func:`on_grid` of ``cand``: fewer shapes, the same seconds). A move whose
-    price is within rounding of the threshold (``1e-9`` of the total) is priced on the
-    whole workload (:func:`evaluate`) and taken when it lowers that by more than
-    ``1e-12``; one clearly cheaper is taken and one clearly dearer is not, as
-    whole-workload pricing would decide, so the moves taken are those whole-workload
-    pricing takes."""
+    A boundary's moves are priced together by ``tally`` (``shapes``, or the same shapes
+    :func:`on_grid` of ``cand``: fewer, the same seconds, counted per bucket pair); a
+    boundary with no length in ``(lo, hi]`` between its neighbours changes nothing and
+    is not moved. A move whose price is within rounding of the threshold (``1e-9`` of
+    the total) is priced on the whole workload (:func:`evaluate`) and taken when it
+    lowers that by more than ``1e-12``; one clearly cheaper is taken and one clearly
+    dearer is not, as whole-workload pricing would decide, so the moves taken are
+    those whole-workload pricing takes."""
     if bool((shapes.q == shapes.kv).all()):
         return sizes
-    priced = _Priced.of(grid, model)
     current = evaluate(shapes, sizes, model).total_seconds  # the total, exact or up to rounding
     # the moves' prices of a boundary, by (sizes, pos, bounds): the last pass asks again
     # what the pass before asked after its last move
@@ -352,14 +337,15 @@ def _improve(shapes: CallShapes, grid: CallShapes, sizes: tuple[int, ...], cand:
             hi = sizes[pos + 1]
             at = int(np.searchsorted(cand, sizes[pos]))
             moves = [int(c) for c in cand[max(at - window, 0):at + window + 1] if lo < c < hi and c != sizes[pos]]
-            near = ((grid.q > lo) & (grid.q <= hi)) | ((grid.kv > lo) & (grid.kv <= hi))
-            if not moves or not near.any():
+            if not moves or not tally.near(lo, hi):
                 continue
             bounds = tuple(sorted({sizes[pos], *moves}))
             prices = priced_moves.get((sizes, pos, bounds))
             if prices is None:
+                trials = np.tile(np.asarray(sizes, dtype=np.int64), (len(bounds), 1))
+                trials[:, pos] = bounds
                 prices = priced_moves[sizes, pos, bounds] = dict(
-                    zip(bounds, priced.select(near).moves(sizes, pos, bounds), strict=True))
+                    zip(bounds, tally.prices(trials).tolist(), strict=True))
             part_now = prices[sizes[pos]]
             for c in moves:
                 trial = (*sizes[:pos], c, *sizes[pos + 1:])
@@ -408,10 +394,10 @@ def plan_sizes(shapes: CallShapes, model: CostModel, max_buckets: int, *, align:
     kmax = min(max_buckets, cand.size)
     overhead = model.call_overhead_seconds * shapes.calls  # the same for every plan
     bound, arg = _program(shapes, cand, model, kmax)
-    grid = on_grid(shapes, cand)
+    tally = _Tally.of(on_grid(shapes, cand), model)
     plans = []
     for k in range(1, kmax + 1):
-        sizes = _improve(shapes, grid, _boundaries(arg, cand, k), cand, model)
+        sizes = _improve(shapes, tally, _boundaries(arg, cand, k), cand, model)
         plans.append(SizePlan(k, evaluate(shapes, sizes, model), float(bound[k, cand.size]) + overhead))
     return plans
 

@@ -19,6 +19,7 @@ from attnpolicy.modelling.peer_buckets import (
     LinearRange,
     PeerGraph,
     PeerLimits,
+    PeerWarmSet,
     gaudi_config,
     gaudi_decode_graphs,
     gaudi_prompt_graphs,
@@ -330,3 +331,20 @@ def test_runtimes_read_their_environment_as_they_do():
     with pytest.raises(ConfigError, match="must end at the max batch size 16"):
         rbln_env_warmup(limits, {"VLLM_RBLN_DECODE_BATCH_BUCKET_STRATEGY": "manual",
                                  "VLLM_RBLN_DECODE_BATCH_BUCKET_MANUAL_BUCKETS": "4,8"})
+
+
+graphs = st.lists(st.builds(PeerGraph, st.sampled_from(("prefill", "decode", "mixed")), st.integers(1, 6),
+                            st.integers(1, 6), st.none() | st.integers(0, 6)), max_size=12)
+asked = st.tuples(st.sampled_from(("prefill", "decode", "mixed")), st.integers(1, 7), st.integers(1, 7),
+                  st.none() | st.integers(0, 7))
+
+
+@settings(max_examples=80, deadline=None)
+@given(graphs, st.lists(asked, max_size=20))
+def test_a_warm_set_serves_each_shape_by_the_first_graph_in_order_that_fits(graphs, shapes):
+    warm = PeerWarmSet.of("gaudi-linear", graphs)
+    expected = [next((g for g in warm.graphs if g.phase == phase and g.batch >= b and g.query_tokens >= q
+                      and (c is None or g.context_blocks is None or g.context_blocks >= c)), None)
+                for phase, b, q, c in shapes]
+    assert [None if at < 0 else warm.graphs[at] for at in warm.serving(shapes)] == expected
+    assert [warm.serves(*shape) for shape in shapes] == expected

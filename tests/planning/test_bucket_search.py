@@ -19,8 +19,8 @@ from attnpolicy.planning.bucket_search import (
     CallShapes,
     _boundaries,
     _improve,
-    _Priced,
     _program,
+    _Tally,
     candidates,
     evaluate,
     on_grid,
@@ -213,11 +213,27 @@ def test_the_fast_program_and_search_take_the_plain_ones_decisions(raw, k, backe
     best, arg = _program(shapes, cand, m, k)
     ref_best, ref_arg = reference_program(shapes, cand, m, k)
     assert np.array_equal(best, ref_best) and np.array_equal(arg, ref_arg)  # bit for bit
-    grid = on_grid(shapes, cand)
+    tally = _Tally.of(on_grid(shapes, cand), m)
     starts = [_boundaries(arg, cand, j) for j in range(1, k + 1)]
     starts.append(tuple(sorted({*rnd.sample([int(c) for c in cand[:-1]], min(k, cand.size - 1)), int(cand[-1])})))
     for start in starts:
-        assert _improve(shapes, grid, start, cand, m) == reference_improve(shapes, start, cand, m)
+        assert _improve(shapes, tally, start, cand, m) == reference_improve(shapes, start, cand, m)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "none"])
+def test_the_program_over_many_blocks_of_boundaries_is_the_plain_one(backend):
+    """Some 250 candidate boundaries: the program prices them in several blocks."""
+    rng = np.random.default_rng(7)
+    q = rng.integers(1, 4000, 300)
+    kinds = rng.choice(list(CallKind), 300)
+    kv = np.where(rng.random(300) < 0.5, q, q + rng.integers(0, 600, 300))
+    shapes = CallShapes.of(Counter({(f, int(a), int(b) if f is not CallKind.MASK else int(a)): int(n)
+                                    for f, a, b, n in zip(kinds, q, kv, rng.integers(1, 20, 300), strict=True)}))
+    cand = candidates(shapes, 16)
+    assert cand.size > 200
+    best, arg = _program(shapes, cand, model(backend), 6)
+    ref_best, ref_arg = reference_program(shapes, cand, model(backend), 6)
+    assert np.array_equal(best, ref_best) and np.array_equal(arg, ref_arg)  # bit for bit
 
 
 @settings(max_examples=40, deadline=None)
@@ -237,7 +253,9 @@ def test_shapes_on_the_candidate_grid_cost_what_the_exact_shapes_cost(raw, backe
     pos = rnd.randrange(len(sizes) - 1)
     lo = sizes[pos - 1] if pos else 0
     bounds = [int(c) for c in cand if lo < c < sizes[pos + 1]]
+    trials = np.tile(np.array(sizes), (len(bounds), 1))
+    trials[:, pos] = bounds
     overhead = m.call_overhead_seconds * shapes.calls
-    for c, price in zip(bounds, _Priced.of(grid, m).moves(sizes, pos, bounds), strict=True):
+    for c, price in zip(bounds, _Tally.of(grid, m).prices(trials), strict=True):
         moved = evaluate(shapes, (*sizes[:pos], c, *sizes[pos + 1:]), m).total_seconds
         assert price + overhead == pytest.approx(moved, rel=1e-12)
