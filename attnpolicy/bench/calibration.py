@@ -60,7 +60,7 @@ from attnpolicy.graphs.footprint import graph_bytes
 from attnpolicy.graphs.keys import GraphKey, TensorSpec
 from attnpolicy.kernels.masks import mask_for
 from attnpolicy.modelling.whole_model_costs import (
-    MODEL_COST_MODES,
+    CALIBRATED_MODES,
     Mode,
     ModelCostModel,
     ModelDims,
@@ -358,20 +358,21 @@ def graph_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, .
     """The (mode, rows, context) per sequence of every calibrated whole-model graph.
     Prefill graphs (no context), per size: one CAUSAL sequence, a MASK batch of up to
     four sequences, a VARLEN sequence and (from 32) a VARLEN pair of the size and its
-    half. Then with ``steps`` the step graphs, per size a context ``c`` of three quarters
-    of it and a chunk of ``r`` rows, three quarters of twice the size (a bucket above a
-    decode's): CAUSAL one decode and one chunk over ``c``; MASK one decode, four
-    decodes, and a chunk beside a decode; VARLEN two decodes (over ``c`` and ``c/2``),
-    eight decodes (a VARLEN graph unrolls its sequences: its compile grows with their
-    number) and a chunk beside a decode. Entries whose graph is one already in the grid
-    are timed once."""
+    half, ROWS one row and two rows (the size and its half). Then with ``steps`` the step
+    graphs, per size a context ``c`` of three quarters of it and a chunk of ``r`` rows,
+    three quarters of twice the size (a bucket above a decode's): CAUSAL one decode and
+    one chunk over ``c``; MASK one decode, four decodes, and a chunk beside a decode;
+    VARLEN two decodes (over ``c`` and ``c/2``), eight decodes (a VARLEN graph unrolls its
+    sequences: its compile grows with their number) and a chunk beside a decode; ROWS
+    one, four and eight decodes and a chunk beside a decode. Entries whose graph is one
+    already in the grid are timed once."""
     sizes = sorted(s.sizes or (DEFAULT_SIZES[:2] if s.quick else DEFAULT_SIZES))
     out: list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]] = []
     for n in sizes:
         r = _real(n)
         parts = min(4, r)
         out += [(MaskMode.CAUSAL, (r,), (0,)), (MaskMode.MASK, tuple(split_lengths(r, parts)), (0,) * parts),
-                (MaskMode.VARLEN, (r,), (0,))]
+                (MaskMode.VARLEN, (r,), (0,)), (MaskMode.ROWS, (r,), (0,)), (MaskMode.ROWS, (r, _real(n // 2)), (0, 0))]
         if n >= 32:
             out.append((MaskMode.VARLEN, (r, _real(n // 2)), (0, 0)))
     for n in sizes if s.steps else ():
@@ -379,7 +380,8 @@ def graph_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, .
         out += [(MaskMode.CAUSAL, (1,), (c,)), (MaskMode.CAUSAL, (r,), (c,)),
                 (MaskMode.MASK, (1,), (c,)), (MaskMode.MASK, (1,) * 4, (c,) * 4), (MaskMode.MASK, (r, 1), (c, c)),
                 (MaskMode.VARLEN, (1, 1), (c, c // 2)), (MaskMode.VARLEN, (1,) * 8, (c,) * 8),
-                (MaskMode.VARLEN, (r, 1), (c, c))]
+                (MaskMode.VARLEN, (r, 1), (c, c)), (MaskMode.ROWS, (1,), (c,)), (MaskMode.ROWS, (1,) * 4, (c,) * 4),
+                (MaskMode.ROWS, (1,) * 8, (c,) * 8), (MaskMode.ROWS, (r, 1), (c, c))]
     return out
 
 
@@ -471,4 +473,4 @@ def _mode_fits(samples: Sequence[ModelSample] | Sequence[StepSample], backend: s
     values: dict[str, Callable[[Any], float]] = {"compile": lambda x: x.compile_seconds,
                                                  "run": lambda x: x.run_seconds, "rss": lambda x: max(x.rss_bytes, 1)}
     return {what: {m: ModelFit.to_samples([(x.key(backend), float(value(x))) for x in samples if x.mode == m])
-                   for m in MODEL_COST_MODES} for what, value in values.items()}
+                   for m in CALIBRATED_MODES} for what, value in values.items()}

@@ -21,11 +21,15 @@ class MaskMode(str, Enum):
     - ``VARLEN``: one call per sequence, no host-built mask. Always legal; causal
       sequences without context reuse exactly the CAUSAL graphs (mask-free), the
       others (context, decode, bidirectional) bound their keys inside the graph.
+    - ``ROWS``: one sequence per row of a right-padded ``[rows, length]`` batch; fresh
+      causal rows run mask-free, others bound their keys per row from a lengths tensor
+      inside the graph. Always legal.
     """
 
     CAUSAL = "causal"
     MASK = "mask"
     VARLEN = "varlen"
+    ROWS = "rows"
 
     def __str__(self) -> str:
         return self.value
@@ -89,7 +93,7 @@ def _packed(num_seqs: int) -> str:
 
 def why_illegal(mode: MaskMode, layout: BatchLayout) -> str | None:
     """``None`` if ``mode`` computes the right answer for ``layout``, else why not
-    (MASK and VARLEN are always legal; CAUSAL follows :func:`why_not_causal`)."""
+    (MASK, VARLEN and ROWS are always legal; CAUSAL follows :func:`why_not_causal`)."""
     if mode is not MaskMode.CAUSAL:
         return None
     why = why_not_causal(layout)

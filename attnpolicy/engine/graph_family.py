@@ -30,9 +30,17 @@ real rows packed back to back, layout padding dropped):
   ``[C]`` marks the real context positions). The key is the tuple of per-sequence
   buckets, sorted largest first (sequences are reordered into it), so permutations of
   one batch share a graph, at the price of one graph per combination of buckets.
+- ``ROWS``: one sequence per row of a ``[R, L]`` batch (R the row bucket of the sequences,
+  L the bucket of the longest rows), right-padded, each row's context in a span of the
+  bucket of the longest context; spare rows are padding. A prefill (or a step without
+  context) is one mask-free causal call over all rows; a step bounds each row's keys
+  inside the graph from a lengths input ``[R]`` (each row's context), never a host-built
+  mask. One graph per (rows, length, context) buckets, whatever the sequences' mix.
 
 Inside a graph attention is a plain kernel call (:func:`attnpolicy.kernels.attention.bind`,
-``sdpa``) on the graph's inputs; the Python dispatcher is not involved. The model's
+``sdpa``) on the graph's inputs, a ROWS graph's rows batched into its heads (a kernel's
+``[heads, L, D]`` as ``[rows·heads, L, D]``: GQA's grouping of query heads onto key heads
+holds row by row); the Python dispatcher is not involved. The model's
 attention implementation is :data:`STATIC_ATTENTION`, registered with transformers'
 ``AttentionInterface`` (no mask function: HF builds no mask, the 4-D mask arrives as-is).
 A graph padded up serves a key it dominates (:func:`~attnpolicy.engine.keys.dominates`);
@@ -66,7 +74,7 @@ SEGMENTS_KWARG = "attnpolicy_segments"
 #: The keyword argument that carries a step's cached context (:class:`Past`) to the attention calls.
 PAST_KWARG = "attnpolicy_past"
 #: A graph's inputs: ids ``[T]``, positions ``[T]``, (``kv``) past keys and values, and
-#: the mask (a prefill's MASK; a step's MASK and VARLEN).
+#: the mask (a prefill's MASK; a step's MASK and VARLEN) or a ROWS step's context lengths.
 Inputs = tuple[torch.Tensor, ...]
 
 
@@ -106,21 +114,64 @@ def _with_past(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pa
     return torch.cat(parts, dim=1)
 
 
+class RowsPast(NamedTuple):
+    """A ROWS step's cached context inside its graph: every layer's past keys and values
+    ``[layers, kv_heads, R·C, head_dim]`` (row ``r``'s context at columns ``r·C:``), each
+    row's context length ``[R]`` (``None``: no context, ``C = 0``) and the list each layer
+    appends its new key and value rows ``[kv_heads, R·L, head_dim]`` to."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lengths: torch.Tensor | None
+    new: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _rows_with_past(layer: int, rows: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: RowsPast,
+                    run: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """One layer's attention of ``rows`` rows batched into the heads (``q`` ``[rows·heads,
+    L, D]``, ``k, v`` ``[rows·kv_heads, L, D]``) over ``past``: each row sees the first
+    ``lengths[r]`` columns of its context and its own earlier rows (a mask built in the
+    graph from the lengths); mask-free causal without context."""
+    kv_heads, length = k.shape[0] // rows, k.shape[1]
+
+    def by_head(x: torch.Tensor) -> torch.Tensor:  # [rows·kv_heads, n, D] -> [kv_heads, rows·n, D]
+        return x.reshape(rows, kv_heads, *x.shape[1:]).transpose(0, 1).flatten(1, 2)
+
+    def by_row(x: torch.Tensor) -> torch.Tensor:  # [kv_heads, rows·C, D] -> [rows·kv_heads, C, D]
+        return x.reshape(x.shape[0], rows, -1, x.shape[-1]).transpose(0, 1).flatten(0, 1)
+
+    past.new.append((by_head(k), by_head(v)))
+    if past.lengths is None:
+        return run(q, k, v, True, None)
+    pk, pv = by_row(past.k[layer]), by_row(past.v[layer])
+    context = pk.shape[1]
+    seen = torch.cat([(torch.arange(context, device=q.device) < past.lengths[:, None])[:, None].expand(
+        rows, length, context), torch.ones(length, length, dtype=torch.bool, device=q.device).tril().expand(
+        rows, length, length)], 2)
+    heads = q.shape[0] // rows
+    return run(q, torch.cat([pk, k], 1), torch.cat([pv, v], 1), False,
+               seen[:, None].expand(rows, heads, length, context + length).flatten(0, 1))
+
+
 def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` function of the runner's graphs (batch 1):
-    ``attention_mask`` ``[1, 1, T, T]`` (True = attend) or ``None`` (causal); with
-    ``attnpolicy_segments`` one causal call per segment of rows; with ``attnpolicy_past``
-    (a :class:`Past`) over a step's cached context, the new key and value rows recorded."""
+    """The ``AttentionInterface`` function of the runner's graphs (batch 1, or a ROWS
+    graph's rows, batched into the heads): ``attention_mask`` ``[1, 1, T, T]`` (True =
+    attend) or ``None`` (causal, every row); with ``attnpolicy_segments`` one causal call
+    per segment of rows; with ``attnpolicy_past`` (a :class:`Past`, or a ROWS step's
+    :class:`RowsPast`) over a step's cached context, the new key and value rows recorded."""
     run = bind("sdpa", scale=scaling)  # traced once per graph: no memo for Dynamo to guard on
-    q, k, v = query[0], key[0], value[0]
-    past: Past | None = kwargs.get(PAST_KWARG)
-    if past is not None:
-        layer: int = module.layer_idx  # type: ignore[assignment]
-        return _with_past(layer, q, k, v, past, run).transpose(0, 1)[None], None
+    rows = query.shape[0]
+    q, k, v = query.flatten(0, 1), key.flatten(0, 1), value.flatten(0, 1)
+    past: Past | RowsPast | None = kwargs.get(PAST_KWARG)
     segments: tuple[int, ...] | None = kwargs.get(SEGMENTS_KWARG)
-    if attention_mask is not None:
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    if isinstance(past, RowsPast):
+        out = _rows_with_past(layer, rows, q, k, v, past, run)
+    elif past is not None:
+        out = _with_past(layer, q, k, v, past, run)
+    elif attention_mask is not None:
         out = run(q, k, v, False, attention_mask[0, 0])
     elif segments is None:
         out = run(q, k, v, True, None)
@@ -130,7 +181,7 @@ def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             parts.append(run(q[:, start:start + n], k[:, start:start + n], v[:, start:start + n], True, None))
             start += n
         out = torch.cat(parts, dim=1)
-    return out.transpose(0, 1)[None], None
+    return out.reshape(rows, -1, *out.shape[1:]).transpose(1, 2), None
 
 
 def register() -> None:
@@ -169,6 +220,22 @@ def _step_forward(model: torch.nn.Module, segments: tuple[tuple[int, int], ...] 
     out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                 **{PAST_KWARG: Past(past_k, past_v, mask, segments, new)})
     return out.logits[0], torch.stack([k for k, _ in new]), torch.stack([v for _, v in new])
+
+
+def _rows_forward(model: torch.nn.Module, rows: int, ids: torch.Tensor, positions: torch.Tensor,
+                  past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
+                  lengths: torch.Tensor | None = None) -> Any:
+    """A ROWS graph's forward, the model and its row count first (a constant of the graph):
+    ids and positions ``[rows·L]`` as ``[rows, L]``; logits ``[rows·L, vocab]``, and with
+    ``past_k``/``past_v`` (a step's, :class:`RowsPast`) the new keys and values
+    ``[layers, kv_heads, rows·L, D]`` as :func:`_step_forward`'s."""
+    new: list[tuple[torch.Tensor, torch.Tensor]] = []
+    past = {} if past_k is None or past_v is None else {PAST_KWARG: RowsPast(past_k, past_v, lengths, new)}
+    logits = model(input_ids=ids.view(rows, -1), position_ids=positions.view(rows, -1), use_cache=False,
+                   **past).logits.flatten(0, 1)
+    if not past:
+        return logits
+    return logits, torch.stack([k for k, _ in new]), torch.stack([v for _, v in new])
 
 
 #: The forward a prefill graph of each mode is compiled from (see :meth:`ModelFamily.bound`).
@@ -289,12 +356,16 @@ class ModelFamily:
     def forward(self, key: ModelKey) -> Callable[..., Any]:
         """The module-level function ``key``'s stored graph is compiled from: the model
         first, then :meth:`bound`'s other leading inputs, then the request."""
+        if key.mode is MaskMode.ROWS:
+            return _rows_forward
         return _step_forward if key.kv else _FORWARDS[key.mode]
 
     def bound(self, key: ModelKey) -> tuple[Any, ...]:
         """The leading inputs of ``key``'s stored graph: the model, then a step's segments
-        (VARLEN, else ``None``) or a VARLEN prefill's rows per segment (static: baked into
-        the graph, pinned by the key)."""
+        (VARLEN, else ``None``), a VARLEN prefill's rows per segment (static: baked into
+        the graph, pinned by the key); a ROWS graph's row count."""
+        if key.mode is MaskMode.ROWS:
+            return self.model, key.rows
         varlen = key.mode is MaskMode.VARLEN
         if key.kv:
             return self.model, key.segments if varlen else None

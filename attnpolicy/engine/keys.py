@@ -12,15 +12,17 @@ from typing import Any
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
+from attnpolicy.errors import IllegalModeError
 
 
 @dataclass(frozen=True, slots=True)
 class ModelKey:
     """One whole-model graph: its mode, padded rows, padded context columns, per-sequence
-    ``(rows, context)`` buckets (one pair for MASK and CAUSAL) and backend; ``kv``: the
-    graph takes the cached context's keys and values and returns its new rows' (a step
-    run with a KV cache), else it returns logits only (a prefill whose KV is not kept:
-    no context)."""
+    ``(rows, context)`` buckets (one pair for MASK and CAUSAL; ROWS: its row bucket's count
+    of one pair, every row padded alike) and backend; ``kv``: the graph takes the cached
+    context's keys and values and returns its new rows' (a step run with a KV cache), else
+    it returns logits only (a prefill whose KV is not kept: no context). ``tokens`` and
+    ``context`` are the graph's totals (ROWS: rows times each row's)."""
 
     mode: MaskMode
     tokens: int
@@ -29,7 +31,16 @@ class ModelKey:
     backend: str
     kv: bool
 
+    @property
+    def rows(self) -> int:
+        """The batch rows of the graph's ``[rows, length]`` input: ROWS's row bucket, else 1."""
+        return len(self.segments) if self.mode is MaskMode.ROWS else 1
+
     def __str__(self) -> str:
+        if self.mode is MaskMode.ROWS:
+            length, context = self.segments[0]
+            return (f"step/rows/r{self.rows}t{length}c{context}/{self.backend}" if self.kv
+                    else f"model/rows/r{self.rows}t{length}/{self.backend}")
         if not self.kv:
             shape = "+".join(str(t) for t, _ in self.segments) if self.mode is MaskMode.VARLEN else str(self.tokens)
             return f"model/{self.mode.value}/t{shape}/{self.backend}"
@@ -46,13 +57,25 @@ def contexts(layout: BatchLayout) -> tuple[int, ...]:
 
 
 def why_illegal_step(mode: MaskMode, layout: BatchLayout) -> str | None:
-    """``None`` when a step graph (``kv``) of ``mode`` computes ``layout`` right: MASK and
-    VARLEN always; CAUSAL for one causal sequence (its context is exact in its key)."""
+    """``None`` when a step graph (``kv``) of ``mode`` computes ``layout`` right: MASK,
+    VARLEN and ROWS always; CAUSAL for one causal sequence (its context is exact in its key)."""
     if mode is not MaskMode.CAUSAL:
         return None
     if not layout.causal:
         return "bidirectional"
     return None if layout.num_seqs == 1 else f"{layout.num_seqs} sequences packed"
+
+
+def why_too_many_rows(layout: BatchLayout, config: AttnPolicyConfig) -> str | None:
+    """``None`` when ``layout``'s sequences fit one ROWS forward (at most the largest of
+    ``config.row_buckets``), else why not: a whole-model ROWS graph is one forward of one
+    batch, never split into several."""
+    most = config.row_buckets[-1]
+    if layout.num_seqs <= most:
+        return None
+    return (f"mode=rows runs one sequence per row of one forward: {layout.num_seqs} sequences exceed the "
+            f"largest of row_buckets {list(config.row_buckets)} (raise row_buckets, or run at most {most} "
+            f"sequences a step)")
 
 
 def segment(rows: int, context: int, config: AttnPolicyConfig) -> tuple[int, int]:
@@ -65,8 +88,17 @@ def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig,
     backend, ``kv`` as :class:`ModelKey`'s (pure: the runner and a simulator share it).
     A sequence's rows and context are bucketed by ``config.bucket`` (at most
     ``max_seq_len``), MASK's totals by ``config.batch_bucket`` (at most
-    ``max_batch_tokens``); CAUSAL's context is exact."""
+    ``max_batch_tokens``); CAUSAL's context is exact. ROWS: ``config.rows_bucket`` of the
+    sequences, every row padded to the buckets of the longest rows and the longest context
+    (no per-sequence combination); more sequences than the largest row bucket raise
+    :class:`~attnpolicy.errors.IllegalModeError` (:func:`why_too_many_rows`)."""
     ctx = contexts(layout)
+    if mode is MaskMode.ROWS:
+        if (why := why_too_many_rows(layout, config)) is not None:
+            raise IllegalModeError(why)
+        row = segment(max(layout.q_lens), max(ctx), config)
+        count = config.rows_bucket(layout.num_seqs)
+        return ModelKey(mode, count * row[0], count * row[1], (row,) * count, config.backend, kv)
     if mode is MaskMode.VARLEN:
         segments = tuple(sorted((segment(q, c, config) for q, c in zip(layout.q_lens, ctx)), reverse=True))
         return ModelKey(mode, sum(t for t, _ in segments), sum(c for _, c in segments), segments,
@@ -82,9 +114,13 @@ def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig,
 def dominates(other: ModelKey, key: ModelKey) -> bool:
     """Whether ``other``'s graph can serve ``key``'s batch padded up: same mode, backend
     and ``kv``, at least as many rows and context columns (VARLEN: as many sequences,
-    each at least as large; CAUSAL: the same context, which must be exact)."""
+    each at least as large; ROWS: at least as many rows, each at least as long and with
+    at least as much context; CAUSAL: the same context, which must be exact)."""
     if other.mode is not key.mode or other.backend != key.backend or other.kv != key.kv or other == key:
         return False
+    if key.mode is MaskMode.ROWS:
+        (t, c), (u, d) = other.segments[0], key.segments[0]
+        return other.rows >= key.rows and t >= u and c >= d
     if key.mode is MaskMode.VARLEN:
         return len(other.segments) == len(key.segments) and all(
             a >= b and c >= d for (a, c), (b, d) in zip(other.segments, key.segments))
@@ -95,12 +131,13 @@ def dominates(other: ModelKey, key: ModelKey) -> bool:
 
 def estimate_bytes(key: ModelKey, model_config: Any, itemsize: int = 4) -> int:
     """A static-shape estimate of what one graph holds while it runs: its inputs (ids,
-    positions, the cached context's keys and values, the mask), its logits and (``kv``)
-    its new rows' keys and values, and one layer's activations (hidden states, q/k/v, MLP)."""
+    positions, the cached context's keys and values, the mask or ROWS's context lengths),
+    its logits and (``kv``) its new rows' keys and values, and one layer's activations
+    (hidden states, q/k/v, MLP)."""
     c, t = model_config, key.tokens
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     kv_row = 2 * c.num_hidden_layers * kv_heads * head_dim if key.kv else 0
-    mask = t * (key.context + t) if key.mode is MaskMode.MASK else key.context
+    mask = {MaskMode.MASK: t * (key.context + t), MaskMode.ROWS: 8 * key.rows}.get(key.mode, key.context)
     layer = t * (2 * c.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * c.intermediate_size)
     return 16 * t + mask + itemsize * (kv_row * (key.context + t) + t * c.vocab_size + layer)

@@ -333,7 +333,7 @@ class StaticModelRunner:
         row_at, col_at, row, col = [0] * layout.num_seqs, [0] * layout.num_seqs, 0, 0
         for slot_i, i in enumerate(order):
             row_at[i], col_at[i] = row, col
-            if mode is MaskMode.VARLEN:
+            if mode in (MaskMode.VARLEN, MaskMode.ROWS):  # its own span (ROWS: its row)
                 row, col = row + key.segments[slot_i][0], col + key.segments[slot_i][1]
             else:
                 row, col = row + layout.q_lens[i], col + ctx[i]
@@ -370,6 +370,10 @@ class StaticModelRunner:
         inputs += kv.gather(slots, col_at, c)
         if mask is not None or valid is not None:
             inputs += ((mask if mask is not None else valid).to(self.device),)  # type: ignore[union-attr]
+        if mode is MaskMode.ROWS and c:  # each row's context length, padding rows none
+            lengths = torch.zeros(key.rows, dtype=torch.long)
+            lengths[:layout.num_seqs] = torch.tensor(ctx)
+            inputs += (lengths.to(self.device),)
         return Placed(key, rows_t, src_t, tuple(r.to(self.device) for r in rows), inputs)
 
     # -- graphs --------------------------------------------------------------------

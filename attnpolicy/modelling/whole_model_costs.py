@@ -25,8 +25,10 @@ the runner's own static-shape estimate, computed exactly from the model's sizes
 evicts as the runner's does. ``warmup_seconds`` is what the first compile of a
 process pays on top of its key's fit.
 
-A model holds a fit of every mode for each quantity (prefill graphs and, when
-calibrated, step graphs), each coefficient bounded and each run fit positive as an
+A ROWS graph's features are its totals (rows times each row's length and context) and
+its rows as segments: a fit of its own, over calibrated ROWS graphs of several row
+counts. A model holds a fit of every mode for each quantity (prefill graphs and, when
+calibrated, step graphs; ROWS where the calibration timed it), each coefficient bounded and each run fit positive as an
 attention model's (:data:`~attnpolicy.graphs.costmodel.Coefficient`); it records the
 model it was calibrated on (``spec``, ``model_type`` and ``dims``), which
 :meth:`ModelCostModel.model_differs` compares with another model's config.
@@ -57,9 +59,13 @@ from attnpolicy.graphs.costmodel import (
 
 #: A step graph's cached context columns: 0 up to :data:`~attnpolicy.graphs.costmodel.MAX_SIZE`.
 Context = Annotated[int, Field(strict=True, ge=0, le=MAX_SIZE)]
-#: The modes a model cost model covers, as JSON keys.
-Mode = Literal["causal", "mask", "varlen"]
+#: The modes a model cost model prices, as JSON keys.
+Mode = Literal["causal", "mask", "varlen", "rows"]
+#: The modes every model cost model covers.
 MODEL_COST_MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
+#: The modes a calibration fits: every model's and ROWS (a file calibrated before ROWS
+#: existed has no ROWS fits, and its model refuses to price a ROWS graph).
+CALIBRATED_MODES: tuple[Mode, ...] = (*MODEL_COST_MODES, "rows")
 
 
 #: A feature of a fit: one value, or an array of them priced elementwise.
@@ -67,7 +73,8 @@ Feature = TypeVar("Feature", float, np.ndarray)
 
 
 def features(key: ModelKey) -> tuple[int, int, int, int, int]:
-    """The fit's features of ``key``: 1, tokens, context, score cells per layer, segments."""
+    """The fit's features of ``key``: 1, tokens, context, score cells per layer, segments
+    (ROWS: its rows, each a segment of its length and context)."""
     return 1, key.tokens, key.context, sum(t * (c + t) for t, c in key.segments), len(key.segments)
 
 
@@ -155,9 +162,9 @@ def every_mode(fits: dict[Mode, ModelFit]) -> dict[Mode, ModelFit]:
 
 
 def positive_runs(fits: dict[Mode, ModelFit]) -> dict[Mode, ModelFit]:
-    """``fits`` (run seconds, every mode) when each predicts a call of one token to take time
-    (:func:`~attnpolicy.graphs.costmodel.check_run_fits`)."""
-    check_run_fits({mode: fits[mode].at(1, 0, 1) for mode in MODEL_COST_MODES})
+    """``fits`` (run seconds, every mode fitted) when each predicts a call of one token to
+    take time (:func:`~attnpolicy.graphs.costmodel.check_run_fits`)."""
+    check_run_fits({mode: fit.at(1, 0, 1) for mode, fit in fits.items()})
     return fits
 
 
@@ -271,9 +278,18 @@ class ModelCostModel(BaseModel):
         return self.steps
 
     def _fit(self, key: ModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
-        """The fit of ``what`` for ``key``'s kind of graph and mode."""
+        """The fit of ``what`` for ``key``'s kind of graph and mode; :class:`ConfigError`
+        naming the mode and the fix when this model holds no fit of it (a file calibrated
+        before ROWS existed: no ROWS graph is priced by analogy with another mode's)."""
         source: ModelCostModel | StepFits = self.step_fits() if key.kv else self
-        return {"compile": source.compile, "run": source.run, "rss": source.rss}[what][key.mode.value]
+        fits = {"compile": source.compile, "run": source.run, "rss": source.rss}[what]
+        fit = fits.get(key.mode.value)
+        if fit is None:
+            kind = "step" if key.kv else "prefill"
+            raise ConfigError(f"the cost model of {self.spec} holds no {kind}-graph fits of mode={key.mode.value} "
+                              f"(calibrated before that mode): calibrate it again with attnpolicy calibrate "
+                              f"--family model --model SPEC")
+        return fit
 
     def compile_seconds(self, key: ModelKey) -> float:
         """Seconds to build the graph of ``key`` (compile and first run)."""

@@ -618,13 +618,15 @@ class WholeModelPlanLevel:
 
 
 def _needs(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode]) -> tuple[list[int], list[int]]:
-    """The lengths bucketed by ``max_seq_len`` (CAUSAL totals, VARLEN sequences) and by
-    ``max_batch_tokens`` (MASK totals)."""
+    """The lengths bucketed by ``max_seq_len`` (CAUSAL totals, VARLEN sequences, ROWS's
+    longest row) and by ``max_batch_tokens`` (MASK totals)."""
     seq: list[int] = []
     batch: list[int] = []
     for layout, mode in zip(layouts, modes):
         if mode is MaskMode.VARLEN:
             seq += layout.q_lens
+        elif mode is MaskMode.ROWS:
+            seq.append(max(layout.q_lens))
         elif mode is MaskMode.CAUSAL:
             seq.append(sum(layout.q_lens))
         else:

@@ -415,7 +415,8 @@ def test_sweep_with_a_plugin_policy_and_its_options_next_to_builtins(threshold_p
     assert rows["varlen"]["policy_options"] == {} and rows["dynamic"]["policy_options"] == {}
     # the option ran: every batch is shorter than 100000 tokens, so every batch ran MASK
     # (with the default threshold of 512 the long ones run VARLEN)
-    assert rows["threshold-demo"]["modes"] == {"causal": 0, "mask": rows["threshold-demo"]["batches"], "varlen": 0}
+    assert rows["threshold-demo"]["modes"] == {"causal": 0, "mask": rows["threshold-demo"]["batches"], "varlen": 0,
+                                               "rows": 0}
 
 
 def test_a_bad_plugin_option_is_refused_before_the_sweep(threshold_plugin, capsys):

@@ -3,6 +3,7 @@ whole sequence run at once, and HF's own greedy generation."""
 
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ from cost_models import of_model, synthetic
 from docs_blocks import ROOT, blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rows_policy import ROWS_POLICY, registered
 from test_static_model import TINY, Counted, config
 
 from attnpolicy.cli import main
@@ -34,6 +36,12 @@ def models(request):
     spec = parse_spec(TINY[request.param])
     assert isinstance(spec, ModelSpec)
     return spec.build(), spec.build()
+
+
+@pytest.fixture
+def rows_policy():
+    """:data:`ROWS_POLICY` registered for the test."""
+    yield from registered()
 
 
 def whole(reference, tokens: list[int]) -> torch.Tensor:
@@ -113,8 +121,8 @@ def test_one_sequence_runs_causal_over_its_exact_context(models, lens):
                                  "aot_eager", kv=True)) for n, c in zip(lens, done)}
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen", "dynamic", "always-causal"])
-def test_greedy_tokens_equal_hf_generate(models, policy):
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", "dynamic", "always-causal", ROWS_POLICY])
+def test_greedy_tokens_equal_hf_generate(models, policy, rows_policy):
     model, reference = models
     runner = StaticModelRunner(model, config(policy))
     prompts, new = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20]], 6
@@ -153,6 +161,93 @@ def test_keys_bucket_rows_and_context_and_a_larger_key_dominates():
     assert dominates(bigger, mask) and not dominates(mask, bigger)
     assert not dominates(ModelKey(MaskMode.CAUSAL, 32, 12, ((32, 12),), "aot_eager", kv=True), causal)  # exact context
     assert dominates(ModelKey(MaskMode.CAUSAL, 32, 11, ((32, 11),), "aot_eager", kv=True), causal)
+
+
+@settings(max_examples=4, deadline=None)
+@given(schedule=schedules(max_seqs=4))
+def test_every_rows_step_equals_the_whole_sequence_run_eagerly(models, schedule):
+    """ROWS steps (prefill, chunked prefill, decode, mixed): one sequence per row, each
+    row's context bounded in the graph; one graph per (rows, length, context) buckets."""
+    model, reference = models
+    runner = StaticModelRunner(model, config())
+    seqs, chunks = schedule
+    for rows in serve(runner, seqs, chunks, mode=MaskMode.ROWS):
+        for i, (at, got) in rows.items():
+            torch.testing.assert_close(got, whole(reference, seqs[i])[at:at + got.shape[0]], rtol=0, atol=1e-5,
+                                       msg=f"rows seq {i} at {at}")
+    assert all(str(k).startswith("step/rows/r") for k in runner.cache.keys())
+
+
+@pytest.fixture(scope="module")
+def models64(models):
+    """The models in float64: the reference the ROWS graphs must equal to float64's precision."""
+    return tuple(copy.deepcopy(m).double() for m in models)
+
+
+@settings(max_examples=3, deadline=None)
+@given(schedule=schedules(max_seqs=4))
+def test_rows_steps_equal_the_float64_reference(models64, schedule):
+    model, reference = models64
+    runner = StaticModelRunner(model, config())
+    seqs, chunks = schedule
+    for rows in serve(runner, seqs, chunks, mode=MaskMode.ROWS):
+        for i, (at, got) in rows.items():
+            assert got.dtype is torch.float64
+            torch.testing.assert_close(got, whole(reference, seqs[i])[at:at + got.shape[0]], rtol=0, atol=1e-10)
+
+
+def test_rows_keys_bucket_rows_length_and_context_with_no_combination():
+    cfg = config()
+    layout = BatchLayout.from_lens([1, 1, 3], [20, 9, 3], causal=True)
+    key = model_key_for(layout, MaskMode.ROWS, cfg, kv=True)
+    assert (key.rows, key.segments[0], key.tokens, key.context) == (4, (16, 32), 64, 128)
+    assert str(key) == "step/rows/r4t16c32/aot_eager"
+    # another mix of the same buckets (order, lengths, contexts): the same graph
+    assert model_key_for(BatchLayout.from_lens([3, 2, 1, 1], [3, 30, 2, 18], causal=True), MaskMode.ROWS, cfg,
+                         kv=True) == key
+    prefill = model_key_for(BatchLayout.from_lens([5, 20, 3], causal=True), MaskMode.ROWS, cfg, kv=False)
+    assert str(prefill) == "model/rows/r4t32/aot_eager" and prefill.context == 0
+    larger = [model_key_for(BatchLayout.from_lens(q, c, causal=True), MaskMode.ROWS, cfg, kv=True)
+              for q, c in (([1] * 5, [20] * 5), ([17], [20]), ([1], [40]))]
+    assert all(dominates(k, key) for k in larger[:1]) and not any(dominates(key, k) for k in larger)
+    assert not dominates(larger[1], key) and not dominates(larger[2], key)  # fewer rows
+    assert model_key_for(BatchLayout.from_lens([1], [2], causal=True), MaskMode.MASK, cfg, kv=True).rows == 1
+    with pytest.raises(IllegalModeError, match=r"mode=rows .* 33 sequences exceed the largest of row_buckets "
+                                               r"\[1, 2, 4, 8, 16, 32\]"):
+        model_key_for(BatchLayout.from_lens([1] * 33, causal=True), MaskMode.ROWS, cfg, kv=False)
+
+
+def test_a_rows_step_builds_no_host_mask_and_pads_up_to_more_rows(models, monkeypatch):
+    """A ROWS step's only bound is its lengths input ``[rows]``: no host-built mask (the
+    mask builder is never called, no boolean input); a graph of more rows, longer rows
+    and more context serves it padded up."""
+    import attnpolicy.engine.runner as runner_module
+
+    model, reference = models
+    built = []
+    monkeypatch.setattr(runner_module, "mask_for", lambda *a, **k: built.append(a))
+    runner = StaticModelRunner(model, config("dynamic", compile_mode="background",
+                                             switch_after=1000))
+    big = BatchLayout.from_lens([1] * 4, [40] * 4, causal=True)
+    runner.warmup([(big, MaskMode.ROWS)])
+    seqs = [list(range(1, 13)), list(range(20, 28))]
+    kv = KVCache.for_model(model, 2, MAX_LEN)
+    first = runner.run(torch.tensor(seqs[0] + seqs[1]), BatchLayout.from_lens([12, 8], causal=True), MaskMode.ROWS,
+                       kv=kv, slots=[0, 1])
+    torch.testing.assert_close(first[:12], whole(reference, seqs[0]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(first[12:], whole(reference, seqs[1]), rtol=0, atol=1e-5)
+    step = BatchLayout.from_lens([1, 1], [13, 9], causal=True)
+    placed = runner.prepare(torch.tensor([9, 10]), step, MaskMode.ROWS, kv=kv, slots=[0, 1])
+    assert not any(x.dtype is torch.bool for x in placed.inputs)
+    assert placed.inputs[-1].tolist() == [12, 8]  # each row's context
+    got = runner.run(torch.tensor([9, 10]), step, MaskMode.ROWS, kv=kv, slots=[0, 1])
+    for i, (row, tokens) in enumerate(zip(got, [seqs[0] + [9], seqs[1] + [10]])):
+        torch.testing.assert_close(row, whole(reference, tokens)[-1], rtol=0, atol=1e-5, msg=f"seq {i}")
+    stats = runner.stats()
+    # the warm r4t16c64 graph served both: the prefill (no context) and the decode
+    assert stats.background is not None and stats.background.pad_up_calls == 2 and stats.eager_served == 0
+    assert built == []
+    runner.close()
 
 
 @pytest.mark.parametrize("mode", list(MaskMode))
@@ -266,8 +361,8 @@ def test_a_kv_cache_refuses_bad_shapes():
         KVCache(1, 8, layers=1, kv_heads=1, head_dim=4, lengths=[9])
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen"])
-def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys, policy):
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", ROWS_POLICY])
+def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys, policy, rows_policy):
     trace = tmp_path / "trace.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
         f"2023-11-16 18:17:0{i}.0000000,{p},{g}\n" for i, (p, g) in enumerate([(40, 6), (9, 12), (70, 3), (3, 5)])))
@@ -281,6 +376,8 @@ def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys
     assert 0 < result["context_steps"] < result["batches"]  # chunked prefill (budget 32) and decodes
     assert result["max_abs_err"] <= 1e-5
     assert result["misses"] == result["compiles"] > 0
+    if policy == ROWS_POLICY:
+        assert result["modes"] == {"rows": result["batches"]}
 
 
 def test_the_generate_reference_sees_every_prompt_token_even_the_pad_id():

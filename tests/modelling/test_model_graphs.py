@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from cost_models import synthetic
+from cost_models import synthetic, with_steps
+from rows_policy import ROWS_POLICY, registered
 
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
@@ -22,12 +23,33 @@ from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import GRAPH_RANGE, outside_range
 from attnpolicy.modelling.simulation import model_config, model_layouts, replay_key_streams, sweep_configs
 from attnpolicy.modelling.stalls import WholeModelLevel, compare_stalls
-from attnpolicy.modelling.whole_model_costs import ModelFit, ModelSample, StepFits, key_of
+from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelFit, ModelSample, StepFits, key_of
 from attnpolicy.planning.graph_set import WholeModelPlanLevel, plan_graphs
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
+MODES = ("causal", "mask", "varlen", "rows")
+
+
+@pytest.fixture
+def rows_policy():
+    """:data:`ROWS_POLICY` registered for the test."""
+    yield from registered()
+
+
+def with_rows(model: ModelCostModel) -> ModelCostModel:
+    """``model`` with ROWS fits: its MASK fits, plus 0.1 ms of run per row (prefill and steps)."""
+    def plus(fits, extra=None):
+        return {**fits, "rows": extra or fits["mask"]}
+    run = model.run["mask"].model_copy(update={"per_segment": 1e-4})
+    steps = model.steps
+    if steps is not None:
+        steps = steps.model_copy(update={"compile": plus(steps.compile), "rss": plus(steps.rss),
+                                         "run": plus(steps.run, steps.run["mask"].model_copy(
+                                             update={"per_segment": 1e-4}))})
+    return model.model_copy(update={"compile": plus(model.compile), "run": plus(model.run, run),
+                                    "rss": plus(model.rss), "steps": steps})
 #: prefill batches whose keys under pow2 buckets and 2 graphs evict
 LAYOUTS = [BatchLayout.from_lens(lens) for lens in
            ([5], [9, 3], [20], [5], [40], [9, 3], [3, 3, 3], [20], [12, 30])]
@@ -137,13 +159,13 @@ def calibrated(tmp_path_factory):
 def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
     model, tmp = calibrated
     assert CostFile.load(CostFile(model=model).save(tmp / "m.json")).model == model
-    assert {x.mode for x in model.samples} == {"causal", "mask", "varlen"}
+    assert {x.mode for x in model.samples} == set(MODES)
     for x in model.samples:
         key = x.key(model.backend)
         assert x.compile_seconds > 0 and x.run_seconds > 0
         assert model.compile_seconds(key) > 0 and model.run_seconds(key) > 0
         assert x.estimate_bytes == model.graph_bytes(key)  # the runner's own estimate
-    assert model.steps is not None and {x.mode for x in model.steps.samples} == {"causal", "mask", "varlen"}
+    assert model.steps is not None and {x.mode for x in model.steps.samples} == set(MODES)
     for y in model.steps.samples:
         step = y.key(model.backend)
         assert y.compile_seconds > 0 and y.run_seconds > 0
@@ -151,8 +173,8 @@ def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
         assert y.estimate_bytes == model.graph_bytes(step)  # the runner's own estimate of a step graph
 
 
-@pytest.mark.parametrize("policy", ["dynamic", "varlen"])
-def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
+@pytest.mark.parametrize("policy", ["dynamic", "varlen", ROWS_POLICY])
+def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy, rows_policy):
     from attnpolicy.bench.replay import MODEL_TOLERANCE, PrefillReplay, replay
 
     model, _ = calibrated
@@ -168,8 +190,8 @@ def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
     assert result.ratios()["misses"] == 1.0
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen"])
-def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, policy):
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", ROWS_POLICY])
+def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, policy, rows_policy):
     """Whole requests (chunked prefill, decodes) served over a KV cache, every step on a
     step graph: the simulator's misses, compiles and evictions are the runner's, and its
     seconds come from the step fits."""
@@ -188,6 +210,43 @@ def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, poli
     assert result.figures["evictions"] > 0  # three graphs were too few: the eviction order mattered
     assert predicted.batches == len(steps) and predicted.run_seconds > 0 and predicted.compile_seconds > 0
     assert result.ratios()["misses"] == 1.0
+
+
+def test_rows_graphs_are_priced_by_their_own_fits_or_refused():
+    """A ROWS key's features are its totals and its rows (one segment each); a model
+    without ROWS fits (calibrated before ROWS) refuses it naming the mode, never pricing
+    it as another mode's graph."""
+    step = ModelKey(MaskMode.ROWS, 4 * 16, 4 * 32, ((16, 32),) * 4, "aot_eager", kv=True)
+    truth = ModelFit(base=0.2, per_token=1e-3, per_context=5e-4, per_cell=3e-6, per_segment=0.05)
+    assert truth(step) == pytest.approx(0.2 + 1e-3 * 64 + 5e-4 * 128 + 3e-6 * 4 * 16 * 48 + 0.05 * 4)
+    priced = with_rows(with_steps())
+    assert priced.run_seconds(step) == pytest.approx(priced.steps.run["mask"](step) + 1e-4 * 4)
+    prefill = key_of("rows", (32,) * 2, "aot_eager")
+    assert prefill.rows == 2 and priced.run_seconds(prefill) > priced.run_seconds(key_of("rows", (32,), "aot_eager"))
+    for old, key, kind in ((with_steps(), step, "step"), (synthetic(), prefill, "prefill")):
+        with pytest.raises(ConfigError, match=rf"holds no {kind}-graph fits of mode=rows .*calibrate it again"):
+            old.run_seconds(key)
+    with pytest.raises(ValueError, match="missing: causal, mask, varlen"):  # the other modes stay required
+        ModelCostModel.model_validate({**synthetic().model_dump(), "run": {"rows": ModelFit(base=1.0)}})
+
+
+def test_simulate_stalls_and_plan_price_a_rows_policy(tmp_path, rows_policy):
+    """simulate, stalls and plan ``--family model`` run a ROWS policy on ROWS keys priced
+    by the ROWS fits; a file without them refuses it naming the mode."""
+    path = CostFile(model=with_rows(synthetic())).save(tmp_path / "m.json")
+    flags = ["--limit", "30", "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "4"]
+    assert main(["simulate", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies",
+                 f"{ROWS_POLICY},always-mask", "--json", str(tmp_path / "sim.json"), *flags]) == 0
+    rows = {(r["policy"], r["eviction"]): r for r in json.loads((tmp_path / "sim.json").read_text())["rows"]}
+    assert rows[ROWS_POLICY, "lru"]["run_seconds"] > rows["always-mask", "lru"]["run_seconds"]  # 0.1 ms a row more
+    assert main(["stalls", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies",
+                 ROWS_POLICY, "--json", str(tmp_path / "st.json"), *flags]) == 0
+    assert [r["policy"] for r in json.loads((tmp_path / "st.json").read_text())["rows"]] == [ROWS_POLICY] * 2
+    assert main(["plan", "--cost-model", str(path), "--family", "model", "--max-graphs", "4", "--policies",
+                 ROWS_POLICY, "--out", str(tmp_path / "plan"), *flags]) == 0
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["policy"] == ROWS_POLICY
+    old = CostFile(model=synthetic()).save(tmp_path / "old.json")
+    assert main(["simulate", "--cost-model", str(old), "--family", "model", "--policies", ROWS_POLICY, *flags]) == 2
 
 
 def test_a_step_that_builds_its_graph_costs_its_build_alone():
@@ -292,7 +351,7 @@ def test_cli_calibrate_and_run_with_a_model(tmp_path):
     written = CostFile.load(path)
     assert written.attention == CostModel.default()  # the attention section is kept
     model = written.model_fits(str(path))
-    assert model.spec.startswith("llama:layers=1") and len(model.samples) == 3
+    assert model.spec.startswith("llama:layers=1") and len(model.samples) == 5  # ROWS: one row, two rows
     out = tmp_path / "run.json"
     assert main(["run", "--model", SPEC, "--prefill-only", "--cost-model", str(path), "--backend", "aot_eager", "--limit", "10",
                  "--max-seq-len", "512", "--max-num-batched-tokens", "512", "--max-num-seqs", "1",
