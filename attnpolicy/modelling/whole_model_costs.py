@@ -62,6 +62,16 @@ Mode = Literal["causal", "mask", "varlen"]
 MODEL_COST_MODES: tuple[Mode, ...] = ("causal", "mask", "varlen")
 
 
+def fit_mode(mode: MaskMode) -> Mode:
+    """``mode`` as the key of its whole-model fits; :class:`ConfigError` for a mode no
+    model cost model fits (ROWS: its whole-model graphs are not calibrated yet)."""
+    for name in MODEL_COST_MODES:
+        if mode.value == name:
+            return name
+    raise ConfigError(f"a model cost model has no {mode.value} fits: whole-model {mode.value} graphs are not "
+                      "calibrated yet")
+
+
 #: A feature of a fit: one value, or an array of them priced elementwise.
 Feature = TypeVar("Feature", float, np.ndarray)
 
@@ -273,7 +283,7 @@ class ModelCostModel(BaseModel):
     def _fit(self, key: ModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
         """The fit of ``what`` for ``key``'s kind of graph and mode."""
         source: ModelCostModel | StepFits = self.step_fits() if key.kv else self
-        return {"compile": source.compile, "run": source.run, "rss": source.rss}[what][key.mode.value]
+        return {"compile": source.compile, "run": source.run, "rss": source.rss}[what][fit_mode(key.mode)]
 
     def compile_seconds(self, key: ModelKey) -> float:
         """Seconds to build the graph of ``key`` (compile and first run)."""

@@ -412,7 +412,8 @@ def test_sweep_with_a_plugin_policy_and_its_options_next_to_builtins(threshold_p
     assert rows["varlen"]["policy_options"] == {} and rows["dynamic"]["policy_options"] == {}
     # the option ran: every batch is shorter than 100000 tokens, so every batch ran MASK
     # (with the default threshold of 512 the long ones run VARLEN)
-    assert rows["threshold-demo"]["modes"] == {"causal": 0, "mask": rows["threshold-demo"]["batches"], "varlen": 0}
+    assert rows["threshold-demo"]["modes"] == {"causal": 0, "mask": rows["threshold-demo"]["batches"], "varlen": 0,
+                                               "rows": 0}
 
 
 def test_a_bad_plugin_option_is_refused_before_the_sweep(threshold_plugin, capsys):
@@ -454,7 +455,7 @@ def test_policies_json_lists_options_and_evictions(threshold_plugin, capsys):
     by = {(e["kind"], e["name"]): e for e in entries}
     assert by["policy", "threshold-demo"]["options"] == {"threshold": 512, "label": "t"}
     assert by["policy", "threshold-demo"]["plugin"] == "threshold-plugin"
-    assert by["policy", "dynamic"]["options"] == {}
+    assert by["policy", "dynamic"]["options"] == {"rows": None}
     assert {"lru", "lfu", "fifo", "cost", "belady"} <= {n for k, n in by if k == "eviction"}
 
 
