@@ -131,7 +131,7 @@ def test_a_rows_bad_value_poisons_only_its_own_row(impl, value):
 
 def test_rows_warm_shapes_compile_their_graphs_and_are_validated():
     shape = WarmShape(kind=CallKind.ROWS, q_bucket=16, kv_bucket=32, causal=True, context=True, rows=4)
-    d = Dispatcher(_config(backend="aot_eager", warmup=[shape]))
+    d = Dispatcher(_config(backend="aot_eager", warmup=[shape], strict="raise"))  # no compile after warm-up
     (key,) = d.warmup(SPEC)
     assert (key.kind, key.rows, key.q_len, key.kv_len, key.context) == (CallKind.ROWS, 4, 16, 32, True)
     layout = BatchLayout.from_lens([1, 1, 1], [20, 9, 30])  # decode rows of that key
