@@ -55,7 +55,8 @@ logger = logging.getLogger("attnpolicy.config")
 class WarmShape(BaseModel):
     """One graph to compile at warm-up, without its tensor spec (known only at run
     time): the call kind, its query and key buckets, causality and whether keys
-    include cached context (``attnpolicy plan`` writes these)."""
+    include cached context (``attnpolicy plan`` writes these); a rows graph's row
+    count ``rows`` (one of ``row_buckets``; 1 for every other kind)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_by_name=True, serialize_by_alias=True)
 
@@ -64,10 +65,13 @@ class WarmShape(BaseModel):
     kv_bucket: PositiveInt
     causal: bool = True
     context: bool = False
+    rows: PositiveInt = Field(1, exclude_if=lambda rows: rows == 1)  # written for rows graphs only
 
     @model_validator(mode="after")
     def _a_planned_call(self) -> WarmShape:
         q, kv = self.q_bucket, self.kv_bucket
+        if self.kind is not CallKind.ROWS and self.rows != 1:
+            raise ValueError(f"rows {self.rows} is for a rows graph: a {self.kind.value} graph has rows 1")
         if q > kv:
             raise ValueError(f"q_bucket {q} must be <= kv_bucket {kv}")
         if self.kind is CallKind.CAUSAL and (q != kv or not self.causal or self.context):
@@ -248,6 +252,8 @@ class AttnPolicyConfig(BaseModel):
                              "warm-up would evict its own graphs")
         for i, shape in enumerate(self.warmup):
             mask = shape.kind is CallKind.MASK
+            if shape.rows not in self.row_buckets:
+                raise ValueError(f"warmup.{i}: rows {shape.rows} is not one of row_buckets {list(self.row_buckets)}")
             if mask and plan_rules.mask_over(shape.q_bucket, shape.kv_bucket, self.max_mask_bytes):
                 raise ValueError(f"warmup.{i}: a mask graph of {shape.q_bucket} x {shape.kv_bucket} needs a "
                                  f"{shape.q_bucket * shape.kv_bucket}-byte mask, more than "

@@ -72,7 +72,9 @@ from attnpolicy.modelling.whole_model_costs import (
 
 #: The policy that plans each call kind for the calibration layouts below.
 _POLICY: dict[CallKind, str] = {CallKind.CAUSAL: "dynamic", CallKind.MASK: "always-mask",
-                                   CallKind.VARLEN: "varlen"}
+                                   CallKind.VARLEN: "varlen", CallKind.ROWS: "always-rows"}
+#: The rows of the ROWS graphs timed: a rows sample is one row's seconds (the call's / this).
+CALIBRATION_ROWS = 4
 #: Hit-path dispatches averaged for the call overhead.
 OVERHEAD_CALLS = 2000
 MIN_REPEATS = 2
@@ -95,8 +97,9 @@ def _real(bucket: int) -> int:
 
 def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
     """The (call kind, q bucket, kv bucket) grid: ``sizes``, or pow2 sizes from 16 to
-    ``max_len`` (every other size with ``quick``); square shapes for CAUSAL and MASK,
-    decode-like (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN."""
+    ``max_len`` (every other size with ``quick``); square shapes for CAUSAL, MASK and ROWS,
+    decode-like (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN,
+    and the first two for ROWS (graphs of :data:`CALIBRATION_ROWS` rows)."""
     sizes = sorted(s.sizes or ())
     n = 16
     while not s.sizes and n <= s.max_len:
@@ -106,11 +109,11 @@ def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
         sizes = sorted({*sizes[::2], sizes[-1]})
     grid: list[tuple[CallKind, int, int]] = []
     for n in sizes:
-        grid += [(CallKind.CAUSAL, n, n), (CallKind.MASK, n, n)]
+        grid += [(CallKind.CAUSAL, n, n), (CallKind.MASK, n, n), (CallKind.ROWS, n, n)]
     for n in sizes:
         if n >= 64:
-            grid += [(CallKind.MASK, 16, n), (CallKind.VARLEN, 16, n),
-                     (CallKind.MASK, n // 4, n), (CallKind.VARLEN, n // 4, n)]
+            grid += [(CallKind.MASK, 16, n), (CallKind.VARLEN, 16, n), (CallKind.ROWS, 16, n),
+                     (CallKind.MASK, n // 4, n), (CallKind.VARLEN, n // 4, n), (CallKind.ROWS, n // 4, n)]
         if n >= 32:
             grid.append((CallKind.VARLEN, n // 2, n))
     return list(dict.fromkeys(grid))
@@ -123,6 +126,8 @@ def _layout(kind: CallKind, q_bucket: int, kv_bucket: int) -> BatchLayout:
         return BatchLayout.from_lens([rq])
     if kind is CallKind.VARLEN:
         return BatchLayout.from_lens([rq], [rkv])
+    if kind is CallKind.ROWS:  # every row alike: the call's seconds are its rows' times one row's
+        return BatchLayout.from_lens([rq] * CALIBRATION_ROWS, None if rq == rkv else [rkv] * CALIBRATION_ROWS)
     n = min(4, rq)
     q_lens = split_lengths(rq, n)
     return BatchLayout.from_lens(q_lens, None if rq == rkv else split_lengths(rkv, n))
@@ -220,7 +225,8 @@ def _attention(s: CalibrationSettings, progress: Callable[[str], None] | None) -
     samples = [Sample(what="compile", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=compile_s)
                for (kind, *_), (key, compile_s, _) in zip(grid, measured)]
     for (kind, *_), (key, _, (run_s, *build_s)) in zip(grid, measured):
-        samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len, seconds=pick(run_s)))
+        samples.append(Sample(what="run", kind=kind, rows=key.q_len, cols=key.kv_len,
+                              seconds=pick(run_s) / key.rows))  # a ROWS graph's: per row
         for what, seconds in zip(("mask_build", "mask_build_window"), build_s):
             samples.append(Sample(what=what, rows=key.q_len, cols=key.kv_len, seconds=pick(seconds)))
     compile_fits = {kind: _fit(samples, "compile", kind) for kind in CallKind}

@@ -458,14 +458,17 @@ def bounds_cell(capacity: int | None, max_bytes: int | None) -> str:
 def print_sweep(title: str, rows: list[SimRow]) -> None:
     """The rows; then each (buckets, policy)'s lower bound, and with several bucket
     schemes their totals side by side."""
+    modes = ("causal", "mask", "varlen") + (("rows",) if any(r.modes.get("rows") for r in rows) else ())
+    tag = "/".join(m[0] for m in modes)
     print_table(title, ("buckets", "policy", "bound", "eviction", "misses", "hit rate", "compile s",
-                        "attention s", "total s", "over lower bound", "peak MiB", "batches c/m/v"),
+                        "attention s", "total s", "over lower bound", "peak MiB", f"batches {tag}"),
                 [(r.buckets, r.policy, bounds_cell(r.capacity, r.max_bytes), r.eviction, r.misses, r.hit_rate,
                   r.compile_with_warmup_seconds, r.run_seconds, r.total_seconds, f"{r.bound_gap:+.1%}",
-                  r.peak_bytes / MIB, "/".join(str(r.modes[m]) for m in ("causal", "mask", "varlen")))
+                  r.peak_bytes / MIB, "/".join(str(r.modes.get(m, 0)) for m in modes))
                  for r in rows],
-                caption="bound: max graphs (∞: unbounded), max bytes; batches c/m/v: batches run causal / mask / "
-                        "varlen; over lower bound: total over attention + every distinct graph compiled once")
+                caption=f"bound: max graphs (∞: unbounded), max bytes; batches {tag}: batches run "
+                        f"{' / '.join(modes)}; over lower bound: total over attention + every distinct graph "
+                        "compiled once")
     print_store(rows)
     bounds = lower_bounds(rows)
     print_table("lower bounds: attention + every distinct graph compiled once (no eviction or bound does better "

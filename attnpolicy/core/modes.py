@@ -21,9 +21,9 @@ class MaskMode(str, Enum):
     - ``VARLEN``: one call per sequence, no host-built mask. Always legal; causal
       sequences without context reuse exactly the CAUSAL graphs (mask-free), the
       others (context, decode, bidirectional) bound their keys inside the graph.
-    - ``ROWS``: one sequence per row of a right-padded ``[rows, length]`` batch; fresh
-      causal rows run mask-free, others bound their keys per row from a lengths tensor
-      inside the graph. Always legal.
+    - ``ROWS``: each sequence in its own row of a right-padded ``[rows, length]``
+      batch (rows bucketed by ``row_buckets``). Always legal; fresh causal rows run
+      mask-free, the others bound their keys per row inside the graph.
     """
 
     CAUSAL = "causal"
@@ -55,12 +55,15 @@ class CallKind(str, Enum):
       and VARLEN for each causal sequence without cached context);
     - ``MASK``: a dense mask is an input (MASK plans it);
     - ``VARLEN``: one sequence whose bounds arrive as a tensor (VARLEN plans it for
-      sequences with cached context, and bidirectional ones).
+      sequences with cached context, and bidirectional ones);
+    - ``ROWS``: up to a row bucket of sequences, one a row, right-padded; per-row
+      lengths arrive as tensors (ROWS plans it).
     """
 
     CAUSAL = "causal"
     MASK = "mask"
     VARLEN = "varlen"
+    ROWS = "rows"
 
     def __str__(self) -> str:
         return self.value

@@ -54,7 +54,8 @@ class BatchPlan:
     @classmethod
     def of(cls, mode: MaskMode, calls: Planned, layout: BatchLayout) -> BatchPlan:
         keys = tuple(key for _, key in calls) if all(call.compiled for call, _ in calls) else ()
-        return cls(mode, calls, keys, len(calls), sum(call.q_bucket for call, _ in calls) - layout.total_tokens)
+        return cls(mode, calls, keys, len(calls),
+                   sum(call.rows * call.q_bucket for call, _ in calls) - layout.total_tokens)
 
     @classmethod
     def of_seqs(cls, seqs: list[SeqPlan], layout: BatchLayout) -> BatchPlan:
@@ -65,7 +66,7 @@ class BatchPlan:
 #: The config fields a batch plan reads: dispatchers whose configs agree on them (and on
 #: the kernel choice) may share one :class:`BatchPlanner`.
 BATCH_PLAN_FIELDS = ("buckets", "max_seq_len", "max_batch_tokens", "on_overflow", "max_mask_bytes", "partition_len",
-                   "backend", "attn_impl", "kernels", "warmup")
+                   "backend", "attn_impl", "kernels", "warmup", "row_buckets")
 
 
 class BatchPlanner:
@@ -112,7 +113,8 @@ class BatchPlanner:
             return hit
         except KeyError:
             pass
-        calls = plan_calls(layout, mode, self._length_bucket, self._batch_bucket)
+        cfg = self.config
+        calls = plan_calls(layout, mode, self._length_bucket, self._batch_bucket, cfg.rows_bucket, cfg.row_buckets[-1])
         if mode is MaskMode.MASK and not self._mask_fits(calls[0], layout):
             mode = MaskMode.VARLEN
             calls = plan_calls(layout, mode, self._length_bucket, self._batch_bucket)
@@ -152,7 +154,7 @@ class BatchPlanner:
         """The graph key of ``call``: one instance per distinct key, remembered per call
         shape, so that planning a new layout builds no key twice and cache lookups of
         equal keys succeed on identity."""
-        shape = (call.kind, call.q_bucket, call.kv_bucket, *call_traits(call, layout), spec)
+        shape = (call.kind, call.q_bucket, call.kv_bucket, *call_traits(call, layout), spec, call.rows)
         try:
             key: GraphKey = self._keys[shape]
             return key
@@ -246,6 +248,6 @@ def warm_call(shape: WarmShape) -> tuple[Call, BatchLayout]:
     context (what a MASK key and the kernel choice read from the layout)."""
     q, kv = shape.q_bucket, shape.kv_bucket
     q_len = q - 1 if shape.context and q == kv else q  # context: more keys than queries
-    call = Call(shape.kind, 0, q_len, 0, kv, q, kv, shape.causal)
+    call = Call(shape.kind, 0, q_len, 0, kv, q, kv, shape.causal, rows=shape.rows, context=shape.context)
     layout = BatchLayout.from_lens([1], [2] if shape.context else None, causal=shape.causal)
     return call, layout

@@ -85,7 +85,7 @@ class CallFamily:
         return graph_bytes(key)
 
     def rows(self, key: GraphKey) -> int:
-        return key.q_len
+        return key.rows * key.q_len
 
     def build(self, key: GraphKey, request: CallRequest) -> Any:
         """The graph of ``key`` from the custom builder, else :meth:`compile`."""
@@ -125,17 +125,20 @@ class CallFamily:
         causality, spec, impl, partition, backend) with buckets at least ``key``'s, the
         one the cost model runs fastest (ties: the smaller buckets), when its extra run
         seconds over ``switch_after`` calls are less than compiling ``key``. FlexAttention
-        graphs and MASK graphs whose mask would exceed ``max_mask_bytes`` never serve."""
-        if key.impl == "flex":
+        graphs and MASK graphs whose mask would exceed ``max_mask_bytes`` never serve; a
+        ROWS graph serves with at least ``key``'s rows, a mask-free one no call with context,
+        and a ROWS call pads up only under a cost model that prices rows."""
+        model = self._model()
+        if key.impl == "flex" or not model.prices(key.kind):  # a model without a rows fit: no pad-up
             return None
         best: tuple[float, int, int] | None = None
         found: GraphKey | None = None
-        model = self._model()
         for other in resident:
             if (not isinstance(other, GraphKey) or other.kind is not key.kind or other.causal != key.causal
                     or other.q_len < key.q_len or other.kv_len < key.kv_len or other.spec != key.spec
                     or other.impl != key.impl or other.partition_len != key.partition_len
-                    or other.backend != key.backend or other == key):
+                    or other.backend != key.backend or other == key or other.rows < key.rows
+                    or (key.context and not other.context)):
                 continue
             if key.kind is CallKind.MASK and plan_rules.mask_over(other.q_len, other.kv_len,
                                                                   self.config.max_mask_bytes):
@@ -266,7 +269,9 @@ class CallSource(GraphSource[GraphKey, CallRequest]):
                     out.append((call, self.calls.eager(key, (call, spec))))
                     continue
                 if served != key:  # padded up
-                    call, key = dataclasses.replace(call, q_bucket=served.q_len, kv_bucket=served.kv_len), served
+                    call = dataclasses.replace(call, q_bucket=served.q_len, kv_bucket=served.kv_len, rows=served.rows,
+                                               context=call.context or served.context)
+                    key = served
             out.append((call, self.graph(call, key, spec, pin=True)[0]))
         return out, (None,) * len(out)
 
@@ -450,6 +455,12 @@ def example_inputs(call: Call, spec: TensorSpec) -> tuple[torch.Tensor, ...]:
     k, v = (torch.zeros(call.kv_bucket, spec.kv_heads, spec.head_dim, dtype=dtype, device=dev).transpose(0, 1)
             for _ in range(2))  # distinct objects: Dynamo guards on aliasing
     sinks = (torch.zeros(spec.heads, dtype=dtype, device=dev),) if spec.features.sinks else ()
+    if call.kind is CallKind.ROWS:  # gathered rows: [R, L, H, D] viewed heads first
+        def rows(length: int, heads: int) -> torch.Tensor:
+            return torch.zeros(call.rows, length, heads, spec.head_dim, dtype=dtype, device=dev).transpose(1, 2)
+        lens = (torch.zeros(call.rows, dtype=torch.int64, device=dev) for _ in range(2))
+        return (rows(call.q_bucket, spec.heads), rows(call.kv_bucket, spec.kv_heads),
+                rows(call.kv_bucket, spec.kv_heads), *lens, *sinks)
     if call.kind is CallKind.MASK:
         return q, k, v, torch.ones(call.q_bucket, call.kv_bucket, dtype=torch.bool, device=dev), *sinks
     if call.kind is CallKind.VARLEN:

@@ -88,7 +88,7 @@ class Step:
             return
         call, graph = graphs[0]
         if (isinstance(graph, FlexGraph) or call.q_bucket != layout.q_tokens or call.kv_bucket != layout.kv_tokens
-                or call.kind is CallKind.VARLEN):
+                or call.kind not in (CallKind.CAUSAL, CallKind.MASK)):
             return
         self.direct = graph
         if call.kind is CallKind.MASK:

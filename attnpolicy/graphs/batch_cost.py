@@ -76,7 +76,7 @@ class BatchCost:
         with ``key`` None (uncompiled, longer than the largest bucket), its shape's."""
         if key is not None:
             return self.model.run_seconds(key) + self._overhead
-        return self.model.call_seconds(call.kind, call.q_bucket, call.kv_bucket) + self._overhead
+        return self.model.call_seconds(call.kind, call.q_bucket, call.kv_bucket, call.rows) + self._overhead
 
     def mask_seconds(self, layout: BatchLayout, call: Call, device: object,
                      window: int | None = None) -> float | None:

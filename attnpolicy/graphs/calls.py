@@ -16,11 +16,15 @@ def exact(n: int) -> int:
 
 
 def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int] = exact,
-               batch_bucket: Callable[[int], int] | None = None) -> tuple[Call, ...]:
+               batch_bucket: Callable[[int], int] | None = None, rows_bucket: Callable[[int], int] = exact,
+               max_rows: int | None = None) -> tuple[Call, ...]:
     """The calls that compute ``layout`` in ``mode`` (raises if the mode is illegal).
 
     ``bucket`` rounds one sequence's length up to a compiled size; ``batch_bucket``
-    (default: ``bucket``) rounds the packed row counts of a MASK call.
+    (default: ``bucket``) rounds the packed row counts of a MASK call; ``rows_bucket``
+    rounds a ROWS call's sequence count up to its row count, and a ROWS batch of more
+    than ``max_rows`` sequences (default: no limit) runs as several calls of at most
+    that many, in order.
 
     VARLEN runs a causal sequence without context through the CAUSAL graph of its
     bucket (mask-free, shared with single-sequence batches); any other sequence
@@ -36,6 +40,11 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
         batch_bucket = batch_bucket or bucket
         return (Call(CallKind.MASK, 0, layout.q_tokens, 0, layout.kv_tokens,
                      batch_bucket(layout.q_tokens), batch_bucket(layout.kv_tokens), layout.causal),)
+    if mode is MaskMode.ROWS:
+        n = layout.num_seqs
+        per = n if max_rows is None else max_rows
+        return tuple(_rows_call(layout, s, min(s + per, n), bucket, rows_bucket)
+                     for s in range(0, plan_rules.row_calls(n, per) * per, per))
     calls = []
     for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
         if plan_rules.runs_causal(layout.causal, ql, kl):
@@ -45,3 +54,14 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
             calls.append(Call(CallKind.VARLEN, qs, ql, ks, kl, bucket(ql), bucket(kl), layout.causal))
     return tuple(calls)
 
+
+
+def _rows_call(layout: BatchLayout, first: int, end: int, bucket: Callable[[int], int],
+               rows_bucket: Callable[[int], int]) -> Call:
+    """The ROWS call of ``layout``'s sequences ``[first, end)``."""
+    q_lens, kv_lens = layout.q_lens[first:end], layout.kv_lens[first:end]
+    qs, ks = layout.q_starts[first], layout.kv_starts[first]
+    q_end, kv_end = layout.q_starts[end - 1] + q_lens[-1], layout.kv_starts[end - 1] + kv_lens[-1]
+    context = any(kl > ql for ql, kl in zip(q_lens, kv_lens))
+    return Call(CallKind.ROWS, qs, q_end - qs, ks, kv_end - ks, bucket(max(q_lens)), bucket(max(kv_lens)),
+                layout.causal, True, first, end - first, rows_bucket(end - first), context)

@@ -6,7 +6,11 @@ compile backend it was calibrated with (``attnpolicy calibrate``, see
 
 - ``run[kind]``: seconds of one graph call of a key (its padded ``q_len × kv_len``
   shape), input padding and output copy included, for each :class:`CallKind`
-  (JSON keys ``causal``, ``mask``, ``varlen``);
+  (JSON keys ``causal``, ``mask``, ``varlen``, ``rows``); the ``rows`` fit is one row's
+  seconds, measured on rows graphs, and a rows call costs its rows times it. A model
+  calibrated before the rows kind has no ``rows`` fits: it still loads, prices no
+  rows call (:meth:`CostModel.prices`; ``cost-aware`` then never chooses rows) and
+  names the fix when asked to;
 - ``compile[kind]``: seconds to build one graph of a key (backend compile plus its
   first call on example inputs);
 - ``warmup_seconds``: what the first compile in a process pays on top of its key's
@@ -230,7 +234,7 @@ class CostModel(BaseModel):
     def _every_kind(self) -> CostModel:
         for field in ("run", "compile", "store_load", "store_bytes"):
             fits = getattr(self, field)
-            missing = [f.value for f in CallKind if f not in fits]
+            missing = [f.value for f in CallKind if f not in fits and f is not CallKind.ROWS]
             if missing and (fits or field in ("run", "compile")):
                 raise ValueError(f"{field} needs a fit for every call kind; missing: {', '.join(missing)}")
         if bool(self.store_load) != bool(self.store_bytes):
@@ -261,19 +265,26 @@ class CostModel(BaseModel):
         return max((max(x.rows, x.cols) for x in self.samples if x.what == "run"), default=None)
 
     # -- predictions -------------------------------------------------------------------
-    def call_seconds(self, kind: CallKind, q_len: int, kv_len: int) -> float:
-        """Seconds of one call of kind ``kind`` on a padded ``q_len × kv_len`` shape."""
-        return self.run[kind](q_len, kv_len)
+    def prices(self, kind: CallKind) -> bool:
+        """Whether the model prices calls of ``kind``: every kind but ROWS, and ROWS once
+        calibrated on rows graphs (a model calibrated before the rows kind has no fit for it)."""
+        return kind is not CallKind.ROWS or (kind in self.run and kind in self.compile)
+
+    def call_seconds(self, kind: CallKind, q_len: int, kv_len: int, rows: int = 1) -> float:
+        """Seconds of one call of kind ``kind`` on a padded ``q_len × kv_len`` shape (a
+        ROWS call of ``rows`` rows: ``rows`` × the rows fit, one row's seconds).
+        :class:`ConfigError` for a kind the model has no fit for (see :meth:`prices`)."""
+        return rows * _fit_of(self.run, kind)(q_len, kv_len)
 
     def run_seconds(self, key: GraphKey) -> float:
-        """Seconds of one call of the graph of ``key``."""
-        return self.run[key.kind](key.q_len, key.kv_len)
+        """Seconds of one call of the graph of ``key`` (see :meth:`call_seconds`)."""
+        return self.call_seconds(key.kind, key.q_len, key.kv_len, key.rows)
 
     def compile_seconds(self, key: GraphKey) -> float:
         """Seconds to build the graph of ``key`` (0 for backend ``"none"``: nothing compiles)."""
         if key.backend == "none":
             return 0.0
-        return self.compile[key.kind](key.q_len, key.kv_len)
+        return _fit_of(self.compile, key.kind)(key.q_len, key.kv_len)
 
     def compile_cost(self, key: GraphKey, measured_seconds: float) -> float:
         """A :class:`~attnpolicy.cache.graph_cache.GraphCache` ``compile_cost``: record the modelled
@@ -299,11 +310,11 @@ class CostModel(BaseModel):
 
     def load_seconds(self, key: GraphKey) -> float:
         """Seconds to load the stored graph of ``key`` (needs :attr:`knows_store`)."""
-        return self.store_load[key.kind](key.q_len, key.kv_len)
+        return _fit_of(self.store_load, key.kind)(key.q_len, key.kv_len)
 
     def stored_bytes(self, key: GraphKey) -> int:
         """Bytes the stored graph of ``key`` takes on disk, rounded up (needs :attr:`knows_store`)."""
-        return math.ceil(self.store_bytes[key.kind](key.q_len, key.kv_len))
+        return math.ceil(_fit_of(self.store_bytes, key.kind)(key.q_len, key.kv_len))
 
     def warmup_cost(self, compiled: Iterable[GraphKey]) -> float:
         """The one-off start-up of a process that compiles the graphs of ``compiled``:
@@ -348,6 +359,15 @@ class CostModel(BaseModel):
             resource = resources.files("attnpolicy").joinpath("data", DEFAULT_RESOURCE)
             _default = cls.from_json(resource.read_text(encoding="utf-8"), f"attnpolicy/data/{DEFAULT_RESOURCE}")
         return _default
+
+
+def _fit_of(fits: Mapping[CallKind, Fit], kind: CallKind) -> Fit:
+    """``fits[kind]``, or :class:`ConfigError` for a kind the model has no fit for."""
+    fit = fits.get(kind)
+    if fit is None:
+        raise ConfigError(f"this cost model has no {kind.value} fit (calibrated before the {kind.value} kind): "
+                          f"run attnpolicy calibrate to price {kind.value} calls")
+    return fit
 
 
 def describe_spec(spec: TensorSpec) -> str:

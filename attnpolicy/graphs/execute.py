@@ -18,7 +18,7 @@ from attnpolicy.errors import LayoutError
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.flexgraph import FlexGraph
 from attnpolicy.graphs.keys import Call
-from attnpolicy.kernels.attention import bind, check_scale
+from attnpolicy.kernels.attention import BoundKernel, bind, check_scale
 from attnpolicy.kernels.flex import BlockMaskCache, flex_graph
 from attnpolicy.kernels.isolation import isolated, leak_free
 from attnpolicy.kernels.mask_cache import MaskCache
@@ -37,13 +37,16 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
       window is in the mask);
     - VARLEN: ``f(q, k, v, lens)``, one sequence; bounds (and the window) are applied
       in the graph from the bounds tensor;
+    - ROWS: ``f(q, k, v, q_lens, kv_lens)`` over ``[R, H, L, D]`` rows, one sequence a
+      row (see :func:`_rows_graph`): mask-free for fresh causal rows, else bound per
+      row in the graph from the lengths tensors;
     - MASK with impl ``flex``: a :class:`FlexGraph` (block mask instead of a dense one;
       here with a one-entry block-mask cache, the dispatcher passes its own).
 
     ``features``' soft cap is bound into the kernel; with sinks every function takes
     the sink logits ``[Hq]`` as one more, last, input.
 
-    MASK and VARLEN graphs do not isolate sequences themselves: :func:`execute`
+    MASK, VARLEN and ROWS graphs do not isolate sequences themselves: :func:`execute`
     does, around them (see :mod:`attnpolicy.kernels.isolation`). Each kind's
     functions are closures over one code object; ``compile.py`` gives every compiled
     graph a fresh code object of its own.
@@ -71,13 +74,38 @@ def graph_fn(call: Call, impl: str, scale: float | None, partition_len: int | No
             return run(q, k, v, False, mask, sinks)
         return mask_sink_graph if features.sinks else mask_graph
 
+    if call.kind is CallKind.ROWS:
+        return _rows_graph(run, rows, cols, causal and not call.context, causal, window, features.sinks)
+
     def varlen_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        return run(q, k, v, False, bounded_mask(rows, cols, lens, causal, window))
+        return run(q, k, v, False, bounded_mask(rows, cols, lens[0], lens[1], causal, window))
 
     def varlen_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                           sinks: torch.Tensor) -> torch.Tensor:
-        return run(q, k, v, False, bounded_mask(rows, cols, lens, causal, window), sinks)
+        return run(q, k, v, False, bounded_mask(rows, cols, lens[0], lens[1], causal, window), sinks)
     return varlen_sink_graph if features.sinks else varlen_graph
+
+
+def _rows_graph(run: BoundKernel, rows: int, cols: int, mask_free: bool, causal: bool, window: int | None,
+                sinks: bool) -> GraphFn:
+    """A ROWS graph: ``f(q, k, v, q_lens, kv_lens)`` over ``[R, H, L, D]`` rows and the
+    ``[R]`` lengths of each row. ``mask_free`` (causal rows without cached context):
+    ``is_causal``, the lengths unread (right padding keeps every valid query on valid
+    keys; a window is a band built in the graph); otherwise each row's keys are bound
+    in the graph from its lengths (:func:`bounded_mask`)."""
+    def bounds(q: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        if mask_free:
+            return None if window is None else window_band(rows, cols, window, causal=True, device=q.device)
+        return bounded_mask(rows, cols, q_lens[:, None, None], kv_lens[:, None, None], causal, window)
+
+    def rows_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Tensor,
+                   kv_lens: torch.Tensor) -> torch.Tensor:
+        return run(q, k, v, mask_free, bounds(q, q_lens, kv_lens))
+
+    def rows_sink_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Tensor,
+                        kv_lens: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return run(q, k, v, mask_free, bounds(q, q_lens, kv_lens), sinks)
+    return rows_sink_graph if sinks else rows_graph
 
 
 def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
@@ -85,10 +113,13 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
                  ) -> tuple[torch.Tensor, ...]:
     """Slice, pad to the call's buckets and transpose packed tensors into graph inputs.
 
-    A MASK call takes the whole packed tensors, padding rows included: garbage there
-    (an uninitialised buffer: NaN, inf) is isolated by :func:`execute` like any key
-    row the mask hides. Masks (under ``window``), bounds and zero padding blocks come
+    A ROWS call gathers its sequences into rows (:func:`rows_inputs`). A MASK call
+    takes the whole packed tensors, padding rows included: garbage there (an
+    uninitialised buffer: NaN, inf) is isolated by :func:`execute` like any key row
+    the mask hides. Masks (under ``window``), bounds and zero padding blocks come
     from ``masks`` (built fresh without one); sink logits are appended by the caller."""
+    if call.kind is CallKind.ROWS:
+        return rows_inputs(q, k, v, layout, call, masks)
     if call.q_bucket == call.q_len == q.shape[0] and call.kv_bucket == call.kv_len == k.shape[0]:
         ins = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # whole tensors, unpadded
     else:
@@ -108,6 +139,47 @@ def graph_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Batc
         return torch.tensor([call.q_len, call.kv_len], device=device)
     lens = bounds() if masks is None else masks.small(("lens", call.q_len, call.kv_len, device), bounds)
     return (*ins, lens)
+
+
+def rows_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout, call: Call,
+                masks: MaskCache | None = None) -> tuple[torch.Tensor, ...]:
+    """A ROWS call's inputs: ``q[R, Hq, Lq, D]``, ``k, v[R, Hkv, Lk, D]`` (its sequences
+    gathered one a row, right-padded with zeros, rows beyond them zero) and the rows'
+    lengths ``q_lens[R]``, ``kv_lens[R]`` (0 for the rows beyond them). One gather per
+    tensor; its indices and the lengths are kept in ``masks`` (each its own tensor: no
+    two inputs of a compiled graph share storage)."""
+    q_idx, q_lens = _row_index("q", layout.q_starts, layout.q_lens, call, call.q_bucket, q, masks)
+    kv_idx, kv_lens = _row_index("kv", layout.kv_starts, layout.kv_lens, call, call.kv_bucket, k, masks)
+    return (_gathered(q, q_idx, call.rows, call.q_bucket), _gathered(k, kv_idx, call.rows, call.kv_bucket),
+            _gathered(v, kv_idx, call.rows, call.kv_bucket), q_lens, kv_lens)
+
+
+def _gathered(x: torch.Tensor, index: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """Rows of packed ``x[T, H, D]`` at ``index`` (``T``: a zero row), as ``[rows, H, length, D]``."""
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return padded.index_select(0, index).view(rows, length, *x.shape[1:]).transpose(1, 2)
+
+
+def _row_index(which: str, starts: tuple[int, ...], lens: tuple[int, ...], call: Call, length: int,
+               x: torch.Tensor, masks: MaskCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed row of each ``(row, position)`` of a ROWS call's ``[rows, length]``
+    (``x``'s token count, its zero row, where a row has no token there), and the rows'
+    lengths (``which``: ``"q"`` or ``"kv"``, kept apart)."""
+    first, end, pad = call.seq_start, call.seq_start + call.seqs, (0,) * (call.rows - call.seqs)
+    device = str(x.device)
+
+    def row_lens() -> torch.Tensor:
+        return torch.tensor([*lens[first:end], *pad], device=device)
+
+    def index() -> torch.Tensor:
+        pos = torch.arange(length)
+        n, at = torch.tensor([*lens[first:end], *pad]), torch.tensor([*starts[first:end], *pad])
+        return torch.where(pos < n[:, None], at[:, None] + pos, x.shape[0]).flatten().to(device)
+    if masks is None:
+        return index(), row_lens()
+    key = (which, starts[first:end], lens[first:end], call.rows, device)
+    return (masks.small(("rows-index", *key, length, x.shape[0]), index),
+            masks.small(("rows-lens", *key), row_lens))
 
 
 def _rows(x: torch.Tensor, start: int, n: int, bucket: int, masks: MaskCache | None) -> torch.Tensor:
@@ -198,7 +270,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
          sinks: torch.Tensor | None) -> torch.Tensor:
     extra = () if sinks is None else (sinks,)
     call, first = graphs[0]
-    if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind is not CallKind.VARLEN:
+    if len(graphs) == 1 and call.q_len == layout.q_tokens and call.kind in (CallKind.CAUSAL, CallKind.MASK):
         # one call over every query row (MASK, or CAUSAL of one unpadded sequence)
         out = first(*graph_inputs(q, k, v, layout, call, masks, window), *extra)  # type: ignore[operator]
         if call.q_bucket != call.q_len:
@@ -211,9 +283,21 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
     out = q.new_zeros(q.shape) if layout.q_tokens != layout.total_tokens else torch.empty_like(q)
     for call, each in graphs:
         o = each(*graph_inputs(q, k, v, layout, call, masks, window), *extra)  # type: ignore[operator]
+        if call.kind is CallKind.ROWS:
+            _scatter_rows(out, o, layout, call)
+            continue
         n = call.q_len
         out[call.q_start:call.q_start + n].copy_((o if call.q_bucket == n else o[:, :n]).transpose(0, 1))
     return out
+
+
+def _scatter_rows(out: torch.Tensor, o: torch.Tensor, layout: BatchLayout, call: Call) -> None:
+    """Write a ROWS call's output ``o[R, Hq, Lq, D]`` into packed ``out``: each
+    sequence's valid positions of its row (padded positions and rows dropped)."""
+    rows = o.transpose(1, 2)
+    for row, seq in enumerate(range(call.seq_start, call.seq_start + call.seqs)):
+        start, n = layout.q_starts[seq], layout.q_lens[seq]
+        out[start:start + n].copy_(rows[row, :n])
 
 
 #: The dtypes attention computes in (fp16/bf16/fp32 in fp32, fp64 in fp64).

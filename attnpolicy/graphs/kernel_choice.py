@@ -22,10 +22,13 @@ from attnpolicy.plugins.kernels import (
 
 def call_traits(call: Call, layout: BatchLayout) -> tuple[bool, bool]:
     """The causality and cached context a call's graph serves, as its key and its
-    kernel see them: a MASK call's from its layout (one mask covers the batch),
-    another call's from its own sequence (context: more keys than queries)."""
+    kernel see them: a MASK call's from its layout (one mask covers the batch), a
+    ROWS call's from its rows, another call's from its own sequence (context: more
+    keys than queries)."""
     if call.kind is CallKind.MASK:
         return layout.causal, layout.has_context
+    if call.kind is CallKind.ROWS:
+        return call.causal, call.context
     return call.causal, call.kv_len > call.q_len
 
 

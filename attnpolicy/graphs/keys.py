@@ -59,6 +59,11 @@ class Call:
     ``q_bucket`` / ``kv_bucket`` rows. ``compiled`` is false for a call longer than
     the largest bucket that runs uncompiled (``on_overflow="eager"``): it has no graph
     in the cache.
+
+    A ROWS call holds the sequences ``[seq_start, seq_start + seqs)`` of its layout,
+    one a row, in ``rows`` rows (its row bucket; 1 for every other kind): its token
+    ranges span theirs, each row is padded to ``q_bucket`` / ``kv_bucket``, and
+    ``context`` says whether a row has cached context (more keys than queries).
     """
 
     kind: CallKind
@@ -70,11 +75,17 @@ class Call:
     kv_bucket: int
     causal: bool
     compiled: bool = True
+    seq_start: int = 0
+    seqs: int = 1
+    rows: int = 1
+    context: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class GraphKey:
-    """Cache key of one compiled graph: equal keys can share one graph."""
+    """Cache key of one compiled graph: equal keys can share one graph. ``rows`` is a
+    ROWS graph's row count (1 for every other kind); ``context`` whether a causal ROWS
+    graph bounds its rows' cached context (a fresh one runs mask-free)."""
 
     kind: CallKind
     q_len: int
@@ -84,12 +95,15 @@ class GraphKey:
     impl: str
     partition_len: int | None
     backend: str
+    rows: int = 1
+    context: bool = False
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # hashed once: a key is looked up in the graph cache on every call
         object.__setattr__(self, "_hash", hash((self.kind, self.q_len, self.kv_len, self.causal, self.spec,
-                                                self.impl, self.partition_len, self.backend)))
+                                                self.impl, self.partition_len, self.backend, self.rows,
+                                                self.context)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -100,7 +114,8 @@ class GraphKey:
         # a MASK graph takes causality from its mask: causal and bidirectional share it
         causal = call.causal and call.kind is not CallKind.MASK
         return cls(call.kind, call.q_bucket, call.kv_bucket, causal, spec, impl,
-                   partition_len if impl == "flash" else None, backend)
+                   partition_len if impl == "flash" else None, backend, call.rows,
+                   causal and call.context and call.kind is CallKind.ROWS)
 
     def __str__(self) -> str:
         s = self.spec
@@ -110,5 +125,7 @@ class GraphKey:
         part += "" if s.device == "cpu" else f"/{s.device}"
         part += s.features.tag()
         kind = self.kind.value + ("-bidir" if not self.causal and self.kind is not CallKind.MASK else "")
+        kind += "-ctx" if self.context else ""
+        kind += f"/r{self.rows}" if self.kind is CallKind.ROWS else ""
         return (f"{kind}/{shape}/{s.dtype}/h{s.heads}kv{s.kv_heads}d{s.head_dim}"
                 f"/{self.impl}{part}/{self.backend}")

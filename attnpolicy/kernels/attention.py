@@ -4,7 +4,9 @@ Tensor layout of a single call: ``q[Hq, Lq, D]``, ``k, v[Hkv, Lk, D]`` (heads fi
 as torch's SDPA takes them), ``Hkv`` dividing ``Hq`` (GQA). ``causal`` is aligned
 bottom-right (query ``j`` sees keys ``0 .. Lk - Lq + j``), ``mask`` is boolean
 ``[Lq, Lk]`` with True = attend; both may be given (a sliding window arrives
-as part of the mask). Two optional keywords (:mod:`attnpolicy.core.features`):
+as part of the mask). A ROWS call adds a leading rows dimension: ``q[R, Hq, Lq, D]``,
+``k, v[R, Hkv, Lk, D]`` and a mask ``[Lq, Lk]`` shared by the rows or ``[R, Lq, Lk]``
+of its own per row; every kernel takes both forms. Two optional keywords (:mod:`attnpolicy.core.features`):
 ``softcap`` (logits ``s`` become ``softcap · tanh(s / softcap)``) and ``sinks``
 (``[Hq]`` sink logits: one virtual key per head with that logit and a zero value).
 
@@ -59,6 +61,14 @@ def _allowed(lq: int, lk: int, causal: bool, mask: torch.Tensor | None,
     return mask
 
 
+def _over_heads(mask: torch.Tensor | None, axes: int) -> torch.Tensor | None:
+    """``mask`` with ``axes`` unit axes before its last two when it has one per row
+    (``[R, Lq, Lk]``), so it broadcasts over the heads of a rows call; else as it is."""
+    if mask is None or mask.dim() == 2:
+        return mask
+    return mask.reshape(*mask.shape[:-2], *(1,) * axes, *mask.shape[-2:])
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for 16- and 32-bit inputs, fp64 for fp64: never less precise than the input."""
     return torch.promote_types(dtype, torch.float32)
@@ -68,34 +78,37 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask:
           partition_len: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None
           ) -> torch.Tensor:
     # SDPA's fused CPU/CUDA kernels take [batch, heads, L, D]; 3-D input falls back
-    # to the (several times slower) math path, so add a batch dimension.
+    # to the (several times slower) math path, so add a batch dimension (a rows call has one).
     if softcap is not None:
         return _eager(q, k, v, causal, mask, scale, partition_len, softcap, sinks)
     gqa = q.shape[-3] != k.shape[-3]
+    if q.dim() == 3:
+        out = _sdpa(q[None], k[None], v[None], causal, None if mask is None else mask[None], scale, partition_len,
+                    sinks=sinks)
+        return out[0]
     if sinks is not None:
         return _sdpa_sinks(q, k, v, causal, mask, scale, sinks, gqa)
     if mask is None and causal and q.shape[-2] == k.shape[-2]:
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                              enable_gqa=gqa)[0]
-    allowed = _allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale,
-                                          enable_gqa=gqa)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    allowed = _over_heads(_allowed(q.shape[-2], k.shape[-2], causal, mask, q.device), 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
 def _sdpa_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
                 scale: float, sinks: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """SDPA with one extra key per head: k = v = 0 there, so its logit is the float
-    mask's value, the head's sink logit (masked keys get -inf in the same mask)."""
-    hq, lq, _ = q.shape
+    """SDPA (on ``[R, H, L, D]``) with one extra key per head: k = v = 0 there, so its
+    logit is the float mask's value, the head's sink logit (masked keys get -inf in the
+    same mask)."""
+    rows, hq, lq, _ = q.shape
     lk = k.shape[-2]
-    zero = k.new_zeros(k.shape[0], 1, k.shape[-1])
-    bias = q.new_zeros(hq, lq, lk + 1)
-    allowed = _allowed(lq, lk, causal, mask, q.device)
+    zero = k.new_zeros(rows, k.shape[1], 1, k.shape[-1])
+    bias = q.new_zeros(rows, hq, lq, lk + 1)
+    allowed = _over_heads(_allowed(lq, lk, causal, mask, q.device), 1)
     if allowed is not None:
         bias[..., :lk].masked_fill_(~allowed, float("-inf"))
     bias[..., lk] = sinks.to(q.dtype)[:, None]
-    return F.scaled_dot_product_attention(q[None], torch.cat([k, zero], 1)[None], torch.cat([v, zero], 1)[None],
-                                          attn_mask=bias[None], scale=scale, enable_gqa=gqa)[0]
+    return F.scaled_dot_product_attention(q, torch.cat([k, zero], -2), torch.cat([v, zero], -2),
+                                          attn_mask=bias, scale=scale, enable_gqa=gqa)
 
 
 def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -103,61 +116,64 @@ def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q as ``[Hkv, G·Lq, D]`` in the compute dtype: each kv head's G query heads
+    """q as ``[..., Hkv, G·Lq, D]`` in the compute dtype: each kv head's G query heads
     stacked along the rows, so one batched matmul per kv head serves them all and K/V
     are never repeated or broadcast-copied (GQA without materialising K/V per query head)."""
-    hq, lq, d = q.shape
-    return q.to(_compute_dtype(q.dtype)).reshape(k.shape[0], hq // k.shape[0] * lq, d)
+    *lead, hq, lq, d = q.shape
+    return q.to(_compute_dtype(q.dtype)).reshape(*lead, k.shape[-3], hq // k.shape[-3] * lq, d)
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
            partition_len: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None
            ) -> torch.Tensor:
-    hq, lq, d = q.shape
-    hkv, lk = k.shape[0], k.shape[-2]
+    *lead, hq, lq, d = q.shape
+    hkv, lk = k.shape[-3], k.shape[-2]
     qg = _grouped(q, k)
-    scores = _capped((qg @ k.to(qg.dtype).transpose(-1, -2) * scale).reshape(hkv, hq // hkv, lq, lk), softcap)
-    allowed = _allowed(lq, lk, causal, mask, q.device)
+    scores = _capped((qg @ k.to(qg.dtype).transpose(-1, -2) * scale).reshape(*lead, hkv, hq // hkv, lq, lk),
+                     softcap)
+    allowed = _over_heads(_allowed(lq, lk, causal, mask, q.device), 2)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is None:
-        probs = torch.softmax(scores, dim=-1).reshape(hkv, -1, lk)
+        probs = torch.softmax(scores, dim=-1).reshape(*lead, hkv, -1, lk)
     else:  # the sink is one more column of the softmax, dropped after it
-        sink = sinks.to(qg.dtype).reshape(hkv, hq // hkv, 1, 1).expand(hkv, hq // hkv, lq, 1)
-        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :lk].reshape(hkv, -1, lk)
-    return (probs @ v.to(qg.dtype)).reshape(hq, lq, d).to(q.dtype)
+        sink = sinks.to(qg.dtype).reshape(hkv, hq // hkv, 1, 1).expand(*lead, hkv, hq // hkv, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :lk].reshape(*lead, hkv, -1, lk)
+    return (probs @ v.to(qg.dtype)).reshape(*lead, hq, lq, d).to(q.dtype)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None, scale: float,
            partition_len: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None
            ) -> torch.Tensor:
-    hq, lq, d = q.shape
-    hkv, lk = k.shape[0], k.shape[-2]
+    *lead, hq, lq, d = q.shape
+    hkv, lk = k.shape[-3], k.shape[-2]
     g = hq // hkv
     qg = _grouped(q, k)
     kf, vf = k.to(qg.dtype), v.to(qg.dtype)
-    allowed = _allowed(lq, lk, causal, mask, q.device)
+    allowed = _over_heads(_allowed(lq, lk, causal, mask, q.device), 2)
     if sinks is None:
-        run_max = torch.full((hkv, g, lq, 1), float("-inf"), dtype=qg.dtype, device=q.device)
+        run_max = torch.full((*lead, hkv, g, lq, 1), float("-inf"), dtype=qg.dtype, device=q.device)
         run_sum = torch.zeros_like(run_max)
     else:  # the sink is a partition of its own, seen first: max = its logit, sum = 1, no value
-        run_max = sinks.to(qg.dtype).reshape(hkv, g, 1, 1).expand(hkv, g, lq, 1).clone()
+        run_max = sinks.to(qg.dtype).reshape(hkv, g, 1, 1).expand(*lead, hkv, g, lq, 1).clone()
         run_sum = torch.ones_like(run_max)
-    acc = torch.zeros(hkv, g, lq, d, dtype=qg.dtype, device=q.device)
+    acc = torch.zeros(*lead, hkv, g, lq, d, dtype=qg.dtype, device=q.device)
     assert partition_len is not None  # attention() resolves it
     for start in range(0, lk, partition_len):
         end = min(start + partition_len, lk)
-        s = _capped((qg @ kf[:, start:end].transpose(-1, -2) * scale).reshape(hkv, g, lq, end - start), softcap)
+        s = _capped((qg @ kf[..., start:end, :].transpose(-1, -2) * scale).reshape(*lead, hkv, g, lq, end - start),
+                    softcap)
         if allowed is not None:
-            s = s.masked_fill(~allowed[:, start:end], float("-inf"))
+            s = s.masked_fill(~allowed[..., start:end], float("-inf"))
         new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True))
         safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - safe_max)
         alpha = torch.exp(run_max - safe_max)
         run_sum = run_sum * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + (p.reshape(hkv, g * lq, end - start) @ vf[:, start:end]).reshape(hkv, g, lq, d)
+        acc = acc * alpha + (p.reshape(*lead, hkv, g * lq, end - start) @ vf[..., start:end, :]).reshape(
+            *lead, hkv, g, lq, d)
         run_max = new_max
-    return (acc / run_sum).reshape(hq, lq, d).to(q.dtype)
+    return (acc / run_sum).reshape(*lead, hq, lq, d).to(q.dtype)
 
 
 _IMPL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "eager": _eager, "flash": _flash}

@@ -5,7 +5,9 @@ against a float64 reference (:func:`probe`).
 A probe case is one way a call kind calls a kernel: the ``causal`` kind a
 mask-free causal call, the ``mask`` kind two packed sequences under their
 block-diagonal mask (causal or bidirectional), the ``varlen`` kind one sequence
-padded to a bucket under its bounds mask; with or without cached context (more keys
+padded to a bucket under its bounds mask, the ``rows`` kind two sequences in two
+right-padded rows (``[2, H, L, D]``: mask-free when causal without context, else
+under each row's bounds mask); with or without cached context (more keys
 than queries) and GQA (2 kv heads under 4 query heads, each kv head different, so a
 kernel that reads one head only fails); and with each feature a kernel declares
 (:mod:`attnpolicy.core.features`): a sliding window of 2, a soft cap of 0.5 (well
@@ -87,7 +89,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
 
 def probe_layout(case: ProbeCase) -> BatchLayout:
     """The layout ``case``'s probe packs (two sequences for the mask kind, one otherwise)."""
-    q_lens = [3, 5] if case.kind == "mask" else [5]
+    q_lens = [3, 5] if case.kind in ("mask", "rows") else [5]
     kv_lens = [n + 3 * case.context for n in q_lens]
     return BatchLayout.from_lens(q_lens, kv_lens, causal=case.causal)
 
@@ -115,6 +117,9 @@ def probe(case: ProbeCase, run: Callable[..., torch.Tensor], kernel: str, plugin
     :class:`KernelError` naming the kernel, its plugin and the case unless it matches
     the float64 reference on every row the call defines."""
     layout = probe_layout(case)
+    if case.kind == "rows":
+        _probe_rows(case, layout, run, kernel, plugin)
+        return
     rows, cols = (layout.q_tokens, layout.kv_tokens) if case.kind != "varlen" else (8, 11)
     q, k, v = _inputs(case, layout, rows, cols)
     scale = 1 / math.sqrt(_HEAD_DIM)
@@ -128,8 +133,42 @@ def probe(case: ProbeCase, run: Callable[..., torch.Tensor], kernel: str, plugin
         causal = False
     else:
         lens = torch.tensor([layout.q_tokens, layout.kv_tokens], device=case.device)
-        mask = allowed = bounded_mask(rows, cols, lens, case.causal, window)
+        mask = allowed = bounded_mask(rows, cols, lens[0], lens[1], case.causal, window)
         causal = False
+    out = _called(case, run, kernel, plugin, q, k, v, causal, mask, sinks)
+    want = _reference(q, k, v, allowed.cpu(), scale, case.features.softcap,
+                      None if sinks is None else sinks.cpu())[:, :layout.q_tokens]
+    _compare(case, kernel, plugin, [(out[:, :layout.q_tokens], want)])
+
+
+def _probe_rows(case: ProbeCase, layout: BatchLayout, run: Callable[..., torch.Tensor], kernel: str,
+                plugin: str) -> None:
+    """The rows probe: each sequence of ``layout`` right-padded in a row of its own."""
+    rows, cols = max(layout.q_lens) + 1, max(layout.kv_lens) + 1  # a padded position in every row
+    window, sinks = case.features.window, probe_sinks(case)
+    ones = [_inputs(case, BatchLayout.from_lens([ql], [kl], causal=case.causal), rows, cols)
+            for ql, kl in zip(layout.q_lens, layout.kv_lens)]
+    q, k, v = (torch.stack(parts) for parts in zip(*ones))
+    v = v * torch.arange(1, v.shape[0] + 1, device=case.device).to(v.dtype)[:, None, None, None]  # rows differ
+    q_lens, kv_lens = (torch.tensor(n, device=case.device)[:, None, None] for n in (layout.q_lens, layout.kv_lens))
+    allowed = bounded_mask(rows, cols, q_lens, kv_lens, case.causal, window)
+    if case.causal and not case.context:  # mask-free, as a fresh causal rows graph runs
+        causal, mask = True, None if window is None else window_band(rows, cols, window, causal=True,
+                                                                      device=case.device)
+    else:
+        causal, mask = False, allowed
+    out = _called(case, run, kernel, plugin, q, k, v, causal, mask, sinks)
+    scale = 1 / math.sqrt(_HEAD_DIM)
+    _compare(case, kernel, plugin, [
+        (out[r, :, :n], _reference(q[r], k[r], v[r], allowed[r].cpu(), scale, case.features.softcap,
+                                   None if sinks is None else sinks.cpu())[:, :n])
+        for r, n in enumerate(layout.q_lens)])
+
+
+def _called(case: ProbeCase, run: Callable[..., torch.Tensor], kernel: str, plugin: str, q: torch.Tensor,
+            k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """``run``'s output on the probe's inputs, checked for shape, dtype and device."""
     try:
         out = run(q, k, v, causal, mask, sinks)
     except KernelError:
@@ -138,10 +177,14 @@ def probe(case: ProbeCase, run: Callable[..., torch.Tensor], kernel: str, plugin
         raise KernelError(f"kernel {kernel!r} of plugin {plugin!r} failed on its probe ({case.describe()}): "
                           f"{type(exc).__name__}: {exc}") from exc
     check_output(out, q, kernel, plugin)
-    want = _reference(q, k, v, allowed.cpu(), scale, case.features.softcap,
-                      None if sinks is None else sinks.cpu())[:, :layout.q_tokens]
+    return out
+
+
+def _compare(case: ProbeCase, kernel: str, plugin: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Raise :class:`KernelError` unless each (output, float64 reference) pair agrees."""
     err = MaxAbsError()
-    err.add(out[:, :layout.q_tokens].cpu(), want)
+    for got, want in pairs:
+        err.add(got.cpu(), want)
     tolerance = TOLERANCE[str(case.dtype).removeprefix("torch.")]
     if not err.passes(tolerance):
         raise KernelError(f"kernel {kernel!r} of plugin {plugin!r} does not compute attention for "

@@ -125,21 +125,24 @@ def mask_for(layout: BatchLayout, window: int | None = None) -> BlockDiagonalMas
     return BlockDiagonalCausalMask(layout, window) if layout.causal else BlockDiagonalMask(layout, window)
 
 
-def bounded_mask(rows: int, cols: int, lens: torch.Tensor, causal: bool,
+def bounded_mask(rows: int, cols: int, q_len: torch.Tensor, kv_len: torch.Tensor, causal: bool,
                  window: int | None = None) -> torch.Tensor:
-    """In-graph mask of one sequence padded to ``(rows, cols)`` from its true
-    ``lens = [q_len, kv_len]`` (a tensor, so one compiled graph serves all lengths
-    of a bucket), under a sliding ``window`` if given. Padded key columns are
-    excluded; padded query rows see all keys (of the causal bound)."""
-    q_idx = torch.arange(rows, device=lens.device)[:, None]
-    k_idx = torch.arange(cols, device=lens.device)[None, :]
-    allowed = k_idx < lens[1]
-    pos = q_idx + (lens[1] - lens[0])  # the query's position among the keys
+    """In-graph mask of one sequence padded to ``(rows, cols)`` from its true ``q_len``
+    and ``kv_len`` (0-d tensors, so one compiled graph serves all lengths of a bucket;
+    ``[R, 1, 1]`` tensors give a ROWS call's ``[R, rows, cols]`` masks, one a row),
+    under a sliding ``window`` if given. Padded key columns are excluded; padded query
+    rows see all keys (of the causal bound) and key 0, so no row is left empty (a
+    padding row of a ROWS call has no keys of its own)."""
+    q_idx = torch.arange(rows, device=q_len.device)[:, None]
+    k_idx = torch.arange(cols, device=q_len.device)[None, :]
+    allowed = k_idx < kv_len
+    pos = q_idx + (kv_len - q_len)  # the query's position among the keys
     if causal:
         allowed = allowed & (k_idx <= pos)
+    padding = q_idx >= q_len
     if window is not None:  # padded query rows keep their keys: no row is left empty
         inside = k_idx > pos - window
         if not causal:
             inside = inside & (k_idx < pos + window)
-        allowed = allowed & (inside | (q_idx >= lens[0]))
-    return allowed
+        allowed = allowed & (inside | padding)
+    return allowed | (padding & (k_idx == 0))

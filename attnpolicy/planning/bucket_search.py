@@ -61,8 +61,12 @@ class CallShapes:
 
     @classmethod
     def of(cls, shapes: Counter[tuple[CallKind, int, int]]) -> CallShapes:
+        """The shapes of these calls; ROWS calls are refused (a shape has no row count:
+        the planner does not plan rows graph sets yet)."""
         if not shapes:
             raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
+        if any(kind is CallKind.ROWS for kind, _, _ in shapes):
+            raise ConfigError("the planner does not plan rows graph sets yet: a rows call shape was given")
         rows = sorted((_CODE[f], q, kv, n) for (f, q, kv), n in shapes.items())
         fam, q, kv, count = (np.array(col, dtype=np.int64) for col in zip(*rows, strict=True))
         return cls(fam, q, kv, count)
@@ -110,14 +114,20 @@ class BucketListCost:
 
 
 def _fits(model: CostModel, which: str) -> list[Fit]:
-    """The run or compile fits (``which``) of the call kinds, in code order."""
+    """The run or compile fits (``which``) of the call kinds, in code order (the planner
+    codes no ROWS call, the last kind: a model without its fit lacks none it reads)."""
     fits = getattr(model, which)
-    return [fits[kind.value] for kind in CALL_KINDS]
+    return [fits[kind] for kind in CALL_KINDS if kind in fits]
 
 
 def _coefficients(model: CostModel, which: str) -> np.ndarray:
-    """:func:`_fits` as coefficients (kind, (base, per cell, per token)), for :meth:`Fit.formula`."""
-    return np.array([(f.base, f.per_cell, f.per_token) for f in _fits(model, which)])
+    """:func:`_fits` as coefficients (kind code, (base, per cell, per token)), for
+    :meth:`Fit.formula`: one row per call kind, NaN for a kind the model has no fit for
+    (ROWS, never coded by the planner: a row never read)."""
+    out = np.full((len(CALL_KINDS), 3), np.nan)
+    fits = _fits(model, which)
+    out[:len(fits)] = [(f.base, f.per_cell, f.per_token) for f in fits]
+    return out
 
 
 def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> BucketListCost:

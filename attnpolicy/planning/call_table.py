@@ -90,6 +90,9 @@ class CallTable:
         ctx = PolicyContext(config=base, spec=self.spec, cost_model=model)
         layouts = self.layouts
         decided = [guard.decide(layout, ctx).mode for layout in layouts]
+        if MaskMode.ROWS in decided:
+            raise ConfigError(f"policy {policy!r} runs rows batches, and the planner does not plan rows graph sets "
+                              "yet: simulate it (attnpolicy simulate) instead")
         self.guard_fallbacks = guard.fallbacks
         self.modes = np.array([_MODE_CODE[mode] for mode in decided], dtype=np.int64)
         # a CAUSAL step is one call, a VARLEN step one per sequence, a MASK step the MASK

@@ -6,6 +6,7 @@ deciding allocates nothing: the guard calls ``decide`` once per attention call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -23,10 +24,19 @@ def cached_decision(mode: MaskMode, reason: str) -> Decision:
     return Decision(mode, reason)
 
 
-class AlwaysMask:
-    """Every batch runs one call with a dense mask (the behaviour of runtimes without a policy)."""
+class _Always:
+    """The same decision (``_decision``) for every batch."""
 
     stateless = True  # the decision is a function of the layout: dispatchers reuse it
+
+    _decision: Decision
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        return self._decision
+
+
+class AlwaysMask(_Always):
+    """Every batch runs one call with a dense mask (the behaviour of runtimes without a policy)."""
 
     name = "always-mask"
     modes = frozenset({MaskMode.MASK})
@@ -34,17 +44,12 @@ class AlwaysMask:
 
     _decision = Decision(MaskMode.MASK, "always mask")
 
-    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
-        return self._decision
 
-
-class AlwaysCausal:
+class AlwaysCausal(_Always):
     """CAUSAL for every batch: right only when every batch is one unpadded causal
     sequence (a runtime with ``max_num_seqs=1`` and no prefix caching). On a packed,
     padded, bidirectional or context batch CAUSAL is illegal: the guard raises, or
     falls back to its safe mode and counts the fallback."""
-
-    stateless = True  # the decision is a function of the layout: dispatchers reuse it
 
     name = "always-causal"
     modes = frozenset({MaskMode.CAUSAL})
@@ -52,9 +57,6 @@ class AlwaysCausal:
                    "batch the guard raises or falls back to its safe mode")
 
     _decision = Decision(MaskMode.CAUSAL, "always causal")
-
-    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
-        return self._decision
 
 
 class _CausalWhenLegal:
@@ -72,12 +74,35 @@ class _CausalWhenLegal:
 
 
 class Dynamic(_CausalWhenLegal):
-    """CAUSAL for a single unpadded causal sequence, a dense MASK otherwise."""
+    """CAUSAL for a single unpadded causal sequence, a dense MASK otherwise; with the
+    option ``rows`` (a fraction ≥ 0), ROWS instead of MASK for a batch whose rows plan
+    pads at most ``rows`` × its tokens (query rows its row and length buckets add)."""
 
     name = "dynamic"
     modes = frozenset({MaskMode.CAUSAL, MaskMode.MASK})
-    description = "CAUSAL when legal (one unpadded causal sequence), MASK otherwise"
+    description = ("CAUSAL when legal (one unpadded causal sequence), MASK otherwise "
+                   "(option rows: ROWS when its padding is at most that fraction of the batch's tokens)")
     otherwise = MaskMode.MASK
+
+    def __init__(self, rows: float | None = None) -> None:
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, (int, float))
+                                 or not math.isfinite(rows) or rows < 0):
+            raise ValueError(f"rows must be a finite fraction >= 0 of the batch's tokens (or None), got {rows!r}")
+        self.rows = rows
+        if rows is not None:
+            self.modes = frozenset({MaskMode.CAUSAL, MaskMode.MASK, MaskMode.ROWS})
+
+    def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
+        decision = super().decide(layout, ctx)
+        if self.rows is None or decision.mode is MaskMode.CAUSAL:
+            return decision
+        keys = ctx.keys_for(layout, MaskMode.ROWS)
+        if not keys:  # no planner to ask (or every call uncompiled): its own choice
+            return decision
+        padded = sum(key.rows * key.q_len for key in keys) - layout.total_tokens
+        if padded <= self.rows * layout.total_tokens:
+            return cached_decision(MaskMode.ROWS, f"{decision.reason}; rows pad {padded} tokens")
+        return decision
 
 
 class Varlen(_CausalWhenLegal):
@@ -90,7 +115,18 @@ class Varlen(_CausalWhenLegal):
     otherwise = MaskMode.VARLEN
 
 
-BUILTIN_POLICIES = (AlwaysMask, AlwaysCausal, Dynamic, Varlen)
+class AlwaysRows(_Always):
+    """ROWS for every batch: each sequence in its own right-padded row (always legal),
+    the form static-graph runtimes run."""
+
+    name = "always-rows"
+    modes = frozenset({MaskMode.ROWS})
+    description = "ROWS for every batch: one sequence a row of a right-padded [rows, length] batch (always legal)"
+
+    _decision = Decision(MaskMode.ROWS, "always rows")
+
+
+BUILTIN_POLICIES = (AlwaysMask, AlwaysCausal, Dynamic, Varlen, AlwaysRows)
 
 
 @hookimpl

@@ -54,7 +54,7 @@ from typing import TypeVar, cast
 from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import Decision, MaskMode, legal_modes
+from attnpolicy.core.modes import CallKind, Decision, MaskMode, legal_modes
 from attnpolicy.graphs.batch_cost import MaskMirror, MaskNeed
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import GraphKey
@@ -271,6 +271,8 @@ class _RentOrBuy:
         options: list[_Option] = []
         pricer = self._pricer
         for mode in legal_modes(layout):
+            if mode is MaskMode.ROWS and not pricer.model.prices(CallKind.ROWS):
+                continue  # its cost model has no rows fit (calibrated before the rows kind)
             static = pricer.static(layout, mode, ctx)
             if any(o.keys == static.keys for o in options):
                 continue  # VARLEN of a lone causal sequence plans CAUSAL's very graph

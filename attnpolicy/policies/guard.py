@@ -27,8 +27,8 @@ class Guard:
     A policy that raises, returns something other than a :class:`Decision`, or
     chooses a mode that is illegal for the layout is caught here. With
     ``on_illegal="raise"`` that is a :class:`PolicyError` (chained to the cause);
-    with ``"fallback"`` the batch runs in ``fallback`` mode (MASK or VARLEN, both
-    always legal), the fallback is counted in :attr:`fallbacks` and
+    with ``"fallback"`` the batch runs in ``fallback`` mode (MASK, VARLEN or ROWS,
+    each always legal), the fallback is counted in :attr:`fallbacks` and
     :attr:`fallback_reasons` (``"illegal"``, ``"exception"``, ``"bad-return"``) and
     logged as a warning on the ``attnpolicy.policies.guard`` logger. Each decision that runs
     is reported to the ``attnpolicy_on_decision`` hook through ``observers``
@@ -54,7 +54,7 @@ class Guard:
         except ValueError:
             raise PolicyError(f"fallback must be a MaskMode, got {fallback!r}") from None
         if fallback is MaskMode.CAUSAL:
-            raise PolicyError("fallback must be a mode legal for every layout (mask or varlen), got causal")
+            raise PolicyError("fallback must be a mode legal for every layout (mask, varlen or rows), got causal")
         self.policy = policy
         self.policy_name = policy_name
         self.plugin = plugin

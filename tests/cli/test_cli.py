@@ -458,7 +458,7 @@ def test_policies_json_lists_options_and_evictions(threshold_plugin, capsys):
     by = {(e["kind"], e["name"]): e for e in entries}
     assert by["policy", "threshold-demo"]["options"] == {"threshold": 512, "label": "t"}
     assert by["policy", "threshold-demo"]["plugin"] == "threshold-plugin"
-    assert by["policy", "dynamic"]["options"] == {}
+    assert by["policy", "dynamic"]["options"] == {"rows": None}
     assert {"lru", "lfu", "fifo", "cost", "belady"} <= {n for k, n in by if k == "eviction"}
 
 

@@ -128,7 +128,7 @@ def test_building_a_config_imports_neither_torch_nor_plugins():
     assert "attnpolicy.config" in out and bad == [] and "no_such_module" not in out
 
 
-KNOWN_POLICIES = "always-causal, always-mask, cost-aware, dynamic, varlen"
+KNOWN_POLICIES = "always-causal, always-mask, always-rows, cost-aware, dynamic, varlen"
 
 
 def test_unknown_policy_is_an_error_where_it_is_resolved():

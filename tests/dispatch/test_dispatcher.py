@@ -25,7 +25,7 @@ from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.plugins.registry import get_plugin_manager
 from attnpolicy.policies.resolve import validate_names
 
-POLICIES = ["always-mask", "always-causal", "dynamic", "varlen"]
+POLICIES = ["always-mask", "always-causal", "dynamic", "varlen", "always-rows"]
 SPEC = TensorSpec("float32", 4, 2, 16)
 
 

@@ -34,7 +34,7 @@ from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.policies.registry import policy_registry
 
 BACKENDS = ("none", "eager", "aot_eager")
-POLICIES = ("always-causal", "always-mask", "cost-aware", "dynamic", "varlen")
+POLICIES = ("always-causal", "always-mask", "always-rows", "cost-aware", "dynamic", "varlen")
 BAD = (float("nan"), float("inf"), float("-inf"))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
 
@@ -190,7 +190,7 @@ _input_dispatchers: dict[tuple[str, str], Dispatcher] = {}
 
 def _input_dispatcher(policy: str, backend: str) -> Dispatcher:
     """A dispatcher whose graphs are all compiled, on contiguous fp32 inputs: always-mask
-    with and without sinks, varlen with sinks (4 graphs under a compiling backend)."""
+    with and without sinks, varlen and always-rows with sinks."""
     key = (policy, backend)
     if key not in _input_dispatchers:
         d = Dispatcher(AttnPolicyConfig(policy=policy, backend=backend, max_seq_len=16, max_batch_tokens=16,
@@ -277,13 +277,13 @@ def test_graph_inputs_of_any_form_are_exact_or_refused(data, backend):
     through ``attend`` or a prepared ``Step``: a form that runs matches the float64
     reference on the graphs already compiled; any other is refused, naming the input,
     before any work."""
-    policy = data.draw(st.sampled_from(["always-mask", "varlen"]))
+    policy = data.draw(st.sampled_from(["always-mask", "varlen", "always-rows"]))
     d = _input_dispatcher(policy, backend)
     layout = data.draw(st.sampled_from(INPUT_LAYOUTS))
     clean = _qkv(layout, data.draw(st.integers(0, 2**16)))
     ins = [data.draw(st.sampled_from(sorted(QKV_FORMS)), label=name) for name in "qkv"]
     qkv = [QKV_FORMS[form](t) for form, t in zip(ins, clean)]
-    with_sinks = policy == "varlen" or data.draw(st.booleans())
+    with_sinks = policy != "always-mask" or data.draw(st.booleans())
     sinks = None
     if with_sinks:
         sinks = SINK_FORMS[data.draw(st.sampled_from(sorted(SINK_FORMS)), label="sinks")](SINKS)

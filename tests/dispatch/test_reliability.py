@@ -36,7 +36,7 @@ BAD = (float("nan"), float("inf"), float("-inf"))
 # -- isolation ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("mode", [MaskMode.MASK, MaskMode.VARLEN])
+@pytest.mark.parametrize("mode", [MaskMode.MASK, MaskMode.VARLEN, MaskMode.ROWS])
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("value", BAD)
 def test_a_bad_value_in_one_sequence_never_reaches_another(impl, mode, where, value):
@@ -75,6 +75,7 @@ def test_a_masked_out_key_never_matters_but_an_attended_one_poisons_its_row():
 FP64_LAYOUTS = {  # mode -> a layout it runs: CAUSAL needs one unpadded causal sequence
     MaskMode.MASK: BatchLayout.from_lens([7, 9], [10, 9], padded_to=20),
     MaskMode.VARLEN: BatchLayout.from_lens([7, 9], [10, 9], padded_to=20),
+    MaskMode.ROWS: BatchLayout.from_lens([7, 9], [10, 9], padded_to=20),
     MaskMode.CAUSAL: BatchLayout.from_lens([9]),
 }
 
@@ -89,7 +90,7 @@ def test_fp64_is_computed_in_fp64(impl, mode):
     # a pass through fp32 anywhere would be ~1e-7 off
     torch.testing.assert_close(out, reference_for(q, k, v, layout), atol=1e-12, rtol=1e-12)
     d = Dispatcher(AttnPolicyConfig(policy={MaskMode.MASK: "always-mask", MaskMode.VARLEN: "varlen",
-                                            MaskMode.CAUSAL: "dynamic"}[mode], attn_impl=impl, backend="none",
+                                            MaskMode.CAUSAL: "dynamic", MaskMode.ROWS: "always-rows"}[mode], attn_impl=impl, backend="none",
                                     partition_len=4 if impl == "flash" else None, max_seq_len=64))
     out = d.attend(q, k, v, layout)
     assert d.stats().modes[mode.value] == 1 and out.dtype == torch.float64
@@ -121,7 +122,7 @@ def test_bad_tensors_get_a_clear_error(change, message):
         d.attend(*change(*random_qkv(layout)), layout)
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "dynamic", "varlen", "always-causal", "cost-aware"])
+@pytest.mark.parametrize("policy", ["always-mask", "dynamic", "varlen", "always-causal", "cost-aware", "always-rows"])
 def test_one_rule_for_sequences_longer_than_max_seq_len(policy):
     layout = BatchLayout.from_lens([70, 10])
     strict = Dispatcher(AttnPolicyConfig(policy=policy, backend="none", max_seq_len=64))

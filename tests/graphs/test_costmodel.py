@@ -60,7 +60,7 @@ def test_predictions_use_the_fit_of_the_key_kind():
 
 def test_json_keys_are_the_kind_names():
     data = json.loads(CostModel.default().model_dump_json())
-    assert sorted(data["run"]) == sorted(data["compile"]) == ["causal", "mask", "varlen"]
+    assert sorted(data["run"]) == sorted(data["compile"]) == ["causal", "mask", "rows", "varlen"]
 
 
 @pytest.mark.parametrize("kind", list(CallKind))
@@ -254,9 +254,11 @@ def test_calibration_statistic_and_warmup(monkeypatch, statistic):
     monkeypatch.setattr(calibration, "warm_up", lambda backend: 9.0)
     model = calibrate(CalibrationSettings(heads=2, kv_heads=2, head_dim=8, backend="eager", sizes=(16, 64),
                                           repeats=2, statistic=statistic))
-    runs = {x.seconds for x in model.samples if x.what == "run"}
+    runs = {x.seconds for x in model.samples if x.what == "run" and x.kind is not CallKind.ROWS}
+    rows = {x.seconds for x in model.samples if x.what == "run" and x.kind is CallKind.ROWS}
     builds = {x.seconds for x in model.samples if x.what == "mask_build"}
     assert (runs, builds) == (({1.0}, {1.0}) if statistic == "min" else ({2.0}, {2.0}))
+    assert rows == {min(runs) / calibration.CALIBRATION_ROWS}  # a rows sample is one row's seconds
     assert model.warmup_seconds == pytest.approx(9.0 - model.compile[CallKind.CAUSAL](16, 16))
 
 

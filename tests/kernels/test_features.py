@@ -67,7 +67,7 @@ def test_a_neighbours_bad_rows_never_reach_a_sequence(impl, layout, feats, seed,
     window, softcap, sinks = feats
     q, k, v = _qkv(layout, seed)
     me = data.draw(st.integers(0, layout.num_seqs - 1))
-    mode = "mask" if impl == "flex" else data.draw(st.sampled_from(["mask", "varlen"]))
+    mode = "mask" if impl == "flex" else data.draw(st.sampled_from(["mask", "varlen", "rows"]))
     clean = attend(q, k, v, layout, mode, impl, window=window, softcap=softcap, sinks=sinks)
     for i in range(layout.num_seqs):
         if i != me:

@@ -511,6 +511,34 @@ def test_check_kernel_passes_a_correct_plugin_kernel_and_names_a_broken_ones_cas
         check_kernel("nope")
 
 
+def _rows_kernel(q, k, v, causal, mask, scale, partition_len):
+    """A correct plugin kernel of the rows kind: ``[R, H, L, D]``, a per-row mask ``[R, Lq, Lk]``."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if mask is None else mask[:, None], is_causal=causal and mask is None, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+
+
+def test_a_rows_plugin_kernel_declares_the_rows_kind_and_is_checked_per_row(fresh_plugins):
+    """A rows kernel is verified on two right-padded rows of different lengths: one that
+    applies the first row's bounds to every row is rejected, naming the rows case."""
+    from attnpolicy import AttnPolicyConfig, Dispatcher
+    from attnpolicy.errors import KernelError
+    from attnpolicy.plugins.kernels import check_kernel
+
+    _register_kernel("good-rows", _rows_kernel, "rows")
+    cases = check_kernel("good-rows")
+    assert all(c.startswith("rows family") for c in cases) and any("with cached context" in c for c in cases)
+    layout = BatchLayout.from_lens([3, 5], [6, 5])
+    q, k, v = torch.randn(8, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    d = Dispatcher(AttnPolicyConfig(policy="always-rows", backend="none", max_seq_len=16, kernels={"rows": "good-rows"}))
+    torch.testing.assert_close(d.attend(q, k, v, layout).double(), reference_for(q, k, v, layout), atol=1e-5, rtol=1e-5)
+    _register_kernel("row-0-bounds", lambda q, k, v, c, m, s, p: _rows_kernel(
+        q, k, v, c, None if m is None else m[:1].expand_as(m), s, p), "rows")
+    with pytest.raises(KernelError, match="'row-0-bounds' of plugin 'row-0-bounds-plugin' does not compute "
+                                          "attention for rows family"):
+        check_kernel("row-0-bounds")
+
+
 @pytest.mark.parametrize("name", ["sdpa", "eager", "flash", "flex"])
 def test_every_builtin_kernel_passes_the_public_check(name):
     """Conformance: what plugin authors run on their kernels holds for the built-ins."""

@@ -216,7 +216,7 @@ def test_simulated_misses_equal_a_real_run():
     """The acceptance check: a real Dispatcher with real tensors misses exactly as simulated."""
     model = MODEL.model_copy(update={"heads": 2, "kv_heads": 1, "head_dim": 8, "backend": "none"})
     reqs = requests(12)
-    for policy, capacity in (("dynamic", 2), ("varlen", 3), ("cost-aware", 2)):
+    for policy, capacity in (("dynamic", 2), ("varlen", 3), ("cost-aware", 2), ("always-rows", 2)):
         config = simulation_config(model, BatchFormer(**SMALL), policy=policy, max_graphs=capacity)
         (row,) = simulate(reqs, [policy], [capacity], ["lru"], config, model, SMALL)
         real = Dispatcher(config, cost_model=model)
@@ -229,6 +229,23 @@ def test_simulated_misses_equal_a_real_run():
         stats = real.stats()
         assert (stats.cache.misses, stats.cache.hits, stats.modes) == (
             row.misses, row.hits, row.modes), policy
+
+
+def test_rows_are_simulated_with_a_rows_price_and_refused_without_one(capsys):
+    """``simulate --policies always-rows,varlen`` runs rows batches priced by the rows fit (a
+    rows call: its rows × one row's seconds); a model calibrated before the rows kind names
+    what to do."""
+    reqs = requests(12)
+    rows, varlen = simulate(reqs, ["always-rows", "varlen"], [None], ["lru"], former_options=SMALL)
+    assert rows.modes["rows"] == rows.batches > 0 and varlen.modes["rows"] == 0
+    assert rows.misses > 0 and rows.run_seconds > 0
+    old = MODEL.model_copy(update={"run": {k: f for k, f in MODEL.run.items() if k is not CallKind.ROWS}})
+    with pytest.raises(ConfigError, match="no rows fit .*run attnpolicy calibrate"):
+        simulate(reqs, ["always-rows"], [None], ["lru"], model=old, former_options=SMALL)
+    assert main(["simulate", "--trace", "default", "--limit", "12", "--policies", "always-rows,varlen",
+                 "--capacities", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "batches c/m/v/r" in out and "always-rows" in out
 
 
 def test_config_must_match_the_model():

@@ -280,3 +280,17 @@ def test_at_or_below_the_best_fixed_policy_on_the_built_in_workload():
     for capacity in (2, 4, 8, 16):
         fixed = min(best[p, capacity] for p in FIXED)
         assert best["cost-aware", capacity] <= fixed, (capacity, best)
+
+
+def test_cost_aware_runs_rows_only_under_a_model_that_prices_them():
+    """Without a rows fit (a model calibrated before the rows kind) cost-aware never
+    chooses rows; with one that makes rows the cheapest, it does."""
+    layout = BatchLayout.from_lens([1000] * 4)
+    model = synthetic(0.05, 4e-9)
+    assert CallKind.ROWS in model.compile and CallKind.ROWS not in model.run  # no rows price
+    cheap_rows = model.model_copy(update={"run": {**model.run, CallKind.ROWS: Fit(base=1e-7)}})
+    for priced, rows in ((model, False), (cheap_rows, True)):
+        d = dispatcher(model=priced)
+        for _ in range(60):
+            d.prepare(layout, SPEC)
+        assert (d.stats().modes["rows"] > 0) is rows

@@ -47,6 +47,7 @@ EXPECTED = {  # policy -> mode per layout, in LAYOUTS order
     "always-causal": (C, C, C, C, C),
     "dynamic": (C, M, M, M, M),
     "varlen": (C, V, V, V, V),
+    "always-rows": (MaskMode.ROWS,) * 5,
 }
 
 
@@ -213,3 +214,35 @@ def test_cli_decide_on_illegal_raise(capsys):
     assert run_cli(argv) == 1
     err = capsys.readouterr().err
     assert "always-causal" in err and "attnpolicy.policies.builtin" in err
+
+
+def _rows_ctx() -> PolicyContext:
+    """A context that plans like a dispatcher of the default config (length buckets pow2
+    from 16, row buckets 1..32)."""
+    from attnpolicy.config import AttnPolicyConfig
+    from attnpolicy.dispatch import Dispatcher
+    from attnpolicy.graphs.keys import TensorSpec
+
+    d = Dispatcher(AttnPolicyConfig(policy="dynamic", backend="none"))
+    return d.context_for(TensorSpec("float32", 4, 4, 16))
+
+
+def test_dynamic_keeps_its_rule_by_default_and_runs_rows_within_its_padding_option():
+    ctx = _rows_ctx()
+    equal, spread = BatchLayout.from_lens([64, 64, 64, 64]), BatchLayout.from_lens([64, 3, 2, 5])
+    assert make_policy("dynamic").decide(equal, ctx).mode is M  # the default is unchanged
+    assert MaskMode.ROWS not in make_policy("dynamic").modes
+    rows = make_policy("dynamic", rows=0.25)
+    assert MaskMode.ROWS in rows.modes
+    assert rows.decide(equal, ctx) == Decision(MaskMode.ROWS, "4 sequences packed; rows pad 0 tokens")
+    # spread: 4 rows of 64 pad 256 - 74 = 182 tokens, more than 25 % of 74
+    assert rows.decide(spread, ctx).mode is M
+    assert make_policy("dynamic", rows=3.0).decide(spread, ctx).mode is MaskMode.ROWS
+    assert rows.decide(LAYOUTS["single"], ctx).mode is C  # one sequence: CAUSAL whenever legal
+    assert rows.decide(equal, CTX).mode is M  # nothing to plan the rows with: its own choice
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.2", True])
+def test_dynamics_rows_option_is_validated(bad):
+    with pytest.raises(PolicyError, match=r"policy 'dynamic' .*rows must be a finite fraction >= 0"):
+        make_policy("dynamic", rows=bad)
