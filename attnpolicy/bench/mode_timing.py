@@ -185,7 +185,9 @@ def split_lengths(total: int, n: int) -> list[int]:
 
 def modes_for(num_seqs: int) -> tuple[MaskMode, ...]:
     """The attention modes compared at ``num_seqs`` sequences, the first the one the others are divided by."""
-    return (MaskMode.CAUSAL, MaskMode.MASK) if num_seqs == 1 else (MaskMode.MASK, MaskMode.VARLEN)
+    if num_seqs == 1:
+        return MaskMode.CAUSAL, MaskMode.MASK, MaskMode.ROWS
+    return MaskMode.MASK, MaskMode.VARLEN, MaskMode.ROWS
 
 
 def _time_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,

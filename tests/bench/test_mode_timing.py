@@ -123,8 +123,8 @@ def test_the_attention_json_keeps_its_keys_and_times_the_mask_build_of_mask_only
     level = AttentionBench(BenchSettings(lengths=(16,), seqs=(1, 2), repeats=2, warmup=0, heads=2, kv_heads=1,
                                          head_dim=8, threads=None))
     data = level.to_json(run_bench(level))
-    assert [(r["num_seqs"], r["mode"]) for r in data["rows"]] == [(1, "causal"), (1, "mask"), (2, "mask"),
-                                                                   (2, "varlen")]
+    assert [(r["num_seqs"], r["mode"]) for r in data["rows"]] == [(1, "causal"), (1, "mask"), (1, "rows"),
+                                                                   (2, "mask"), (2, "varlen"), (2, "rows")]
     for r in data["rows"]:
         assert list(r) == ["seq_len", "num_seqs", "mode", "impl", "median_ms", "min_ms", "max_ms", "mask_build_ms"]
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]

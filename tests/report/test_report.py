@@ -312,10 +312,14 @@ def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path)
         expected = "never" if not enough else ("∞" if enough[0] is None else str(enough[0]))
         assert f"{policy} {expected}" in hits.title
     assert plot_hit_rate(rows, tmp_path / "h2.png", [Marked("x", "x", 1.0, 1.0, 3, 3, None, 0.5)]).marked is None
-    bench = plot_bench([Ratio(128, 1, "causal", "mask", 1.3), Ratio(1024, 1, "causal", "mask", 2.1),
-                        Ratio(128, 4, "varlen", "mask", 1.5)], tmp_path / "b.png")
+    def one(length: int, mask: float, rows: float) -> Ratio:  # over causal; rows the fastest of three
+        over = {"causal": 1.0, "mask": mask, "rows": rows}
+        return Ratio(length, 1, "rows", "causal", 1 / rows, over={"call": over})
+    bench = plot_bench([one(128, 1.3, 0.9), one(1024, 2.1, 0.8),
+                        Ratio(128, 4, "varlen", "rows", 1.1, over={"call": {"mask": 1.0, "varlen": 0.5, "rows": 0.6}})],
+                       tmp_path / "b.png")
     assert bench.title.startswith(f"one sequence at L 1024: MASK costs 2.10× causal here, {TT_XLA[1024]:.2f}× on tt-xla")
-    assert "2.00× causal" in plot_bench([Ratio(100, 1, "mask", "causal", 0.5)], tmp_path / "b2.png").title
+    assert "0.50× causal" in plot_bench([one(100, 0.5, 2.0)], tmp_path / "b2.png").title
     for plot in (frontier, hits, bench):
         assert (tmp_path / plot.file).stat().st_size > 1000
 
