@@ -130,8 +130,8 @@ def _rows_with_past(layer: int, rows: int, q: torch.Tensor, k: torch.Tensor, v: 
                     run: Callable[..., torch.Tensor]) -> torch.Tensor:
     """One layer's attention of ``rows`` rows batched into the heads (``q`` ``[rows·heads,
     L, D]``, ``k, v`` ``[rows·kv_heads, L, D]``) over ``past``: each row sees the first
-    ``lengths[r]`` columns of its context and its own earlier rows (a mask built in the
-    graph from the lengths); mask-free causal without context."""
+    ``lengths[r]`` columns of its context and its own earlier rows (a mask per row built
+    in the graph from the lengths, the kernel's ROWS form); mask-free causal without context."""
     kv_heads, length = k.shape[0] // rows, k.shape[1]
 
     def by_head(x: torch.Tensor) -> torch.Tensor:  # [rows·kv_heads, n, D] -> [kv_heads, rows·n, D]
@@ -148,9 +148,12 @@ def _rows_with_past(layer: int, rows: int, q: torch.Tensor, k: torch.Tensor, v: 
     seen = torch.cat([(torch.arange(context, device=q.device) < past.lengths[:, None])[:, None].expand(
         rows, length, context), torch.ones(length, length, dtype=torch.bool, device=q.device).tril().expand(
         rows, length, length)], 2)
-    heads = q.shape[0] // rows
-    return run(q, torch.cat([pk, k], 1), torch.cat([pv, v], 1), False,
-               seen[:, None].expand(rows, heads, length, context + length).flatten(0, 1))
+    def rows_first(x: torch.Tensor) -> torch.Tensor:  # [rows·heads, n, D] -> [rows, heads, n, D]
+        return x.reshape(rows, -1, *x.shape[1:])
+
+    # the kernels' ROWS form: one mask [rows, L, C + L] per row, shared by its heads
+    return run(rows_first(q), rows_first(torch.cat([pk, k], 1)), rows_first(torch.cat([pv, v], 1)), False,
+               seen).flatten(0, 1)
 
 
 def static_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

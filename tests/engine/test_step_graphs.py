@@ -13,7 +13,6 @@ from cost_models import of_model, synthetic
 from docs_blocks import ROOT, blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rows_policy import ROWS_POLICY, registered
 from test_static_model import TINY, Counted, config
 
 from attnpolicy.cli import main
@@ -36,12 +35,6 @@ def models(request):
     spec = parse_spec(TINY[request.param])
     assert isinstance(spec, ModelSpec)
     return spec.build(), spec.build()
-
-
-@pytest.fixture
-def rows_policy():
-    """:data:`ROWS_POLICY` registered for the test."""
-    yield from registered()
 
 
 def whole(reference, tokens: list[int]) -> torch.Tensor:
@@ -121,8 +114,8 @@ def test_one_sequence_runs_causal_over_its_exact_context(models, lens):
                                  "aot_eager", kv=True)) for n, c in zip(lens, done)}
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen", "dynamic", "always-causal", ROWS_POLICY])
-def test_greedy_tokens_equal_hf_generate(models, policy, rows_policy):
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", "dynamic", "always-causal", "always-rows"])
+def test_greedy_tokens_equal_hf_generate(models, policy):
     model, reference = models
     runner = StaticModelRunner(model, config(policy))
     prompts, new = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20]], 6
@@ -361,8 +354,8 @@ def test_a_kv_cache_refuses_bad_shapes():
         KVCache(1, 8, layers=1, kv_heads=1, head_dim=4, lengths=[9])
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen", ROWS_POLICY])
-def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys, policy, rows_policy):
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", "always-rows"])
+def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys, policy):
     trace = tmp_path / "trace.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
         f"2023-11-16 18:17:0{i}.0000000,{p},{g}\n" for i, (p, g) in enumerate([(40, 6), (9, 12), (70, 3), (3, 5)])))
@@ -376,7 +369,7 @@ def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys
     assert 0 < result["context_steps"] < result["batches"]  # chunked prefill (budget 32) and decodes
     assert result["max_abs_err"] <= 1e-5
     assert result["misses"] == result["compiles"] > 0
-    if policy == ROWS_POLICY:
+    if policy == "always-rows":
         assert result["modes"] == {"rows": result["batches"]}
 
 

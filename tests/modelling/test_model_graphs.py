@@ -8,7 +8,6 @@ import json
 
 import pytest
 from cost_models import synthetic, with_steps
-from rows_policy import ROWS_POLICY, registered
 
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
@@ -30,12 +29,6 @@ from attnpolicy.workloads.traces import Request
 
 SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
 MODES = ("causal", "mask", "varlen", "rows")
-
-
-@pytest.fixture
-def rows_policy():
-    """:data:`ROWS_POLICY` registered for the test."""
-    yield from registered()
 
 
 def with_rows(model: ModelCostModel) -> ModelCostModel:
@@ -173,8 +166,8 @@ def test_calibrated_model_round_trips_and_predicts_its_samples(calibrated):
         assert y.estimate_bytes == model.graph_bytes(step)  # the runner's own estimate of a step graph
 
 
-@pytest.mark.parametrize("policy", ["dynamic", "varlen", ROWS_POLICY])
-def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy, rows_policy):
+@pytest.mark.parametrize("policy", ["dynamic", "varlen", "always-rows"])
+def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy):
     from attnpolicy.bench.replay import MODEL_TOLERANCE, PrefillReplay, replay
 
     model, _ = calibrated
@@ -190,8 +183,8 @@ def test_simulated_misses_equal_a_real_runner_replay(calibrated, policy, rows_po
     assert result.ratios()["misses"] == 1.0
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen", ROWS_POLICY])
-def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, policy, rows_policy):
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", "always-rows"])
+def test_simulated_steps_equal_a_real_serving_of_whole_requests(calibrated, policy):
     """Whole requests (chunked prefill, decodes) served over a KV cache, every step on a
     step graph: the simulator's misses, compiles and evictions are the runner's, and its
     seconds come from the step fits."""
@@ -230,23 +223,23 @@ def test_rows_graphs_are_priced_by_their_own_fits_or_refused():
         ModelCostModel.model_validate({**synthetic().model_dump(), "run": {"rows": ModelFit(base=1.0)}})
 
 
-def test_simulate_stalls_and_plan_price_a_rows_policy(tmp_path, rows_policy):
+def test_simulate_stalls_and_plan_price_a_rows_policy(tmp_path):
     """simulate, stalls and plan ``--family model`` run a ROWS policy on ROWS keys priced
     by the ROWS fits; a file without them refuses it naming the mode."""
     path = CostFile(model=with_rows(synthetic())).save(tmp_path / "m.json")
     flags = ["--limit", "30", "--max-seq-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "4"]
     assert main(["simulate", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies",
-                 f"{ROWS_POLICY},always-mask", "--json", str(tmp_path / "sim.json"), *flags]) == 0
+                 "always-rows,always-mask", "--json", str(tmp_path / "sim.json"), *flags]) == 0
     rows = {(r["policy"], r["eviction"]): r for r in json.loads((tmp_path / "sim.json").read_text())["rows"]}
-    assert rows[ROWS_POLICY, "lru"]["run_seconds"] > rows["always-mask", "lru"]["run_seconds"]  # 0.1 ms a row more
+    assert rows["always-rows", "lru"]["run_seconds"] > rows["always-mask", "lru"]["run_seconds"]  # 0.1 ms a row more
     assert main(["stalls", "--cost-model", str(path), "--family", "model", "--capacities", "4", "--policies",
-                 ROWS_POLICY, "--json", str(tmp_path / "st.json"), *flags]) == 0
-    assert [r["policy"] for r in json.loads((tmp_path / "st.json").read_text())["rows"]] == [ROWS_POLICY] * 2
+                 "always-rows", "--json", str(tmp_path / "st.json"), *flags]) == 0
+    assert [r["policy"] for r in json.loads((tmp_path / "st.json").read_text())["rows"]] == ["always-rows"] * 2
     assert main(["plan", "--cost-model", str(path), "--family", "model", "--max-graphs", "4", "--policies",
-                 ROWS_POLICY, "--out", str(tmp_path / "plan"), *flags]) == 0
-    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["policy"] == ROWS_POLICY
+                 "always-rows", "--out", str(tmp_path / "plan"), *flags]) == 0
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["policy"] == "always-rows"
     old = CostFile(model=synthetic()).save(tmp_path / "old.json")
-    assert main(["simulate", "--cost-model", str(old), "--family", "model", "--policies", ROWS_POLICY, *flags]) == 2
+    assert main(["simulate", "--cost-model", str(old), "--family", "model", "--policies", "always-rows", *flags]) == 2
 
 
 def test_a_step_that_builds_its_graph_costs_its_build_alone():

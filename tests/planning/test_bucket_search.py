@@ -246,7 +246,7 @@ def test_the_program_over_many_blocks_of_boundaries_is_the_plain_one(backend):
     """Some 250 candidate boundaries: the program prices them in several blocks."""
     rng = np.random.default_rng(7)
     q = rng.integers(1, 4000, 300)
-    kinds = rng.choice(list(CallKind), 300)
+    kinds = [CallKind(k) for k in rng.choice([k for k in CallKind if k is not CallKind.ROWS], 300)]  # what it plans
     kv = np.where(rng.random(300) < 0.5, q, q + rng.integers(0, 600, 300))
     shapes = CallShapes.of(Counter({(f, int(a), int(b) if f is not CallKind.MASK else int(a)): int(n)
                                     for f, a, b, n in zip(kinds, q, kv, rng.integers(1, 20, 300), strict=True)}))
