@@ -44,7 +44,7 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
         n = layout.num_seqs
         per = n if max_rows is None else max_rows
         return tuple(_rows_call(layout, s, min(s + per, n), bucket, rows_bucket)
-                     for s in range(0, plan_rules.row_calls(n, per) * per, per))
+                     for s in range(0, n, per))
     calls = []
     for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
         if plan_rules.runs_causal(layout.causal, ql, kl):
@@ -53,7 +53,6 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
         else:
             calls.append(Call(CallKind.VARLEN, qs, ql, ks, kl, bucket(ql), bucket(kl), layout.causal))
     return tuple(calls)
-
 
 
 def _rows_call(layout: BatchLayout, first: int, end: int, bucket: Callable[[int], int],

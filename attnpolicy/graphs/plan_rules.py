@@ -36,9 +36,3 @@ def mask_over(q_bucket: int | np.ndarray, kv_bucket: int | np.ndarray, max_mask_
     ``on_overflow='raise'``), and a MASK graph of them never serves a pad-up."""
     return q_bucket * kv_bucket > max_mask_bytes
 
-
-def row_calls(seqs: int | np.ndarray, max_rows: int | np.ndarray) -> int | np.ndarray:
-    """The ROWS calls a batch of ``seqs`` sequences runs in: one per ``max_rows``
-    (the largest row bucket) sequences, in order."""
-    return -(-seqs // max_rows)
-
