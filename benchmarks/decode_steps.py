@@ -49,7 +49,7 @@ def cell(runner: StaticModelRunner, model: torch.nn.Module, batch: int, context:
         runner.run(ids, layout, mode, kv=kv, slots=slots)
         if i:
             times.append(time.perf_counter() - start)
-    key = str(runner.key_for(layout, mode, kv=True))
+    (key,) = map(str, runner.keys_for(layout, mode, kv=True))
     memory = next(m for m in runner.stats().memory if m.key == key)
     return {"batch": batch, "context": context, "mode": mode.value, "key": key,
             "median_ms": 1e3 * statistics.median(times), "estimate_mib": memory.estimate_bytes / MIB,

@@ -370,7 +370,7 @@ def graph_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, .
     one chunk over ``c``; MASK one decode, four decodes, and a chunk beside a decode;
     VARLEN two decodes (over ``c`` and ``c/2``), eight decodes (a VARLEN graph unrolls its
     sequences: its compile grows with their number) and a chunk beside a decode; ROWS
-    one, four and eight decodes and a chunk beside a decode. Entries whose graph is one
+    one, four and eight decodes and two chunks (a rows forward holds one phase). Entries whose graph is one
     already in the grid are timed once."""
     sizes = sorted(s.sizes or (DEFAULT_SIZES[:2] if s.quick else DEFAULT_SIZES))
     out: list[tuple[MaskMode, tuple[int, ...], tuple[int, ...]]] = []
@@ -387,7 +387,7 @@ def graph_grid(s: ModelCalibrationSettings) -> list[tuple[MaskMode, tuple[int, .
                 (MaskMode.MASK, (1,), (c,)), (MaskMode.MASK, (1,) * 4, (c,) * 4), (MaskMode.MASK, (r, 1), (c, c)),
                 (MaskMode.VARLEN, (1, 1), (c, c // 2)), (MaskMode.VARLEN, (1,) * 8, (c,) * 8),
                 (MaskMode.VARLEN, (r, 1), (c, c)), (MaskMode.ROWS, (1,), (c,)), (MaskMode.ROWS, (1,) * 4, (c,) * 4),
-                (MaskMode.ROWS, (1,) * 8, (c,) * 8), (MaskMode.ROWS, (r, 1), (c, c))]
+                (MaskMode.ROWS, (1,) * 8, (c,) * 8), (MaskMode.ROWS, (r, _real(n)), (c, c))]
     return out
 
 
@@ -433,7 +433,8 @@ def _whole_model(s: ModelCalibrationSettings, progress: Callable[[str], None] | 
     runner = StaticModelRunner(model, config)
     unique: dict[ModelKey, tuple[MaskMode, BatchLayout]] = {}
     for mode, layout in grid:
-        unique.setdefault(runner.key_for(layout, mode, kv=layout.has_context), (mode, layout))
+        (key,) = runner.keys_for(layout, mode, kv=layout.has_context)  # one forward: one phase, few rows
+        unique.setdefault(key, (mode, layout))
 
     def build(entry: tuple[ModelKey, tuple[MaskMode, BatchLayout]]) -> tuple[ModelKey, float,
                                                                                list[Callable[[], list[float]]]]:

@@ -319,7 +319,7 @@ class WholeModelBench:
 
     def facts(self, length: int, num_seqs: int, mode: MaskMode) -> dict[str, float | None]:
         """The compile seconds and memory of the mode's compiled graph (from the runner)."""
-        key = str(self._compiled.key_for(BatchLayout.from_lens([length]), mode))
+        (key,) = map(str, self._compiled.keys_for(BatchLayout.from_lens([length]), mode))
         mem = next(m for m in self._compiled.stats().memory if m.key == key)
         return {"compile_s": mem.compile_seconds, "rss_mib": mem.rss_bytes / 2**20,
                 "estimate_mib": mem.estimate_bytes / 2**20,

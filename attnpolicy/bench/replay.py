@@ -303,8 +303,9 @@ class _RunnerReplay:
     ``slots``: a KV cache of their slots and tokens, allocated before any other work,
     :class:`~attnpolicy.errors.AllocationError` when it cannot be), its steps timed on
     ``clock`` with ``threads`` threads, a reference model with ``check``, the simulator's
-    prediction with ``cost``. Its figures (see :class:`ReplayResult`): ``hits`` (batches
-    that ran on their own graph, resident when they ran; ``hits + misses == batches``),
+    prediction with ``cost``. Its figures (see :class:`ReplayResult`): ``hits`` (forwards
+    that ran on their own graph, resident when they ran; ``hits + misses`` is the forwards
+    run: a batch's one, a ROWS step's one per phase),
     ``compiles``, ``evictions``, ``loads`` and ``disk`` (the store's figures, ``None``
     without one) of the graph cache, ``background`` (``None`` unless
     ``compile_mode="background"``: the worker's compiles, as the attention level's
@@ -407,7 +408,7 @@ class PrefillReplay(_RunnerReplay):
 
     def summary(self) -> Summary:
         stats = self._runner.stats()
-        return self._summary(stats, stats.cache.hits, stats.cache.misses, self._layouts)  # one lookup per batch
+        return self._summary(stats, stats.cache.hits, stats.cache.misses, self._layouts)  # one lookup per forward
 
     def checked(self, err: MaxAbsError) -> None:
         return None
@@ -546,7 +547,7 @@ class RequestReplay(_RunnerReplay):
     def summary(self) -> Summary:
         stats = self._runner.stats()
         served = self._served
-        return self._summary(stats, stats.batch_hits, stats.batch_misses, served, requests=len(self._prompts),
+        return self._summary(stats, stats.forward_hits, stats.forward_misses, served, requests=len(self._prompts),
                              context_steps=sum(layout.has_context for layout in served), steps=True)
 
     def checked(self, err: MaxAbsError) -> int:

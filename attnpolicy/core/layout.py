@@ -249,6 +249,18 @@ class BatchLayout:
     def max_kv_len(self) -> int:
         return max(self.kv_lens)
 
+    def sequences(self, first: int, end: int) -> BatchLayout:
+        """Sequences ``[first, end)`` as a layout of their own: its rows run from the first
+        one's start to the last one's end (the padding between them kept)."""
+        if not 0 <= first < end <= self.num_seqs:
+            raise LayoutError(f"sequences [{first}, {end}) are not a range of this layout's {self.num_seqs}")
+        q0, k0, last = self.q_starts[first], self.kv_starts[first], end - 1
+        return BatchLayout(self.q_lens[first:end], self.kv_lens[first:end],
+                           tuple(s - q0 for s in self.q_starts[first:end]),
+                           tuple(s - k0 for s in self.kv_starts[first:end]),
+                           self.q_starts[last] + self.q_lens[last] - q0,
+                           self.kv_starts[last] + self.kv_lens[last] - k0, self.causal)
+
     def describe(self) -> str:
         """Short human string, e.g. ``3 seqs q=[5, 7, 9] causal``."""
         ctx = "" if not self.has_context else f" kv={list(self.kv_lens)}"

@@ -1,6 +1,7 @@
 """The key of a whole-model graph, pure data: :class:`ModelKey`, a forward over a
 batch's new rows and their cached context (a prefill is a step with no context), the
-one rule that maps a layout and a mode to it (shared by the runner and the simulator),
+rule that maps a layout and a mode to a step's forwards and their keys (shared by the
+runner and the simulator),
 which larger graph serves a key padded up, and a graph's static-shape byte estimate.
 No torch: a planner or a simulator prices these keys without loading a model."""
 
@@ -12,7 +13,7 @@ from typing import Any
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.errors import IllegalModeError
+from attnpolicy.graphs import plan_rules
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +67,20 @@ def why_illegal_step(mode: MaskMode, layout: BatchLayout) -> str | None:
     return None if layout.num_seqs == 1 else f"{layout.num_seqs} sequences packed"
 
 
-def why_too_many_rows(layout: BatchLayout, config: AttnPolicyConfig) -> str | None:
-    """``None`` when ``layout``'s sequences fit one ROWS forward (at most the largest of
-    ``config.row_buckets``), else why not: a whole-model ROWS graph is one forward of one
-    batch, never split into several."""
-    most = config.row_buckets[-1]
-    if layout.num_seqs <= most:
-        return None
-    return (f"mode=rows runs one sequence per row of one forward: {layout.num_seqs} sequences exceed the "
-            f"largest of row_buckets {list(config.row_buckets)} (raise row_buckets, or run at most {most} "
-            f"sequences a step)")
+def forwards(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> tuple[tuple[int, int], ...]:
+    """The ``[first, end)`` sequence ranges of ``layout`` that run as one forward each:
+    ROWS's :func:`~attnpolicy.graphs.plan_rules.row_groups` (decodes apart from prefills,
+    at most the largest of ``config.row_buckets`` a forward), every other mode one forward
+    of all."""
+    if mode is MaskMode.ROWS:
+        return plan_rules.row_groups(layout.q_lens, config.row_buckets[-1])
+    return ((0, layout.num_seqs),)
+
+
+def step_keys(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig, *, kv: bool) -> tuple[ModelKey, ...]:
+    """The keys of ``layout``'s forwards (:func:`forwards`), in order: what a step requests."""
+    return tuple(model_key_for(layout.sequences(first, end), mode, config, kv=kv)
+                 for first, end in forwards(layout, mode, config))
 
 
 def segment(rows: int, context: int, config: AttnPolicyConfig) -> tuple[int, int]:
@@ -90,12 +95,10 @@ def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig,
     ``max_seq_len``), MASK's totals by ``config.batch_bucket`` (at most
     ``max_batch_tokens``); CAUSAL's context is exact. ROWS: ``config.rows_bucket`` of the
     sequences, every row padded to the buckets of the longest rows and the longest context
-    (no per-sequence combination); more sequences than the largest row bucket raise
-    :class:`~attnpolicy.errors.IllegalModeError` (:func:`why_too_many_rows`)."""
+    (no per-sequence combination), for one forward's sequences (:func:`forwards`: more
+    than the largest row bucket raise ``ValueError``)."""
     ctx = contexts(layout)
     if mode is MaskMode.ROWS:
-        if (why := why_too_many_rows(layout, config)) is not None:
-            raise IllegalModeError(why)
         row = segment(max(layout.q_lens), max(ctx), config)
         count = config.rows_bucket(layout.num_seqs)
         return ModelKey(mode, count * row[0], count * row[1], (row,) * count, config.backend, kv)

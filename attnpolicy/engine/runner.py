@@ -51,7 +51,7 @@ from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.dispatch.stats import BackgroundStats, Counters, RuntimeStats
 from attnpolicy.engine.graph_family import STATIC_ATTENTION, Inputs, ModelFamily, register
-from attnpolicy.engine.keys import ModelKey, contexts, model_key_for, segment, why_illegal_step
+from attnpolicy.engine.keys import ModelKey, contexts, forwards, model_key_for, segment, step_keys, why_illegal_step
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError
 from attnpolicy.graphs import backend_setup, device_memory
@@ -89,11 +89,12 @@ class RunnerStats(RuntimeStats):
     eager_served: int = 0
     #: (``compile_mode="background"``) seconds batches waited for the worker at switch points
     stall_seconds: float = 0.0
-    #: batches run (warm-up's not) on their own graph, resident when they ran, and the others
+    #: forwards run (warm-up's not) on their own graph, resident when they ran, and the others
     #: (their graph built now, or under ``compile_mode="background"`` padded up or run eagerly while
-    #: it compiles): one count per batch, where ``cache`` counts lookups (a pad-up's and a switch-in's)
-    batch_hits: int = 0
-    batch_misses: int = 0
+    #: it compiles): one count per forward (a batch's one; a ROWS step's one per phase), where
+    #: ``cache`` counts lookups (a pad-up's and a switch-in's)
+    forward_hits: int = 0
+    forward_misses: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,7 @@ class StaticModelRunner:
         self._memory: list[GraphMemory] = []
         self._modes: Counter[str] = Counter()
         self._batches = 0
-        self._batch_hits = self._batch_misses = 0
+        self._forward_hits = self._forward_misses = 0
         self._lock = threading.RLock()  # the policy, the counters, the background's pending compiles
         self._background: Background[ModelKey, Inputs] | None = (
             Background(self.source, thread_name="attnpolicy-model-compile")
@@ -213,16 +214,35 @@ class StaticModelRunner:
         return self._run(token_ids, layout, mode, kv, slots, background=self._background is not None, counted=True)
 
     def _count(self, hit: bool) -> None:
-        """One batch run on its own resident graph (``hit``), or not."""
+        """One forward run on its own resident graph (``hit``), or not."""
         with self._lock:
             if hit:
-                self._batch_hits += 1
+                self._forward_hits += 1
             else:
-                self._batch_misses += 1
+                self._forward_misses += 1
 
     def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
              slots: Sequence[int] | None, *, background: bool, counted: bool = False) -> torch.Tensor:
-        """Run checked inputs (:meth:`_check`) in ``mode``."""
+        """Run checked inputs (:meth:`_check`) in ``mode``: one forward per range of
+        :func:`~attnpolicy.engine.keys.forwards` (a ROWS step's decodes apart from its
+        prefills), each on its own graph (``counted``: each forward's hit or miss)."""
+        parts = forwards(layout, mode, self.config)
+        if len(parts) == 1:
+            return self._forward(token_ids, layout, mode, kv, slots, background=background, counted=counted)
+        logits: torch.Tensor | None = None
+        for first, end in parts:
+            part, q0 = layout.sequences(first, end), layout.q_starts[first]
+            out = self._forward(token_ids[q0:q0 + part.q_tokens], part, mode, kv,
+                                None if slots is None else slots[first:end], background=background, counted=counted)
+            if logits is None:
+                logits = out.new_zeros(layout.q_tokens, out.shape[-1])
+            logits[q0:q0 + part.q_tokens] = out
+        assert logits is not None
+        return logits
+
+    def _forward(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+                 slots: Sequence[int] | None, *, background: bool, counted: bool) -> torch.Tensor:
+        """One forward's logits over its graph (a step's KV rows into its slots)."""
         batch = self._legal_place(token_ids, layout, mode, kv, slots)
         bg = self._background
         graph: Callable[..., Any]
@@ -277,10 +297,11 @@ class StaticModelRunner:
         graph: CompiledGraph = self.source.get(batch.key, batch.inputs, pin=pin)
         return graph
 
-    def key_for(self, layout: BatchLayout, mode: MaskMode, *, kv: bool = False) -> ModelKey:
-        """The graph key ``layout`` runs under in ``mode`` (``kv``: a step's, run with a KV
-        cache; :func:`~attnpolicy.engine.keys.model_key_for`)."""
-        return model_key_for(layout, mode, self.config, kv=kv)
+    def keys_for(self, layout: BatchLayout, mode: MaskMode, *, kv: bool = False) -> tuple[ModelKey, ...]:
+        """The graph keys ``layout``'s forwards run under in ``mode``, in order (one, but a
+        ROWS step's one per phase; ``kv``: a step's, run with a KV cache;
+        :func:`~attnpolicy.engine.keys.step_keys`)."""
+        return step_keys(layout, mode, self.config, kv=kv)
 
     def _check(self, token_ids: torch.Tensor, layout: BatchLayout, kv: KVCache | None = None,
                slots: Sequence[int] | None = None) -> None:
@@ -324,7 +345,7 @@ class StaticModelRunner:
         into the past inputs. The inputs are built here in the form every graph is
         compiled for, whatever the form of ``token_ids``: int64, contiguous, on the model's
         device."""
-        key = key or self.key_for(layout, mode, kv=kv is not None)
+        key = key or model_key_for(layout, mode, self.config, kv=kv is not None)
         token_ids = token_ids.to(device=self.device, dtype=torch.long)
         ctx = contexts(layout)
         order = list(range(layout.num_seqs))
@@ -404,7 +425,7 @@ class StaticModelRunner:
                 slots = None if kv is None else range(layout.num_seqs)
                 self._check(ids, layout, kv, slots)
                 self._run(ids, layout, mode, kv, slots, background=False)
-                keys.append(self.key_for(layout, mode, kv=kv is not None))
+                keys += self.keys_for(layout, mode, kv=kv is not None)
         finally:
             setup.join()  # its seconds are the warm-up's
         self.source.warm = True
@@ -419,7 +440,7 @@ class StaticModelRunner:
                                memory=tuple(self._memory), background=None if bg is None else bg.stats(),
                                eager_served=c.background_eager,
                                stall_seconds=0.0 if bg is None else bg.waited,
-                               batch_hits=self._batch_hits, batch_misses=self._batch_misses)
+                               forward_hits=self._forward_hits, forward_misses=self._forward_misses)
 
     def close(self) -> None:
         """Stop the background worker and drop every graph (released)."""

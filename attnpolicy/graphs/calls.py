@@ -22,9 +22,9 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
 
     ``bucket`` rounds one sequence's length up to a compiled size; ``batch_bucket``
     (default: ``bucket``) rounds the packed row counts of a MASK call; ``rows_bucket``
-    rounds a ROWS call's sequence count up to its row count, and a ROWS batch of more
-    than ``max_rows`` sequences (default: no limit) runs as several calls of at most
-    that many, in order.
+    rounds a ROWS call's sequence count up to its row count; a ROWS batch runs as one
+    call per :func:`~attnpolicy.graphs.plan_rules.row_groups` range (decodes apart from
+    prefills, at most ``max_rows`` sequences a call; default: no limit), in order.
 
     VARLEN runs a causal sequence without context through the CAUSAL graph of its
     bucket (mask-free, shared with single-sequence batches); any other sequence
@@ -41,10 +41,8 @@ def plan_calls(layout: BatchLayout, mode: MaskMode, bucket: Callable[[int], int]
         return (Call(CallKind.MASK, 0, layout.q_tokens, 0, layout.kv_tokens,
                      batch_bucket(layout.q_tokens), batch_bucket(layout.kv_tokens), layout.causal),)
     if mode is MaskMode.ROWS:
-        n = layout.num_seqs
-        per = n if max_rows is None else max_rows
-        return tuple(_rows_call(layout, s, min(s + per, n), bucket, rows_bucket)
-                     for s in range(0, n, per))
+        return tuple(_rows_call(layout, first, end, bucket, rows_bucket)
+                     for first, end in plan_rules.row_groups(layout.q_lens, max_rows))
     calls = []
     for qs, ql, ks, kl in zip(layout.q_starts, layout.q_lens, layout.kv_starts, layout.kv_lens):
         if plan_rules.runs_causal(layout.causal, ql, kl):

@@ -10,6 +10,7 @@ answers a bool, given arrays an array.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,3 +37,19 @@ def mask_over(q_bucket: int | np.ndarray, kv_bucket: int | np.ndarray, max_mask_
     ``on_overflow='raise'``), and a MASK graph of them never serves a pad-up."""
     return q_bucket * kv_bucket > max_mask_bytes
 
+
+
+def row_groups(q_lens: Sequence[int], max_rows: int | None = None) -> tuple[tuple[int, int], ...]:
+    """The ``[first, end)`` sequence ranges a rows batch runs as, one call (one forward at
+    model level) each: runs of consecutive sequences of one phase, decodes (one query row)
+    apart from prefills, as static-graph runtimes schedule them (a decode row is never
+    padded to a prompt's length), at most ``max_rows`` (``None``: no limit) a range.
+    Runtimes put a step's decodes first, so a step runs as one range per phase."""
+    groups: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(q_lens) + 1):
+        if (i == len(q_lens) or (q_lens[i] == 1) != (q_lens[first] == 1)
+                or (max_rows is not None and i - first == max_rows)):
+            groups.append((first, i))
+            first = i
+    return tuple(groups)

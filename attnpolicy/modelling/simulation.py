@@ -40,7 +40,7 @@ On whole-model graphs (the ``model`` family: one graph per forward of a
 over the configs of :func:`sweep_configs`; same :class:`SimRow`, whole-model JSON keys) the
 batches are the key stream the runner would request: each batch's mode is the guarded
 policy's decision (as the runner's), its key the runner's own
-:func:`~attnpolicy.engine.keys.model_key_for`, and the stream is replayed by
+:func:`~attnpolicy.engine.keys.step_keys`, and the stream is replayed by
 :func:`~attnpolicy.cache.key_stream.replay_stream` with the runner's cache bounds and
 eviction, the graphs' bytes being the runner's own estimate: the misses, compiles and
 evictions are those a real runner replay of the same batches counts (tested). Seconds
@@ -65,7 +65,7 @@ from attnpolicy.cache.key_stream import BELADY, StreamStats, next_uses, replay_s
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import ModelKey, model_key_for
+from attnpolicy.engine.keys import ModelKey, step_keys
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.batch_cost import BatchCost
 from attnpolicy.graphs.costmodel import CostModel
@@ -705,16 +705,18 @@ def decided_modes(layouts: Sequence[BatchLayout], config: AttnPolicyConfig, spec
 
 def key_stream(layouts: Sequence[BatchLayout], modes: Sequence[MaskMode], config: AttnPolicyConfig, *,
                kv: bool = False) -> list[ModelKey]:
-    """The key each batch runs under (the runner's :func:`model_key_for`); ``kv``: each
-    engine step's served over a KV cache, as ``run --model`` serves whole requests (every
-    step, a first prefill too, on a step graph)."""
-    return [model_key_for(layout, mode, config, kv=kv) for layout, mode in zip(layouts, modes)]
+    """The keys the batches request, each batch's forwards in order (the runner's
+    :func:`~attnpolicy.engine.keys.step_keys`: one forward a batch, a ROWS batch one per
+    phase); ``kv``: each engine step's served over a KV cache, as ``run --model`` serves
+    whole requests (every step, a first prefill too, on a step graph)."""
+    return [key for layout, mode in zip(layouts, modes) for key in step_keys(layout, mode, config, kv=kv)]
 
 
 def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPolicyConfig,
-                eviction: str, *, builds_run: bool = False) -> SimRow:
+                eviction: str, *, builds_run: bool = False, batches: int | None = None) -> SimRow:
     """Replay ``keys`` through a cache of ``config``'s bounds with ``eviction`` (or
-    ``belady``), costed by ``model``. ``builds_run``: a miss's build runs its own batch
+    ``belady``), costed by ``model``; ``batches``: how many batches requested them
+    (default: one a key; a ROWS step requests one per phase). ``builds_run``: a miss's build runs its own batch
     (a step graph: the runner builds it on the step, and calibration times build and
     step together), so a batch that misses costs its compile seconds alone and
     ``run_seconds`` are the hits'."""
@@ -736,7 +738,7 @@ def replay_keys(keys: Sequence[ModelKey], model: ModelCostModel, config: AttnPol
     return SimRow(config.policy, config.buckets.describe(), config.max_graphs, config.max_bytes, eviction,
                   stats.hits, stats.misses, stats.compiles, stats.compile_seconds, warmup, run_seconds,
                   stats.compile_seconds + warmup + run_seconds, stats.peak_bytes, stats.peak_graphs,
-                  stats.evictions, len(distinct), len(keys), MODEL_KEYS)
+                  stats.evictions, len(distinct), len(keys) if batches is None else batches, MODEL_KEYS)
 
 
 def replay_key_streams(layouts: Sequence[BatchLayout], model: ModelCostModel, configs: Sequence[AttnPolicyConfig],
@@ -748,5 +750,6 @@ def replay_key_streams(layouts: Sequence[BatchLayout], model: ModelCostModel, co
     for config in configs:
         modes = decided_modes(layouts, config, spec)
         keys = key_stream(layouts, modes, config, kv=steps)
-        rows += [replay_keys(keys, model, config, eviction, builds_run=steps) for eviction in evictions]
+        rows += [replay_keys(keys, model, config, eviction, builds_run=steps, batches=len(layouts))
+                 for eviction in evictions]
     return rows

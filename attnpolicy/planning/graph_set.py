@@ -658,7 +658,8 @@ def greedy_plan(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyCon
         config = AttnPolicyConfig(**{**with_policy.model_dump(),
                                      "buckets": Buckets(kind="list", sizes=tuple(sorted(sizes)))})
         keys = key_stream(layouts, modes, config)
-        return min((replay_keys(keys, model, config, e) for e in evictions), key=lambda r: r.total_seconds)
+        return min((replay_keys(keys, model, config, e, batches=len(layouts)) for e in evictions),
+                   key=lambda r: r.total_seconds)
 
     chosen, best = set(required), cost(required)
     while len(chosen) < max_buckets:
@@ -672,7 +673,8 @@ def greedy_plan(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicyCon
         best = row
     base_keys = key_stream(layouts, decided_modes(layouts, with_policy, spec_of(model)), with_policy)
     return PolicyPlan(policy, tuple(sorted(chosen)), (), best.eviction, best.evictions == 0, best,
-                      tuple(replay_keys(base_keys, model, with_policy, e) for e in ("lru", BELADY)), (),
+                      tuple(replay_keys(base_keys, model, with_policy, e, batches=len(layouts))
+                            for e in ("lru", BELADY)), (),
                       WholeModelPlanLevel.policy_keys)
 
 

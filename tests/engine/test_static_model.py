@@ -110,14 +110,14 @@ def test_fixed_policies_on_single_packed_and_padded_batches(models, policy, shap
 def test_keys_buckets_and_segments(models):
     runner = StaticModelRunner(models[0], config())
     layout = BatchLayout.from_lens([5, 40, 17])
-    assert runner.key_for(layout, MaskMode.MASK) == ModelKey(MaskMode.MASK, 64, 0, ((64, 0),), "aot_eager", kv=False)
+    assert runner.keys_for(layout, MaskMode.MASK)[0] == ModelKey(MaskMode.MASK, 64, 0, ((64, 0),), "aot_eager", kv=False)
     # largest bucket first, whatever the order of the sequences
-    varlen = runner.key_for(layout, MaskMode.VARLEN)
+    varlen = runner.keys_for(layout, MaskMode.VARLEN)[0]
     assert varlen.segments == ((64, 0), (32, 0), (16, 0)) and varlen.tokens == 112
-    assert runner.key_for(BatchLayout.from_lens([17, 5, 40]), MaskMode.VARLEN) == varlen
+    assert runner.keys_for(BatchLayout.from_lens([17, 5, 40]), MaskMode.VARLEN)[0] == varlen
     assert str(varlen) == "model/varlen/t64+32+16/aot_eager"
     single = BatchLayout.from_lens([20])
-    assert runner.key_for(single, MaskMode.CAUSAL) == ModelKey(MaskMode.CAUSAL, 32, 0, ((32, 0),), "aot_eager", kv=False)
+    assert runner.keys_for(single, MaskMode.CAUSAL)[0] == ModelKey(MaskMode.CAUSAL, 32, 0, ((32, 0),), "aot_eager", kv=False)
 
 
 def test_one_graph_per_key_and_the_mask_is_an_input(models):
@@ -154,7 +154,7 @@ def test_eviction_releases_the_graph_and_a_return_compiles_again(models):
 def test_strict_raise_after_warmup(models):
     runner = StaticModelRunner(models[0], config("always-mask", strict="raise"))
     warm = BatchLayout.from_lens([4, 4])
-    assert runner.warmup([(warm, MaskMode.MASK)]) == [runner.key_for(warm, MaskMode.MASK)]
+    assert runner.warmup([(warm, MaskMode.MASK)]) == [*runner.keys_for(warm, MaskMode.MASK)]
     hit, miss = BatchLayout.from_lens([8, 2, 3]), BatchLayout.from_lens([20])
     runner.logits(token_ids(hit, 0), hit)  # the same 16-row graph
     with pytest.raises(StrictModeError, match="model/mask/t32"):

@@ -18,7 +18,7 @@ from test_static_model import TINY, Counted, config
 from attnpolicy.cli import main
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes, model_key_for
+from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes, forwards, model_key_for, step_keys
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
@@ -191,23 +191,36 @@ def test_rows_steps_equal_the_float64_reference(models64, schedule):
 
 def test_rows_keys_bucket_rows_length_and_context_with_no_combination():
     cfg = config()
-    layout = BatchLayout.from_lens([1, 1, 3], [20, 9, 3], causal=True)
+    layout = BatchLayout.from_lens([3, 2, 3], [20, 9, 3], causal=True)
     key = model_key_for(layout, MaskMode.ROWS, cfg, kv=True)
     assert (key.rows, key.segments[0], key.tokens, key.context) == (4, (16, 32), 64, 128)
     assert str(key) == "step/rows/r4t16c32/aot_eager"
     # another mix of the same buckets (order, lengths, contexts): the same graph
-    assert model_key_for(BatchLayout.from_lens([3, 2, 1, 1], [3, 30, 2, 18], causal=True), MaskMode.ROWS, cfg,
+    assert model_key_for(BatchLayout.from_lens([3, 2, 4, 5], [3, 30, 6, 18], causal=True), MaskMode.ROWS, cfg,
                          kv=True) == key
     prefill = model_key_for(BatchLayout.from_lens([5, 20, 3], causal=True), MaskMode.ROWS, cfg, kv=False)
     assert str(prefill) == "model/rows/r4t32/aot_eager" and prefill.context == 0
     larger = [model_key_for(BatchLayout.from_lens(q, c, causal=True), MaskMode.ROWS, cfg, kv=True)
-              for q, c in (([1] * 5, [20] * 5), ([17], [20]), ([1], [40]))]
+              for q, c in (([2] * 5, [20] * 5), ([17], [20]), ([2], [40]))]
     assert all(dominates(k, key) for k in larger[:1]) and not any(dominates(key, k) for k in larger)
     assert not dominates(larger[1], key) and not dominates(larger[2], key)  # fewer rows
     assert model_key_for(BatchLayout.from_lens([1], [2], causal=True), MaskMode.MASK, cfg, kv=True).rows == 1
-    with pytest.raises(IllegalModeError, match=r"mode=rows .* 33 sequences exceed the largest of row_buckets "
-                                               r"\[1, 2, 4, 8, 16, 32\]"):
-        model_key_for(BatchLayout.from_lens([1] * 33, causal=True), MaskMode.ROWS, cfg, kv=False)
+
+
+def test_a_rows_step_runs_its_decodes_apart_from_its_prefills_and_at_most_the_largest_row_bucket():
+    """A ROWS step's forwards: each run of one phase (one query row: decode; more:
+    prefill) its own, so no decode row pads to a prompt's length; a run longer than the
+    largest row bucket splits; every other mode is one forward."""
+    cfg = config()
+    mixed = BatchLayout.from_lens([1, 1, 30, 1], [20, 9, 30, 5], causal=True)
+    assert forwards(mixed, MaskMode.ROWS, cfg) == ((0, 2), (2, 3), (3, 4))
+    assert [str(k) for k in step_keys(mixed, MaskMode.ROWS, cfg, kv=True)] == [
+        "step/rows/r2t16c32/aot_eager", "step/rows/r1t32c0/aot_eager", "step/rows/r1t16c16/aot_eager"]
+    assert forwards(mixed, MaskMode.MASK, cfg) == ((0, 4),)
+    assert len(step_keys(mixed, MaskMode.VARLEN, cfg, kv=True)) == 1
+    many = BatchLayout.from_lens([1] * 33, [4] * 33, causal=True)
+    assert forwards(many, MaskMode.ROWS, cfg) == ((0, 32), (32, 33))
+    assert [k.rows for k in step_keys(many, MaskMode.ROWS, cfg, kv=True)] == [32, 1]
 
 
 def test_a_rows_step_builds_no_host_mask_and_pads_up_to_more_rows(models, monkeypatch):
@@ -286,7 +299,7 @@ def test_strict_raise_on_a_step_compile_after_warmup(models):
     model, _ = models
     runner = StaticModelRunner(model, config("always-mask", strict="raise"))
     warm = BatchLayout.from_lens([1, 1], [8, 8], causal=True)
-    assert runner.warmup([(warm, MaskMode.MASK)]) == [runner.key_for(warm, MaskMode.MASK, kv=True)]
+    assert runner.warmup([(warm, MaskMode.MASK)]) == [*runner.keys_for(warm, MaskMode.MASK, kv=True)]
     kv = KVCache.holding(model, [20], MAX_LEN)
     with pytest.raises(StrictModeError, match="step/mask/t16c32"):
         runner.logits(torch.tensor([3]), BatchLayout.from_lens([1], [21], causal=True), kv=kv, slots=[0])
