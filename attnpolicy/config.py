@@ -242,7 +242,8 @@ class AttnPolicyConfig(BaseModel):
 
     def _check_warmup(self) -> None:
         """Every warm-up shape's buckets are buckets of this config (MASK rows: of
-        ``max_batch_tokens``, others: of ``max_seq_len``); a MASK shape's mask fits
+        ``max_batch_tokens``, others: of ``max_seq_len``; a ROWS shape's lengths may be 1,
+        :func:`~attnpolicy.graphs.plan_rules.rows_length`); a MASK shape's mask fits
         ``max_mask_bytes`` (no batch could use it otherwise); the warm set fits
         ``max_graphs`` (warm-up would evict its own graphs). Its bytes depend on the
         tensor spec: the dispatcher checks them against ``max_bytes`` at warm-up."""
@@ -263,6 +264,8 @@ class AttnPolicyConfig(BaseModel):
                 n = getattr(shape, name)
                 try:
                     b = self.buckets.bucket(n, limit)
+                    if shape.kind is CallKind.ROWS and n == 1:  # decode rows (or one-token rows): exactly 1
+                        b = plan_rules.rows_length((n,), self.bucket)
                 except AttnPolicyError:
                     b = None
                 if b != n:

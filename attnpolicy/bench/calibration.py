@@ -99,7 +99,8 @@ def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
     """The (call kind, q bucket, kv bucket) grid: ``sizes``, or pow2 sizes from 16 to
     ``max_len`` (every other size with ``quick``); square shapes for CAUSAL, MASK and ROWS,
     decode-like (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN,
-    and the first two for ROWS (graphs of :data:`CALIBRATION_ROWS` rows)."""
+    and the first two for ROWS (graphs of :data:`CALIBRATION_ROWS` rows; its decode-like
+    shape is one query row a row, q 1)."""
     sizes = sorted(s.sizes or ())
     n = 16
     while not s.sizes and n <= s.max_len:

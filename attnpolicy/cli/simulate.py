@@ -42,13 +42,14 @@ from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import BucketScheme, bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile, Family
-from attnpolicy.modelling.ranges import CALL_RANGE, GRAPH_RANGE, M, OutsideRange, Reach, outside_range
+from attnpolicy.modelling.ranges import CALL_RANGE, GRAPH_RANGE, STEP_RANGE, M, OutsideRange, Reach, outside_range
 from attnpolicy.modelling.simulation import (
     SimRow,
     check_model,
     lower_bounds,
     model_config,
     model_layouts,
+    packed_tokens,
     replay_key_streams,
     simulate_layouts,
     simulate_run,
@@ -90,6 +91,10 @@ def register(subparsers: Any) -> None:
     s.add_argument("--strict", action="store_true",
                    help="with --layouts: exit 1 unless the row under the recorded config reproduces the "
                         "recorded hits, misses and evictions; that row must be in the sweep (default: off)")
+    s.add_argument("--whole-requests", action="store_true",
+                   help="with --family model: whole requests (chunked prefill and decode, every step on a step "
+                        "graph over a KV cache, as 'run --model' serves them) instead of prefill-only batches "
+                        "(default: off)")
     s.add_argument("--json", metavar="PATH", help="write the rows as JSON (default: none)")
     s.add_argument("--plot", metavar="PATH.png",
                    help="plot peak graph MiB vs total seconds per policy and eviction (default: none)")
@@ -306,6 +311,8 @@ class _Attention:
             return simulate_recorded(args, self.model, self.provenance)
         if args.strict:
             fail("argument --strict: compares a replay with its recording, it needs --layouts")
+        if args.whole_requests:
+            fail("argument --whole-requests: needs --family model (the attention level replays every step already)")
         self.former = former_from(args)
         model = self.model
         base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, self.former)
@@ -336,33 +343,41 @@ class _Attention:
 
 
 class _WholeModel:
-    """``simulate --family model``: prefill-only --trace batches, the configs derived from
-    the cost model and the flags per policy, bucket scheme, capacity and byte bound."""
+    """``simulate --family model``: the --trace batches (prefill-only, or with
+    --whole-requests every engine step on a step graph), the configs derived from the
+    cost model and the flags per policy (with its --option), bucket scheme, capacity and
+    byte bound."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        not_taken(args, "with --family model (prefill-only --trace batches, the config derived from the cost "
-                  "model and the flags)", *ATTENTION_ONLY)
+        not_taken(args, "with --family model (--trace batches, the config derived from the cost model and the "
+                  "flags)", *(flag for flag in ATTENTION_ONLY if flag != "option"))
         self.model, self.provenance = priced_model(args)
 
     def prepare(self, args: argparse.Namespace) -> None:
-        self.former = former_from(args, prefill_only=True)
+        self.former = former_from(args, prefill_only=not args.whole_requests)
+        self.options = policy_options(args, "--policies", whole_model_policies(args, SIMULATE_POLICIES))
 
     def sweep(self, args: argparse.Namespace, steps: list[ScheduledBatch], w: Workload
               ) -> tuple[dict[str, Any], list[SimRow]]:
-        """The rows of the prefill batches (printed) and the --json head."""
-        cost, max_len, tokens = self.model, self.former.max_model_len, self.former.max_num_batched_tokens
-        layouts = model_layouts(steps)
-        head = {"limit": args.limit, "batches": len(layouts), "model": cost.spec,
-                **provenance_json(self.provenance, flag_range(cost, layouts, GRAPH_RANGE))}
+        """The rows of the batches (printed) and the --json head."""
+        whole, former = args.whole_requests, self.former
+        cost, max_len = self.model, former.max_model_len
+        tokens = packed_tokens(former) if whole else former.max_num_batched_tokens
+        layouts = [s.layout for s in steps] if whole else model_layouts(steps)
+        head = {"limit": args.limit, "batches": len(layouts), "model": cost.spec, "whole_requests": whole,
+                "policy_options": self.options,
+                **provenance_json(self.provenance, flag_range(cost, layouts, STEP_RANGE if whole else GRAPH_RANGE))}
         try:
             configs = sweep_configs(model_config(cost, max_len, tokens), whole_model_policies(args, SIMULATE_POLICIES),
-                                    args.capacities, max_bytes=args.max_bytes,
+                                    args.capacities, max_bytes=args.max_bytes, policy_options=self.options,
                                     buckets=[bucket_scheme(s, max_len, tokens) for s in args.buckets or ("pow2",)])
-            rows = replay_key_streams(layouts, cost, configs, args.evictions)
+            rows = replay_key_streams(layouts, cost, configs, args.evictions, steps=whole)
         except (ConfigError, GraphTooLargeError) as exc:
             fail(str(exc))
-        print_table(f"simulated {len(layouts)} model-graph batches of {args.trace}, {cost.spec} ({cost.backend}, "
-                    f"{cost.clock} s)",
+        what = "engine steps" if whole else "model-graph batches"
+        ran = describe_options(self.options)
+        print_table(f"simulated {len(layouts)} {what} of {args.trace}, {cost.spec} ({cost.backend}, "
+                    f"{cost.clock} s)" + (f", options: {ran}" if ran else ""),
                     ("policy", "buckets", "graphs", "eviction", "distinct", "misses", "evictions", "compile s",
                      "run s", "total s", "peak MiB"),
                     [(r.policy, r.buckets, "∞" if r.capacity is None else r.capacity, r.eviction, r.distinct_keys,

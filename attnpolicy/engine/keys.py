@@ -94,12 +94,13 @@ def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig,
     A sequence's rows and context are bucketed by ``config.bucket`` (at most
     ``max_seq_len``), MASK's totals by ``config.batch_bucket`` (at most
     ``max_batch_tokens``); CAUSAL's context is exact. ROWS: ``config.rows_bucket`` of the
-    sequences, every row padded to the buckets of the longest rows and the longest context
-    (no per-sequence combination), for one forward's sequences (:func:`forwards`: more
+    sequences, every row padded to the longest context's bucket and the longest rows'
+    (:func:`~attnpolicy.graphs.plan_rules.rows_length`: decodes exactly one; no
+    per-sequence combination), for one forward's sequences (:func:`forwards`: more
     than the largest row bucket raise ``ValueError``)."""
     ctx = contexts(layout)
     if mode is MaskMode.ROWS:
-        row = segment(max(layout.q_lens), max(ctx), config)
+        row = plan_rules.rows_length(layout.q_lens, config.bucket), segment(1, max(ctx), config)[1]
         count = config.rows_bucket(layout.num_seqs)
         return ModelKey(mode, count * row[0], count * row[1], (row,) * count, config.backend, kv)
     if mode is MaskMode.VARLEN:

@@ -10,7 +10,7 @@ answers a bool, given arrays an array.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -53,3 +53,11 @@ def row_groups(q_lens: Sequence[int], max_rows: int | None = None) -> tuple[tupl
             groups.append((first, i))
             first = i
     return tuple(groups)
+
+
+def rows_length(lens: Sequence[int], bucket: Callable[[int], int]) -> int:
+    """The length of a rows call (or forward) of one :func:`row_groups` range, of its
+    queries or its keys: 1 when every row holds one (decodes' queries: one length, as
+    static-graph runtimes' ``[rows, 1]`` decode graphs), else the bucket of the longest."""
+    longest = max(lens)
+    return 1 if longest == 1 else bucket(longest)

@@ -199,11 +199,18 @@ def simulation_config(model: CostModel, former: BatchFormer, **fields: Any) -> A
     contexts) overflows the buckets, and ``oversize="uncached"``: under a ``max_bytes``
     bound a graph larger than the bound is compiled for each use, not refused.
     ``fields`` override any of these."""
-    packed = former.max_num_seqs * former.max_model_len
     base: dict[str, Any] = {"backend": model.backend, "attn_impl": model.impl, "oversize": "uncached",
                             "partition_len": model.partition_len, "max_seq_len": former.max_model_len,
-                            "max_batch_tokens": max(packed, AttnPolicyConfig.model_fields["max_batch_tokens"].default)}
+                            "max_batch_tokens": packed_tokens(former)}
     return AttnPolicyConfig.model_validate({**base, **fields})
+
+
+def packed_tokens(former: BatchFormer) -> int:
+    """The ``max_batch_tokens`` a simulation of ``former``'s steps needs: at least
+    ``max_num_seqs × max_model_len`` (a packed MASK call's keys are every running
+    sequence's context) and at least the config's default."""
+    default: int = AttnPolicyConfig.model_fields["max_batch_tokens"].default
+    return max(former.max_num_seqs * former.max_model_len, default)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, why_not_causal
+from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.policies.base import PolicyContext
 
@@ -75,8 +76,9 @@ class _CausalWhenLegal:
 
 class Dynamic(_CausalWhenLegal):
     """CAUSAL for a single unpadded causal sequence, a dense MASK otherwise; with the
-    option ``rows`` (a fraction ≥ 0), ROWS instead of MASK for a batch whose rows plan
-    pads at most ``rows`` × its tokens (query rows its row and length buckets add)."""
+    option ``rows`` (a fraction ≥ 0), ROWS instead of MASK for a batch whose rows calls
+    pad at most ``rows`` × its tokens (the query rows its row and length buckets add,
+    under the config's buckets: the same at the attention level and the model level)."""
 
     name = "dynamic"
     modes = frozenset({MaskMode.CAUSAL, MaskMode.MASK})
@@ -96,10 +98,11 @@ class Dynamic(_CausalWhenLegal):
         decision = super().decide(layout, ctx)
         if self.rows is None or decision.mode is MaskMode.CAUSAL:
             return decision
-        keys = ctx.keys_for(layout, MaskMode.ROWS)
-        if not keys:  # no planner to ask (or every call uncompiled): its own choice
+        cfg = ctx.config
+        if cfg is None:  # outside a dispatcher or a runner: no buckets to pad to
             return decision
-        padded = sum(key.rows * key.q_len for key in keys) - layout.total_tokens
+        calls = plan_calls(layout, MaskMode.ROWS, cfg.bucket, rows_bucket=cfg.rows_bucket, max_rows=cfg.row_buckets[-1])
+        padded = sum(call.rows * call.q_bucket for call in calls) - layout.total_tokens
         if padded <= self.rows * layout.total_tokens:
             return cached_decision(MaskMode.ROWS, f"{decision.reason}; rows pad {padded} tokens")
         return decision

@@ -50,6 +50,13 @@ def test_a_rows_plan_buckets_rows_and_lengths_and_splits_past_the_largest_row_bu
     keys = [str(key) for _, key in plan.calls]
     assert keys[0].startswith("rows-ctx/r4/q32/") and keys[1].startswith("rows/r2/q16/")
     assert plan.padded_tokens == 4 * 32 + 2 * 16 - layout.total_tokens
+    # decodes run apart from prefills, as [rows, 1] calls: no query row padded
+    step = BatchLayout.from_lens([1, 1, 1, 40, 1], [20, 9, 30, 50, 7])
+    calls = [call for call, _ in d.planner.plan(step, MaskMode.ROWS, SPEC).calls]
+    assert [(c.seq_start, c.seqs, c.rows, c.q_bucket, c.kv_bucket) for c in calls] == [
+        (0, 3, 4, 1, 32), (3, 1, 1, 64, 64), (4, 1, 1, 1, 16)]
+    with pytest.raises(ValueError, match=r"warmup.0.q_bucket: 2 is not a bucket"):
+        _config(warmup=[WarmShape(kind=CallKind.ROWS, q_bucket=2, kv_bucket=32, context=True, rows=4)])
     # one key rule: every other kind keeps rows 1 and shows none
     (call,) = plan_calls(BatchLayout.from_lens([5]), MaskMode.CAUSAL)
     key = GraphKey.for_call(call, SPEC, "sdpa", None, "none")
@@ -130,10 +137,10 @@ def test_a_rows_bad_value_poisons_only_its_own_row(impl, value):
 
 
 def test_rows_warm_shapes_compile_their_graphs_and_are_validated():
-    shape = WarmShape(kind=CallKind.ROWS, q_bucket=16, kv_bucket=32, causal=True, context=True, rows=4)
+    shape = WarmShape(kind=CallKind.ROWS, q_bucket=1, kv_bucket=32, causal=True, context=True, rows=4)
     d = Dispatcher(_config(backend="aot_eager", warmup=[shape], strict="raise"))  # no compile after warm-up
     (key,) = d.warmup(SPEC)
-    assert (key.kind, key.rows, key.q_len, key.kv_len, key.context) == (CallKind.ROWS, 4, 16, 32, True)
+    assert (key.kind, key.rows, key.q_len, key.kv_len, key.context) == (CallKind.ROWS, 4, 1, 32, True)
     layout = BatchLayout.from_lens([1, 1, 1], [20, 9, 30])  # decode rows of that key
     q, k, v = random_qkv(layout)
     torch.testing.assert_close(d.attend(q, k, v, layout).double(), reference_for(q, k, v, layout),

@@ -242,6 +242,35 @@ def test_simulate_stalls_and_plan_price_a_rows_policy(tmp_path):
     assert main(["simulate", "--cost-model", str(old), "--family", "model", "--policies", "always-rows", *flags]) == 2
 
 
+def test_simulate_prices_whole_requests_under_each_policys_options(tmp_path):
+    """``simulate --family model --whole-requests``: every engine step (chunked prefill,
+    decodes) keyed as the runner keys it (a ROWS step one forward per phase), priced by the
+    step fits under the policy's --option: its rows are the replay of the former's steps;
+    the flag is refused at the attention level."""
+    path = CostFile(model=with_rows(with_steps())).save(tmp_path / "m.json")
+    trace = tmp_path / "trace.csv"
+    shapes = [(300, 6), (90, 12), (700, 3), (30, 20), (1200, 4), (60, 9)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:0{i}.0000000,{p},{g}\n" for i, (p, g) in enumerate(shapes)))
+    flags = ["--trace", str(trace), "--max-seq-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "4"]
+    assert main(["simulate", "--cost-model", str(path), "--family", "model", "--whole-requests", "--capacities",
+                 "4,inf", "--evictions", "lru", "--policies", "always-rows,dynamic", "--option", "dynamic:rows=0.5",
+                 "--json", str(tmp_path / "sim.json"), *flags]) == 0
+    out = json.loads((tmp_path / "sim.json").read_text())
+    assert out["whole_requests"] and out["policy_options"] == {"always-rows": {}, "dynamic": {"rows": 0.5}}
+    former = BatchFormer(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048)
+    layouts = [s.layout for s in former.steps([Request(0.0, p, g) for p, g in shapes])]
+    assert any(x.has_context for x in layouts) and any(1 in x.q_lens and x.max_len > 1 for x in layouts)
+    model = CostFile.load(path).model
+    assert model is not None
+    configs = sweep_configs(model_config(model, 2048, 4 * 2048), ["always-rows", "dynamic"], [4, None],
+                            policy_options={"dynamic": {"rows": 0.5}})
+    expected = replay_key_streams(layouts, model, configs, ["lru"], steps=True)
+    assert [r["total_seconds"] for r in out["rows"]] == pytest.approx([r.total_seconds for r in expected])
+    assert [r["batches"] for r in out["rows"]] == [len(layouts)] * 4  # steps, not forwards
+    assert main(["simulate", "--whole-requests", *flags]) == 2
+
+
 def test_a_step_that_builds_its_graph_costs_its_build_alone():
     """A step graph's build runs its step (as the runner and calibration do): a missed
     step is priced at its compile seconds, the hits at their run seconds."""

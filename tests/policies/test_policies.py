@@ -239,7 +239,13 @@ def test_dynamic_keeps_its_rule_by_default_and_runs_rows_within_its_padding_opti
     assert rows.decide(spread, ctx).mode is M
     assert make_policy("dynamic", rows=3.0).decide(spread, ctx).mode is MaskMode.ROWS
     assert rows.decide(LAYOUTS["single"], ctx).mode is C  # one sequence: CAUSAL whenever legal
-    assert rows.decide(equal, CTX).mode is M  # nothing to plan the rows with: its own choice
+    assert rows.decide(equal, CTX).mode is M  # no config, no buckets to pad to: its own choice
+    # the config alone (a runner's context) pads as a dispatcher plans: the same rule at both levels
+    bare = PolicyContext(config=ctx.config)
+    assert [rows.decide(x, bare) for x in (equal, spread)] == [rows.decide(x, ctx) for x in (equal, spread)]
+    # three decodes in a [4, 1] call pad one row, the prefill beside them 60 -> 64 in its own call
+    step = BatchLayout.from_lens([1, 1, 1, 60], [30, 9, 70, 60])
+    assert rows.decide(step, bare) == Decision(MaskMode.ROWS, "4 sequences packed; rows pad 5 tokens")
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.2", True])
