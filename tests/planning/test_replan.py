@@ -65,7 +65,8 @@ layouts = st.lists(
 def test_the_call_table_gives_the_rows_of_the_dispatcher_simulation(steps, policy, capacity, sizes, mask_bytes,
                                                                        eviction, row_buckets):
     """Every policy, rows policies too (``dynamic`` with its ``rows`` option decides from
-    rows plans, so under each config's buckets), calls for calls."""
+    rows plans, so under each config's buckets), calls for calls; a table built under
+    other row buckets gives a config's rows by that config's."""
     model, base = _base(on_overflow="eager")
     policy, fields = _policy(policy)
     if row_buckets is not None:
@@ -76,8 +77,8 @@ def test_the_call_table_gives_the_rows_of_the_dispatcher_simulation(steps, polic
         fields["max_mask_bytes"] = mask_bytes
     config = with_fields(base, **fields)
     expected = simulate_layouts(steps, [policy], [capacity], [eviction], config, model)
-    got = CallTable(steps, policy, config, model).rows(with_fields(config, max_graphs=capacity), [eviction],
-                                                      expected[0].buckets)
+    table = CallTable(steps, policy, with_fields(config, row_buckets=base.row_buckets), model)  # other row buckets
+    got = table.rows(with_fields(config, max_graphs=capacity), [eviction], expected[0].buckets)
     assert got == expected
 
 
