@@ -28,8 +28,8 @@ DTYPES: tuple[DType, ...] = get_args(DType)
 OnIllegal = Literal["raise", "fallback"]
 ON_ILLEGAL: tuple[OnIllegal, ...] = get_args(OnIllegal)
 
-#: The mode the guard falls back to (both are legal for every layout).
-FallbackMode = Literal["mask", "varlen"]
+#: The mode the guard falls back to (each is legal for every layout).
+FallbackMode = Literal["mask", "varlen", "rows"]
 FALLBACK_MODES: tuple[FallbackMode, ...] = get_args(FallbackMode)
 
 #: What happens to a length above the largest bucket.

@@ -270,11 +270,24 @@ class CostModel(BaseModel):
         calibrated on rows graphs (a model calibrated before the rows kind has no fit for it)."""
         return kind is not CallKind.ROWS or (kind in self.run and kind in self.compile)
 
+    def run_fit(self, kind: CallKind, rows: int = 1) -> Fit:
+        """The fit of one call of kind ``kind`` in ``rows`` rows: the kind's run fit, a ROWS
+        call's ``rows`` × the rows fit (one row's seconds). :class:`ConfigError` for a kind
+        the model has no fit for (see :meth:`prices`)."""
+        fit = _fit_of(self.run, kind)
+        if rows == 1:
+            return fit
+        return Fit.model_construct(base=rows * fit.base, per_cell=rows * fit.per_cell, per_token=rows * fit.per_token)
+
+    def compile_fit(self, kind: CallKind) -> Fit:
+        """The compile fit of kind ``kind`` (a ROWS graph's whatever its rows);
+        :class:`ConfigError` for a kind the model has no fit for."""
+        return _fit_of(self.compile, kind)
+
     def call_seconds(self, kind: CallKind, q_len: int, kv_len: int, rows: int = 1) -> float:
-        """Seconds of one call of kind ``kind`` on a padded ``q_len × kv_len`` shape (a
-        ROWS call of ``rows`` rows: ``rows`` × the rows fit, one row's seconds).
-        :class:`ConfigError` for a kind the model has no fit for (see :meth:`prices`)."""
-        return rows * _fit_of(self.run, kind)(q_len, kv_len)
+        """Seconds of one call of kind ``kind`` on a padded ``q_len × kv_len`` shape in
+        ``rows`` rows (:meth:`run_fit`)."""
+        return self.run_fit(kind, rows)(q_len, kv_len)
 
     def run_seconds(self, key: GraphKey) -> float:
         """Seconds of one call of the graph of ``key`` (see :meth:`call_seconds`)."""
@@ -284,7 +297,7 @@ class CostModel(BaseModel):
         """Seconds to build the graph of ``key`` (0 for backend ``"none"``: nothing compiles)."""
         if key.backend == "none":
             return 0.0
-        return _fit_of(self.compile, key.kind)(key.q_len, key.kv_len)
+        return self.compile_fit(key.kind)(key.q_len, key.kv_len)
 
     def compile_cost(self, key: GraphKey, measured_seconds: float) -> float:
         """A :class:`~attnpolicy.cache.graph_cache.GraphCache` ``compile_cost``: record the modelled

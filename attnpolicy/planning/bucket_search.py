@@ -1,13 +1,17 @@
 """Bucket planning: the compiled sizes that minimise a workload's modelled time.
 
 A workload under one policy is a multiset of exact call shapes
-(:class:`CallShapes`: call kind, query rows, key rows). A bucket list ``S``
-rounds every length up to the next size in ``S``; the modelled time of the
-workload is then
+(:class:`CallShapes`: call kind, query rows, key rows, and a ROWS call's row count).
+A bucket list ``S`` rounds every length up to the next size in ``S``; the modelled
+time of the workload is then
 
     Σ_calls count · run_f(S(q), S(kv))  +  Σ_distinct keys compile_f(S(q), S(kv))
 
-(every graph compiled once: the cache holds the whole plan). :func:`plan_sizes`
+(every graph compiled once: the cache holds the whole plan). ``f`` is a shape's
+*class*, its call kind at its row count: a ROWS call of ``r`` rows runs ``r`` × the
+rows fit (:meth:`~attnpolicy.graphs.costmodel.CostModel.run_fit`) and its graph is
+one per row count; the row counts come from the config's ``row_buckets`` and are
+not searched. :func:`plan_sizes`
 finds, for every number of buckets ``k`` up to a limit, the best list whose sizes
 are multiples of ``align`` (:data:`ALIGN` by default; a length's round-up is held to
 its kind's limit, ``max_seq_len`` or ``max_batch_tokens``, when that is not a
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CALL_KINDS, CallKind, MaskMode
 from attnpolicy.errors import ConfigError
@@ -50,46 +55,69 @@ _BLOCK = 64
 _CODE = {kind: code for code, kind in enumerate(CALL_KINDS)}
 
 
+#: Call shapes counted: ``(kind, q, kv)``, or ``(kind, q, kv, rows)`` with a ROWS call's rows.
+Counted = Mapping[tuple[CallKind, int, int], int] | Mapping[tuple[CallKind, int, int, int], int]
+
+
 @dataclass(frozen=True)
 class CallShapes:
-    """Exact (unbucketed) call shapes with their counts, one entry per distinct shape."""
+    """Exact (unbucketed) call shapes with their counts, one entry per distinct shape; a
+    ROWS shape's ``q`` and ``kv`` are its longest row's and ``rows`` its row count (1 for
+    every other kind)."""
 
     kind: np.ndarray  # int codes into CALL_KINDS
     q: np.ndarray
     kv: np.ndarray
     count: np.ndarray
+    rows: np.ndarray
 
     @classmethod
-    def of(cls, shapes: Counter[tuple[CallKind, int, int]]) -> CallShapes:
-        """The shapes of these calls; ROWS calls are refused (a shape has no row count:
-        the planner does not plan rows graph sets yet)."""
+    def of(cls, shapes: Counted) -> CallShapes:
+        """The shapes of these calls (a row count for ROWS calls alone)."""
         if not shapes:
             raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
-        if any(kind is CallKind.ROWS for kind, _, _ in shapes):
-            raise ConfigError("the planner does not plan rows graph sets yet: a rows call shape was given")
-        rows = sorted((_CODE[f], q, kv, n) for (f, q, kv), n in shapes.items())
-        fam, q, kv, count = (np.array(col, dtype=np.int64) for col in zip(*rows, strict=True))
-        return cls(fam, q, kv, count)
+        entries = []
+        for shape, n in shapes.items():
+            kind, q, kv, rows = (*shape, 1) if len(shape) == 3 else shape
+            if rows < 1 or (rows != 1 and kind is not CallKind.ROWS):
+                raise ConfigError(f"a {kind.value} call shape has rows 1 (a rows call at least 1), got {rows}")
+            entries.append((_CODE[kind], q, kv, n, rows))
+        return cls(*(np.array(col, dtype=np.int64) for col in zip(*sorted(entries), strict=True)))
 
     @classmethod
-    def from_layouts(cls, decided: Iterable[tuple[BatchLayout, MaskMode]]) -> CallShapes:
-        """The shapes of each ``(layout, mode)``'s planned calls (exact lengths)."""
-        shapes: Counter[tuple[CallKind, int, int]] = Counter()
+    def from_layouts(cls, decided: Iterable[tuple[BatchLayout, MaskMode]], config: AttnPolicyConfig) -> CallShapes:
+        """The shapes of each ``(layout, mode)``'s planned calls (exact lengths; a ROWS
+        call's rows and calls by ``config``'s ``row_buckets``)."""
+        shapes: Counter[tuple[CallKind, int, int, int]] = Counter()
         for layout, mode in decided:
-            for call in plan_calls(layout, mode):
-                shapes[call.kind, call.q_len, call.kv_len] += 1
+            for call in plan_calls(layout, mode, rows_bucket=config.rows_bucket, max_rows=config.row_buckets[-1]):
+                shapes[call.kind, call.q_bucket, call.kv_bucket, call.rows] += 1
         return cls.of(shapes)
+
+    @property
+    def classes(self) -> tuple[np.ndarray, list[tuple[CallKind, int]]]:
+        """Each shape's class, a code into the list of classes present: a call kind at a
+        row count, ascending (computed once)."""
+        found = self.__dict__.get("_classes")
+        if found is None:
+            u, code = np.unique(self.kind * (int(self.rows.max()) + 1) + self.rows, return_inverse=True)
+            kinds, rows = np.divmod(u, int(self.rows.max()) + 1)
+            found = code.reshape(-1), [(CALL_KINDS[k], int(r)) for k, r in zip(kinds.tolist(), rows.tolist())]
+            object.__setattr__(self, "_classes", found)
+        return found
 
     @property
     def max_len(self) -> int:
         return int(self.kv.max())
 
-    def by_kind(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """``(kind code, q, kv, count)`` of each kind present, in code order (computed once)."""
+    def by_class(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """``(class code, q, kv, count)`` of each class (:attr:`classes`), in code order
+        (computed once)."""
         parts = self.__dict__.get("_parts")
         if parts is None:
-            parts = [(code, self.q[sel], self.kv[sel], self.count[sel])
-                     for code in range(len(CALL_KINDS)) if (sel := self.kind == code).any()]
+            code, classes = self.classes
+            parts = [(c, self.q[sel], self.kv[sel], self.count[sel])
+                     for c in range(len(classes)) if (sel := code == c).any()]
             object.__setattr__(self, "_parts", parts)
         return parts
 
@@ -113,21 +141,19 @@ class BucketListCost:
         return self.run_seconds + self.compile_seconds
 
 
-def _fits(model: CostModel, which: str) -> list[Fit]:
-    """The run or compile fits (``which``) of the call kinds, in code order (the planner
-    codes no ROWS call, the last kind: a model without its fit lacks none it reads)."""
-    fits = getattr(model, which)
-    return [fits[kind] for kind in CALL_KINDS if kind in fits]
+def _fits(model: CostModel, which: str, shapes: CallShapes) -> list[Fit]:
+    """The run or compile fits (``which``) of ``shapes``' classes, in code order: a
+    class's :meth:`~attnpolicy.graphs.costmodel.CostModel.run_fit` at its rows, its
+    kind's compile fit (a model without a kind's fits prices no shape of it)."""
+    if which == "run":
+        return [model.run_fit(kind, rows) for kind, rows in shapes.classes[1]]
+    return [model.compile_fit(kind) for kind, _ in shapes.classes[1]]
 
 
-def _coefficients(model: CostModel, which: str) -> np.ndarray:
-    """:func:`_fits` as coefficients (kind code, (base, per cell, per token)), for
-    :meth:`Fit.formula`: one row per call kind, NaN for a kind the model has no fit for
-    (ROWS, never coded by the planner: a row never read)."""
-    out = np.full((len(CALL_KINDS), 3), np.nan)
-    fits = _fits(model, which)
-    out[:len(fits)] = [(f.base, f.per_cell, f.per_token) for f in fits]
-    return out
+def _coefficients(model: CostModel, which: str, shapes: CallShapes) -> np.ndarray:
+    """:func:`_fits` as coefficients (class code, (base, per cell, per token)), for
+    :meth:`Fit.formula`."""
+    return np.array([(f.base, f.per_cell, f.per_token) for f in _fits(model, which, shapes)])
 
 
 def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> BucketListCost:
@@ -136,13 +162,13 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Buck
     s = np.asarray(sorted(sizes), dtype=np.int64)
     if s.size == 0 or s[-1] < shapes.max_len:
         raise ConfigError(f"sizes must cover the longest length {shapes.max_len}, got {list(sizes)}")
-    run = _fits(model, "run")
-    comp = _fits(model, "compile")
+    run = _fits(model, "run", shapes)
+    comp = _fits(model, "compile", shapes)
     run_total = 0.0
     compile_total = 0.0
     graphs = 0
     padded = 0
-    for code, q_exact, kv_exact, n in shapes.by_kind():
+    for code, q_exact, kv_exact, n in shapes.by_class():
         iq, ikv = np.searchsorted(s, q_exact), np.searchsorted(s, kv_exact)
         bq = s[iq]
         q, kv = bq.astype(float), s[ikv].astype(float)
@@ -187,9 +213,10 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     ``(q, kv)`` costs ``per_cell·b_q·kv + per_token·b_q`` in the bucket ``b_q`` of
     ``q`` and ``run(0, b_kv) = base + per_token·b_kv`` in the bucket ``b_kv`` of ``kv``: its cell
     term counts ``kv`` unpadded, so the sum never exceeds the true cost. Compiles:
-    one key per call kind and bucket of square shapes, and one rectangular key
-    (``q`` bucket at least 1) per call kind and kv bucket with no square key."""
-    m, nf = cand.size, len(CALL_KINDS)
+    one key per class and bucket of square shapes, and one rectangular key
+    (``q`` bucket at least 1) per class and kv bucket with no square key."""
+    class_of, classes = shapes.classes
+    m, nf = cand.size, len(classes)
     slot_q = np.searchsorted(cand, shapes.q) + 1
     slot_kv = np.searchsorted(cand, shapes.kv) + 1
     square = shapes.q == shapes.kv
@@ -198,21 +225,21 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
 
     def prefix(sel: np.ndarray, slot: np.ndarray, weights: np.ndarray) -> np.ndarray:
         out = np.zeros((nf, m + 1))
-        np.add.at(out, (shapes.kind[sel], slot[sel]), weights[sel])
+        np.add.at(out, (class_of[sel], slot[sel]), weights[sel])
         return out.cumsum(-1)
 
     sq = prefix(square, slot_kv, count)
     rq_n = prefix(rect, slot_q, count)  # rectangular shapes by their q bucket
     rq_kv = prefix(rect, slot_q, count * shapes.kv)
     rkv_n = prefix(rect, slot_kv, count)  # ... and by their kv bucket
-    run, comp = _fits(model, "run"), _fits(model, "compile")
+    run, comp = _fits(model, "run", shapes), _fits(model, "compile", shapes)
     compiles = model.backend != "none"
     lengths = cand.astype(float)
     best = np.full((max_buckets + 1, m + 1), np.inf)
     arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
     best[0, 0] = 0.0
-    # a kind without square (rectangular) shapes adds exact zeros for them: skipped
-    present = [(code, sq[code, -1] > 0, rq_n[code, -1] > 0) for code in range(nf)]
+    # a class without square (rectangular) shapes adds exact zeros for them: skipped
+    present = [(c, sq[c, -1] > 0, rq_n[c, -1] > 0) for c in range(nf)]
     present = [p for p in present if p[1] or p[2]]
     for j0 in range(1, m + 1, _BLOCK):  # a block of boundaries j (rows), every start i < j (columns)
         j = np.arange(j0, min(j0 + _BLOCK, m + 1))[:, None]
@@ -260,29 +287,29 @@ _Coefficients = tuple[np.ndarray, np.ndarray, np.ndarray]
 @dataclass(frozen=True)
 class _Tally:
     """Shapes counted by bucket pair, to price many bucket lists at once: the distinct q
-    and kv lengths, per call kind present the calls with q and kv at most each of them
-    (a cumulative count in two dimensions), and the kinds' run and compile coefficients
-    (``None``: nothing compiles). The calls of one (q bucket, kv bucket) pair are a
-    difference of four counts, so a list of ``k`` buckets is priced in ``k²`` terms per
-    kind whatever the number of shapes: the run and compile seconds :func:`evaluate`
+    and kv lengths, per class (:attr:`CallShapes.classes`) the calls with q and kv at most
+    each of them (a cumulative count in two dimensions), and the classes' run and compile
+    coefficients (``None``: nothing compiles). The calls of one (q bucket, kv bucket) pair
+    are a difference of four counts, so a list of ``k`` buckets is priced in ``k²`` terms
+    per class whatever the number of shapes: the run and compile seconds :func:`evaluate`
     gives, call overheads left out."""
 
     q: np.ndarray
     kv: np.ndarray
-    table: np.ndarray  # (kind present, q lengths at most, kv lengths at most)
-    run: _Coefficients  # each (kind present, 1, 1, 1)
+    table: np.ndarray  # (class, q lengths at most, kv lengths at most)
+    run: _Coefficients  # each (class, 1, 1, 1)
     comp: _Coefficients | None
     lengths: np.ndarray  # every q and kv length, sorted
 
     @classmethod
     def of(cls, shapes: CallShapes, model: CostModel) -> _Tally:
-        kinds = np.unique(shapes.kind)
+        class_of, classes = shapes.classes
         uq, iq = np.unique(shapes.q, return_inverse=True)
         ukv, ikv = np.unique(shapes.kv, return_inverse=True)
-        table = np.zeros((kinds.size, uq.size + 1, ukv.size + 1))
-        np.add.at(table, (np.searchsorted(kinds, shapes.kind), iq + 1, ikv + 1), shapes.count)
-        rb, rc, rt = _coefficients(model, "run")[kinds].T[:, :, None, None, None]
-        cb, cc, ct = _coefficients(model, "compile")[kinds].T[:, :, None, None, None]
+        table = np.zeros((len(classes), uq.size + 1, ukv.size + 1))
+        np.add.at(table, (class_of, iq + 1, ikv + 1), shapes.count)
+        rb, rc, rt = _coefficients(model, "run", shapes).T[:, :, None, None, None]
+        cb, cc, ct = _coefficients(model, "compile", shapes).T[:, :, None, None, None]
         return cls(uq, ukv, table.cumsum(1).cumsum(2), (rb, rc, rt), (cb, cc, ct) if model.backend != "none" else None,
                    np.sort(np.concatenate((shapes.q, shapes.kv))))
 
@@ -298,7 +325,7 @@ class _Tally:
         ends = np.concatenate((np.full((lists.shape[0], 1), -1, dtype=np.int64), lists), axis=1)  # -1: none below
         cum = self.table[:, np.searchsorted(self.q, ends, "right")[:, :, None],
                          np.searchsorted(self.kv, ends, "right")[:, None, :]]
-        calls = cum[..., 1:, 1:] - cum[..., :-1, 1:] - cum[..., 1:, :-1] + cum[..., :-1, :-1]  # per kind, bucket pair
+        calls = cum[..., 1:, 1:] - cum[..., :-1, 1:] - cum[..., 1:, :-1] + cum[..., :-1, :-1]  # per class, bucket pair
         total: np.ndarray = (calls * Fit.formula(*self.run, bq, bkv)).sum(axis=(0, 2, 3))
         if self.comp is not None:
             total += np.where(calls > 0, Fit.formula(*self.comp, bq, bkv), 0.0).sum(axis=(0, 2, 3))
@@ -310,12 +337,15 @@ def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
     ``cand``, equal shapes merged: any bucket list drawn from ``cand`` gives them the
     same buckets, hence the same modelled seconds (not the same padding)."""
     q, kv = cand[np.searchsorted(cand, shapes.q)], cand[np.searchsorted(cand, shapes.kv)]
-    code = (shapes.kind * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
+    class_of, classes = shapes.classes
+    code = (class_of * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
     u, inverse = np.unique(code, return_inverse=True)
     count = np.bincount(inverse, weights=shapes.count).astype(np.int64)
     rest, ukv = np.divmod(u, cand[-1] + 1)
-    fam, uq = np.divmod(rest, cand[-1] + 1)
-    return CallShapes(fam, uq, ukv, count)
+    cls, uq = np.divmod(rest, cand[-1] + 1)
+    kinds = np.array([_CODE[kind] for kind, _ in classes])
+    rows = np.array([r for _, r in classes])
+    return CallShapes(kinds[cls], uq, ukv, count, rows[cls])
 
 
 def _improve(shapes: CallShapes, tally: _Tally, sizes: tuple[int, ...], cand: np.ndarray, model: CostModel,

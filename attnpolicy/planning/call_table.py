@@ -1,10 +1,13 @@
 """The calls a stateless policy makes for a workload, found once and bucketed by any list.
 
-A stateless policy decides from the layout alone (the built-in ones read nothing of the
-config's buckets; a plugin that did would be decided with the base config's), so its
-calls at exact lengths are the same under every bucket list; only their buckets, and with them the graph keys,
-change. :class:`CallTable` decides every step once and keeps one row per call (its
-kind, exact lengths, causality, the step it belongs to); :meth:`CallTable.recording`
+A stateless policy decides from the layout and the config: most from the layout alone,
+so that their calls at exact lengths are the same under every bucket list; only their
+buckets, and with them the graph keys, change. :class:`CallTable` decides every step
+once and keeps one row per call (its kind, exact lengths, causality, the step it
+belongs to); a policy that asks for plans (``keys_for``: ``dynamic`` with its ``rows``
+option weighs a rows plan's padding) decides again under each config bucketed, as a
+dispatcher of that config would (a plugin that read the config's buckets directly
+would be decided with the base config's). :meth:`CallTable.recording`
 then buckets every row at once (numpy) for a config and gives what a simulating
 dispatcher run of that config records (:class:`~attnpolicy.modelling.simulation.Recording`)
 and its key stream, in the same order and with the same floating-point sums, so the
@@ -14,7 +17,10 @@ candidate lists with it instead of a dispatcher run each.
 
 The rows follow the dispatcher's rules, applied to every row at once by the functions its
 planner applies to one call (:mod:`attnpolicy.graphs.plan_rules`): VARLEN runs a causal
-sequence without context on the CAUSAL graph of its bucket (``runs_causal``); a MASK
+sequence without context on the CAUSAL graph of its bucket (``runs_causal``); a ROWS
+step runs one call per ``row_groups`` range (the calls
+:func:`~attnpolicy.graphs.calls.plan_calls` plans at exact lengths: its longest row's
+lengths, its sequences, whose ``rows_bucket`` is its row count); a MASK
 call whose bucketed mask is over ``max_mask_bytes`` (``mask_over``) runs its step in
 VARLEN (the table holds both); a length above the largest bucket
 (:meth:`~attnpolicy.graphs.buckets.Buckets.largest`) runs uncompiled (``uncompiled``,
@@ -26,19 +32,22 @@ simulate them with the dispatcher.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain, repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from attnpolicy.cache.key_stream import StreamStats, replay_stream
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.core.modes import CALL_KINDS, MaskMode
+from attnpolicy.core.modes import CALL_KINDS, CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.batch_cost import BatchCost
+from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import Call, GraphKey, TensorSpec
 from attnpolicy.kernels import mask_cache
@@ -48,8 +57,13 @@ from attnpolicy.planning.bucket_search import CallShapes
 from attnpolicy.policies.base import PolicyContext
 from attnpolicy.policies.guard import Guard
 
+if TYPE_CHECKING:
+    from attnpolicy.dispatch.batch_plan import BatchPlanner
+    from attnpolicy.graphs.kernel_choice import KernelChoice
+
 #: Call kinds by the codes of :attr:`CallTable.kind`.
-_CAUSAL, _MASK, _VARLEN = range(3)
+_CAUSAL, _MASK, _VARLEN, _ROWS = map(CALL_KINDS.index, (CallKind.CAUSAL, CallKind.MASK, CallKind.VARLEN,
+                                                         CallKind.ROWS))
 _MODES = tuple(MaskMode)
 _MODE_CODE = {m: i for i, m in enumerate(_MODES)}
 
@@ -57,6 +71,21 @@ _MODE_CODE = {m: i for i, m in enumerate(_MODES)}
 def tabled(config: AttnPolicyConfig) -> bool:
     """Whether :class:`CallTable` models ``config`` exactly (synchronous compiles)."""
     return config.compile_mode == "sync"
+
+
+def _kernels(config: AttnPolicyConfig, model: CostModel) -> KernelChoice:
+    """The kernel choice of a dispatcher of ``config`` priced by ``model``."""
+    from attnpolicy.graphs.kernel_choice import KernelChoice  # loads the kernel registry (torch, plugins)
+
+    return KernelChoice(config.kernels, config.attn_impl or "sdpa", compiled=config.backend != "none",
+                        measured=getattr(model, "kernel_seconds", None))
+
+
+def _plan_fields(config: AttnPolicyConfig) -> tuple[object, ...]:
+    """What a config's calls, keys and prices depend on besides the decisions."""
+    return (config.buckets.model_dump_json(), config.max_seq_len, config.max_batch_tokens, config.max_mask_bytes,
+            config.on_overflow, config.backend, config.attn_impl, tuple(sorted(config.kernels.items())),
+            config.partition_len, config.row_buckets)
 
 
 @dataclass(frozen=True)
@@ -72,6 +101,8 @@ class Bucketed:
     uses: np.ndarray
     q_bucket: np.ndarray  # per key
     kv_bucket: np.ndarray  # per key
+    causal: np.ndarray  # per key: its first call's causality ...
+    context: np.ndarray  # ... and cached context
     recording: Recording
 
 
@@ -85,29 +116,61 @@ class CallTable:
         self.policy = policy
         self.model = model
         self.spec = spec or model.spec
+        self.base = base
         options = base.policy_options if policy == base.policy else {}
-        guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal, fallback=MaskMode(base.fallback_mode))
-        ctx = PolicyContext(config=base, spec=self.spec, cost_model=model)
+        self._guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal,
+                                       fallback=MaskMode(base.fallback_mode))
+        #: whether the policy asked for plans: it then decides again under each config
+        self.reads_plans = False
+        decided, self.guard_fallbacks = self._decide(base)
+        self._calls(decided, base.row_buckets[-1])
+        self._fresh()
+        #: results keyed by their inputs' content, shared by every table of a plan
+        #: (policies that decide differently may still make the same calls)
+        self.by_content: dict[object, object] = {}
+
+    def _decide(self, config: AttnPolicyConfig) -> tuple[list[MaskMode], int]:
+        """The mode the guarded policy decides for each step under ``config`` (the plans it
+        asks for, a planner of ``config``'s), and the guard's fallbacks meanwhile."""
+        planner: list[BatchPlanner] = []  # built when first asked
+        spec = self.spec
+
+        def keys_for(layout: BatchLayout, mode: MaskMode) -> tuple[GraphKey, ...]:
+            if not planner:
+                from attnpolicy.dispatch.batch_plan import BatchPlanner  # the runtime's: loads the kernels
+
+                planner.append(BatchPlanner(config, _kernels(config, self.model)))
+                self.reads_plans = True
+            return planner[0].keys_for(layout, mode, spec)
+
+        guard, before = self._guard, self._guard.fallbacks
+        ctx = PolicyContext(config=config, spec=spec, keys_for=keys_for, cost_model=self.model)
+        return [guard.decide(layout, ctx).mode for layout in self.layouts], guard.fallbacks - before
+
+    def _calls(self, decided: Sequence[MaskMode], max_rows: int) -> None:
+        """One row per call of the ``decided`` modes, in step order; a ROWS step's calls
+        hold at most ``max_rows`` sequences."""
         layouts = self.layouts
-        decided = [guard.decide(layout, ctx).mode for layout in layouts]
-        if MaskMode.ROWS in decided:
-            raise ConfigError(f"policy {policy!r} runs rows batches, and the planner does not plan rows graph sets "
-                              "yet: simulate it (attnpolicy simulate) instead")
-        self.guard_fallbacks = guard.fallbacks
+        self.max_rows = max_rows
         self.modes = np.array([_MODE_CODE[mode] for mode in decided], dtype=np.int64)
-        # a CAUSAL step is one call, a VARLEN step one per sequence, a MASK step the MASK
-        # call then its VARLEN calls (if the mask is too large); rows in step order
+        # a CAUSAL step is one call, a ROWS step one per row range, a VARLEN step one per
+        # sequence, a MASK step the MASK call then its VARLEN calls (if the mask is too
+        # large); rows in step order
         layout_ids: dict[BatchLayout, int] = {}
-        heads = [(s, _CAUSAL, layout.q_tokens, layout.q_tokens, True, False, -1) if mode is MaskMode.CAUSAL
+        heads = [(s, _CAUSAL, layout.q_tokens, layout.q_tokens, True, False, -1, 1) if mode is MaskMode.CAUSAL
                  else (s, _MASK, layout.q_tokens, layout.kv_tokens, layout.causal, layout.has_context,
-                       layout_ids.setdefault(layout, len(layout_ids)))
-                 for s, (layout, mode) in enumerate(zip(layouts, decided, strict=True)) if mode is not MaskMode.VARLEN]
+                       layout_ids.setdefault(layout, len(layout_ids)), 1)
+                 for s, (layout, mode) in enumerate(zip(layouts, decided, strict=True))
+                 if mode in (MaskMode.CAUSAL, MaskMode.MASK)]
+        heads += [(s, _ROWS, call.q_bucket, call.kv_bucket, call.causal, call.context, -1, call.seqs)
+                  for s, (layout, mode) in enumerate(zip(layouts, decided, strict=True)) if mode is MaskMode.ROWS
+                  for call in plan_calls(layout, mode, max_rows=max_rows)]  # exact: its longest row's lengths
         head = [np.array(col, dtype=dtype) for col, dtype in zip(
-            zip(*heads, strict=True) if heads else [()] * 7, (np.int64, np.int64, np.int64, np.int64, bool, bool,
-                                                                np.int64), strict=True)]
+            zip(*heads, strict=True) if heads else [()] * 8, (np.int64, np.int64, np.int64, np.int64, bool, bool,
+                                                                np.int64, np.int64), strict=True)]
         counts = np.array([len(layout.q_lens) for layout in layouts], dtype=np.int64)
         seq_step = np.repeat(np.arange(len(layouts), dtype=np.int64), counts)
-        keep = (self.modes != _MODE_CODE[MaskMode.CAUSAL])[seq_step]
+        keep = np.isin(self.modes, (_MODE_CODE[MaskMode.VARLEN], _MODE_CODE[MaskMode.MASK]))[seq_step]
         total = int(counts.sum())
         sq = np.fromiter(chain.from_iterable(layout.q_lens for layout in layouts), np.int64, total)[keep]
         skv = np.fromiter(chain.from_iterable(layout.kv_lens for layout in layouts), np.int64, total)[keep]
@@ -121,7 +184,12 @@ class CallTable:
         self.alt = np.concatenate((np.zeros(len(heads), dtype=bool),
                                    self.modes[s_step] == _MODE_CODE[MaskMode.MASK]))[order]
         self.mask_layout = np.concatenate((head[6], np.full(s_step.size, -1, dtype=np.int64)))[order]
+        #: the sequences of each call (a ROWS call's; 1 for every other)
+        self.seqs = np.concatenate((head[7], np.ones(s_step.size, dtype=np.int64)))[order]
         self.max_kv = np.array([layout.max_kv_len for layout in self.layouts], dtype=np.int64)
+
+    def _fresh(self) -> None:
+        """Empty memos of this table's calls."""
         #: mask-cache keys numbered (see :meth:`_mask_ids`), the bytes of each by its
         #: number, and the number of each MASK row's (layout, buckets) code
         self._mask_key_ids: dict[Hashable, int] = {}
@@ -129,32 +197,70 @@ class CallTable:
         self._mask_code_ids: dict[int, int] = {}
         #: results shared by tables whose calls are equal (see :meth:`share`)
         self.memo: dict[object, object] = {}
-        #: results keyed by their inputs' content, shared by every table of a plan
-        #: (policies that decide differently may still make the same calls)
-        self.by_content: dict[object, object] = {}
+        #: the tables of other configs' calls (see :meth:`of_config`), and a policy's
+        #: decisions per config when it reads plans
+        self._tables: dict[object, CallTable] = {}
+        self._decisions: dict[object, tuple[list[MaskMode], int]] = {}
+
+    def of_config(self, config: AttnPolicyConfig) -> CallTable:
+        """The table of ``config``'s calls: this one, unless the policy reads plans (it
+        decides again under ``config``) or ``config``'s largest row bucket splits rows
+        batches otherwise; remembered."""
+        max_rows = config.row_buckets[-1]
+        if not self.reads_plans and max_rows == self.max_rows:
+            return self
+        if self.reads_plans:
+            fields = _plan_fields(config)
+            if fields not in self._decisions:
+                self._decisions[fields] = self._decide(config)
+            decided, fallbacks = self._decisions[fields]
+        else:
+            decided, fallbacks = [_MODES[m] for m in self.modes], self.guard_fallbacks
+        modes = np.array([_MODE_CODE[mode] for mode in decided], dtype=np.int64)
+        if max_rows == self.max_rows and fallbacks == self.guard_fallbacks and np.array_equal(modes, self.modes):
+            return self
+        found = self._tables.get((modes.tobytes(), fallbacks, max_rows))
+        if found is None:
+            found = self._tables[modes.tobytes(), fallbacks, max_rows] = copy.copy(self)
+            found.reads_plans, found.guard_fallbacks = False, fallbacks  # decided: its calls are these
+            found._calls(decided, max_rows)
+            found._fresh()
+        return found
 
     def share(self, other: CallTable) -> None:
         """Reuse ``other``'s bucketings and memo when its calls equal this table's, and
         its results keyed by content (candidate lists, replays) whatever its calls."""
         if other is self:
             return
-        if other.signature == self.signature:
+        if other.signature == self.signature and not (self.reads_plans or other.reads_plans):
             self.memo = other.memo
         self.by_content = other.by_content
 
     @property
     def signature(self) -> bytes:
-        """Equal for two tables of the same layouts whose modes are equal (their calls are)."""
-        return self.modes.tobytes()
+        """Equal for two tables of the same layouts whose modes and largest row bucket are
+        equal (their calls are)."""
+        return self.modes.tobytes() + self.max_rows.to_bytes(8, "little")
+
+    def _row_counts(self, config: AttnPolicyConfig) -> np.ndarray:
+        """Each call's row count under ``config``: a ROWS call's ``rows_bucket`` of its
+        sequences, 1 for every other call."""
+        out: np.ndarray = np.ones_like(self.seqs)
+        rows = self.kind == _ROWS
+        if rows.any():
+            counts, inverse = np.unique(self.seqs[rows], return_inverse=True)
+            out[rows] = np.array([config.rows_bucket(n) for n in counts.tolist()], dtype=np.int64)[inverse]
+        return out
 
     def shapes(self) -> CallShapes:
-        """The exact call shapes of the decided modes (MASK steps' VARLEN rows left out), counted."""
+        """The exact call shapes of the base config's decisions (MASK steps' VARLEN rows
+        left out; a ROWS call's rows by its ``row_buckets``), counted."""
         sel = ~self.alt
-        code = self.kind[sel] << 48 | self.q[sel] << 24 | self.kv[sel]
-        if not code.size:
+        if not sel.any():
             raise ConfigError("a plan needs at least one call shape, got none (empty workload)")
-        u, count = np.unique(code, return_counts=True)
-        return CallShapes(u >> 48, (u >> 24) & 0xFFFFFF, u & 0xFFFFFF, count)
+        columns = np.stack((self.kind[sel], self.q[sel], self.kv[sel], self._row_counts(self.base)[sel]))
+        (kind, q, kv, rows), count = np.unique(columns, axis=1, return_counts=True)
+        return CallShapes(kind, q, kv, count, rows)
 
     def _raise_at(self, config: AttnPolicyConfig, s: int) -> None:
         """Let the dispatcher prepare step ``s`` under ``config``: it raises its own error."""
@@ -165,9 +271,9 @@ class CallTable:
 
     def bucketed(self, config: AttnPolicyConfig) -> Bucketed:
         """The calls of ``config``'s buckets: what its dispatcher requests and records."""
-        # the kernel registry (and so torch and the kernels' plugins) loads with the first bucketing
-        from attnpolicy.graphs.kernel_choice import KernelChoice
-
+        other = self.of_config(config)
+        if other is not self:
+            return other.bucketed(config)
         model, spec = self.model, self.spec
         seq = _table(config, config.max_seq_len)
         batch = _table(config, config.max_batch_tokens)
@@ -201,9 +307,10 @@ class CallTable:
         rows = np.flatnonzero(selected)
         compiled = ~over[rows]
         fam = self.kind[rows]
-        # kinds: (kind, causal, context) -> kernel; key kinds: (kind, key causal, kernel)
-        kernels = KernelChoice(config.kernels, config.attn_impl or "sdpa", compiled=config.backend != "none",
-                               measured=getattr(model, "kernel_seconds", None))
+        n_rows = self._row_counts(config)
+        # kinds: (kind, causal, context) -> kernel; key kinds: (kernel, kind, key causal, key
+        # context, rows), as GraphKey.for_call keys them
+        kernels = _kernels(config, model)
         kind = (fam * 2 + self.causal[rows]) * 2 + self.context[rows]
         kinds = len(CALL_KINDS) * 4
         first_of = np.full(kinds, rows.size)
@@ -212,18 +319,23 @@ class CallTable:
         impls: dict[str, int] = {}
         for k in np.flatnonzero(first_of < rows.size):  # each kind's kernel, asked of its first call
             r = int(rows[first_of[k]])
-            call, layout = self._call(r, int(qb[r]), int(kvb[r]))
+            call, layout = self._call(r, int(qb[r]), int(kvb[r]), int(n_rows[r]))
             impl_of[k] = impls.setdefault(kernels.impl(call, layout, spec), len(impls))
         impl_code = impl_of[kind]
-        key_kind = (impl_code * 3 + fam) * 2 + (self.causal[rows] & (fam != _MASK))
+        key_causal = self.causal[rows] & (fam != _MASK)
+        row_counts, row_code = np.unique(n_rows[rows], return_inverse=True)
+        key_kind = ((((impl_code * len(CALL_KINDS) + fam) * 2 + key_causal) * 2
+                     + (key_causal & self.context[rows] & (fam == _ROWS))) * row_counts.size + row_code.reshape(-1))
+        key_kinds = len(impls) * len(CALL_KINDS) * 4 * row_counts.size
         crow = np.flatnonzero(compiled)
         rc = rows[crow]
         # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
         # unless there are no tables or so many buckets that the count would outweigh a sort
         sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
-        span = 2 * len(CALL_KINDS) * len(impls) * sizes.size ** 2 if sizes is not None else 0
+        span = key_kinds * sizes.size ** 2 if sizes is not None else 0
         if sizes is None or span > max(4 * crow.size, 1 << 16):
-            ids, first_at = _first_order(key_kind[crow] << 48 | qb[rc] << 24 | kvb[rc])
+            q_span, kv_span = int(qb.max(initial=0)) + 1, int(kvb.max(initial=0)) + 1
+            ids, first_at = _first_order((key_kind[crow] * q_span + qb[rc]) * kv_span + kvb[rc])
         else:
             at = _positions(sizes, crow.size)
             ids, first_at = _first_order((key_kind[crow] * sizes.size + at(qb[rc])) * sizes.size + at(kvb[rc]), span)
@@ -232,7 +344,7 @@ class CallTable:
         keys, per_key = [], np.empty(first.size, dtype=float)
         cost = BatchCost(model, config.max_mask_bytes)  # its per-call seconds; masks are replayed below
         for i, r in enumerate(first.tolist()):
-            call, layout = self._call(r, int(qb[r]), int(kvb[r]))
+            call, layout = self._call(r, int(qb[r]), int(kvb[r]), int(n_rows[r]))
             key = GraphKey.for_call(call, spec, kernels.impl(call, layout, spec), config.partition_len, config.backend)
             keys.append(key)
             per_key[i] = cost.call_seconds(call, key)
@@ -240,7 +352,7 @@ class CallTable:
         seconds_per_call[crow] = per_key[ids]
         for i in np.flatnonzero(~compiled):  # uncompiled: the shape's seconds
             r = int(rows[i])
-            seconds_per_call[i] = cost.call_seconds(self._call(r, int(qb[r]), int(kvb[r]))[0], None)
+            seconds_per_call[i] = cost.call_seconds(self._call(r, int(qb[r]), int(kvb[r]), int(n_rows[r]))[0], None)
         seconds = float(np.cumsum(seconds_per_call)[-1]) if rows.size else 0.0  # sequential, as a run adds
         builds, build_seconds = self._masks(config, rows[fam == _MASK], qb, kvb)
         ran = np.where(fell, _MODE_CODE[MaskMode.VARLEN], self.modes)
@@ -249,12 +361,14 @@ class CallTable:
                  "modes": {m.value: int(counts[i]) for i, m in enumerate(_MODES)}}
         recording = Recording(keys=keys, attention_seconds=seconds + build_seconds, mask_builds=builds,
                               mask_build_seconds=build_seconds, overflow_calls=int((~compiled).sum()), stats=stats)
-        return Bucketed(ids, keys, first, uses, qb[first], kvb[first], recording)
+        return Bucketed(ids, keys, first, uses, qb[first], kvb[first], self.causal[first], self.context[first],
+                        recording)
 
-    def _call(self, r: int, qb: int, kvb: int) -> tuple[Call, BatchLayout]:
-        """Row ``r`` as a call with buckets ``qb``, ``kvb``, and its step's layout."""
+    def _call(self, r: int, qb: int, kvb: int, rows: int) -> tuple[Call, BatchLayout]:
+        """Row ``r`` as a call with buckets ``qb``, ``kvb`` in ``rows`` rows, and its step's layout."""
         layout = self.layouts[int(self.step[r])]
-        call = Call(CALL_KINDS[self.kind[r]], 0, int(self.q[r]), 0, int(self.kv[r]), qb, kvb, bool(self.causal[r]))
+        call = Call(CALL_KINDS[self.kind[r]], 0, int(self.q[r]), 0, int(self.kv[r]), qb, kvb, bool(self.causal[r]),
+                    seqs=int(self.seqs[r]), rows=rows, context=bool(self.context[r]))
         return call, layout
 
     def _masks(self, config: AttnPolicyConfig, rows: np.ndarray, qb: np.ndarray,
@@ -308,9 +422,10 @@ class CallTable:
     def cached(self, config: AttnPolicyConfig) -> tuple[Bucketed, KeyStream]:
         """:meth:`bucketed` of ``config`` (without its per-call ``ids``) and its key stream,
         remembered per buckets and limits."""
-        memo_key = ("bucketed", config.buckets.model_dump_json(), config.max_seq_len, config.max_batch_tokens,
-                    config.max_mask_bytes, config.on_overflow, config.backend, config.attn_impl,
-                    tuple(sorted(config.kernels.items())), config.partition_len)
+        other = self.of_config(config)
+        if other is not self:
+            return other.cached(config)
+        memo_key = ("bucketed", *_plan_fields(config))
         hit = self.memo.get(memo_key)
         if hit is None:
             b = self.bucketed(config)
@@ -322,8 +437,9 @@ class CallTable:
              rejected: int = 0) -> list[SimRow]:
         """The simulated rows of ``config`` (its bounds) per eviction, as
         :func:`~attnpolicy.modelling.simulation.simulate_layouts` gives them."""
-        b, stream = self.cached(config)
-        recording = replace(b.recording, stats={**b.recording.stats, "guard_fallbacks": self.guard_fallbacks})
+        table = self.of_config(config)
+        b, stream = table.cached(config)
+        recording = replace(b.recording, stats={**b.recording.stats, "guard_fallbacks": table.guard_fallbacks})
         warmup = self.model.warmup_cost(recording.keys)
         return [sim_row(scheme, self.policy, config, eviction, recording, self._replayed(config, eviction, stream),
                         stream.compulsory, rejected, warmup) for eviction in evictions]

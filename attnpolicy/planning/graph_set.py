@@ -7,10 +7,13 @@ holds it. What differs between the levels is how a policy's buckets are searched
 whether a warm set is planned, a :class:`PlanLevel`: :class:`AttentionPlanLevel`
 (below) and :class:`WholeModelPlanLevel` (the last paragraph).
 
-At the attention level, for each policy whose decisions depend only on the layout (``stateless``), the
-workload's exact call shapes give candidate bucket lists, one per number of buckets
-(:func:`~attnpolicy.planning.bucket_search.plan_sizes`: exact or near-optimal for the
-modelled time with every graph compiled once). Each candidate is then simulated at
+At the attention level, for each policy whose decisions depend only on the layout and
+the config (``stateless``), the workload's exact call shapes give candidate bucket lists,
+one per number of buckets (:func:`~attnpolicy.planning.bucket_search.plan_sizes`: exact
+or near-optimal for the modelled time with every graph compiled once). A ROWS call's
+shape holds its row count, from the config's ``row_buckets`` (never searched); a
+policy that decides from plans gives the shapes of the base config's decisions, and
+each candidate is simulated with its own. Each candidate is then simulated at
 the given capacity (``max_graphs``, ``max_bytes``; :func:`simulate_layouts`) and the
 best bucket list and eviction strategy are kept:
 
@@ -245,7 +248,7 @@ def decided_shapes(layouts: Sequence[BatchLayout], policy: str, base: AttnPolicy
     dispatcher under ``base``) decides."""
     guard = plannable(policy, base)
     ctx = PolicyContext(config=base, spec=model.spec, cost_model=model)
-    return CallShapes.from_layouts((layout, guard.decide(layout, ctx).mode) for layout in layouts)
+    return CallShapes.from_layouts(((layout, guard.decide(layout, ctx).mode) for layout in layouts), base)
 
 
 def completed(sizes: Sequence[int], config: AttnPolicyConfig, modes: frozenset[MaskMode],
@@ -284,7 +287,7 @@ def longest_sequence(shapes: CallShapes) -> int:
 def limits(config: AttnPolicyConfig) -> dict[CallKind, int]:
     """The longest bucket each call kind's lengths may round up to under ``config``."""
     return {CallKind.CAUSAL: config.max_seq_len, CallKind.VARLEN: config.max_seq_len,
-            CallKind.MASK: config.max_batch_tokens}
+            CallKind.MASK: config.max_batch_tokens, CallKind.ROWS: config.max_seq_len}
 
 
 def with_fields(base: AttnPolicyConfig, **fields: Any) -> AttnPolicyConfig:
@@ -327,7 +330,7 @@ def plan_policy(steps: Sequence[ScheduledBatch | BatchLayout], policy: str, base
     table = table or CallTable(layouts_of(steps), policy, base, model, spec)
     shapes = table.shapes()
     shapes_key = ("candidates", shapes.kind.tobytes(), shapes.q.tobytes(), shapes.kv.tobytes(),
-                  shapes.count.tobytes(), max_buckets, align)
+                  shapes.count.tobytes(), shapes.rows.tobytes(), max_buckets, align)
     plans = table.by_content.get(shapes_key)
     if plans is None:
         plans = table.by_content[shapes_key] = candidate_lists(shapes, base, model, max_buckets, align)
@@ -384,9 +387,9 @@ def graph_uses(steps: Sequence[ScheduledBatch | BatchLayout], config: AttnPolicy
     b, stream = table.cached(config)
     on_disk = stream.stored_after(config, config.eviction) if store_warm else set()
     graphs = []
-    for i, (key, r, n) in enumerate(zip(b.keys, b.first.tolist(), b.uses.tolist())):
+    for i, (key, n) in enumerate(zip(b.keys, b.uses.tolist())):
         shape = WarmShape(kind=key.kind, q_bucket=int(b.q_bucket[i]), kv_bucket=int(b.kv_bucket[i]),
-                          causal=bool(table.causal[r]), context=bool(table.context[r]))
+                          causal=bool(b.causal[i]), context=bool(b.context[i]), rows=key.rows)
         graphs.append(WarmShapeCost(shape, n, model.compile_seconds(key), model.graph_bytes(key),
                                 model.load_seconds(key) if i in on_disk else None))
     return sorted(graphs, key=lambda g: (-g.uses, g.compile_seconds))
@@ -580,11 +583,11 @@ def plan_markdown(plan: GraphPlan, source: str, workload: Workload | None = None
         (f"Budget: {budget}. Calls served: {served} of {chosen.row.calls}. After warm-up, strict mode is "
         f"`{plan.config.strict}`: a compile the plan did not foresee is counted and warned about, never refused."),
         "",
-        "| family | q bucket | kv bucket | causal | context | uses | compile s |"
+        "| family | rows | q bucket | kv bucket | causal | context | uses | compile s |"
         + (" from disk (load s) |" if plan.config.store_dir is not None else ""),
-        "|---|---|---|---|---|---|---|" + ("---|" if plan.config.store_dir is not None else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if plan.config.store_dir is not None else ""),
     ]
-    lines += [f"| {w.shape.kind.value} | {w.shape.q_bucket} | {w.shape.kv_bucket} | {w.shape.causal} "
+    lines += [f"| {w.shape.kind.value} | {w.shape.rows} | {w.shape.q_bucket} | {w.shape.kv_bucket} | {w.shape.causal} "
               f"| {w.shape.context} | {w.uses} | {_seconds(w.compile_seconds)} |"
               + ((f" {_seconds(w.load_seconds)} |" if w.load_seconds is not None else " no |")
                  if plan.config.store_dir is not None else "") for w in plan.warm]

@@ -182,3 +182,20 @@ def test_a_rows_call_is_priced_as_its_rows_times_one_rows_fit():
                     mask_build=Fit(per_cell=1e-9))  # calibrated before the rows kind: still loads
     with pytest.raises(ConfigError, match="no rows fit .* run attnpolicy calibrate"):
         old.run_seconds(one)
+
+
+def test_fallback_mode_rows_runs_an_illegal_decision_as_rows_for_every_layout():
+    """``fallback_mode: rows`` is accepted (saved and loaded), legal for every layout: CAUSAL
+    chosen for a packed, a context or a bidirectional batch runs as rows, counted, exact."""
+    config = _config(policy="always-causal", fallback_mode="rows")
+    assert AttnPolicyConfig.model_validate_json(config.model_dump_json()).fallback_mode == "rows"
+    d = Dispatcher(config)
+    batches = [BatchLayout.from_lens([5, 7]), BatchLayout.from_lens([3], [9]),
+               BatchLayout.from_lens([5, 7], causal=False, padded_to=16)]
+    for layout in batches:
+        q, k, v = random_qkv(layout)
+        torch.testing.assert_close(d.attend(q, k, v, layout).double(), reference_for(q, k, v, layout),
+                                   atol=1e-5, rtol=1e-5)
+    assert d.stats().modes["rows"] == d.stats().guard_fallbacks == len(batches)
+    with pytest.raises(ValueError, match="fallback_mode"):
+        _config(fallback_mode="causal")

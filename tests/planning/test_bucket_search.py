@@ -3,6 +3,7 @@ local search only ever improves the exact modelled time."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -28,15 +29,23 @@ from attnpolicy.planning.bucket_search import (
     plan_sizes,
 )
 
-#: The call kinds the planner prices (it plans no rows graph sets yet).
-PLANNED_KINDS = [kind for kind in CallKind if kind is not CallKind.ROWS]
+#: The call kinds the planner prices.
+PLANNED_KINDS = list(CallKind)
 
 
-def model(backend: str = "aot_eager") -> CostModel:
-    """A synthetic cost model: run grows with cells and tokens, compiles cost a lot."""
-    run = {k: Fit(base=1e-4, per_cell=1e-8 * (1 + i), per_token=1e-6) for i, k in enumerate(("causal", "mask", "varlen"))}
-    comp = {k: Fit(base=0.05, per_cell=1e-9, per_token=1e-6) for k in ("causal", "mask", "varlen")}
+def model(backend: str = "aot_eager", rows: bool = True) -> CostModel:
+    """A synthetic cost model: run grows with cells and tokens, compiles cost a lot; without
+    ``rows``, one calibrated before the rows kind."""
+    kinds = [k.value for k in CallKind if rows or k is not CallKind.ROWS]
+    run = {k: Fit(base=1e-4, per_cell=1e-8 * (1 + i), per_token=1e-6) for i, k in enumerate(kinds)}
+    comp = {k: Fit(base=0.05, per_cell=1e-9, per_token=1e-6 * (1 + i)) for i, k in enumerate(kinds)}
     return CostModel(run=run, compile=comp, mask_build=Fit(), backend=backend, call_overhead_seconds=1e-6)
+
+
+def _with_rows(t):
+    """A drawn ``(kind, q, kv, rows)`` as a shape: rows for a ROWS call alone."""
+    kind, q, kv, rows = t
+    return (kind, q, kv, rows if kind is CallKind.ROWS else 1)
 
 
 def brute_force(shapes: CallShapes, cand, k: int, m: CostModel) -> float:
@@ -120,28 +129,48 @@ def test_evaluate_prices_calls_by_the_fit_of_the_cost_model(monkeypatch, formula
 
 
 def test_shapes_from_layouts_follow_the_plan():
-    packed = BatchLayout.from_lens([5, 7])
-    decode = BatchLayout.from_lens([1, 1], [9, 30])
-    shapes = CallShapes.from_layouts([(packed, MaskMode.VARLEN), (packed, MaskMode.MASK), (decode, MaskMode.VARLEN)])
-    got = Counter({(int(f), int(q), int(kv)): int(n) for f, q, kv, n in zip(shapes.kind, shapes.q, shapes.kv, shapes.count, strict=True)})
-    assert got == Counter({(0, 5, 5): 1, (0, 7, 7): 1, (1, 12, 12): 1, (2, 1, 9): 1, (2, 1, 30): 1})
-
-
-def test_the_planner_refuses_rows_shapes_and_plans_with_a_model_without_rows_fits():
-    with pytest.raises(ConfigError, match="does not plan rows graph sets yet"):
-        CallShapes.of(Counter({(CallKind.ROWS, 16, 16): 3}))
-    shapes = CallShapes.of(Counter({(CallKind.CAUSAL, 20, 20): 3, (CallKind.VARLEN, 5, 90): 2}))
-    assert CallKind.ROWS not in model().run  # a model calibrated before the rows kind
-    sizes = plan_sizes(shapes, model(), 2)
-    assert sizes and all(math.isfinite(p.cost.total_seconds) and math.isfinite(p.lower_bound) for p in sizes)
-
-
-def test_the_call_table_refuses_a_policy_that_runs_rows():
+    """The call table's shapes are the planned calls' (a ROWS step: one per row range of
+    at most the largest row bucket, its longest row's lengths at its row bucket)."""
     from attnpolicy.config import AttnPolicyConfig
     from attnpolicy.planning.call_table import CallTable
 
-    with pytest.raises(ConfigError, match="policy 'always-rows' runs rows batches.*simulate it"):
-        CallTable([BatchLayout.from_lens([5, 7])], "always-rows", AttnPolicyConfig(), CostModel.default())
+    packed = BatchLayout.from_lens([5, 7])
+    decode = BatchLayout.from_lens([1, 1], [9, 30])
+    rows = BatchLayout.from_lens([1, 1, 6, 3, 2, 4, 8], [9, 30, 6, 3, 2, 4, 8])
+    config = AttnPolicyConfig(row_buckets=(1, 2, 4))
+    decided = [(packed, MaskMode.VARLEN), (packed, MaskMode.MASK), (decode, MaskMode.VARLEN), (rows, MaskMode.ROWS)]
+    shapes = CallShapes.from_layouts(decided, config)
+    got = Counter({(int(f), int(q), int(kv), int(r)): int(n)
+                   for f, q, kv, n, r in zip(shapes.kind, shapes.q, shapes.kv, shapes.count, shapes.rows, strict=True)})
+    assert got == Counter({(0, 5, 5, 1): 1, (0, 7, 7, 1): 1, (1, 12, 12, 1): 1, (2, 1, 9, 1): 1, (2, 1, 30, 1): 1,
+                           (3, 1, 30, 2): 1, (3, 6, 6, 4): 1, (3, 8, 8, 1): 1})
+    tabled = CallTable([rows, packed], "always-rows", config, CostModel.default()).shapes()
+    planned = CallShapes.from_layouts([(rows, MaskMode.ROWS), (packed, MaskMode.ROWS)], config)
+    assert all(np.array_equal(getattr(tabled, f.name), getattr(planned, f.name)) for f in dataclasses.fields(CallShapes))
+
+
+def test_rows_shapes_are_priced_at_their_rows_with_a_graph_per_row_count():
+    m = model()
+    shapes = CallShapes.of(Counter({(CallKind.ROWS, 10, 10, 4): 2, (CallKind.ROWS, 12, 12, 2): 1,
+                                    (CallKind.CAUSAL, 12, 12): 1}))
+    cost = evaluate(shapes, (16,), m)
+    run = 2 * m.call_seconds(CallKind.ROWS, 16, 16, 4) + m.call_seconds(CallKind.ROWS, 16, 16, 2)
+    assert m.call_seconds(CallKind.ROWS, 16, 16, 4) == pytest.approx(4 * m.run[CallKind.ROWS](16, 16))
+    assert cost.run_seconds == pytest.approx(run + m.call_seconds(CallKind.CAUSAL, 16, 16) + 4 * 1e-6)
+    assert cost.graphs == 3  # r4, r2 and the causal graph
+    assert cost.compile_seconds == pytest.approx(2 * m.compile[CallKind.ROWS](16, 16) + m.compile["causal"](16, 16))
+    with pytest.raises(ConfigError, match="a causal call shape has rows 1.*got 4"):
+        CallShapes.of(Counter({(CallKind.CAUSAL, 16, 16, 4): 1}))
+
+
+def test_a_model_without_rows_fits_plans_other_shapes_and_names_the_fix_for_rows():
+    old = model(rows=False)  # a model calibrated before the rows kind
+    assert CallKind.ROWS not in old.run
+    shapes = CallShapes.of(Counter({(CallKind.CAUSAL, 20, 20): 3, (CallKind.VARLEN, 5, 90): 2}))
+    sizes = plan_sizes(shapes, old, 2)
+    assert sizes and all(math.isfinite(p.cost.total_seconds) and math.isfinite(p.lower_bound) for p in sizes)
+    with pytest.raises(ConfigError, match="no rows fit .*run attnpolicy calibrate"):
+        plan_sizes(CallShapes.of(Counter({(CallKind.ROWS, 20, 20, 2): 3})), old, 2)
 
 
 def test_errors_name_the_value():
@@ -157,22 +186,25 @@ def test_errors_name_the_value():
 # -- the fast paths against the plain algorithms they replace ----------------------------
 
 def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_buckets: int):
-    """The program with every term added for every kind, candidate by candidate."""
-    nf = 3
+    """The program with every term added for every kind at its row count, candidate by candidate."""
+    classes = sorted({(int(k), int(r)) for k, r in zip(shapes.kind, shapes.rows)})
+    nf = len(classes)
+    cls = np.array([classes.index((int(k), int(r))) for k, r in zip(shapes.kind, shapes.rows)], dtype=np.int64)
     slot_q, slot_kv = np.searchsorted(cand, shapes.q) + 1, np.searchsorted(cand, shapes.kv) + 1
     square = shapes.q == shapes.kv
     count = shapes.count.astype(float)
 
     def prefix(sel, slot, weights):
         out = np.zeros((nf, cand.size + 1))
-        np.add.at(out, (shapes.kind[sel], slot[sel]), weights[sel])
+        np.add.at(out, (cls[sel], slot[sel]), weights[sel])
         return out.cumsum(-1)
 
     sq, rq_n = prefix(square, slot_kv, count), prefix(~square, slot_q, count)
     rq_kv, rkv_n = prefix(~square, slot_q, count * shapes.kv), prefix(~square, slot_kv, count)
-    fams = ("causal", "mask", "varlen")
-    run = [(m.run[f].base, m.run[f].per_cell, m.run[f].per_token) for f in fams]
-    comp = [(m.compile[f].base, m.compile[f].per_cell, m.compile[f].per_token) for f in fams]
+    kinds = list(CallKind)
+    run = [(r * m.run[kinds[k]].base, r * m.run[kinds[k]].per_cell, r * m.run[kinds[k]].per_token) for k, r in classes]
+    comp = [(m.compile[kinds[k]].base, m.compile[kinds[k]].per_cell, m.compile[kinds[k]].per_token)
+            for k, _ in classes]
     best = np.full((max_buckets + 1, cand.size + 1), np.inf)
     arg = np.zeros((max_buckets + 1, cand.size + 1), dtype=np.int64)
     best[0, 0] = 0.0
@@ -216,8 +248,8 @@ def reference_improve(shapes: CallShapes, sizes, cand, m: CostModel, window: int
 
 
 many_shapes = st.dictionaries(
-    st.tuples(st.sampled_from(PLANNED_KINDS), st.integers(1, 300), st.integers(0, 400)).map(
-        lambda t: (t[0], t[1], t[1] + t[2] * (t[0] is not CallKind.MASK or t[2] % 2))),
+    st.tuples(st.sampled_from(PLANNED_KINDS), st.integers(1, 300), st.integers(0, 400), st.sampled_from([1, 2, 8])).map(
+        lambda t: _with_rows((t[0], t[1], t[1] + t[2] * (t[0] is not CallKind.MASK or t[2] % 2), t[3]))),
     st.integers(1, 30), min_size=1, max_size=60)
 
 
@@ -246,10 +278,12 @@ def test_the_program_over_many_blocks_of_boundaries_is_the_plain_one(backend):
     """Some 250 candidate boundaries: the program prices them in several blocks."""
     rng = np.random.default_rng(7)
     q = rng.integers(1, 4000, 300)
-    kinds = [CallKind(k) for k in rng.choice([k for k in CallKind if k is not CallKind.ROWS], 300)]  # what it plans
+    kinds = [CallKind(k) for k in rng.choice(list(CallKind), 300)]
     kv = np.where(rng.random(300) < 0.5, q, q + rng.integers(0, 600, 300))
-    shapes = CallShapes.of(Counter({(f, int(a), int(b) if f is not CallKind.MASK else int(a)): int(n)
-                                    for f, a, b, n in zip(kinds, q, kv, rng.integers(1, 20, 300), strict=True)}))
+    rows = rng.choice([1, 4], 300)
+    shapes = CallShapes.of(Counter({_with_rows((f, int(a), int(b) if f is not CallKind.MASK else int(a), int(r))): int(n)
+                                    for f, a, b, r, n in zip(kinds, q, kv, rows, rng.integers(1, 20, 300),
+                                                             strict=True)}))
     cand = candidates(shapes, 16)
     assert cand.size > 200
     best, arg = _program(shapes, cand, model(backend), 6)

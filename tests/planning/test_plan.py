@@ -12,7 +12,7 @@ from attnpolicy.core.modes import CallKind, MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
-from attnpolicy.modelling.simulation import simulation_config
+from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
 from attnpolicy.planning.graph_set import (
     AttentionPlanLevel,
     candidate_lists,
@@ -24,6 +24,7 @@ from attnpolicy.planning.graph_set import (
     plan_markdown,
     plannable,
     warm_set,
+    with_fields,
 )
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
@@ -117,25 +118,69 @@ def test_bad_warm_set_entries_name_the_field(tmp_path):
     assert AttnPolicyConfig(warmup=[good]).warmup[0].kind is CallKind.VARLEN
 
 
-def test_plan_then_run_checks_and_compiles_nothing_after_warmup(tmp_path, capsys):
+def _trace(tmp_path):
+    """PROMPTS as a trace file."""
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                      + "".join(f"2023-11-16 18:17:{i:02d}.0,{p},3\n" for i, p in enumerate(PROMPTS)))
+    return trace
+
+
+def _plan_and_run(tmp_path, policies, backend):
+    """``plan --policies POLICIES`` on the PROMPTS trace, then ``run --check`` of the config
+    it wrote under ``backend``: exact, its warm set compiled, nothing after warm-up.
+    Returns the plan's directory."""
+    trace = _trace(tmp_path)
     out = tmp_path / "plan"
-    assert main(["plan", "--trace", str(trace), *FLAGS, "--policies", "varlen,dynamic", "--max-buckets", "4",
+    assert main(["plan", "--trace", str(trace), *FLAGS, "--policies", policies, "--max-buckets", "4",
                  "--out", str(out)]) == 0
+    result = tmp_path / "run.json"
+    assert main(["run", "--config", str(out), "--trace", str(trace), *FLAGS, "--backend", backend, "--check",
+                 "--heads", "2", "--kv-heads", "2", "--head-dim", "16", "--json", str(result)]) == 0
+    ran = json.loads(result.read_text())
+    assert ran["passed"] and ran["warmup_graphs"] == len(AttnPolicyConfig.load(out).warmup)
+    assert ran["compiles_after_warmup"] == 0 and ran["strict_violations"] == 0
+    return out
+
+
+def test_plan_then_run_checks_and_compiles_nothing_after_warmup(tmp_path, capsys):
+    out = _plan_and_run(tmp_path, "varlen,dynamic", "eager")
     config = AttnPolicyConfig.load(out)
     assert config.warmup and config.strict == "warn" and config.buckets.kind == "list"
     report = json.loads((out / "plan.json").read_text())
     assert report["policy"] == config.policy and "Warm-up set" in (out / "plan.md").read_text()
-    capsys.readouterr()
-    result = tmp_path / "run.json"
-    assert main(["run", "--config", str(out), "--trace", str(trace), *FLAGS, "--backend", "eager", "--check",
-                 "--heads", "2", "--kv-heads", "2", "--head-dim", "16", "--json", str(result)]) == 0
-    ran = json.loads(result.read_text())
-    assert ran["passed"] and ran["warmup_graphs"] == len(config.warmup)
-    assert ran["compiles_after_warmup"] == 0 and ran["strict_violations"] == 0
     assert "compiles after warm-up" in capsys.readouterr().out
+
+
+def test_plan_always_rows_warms_rows_graphs_and_runs_them_with_no_compile(tmp_path):
+    """``plan --policies always-rows``: the warm set holds rows graphs at their row counts,
+    the planned total is the simulator's for the config written, and its dispatcher runs
+    the workload exactly with nothing compiled after warm-up."""
+    out = _plan_and_run(tmp_path, "always-rows", "none")
+    config = AttnPolicyConfig.load(out)
+    assert config.policy == "always-rows" and config.warmup
+    assert {w.kind for w in config.warmup} == {CallKind.ROWS} and {w.rows for w in config.warmup} > {1}
+    assert "| family | rows |" in (out / "plan.md").read_text()
+    model = CostModel.default()
+    (simulated,) = simulate_layouts(_steps(), ["always-rows"], [None], [config.eviction],
+                                    with_fields(config, warmup=[]), model)
+    (planned,) = json.loads((out / "plan.json").read_text())["policies"]
+    assert planned["row"]["total_seconds"] == simulated.total_seconds and simulated.modes["rows"] > 0
+
+
+def test_rows_plans_total_what_the_simulator_totals_at_a_capacity():
+    """Each rows policy's plan (``dynamic`` with its ``rows`` option decided under each
+    candidate's buckets) is the simulated row of its buckets and eviction."""
+    model, base = _base(max_graphs=3, policy="dynamic", policy_options={"rows": 3.0})
+    steps = _steps()
+    plan = plan_graphs(steps, base, AttentionPlanLevel(model), ["always-rows", "dynamic"], max_buckets=4)
+    for p in plan.policies:
+        config = with_fields(base, policy=p.policy, policy_options=base.policy_options if p.policy == "dynamic" else {},
+                             buckets={"kind": "list", "sizes": list(p.buckets)}, eviction=p.eviction)
+        (simulated,) = simulate_layouts(steps, [p.policy], [3], [p.eviction], config, model)
+        assert (p.row.total_seconds, p.row.misses, p.row.modes) == (simulated.total_seconds, simulated.misses,
+                                                                    simulated.modes)
+        assert simulated.modes["rows"] > 0, p.policy
 
 
 def test_attend_warms_the_config_set_at_a_specs_first_use():

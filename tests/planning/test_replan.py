@@ -30,7 +30,9 @@ pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 SPEC = TensorSpec("float32", 2, 2, 16)
 FORMER = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 1024}
-POLICIES = ("varlen", "dynamic", "always-mask", "always-causal")
+POLICIES = ("varlen", "dynamic", "always-mask", "always-causal", "always-rows", "dynamic-rows")
+#: The policies of POLICIES with options: ``dynamic`` weighing a rows plan's padding.
+OPTIONS = {"dynamic-rows": ("dynamic", {"rows": 0.3})}
 
 
 def _steps(prompts, seed_arrival=0.0):
@@ -43,28 +45,40 @@ def _base(**fields):
     return model, simulation_config(model, BatchFormer(**FORMER), **fields)
 
 
+def _policy(name):
+    """A policy of POLICIES: its registered name and the config fields that choose it."""
+    policy, options = OPTIONS.get(name, (name, {}))
+    return policy, {"policy": policy, "policy_options": options}
+
+
 layouts = st.lists(
     st.lists(st.tuples(st.integers(1, 300), st.integers(0, 400)), min_size=1, max_size=5).map(
         lambda seqs: BatchLayout.from_lens([q for q, _ in seqs], [q + c for q, c in seqs])),
     min_size=1, max_size=12)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=layouts, policy=st.sampled_from(POLICIES), capacity=st.sampled_from([1, 3, None]),
        sizes=st.sampled_from([None, [16, 64, 256], [48, 700], "exact"]), mask_bytes=st.sampled_from([None, 20000]),
-       eviction=st.sampled_from(["lru", "lfu", "fifo", "cost", "belady"]))
+       eviction=st.sampled_from(["lru", "lfu", "fifo", "cost", "belady"]),
+       row_buckets=st.sampled_from([None, (2,), (1, 3)]))
 def test_the_call_table_gives_the_rows_of_the_dispatcher_simulation(steps, policy, capacity, sizes, mask_bytes,
-                                                                       eviction):
+                                                                       eviction, row_buckets):
+    """Every policy, rows policies too (``dynamic`` with its ``rows`` option decides from
+    rows plans, so under each config's buckets), calls for calls; a table built under
+    other row buckets gives a config's rows by that config's."""
     model, base = _base(on_overflow="eager")
-    fields = {"policy": policy}
+    policy, fields = _policy(policy)
+    if row_buckets is not None:
+        fields["row_buckets"] = row_buckets
     if sizes is not None:
         fields["buckets"] = {"kind": "exact"} if sizes == "exact" else {"kind": "list", "sizes": sizes}
     if mask_bytes is not None:
         fields["max_mask_bytes"] = mask_bytes
     config = with_fields(base, **fields)
     expected = simulate_layouts(steps, [policy], [capacity], [eviction], config, model)
-    got = CallTable(steps, policy, config, model).rows(with_fields(config, max_graphs=capacity), [eviction],
-                                                      expected[0].buckets)
+    table = CallTable(steps, policy, with_fields(config, row_buckets=base.row_buckets), model)  # other row buckets
+    got = table.rows(with_fields(config, max_graphs=capacity), [eviction], expected[0].buckets)
     assert got == expected
 
 
@@ -81,6 +95,22 @@ def test_mask_builds_of_repeated_layouts_are_those_of_the_dispatcher(steps, repe
     assert got == expected
 
 
+def test_a_policy_that_weighs_rows_plans_is_decided_under_each_configs_buckets():
+    """``dynamic`` with its ``rows`` option runs ROWS where a rows plan pads little: which
+    batches depends on the buckets, so the table decides again under each config, as
+    that config's dispatcher does."""
+    model, base = _base(on_overflow="eager", policy="dynamic", policy_options={"rows": 0.3})
+    steps = _steps([20, 45, 300, 9, 70, 33, 31, 200, 64])
+    table = CallTable(steps, "dynamic", base, model)
+    ran = []
+    for buckets in ({"kind": "exact"}, {"kind": "list", "sizes": [48, 700]}):
+        config = with_fields(base, buckets=buckets)
+        (expected,) = simulate_layouts(steps, ["dynamic"], [None], ["lru"], config, model)
+        assert table.rows(config, ["lru"], expected.buckets) == [expected]
+        ran.append(expected.modes["rows"])
+    assert ran[0] > 0 == ran[1]
+
+
 def _strict_mask(q_bucket, kv_bucket, max_mask_bytes):
     """A mask rule four times as strict as the built-in one."""
     return q_bucket * kv_bucket > max_mask_bytes // 4
@@ -91,25 +121,37 @@ def _strict_compile(q_bucket, kv_bucket, largest):
     return (q_bucket > largest // 2) | (kv_bucket > largest // 2)
 
 
+_row_groups = plan_rules.row_groups
+
+
+def _pairs(q_lens, max_rows=None):
+    """A rows rule that runs at most two sequences a call."""
+    return _row_groups(q_lens, 2 if max_rows is None else min(max_rows, 2))
+
+
 @settings(max_examples=30, deadline=None)
 @given(steps=layouts, policy=st.sampled_from(POLICIES),
        buckets=st.sampled_from([{"kind": "pow2", "min": 16}, {"kind": "multiple", "multiple": 48},
                                 {"kind": "list", "sizes": [16, 64, 200]}, {"kind": "exact"}]),
        max_seq_len=st.sampled_from([256, 700]), max_batch_tokens=st.sampled_from([700, 4096]),
-       mask_bytes=st.sampled_from([5000, 40000, 1 << 24]), rule=st.sampled_from(["built-in", "mask", "compile"]))
+       mask_bytes=st.sampled_from([5000, 40000, 1 << 24]),
+       rule=st.sampled_from(["built-in", "mask", "compile", "rows"]))
 def test_the_call_table_and_the_dispatcher_plan_by_one_rule(steps, policy, buckets, max_seq_len, max_batch_tokens,
                                                            mask_bytes, rule):
     """Lengths over the largest bucket (uncompiled) and masks over max_mask_bytes (VARLEN
     instead) under every kind of buckets give the table the dispatcher's rows, and so
     does a changed rule: both apply the rules of ``plan_rules``."""
     model, base = _base(on_overflow="eager")
-    config = with_fields(base, policy=policy, buckets=buckets, max_seq_len=max_seq_len,
+    policy, fields = _policy(policy)
+    config = with_fields(base, **fields, buckets=buckets, max_seq_len=max_seq_len,
                          max_batch_tokens=max_batch_tokens, max_mask_bytes=mask_bytes)
     with pytest.MonkeyPatch.context() as patch:
         if rule == "mask":
             patch.setattr(plan_rules, "mask_over", _strict_mask)
         elif rule == "compile":
             patch.setattr(plan_rules, "uncompiled", _strict_compile)
+        elif rule == "rows":
+            patch.setattr(plan_rules, "row_groups", _pairs)
         expected = simulate_layouts(steps, [policy], [None], ["lru"], config, model)
         got = CallTable(steps, policy, config, model).rows(config, ["lru"], expected[0].buckets)
     assert got == expected
