@@ -264,8 +264,8 @@ class AttnPolicyConfig(BaseModel):
                 n = getattr(shape, name)
                 try:
                     b = self.buckets.bucket(n, limit)
-                    if shape.kind is CallKind.ROWS and n == 1:  # decode rows (or one-token rows): exactly 1
-                        b = plan_rules.rows_length((n,), self.bucket)
+                    if shape.kind is CallKind.ROWS:  # decode rows (or one-token rows): exactly 1
+                        b = int(plan_rules.rows_length(n, b))
                 except AttnPolicyError:
                     b = None
                 if b != n:

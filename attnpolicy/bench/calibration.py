@@ -100,7 +100,7 @@ def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
     ``max_len`` (every other size with ``quick``); square shapes for CAUSAL, MASK and ROWS,
     decode-like (q bucket 16) and chunk-like (q = kv/4, kv/2) shapes for MASK and VARLEN,
     and the first two for ROWS (graphs of :data:`CALIBRATION_ROWS` rows; its decode-like
-    shape is one query row a row, q 1)."""
+    shape is one query row a row, q 1, as a rows decode runs)."""
     sizes = sorted(s.sizes or ())
     n = 16
     while not s.sizes and n <= s.max_len:
@@ -113,7 +113,7 @@ def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
         grid += [(CallKind.CAUSAL, n, n), (CallKind.MASK, n, n), (CallKind.ROWS, n, n)]
     for n in sizes:
         if n >= 64:
-            grid += [(CallKind.MASK, 16, n), (CallKind.VARLEN, 16, n), (CallKind.ROWS, 16, n),
+            grid += [(CallKind.MASK, 16, n), (CallKind.VARLEN, 16, n), (CallKind.ROWS, 1, n),
                      (CallKind.MASK, n // 4, n), (CallKind.VARLEN, n // 4, n), (CallKind.ROWS, n // 4, n)]
         if n >= 32:
             grid.append((CallKind.VARLEN, n // 2, n))
@@ -122,7 +122,8 @@ def shapes(s: CalibrationSettings) -> list[tuple[CallKind, int, int]]:
 
 def _layout(kind: CallKind, q_bucket: int, kv_bucket: int) -> BatchLayout:
     """A layout whose single planned call has this call kind and buckets (pow2, min 16)."""
-    rq, rkv = (1 if q_bucket == 16 and kv_bucket > 16 else _real(q_bucket)), _real(kv_bucket)
+    decode = q_bucket == (1 if kind is CallKind.ROWS else 16) and kv_bucket > 16  # a rows decode's q is 1
+    rq, rkv = (1 if decode else _real(q_bucket)), _real(kv_bucket)
     if kind is CallKind.CAUSAL:
         return BatchLayout.from_lens([rq])
     if kind is CallKind.VARLEN:

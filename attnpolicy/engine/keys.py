@@ -100,7 +100,8 @@ def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig,
     than the largest row bucket raise ``ValueError``)."""
     ctx = contexts(layout)
     if mode is MaskMode.ROWS:
-        row = plan_rules.rows_length(layout.q_lens, config.bucket), segment(1, max(ctx), config)[1]
+        longest = max(layout.q_lens)
+        row = int(plan_rules.rows_length(longest, config.bucket(longest))), segment(1, max(ctx), config)[1]
         count = config.rows_bucket(layout.num_seqs)
         return ModelKey(mode, count * row[0], count * row[1], (row,) * count, config.backend, kv)
     if mode is MaskMode.VARLEN:

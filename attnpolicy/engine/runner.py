@@ -228,11 +228,11 @@ class StaticModelRunner:
         prefills), each on its own graph (``counted``: each forward's hit or miss)."""
         parts = forwards(layout, mode, self.config)
         if len(parts) == 1:
-            return self._forward(token_ids, layout, mode, kv, slots, background=background, counted=counted)
+            return self._one_forward(token_ids, layout, mode, kv, slots, background=background, counted=counted)
         logits: torch.Tensor | None = None
         for first, end in parts:
             part, q0 = layout.sequences(first, end), layout.q_starts[first]
-            out = self._forward(token_ids[q0:q0 + part.q_tokens], part, mode, kv,
+            out = self._one_forward(token_ids[q0:q0 + part.q_tokens], part, mode, kv,
                                 None if slots is None else slots[first:end], background=background, counted=counted)
             if logits is None:
                 logits = out.new_zeros(layout.q_tokens, out.shape[-1])
@@ -240,7 +240,7 @@ class StaticModelRunner:
         assert logits is not None
         return logits
 
-    def _forward(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+    def _one_forward(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
                  slots: Sequence[int] | None, *, background: bool, counted: bool) -> torch.Tensor:
         """One forward's logits over its graph (a step's KV rows into its slots)."""
         batch = self._legal_place(token_ids, layout, mode, kv, slots)

@@ -60,6 +60,6 @@ def _rows_call(layout: BatchLayout, first: int, end: int, bucket: Callable[[int]
     qs, ks = layout.q_starts[first], layout.kv_starts[first]
     q_end, kv_end = layout.q_starts[end - 1] + q_lens[-1], layout.kv_starts[end - 1] + kv_lens[-1]
     context = any(kl > ql for ql, kl in zip(q_lens, kv_lens))
-    q_bucket, kv_bucket = plan_rules.rows_length(q_lens, bucket), plan_rules.rows_length(kv_lens, bucket)
+    q_bucket, kv_bucket = (int(plan_rules.rows_length(n, bucket(n))) for n in (max(q_lens), max(kv_lens)))
     return Call(CallKind.ROWS, qs, q_end - qs, ks, kv_end - ks, q_bucket, kv_bucket, layout.causal, True, first,
                 end - first, rows_bucket(end - first), context)

@@ -10,7 +10,7 @@ answers a bool, given arrays an array.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,9 +55,9 @@ def row_groups(q_lens: Sequence[int], max_rows: int | None = None) -> tuple[tupl
     return tuple(groups)
 
 
-def rows_length(lens: Sequence[int], bucket: Callable[[int], int]) -> int:
+def rows_length(longest: int | np.ndarray, bucketed: int | np.ndarray) -> int | np.ndarray:
     """The length of a rows call (or forward) of one :func:`row_groups` range, of its
-    queries or its keys: 1 when every row holds one (decodes' queries: one length, as
-    static-graph runtimes' ``[rows, 1]`` decode graphs), else the bucket of the longest."""
-    longest = max(lens)
-    return 1 if longest == 1 else bucket(longest)
+    queries or its keys, given its longest row's length and that length's bucket: 1 when
+    the longest is 1 (every row holds one: decodes' queries, as static-graph runtimes'
+    ``[rows, 1]`` decode graphs), else the bucket."""
+    return bucketed - (bucketed - 1) * (longest == 1)

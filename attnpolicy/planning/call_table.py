@@ -4,11 +4,10 @@ A stateless policy decides from the layout and the config: most from the layout 
 so that their calls at exact lengths are the same under every bucket list; only their
 buckets, and with them the graph keys, change. :class:`CallTable` decides every step
 once and keeps one row per call (its kind, exact lengths, causality, the step it
-belongs to); a policy that asks for plans (``keys_for``: ``dynamic`` with its ``rows``
-option weighs a rows plan's padding) decides again under each config bucketed, as a
-dispatcher of that config would (a plugin that read the config's buckets directly
-would be decided with the base config's). :meth:`CallTable.recording`
-then buckets every row at once (numpy) for a config and gives what a simulating
+belongs to); a policy that reads the config's buckets (``reads_buckets``: ``dynamic``
+with its ``rows`` option weighs a rows plan's padding) or asks for plans (``keys_for``)
+decides again under each config bucketed, as a dispatcher of that config would.
+:meth:`CallTable.bucketed` then buckets every row at once (numpy) for a config and gives what a simulating
 dispatcher run of that config records (:class:`~attnpolicy.modelling.simulation.Recording`)
 and its key stream, in the same order and with the same floating-point sums, so the
 rows it makes (:meth:`CallTable.rows`) are those of
@@ -120,8 +119,9 @@ class CallTable:
         options = base.policy_options if policy == base.policy else {}
         self._guard = Guard.for_policy(policy, options, on_illegal=base.on_illegal,
                                        fallback=MaskMode(base.fallback_mode))
-        #: whether the policy asked for plans: it then decides again under each config
-        self.reads_plans = False
+        #: whether the policy reads the config's buckets (it says so, or asks for plans):
+        #: it then decides again under each config
+        self.reads_plans = bool(getattr(self._guard.policy, "reads_buckets", False))
         decided, self.guard_fallbacks = self._decide(base)
         self._calls(decided, base.row_buckets[-1])
         self._fresh()
@@ -291,6 +291,7 @@ class CallTable:
                 else:
                     b = table[np.minimum(np.searchsorted(table, n), table.size - 1)]
                     b = np.where(n > limit, n, b)
+                    b = np.where(self.kind[sel] == _ROWS, plan_rules.rows_length(n, b), b)
                 dst[sel] = b
         over = np.asarray(plan_rules.uncompiled(qb, kvb, np.where(is_mask, largest_batch, largest)))
         fell = np.zeros(self.modes.size, dtype=bool)

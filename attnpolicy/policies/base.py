@@ -34,7 +34,10 @@ class Policy(Protocol):
     class attribute ``stateless = True``: the dispatcher then asks it once per layout
     and reuses the decision. It may also set ``modes``, the frozenset of
     :class:`MaskMode` it ever decides: the planner then adds no bucket for the packed
-    rows of MASK calls a policy never makes (without it, every mode is assumed).
+    rows of MASK calls a policy never makes (without it, every mode is assumed), and
+    ``reads_buckets = True`` when its decisions depend on the config's buckets (the
+    planner then decides again under each bucket list it weighs; a policy that asks for
+    ``keys_for`` is found out without it).
     """
 
     name: str

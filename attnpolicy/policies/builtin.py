@@ -85,14 +85,16 @@ class Dynamic(_CausalWhenLegal):
     description = ("CAUSAL when legal (one unpadded causal sequence), MASK otherwise "
                    "(option rows: ROWS when its padding is at most that fraction of the batch's tokens)")
     otherwise = MaskMode.MASK
+    reads_buckets = False
 
     def __init__(self, rows: float | None = None) -> None:
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, (int, float))
                                  or not math.isfinite(rows) or rows < 0):
             raise ValueError(f"rows must be a finite fraction >= 0 of the batch's tokens (or None), got {rows!r}")
         self.rows = rows
-        if rows is not None:
+        if rows is not None:  # its padding is the config's buckets'
             self.modes = frozenset({MaskMode.CAUSAL, MaskMode.MASK, MaskMode.ROWS})
+            self.reads_buckets = True
 
     def decide(self, layout: BatchLayout, ctx: PolicyContext) -> Decision:
         decision = super().decide(layout, ctx)

@@ -215,7 +215,7 @@ def test_a_rows_step_runs_its_decodes_apart_from_its_prefills_and_at_most_the_la
     mixed = BatchLayout.from_lens([1, 1, 30, 1], [20, 9, 30, 5], causal=True)
     assert forwards(mixed, MaskMode.ROWS, cfg) == ((0, 2), (2, 3), (3, 4))
     assert [str(k) for k in step_keys(mixed, MaskMode.ROWS, cfg, kv=True)] == [
-        "step/rows/r2t16c32/aot_eager", "step/rows/r1t32c0/aot_eager", "step/rows/r1t16c16/aot_eager"]
+        "step/rows/r2t1c32/aot_eager", "step/rows/r1t32c0/aot_eager", "step/rows/r1t1c16/aot_eager"]
     assert forwards(mixed, MaskMode.MASK, cfg) == ((0, 4),)
     assert len(step_keys(mixed, MaskMode.VARLEN, cfg, kv=True)) == 1
     many = BatchLayout.from_lens([1] * 33, [4] * 33, causal=True)
@@ -234,7 +234,7 @@ def test_a_rows_step_builds_no_host_mask_and_pads_up_to_more_rows(models, monkey
     monkeypatch.setattr(runner_module, "mask_for", lambda *a, **k: built.append(a))
     runner = StaticModelRunner(model, config("dynamic", compile_mode="background",
                                              switch_after=1000))
-    big = BatchLayout.from_lens([1] * 4, [40] * 4, causal=True)
+    big = BatchLayout.from_lens([16] * 4, [56] * 4, causal=True)  # 4 chunks of 16 over 40 cached
     runner.warmup([(big, MaskMode.ROWS)])
     seqs = [list(range(1, 13)), list(range(20, 28))]
     kv = KVCache.for_model(model, 2, MAX_LEN)
@@ -250,7 +250,7 @@ def test_a_rows_step_builds_no_host_mask_and_pads_up_to_more_rows(models, monkey
     for i, (row, tokens) in enumerate(zip(got, [seqs[0] + [9], seqs[1] + [10]])):
         torch.testing.assert_close(row, whole(reference, tokens)[-1], rtol=0, atol=1e-5, msg=f"seq {i}")
     stats = runner.stats()
-    # the warm r4t16c64 graph served both: the prefill (no context) and the decode
+    # the warm r4t16c64 graph served both: the prefill (no context) and the decode (r2t1c16)
     assert stats.background is not None and stats.background.pad_up_calls == 2 and stats.eager_served == 0
     assert built == []
     runner.close()
