@@ -725,7 +725,7 @@ def test_vllm_every_attention_step_is_decided(generated, policy):
     if policy == "dynamic-rows":  # rows for packed prefills and chunks with cached context, mask for decodes
         ran = {kind: {d["mode"] for d in steps} for kind, steps in (("decode", decode), ("chunk", chunk))}
         assert ran["decode"] == {"mask"} and "rows" in ran["chunk"]
-        assert any(d["mode"] == "rows" and len(set(d["q_lens"])) > 1 for d in decisions)  # a packed prefill
+        assert [d["mode"] for d in decisions if d["q_lens"] == d["kv_lens"] == list(PACKED_LENS)] == ["rows"]
 
 
 def test_vllm_rows_steps_build_no_host_mask(generated):
