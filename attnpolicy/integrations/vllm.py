@@ -8,8 +8,8 @@ wrapped backend's metadata builder, KV-cache layout and writes, with a forward t
 takes one guarded policy decision per attention step and KV-cache group (prefill,
 decode, chunked and prefix-cached prefill, mixed batches; sliding windows, soft caps
 and sinks included) and runs the step in that mode: VARLEN on the wrapped backend's
-kernel, CAUSAL and MASK on attnpolicy's graphs. The class a slot held stays reachable
-(:func:`original_path`, the wrapper's ``wrapped``). Configuration: see
+kernel, CAUSAL, MASK and ROWS on attnpolicy's graphs. The class a slot held stays
+reachable (:func:`original_path`, the wrapper's ``wrapped``). Configuration: see
 :mod:`attnpolicy.integrations.runtime`. attnpolicy's log lines go through vLLM's
 logging configuration (:func:`route_logs`), its runtime warnings too. Importing this
 module never imports vLLM.

@@ -38,13 +38,16 @@ guarded policy: prefill, decode, chunked and prefix-cached prefill, mixed batche
   stock: the dispatcher is built with ``host_varlen=True``, so such a step is a
   :class:`~attnpolicy.dispatch.step.HostStep`, decided and counted, with no graph of
   attnpolicy's. CAUSAL (one context-free sequence) runs attnpolicy's graph on the
-  step's keys as they are; MASK runs attnpolicy's graph on keys gathered from the paged
-  cache (once per step and group, only when some sequence has cached context). The
-  mode is the one that runs: a MASK decision whose mask would exceed
-  ``max_mask_bytes`` runs as VARLEN under ``on_overflow='eager'``.
+  step's keys as they are; MASK and ROWS run attnpolicy's graphs on the step's packed
+  tokens, keys gathered from the paged cache when some sequence has cached context (once
+  per step and group, for both). ROWS puts each sequence in its own right-padded row
+  (decodes and prefills in calls of their own) and scatters its rows' outputs back into
+  vLLM's packed output; it builds no mask on the host. The mode is the one that runs: a
+  MASK decision whose mask would exceed ``max_mask_bytes`` runs as VARLEN under
+  ``on_overflow='eager'``.
 - Keys of a VARLEN step enter the graph cache and its statistics deferred: no graph is
-  built for them. A CAUSAL or MASK graph compiles (or loads from the store) when a step
-  that runs it is first prepared.
+  built for them. A CAUSAL, MASK or ROWS graph compiles (or loads from the store) when
+  a step that runs it is first prepared.
 - The config's warm set (``warmup``) is built when the first layer is built, during
   vLLM's engine start, for the tensor spec the layers will see (the model's dtype, on
   the engine's device).
@@ -207,9 +210,9 @@ class HostAttention:
     class: its metadata must hold ``query_start_loc``, ``seq_lens``, ``block_table``,
     ``causal`` and ``num_actual_tokens`` as vLLM's CPU and flash-style backends do.
 
-    ``kv_views``: where keys and values sit in a layer's cache (for MASK steps with
-    cached context). ``plain_fields``: metadata fields that, when not None, make a step
-    more than plain causal or bidirectional attention (per-request masks, prefix
+    ``kv_views``: where keys and values sit in a layer's cache (for MASK and ROWS steps
+    with cached context). ``plain_fields``: metadata fields that, when not None, make a
+    step more than plain causal or bidirectional attention (per-request masks, prefix
     ranges): the wrapped implementation runs such a step. ``isas``: when set, the
     layer's ``isa`` must be one of them (the cache layouts ``kv_views`` reads).
     ``varlen``: the kernel of VARLEN steps, made per layer from its facts and features;
@@ -505,7 +508,7 @@ class PolicyImpl(AttentionImpl):
             return self._varlen(layer, query, key, value, kv_cache, md, output)
         layout = step.layout
         n = layout.q_tokens
-        if layout.has_context:  # MASK with cached context: the keys live in the paged cache
+        if layout.has_context:  # MASK or ROWS with cached context: the keys live in the paged cache
             assert group is not None
             if group.gather is None:
                 group.gather = PagedGather(md.block_table, layout.kv_lens, kv_cache.shape[2],

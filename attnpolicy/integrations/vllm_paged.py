@@ -7,7 +7,8 @@
   signature a kernel registry can take: queries, the paged cache, the step's metadata
   and the output.
 - :class:`PagedGather`: packed ``k, v[Σ kv_len, Hkv, D]`` read from a layer's paged
-  cache for the sequences of a step, the input of attnpolicy's CAUSAL and MASK graphs.
+  cache for the sequences of a step with cached context, the keys and values of
+  attnpolicy's MASK and ROWS steps (a ROWS step gathers them into its rows as it runs).
   Where keys and values sit inside a block is the backend's: :func:`cpu_views` (vLLM's
   CPU backend) or :func:`flash_views` (FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION).
 

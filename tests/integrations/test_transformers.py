@@ -45,8 +45,8 @@ def models(tmp_path_factory):
             "bert": tiny_models.bert(root / "bert")}
 
 
-def _load(path, policy="dynamic"):
-    hf.register(AttnPolicyConfig(policy=policy, backend="none"))
+def _load(path, policy="dynamic", **fields):
+    hf.register(AttnPolicyConfig(policy=policy, backend="none", **fields))
     auto = transformers.AutoModel if path.name == "bert" else transformers.AutoModelForCausalLM
     return auto.from_pretrained(path, attn_implementation="sdpa").eval()
 
@@ -81,8 +81,12 @@ def _padding(side: str) -> torch.Tensor:
     return mask
 
 
+#: the mode each policy runs a batch of several sequences in
+SEVERAL = {"dynamic": "mask", "varlen": "varlen", "always-rows": "rows"}
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-@pytest.mark.parametrize("policy", ["dynamic", "varlen"])
+@pytest.mark.parametrize("policy", sorted(SEVERAL))
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_transformers_decoder_padded_batch_matches_sdpa(models, recorder, name, policy, side):
     mask = _padding(side)
@@ -90,8 +94,7 @@ def test_transformers_decoder_padded_batch_matches_sdpa(models, recorder, name, 
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], atol=ATOL, rtol=0)
     assert {d[0] for d in recorder.decisions} == {(9, 12, 5)}
-    expected = "mask" if policy == "dynamic" else "varlen"
-    assert {d[2] for d in recorder.decisions} == {expected}
+    assert {d[2] for d in recorder.decisions} == {SEVERAL[policy]}
     assert not hf.fallbacks()
 
 
@@ -103,14 +106,14 @@ def test_transformers_decoder_single_sequence_runs_causal(models, recorder, name
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-@pytest.mark.parametrize("policy", ["dynamic", "varlen"])
+@pytest.mark.parametrize("policy", sorted(SEVERAL))
 def test_transformers_decoder_packed_sequences_match_sdpa(models, recorder, name, policy):
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]])  # restarts: 3 sequences
     ref, out = _both(_load(models[name], policy), input_ids=IDS[:1], position_ids=position_ids,
                      use_cache=False)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
     assert {d[0] for d in recorder.decisions} == {(4, 5, 3)}
-    assert {d[2] for d in recorder.decisions} == {"mask" if policy == "dynamic" else "varlen"}
+    assert {d[2] for d in recorder.decisions} == {SEVERAL[policy]}
 
 
 def test_transformers_packed_output_differs_from_one_long_sequence(models):
@@ -124,7 +127,7 @@ def test_transformers_packed_output_differs_from_one_long_sequence(models):
     assert (packed[0, 4:] - whole[0, 4:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("policy", ["dynamic", "varlen"])
+@pytest.mark.parametrize("policy", sorted(SEVERAL))
 def test_transformers_bert_padded_and_single_match_sdpa(models, recorder, policy):
     model = _load(models["bert"], policy)
     mask = _padding("right")
@@ -146,6 +149,55 @@ def test_transformers_generate_left_padded_matches_sdpa(models):
     out = model.generate(**kwargs)
     assert torch.equal(out, ref)
     assert not hf.fallbacks()
+
+
+#: prompt lengths of the batches HF generate pads on the left: one prompt, spread ones, one
+#: of a single token, more prompts than the largest row bucket (2 here: several rows calls)
+GENERATE_LENS = ((12,), (12, 9, 5), (3, 12, 7, 1, 10), (6, 6))
+
+
+def _left_padded(lens: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Prompts of ``lens`` tokens (drawn from ``IDS``'s values), left-padded with token 0."""
+    width = max(lens)
+    ids = torch.randint(4, tiny_models.VOCAB, (len(lens), width), generator=torch.Generator().manual_seed(len(lens)))
+    mask = (torch.arange(width) >= width - torch.tensor(lens)[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("lens", GENERATE_LENS)
+def test_transformers_generate_in_rows_matches_sdpa_and_builds_no_host_mask(models, recorder, monkeypatch, lens):
+    """HF generate under always-rows: the left-padded prompts, then every decode over the
+    cache, run in rows (each sequence gathered into its own right-padded row, its keys
+    bounded in the graph from its length), in calls of at most 2 rows: SDPA's greedy
+    tokens and every step's logits within 1e-5 (float32), no fallback, and no dense mask
+    built on the host (where always-mask builds one for the same prompts)."""
+    from attnpolicy.kernels import masks
+
+    built = []
+    materialize = masks.BlockDiagonalMask.materialize
+    monkeypatch.setattr(masks.BlockDiagonalMask, "materialize",
+                        lambda self, *a, **k: built.append(self.layout) or materialize(self, *a, **k))
+    hf._fallbacks.clear()
+    model = _load(models["llama"], "always-rows", row_buckets=(1, 2))
+    kwargs = dict(_left_padded(lens), max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    ref = model.generate(**kwargs)
+    model.set_attn_implementation("attnpolicy")
+    out = model.generate(**kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.logits) == len(ref.logits) == 5
+    for mine, want in zip(out.logits, ref.logits):
+        torch.testing.assert_close(mine, want, atol=ATOL, rtol=0)
+    assert not hf.fallbacks()
+    assert {d[2] for d in recorder.decisions} == {"rows"}
+    assert (tuple(lens), True, "rows") in recorder.decisions  # the prompts, one sequence a row
+    assert sum(d[0] == (1,) * len(lens) for d in recorder.decisions) == 4 * 2  # 4 decode steps, 2 layers
+    assert built == []
+    mask_model = _load(models["llama"], "always-mask")
+    mask_model.set_attn_implementation("attnpolicy")
+    with torch.no_grad():
+        mask_model(**_left_padded(lens))
+    assert built  # the count can fail
 
 
 def test_transformers_unsupported_mask_falls_back_to_sdpa(models):
@@ -177,7 +229,7 @@ def test_transformers_layout_from_mask_reads_left_padding_and_context():
 
 
 # -- sliding windows, soft caps, sinks ---------------------------------------------------
-POLICIES = ("always-causal", "always-mask", "cost-aware", "dynamic", "varlen")
+POLICIES = ("always-causal", "always-mask", "always-rows", "cost-aware", "dynamic", "varlen")
 PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 0]])  # restarts: 3 sequences, one longer than 4
 #: the model, and the attention HF computes it exactly with (SDPA drops Gemma2's soft cap; GPT-OSS has no SDPA)
 FEATURE_MODELS = {"mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}

@@ -31,13 +31,17 @@ PACKED_LENS = (5, 17, 33, 9)  # generated together: one packed prefill
 CHUNKED_LEN = 2100  # chunked over several steps with a 256-token budget, next to a short prompt
 LONG_LEN = 9000  # above attnpolicy's default max_seq_len (8192), below max_model_len
 ARRIVAL_LENS = (40, 150, 12, 300, 25)  # added one by one while earlier requests decode
-POLICIES = ("dynamic", "always-mask", "varlen", "cost-aware")
+#: the policies every scenario runs under, by their label here (a policy's name, or a key of POLICY_OPTIONS)
+POLICIES = ("dynamic", "always-mask", "varlen", "cost-aware", "always-rows", "dynamic-rows")
+#: a label's policy and options: dynamic choosing rows where they pad at most 4x a step's tokens
+#: (packed prefills and chunks do, decodes of 16-token query buckets do not: those run mask)
+POLICY_OPTIONS = {"dynamic-rows": ("dynamic", {"rows": 4.0})}
 ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=48 << 20, max_model_len=10000,
               max_num_seqs=8, max_num_batched_tokens=256, enable_chunked_prefill=True,
               enable_prefix_caching=True, seed=0)
 MAX_POSITIONS = 10000
 # windowed, soft-capped and sink models: prompts longer than the window, chunked in 64-token steps
-FEATURE_POLICIES = ("default", "varlen", "dynamic", "always-mask", "cost-aware")
+FEATURE_POLICIES = ("default", "varlen", "dynamic", "always-mask", "cost-aware", "always-rows")
 FEATURE_LENS = (5, 40, 100, 23)
 SINGLE_LEN = 50  # then one prompt alone: a context-free single sequence (CAUSAL under dynamic)
 WINDOW = 16
@@ -161,6 +165,41 @@ class _GraphsRun:
         return out
 
 
+class _HostMasks:
+    """Records the layout of every dense mask attnpolicy builds on the host (its one
+    place: ``BlockDiagonalMask.materialize``), as ``[q_lens, kv_lens]``."""
+
+    def __init__(self) -> None:
+        from attnpolicy.kernels.masks import BlockDiagonalMask
+
+        self.built: list[list[list[int]]] = []
+        materialize = BlockDiagonalMask.materialize
+
+        def recorded(mask, *args, **kwargs):
+            self.built.append([list(mask.layout.q_lens), list(mask.layout.kv_lens)])
+            return materialize(mask, *args, **kwargs)
+
+        BlockDiagonalMask.materialize = recorded
+
+
+def _use_policy(label: str, config: str) -> None:
+    """Run the next engine under ``label``'s policy (:data:`POLICY_OPTIONS`): its name in
+    ``ATTNPOLICY_POLICY``, and its options in a copy of the config file ``config``."""
+    policy, options = POLICY_OPTIONS.get(label, (label, {}))
+    os.environ["ATTNPOLICY_POLICY"] = policy
+    os.environ["ATTNPOLICY_CONFIG"] = config
+    if options:
+        with_options = Path(config).with_name(f"{label}.json")
+        with_options.write_text(json.dumps({**json.loads(Path(config).read_text()), "policy": policy,
+                                            "policy_options": options}))
+        os.environ["ATTNPOLICY_CONFIG"] = str(with_options)
+
+
+def _decisions(log: Path) -> list[dict]:
+    lines = [json.loads(s) for s in log.read_text().splitlines()] if log.exists() else []
+    return [r for r in lines if r["event"] == "decision"]
+
+
 def _built_now() -> dict[str, int]:
     """What the graph caches of this process hold built or deferred now (summed)."""
     from attnpolicy.integrations.runtime import dispatchers
@@ -196,18 +235,23 @@ def _child(scenario: str, model: str, out: str) -> None:
     if scenario in ("inproc-generate", "inproc-embed"):
         from attnpolicy.integrations import vllm as integration
 
-        counter = _StepCounter()
+        counter, masks = _StepCounter(), _HostMasks()
+        log, config = Path(os.environ["ATTNPOLICY_DECISIONS_LOG"]), os.environ["ATTNPOLICY_CONFIG"]
         steps: dict[str, int] = {}
+        decided: dict[str, list[dict]] = {}
+        host_masks: dict[str, list] = {}
         for policy in ("stock", *(("dynamic", "varlen") if pooling else POLICIES)):
             if policy != "stock":
                 integration.register()
-                os.environ["ATTNPOLICY_POLICY"] = policy
-            before = counter.count
+                _use_policy(policy, config)
+            before, seen, built = counter.count, len(_decisions(log)), len(masks.built)
             llm = _engine(model, pooling)
             result[policy] = run(llm)
             _shutdown(llm)
             steps[policy] = counter.count - before
-        result["steps"] = steps
+            decided[policy] = _decisions(log)[seen:]
+            host_masks[policy] = masks.built[built:]
+        result.update(steps=steps, decisions=decided, host_masks=host_masks)
     elif scenario == "inproc-features":  # stock, then each policy: one engine each
         from vllm import LLM
 
@@ -362,11 +406,6 @@ class _Zygote:
             assert self._proc.stdin is not None
             self._proc.stdin.close()
             self._proc.wait(timeout=60)
-
-
-def _decisions(log: Path) -> list[dict]:
-    lines = [json.loads(s) for s in log.read_text().splitlines()] if log.exists() else []
-    return [r for r in lines if r["event"] == "decision"]
 
 
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
@@ -623,8 +662,10 @@ def test_vllm_windowed_capped_and_sink_models_match_stock_and_are_decided_per_gr
         assert any(max(kv) > 4 * WINDOW for _, kv in steps)  # the window cuts: keys beyond it
         assert any(1 < q < kv for qs, kvs in steps for q, kv in zip(qs, kvs))  # a chunk with context
         modes = {d["mode"] for d in decisions if d["num_seqs"] > 1}
-        if policy in ("default", "varlen", "always-mask"):
-            assert modes == {"mask" if policy == "always-mask" else "varlen"}, policy
+        if policy in ("default", "varlen", "always-mask", "always-rows"):
+            assert modes == {policy.removeprefix("always-") if policy.startswith("always-") else "varlen"}, policy
+        if policy == "always-rows":  # every step, the lone prompt and chunks with context included
+            assert {d["mode"] for d in decisions} == {"rows"}
         if policy in ("default", "varlen", "dynamic"):  # the lone prompt: attnpolicy's CAUSAL graph
             lone = [d for d in decisions if d["q_lens"] == d["kv_lens"] == [SINGLE_LEN]]
             assert {(d["group"], d["mode"]) for d in lone} == {(g, "causal") for g in groups}, policy
@@ -663,10 +704,11 @@ def test_vllm_long_prompt_is_served(generated):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_vllm_every_attention_step_is_decided(generated, policy):
-    result, tmp = generated
-    decisions = [d for d in _decisions(tmp / "decisions.jsonl") if d["policy"] == policy]
+    result, _ = generated
+    decisions = result["decisions"][policy]
     # one decision per attention step: as many as vLLM built metadata objects
     assert len(decisions) == result["steps"][policy] == result["steps"]["stock"] > 0
+    assert {d["policy"] for d in decisions} == {POLICY_OPTIONS.get(policy, (policy,))[0]}
     assert not any(d["fell_back"] for d in decisions)
     decode = [d for d in decisions if set(d["q_lens"]) == {1}]
     mixed = [d for d in decisions if 1 in d["q_lens"] and max(d["q_lens"]) > 1]
@@ -676,31 +718,54 @@ def test_vllm_every_attention_step_is_decided(generated, policy):
     assert any(d["q_lens"] == [303 - 256] and d["kv_lens"] == [303] for d in decisions)
     assert max(max(d["kv_lens"]) for d in decisions) == LONG_LEN + 1  # the long prompt's decode step
     modes = {d["mode"] for d in decisions if d["num_seqs"] > 1}
-    assert modes == {"varlen" if policy == "varlen" else "mask"} or policy == "cost-aware"
-    if policy == "always-mask":
-        assert {d["mode"] for d in decisions} == {"mask"}
+    assert modes == {"varlen" if policy == "varlen" else "rows" if policy == "always-rows" else "mask"} or \
+        policy in ("cost-aware", "dynamic-rows")
+    if policy in ("always-mask", "always-rows"):
+        assert {d["mode"] for d in decisions} == {policy.removeprefix("always-")}
+    if policy == "dynamic-rows":  # rows for packed prefills and chunks with cached context, mask for decodes
+        ran = {kind: {d["mode"] for d in steps} for kind, steps in (("decode", decode), ("chunk", chunk))}
+        assert ran["decode"] == {"mask"} and "rows" in ran["chunk"]
+        assert [d["mode"] for d in decisions if d["q_lens"] == d["kv_lens"] == list(PACKED_LENS)] == ["rows"]
+
+
+def test_vllm_rows_steps_build_no_host_mask(generated):
+    """A step run in rows bounds its keys in the graph: attnpolicy builds no dense mask
+    for it, under always-rows (none at all) or dynamic's rows option (masks for its mask
+    steps only), where always-mask builds them."""
+    result, _ = generated
+    built = result["host_masks"]
+    assert built["always-rows"] == [] and built["always-mask"]  # the count can fail
+    rows = [[d["q_lens"], d["kv_lens"]] for d in result["decisions"]["dynamic-rows"] if d["mode"] == "rows"]
+    assert rows and built["dynamic-rows"]
+    assert not [layout for layout in built["dynamic-rows"] if layout in rows]
+
+
+def _label(config) -> str:
+    """The label (:data:`POLICIES`) of the policy a recorded run's config names."""
+    return next((label for label, (policy, options) in POLICY_OPTIONS.items()
+                 if (config.policy, dict(config.policy_options)) == (policy, options)), config.policy)
 
 
 def _stream_runs(tmp: Path):
     from attnpolicy.workloads.layout_stream import read_layout_stream
 
-    return {r.config.policy: r for r in read_layout_stream(tmp / "layouts.jsonl")}
+    return {_label(r.config): r for r in read_layout_stream(tmp / "layouts.jsonl")}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_vllm_layout_stream_replays_to_the_recorded_misses(generated, policy):
     from attnpolicy.modelling.simulation import simulate_run
 
-    _, tmp = generated
+    result, tmp = generated
     run = _stream_runs(tmp)[policy]
-    decisions = [d for d in _decisions(tmp / "decisions.jsonl") if d["policy"] == policy]
+    decisions = result["decisions"][policy]
     assert len(run.steps) == len(decisions)
     assert [list(s.layout.q_lens) for s in run.steps] == [d["q_lens"] for d in decisions]
     assert [s.mode.value for s in run.steps] == [d["mode"] for d in decisions]
     assert run.config.max_seq_len == 10000 and run.runtime["max_num_batched_tokens"] == 256
     assert run.misses > 0 and run.steps[-1].hits > 0
     cfg = run.config
-    [row] = simulate_run(run, [policy], [cfg.max_graphs], [cfg.eviction])
+    [row] = simulate_run(run, [cfg.policy], [cfg.max_graphs], [cfg.eviction])
     assert (row.misses, row.hits) == (run.misses, run.steps[-1].hits)
     assert row.batches == len(run.steps)
     assert sum(row.modes.values()) == len(run.steps)

@@ -41,9 +41,13 @@ STEPS = (
     ((1, 7), (1, 14), (1, 5), (0, 0)),  # decodes
     ((0, 0), (0, 0), (0, 0), (6, 6)),  # a lone fresh prompt
 )
-#: the mode of each step under each policy
+#: the mode of each step under each policy (a name, or a key of POLICY_OPTIONS)
 MODES = {"varlen": ["varlen", "varlen", "varlen", "causal"], "always-mask": ["mask"] * 4,
-         "dynamic": ["mask", "mask", "mask", "causal"]}
+         "dynamic": ["mask", "mask", "mask", "causal"], "always-rows": ["rows"] * 4,
+         "dynamic-rows": ["rows", "mask", "mask", "causal"]}
+#: a label's policy and options: rows where they pad at most 3x the step's tokens (the packed
+#: prefill pads 2.8x into 4 rows of 16; the others, with their 16-token query buckets, more)
+POLICY_OPTIONS = {"dynamic-rows": ("dynamic", {"rows": 3.0})}
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +67,17 @@ def env(monkeypatch, tmp_path, fresh_plugins):
     a function setting the policy and reading the log's records."""
     config = tmp_path / "config.json"  # a config of this test's own, so a dispatcher of its own (one per
     _configs.append(tmp_path)  # config and process), whose decisions reach this test's log
-    config.write_text(json.dumps({"backend": "none", "max_graphs": 1000 + len(_configs)}))
+    fields = {"backend": "none", "max_graphs": 1000 + len(_configs)}
+    config.write_text(json.dumps(fields))
     monkeypatch.setenv("ATTNPOLICY_CONFIG", str(config))
     log = tmp_path / "decisions.jsonl"
     install_decision_log({"ATTNPOLICY_DECISIONS_LOG": str(log)})
 
     def records(policy: str | None = None) -> list[dict]:
         if policy is not None:
-            monkeypatch.setenv("ATTNPOLICY_POLICY", policy)
+            name, options = POLICY_OPTIONS.get(policy, (policy, {}))
+            config.write_text(json.dumps({**fields, "policy": name, "policy_options": options}))
+            monkeypatch.setenv("ATTNPOLICY_POLICY", name)
         return [json.loads(s) for s in log.read_text().splitlines()] if log.exists() else []
     return records
 
@@ -148,9 +155,9 @@ def test_the_wrapper_is_the_wrapped_backend_but_for_its_implementation():
 def test_every_step_of_every_group_is_decided_and_runs_in_its_mode(vllm_config, env, policy):
     """Two KV-cache groups over the stand-in: a plain one of two layers, and one with a
     window, a soft cap and sinks. Every step of each group is decided once and runs in
-    the policy's mode: VARLEN on the stand-in's kernel, CAUSAL and MASK on attnpolicy's
-    graphs (MASK with context gathering the keys from the stand-in's cache), each output
-    the float64 reference's."""
+    the policy's mode: VARLEN on the stand-in's kernel, CAUSAL, MASK and ROWS on
+    attnpolicy's graphs (MASK and ROWS with context gathering the keys from the stand-in's
+    cache), each output the float64 reference's."""
     env(policy)
     sinks = torch.randn(H, generator=torch.Generator().manual_seed(1))
     plain = {name: _Layer(vllm_config, name) for name in ("model.layers.0.attn", "model.layers.1.attn")}
