@@ -1,6 +1,6 @@
 """Modes timed side by side (``attnpolicy bench``): one pipeline over the levels.
 
-A level (:class:`BenchLevel`) names its shapes (:class:`Shape`: a total length L in
+A level (:class:`BenchLevel`) names its shapes (:class:`BenchShape`: a total length L in
 n sequences, split equally or spread, :func:`grid`) and prepares one run per mode it
 compares at a shape (:func:`modes_for`, at both levels); the runs are interleaved
 within each repeat so drift on a shared machine hits all alike (:func:`interleaved`).
@@ -71,7 +71,7 @@ def split_lengths(total: int, n: int, split: Split = "equal") -> list[int]:
 
 
 @dataclass(frozen=True)
-class Shape:
+class BenchShape:
     """One timed shape: ``seq_len`` tokens in ``num_seqs`` sequences split as ``split``."""
 
     seq_len: int
@@ -82,10 +82,11 @@ class Shape:
         return BatchLayout.from_lens(split_lengths(self.seq_len, self.num_seqs, self.split))
 
 
-def grid(lengths: Iterable[int], seqs: Iterable[int], splits: Sequence[Split]) -> list[Shape]:
+def grid(lengths: Iterable[int], seqs: Iterable[int], splits: Sequence[Split]) -> list[BenchShape]:
     """Every (length, sequences, split) in that order; one sequence once, under the
     first of ``splits`` (every split of one sequence is the same)."""
-    return [Shape(length, n, split) for length in lengths for n in seqs for split in (splits if n > 1 else splits[:1])]
+    return [BenchShape(length, n, split) for length in lengths for n in seqs
+            for split in (splits if n > 1 else splits[:1])]
 
 
 @dataclass(frozen=True)
@@ -166,16 +167,16 @@ class BenchLevel(Protocol):
     @property
     def measure(self) -> str: ...
 
-    def shapes(self) -> list[Shape]:
+    def shapes(self) -> list[BenchShape]:
         """The shapes timed, in order."""
 
     def start(self) -> None:
         """Load what every shape needs (after the threads are set)."""
 
-    def runs(self, shape: Shape) -> Mapping[MaskMode, Run]:
+    def runs(self, shape: BenchShape) -> Mapping[MaskMode, Run]:
         """One ready run per mode compared at a shape, each returning one round's sample."""
 
-    def facts(self, shape: Shape, mode: MaskMode) -> dict[str, float | None]:
+    def facts(self, shape: BenchShape, mode: MaskMode) -> dict[str, float | None]:
         """What the level knows of a mode's graph after its timing."""
 
     def close(self) -> None:
@@ -254,20 +255,20 @@ class AttentionBench:
         self.settings = settings
         self.warmup, self.repeats, self.threads = settings.warmup, settings.repeats, settings.threads
 
-    def shapes(self) -> list[Shape]:
+    def shapes(self) -> list[BenchShape]:
         return grid(self.settings.lengths, self.settings.seqs, self.settings.splits)
 
     def start(self) -> None:
         self._gen = torch.Generator().manual_seed(self.settings.seed)
 
-    def runs(self, shape: Shape) -> Mapping[MaskMode, Run]:
+    def runs(self, shape: BenchShape) -> Mapping[MaskMode, Run]:
         s, dtype = self.settings, BENCH_TORCH_DTYPES[self.settings.dtype]
         q, k, v = (torch.randn(shape.seq_len, heads, s.head_dim, generator=self._gen).to(dtype)
                    for heads in (s.heads, s.kv_heads, s.kv_heads))
         layout = shape.layout()
         return {mode: partial(_attention_sample, q, k, v, layout, mode, s) for mode in modes_for(shape.num_seqs)}
 
-    def facts(self, shape: Shape, mode: MaskMode) -> dict[str, float | None]:
+    def facts(self, shape: BenchShape, mode: MaskMode) -> dict[str, float | None]:
         return {}
 
     def close(self) -> None:
@@ -322,7 +323,7 @@ class WholeModelBench:
         #: the spec as loaded (every field), once :meth:`start` has loaded it
         self.described = spec
 
-    def shapes(self) -> list[Shape]:
+    def shapes(self) -> list[BenchShape]:
         return grid(self.lengths, self.seqs, self.splits)
 
     def start(self) -> None:
@@ -335,7 +336,7 @@ class WholeModelBench:
         self._compiled = StaticModelRunner(model, cfg)
         self._eager = StaticModelRunner(model, cfg.model_copy(update={"backend": "none"}))
 
-    def runs(self, shape: Shape) -> Mapping[MaskMode, Run]:
+    def runs(self, shape: BenchShape) -> Mapping[MaskMode, Run]:
         layout = shape.layout()
         ids = torch.randint(0, self._vocab, (shape.seq_len,), generator=torch.Generator().manual_seed(shape.seq_len))
         runs = {}
@@ -345,7 +346,7 @@ class WholeModelBench:
                                  self._eager.graph_for(self._eager.prepare(ids, layout, mode)), batch.inputs)
         return runs
 
-    def facts(self, shape: Shape, mode: MaskMode) -> dict[str, float | None]:
+    def facts(self, shape: BenchShape, mode: MaskMode) -> dict[str, float | None]:
         """The compile seconds and memory of the mode's compiled graph (from the runner;
         shapes of one graph, as MASK's at one length, share its build's)."""
         (key,) = map(str, self._compiled.keys_for(shape.layout(), mode))

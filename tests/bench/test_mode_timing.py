@@ -14,9 +14,9 @@ import torch
 from attnpolicy.bench.mode_timing import (
     AttentionBench,
     BenchRow,
+    BenchShape,
     Run,
     Sample,
-    Shape,
     WholeModelBench,
     grid,
     interleaved,
@@ -41,13 +41,13 @@ class Scripted:
         self.calls: list[tuple[int, str]] = []
         self.events: list[str] = []
 
-    def shapes(self) -> list[Shape]:
-        return [Shape(64, 1), Shape(128, 2)]
+    def shapes(self) -> list[BenchShape]:
+        return [BenchShape(64, 1), BenchShape(128, 2)]
 
     def start(self) -> None:
         self.events.append("start")
 
-    def runs(self, shape: Shape) -> Mapping[MaskMode, Run]:
+    def runs(self, shape: BenchShape) -> Mapping[MaskMode, Run]:
         if (shape.seq_len, shape.num_seqs) == self.fail_at:
             raise RuntimeError("out of memory")
 
@@ -58,7 +58,7 @@ class Scripted:
             return call
         return {mode: run(mode) for mode in self.modes}
 
-    def facts(self, shape: Shape, mode: MaskMode) -> dict[str, float | None]:
+    def facts(self, shape: BenchShape, mode: MaskMode) -> dict[str, float | None]:
         return {"graph_mib": float(shape.seq_len)}
 
     def close(self) -> None:
@@ -139,7 +139,7 @@ def test_the_grid_times_one_sequence_once_and_several_under_each_split():
         (64, 1, "equal"), (64, 4, "equal"), (64, 4, "spread"), (256, 1, "equal"), (256, 4, "equal"),
         (256, 4, "spread")]
     assert [s.split for s in grid((64,), (1, 4), ("spread",))] == ["spread", "spread"]
-    assert Shape(64, 4, "spread").layout().q_lens == (7, 13, 19, 25)
+    assert BenchShape(64, 4, "spread").layout().q_lens == (7, 13, 19, 25)
 
 
 def test_ratios_keep_the_splits_of_one_length_and_count_apart():
