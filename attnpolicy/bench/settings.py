@@ -15,6 +15,11 @@ from attnpolicy.graphs.keys import TensorSpec, check_kv_heads
 BenchDType = Literal["float32", "bfloat16", "float16"]
 BENCH_DTYPES: tuple[BenchDType, ...] = get_args(BenchDType)
 
+#: How ``bench`` splits a shape's L tokens among its n sequences: ``equal`` (L/n
+#: each) or ``spread`` (sequence i of n about i / (1 + ... + n) of them, at least one each).
+Split = Literal["equal", "spread"]
+SPLITS: tuple[Split, ...] = get_args(Split)
+
 #: Threads of ``bench`` and ``calibrate`` unless told otherwise: one thread is stable
 #: on a shared machine and is what the built-in cost model was calibrated with.
 DEFAULT_THREADS = 1
@@ -48,11 +53,12 @@ class SpecSettings:
 @validated(frozen=True)
 class BenchSettings(SpecSettings):
     """What ``attnpolicy bench`` times: :class:`SpecSettings` and the batches; validated
-    (every count >= 1, no more sequences than tokens)."""
+    (every count >= 1, no more sequences than tokens, each split once)."""
 
     lengths: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (
         128, 256, 512, 1024, 2048, 4096)
     seqs: Annotated[tuple[Annotated[int, Positive], ...], Field(min_length=1)] = (1, 4)
+    splits: Annotated[tuple[Split, ...], Field(min_length=1)] = SPLITS
     repeats: Annotated[int, Positive] = 5
     warmup: Annotated[int, Field(ge=0)] = 1
     seed: int = 0
@@ -62,6 +68,8 @@ class BenchSettings(SpecSettings):
         if max(self.seqs) > min(self.lengths):
             raise ValueError(f"seqs {max(self.seqs)} exceeds lengths {min(self.lengths)}: "
                              "every sequence needs a token")
+        if len(set(self.splits)) < len(self.splits):
+            raise ValueError(f"splits {list(self.splits)}: name each split once")
         return self
 
 

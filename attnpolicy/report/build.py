@@ -90,8 +90,8 @@ class ReportSettings:
     kernel_lengths: tuple[Annotated[int, Field(ge=1)], ...] = (1024,)
     kernel_seqs: Annotated[int, Field(ge=1)] = 4
     kernel_skip: tuple[str, ...] = ()
-    #: A model spec (``attnpolicy bench --model``): adds the whole-model table (MASK vs
-    #: CAUSAL per ``model_lengths``, compiled with ``model_backend``); off by default.
+    #: A model spec (``attnpolicy bench --model``): adds the whole-model table (MASK and
+    #: ROWS vs CAUSAL per ``model_lengths``, compiled with ``model_backend``); off by default.
     model: str | None = None
     model_lengths: Annotated[tuple[Annotated[int, Field(ge=1)], ...], Field(min_length=1)] = MODEL_LENGTHS
     model_backend: str = "inductor"

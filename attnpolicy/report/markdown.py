@@ -197,17 +197,18 @@ def _model_bench(bench: dict[str, Any] | None) -> list[str]:
     """The whole-model table (``report --model``) beside tt-xla's ratios; none without it."""
     if bench is None:
         return []
-    ratios = {r["seq_len"]: r for r in bench["ratios"]}
+    ratios = {r["seq_len"]: r for r in bench["ratios"] if r["num_seqs"] == 1}
     return [
         "### Whole-model forward (measured)", "",
         (f"`attnpolicy bench --model`: {bench['model']}, one sequence per length, the whole forward compiled "
          f"({bench['backend']}, {bench['threads']} thread(s)) and eager; medians of {bench['repeats']} runs."), "",
-        table(("L", "compile s causal", "compile s mask", "causal ms", "mask ms", "mask / causal",
+        table(("L", "compile s causal", "compile s mask", "causal ms", "mask ms", "mask / causal", "rows / causal",
                "eager mask / causal", "tt-xla mask / causal"),
-              [(n, *(next(r[f] for r in bench["rows"] if r["seq_len"] == n and r["mode"] == m)
+              [(n, *(next(r[f] for r in bench["rows"] if r["seq_len"] == n and r["num_seqs"] == 1 and r["mode"] == m)
                      for f, m in (("compile_s", "causal"), ("compile_s", "mask"), ("compiled_ms", "causal"),
                                   ("compiled_ms", "mask"))),
-                f"{ratio['compiled']:.2f}×", f"{ratio['eager']:.2f}×",
+                f"{ratio['compiled']['mask']:.2f}×", f"{ratio['compiled']['rows']:.2f}×",
+                f"{ratio['eager']['mask']:.2f}×",
                 f"{TT_XLA[n]:.2f}×" if n in TT_XLA else "") for n, ratio in ratios.items()]), "",
     ]
 
@@ -248,11 +249,11 @@ def markdown(data: dict[str, Any]) -> str:
         f"**Takeaway:** {_plot_title(data, 'bench.png')}.", "",
         (f"`attnpolicy bench` settings: {bench['env']}. Medians of {bench['env']['repeats']} runs, "
          "modes interleaved; MASK includes building its mask (also shown alone)."), "",
-        table(("L", "seqs", "mode", "median ms", "min ms", "max ms", "mask build ms"),
-              [(r["seq_len"], r["num_seqs"], r["mode"], r["median_ms"], r["min_ms"], r["max_ms"],
+        table(("L", "seqs", "split", "mode", "median ms", "min ms", "max ms", "mask build ms"),
+              [(r["seq_len"], r["num_seqs"], r["split"], r["mode"], r["median_ms"], r["min_ms"], r["max_ms"],
                 r["mask_build_ms"]) for r in bench["rows"]]), "",
-        table(("L", "seqs", "faster", "slower / faster", "noisy (median > 2 × min)"),
-              [(sp["seq_len"], sp["num_seqs"], sp["faster"], sp["ratio"], "yes" if sp["noisy"] else "")
+        table(("L", "seqs", "split", "faster", "slower / faster", "noisy (median > 2 × min)"),
+              [(sp["seq_len"], sp["num_seqs"], sp["split"], sp["faster"], sp["ratio"], "yes" if sp["noisy"] else "")
                for sp in bench["speedups"]]), "",
         "tt-xla (Tenstorrent's compiler, tenstorrent/tt-xla#1784, their accelerator, 1 sequence, "
         "mask / causal): " + ", ".join(f"{v}× @ {k}" for k, v in TT_XLA.items()) + ".", "",

@@ -243,12 +243,12 @@ def plot_hit_rate(rows: Sequence[SimRow], path: str | Path, marks: Sequence[Mark
 
 
 def mask_ratios(speedups: Sequence[Ratio], num_seqs: int) -> list[tuple[int, float]]:
-    """(L, masked / mask-free time) of the bench rows of ``num_seqs`` sequences: MASK
-    over CAUSAL for one sequence, over VARLEN for several (each mode's median over the
-    shape's first mode's, so any further mode of the row is left out)."""
+    """(L, masked / mask-free time) of the bench rows of ``num_seqs`` equal sequences:
+    MASK over CAUSAL for one sequence, over VARLEN for several (each mode's median over
+    the shape's first mode's, so any further mode of the row is left out)."""
     free = "causal" if num_seqs == 1 else "varlen"
     return [(sp.seq_len, over["mask"] / over[free]) for sp in speedups
-            if sp.num_seqs == num_seqs and "mask" in (over := sp.over["call"]) and free in over]
+            if sp.num_seqs == num_seqs and sp.split == "equal" and "mask" in (over := sp.over["call"]) and free in over]
 
 
 def bench_finding(speedups: Sequence[Ratio]) -> str:

@@ -101,6 +101,10 @@ MISTAKES = [
     (["report", "--bench-repeats", "0"], ["--bench-repeats", "'0'"]),
     (["bench", "--seqs", "8", "--lengths", "4"], ["--seqs", "8", "--lengths", "4"]),
     (["bench", "--repeats", "0"], ["--repeats", "'0'"]),
+    (["bench", "--split", "even"], ["--split", "'equal' or 'spread'", "even"]),
+    (["bench", "--split", "spread,spread"], ["--split", "['spread', 'spread']", "each split once"]),
+    (["bench", "--model", "qwen3", "--seqs", "8", "--lengths", "4"], ["--seqs", "8", "--lengths", "4"]),
+    (["bench", "--model", "qwen3", "--split", "even"], ["--split", "'equal' or 'spread'", "even"]),
     (["bench", "--kv-heads", "3"], ["--kv-heads", "3"]),
     (["bench", "--dtype", "float64"], ["--dtype", "'float64'"]),
     (["bench", "--model", ""], ["--model", "got ''"]),
@@ -530,14 +534,21 @@ def test_a_command_line_naming_a_subcommand_parses_with_that_subcommand_alone():
 # -- outputs ----------------------------------------------------------------------------------
 
 
-def test_bench_says_which_mode_is_faster(capsys, tmp_path):
+def test_bench_says_which_mode_is_faster_per_shape_and_split(capsys, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--lengths", "32", "--seqs", "1,2", "--repeats", "1", "--warmup", "0",
                  "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert len(re.findall(r"(causal|mask|varlen) \d+\.\d\d× faster", text)) == 2
+    assert len(re.findall(r"(causal|mask|varlen|rows) \d+\.\d\d× faster", text)) == 3
     assert "1 thread(s)" in text
-    assert {sp["num_seqs"] for sp in json.loads(out.read_text())["speedups"]} == {1, 2}
+    for split in ("equal", "spread"):
+        assert [m for m in ("mask", "varlen", "rows") if re.search(rf"│ +32 │ +2 │ {split} +│ {m} +│", text)] == [
+            "mask", "varlen", "rows"], text
+    speedups = json.loads(out.read_text())["speedups"]
+    assert [(sp["num_seqs"], sp["split"]) for sp in speedups] == [(1, "equal"), (2, "equal"), (2, "spread")]
+    assert main(["bench", "--lengths", "32", "--seqs", "2", "--split", "equal", "--repeats", "1", "--warmup", "0",
+                 "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]) == 0
+    assert "spread" not in capsys.readouterr().out
 
 
 def test_run_check_prints_pass_against_its_tolerance(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -292,21 +293,24 @@ def test_inductor_graphs_equal_the_eager_model(models):
                                    rtol=0, atol=1e-5)
 
 
-def test_bench_model_reports_both_modes_per_length_beside_tt_xla(capsys, tmp_path):
+def test_bench_model_reports_every_mode_per_shape_beside_tt_xla(capsys, tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--model", TINY["qwen3"], "--lengths", "16,128", "--backend", "aot_eager",
-                 "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    assert main(["bench", "--model", TINY["qwen3"], "--lengths", "128", "--seqs", "1,2", "--split", "spread",
+                 "--backend", "aot_eager", "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [(r["seq_len"], r["mode"]) for r in report["rows"]] == [
-        (16, "causal"), (16, "mask"), (128, "causal"), (128, "mask")]
+    assert [(r["seq_len"], r["num_seqs"], r["split"], r["mode"]) for r in report["rows"]] == [
+        (128, 1, "spread", "causal"), (128, 1, "spread", "mask"), (128, 1, "spread", "rows"),
+        (128, 2, "spread", "mask"), (128, 2, "spread", "varlen"), (128, 2, "spread", "rows")]
     for row in report["rows"]:
         assert row["compile_s"] > 0 and row["compiled_ms"] > 0 and row["eager_ms"] > 0
         assert row["estimate_mib"] > 0 and row["device_mib"] is None
-    by = {(r["seq_len"], r["mode"]): r for r in report["rows"]}
-    _, r128 = report["ratios"]
-    assert r128["compiled"] == pytest.approx(by[(128, "mask")]["compiled_ms"] / by[(128, "causal")]["compiled_ms"])
+    by = {(r["num_seqs"], r["mode"]): r for r in report["rows"]}
+    one, two = report["ratios"]
+    assert one["compiled"]["mask"] == pytest.approx(by[(1, "mask")]["compiled_ms"] / by[(1, "causal")]["compiled_ms"])
+    assert two["compiled"]["rows"] == pytest.approx(by[(2, "rows")]["compiled_ms"] / by[(2, "mask")]["compiled_ms"])
     table = capsys.readouterr().out
     assert "tt-xla mask/causal" in table and f"{TT_XLA[128]:g}" in table
+    assert re.search(r"│ 128 │ +2 │ spread +│ rows +│.*× mask", table), table
 
 
 def test_bench_model_refuses_a_bad_spec(capsys):

@@ -18,7 +18,16 @@ from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.simulation import simulate, simulate_layouts, simulation_config
 from attnpolicy.report.build import ValidationRow
 from attnpolicy.report.markdown import first_screen, markdown, sizes_text
-from attnpolicy.report.plots import MIB, TT_XLA, Marked, best_rows, plot_bench, plot_hit_rate, plot_sweep
+from attnpolicy.report.plots import (
+    MIB,
+    TT_XLA,
+    Marked,
+    best_rows,
+    mask_ratios,
+    plot_bench,
+    plot_hit_rate,
+    plot_sweep,
+)
 from attnpolicy.report.recommend import (
     FASTEST,
     LEANEST,
@@ -320,6 +329,9 @@ def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path)
                        tmp_path / "b.png")
     assert bench.title.startswith(f"one sequence at L 1024: MASK costs 2.10× causal here, {TT_XLA[1024]:.2f}× on tt-xla")
     assert "0.50× causal" in plot_bench([one(100, 0.5, 2.0)], tmp_path / "b2.png").title
+    spread = Ratio(128, 4, "varlen", "mask", 10.0, over={"call": {"mask": 1.0, "varlen": 0.1}}, split="spread")
+    assert mask_ratios([Ratio(128, 4, "varlen", "mask", 2.0, over={"call": {"mask": 1.0, "varlen": 0.5}}), spread],
+                       4) == [(128, 2.0)]  # the equal split's only
     for plot in (frontier, hits, bench):
         assert (tmp_path / plot.file).stat().st_size > 1000
 
@@ -327,15 +339,16 @@ def test_plots_render_from_a_small_sweep_with_findings_in_their_titles(tmp_path)
 def test_report_model_adds_the_whole_model_table_beside_tt_xla(small_report):
     out, data, _ = small_report
     bench = data["model_bench"]
-    assert [(r["seq_len"], r["mode"]) for r in bench["rows"]] == [
-        (16, "causal"), (16, "mask"), (128, "causal"), (128, "mask")]
+    assert [(r["seq_len"], r["num_seqs"], r["mode"]) for r in bench["rows"]] == [
+        (16, 1, "causal"), (16, 1, "mask"), (16, 1, "rows"), (128, 1, "causal"), (128, 1, "mask"), (128, 1, "rows")]
     assert all(r["compiled_ms"] > 0 and r["compile_s"] > 0 for r in bench["rows"])
     text = (out / "report.md").read_text()
     section = text[text.index("### Whole-model forward (measured)"):text.index("### Implementations per family")]
     assert text.index("## 1. Mask vs mask-free") < text.index("### Whole-model forward")
     [row128] = [line for line in section.splitlines() if line.startswith("| 128 |")]
     [ratio] = [r for r in bench["ratios"] if r["seq_len"] == 128]
-    assert f"{ratio['compiled']:.2f}×" in row128 and f"{TT_XLA[128]:.2f}×" in row128
+    assert f"{ratio['compiled']['mask']:.2f}× | {ratio['compiled']['rows']:.2f}×" in row128
+    assert f"{TT_XLA[128]:.2f}×" in row128
     assert "Whole-model" not in markdown({**data, "model_bench": None})  # off by default: no section
 
 
