@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import Decision, MaskMode, why_not_causal
+from attnpolicy.errors import BucketOverflowError
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.plugins.hookspecs import hookimpl
 from attnpolicy.policies.base import PolicyContext
@@ -103,7 +104,11 @@ class Dynamic(_CausalWhenLegal):
         cfg = ctx.config
         if cfg is None:  # outside a dispatcher or a runner: no buckets to pad to
             return decision
-        calls = plan_calls(layout, MaskMode.ROWS, cfg.bucket, rows_bucket=cfg.rows_bucket, max_rows=cfg.row_buckets[-1])
+        try:
+            calls = plan_calls(layout, MaskMode.ROWS, cfg.bucket, rows_bucket=cfg.rows_bucket,
+                               max_rows=cfg.row_buckets[-1])
+        except BucketOverflowError:  # a sequence beyond the largest bucket: no rows graph to pad to
+            return decision
         padded = sum(call.rows * call.q_bucket for call in calls) - layout.total_tokens
         if padded <= self.rows * layout.total_tokens:
             return cached_decision(MaskMode.ROWS, f"{decision.reason}; rows pad {padded} tokens")

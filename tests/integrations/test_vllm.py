@@ -33,9 +33,9 @@ LONG_LEN = 9000  # above attnpolicy's default max_seq_len (8192), below max_mode
 ARRIVAL_LENS = (40, 150, 12, 300, 25)  # added one by one while earlier requests decode
 #: the policies every scenario runs under, by their label here (a policy's name, or a key of POLICY_OPTIONS)
 POLICIES = ("dynamic", "always-mask", "varlen", "cost-aware", "always-rows", "dynamic-rows")
-#: a label's policy and options: dynamic choosing rows where they pad at most 4x a step's tokens
-#: (packed prefills and chunks do, decodes of 16-token query buckets do not: those run mask)
-POLICY_OPTIONS = {"dynamic-rows": ("dynamic", {"rows": 4.0})}
+#: a label's policy and options: dynamic choosing rows where they pad at most a quarter of a step's
+#: tokens (decodes of 1, 2, 4, 8 sequences and full chunks do; the packed prefill and 3 decodes do not)
+POLICY_OPTIONS = {"dynamic-rows": ("dynamic", {"rows": 0.25})}
 ENGINE = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=48 << 20, max_model_len=10000,
               max_num_seqs=8, max_num_batched_tokens=256, enable_chunked_prefill=True,
               enable_prefix_caching=True, seed=0)
@@ -722,10 +722,17 @@ def test_vllm_every_attention_step_is_decided(generated, policy):
         policy in ("cost-aware", "dynamic-rows")
     if policy in ("always-mask", "always-rows"):
         assert {d["mode"] for d in decisions} == {policy.removeprefix("always-")}
-    if policy == "dynamic-rows":  # rows for packed prefills and chunks with cached context, mask for decodes
-        ran = {kind: {d["mode"] for d in steps} for kind, steps in (("decode", decode), ("chunk", chunk))}
-        assert ran["decode"] == {"mask"} and "rows" in ran["chunk"]
-        assert [d["mode"] for d in decisions if d["q_lens"] == d["kv_lens"] == list(PACKED_LENS)] == ["rows"]
+    if policy == "dynamic-rows":  # every step as dynamic's rule decides it under the engine's config
+        from attnpolicy.config import AttnPolicyConfig
+        from attnpolicy.core.layout import BatchLayout
+        from attnpolicy.policies.base import PolicyContext
+        from attnpolicy.policies.registry import make_policy
+
+        rule, ctx = make_policy("dynamic", **POLICY_OPTIONS[policy][1]), PolicyContext(
+            config=AttnPolicyConfig(backend="aot_eager", max_seq_len=ENGINE["max_model_len"]))
+        assert [d["mode"] for d in decisions] == [
+            rule.decide(BatchLayout.from_lens(d["q_lens"], d["kv_lens"]), ctx).mode.value for d in decisions]
+        assert {d["mode"] for d in decode} >= {"rows"} and {d["mode"] for d in decisions} >= {"rows", "mask"}
 
 
 def test_vllm_rows_steps_build_no_host_mask(generated):

@@ -246,6 +246,9 @@ def test_dynamic_keeps_its_rule_by_default_and_runs_rows_within_its_padding_opti
     # three decodes in a [4, 1] call pad one row, the prefill beside them 60 -> 64 in its own call
     step = BatchLayout.from_lens([1, 1, 1, 60], [30, 9, 70, 60])
     assert rows.decide(step, bare) == Decision(MaskMode.ROWS, "4 sequences packed; rows pad 5 tokens")
+    # a sequence beyond the largest bucket has no rows graph to pad to: its own choice, no error
+    long = BatchLayout.from_lens([1, 9000], [30, 9000])
+    assert rows.decide(long, bare) == Decision(M, "2 sequences packed")
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.2", True])
