@@ -11,7 +11,9 @@ time of the workload is then
 *class*, its call kind at its row count: a ROWS call of ``r`` rows runs ``r`` × the
 rows fit (:meth:`~attnpolicy.graphs.costmodel.CostModel.run_fit`) and its graph is
 one per row count; the row counts come from the config's ``row_buckets`` and are
-not searched. :func:`plan_sizes`
+not searched. A ROWS call whose rows each hold one token keeps that length under every
+list (:func:`~attnpolicy.graphs.plan_rules.rows_length`: decodes' ``[rows, 1]`` calls):
+for a ROWS shape a length of 1 is its own bucket. :func:`plan_sizes`
 finds, for every number of buckets ``k`` up to a limit, the best list whose sizes
 are multiples of ``align`` (:data:`ALIGN` by default; a length's round-up is held to
 its kind's limit, ``max_seq_len`` or ``max_batch_tokens``, when that is not a
@@ -28,7 +30,8 @@ multiple), the largest one included:
   objective then moves each boundary while that lowers the true modelled time.
   For workloads of square shapes alone the result is the optimum; otherwise the
   program's value is a lower bound and the reported gap says how near the
-  result is.
+  result is. A ROWS shape of query length 1 pays its cost in its key bucket alone
+  (exact), and one of lengths 1 and 1 the same under every list.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import CALL_KINDS, CallKind, MaskMode
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.calls import plan_calls
 from attnpolicy.graphs.costmodel import CostModel, Fit
 
@@ -53,6 +57,7 @@ ALIGN = 16
 _BLOCK = 64
 #: Call kinds in the order of :attr:`CallShapes.kind` codes.
 _CODE = {kind: code for code, kind in enumerate(CALL_KINDS)}
+_ROWS = _CODE[CallKind.ROWS]
 
 
 #: Call shapes counted: ``(kind, q, kv)``, or ``(kind, q, kv, rows)`` with a ROWS call's rows.
@@ -168,18 +173,25 @@ def evaluate(shapes: CallShapes, sizes: Sequence[int], model: CostModel) -> Buck
     compile_total = 0.0
     graphs = 0
     padded = 0
+    classes = shapes.classes[1]
     for code, q_exact, kv_exact, n in shapes.by_class():
-        iq, ikv = np.searchsorted(s, q_exact), np.searchsorted(s, kv_exact)
-        bq = s[iq]
-        q, kv = bq.astype(float), s[ikv].astype(float)
-        run_total += float((n * run[code](q, kv)).sum())
-        used = np.flatnonzero(np.bincount(iq * s.size + ikv, minlength=s.size * s.size))
-        kq, kk = s[used // s.size].astype(float), s[used % s.size].astype(float)
-        compile_total += float(comp[code](kq, kk).sum()) if model.backend != "none" else 0.0
-        graphs += used.size
+        rows = classes[code][0] is CallKind.ROWS
+        bq, bkv = _rounded(s, q_exact, rows), _rounded(s, kv_exact, rows)
+        run_total += float((n * run[code](bq.astype(float), bkv.astype(float))).sum())
+        kq, kk = np.divmod(np.unique(bq * (int(s[-1]) + 1) + bkv), int(s[-1]) + 1)
+        compile_total += float(comp[code](kq.astype(float), kk.astype(float)).sum()) if model.backend != "none" else 0.0
+        graphs += kq.size
         padded += int((n * (bq - q_exact)).sum())
     run_total += model.call_overhead_seconds * shapes.calls
     return BucketListCost(tuple(int(x) for x in s), run_total, compile_total, graphs, padded)
+
+
+def _rounded(sizes: np.ndarray, lengths: np.ndarray, rows: bool | np.ndarray) -> np.ndarray:
+    """The buckets of ``lengths`` in the ascending ``sizes`` (the last at least each
+    length): a ROWS shape's (``rows``, per length or for all) by
+    :func:`~attnpolicy.graphs.plan_rules.rows_length`, as its call is planned."""
+    b = sizes[np.searchsorted(sizes, lengths)]
+    return np.where(rows, plan_rules.rows_length(lengths, b), b)
 
 
 def candidates(shapes: CallShapes, align: int, limits: Mapping[CallKind, int] | None = None) -> np.ndarray:
@@ -214,13 +226,19 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     ``q`` and ``run(0, b_kv) = base + per_token·b_kv`` in the bucket ``b_kv`` of ``kv``: its cell
     term counts ``kv`` unpadded, so the sum never exceeds the true cost. Compiles:
     one key per class and bucket of square shapes, and one rectangular key
-    (``q`` bucket at least 1) per class and kv bucket with no square key."""
+    (``q`` bucket at least 1) per class and kv bucket with no square key. A ROWS
+    shape of query length 1 (:func:`_rounded`: its own bucket) costs ``run(1, b_kv)``
+    and its key ``(1, b_kv)`` in the bucket of ``kv``, exactly; one of lengths 1 and 1
+    costs the same under every list (``best[0, 0]``)."""
     class_of, classes = shapes.classes
     m, nf = cand.size, len(classes)
     slot_q = np.searchsorted(cand, shapes.q) + 1
     slot_kv = np.searchsorted(cand, shapes.kv) + 1
-    square = shapes.q == shapes.kv
-    rect = ~square
+    ones = (shapes.kind == _ROWS) & (shapes.q == 1)
+    fixed = ones & (shapes.kv == 1)
+    ones &= ~fixed
+    square = (shapes.q == shapes.kv) & ~fixed
+    rect = (shapes.q != shapes.kv) & ~ones
     count = shapes.count.astype(float)
 
     def prefix(sel: np.ndarray, slot: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -232,21 +250,23 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
     rq_n = prefix(rect, slot_q, count)  # rectangular shapes by their q bucket
     rq_kv = prefix(rect, slot_q, count * shapes.kv)
     rkv_n = prefix(rect, slot_kv, count)  # ... and by their kv bucket
+    one_n = prefix(ones, slot_kv, count)  # ROWS shapes of query length 1 by their kv bucket
     run, comp = _fits(model, "run", shapes), _fits(model, "compile", shapes)
     compiles = model.backend != "none"
     lengths = cand.astype(float)
     best = np.full((max_buckets + 1, m + 1), np.inf)
     arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    # a class without square (rectangular) shapes adds exact zeros for them: skipped
-    present = [(c, sq[c, -1] > 0, rq_n[c, -1] > 0) for c in range(nf)]
-    present = [p for p in present if p[1] or p[2]]
+    best[0, 0] = sum(float(count[fixed & (class_of == c)].sum()) * run[c](1, 1)
+                     + (comp[c](1, 1) if compiles else 0.0) for c in np.unique(class_of[fixed]).tolist())
+    # a class without square (rectangular, query length 1) shapes adds exact zeros for them: skipped
+    present = [(c, sq[c, -1] > 0, rq_n[c, -1] > 0, one_n[c, -1] > 0) for c in range(nf)]
+    present = [p for p in present if any(p[1:])]
     for j0 in range(1, m + 1, _BLOCK):  # a block of boundaries j (rows), every start i < j (columns)
         j = np.arange(j0, min(j0 + _BLOCK, m + 1))[:, None]
         i = np.arange(int(j[-1, 0]))
         b = lengths[j - 1]
         seg = np.zeros((j.size, i.size))  # cost of one bucket at cand[j-1] serving candidates i..j-1
-        for code, squares, rects in present:
+        for code, squares, rects, singles in present:
             fit = run[code]
             n_sq = sq[code, j] - sq[code, i]
             if squares:
@@ -256,11 +276,16 @@ def _program(shapes: CallShapes, cand: np.ndarray, model: CostModel, max_buckets
                 seg += ((rq_n[code, j] - rq_n[code, i]) * fit.per_token * b
                         + (rq_kv[code, j] - rq_kv[code, i]) * fit.per_cell * b)
                 seg += n_kv * fit(0, b)
+            if singles:
+                n_one = one_n[code, j] - one_n[code, i]
+                seg += n_one * fit(1, b)
             if compiles:
                 if squares:
                     seg += (n_sq > 0) * comp[code](b, b)
                 if rects:
                     seg += ((n_kv > 0) & (n_sq == 0)) * comp[code](1, b)
+                if singles:
+                    seg += (n_one > 0) * comp[code](1, b)
         seg[i >= j] = np.inf  # a start at or after its boundary is no bucket
         rows = np.arange(j.size)
         for k in range(1, max_buckets + 1):  # a plan of k buckets ending at cand[j-1]: k-1 ending at cand[i-1]
@@ -292,7 +317,9 @@ class _Tally:
     coefficients (``None``: nothing compiles). The calls of one (q bucket, kv bucket) pair
     are a difference of four counts, so a list of ``k`` buckets is priced in ``k²`` terms
     per class whatever the number of shapes: the run and compile seconds :func:`evaluate`
-    gives, call overheads left out."""
+    gives, call overheads left out. ``rows``: which classes are ROWS, when one of their
+    lengths is 1 (its own bucket: a list is priced with 1 before its buckets, every
+    other class's calls of that bucket counted in the next), else ``None``."""
 
     q: np.ndarray
     kv: np.ndarray
@@ -300,6 +327,7 @@ class _Tally:
     run: _Coefficients  # each (class, 1, 1, 1)
     comp: _Coefficients | None
     lengths: np.ndarray  # every q and kv length, sorted
+    rows: np.ndarray | None
 
     @classmethod
     def of(cls, shapes: CallShapes, model: CostModel) -> _Tally:
@@ -310,8 +338,10 @@ class _Tally:
         np.add.at(table, (class_of, iq + 1, ikv + 1), shapes.count)
         rb, rc, rt = _coefficients(model, "run", shapes).T[:, :, None, None, None]
         cb, cc, ct = _coefficients(model, "compile", shapes).T[:, :, None, None, None]
+        rows = np.array([kind is CallKind.ROWS for kind, _ in classes])
+        ones = bool(((shapes.kind == _ROWS) & (shapes.q == 1)).any())
         return cls(uq, ukv, table.cumsum(1).cumsum(2), (rb, rc, rt), (cb, cc, ct) if model.backend != "none" else None,
-                   np.sort(np.concatenate((shapes.q, shapes.kv))))
+                   np.sort(np.concatenate((shapes.q, shapes.kv))), rows if ones else None)
 
     def near(self, lo: int, hi: int) -> bool:
         """Whether some call has a length in ``(lo, hi]``."""
@@ -320,12 +350,19 @@ class _Tally:
     def prices(self, lists: np.ndarray) -> np.ndarray:
         """The run and compile seconds under each row of ``lists`` (bucket lists of one
         length, ascending, the last at least the longest length)."""
+        if self.rows is not None:
+            lists = np.concatenate((np.ones((lists.shape[0], 1), dtype=lists.dtype), lists), axis=1)
         value = lists.astype(float)
         bq, bkv = value[:, :, None], value[:, None, :]
         ends = np.concatenate((np.full((lists.shape[0], 1), -1, dtype=np.int64), lists), axis=1)  # -1: none below
         cum = self.table[:, np.searchsorted(self.q, ends, "right")[:, :, None],
                          np.searchsorted(self.kv, ends, "right")[:, None, :]]
         calls = cum[..., 1:, 1:] - cum[..., :-1, 1:] - cum[..., 1:, :-1] + cum[..., :-1, :-1]  # per class, bucket pair
+        if self.rows is not None:  # a length of 1 is a bucket of ROWS classes alone
+            other = ~self.rows
+            calls[other, :, 1] += calls[other, :, 0]
+            calls[other, :, :, 1] += calls[other, :, :, 0]
+            calls[other, :, 0] = calls[other, :, :, 0] = 0
         total: np.ndarray = (calls * Fit.formula(*self.run, bq, bkv)).sum(axis=(0, 2, 3))
         if self.comp is not None:
             total += np.where(calls > 0, Fit.formula(*self.comp, bq, bkv), 0.0).sum(axis=(0, 2, 3))
@@ -336,7 +373,8 @@ def on_grid(shapes: CallShapes, cand: np.ndarray) -> CallShapes:
     """``shapes`` with each length rounded up to the next of the sorted boundaries
     ``cand``, equal shapes merged: any bucket list drawn from ``cand`` gives them the
     same buckets, hence the same modelled seconds (not the same padding)."""
-    q, kv = cand[np.searchsorted(cand, shapes.q)], cand[np.searchsorted(cand, shapes.kv)]
+    rows = shapes.kind == _ROWS
+    q, kv = _rounded(cand, shapes.q, rows), _rounded(cand, shapes.kv, rows)
     class_of, classes = shapes.classes
     code = (class_of * (cand[-1] + 1) + q) * (cand[-1] + 1) + kv
     u, inverse = np.unique(code, return_inverse=True)

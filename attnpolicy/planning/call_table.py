@@ -330,9 +330,10 @@ class CallTable:
         key_kinds = len(impls) * len(CALL_KINDS) * 4 * row_counts.size
         crow = np.flatnonzero(compiled)
         rc = rows[crow]
-        # a compiled call's buckets are in the tables: a dense code of (kind, bucket indices),
-        # unless there are no tables or so many buckets that the count would outweigh a sort
-        sizes = np.union1d(seq, batch) if seq is not None and batch is not None else None
+        # a compiled call's buckets are in the tables, or 1 (a rows call's length where every
+        # row holds one: rows_length): a dense code of (kind, bucket indices), unless there
+        # are no tables or so many buckets that the count would outweigh a sort
+        sizes = np.union1d(np.union1d(seq, batch), 1) if seq is not None and batch is not None else None
         span = key_kinds * sizes.size ** 2 if sizes is not None else 0
         if sizes is None or span > max(4 * crow.size, 1 << 16):
             q_span, kv_span = int(qb.max(initial=0)) + 1, int(kvb.max(initial=0)) + 1

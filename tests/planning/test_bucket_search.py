@@ -77,8 +77,13 @@ def test_program_is_exact_on_square_shapes(raw, k, backend):
     assert plan.lower_bound == pytest.approx(optimum, rel=1e-9)
 
 
+def lengths(top: int) -> st.SearchStrategy[int]:
+    """Query lengths up to ``top``, often 1 (decodes: a ROWS call of them keeps it under every list)."""
+    return st.one_of(st.just(1), st.integers(1, top))
+
+
 rect_shapes = st.dictionaries(
-    st.tuples(st.sampled_from(PLANNED_KINDS), st.integers(1, 100), st.integers(0, 150)).map(
+    st.tuples(st.sampled_from(PLANNED_KINDS), lengths(100), st.integers(0, 150)).map(
         lambda t: (t[0], t[1], t[1] + t[2])),
     st.integers(1, 20), min_size=1, max_size=8)
 
@@ -149,6 +154,29 @@ def test_shapes_from_layouts_follow_the_plan():
     assert all(np.array_equal(getattr(tabled, f.name), getattr(planned, f.name)) for f in dataclasses.fields(CallShapes))
 
 
+def test_the_search_prices_a_rows_workload_as_the_call_table_records_it():
+    """Decodes' ``[rows, 1]`` calls beside prefills and chunks (no chunk with context
+    sharing a prefill's buckets: the search keys a shape without its context): the
+    search's modelled run and compile seconds and graph count are those of the table's
+    keys under the same list."""
+    from attnpolicy.config import AttnPolicyConfig
+    from attnpolicy.planning.call_table import CallTable
+
+    m = CostModel.default()
+    config = AttnPolicyConfig(policy="always-rows", buckets={"kind": "list", "sizes": [32, 96, 128]},
+                              max_seq_len=128, max_batch_tokens=128, row_buckets=(1, 2, 4))
+    steps = [BatchLayout.from_lens([20, 44]), BatchLayout.from_lens([1, 1, 9, 53], [21, 45, 9, 53]),
+             BatchLayout.from_lens([1, 20], [50, 40]), BatchLayout.from_lens([1], [92]),
+             BatchLayout.from_lens([1, 1], [1, 1])]
+    table = CallTable(steps, "always-rows", config, m)
+    bucketed = table.bucketed(config)
+    cost = evaluate(table.shapes(), config.buckets.sizes, m)
+    assert any(k.q_len == 1 < k.kv_len for k in bucketed.keys) and any(k.q_len == k.kv_len == 1 for k in bucketed.keys)
+    assert cost.graphs == len(bucketed.keys)
+    assert cost.run_seconds == pytest.approx(bucketed.recording.attention_seconds, rel=1e-12)
+    assert cost.compile_seconds == pytest.approx(sum(m.compile_seconds(k) for k in bucketed.keys), rel=1e-12)
+
+
 def test_rows_shapes_are_priced_at_their_rows_with_a_graph_per_row_count():
     m = model()
     shapes = CallShapes.of(Counter({(CallKind.ROWS, 10, 10, 4): 2, (CallKind.ROWS, 12, 12, 2): 1,
@@ -161,6 +189,22 @@ def test_rows_shapes_are_priced_at_their_rows_with_a_graph_per_row_count():
     assert cost.compile_seconds == pytest.approx(2 * m.compile[CallKind.ROWS](16, 16) + m.compile["causal"](16, 16))
     with pytest.raises(ConfigError, match="a causal call shape has rows 1.*got 4"):
         CallShapes.of(Counter({(CallKind.CAUSAL, 16, 16, 4): 1}))
+
+
+def test_a_rows_shape_of_one_token_rows_keeps_length_one_under_every_list():
+    """A ROWS call whose rows hold one query (decodes' ``[rows, 1]``) runs at query length
+    1, not the smallest bucket: priced, keyed and padded so, as the dispatcher plans it;
+    a VARLEN decode still rounds up."""
+    m = model()
+    shapes = CallShapes.of(Counter({(CallKind.ROWS, 1, 40, 2): 3, (CallKind.ROWS, 10, 40, 2): 1,
+                                    (CallKind.ROWS, 1, 1, 4): 2, (CallKind.VARLEN, 1, 40): 1}))
+    cost = evaluate(shapes, (16, 64), m)
+    calls = [(CallKind.ROWS, 1, 64, 2, 3), (CallKind.ROWS, 16, 64, 2, 1), (CallKind.ROWS, 1, 1, 4, 2),
+             (CallKind.VARLEN, 16, 64, 1, 1)]
+    assert cost.run_seconds == pytest.approx(sum(n * m.call_seconds(kind, q, kv, r) for kind, q, kv, r, n in calls)
+                                             + 7 * m.call_overhead_seconds)
+    assert cost.graphs == 4 and cost.padded_tokens == 6 + 15
+    assert cost.compile_seconds == pytest.approx(sum(m.compile[kind](q, kv) for kind, q, kv, _, _ in calls))
 
 
 def test_a_model_without_rows_fits_plans_other_shapes_and_names_the_fix_for_rows():
@@ -186,12 +230,15 @@ def test_errors_name_the_value():
 # -- the fast paths against the plain algorithms they replace ----------------------------
 
 def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_buckets: int):
-    """The program with every term added for every kind at its row count, candidate by candidate."""
+    """The program with every term added for every kind at its row count, candidate by candidate
+    (a ROWS shape's length 1 is its own bucket)."""
     classes = sorted({(int(k), int(r)) for k, r in zip(shapes.kind, shapes.rows)})
     nf = len(classes)
     cls = np.array([classes.index((int(k), int(r))) for k, r in zip(shapes.kind, shapes.rows)], dtype=np.int64)
     slot_q, slot_kv = np.searchsorted(cand, shapes.q) + 1, np.searchsorted(cand, shapes.kv) + 1
-    square = shapes.q == shapes.kv
+    single = (shapes.kind == list(CallKind).index(CallKind.ROWS)) & (shapes.q == 1)
+    fixed = single & (shapes.kv == 1)
+    square, rect, single = (shapes.q == shapes.kv) & ~fixed, (shapes.q != shapes.kv) & ~single, single & ~fixed
     count = shapes.count.astype(float)
 
     def prefix(sel, slot, weights):
@@ -199,8 +246,8 @@ def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_bu
         np.add.at(out, (cls[sel], slot[sel]), weights[sel])
         return out.cumsum(-1)
 
-    sq, rq_n = prefix(square, slot_kv, count), prefix(~square, slot_q, count)
-    rq_kv, rkv_n = prefix(~square, slot_q, count * shapes.kv), prefix(~square, slot_kv, count)
+    sq, rq_n, one_n = prefix(square, slot_kv, count), prefix(rect, slot_q, count), prefix(single, slot_kv, count)
+    rq_kv, rkv_n = prefix(rect, slot_q, count * shapes.kv), prefix(rect, slot_kv, count)
     kinds = list(CallKind)
     run = [(r * m.run[kinds[k]].base, r * m.run[kinds[k]].per_cell, r * m.run[kinds[k]].per_token) for k, r in classes]
     comp = [(m.compile[kinds[k]].base, m.compile[kinds[k]].per_cell, m.compile[kinds[k]].per_token)
@@ -208,6 +255,10 @@ def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_bu
     best = np.full((max_buckets + 1, cand.size + 1), np.inf)
     arg = np.zeros((max_buckets + 1, cand.size + 1), dtype=np.int64)
     best[0, 0] = 0.0
+    for code in np.unique(cls[fixed]):  # lengths 1 and 1: the same under every list
+        (i,) = np.flatnonzero(fixed & (cls == code))
+        (base, cell, token), (cb, cc, ct) = run[code], comp[code]
+        best[0, 0] += count[i] * (base + cell + 2 * token) + ((cb + cc + 2 * ct) if m.backend != "none" else 0.0)
     for j in range(1, cand.size + 1):
         b, i = float(cand[j - 1]), np.arange(j)
         seg = np.zeros(j)
@@ -217,10 +268,13 @@ def reference_program(shapes: CallShapes, cand: np.ndarray, m: CostModel, max_bu
             seg += n_sq * (base + cell * b * b + 2 * token * b)
             seg += (rq_n[code, j] - rq_n[code, i]) * token * b + (rq_kv[code, j] - rq_kv[code, i]) * cell * b
             seg += n_kv * (base + token * b)
+            n_one = one_n[code, j] - one_n[code, i]
+            seg += n_one * (base + cell * b + token * (1 + b))
             if m.backend != "none":
                 cb, cc, ct = comp[code]
                 seg += (n_sq > 0) * (cb + cc * b * b + 2 * ct * b)
                 seg += ((n_kv > 0) & (n_sq == 0)) * (cb + cc * b + ct * (1 + b))
+                seg += (n_one > 0) * (cb + cc * b + ct * (1 + b))
         total = best[:max_buckets, :j] + seg
         at = np.argmin(total, axis=1)
         best[1:, j], arg[1:, j] = total[np.arange(max_buckets), at], at
@@ -248,7 +302,7 @@ def reference_improve(shapes: CallShapes, sizes, cand, m: CostModel, window: int
 
 
 many_shapes = st.dictionaries(
-    st.tuples(st.sampled_from(PLANNED_KINDS), st.integers(1, 300), st.integers(0, 400), st.sampled_from([1, 2, 8])).map(
+    st.tuples(st.sampled_from(PLANNED_KINDS), lengths(300), st.integers(0, 400), st.sampled_from([1, 2, 8])).map(
         lambda t: _with_rows((t[0], t[1], t[1] + t[2] * (t[0] is not CallKind.MASK or t[2] % 2), t[3]))),
     st.integers(1, 30), min_size=1, max_size=60)
 

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from attnpolicy import AttnPolicyConfig, BatchLayout, Dispatcher
 from attnpolicy.cache.key_stream import StreamCache
 from attnpolicy.cli import main
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError, GraphTooLargeError
 from attnpolicy.graphs import plan_rules
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels import mask_cache
-from attnpolicy.modelling.simulation import simulate_layouts, simulation_config
+from attnpolicy.modelling.simulation import simulate_layouts, simulated, simulation_config
 from attnpolicy.planning.call_table import CallTable, _first_order, _positions
 from attnpolicy.planning.graph_set import AttentionPlanLevel, plan_graphs, with_fields
 from attnpolicy.planning.replan import measure_drift, modelled_row, switch_set
@@ -33,6 +34,8 @@ FORMER = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "max_model_len": 102
 POLICIES = ("varlen", "dynamic", "always-mask", "always-causal", "always-rows", "dynamic-rows")
 #: The policies of POLICIES with options: ``dynamic`` weighing a rows plan's padding.
 OPTIONS = {"dynamic-rows": ("dynamic", {"rows": 0.3})}
+#: The code of ROWS in a :class:`CallTable`'s ``modes``.
+_ROWS_MODE = list(MaskMode).index(MaskMode.ROWS)
 
 
 def _steps(prompts, seed_arrival=0.0):
@@ -95,20 +98,39 @@ def test_mask_builds_of_repeated_layouts_are_those_of_the_dispatcher(steps, repe
     assert got == expected
 
 
+def test_a_rows_decodes_length_one_is_a_key_apart_from_the_smallest_buckets():
+    """A decode's rows call runs at query length 1, never a bucket: it is its own graph
+    beside a chunk's call of the smallest bucket, in the table as in the dispatcher."""
+    model, base = _base(on_overflow="eager", policy="always-rows", backend="none")
+    config = with_fields(base, buckets={"kind": "list", "sizes": [32, 96, 128]})
+    steps = [BatchLayout.from_lens([10], [52]), BatchLayout.from_lens([1], [92])]
+    (expected,) = simulate_layouts(steps, ["always-rows"], [None], ["lru"], config, model)
+    bucketed = CallTable(steps, "always-rows", config, model).bucketed(config)
+    assert [(k.q_len, k.kv_len, k.rows, k.context) for k in bucketed.keys] == [(32, 96, 1, True), (1, 96, 1, True)]
+    assert bucketed.q_bucket.tolist() == [32, 1] and expected.distinct_keys == 2
+    assert CallTable(steps, "always-rows", config, model).rows(config, ["lru"], expected.buckets) == [expected]
+
+
 def test_a_policy_that_weighs_rows_plans_is_decided_under_each_configs_buckets():
     """``dynamic`` with its ``rows`` option runs ROWS where a rows plan pads little: which
-    batches depends on the buckets, so the table decides again under each config, as
-    that config's dispatcher does."""
+    batches depends on the buckets (decodes' ``[rows, 1]`` calls pad no query under any),
+    so the table decides again under each config, batch for batch as that config's
+    dispatcher does."""
     model, base = _base(on_overflow="eager", policy="dynamic", policy_options={"rows": 0.3})
     steps = _steps([20, 45, 300, 9, 70, 33, 31, 200, 64])
     table = CallTable(steps, "dynamic", base, model)
+    decodes = {i for i, layout in enumerate(steps) if set(layout.q_lens) == {1}}
     ran = []
     for buckets in ({"kind": "exact"}, {"kind": "list", "sizes": [48, 700]}):
         config = with_fields(base, buckets=buckets)
         (expected,) = simulate_layouts(steps, ["dynamic"], [None], ["lru"], config, model)
         assert table.rows(config, ["lru"], expected.buckets) == [expected]
-        ran.append(expected.modes["rows"])
-    assert ran[0] > 0 == ran[1]
+        dispatcher = Dispatcher(config, builder=simulated, cost_model=model)
+        rows = {i for i, layout in enumerate(steps) if dispatcher.prepare(layout, SPEC).mode_name == "rows"}
+        assert rows == {i for i, m in enumerate(table.of_config(config).modes.tolist()) if m == _ROWS_MODE}
+        assert rows >= decodes and len(rows) == expected.modes["rows"]
+        ran.append(rows)
+    assert decodes and ran[0] != ran[1]
 
 
 def _strict_mask(q_bucket, kv_bucket, max_mask_bytes):
