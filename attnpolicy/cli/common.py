@@ -425,7 +425,8 @@ def settings(cls: Callable[..., T], flags: Mapping[str, str], **values: Any) -> 
         msg = e["msg"].removeprefix("Value error, ")
         if e["loc"]:
             field = str(e["loc"][0])
-            fail(f"argument {flags.get(field, '--' + field.replace('_', '-'))}: {msg}, got {shown(e['input'])}")
+            got = "" if ", got " in msg else f", got {shown(e['input'])}"  # the message may say it already
+            fail(f"argument {flags.get(field, '--' + field.replace('_', '-'))}: {msg}{got}")
         # a rule between fields: name each field by its flag
         named = re.sub(r"\b[a-z]+(?:_[a-z]+)*\b",
                        lambda m: flags.get(m[0], "--" + m[0].replace("_", "-")) if m[0] in values else m[0], msg)

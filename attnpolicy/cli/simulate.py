@@ -24,11 +24,13 @@ from attnpolicy.cli.common import (
     formed,
     former_from,
     former_options,
+    int_list,
     not_taken,
     policy_options,
     positive_int,
     print_table,
     progress,
+    settings,
     shown,
     str_list,
     warn,
@@ -91,6 +93,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--strict", action="store_true",
                    help="with --layouts: exit 1 unless the row under the recorded config reproduces the "
                         "recorded hits, misses and evictions; that row must be in the sweep (default: off)")
+    s.add_argument("--row-buckets", type=int_list, default=None, metavar="N[,N...]",
+                   help="the rows a rows graph may hold (row_buckets): a runtime's fixed batch size (e.g. 8) or its "
+                        "batch buckets (e.g. 1,8) (default: the base config's, 1,2,4,8,16,32)")
     s.add_argument("--whole-requests", action="store_true",
                    help="with --family model: whole requests (chunked prefill and decode, every step on a step "
                         "graph over a KV cache, as 'run --model' serves them) instead of prefill-only batches "
@@ -135,6 +140,14 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-warm", action="store_true",
                    help="the store starts with what a previous run of the same traffic and config left on it "
                         "(default: off, an empty store)")
+
+
+def with_row_buckets(args: argparse.Namespace, base: AttnPolicyConfig) -> AttnPolicyConfig:
+    """``base`` with --row-buckets when given (checked: one error line naming the flag)."""
+    if args.row_buckets is None:
+        return base
+    return settings(AttnPolicyConfig, {"row_buckets": "--row-buckets"},
+                    **{**base.model_dump(), "row_buckets": args.row_buckets})
 
 
 def with_store(args: argparse.Namespace, base: AttnPolicyConfig, model: CostModel) -> AttnPolicyConfig:
@@ -316,7 +329,7 @@ class _Attention:
         self.former = former_from(args)
         model = self.model
         base = AttnPolicyConfig.load(args.config) if args.config else simulation_config(model, self.former)
-        self.base = with_store(args, base, model)
+        self.base = with_row_buckets(args, with_store(args, base, model))
         self.options = policy_options(args, "--policies", args.policies, {self.base.policy: self.base.policy_options})
         check_evictions("--evictions", args.evictions, simulation=True)
         check_model(self.base, model)
@@ -368,7 +381,8 @@ class _WholeModel:
                 "policy_options": self.options,
                 **provenance_json(self.provenance, flag_range(cost, layouts, STEP_RANGE if whole else GRAPH_RANGE))}
         try:
-            configs = sweep_configs(model_config(cost, max_len, tokens), whole_model_policies(args, SIMULATE_POLICIES),
+            configs = sweep_configs(with_row_buckets(args, model_config(cost, max_len, tokens)),
+                                    whole_model_policies(args, SIMULATE_POLICIES),
                                     args.capacities, max_bytes=args.max_bytes, policy_options=self.options,
                                     buckets=[bucket_scheme(s, max_len, tokens) for s in args.buckets or ("pow2",)])
             rows = replay_key_streams(layouts, cost, configs, args.evictions, steps=whole)

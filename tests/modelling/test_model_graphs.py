@@ -269,6 +269,16 @@ def test_simulate_prices_whole_requests_under_each_policys_options(tmp_path):
     assert [r["total_seconds"] for r in out["rows"]] == pytest.approx([r.total_seconds for r in expected])
     assert [r["batches"] for r in out["rows"]] == [len(layouts)] * 4  # steps, not forwards
     assert main(["simulate", "--whole-requests", *flags]) == 2
+    # a runtime's fixed batch size: every rows forward padded to 8 rows, fewer graphs
+    assert main(["simulate", "--cost-model", str(path), "--family", "model", "--whole-requests", "--capacities",
+                 "inf", "--evictions", "lru", "--policies", "always-rows", "--row-buckets", "8",
+                 "--json", str(tmp_path / "fixed.json"), *flags]) == 0
+    fixed = json.loads((tmp_path / "fixed.json").read_text())["rows"][0]
+    (expected,) = replay_key_streams(layouts, model, sweep_configs(
+        model_config(model, 2048, 4 * 2048, row_buckets=(8,)), ["always-rows"], [None]), ["lru"], steps=True)
+    assert fixed["total_seconds"] == pytest.approx(expected.total_seconds)
+    assert fixed["graphs"] < out["rows"][1]["graphs"]  # the default row buckets: more graphs
+    assert main(["simulate", "--row-buckets", "4,2", *flags]) == 2
 
 
 def test_a_step_that_builds_its_graph_costs_its_build_alone():
