@@ -367,13 +367,15 @@ def test_a_kv_cache_refuses_bad_shapes():
         KVCache(1, 8, layers=1, kv_heads=1, head_dim=4, lengths=[9])
 
 
-@pytest.mark.parametrize("policy", ["always-mask", "varlen", "always-rows"])
+@pytest.mark.parametrize("policy", ["always-mask", "varlen", "always-rows", "dynamic:rows=0.5"])
 def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys, policy):
     trace = tmp_path / "trace.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
         f"2023-11-16 18:17:0{i}.0000000,{p},{g}\n" for i, (p, g) in enumerate([(40, 6), (9, 12), (70, 3), (3, 5)])))
     out = tmp_path / "run.json"
-    rc = main(["run", "--model", TINY["qwen3"], "--trace", str(trace), "--check", "--policy", policy,
+    name, _, option = policy.partition(":")
+    rc = main(["run", "--model", TINY["qwen3"], "--trace", str(trace), "--check", "--policy", name,
+               *(["--option", policy] if option else []),
                "--backend", "aot_eager", "--max-seq-len", "128", "--max-num-batched-tokens", "32",
                "--max-num-seqs", "3", "--json", str(out)])
     assert rc == 0, capsys.readouterr()
@@ -384,6 +386,8 @@ def test_run_model_serves_whole_requests_and_checks_every_token(tmp_path, capsys
     assert result["misses"] == result["compiles"] > 0
     if policy == "always-rows":
         assert result["modes"] == {"rows": result["batches"]}
+    if option:  # dynamic's rows option at model level: rows where they pad little, mask elsewhere
+        assert result["modes"]["rows"] > 0 and result["modes"].get("mask", 0) > 0
 
 
 def test_the_generate_reference_sees_every_prompt_token_even_the_pad_id():
