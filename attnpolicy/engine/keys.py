@@ -101,7 +101,8 @@ def model_key_for(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig,
     ctx = contexts(layout)
     if mode is MaskMode.ROWS:
         longest = max(layout.q_lens)
-        row = int(plan_rules.rows_length(longest, config.bucket(longest))), segment(1, max(ctx), config)[1]
+        length, context = segment(longest, max(ctx), config)
+        row = int(plan_rules.rows_length(longest, length)), context
         count = config.rows_bucket(layout.num_seqs)
         return ModelKey(mode, count * row[0], count * row[1], (row,) * count, config.backend, kv)
     if mode is MaskMode.VARLEN:

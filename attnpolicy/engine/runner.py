@@ -233,7 +233,8 @@ class StaticModelRunner:
         for first, end in parts:
             part, q0 = layout.sequences(first, end), layout.q_starts[first]
             out = self._one_forward(token_ids[q0:q0 + part.q_tokens], part, mode, kv,
-                                None if slots is None else slots[first:end], background=background, counted=counted)
+                                    None if slots is None else slots[first:end], background=background,
+                                    counted=counted)
             if logits is None:
                 logits = out.new_zeros(layout.q_tokens, out.shape[-1])
             logits[q0:q0 + part.q_tokens] = out
@@ -241,7 +242,7 @@ class StaticModelRunner:
         return logits
 
     def _one_forward(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
-                 slots: Sequence[int] | None, *, background: bool, counted: bool) -> torch.Tensor:
+                     slots: Sequence[int] | None, *, background: bool, counted: bool) -> torch.Tensor:
         """One forward's logits over its graph (a step's KV rows into its slots)."""
         batch = self._legal_place(token_ids, layout, mode, kv, slots)
         bg = self._background

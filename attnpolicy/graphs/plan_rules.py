@@ -38,7 +38,6 @@ def mask_over(q_bucket: int | np.ndarray, kv_bucket: int | np.ndarray, max_mask_
     return q_bucket * kv_bucket > max_mask_bytes
 
 
-
 def row_groups(q_lens: Sequence[int], max_rows: int | None = None) -> tuple[tuple[int, int], ...]:
     """The ``[first, end)`` sequence ranges a rows batch runs as, one call (one forward at
     model level) each: runs of consecutive sequences of one phase, decodes (one query row)

@@ -121,7 +121,7 @@ class CallTable:
                                        fallback=MaskMode(base.fallback_mode))
         #: whether the policy reads the config's buckets (it says so, or asks for plans):
         #: it then decides again under each config
-        self.reads_plans = bool(getattr(self._guard.policy, "reads_buckets", False))
+        self.reads_buckets = bool(getattr(self._guard.policy, "reads_buckets", False))
         decided, self.guard_fallbacks = self._decide(base)
         self._calls(decided, base.row_buckets[-1])
         self._fresh()
@@ -140,7 +140,7 @@ class CallTable:
                 from attnpolicy.dispatch.batch_plan import BatchPlanner  # the runtime's: loads the kernels
 
                 planner.append(BatchPlanner(config, _kernels(config, self.model)))
-                self.reads_plans = True
+                self.reads_buckets = True
             return planner[0].keys_for(layout, mode, spec)
 
         guard, before = self._guard, self._guard.fallbacks
@@ -198,18 +198,18 @@ class CallTable:
         #: results shared by tables whose calls are equal (see :meth:`share`)
         self.memo: dict[object, object] = {}
         #: the tables of other configs' calls (see :meth:`of_config`), and a policy's
-        #: decisions per config when it reads plans
+        #: decisions per config when it reads the buckets
         self._tables: dict[object, CallTable] = {}
         self._decisions: dict[object, tuple[list[MaskMode], int]] = {}
 
     def of_config(self, config: AttnPolicyConfig) -> CallTable:
-        """The table of ``config``'s calls: this one, unless the policy reads plans (it
-        decides again under ``config``) or ``config``'s largest row bucket splits rows
+        """The table of ``config``'s calls: this one, unless the policy reads the buckets
+        (it decides again under ``config``) or ``config``'s largest row bucket splits rows
         batches otherwise; remembered."""
         max_rows = config.row_buckets[-1]
-        if not self.reads_plans and max_rows == self.max_rows:
+        if not self.reads_buckets and max_rows == self.max_rows:
             return self
-        if self.reads_plans:
+        if self.reads_buckets:
             fields = _plan_fields(config)
             if fields not in self._decisions:
                 self._decisions[fields] = self._decide(config)
@@ -222,7 +222,7 @@ class CallTable:
         found = self._tables.get((modes.tobytes(), fallbacks, max_rows))
         if found is None:
             found = self._tables[modes.tobytes(), fallbacks, max_rows] = copy.copy(self)
-            found.reads_plans, found.guard_fallbacks = False, fallbacks  # decided: its calls are these
+            found.reads_buckets, found.guard_fallbacks = False, fallbacks  # decided: its calls are these
             found._calls(decided, max_rows)
             found._fresh()
         return found
@@ -232,7 +232,7 @@ class CallTable:
         its results keyed by content (candidate lists, replays) whatever its calls."""
         if other is self:
             return
-        if other.signature == self.signature and not (self.reads_plans or other.reads_plans):
+        if other.signature == self.signature and not (self.reads_buckets or other.reads_buckets):
             self.memo = other.memo
         self.by_content = other.by_content
 
