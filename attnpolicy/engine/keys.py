@@ -8,7 +8,7 @@ No torch: a planner or a simulator prices these keys without loading a model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.layout import BatchLayout
@@ -77,10 +77,40 @@ def forwards(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig) -> t
     return ((0, layout.num_seqs),)
 
 
+#: One forward of a step: its sequences ``[first, end)`` and the key of the graph they run on.
+Part = tuple[int, int, ModelKey]
+
+
+def step_parts(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig, *, kv: bool) -> tuple[Part, ...]:
+    """``layout``'s forwards (:func:`forwards`) in ``mode``, each with its key, in order."""
+    return tuple((first, end, model_key_for(layout.sequences(first, end), mode, config, kv=kv))
+                 for first, end in forwards(layout, mode, config))
+
+
 def step_keys(layout: BatchLayout, mode: MaskMode, config: AttnPolicyConfig, *, kv: bool) -> tuple[ModelKey, ...]:
     """The keys of ``layout``'s forwards (:func:`forwards`), in order: what a step requests."""
-    return tuple(model_key_for(layout.sequences(first, end), mode, config, kv=kv)
-                 for first, end in forwards(layout, mode, config))
+    return tuple(key for _, _, key in step_parts(layout, mode, config, kv=kv))
+
+
+class GraphSet(Protocol):
+    """A fixed set of step graphs (``kv`` keys) and the rule that serves a step from them
+    in one runtime's form, keys alone: ``name`` says which; ``keys`` are its graphs,
+    compiled at warm-up; ``parts(layout)`` the step's forwards, each on the graph that
+    serves it (padded up), or on one of its own shape where none does (a run-time
+    compile)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def keys(self) -> tuple[ModelKey, ...]: ...
+    def parts(self, layout: BatchLayout) -> tuple[Part, ...]: ...
+
+
+def filling(key: ModelKey) -> BatchLayout:
+    """The layout that fills ``key``'s graph exactly: every segment one causal sequence of
+    its rows over its context (ROWS: one per row; MASK and CAUSAL: one of all). What a
+    warm-up of ``key`` runs."""
+    return BatchLayout.from_lens([t for t, _ in key.segments], [t + c for t, c in key.segments], causal=True)
 
 
 def segment(rows: int, context: int, config: AttnPolicyConfig) -> tuple[int, int]:

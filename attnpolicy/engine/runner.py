@@ -51,7 +51,18 @@ from attnpolicy.dispatch.background import Background
 from attnpolicy.dispatch.graph_source import GraphSource
 from attnpolicy.dispatch.stats import BackgroundStats, Counters, RuntimeStats
 from attnpolicy.engine.graph_family import STATIC_ATTENTION, Inputs, ModelFamily, register
-from attnpolicy.engine.keys import ModelKey, contexts, forwards, model_key_for, segment, step_keys, why_illegal_step
+from attnpolicy.engine.keys import (
+    GraphSet,
+    ModelKey,
+    Part,
+    contexts,
+    filling,
+    model_key_for,
+    segment,
+    step_keys,
+    step_parts,
+    why_illegal_step,
+)
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError
 from attnpolicy.graphs import backend_setup, device_memory
@@ -204,14 +215,28 @@ class StaticModelRunner:
             decision = self.decide(layout)
             self._modes[decision.mode.value] += 1
             self._batches += 1
-        return self._run(token_ids, layout, decision.mode, kv, slots, background=self._background is not None,
-                         counted=True)
+        return self._run(token_ids, layout, step_parts(layout, decision.mode, self.config, kv=kv is not None), kv,
+                         slots, background=self._background is not None, counted=True)
 
     def run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *, kv: KVCache | None = None,
             slots: Sequence[int] | None = None) -> torch.Tensor:
         """As :meth:`logits` in a given ``mode`` (no policy; the mode must be legal)."""
         self._check(token_ids, layout, kv, slots)
-        return self._run(token_ids, layout, mode, kv, slots, background=self._background is not None, counted=True)
+        return self._run(token_ids, layout, step_parts(layout, mode, self.config, kv=kv is not None), kv, slots,
+                         background=self._background is not None, counted=True)
+
+    def serve(self, token_ids: torch.Tensor, layout: BatchLayout, graphs: GraphSet, *, kv: KVCache,
+              slots: Sequence[int]) -> torch.Tensor:
+        """As :meth:`logits` for a step (``kv`` and ``slots``) served from a runtime's
+        graph set (no policy): each of ``graphs.parts(layout)`` runs on its graph, a key
+        outside the cache compiled (after :meth:`warmup_keys`: a strict-mode violation).
+        Counted per forward, by its graph's mode."""
+        self._check(token_ids, layout, kv, slots)
+        parts = graphs.parts(layout)
+        with self._lock:
+            self._modes.update(key.mode.value for _, _, key in parts)
+            self._batches += 1
+        return self._run(token_ids, layout, parts, kv, slots, background=self._background is not None, counted=True)
 
     def _count(self, hit: bool) -> None:
         """One forward run on its own resident graph (``hit``), or not."""
@@ -221,18 +246,18 @@ class StaticModelRunner:
             else:
                 self._forward_misses += 1
 
-    def _run(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+    def _run(self, token_ids: torch.Tensor, layout: BatchLayout, parts: Sequence[Part], kv: KVCache | None,
              slots: Sequence[int] | None, *, background: bool, counted: bool = False) -> torch.Tensor:
-        """Run checked inputs (:meth:`_check`) in ``mode``: one forward per range of
-        :func:`~attnpolicy.engine.keys.forwards` (a ROWS step's decodes apart from its
-        prefills), each on its own graph (``counted``: each forward's hit or miss)."""
-        parts = forwards(layout, mode, self.config)
+        """Run checked inputs (:meth:`_check`) as ``parts``: one forward per part (a ROWS
+        step's decodes apart from its prefills, a graph set's runtime form), each on the
+        graph of its key (``counted``: each forward's hit or miss)."""
         if len(parts) == 1:
-            return self._one_forward(token_ids, layout, mode, kv, slots, background=background, counted=counted)
+            return self._one_forward(token_ids, layout, parts[0][2], kv, slots, background=background,
+                                     counted=counted)
         logits: torch.Tensor | None = None
-        for first, end in parts:
+        for first, end, key in parts:
             part, q0 = layout.sequences(first, end), layout.q_starts[first]
-            out = self._one_forward(token_ids[q0:q0 + part.q_tokens], part, mode, kv,
+            out = self._one_forward(token_ids[q0:q0 + part.q_tokens], part, key, kv,
                                     None if slots is None else slots[first:end], background=background,
                                     counted=counted)
             if logits is None:
@@ -241,10 +266,10 @@ class StaticModelRunner:
         assert logits is not None
         return logits
 
-    def _one_forward(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+    def _one_forward(self, token_ids: torch.Tensor, layout: BatchLayout, key: ModelKey, kv: KVCache | None,
                      slots: Sequence[int] | None, *, background: bool, counted: bool) -> torch.Tensor:
-        """One forward's logits over its graph (a step's KV rows into its slots)."""
-        batch = self._legal_place(token_ids, layout, mode, kv, slots)
+        """One forward's logits over the graph of ``key`` (a step's KV rows into its slots)."""
+        batch = self._legal_place(token_ids, layout, key, kv, slots)
         bg = self._background
         graph: Callable[..., Any]
         if bg is not None and background:
@@ -256,7 +281,7 @@ class StaticModelRunner:
                     graph = self.family.eager(batch.key, batch.inputs)
                 else:
                     if served != batch.key:  # padded up
-                        batch = self._place(token_ids, layout, mode, kv, slots, served)
+                        batch = self._place(token_ids, layout, served, kv, slots)
                     graph = self.graph_for(batch, pin=True)
         else:
             hit = self.cache.has_graph(batch.key)
@@ -281,16 +306,18 @@ class StaticModelRunner:
         as :meth:`logits`: a step's, its slots' context gathered): its key and inputs
         (inputs checked, ``mode`` legal for ``layout``; nothing compiled)."""
         self._check(token_ids, layout, kv, slots)
-        return self._legal_place(token_ids, layout, mode, kv, slots)
+        return self._legal_place(token_ids, layout, model_key_for(layout, mode, self.config, kv=kv is not None),
+                                 kv, slots)
 
-    def _legal_place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
+    def _legal_place(self, token_ids: torch.Tensor, layout: BatchLayout, key: ModelKey, kv: KVCache | None,
                      slots: Sequence[int] | None) -> Placed:
-        """Checked inputs placed as :meth:`prepare` places them, once ``mode`` is legal."""
+        """Checked inputs placed in the graph of ``key`` as :meth:`_place` places them,
+        once its mode is legal for ``layout``."""
         if kv is None:
-            check_legal(mode, layout)
-        elif (why := why_illegal_step(mode, layout)) is not None:
-            raise IllegalModeError(f"mode={mode.value} is illegal for step ({layout.describe()}): {why}")
-        return self._place(token_ids, layout, mode, kv, slots)
+            check_legal(key.mode, layout)
+        elif (why := why_illegal_step(key.mode, layout)) is not None:
+            raise IllegalModeError(f"mode={key.mode.value} is illegal for step ({layout.describe()}): {why}")
+        return self._place(token_ids, layout, key, kv, slots)
 
     def graph_for(self, batch: Placed, *, pin: bool = False) -> CompiledGraph:
         """The compiled graph of ``batch.key`` from the cache, compiled on a miss
@@ -339,14 +366,13 @@ class StaticModelRunner:
             more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
             raise LayoutError(f"token_ids outside the vocabulary [0, {self._vocab}): {shown}{more}")
 
-    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, kv: KVCache | None,
-               slots: Sequence[int] | None, key: ModelKey | None = None) -> Placed:
-        """``layout`` placed in the graph of ``key`` (default: its own key; else one that
-        :func:`~attnpolicy.engine.keys.dominates` it), a step's slots' context gathered
-        into the past inputs. The inputs are built here in the form every graph is
-        compiled for, whatever the form of ``token_ids``: int64, contiguous, on the model's
-        device."""
-        key = key or model_key_for(layout, mode, self.config, kv=kv is not None)
+    def _place(self, token_ids: torch.Tensor, layout: BatchLayout, key: ModelKey, kv: KVCache | None,
+               slots: Sequence[int] | None) -> Placed:
+        """``layout`` placed in the graph of ``key`` (its own key, or one as large in every
+        dimension: padded up), a step's slots' context gathered into the past inputs. The
+        inputs are built here in the form every graph is compiled for, whatever the form
+        of ``token_ids``: int64, contiguous, on the model's device."""
+        mode = key.mode
         token_ids = token_ids.to(device=self.device, dtype=torch.long)
         ctx = contexts(layout)
         order = list(range(layout.num_seqs))
@@ -416,17 +442,28 @@ class StaticModelRunner:
         scratch cache; counted as misses, as requests would be; compiled now in every
         ``compile_mode``), the backend's per-process set-up started ahead (see
         :mod:`~attnpolicy.graphs.backend_setup`); afterwards ``strict`` applies to compiles."""
+        return self._warm((layout, step_parts(layout, mode, self.config, kv=layout.has_context), layout.has_context)
+                          for layout, mode in layouts)
+
+    def warmup_keys(self, keys: Iterable[ModelKey]) -> list[ModelKey]:
+        """As :meth:`warmup` for given keys (a graph set's), each run on the layout that
+        fills it (:func:`~attnpolicy.engine.keys.filling`)."""
+        return self._warm((layout, ((0, layout.num_seqs, key),), key.kv)
+                          for key in keys for layout in (filling(key),))
+
+    def _warm(self, items: Iterable[tuple[BatchLayout, tuple[Part, ...], bool]]) -> list[ModelKey]:
+        """Each ``(layout, parts, kv)`` run once on zeros (``kv``: over a scratch cache
+        holding its context), then strict mode on."""
         keys: list[ModelKey] = []
         setup = backend_setup.start(self.config.backend, str(self.device))
         try:
-            for layout, mode in layouts:
+            for layout, parts, step in items:
                 ids = torch.zeros(layout.q_tokens, dtype=torch.long)
-                # a step: its context as zeros in a scratch cache
-                kv = KVCache.holding(self.model, contexts(layout), max(layout.kv_lens)) if layout.has_context else None
+                kv = KVCache.holding(self.model, contexts(layout), max(layout.kv_lens)) if step else None
                 slots = None if kv is None else range(layout.num_seqs)
                 self._check(ids, layout, kv, slots)
-                self._run(ids, layout, mode, kv, slots, background=False)
-                keys += self.keys_for(layout, mode, kv=kv is not None)
+                self._run(ids, layout, parts, kv, slots, background=False)
+                keys += [key for _, _, key in parts]
         finally:
             setup.join()  # its seconds are the warm-up's
         self.source.warm = True
