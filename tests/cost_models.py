@@ -41,3 +41,17 @@ def of_model(model: ModelCostModel, spec: str) -> ModelCostModel:
     architecture and dims), as ``run --model SPEC`` requires."""
     config = spec_config(spec)
     return model.model_copy(update={"spec": spec, "model_type": config.model_type, "dims": ModelDims.of(config)})
+
+
+def with_rows(model: ModelCostModel) -> ModelCostModel:
+    """``model`` with ROWS fits: its MASK fits, plus 0.1 ms of run per row (prefill and steps)."""
+    def plus(fits, extra=None):
+        return {**fits, "rows": extra or fits["mask"]}
+    run = model.run["mask"].model_copy(update={"per_segment": 1e-4})
+    steps = model.steps
+    if steps is not None:
+        steps = steps.model_copy(update={"compile": plus(steps.compile), "rss": plus(steps.rss),
+                                         "run": plus(steps.run, steps.run["mask"].model_copy(
+                                             update={"per_segment": 1e-4}))})
+    return model.model_copy(update={"compile": plus(model.compile), "run": plus(model.run, run),
+                                    "rss": plus(model.rss), "steps": steps})

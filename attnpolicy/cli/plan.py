@@ -66,6 +66,7 @@ from attnpolicy.modelling.simulation import (
     model_layouts,
     simulation_config,
 )
+from attnpolicy.modelling.warmup_costs import check_fits
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     PLAN_EVICTIONS,
@@ -337,6 +338,10 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
         if (tuple(value) if isinstance(value, list) else value) != default:
             fail(f"argument --{name}: not taken {why}")
     cost, provenance = priced_model(args, steps=True)
+    try:
+        check_fits(cost)
+    except ConfigError as exc:
+        fail(f"argument --cost-model: {exc}")
     former = former_from(args)
     requests = workload(args, former)
     print(provenance.line())

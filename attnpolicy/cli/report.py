@@ -42,6 +42,7 @@ from attnpolicy.errors import ConfigError
 from attnpolicy.kernels.accuracy import MaxAbsError
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.ranges import OutsideRange
+from attnpolicy.modelling.warmup_costs import check_fits
 from attnpolicy.report.build import ReportSettings, known_model, make_report
 from attnpolicy.report.markdown import first_screen
 
@@ -127,7 +128,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                  bench=bench, former=former_options(args), policy_options=options)
     if s.model_cost is not None:
         try:
-            CostFile.load(s.model_cost).model_fits(s.model_cost, steps=True)
+            check_fits(CostFile.load(s.model_cost).model_fits(s.model_cost, steps=True))
         except ConfigError as exc:
             fail(f"argument --model-cost: {exc}")
     try:

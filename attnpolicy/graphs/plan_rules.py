@@ -38,17 +38,21 @@ def mask_over(q_bucket: int | np.ndarray, kv_bucket: int | np.ndarray, max_mask_
     return q_bucket * kv_bucket > max_mask_bytes
 
 
-def row_groups(q_lens: Sequence[int], max_rows: int | None = None) -> tuple[tuple[int, int], ...]:
+def row_groups(q_lens: Sequence[int], max_rows: int | None = None, *,
+               prompt_rows: int | None = None) -> tuple[tuple[int, int], ...]:
     """The ``[first, end)`` sequence ranges a rows batch runs as, one call (one forward at
     model level) each: runs of consecutive sequences of one phase, decodes (one query row)
     apart from prefills, as static-graph runtimes schedule them (a decode row is never
-    padded to a prompt's length), at most ``max_rows`` (``None``: no limit) a range.
-    Runtimes put a step's decodes first, so a step runs as one range per phase."""
+    padded to a prompt's length), at most ``max_rows`` (``None``: no limit) a range and
+    at most ``prompt_rows`` a range of prefills (vllm-gaudi's and vllm-rbln's 1: each
+    prompt alone). Runtimes put a step's decodes first, so a step runs as one range per
+    phase."""
     groups: list[tuple[int, int]] = []
     first = 0
     for i in range(1, len(q_lens) + 1):
+        cap = prompt_rows if prompt_rows is not None and q_lens[first] != 1 else max_rows
         if (i == len(q_lens) or (q_lens[i] == 1) != (q_lens[first] == 1)
-                or (max_rows is not None and i - first == max_rows)):
+                or (cap is not None and i - first == cap)):
             groups.append((first, i))
             first = i
     return tuple(groups)

@@ -41,6 +41,7 @@ import numpy as np
 
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
+from attnpolicy.graphs import plan_rules
 
 Phase = Literal["prefill", "decode", "mixed"]
 #: The peers whose warm sets and forwards are modelled here.
@@ -683,11 +684,23 @@ def peer_of(scheme: str) -> Peer:
     return peer
 
 
+def peer_ranges(peer: Peer, q_lens: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The ``[first, end)`` sequence ranges ``peer`` runs one engine step of sequences
+    with ``q_lens`` new tokens as, one forward each: ``tpu`` the whole step;
+    ``gaudi`` and ``rbln`` each prompt alone and a step's decodes together
+    (:func:`~attnpolicy.graphs.plan_rules.row_groups` with one prompt a range: the
+    runtimes put a step's decodes first, so they run as one batch)."""
+    if peer == "tpu":
+        return ((0, len(q_lens)),) if q_lens else ()
+    return plan_rules.row_groups(q_lens, prompt_rows=1)
+
+
 def step_forwards(peer: Peer, q_lens: Sequence[int], kv_lens: Sequence[int],
                   limits: PeerLimits) -> tuple[Forward, ...]:
     """The forwards ``peer`` runs for one engine step of sequences with ``q_lens``
-    new tokens over ``kv_lens`` tokens in all (context included), under its defaults
-    (both of vllm-gaudi's strategies run steps alike):
+    new tokens over ``kv_lens`` tokens in all (context included), one per
+    :func:`peer_ranges` range, in order, under its defaults (both of vllm-gaudi's
+    strategies run steps alike):
 
     - ``gaudi`` (vllm_gaudi/v1/worker/hpu_model_runner.py at the commit above: a
       sequence of one new token is a decode, every other a prompt): each prompt alone
@@ -699,22 +712,19 @@ def step_forwards(peer: Peer, q_lens: Sequence[int], kv_lens: Sequence[int],
     - ``tpu``: the whole step as one ragged forward of its requests and tokens."""
     if len(q_lens) != len(kv_lens):
         raise ConfigError(f"q_lens and kv_lens must have one length per sequence, got {len(q_lens)} and {len(kv_lens)}")
-
-    def forward(phase: Phase, batch: int, query: int, blocks: int | None, q: Sequence[int],
-                kv: Sequence[int]) -> Forward:
-        tokens, keys = sum(q), sum(kv)
-        return Forward(phase, batch, query, blocks, tokens, keys - tokens, sum(map(operator.mul, q, kv)))
-
-    if peer == "tpu":
-        return (forward("mixed", len(q_lens), sum(q_lens), None, q_lens, kv_lens),)
     block = limits.block_size  # gaudi: a context in blocks, -(-n // block) = ceil(n / block)
-    prompts = [Forward("prefill", 1, q, None if peer == "rbln" else -((q - kv) // block), q, kv - q, q * kv)
-               for q, kv in zip(q_lens, kv_lens) if q != 1]
-    if len(prompts) == len(q_lens):
-        return tuple(prompts)
-    decoding = [kv for q, kv in zip(q_lens, kv_lens) if q == 1]
-    blocks = None if peer == "rbln" else sum(-(-kv // block) for kv in decoding)
-    return (*prompts, forward("decode", len(decoding), 1, blocks, [1] * len(decoding), decoding))
+    out = []
+    for first, end in peer_ranges(peer, q_lens):
+        q, kv = q_lens[first:end], kv_lens[first:end]
+        tokens, keys = sum(q), sum(kv)
+        if peer == "tpu":
+            shape: tuple[Phase, int, int, int | None] = ("mixed", len(q), tokens, None)
+        elif q[0] != 1:
+            shape = ("prefill", 1, q[0], None if peer == "rbln" else -((q[0] - kv[0]) // block))
+        else:
+            shape = ("decode", len(q), 1, None if peer == "rbln" else sum(-(-n // block) for n in kv))
+        out.append(Forward(*shape, tokens, keys - tokens, sum(map(operator.mul, q, kv))))
+    return tuple(out)
 
 
 class WorkloadForwards:

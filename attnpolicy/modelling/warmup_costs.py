@@ -1,26 +1,25 @@
 """What a warm set costs on a workload, in modelled seconds and bytes: the
 peers' own sets and a plan's, priced by one rule with one model's step fits.
 
-A whole-model graph of any peer is priced as this machine's calibrated MASK step
-graph (:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel` ``steps``)
-at three features of its shape: the query ``rows`` it computes, the cached
-``context`` columns it holds and the attention score ``cells`` it computes per layer
-(:meth:`ModelFit.at <attnpolicy.modelling.whole_model_costs.ModelFit.at>`). So two
-sets differ only by their shapes: how many graphs, how much padding.
+A static graph of any peer is priced as the step graph this runner compiles for it
+(:func:`peer_key`, what ``run --model --graph-set`` runs), by the calibrated fits of
+that key's mode (:class:`~attnpolicy.modelling.whole_model_costs.ModelCostModel`
+``steps``), so a prediction and its measurement share one key:
 
-- A ``prefill`` graph of ``batch`` prompts of ``query_tokens`` over ``context_blocks``
-  blocks (vllm-gaudi's, a plan's) holds ``batch × query`` rows over ``batch ×
-  blocks × block_size`` context and computes ``batch × query × (blocks × block_size +
-  query)`` cells; without context blocks (vllm-rbln's) its context spans
-  ``max_model_len``.
-- A ``decode`` graph of ``batch`` sequences over ``context_blocks`` blocks in all
-  (vllm-gaudi's flat paged attention: each query reads its own blocks) holds ``batch``
-  rows over ``blocks × block_size`` context and computes that context plus ``batch``
-  cells; without context blocks (vllm-rbln's) each sequence spans ``max_model_len``.
-- A ``mixed`` graph (tpu-inference's ragged batch, vLLM's piecewise graphs) pads only
-  the step's tokens: its attention reads the real pages at run time, so a forward
-  runs at its padded rows but its real context and cells; the graph compiles and is
-  held as a prefill of its tokens (no context in its shapes).
+- a ``prefill`` graph of ``batch`` prompts of ``query_tokens`` over ``context_blocks``
+  blocks (vllm-gaudi's, a plan's) is a ROWS graph of ``batch`` rows, each ``query``
+  long over ``blocks × block_size`` context; without context blocks (vllm-rbln's) each
+  row's context spans ``max_model_len``;
+- a ``decode`` graph of ``batch`` sequences over ``context_blocks`` blocks in all
+  (vllm-gaudi's flat paged attention: each query reads its own blocks) is a MASK graph
+  of ``batch`` rows over ``blocks × block_size`` packed context, each row masked to its
+  own; without context blocks (vllm-rbln's) a ROWS graph of ``batch`` rows of one query
+  each over ``max_model_len``;
+- a ``mixed`` graph (tpu-inference's ragged batch, vLLM's piecewise graphs) pads only
+  the step's tokens, its attention reading the real pages at run time: this runner has
+  no such graph (its step graphs take a context of static size), so it is priced by
+  analogy, as the MASK step fits at its padded rows over the forward's real context
+  and cells, and compiles and is held as a MASK graph of its tokens (no context).
 
 Warm-up compiles every graph of the set once, plus the model's first-compile start-up
 (``warmup_seconds``; paid by the first run-time compile instead when the set is
@@ -29,7 +28,7 @@ empty). Each forward runs on the graph that serves it
 serves compiles a graph of its own shape at run time (each distinct shape once, then
 reused) and runs there. Warm graph bytes hold the warm
 graphs, peak graph bytes every warm graph and every graph compiled at run time
-(nothing evicted), each at the runner's static-shape estimate of its MASK step key.
+(nothing evicted), each at the runner's static-shape estimate of its key.
 """
 
 from __future__ import annotations
@@ -44,37 +43,20 @@ from attnpolicy.core.modes import MaskMode
 from attnpolicy.engine.keys import ModelKey
 from attnpolicy.modelling.bucket_schemes import vllm_sizes
 from attnpolicy.modelling.peer_buckets import Forward, PeerGraph, PeerLimits, PeerWarmSet
-from attnpolicy.modelling.whole_model_costs import ModelCostModel
+from attnpolicy.modelling.whole_model_costs import ModelCostModel, ModelFit
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A priced shape: query rows, cached context columns, attention cells per layer."""
-
-    rows: int
-    context: int
-    cells: int
-
-
-def graph_shape(graph: PeerGraph, limits: PeerLimits) -> Shape:
-    """The static shape ``graph`` compiles and holds (see the module docstring)."""
+def peer_key(graph: PeerGraph, limits: PeerLimits, backend: str) -> ModelKey:
+    """The step graph this runner compiles for ``graph`` (see the module docstring;
+    a ``mixed`` graph's is the MASK graph of its tokens it is priced as, which
+    cannot serve its forwards here)."""
     b, q = graph.batch, graph.query_tokens
+    span = limits.max_model_len if graph.context_blocks is None else graph.context_blocks * limits.block_size
     if graph.phase == "mixed":
-        return Shape(q, 0, q * q)
-    if graph.phase == "prefill":
-        span = limits.max_model_len if graph.context_blocks is None else graph.context_blocks * limits.block_size
-        return Shape(b * q, b * span, b * q * (span + q))
-    context = (b * limits.max_model_len if graph.context_blocks is None
-               else graph.context_blocks * limits.block_size)
-    return Shape(b, context, context + b)
-
-
-def run_shape(graph: PeerGraph, forward: Forward, limits: PeerLimits) -> Shape:
-    """The shape ``forward`` runs at on ``graph``: a ragged graph's padded rows over the
-    forward's real context and cells, any other graph's static shape."""
-    if graph.phase == "mixed":
-        return Shape(graph.query_tokens, forward.context, forward.cells)
-    return graph_shape(graph, limits)
+        return ModelKey(MaskMode.MASK, q, 0, ((q, 0),), backend, kv=True)
+    if graph.phase == "decode" and graph.context_blocks is not None:
+        return ModelKey(MaskMode.MASK, b, span, ((b, span),), backend, kv=True)
+    return ModelKey(MaskMode.ROWS, b * q, b * span, ((q, span),) * b, backend, kv=True)
 
 
 def own_graph(forward: Forward) -> PeerGraph:
@@ -83,25 +65,49 @@ def own_graph(forward: Forward) -> PeerGraph:
     return PeerGraph(forward.phase, forward.batch, forward.query_tokens, forward.context_blocks)
 
 
+def check_fits(model: ModelCostModel) -> ModelCostModel:
+    """``model``, when it holds the step fits of every mode a peer's graph is priced by
+    (ROWS and MASK); else a :class:`ConfigError` naming the mode and the fix."""
+    for mode in (MaskMode.ROWS, MaskMode.MASK):
+        model.fit(ModelKey(mode, 1, 0, ((1, 0),), model.backend, kv=True), "run")
+    return model
+
+
 class Pricing:
-    """One model's step fits (MASK) applied to shapes, each graph's price kept."""
+    """One model's step fits applied to the peers' graphs (:func:`peer_key`), each
+    graph's price kept."""
 
     def __init__(self, model: ModelCostModel, limits: PeerLimits) -> None:
-        steps = model.step_fits()
         self.model, self.limits = model, limits
-        self.compile_fit, self.run_fit = steps.compile["mask"], steps.run["mask"]
-        self._graphs: dict[PeerGraph, tuple[float, int]] = {}
+        self._graphs: dict[PeerGraph, tuple[float, float, int]] = {}
+        check_fits(model)
 
-    def run_seconds(self, shape: Shape) -> float:
-        return self.run_fit.at(shape.rows, shape.context, shape.cells)
+    def run_fit(self, mode: MaskMode) -> ModelFit:
+        """The step graphs' run fit of ``mode`` (a :class:`ConfigError` naming the fix when
+        the model holds none: ROWS in a file calibrated before it)."""
+        key = ModelKey(mode, 1, 0, ((1, 0),), self.model.backend, kv=True)
+        return self.model.fit(key, "run")
+
+    def key(self, graph: PeerGraph) -> ModelKey:
+        return peer_key(graph, self.limits, self.model.backend)
+
+    def run_seconds(self, graph: PeerGraph, forward: Forward) -> float:
+        """``forward`` run on ``graph``: a static graph's key, a ragged graph's padded
+        rows over the forward's real context and cells."""
+        if graph.phase == "mixed":
+            return self.run_fit(MaskMode.MASK).at(graph.query_tokens, forward.context, forward.cells)
+        return self._priced(graph)[1]
 
     def graph(self, graph: PeerGraph) -> tuple[float, int]:
         """``graph``'s compile seconds and bytes."""
+        compile_seconds, _, nbytes = self._priced(graph)
+        return compile_seconds, nbytes
+
+    def _priced(self, graph: PeerGraph) -> tuple[float, float, int]:
         priced = self._graphs.get(graph)
         if priced is None:
-            s = graph_shape(graph, self.limits)
-            key = ModelKey(MaskMode.MASK, s.rows, s.context, ((s.rows, s.context),), self.model.backend, kv=True)
-            priced = (self.compile_fit.at(s.rows, s.context, s.cells), self.model.graph_bytes(key))
+            key = self.key(graph)
+            priced = (self.model.compile_seconds(key), self.model.run_seconds(key), self.model.graph_bytes(key))
             self._graphs[graph] = priced
         return priced
 
@@ -153,7 +159,6 @@ class WarmupCost:
 def warmup_cost(label: str, warm: PeerWarmSet, forwards: Counter[Forward], pricing: Pricing) -> WarmupCost:
     """What ``warm`` costs serving ``forwards`` (its peer's forwards of a workload,
     counted), as the row ``label`` (see the module docstring)."""
-    limits = pricing.limits
     compiled: dict[PeerGraph, None] = {}  # compiled at run time, in order
     run = 0.0
     tokens = padded = unserved = 0
@@ -163,10 +168,9 @@ def warmup_cost(label: str, warm: PeerWarmSet, forwards: Counter[Forward], prici
             graph = own_graph(f)
             unserved += n
             compiled[graph] = None
-        shape = run_shape(graph, f, limits)
-        run += n * pricing.run_seconds(shape)
+        run += n * pricing.run_seconds(graph, f)
         tokens += n * f.tokens
-        padded += n * (shape.rows - f.tokens)
+        padded += n * (f.rows(graph) - f.tokens)
     warm_seconds, warm_bytes = pricing.warmup(warm.graphs)
     late = [pricing.graph(g) for g in compiled]
     start = pricing.model.warmup_seconds if compiled and not warm.graphs else 0.0  # the first compile's start-up

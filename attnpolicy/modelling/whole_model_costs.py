@@ -277,7 +277,7 @@ class ModelCostModel(BaseModel):
                               f"prefill): calibrate it again with attnpolicy calibrate --model SPEC")
         return self.steps
 
-    def _fit(self, key: ModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
+    def fit(self, key: ModelKey, what: Literal["compile", "run", "rss"]) -> ModelFit:
         """The fit of ``what`` for ``key``'s kind of graph and mode; :class:`ConfigError`
         naming the mode and the fix when this model holds no fit of it (a file calibrated
         before ROWS existed: no ROWS graph is priced by analogy with another mode's)."""
@@ -293,16 +293,16 @@ class ModelCostModel(BaseModel):
 
     def compile_seconds(self, key: ModelKey) -> float:
         """Seconds to build the graph of ``key`` (compile and first run)."""
-        return self._fit(key, "compile")(key)
+        return self.fit(key, "compile")(key)
 
     def run_seconds(self, key: ModelKey) -> float:
         """Seconds of one batch (one step) through the graph of ``key`` (placement and
         scatter included; a step's gather of its context and write-back too)."""
-        return self._fit(key, "run")(key)
+        return self.fit(key, "run")(key)
 
     def rss_bytes(self, key: ModelKey) -> int:
         """The RSS a build of ``key``'s graph is predicted to take (measured in calibration)."""
-        return round(self._fit(key, "rss")(key))
+        return round(self.fit(key, "rss")(key))
 
     def graph_bytes(self, key: ModelKey) -> int:
         """The runner's static-shape estimate for ``key``: what its cache is bounded by."""

@@ -47,7 +47,7 @@ from attnpolicy.modelling.peer_buckets import (
     gaudi_file_warmup,
     peer_of,
 )
-from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost, run_shape, vllm_warmup, warmup_cost
+from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost, vllm_warmup, warmup_cost
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, PlannedForms, host_settings
 from attnpolicy.planning.warmup_plan import Budget, Grid, PeerPlan, plan_forms, plan_warmup, top_grid
@@ -181,8 +181,7 @@ def pow2_grid(limits: PeerLimits) -> Grid:
 def floor_cost(forwards: WorkloadForwards, pricing: Pricing) -> WarmupCost:
     """Every step as one ragged forward on a graph of its own tokens, nothing compiled."""
     ragged = forwards.of("tpu")
-    run = sum(n * pricing.run_seconds(run_shape(PeerGraph("mixed", f.batch, f.tokens), f, pricing.limits))
-              for f, n in ragged.items())
+    run = sum(n * pricing.run_seconds(PeerGraph("mixed", f.batch, f.tokens), f) for f, n in ragged.items())
     tokens = sum(n * f.tokens for f, n in ragged.items())
     return WarmupCost("floor", 0, 0.0, run, 0, 0, 0.0, tokens, 0, 0, 0)
 

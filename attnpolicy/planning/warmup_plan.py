@@ -39,6 +39,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.peer_buckets import (
     TPU_MIN_TOKEN_BUCKET,
@@ -190,10 +191,13 @@ def _arrays(rows: Sequence[tuple[int, ...]], width: int) -> tuple[np.ndarray, ..
 
 class RunPricing:
     """The forwards as arrays, and the modelled run seconds of a grid's serving (as
-    :func:`~attnpolicy.modelling.warmup_costs.warmup_cost` prices it, vectorised)."""
+    :func:`~attnpolicy.modelling.warmup_costs.warmup_cost` prices it, vectorised: a
+    prompt on its ROWS graph of one row, a decode batch on its MASK graph, a ragged
+    forward on the MASK fits at its padded rows)."""
 
     def __init__(self, forwards: Counter[Forward], limits: PeerLimits, pricing: Pricing) -> None:
-        self.limits, self.fit = limits, pricing.run_fit
+        self.limits = limits
+        self.rows_fit, self.mask_fit = pricing.run_fit(MaskMode.ROWS), pricing.run_fit(MaskMode.MASK)
         items = forwards.items()
         self.pq, self.pc, self.pw = _arrays([(f.query_tokens, f.context_blocks or 0, n) for f, n in items
                                              if f.phase == "prefill"], 3)
@@ -202,16 +206,14 @@ class RunPricing:
         self.rt, self.rc, self.rx, self.rw = _arrays([(f.tokens, f.context, f.cells, n) for f, n in items
                                                       if f.phase == "mixed"], 4)
 
-    def _run(self, rows: np.ndarray, context: np.ndarray, cells: np.ndarray, weights: np.ndarray) -> float:
-        return float(np.dot(weights, self.fit.at(rows, context, cells)))
-
     def seconds(self, grid: AnyGrid) -> float:
         """Every covered phase's run seconds on ``grid`` (an uncovered phase is priced elsewhere)."""
         if isinstance(grid, RaggedGrid):
             if not grid.tokens or not self.rt.size:
                 return 0.0
             tokens = np.array(grid.tokens)
-            return self._run(tokens[np.searchsorted(tokens, self.rt)], self.rc, self.rx, self.rw)
+            return float(np.dot(self.rw, self.mask_fit.at(tokens[np.searchsorted(tokens, self.rt)], self.rc,
+                                                           self.rx)))
         return self._prompt_seconds(grid) + self._decode_seconds(grid)
 
     def _prompt_seconds(self, grid: Grid) -> float:
@@ -220,7 +222,7 @@ class RunPricing:
         queries, contexts = np.array(grid.queries), np.array(grid.contexts)
         q = queries[np.searchsorted(queries, self.pq)]
         span = contexts[np.searchsorted(contexts, self.pc)] * self.limits.block_size
-        return self._run(q, span, q * (span + q), self.pw)
+        return float(np.dot(self.pw, self.rows_fit.at(q, span, q * (span + q))))
 
     def _decode_seconds(self, grid: Grid) -> float:
         if not self.db.size or not grid.batches:
@@ -235,7 +237,7 @@ class RunPricing:
                 kept = np.array(sorted({min(k, b * per_seq) for k in grid.blocks if k >= b}))
                 n[at] = kept[np.searchsorted(kept, self.dn[at])]
         span = n * self.limits.block_size
-        return self._run(served, span, span + served, self.dw)
+        return float(np.dot(self.dw, self.mask_fit.at(served, span, served * (span + served))))
 
 
 def _candidates(forwards: Counter[Forward], top: AnyGrid) -> dict[str, list[int]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cost_models import of_model, with_steps
+from cost_models import of_model, with_rows, with_steps
 
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 TINY = "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64"
 LIMITS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-seq-len", "256"]
-MODES = ("causal", "mask", "varlen")
+MODES = ("causal", "mask", "varlen", "rows")
 
 
 def strict_json(text: str) -> Any:
@@ -62,7 +62,7 @@ def files(tmp_path_factory) -> dict[str, Any]:
                           dispatcher.cache.stats().to_json())
     writer.close()
     config.save(tmp / "config")
-    data = CostFile(CostModel.default(), of_model(with_steps(compile_base=0.05), TINY)).to_json()
+    data = CostFile(CostModel.default(), of_model(with_rows(with_steps(compile_base=0.05)), TINY)).to_json()
     return {"data": data, "trace": str(trace), "layouts": str(layouts), "config": str(tmp / "config")}
 
 
@@ -123,6 +123,7 @@ MUTATIONS: list[tuple[str, Callable[[dict[str, Any]], None], str | None, str]] =
     ("no model section", _set("model", DELETE), "model", "holds no whole-model fits"),
     ("no attention section", _only_model, "attention", "holds no attention fits"),
     ("no steps", _set("model.steps", DELETE), "steps", "holds no step-graph fits"),
+    ("no steps.run.rows", _set("model.steps.run.rows", DELETE), "rows steps", "holds no step-graph fits of mode=rows"),
     ("base true", _set("model.steps.run.mask.base", True), "model", "steps.run.mask.base: Input should be a valid number"),
     ("base '0.1'", _set("model.steps.run.mask.base", "0.1"), "model", "steps.run.mask.base: Input should be a valid number"),
     ("heads '8'", _set("heads", "8"), "attention", "heads: Input should be a valid integer"),
@@ -174,11 +175,11 @@ COMMANDS: list[tuple[str, list[str], set[str], bool]] = [
                                "--cost-model"], {"model"}, False),
     ("plan --family model", ["plan", "--family", "model", "--out", "{out}", "--cost-model"], {"model"}, False),
     ("plan --whole-requests", ["plan", "--family", "model", "--whole-requests", "--out", "{out}", "--cost-model"],
-     {"model", "steps"}, False),
+     {"model", "steps", "rows steps"}, False),
     ("run --model", ["run", "--model", TINY, "--backend", "none", "--json", "{out}/r.json", "--cost-model"],
      {"model", "steps", "model spec"}, True),
     ("report --model-cost", ["report", "--out", "{out}", "--no-calibrate", "--model-cost"],
-     {"model", "steps"}, True),
+     {"model", "steps", "rows steps"}, True),
 ]
 
 

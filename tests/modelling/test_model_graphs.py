@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cost_models import synthetic, with_steps
+from cost_models import synthetic, with_rows, with_steps
 
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
@@ -31,18 +31,6 @@ SPEC = "llama:layers=1,hidden=64,heads=2,kv_heads=1,vocab=64,intermediate=128"
 MODES = ("causal", "mask", "varlen", "rows")
 
 
-def with_rows(model: ModelCostModel) -> ModelCostModel:
-    """``model`` with ROWS fits: its MASK fits, plus 0.1 ms of run per row (prefill and steps)."""
-    def plus(fits, extra=None):
-        return {**fits, "rows": extra or fits["mask"]}
-    run = model.run["mask"].model_copy(update={"per_segment": 1e-4})
-    steps = model.steps
-    if steps is not None:
-        steps = steps.model_copy(update={"compile": plus(steps.compile), "rss": plus(steps.rss),
-                                         "run": plus(steps.run, steps.run["mask"].model_copy(
-                                             update={"per_segment": 1e-4}))})
-    return model.model_copy(update={"compile": plus(model.compile), "run": plus(model.run, run),
-                                    "rss": plus(model.rss), "steps": steps})
 #: prefill batches whose keys under pow2 buckets and 2 graphs evict
 LAYOUTS = [BatchLayout.from_lens(lens) for lens in
            ([5], [9, 3], [20], [5], [40], [9, 3], [3, 3, 3], [20], [12, 30])]

@@ -35,10 +35,12 @@ def test_each_runtime_runs_a_mixed_step_its_own_way():
     # two decodes over 6 and 130 tokens, a chunk of 300 new tokens on 100 of context
     q, kv = (1, 1, 300), (6, 130, 400)
     assert step_forwards("gaudi", q, kv, LIMITS) == (
-        Forward("prefill", 1, 300, 1, 300, 100, 300 * 400),  # alone, ceil(100 / 128) context blocks
-        Forward("decode", 2, 1, 3, 2, 5 + 129, 6 + 130))  # together, ceil(6 / 128) + ceil(130 / 128) blocks
-    assert step_forwards("rbln", q, kv, LIMITS) == (Forward("prefill", 1, 300, None, 300, 100, 300 * 400),
-                                                    Forward("decode", 2, 1, None, 2, 134, 136))
+        Forward("decode", 2, 1, 3, 2, 5 + 129, 6 + 130),  # together, ceil(6 / 128) + ceil(130 / 128) blocks
+        Forward("prefill", 1, 300, 1, 300, 100, 300 * 400))  # alone, ceil(100 / 128) context blocks
+    assert step_forwards("rbln", q, kv, LIMITS) == (Forward("decode", 2, 1, None, 2, 134, 136),
+                                                    Forward("prefill", 1, 300, None, 300, 100, 300 * 400))
+    # two prompts run apart, each alone
+    assert [f.query_tokens for f in step_forwards("gaudi", (1, 5, 9), (8, 5, 9), LIMITS)] == [1, 5, 9]
     assert step_forwards("tpu", q, kv, LIMITS) == (Forward("mixed", 3, 302, None, 302, 234, 120136),)
     assert step_forwards("gaudi", (7,), (7,), LIMITS) == (Forward("prefill", 1, 7, 0, 7, 0, 49),)
     assert [peer_of(name) for name in WARMUPS] == ["gaudi", "gaudi", "rbln", "tpu"]

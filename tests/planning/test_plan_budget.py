@@ -27,9 +27,9 @@ from attnpolicy.modelling.peer_buckets import (
 from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost
 from attnpolicy.planning.scheme_comparison import HostChoice, SchemeRow
 from attnpolicy.planning.warmup_plan import Budget
-from tests.cost_models import with_steps
+from tests.cost_models import with_rows, with_steps
 
-MODEL = with_steps(compile_base=0.05)
+MODEL = with_rows(with_steps(compile_base=0.05))
 #: A small slice of the built-in workload; a step budget that is no power of two, so the
 #: ragged form's cover (512) is above it and vLLM's sizes are cut to it.
 FLAGS = ("--limit", "12", "--max-seq-len", "2048", "--max-num-batched-tokens", "500", "--max-num-seqs", "4")

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnpolicy.cli import main
+from attnpolicy.core.modes import MaskMode
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.peer_buckets import (
@@ -28,26 +29,37 @@ from attnpolicy.modelling.peer_buckets import (
     step_forwards,
     tpu_env_paddings,
 )
-from attnpolicy.modelling.warmup_costs import Pricing, Shape, graph_shape, warmup_cost
+from attnpolicy.modelling.warmup_costs import Pricing, peer_key, warmup_cost
 from attnpolicy.planning.host_settings import GaudiBuckets, PlannedForms, host_settings
 from attnpolicy.planning.scheme_comparison import compare_schemes, pow2_grid
 from attnpolicy.planning.warmup_plan import Budget, Grid, RaggedGrid, RunPricing, plan_forms, plan_warmup
 from attnpolicy.workloads.batching import BatchFormer
 from attnpolicy.workloads.traces import Request
-from tests.cost_models import synthetic, with_steps
+from tests.cost_models import synthetic, with_rows, with_steps
 
 LIMITS = PeerLimits(4, 256, 512, block_size=16)
 
 
-def test_each_kind_of_graph_is_priced_at_its_rows_context_and_cells():
-    """A static graph at its padded shape, a flat-paged decode at its blocks plus rows, a
-    ragged graph compiled as a prefill of its tokens and run over the real context."""
-    assert graph_shape(PeerGraph("prefill", 1, 64, 2), LIMITS) == Shape(64, 32, 64 * (32 + 64))
-    assert graph_shape(PeerGraph("prefill", 1, 256), LIMITS) == Shape(256, 512, 256 * (512 + 256))  # rbln
-    assert graph_shape(PeerGraph("decode", 4, 1, 10), LIMITS) == Shape(4, 160, 164)
-    assert graph_shape(PeerGraph("decode", 2, 1), LIMITS) == Shape(2, 1024, 1026)  # rbln: max_model_len each
-    assert graph_shape(PeerGraph("mixed", 4, 128), LIMITS) == Shape(128, 0, 128 * 128)
-    pricing = Pricing(with_steps(), LIMITS)
+def test_each_kind_of_graph_is_priced_as_the_step_graph_the_runner_compiles_for_it():
+    """A prompt graph is a ROWS graph of its batch's rows over its blocks (vllm-rbln's:
+    over max_model_len), a flat-paged decode a MASK graph of its rows over its blocks, a
+    vllm-rbln decode a ROWS graph of one-token rows over max_model_len; a ragged graph
+    (which does not run here) compiles as a MASK graph of its tokens and runs over the
+    real context, by analogy."""
+    def key(graph):
+        k = peer_key(graph, LIMITS, "aot_eager")
+        return k.mode, k.segments
+    assert key(PeerGraph("prefill", 1, 64, 2)) == (MaskMode.ROWS, ((64, 32),))
+    assert key(PeerGraph("prefill", 2, 64, 2)) == (MaskMode.ROWS, ((64, 32),) * 2)
+    assert key(PeerGraph("prefill", 1, 256)) == (MaskMode.ROWS, ((256, 512),))  # rbln
+    assert key(PeerGraph("decode", 4, 1, 10)) == (MaskMode.MASK, ((4, 160),))
+    assert key(PeerGraph("decode", 2, 1)) == (MaskMode.ROWS, ((1, 512),) * 2)  # rbln: max_model_len each
+    assert key(PeerGraph("mixed", 4, 128)) == (MaskMode.MASK, ((128, 0),))
+    model = with_rows(with_steps())
+    pricing = Pricing(model, LIMITS)
+    rows = PeerGraph("prefill", 1, 64, 2)
+    assert pricing.graph(rows) == (model.compile_seconds(peer_key(rows, LIMITS, "aot_eager")),
+                                   model.graph_bytes(peer_key(rows, LIMITS, "aot_eager")))
     ragged = PeerWarmSet.of("tpu", [PeerGraph("mixed", 4, 128)])
     forward = step_forwards("tpu", (100, 1), (300, 41), LIMITS)[0]  # real context 240, cells 30000 + 41
     cost = warmup_cost("tpu", ragged, Counter({forward: 3}), pricing)
@@ -56,10 +68,12 @@ def test_each_kind_of_graph_is_priced_at_its_rows_context_and_cells():
     assert cost.warmup_seconds == pytest.approx(0.5 + 1.0 + 1e-3 * 128)  # start-up + the one compile
     assert (cost.padded_rows, cost.tokens, cost.runtime_compiles) == (3 * 27, 3 * 101, 0)
     assert cost.peak_bytes == pricing.graph(PeerGraph("mixed", 4, 128))[1] > 0
+    with pytest.raises(ConfigError, match="no step-graph fits of mode=rows"):  # calibrated before ROWS
+        Pricing(with_steps(), LIMITS).graph(rows)
 
 
 def test_a_forward_no_graph_serves_compiles_its_own_shape_once():
-    pricing = Pricing(with_steps(), LIMITS)
+    pricing = Pricing(with_rows(with_steps()), LIMITS)
     warm = PeerWarmSet.of("gaudi-x", [PeerGraph("prefill", 1, 64, 0), PeerGraph("decode", 4, 1, 8)])
     big = Forward("prefill", 1, 200, 0, 200, 0, 200 * 200)
     small = Forward("prefill", 1, 10, 0, 10, 0, 100)
@@ -108,7 +122,7 @@ def every_forward(limits: PeerLimits, runtime: str) -> list[Forward]:
 @given(workloads(), st.integers(2, 40), st.sampled_from([None, 30.0, 80.0]))
 def test_the_plan_covers_every_step_within_the_limits_and_keeps_its_budget(workload, max_graphs, seconds):
     steps, limits = workload
-    pricing = Pricing(with_steps(), limits)
+    pricing = Pricing(with_rows(with_steps()), limits)
     forwards = WorkloadForwards(steps, limits)
     budget = Budget(max_graphs, None, seconds)
     for plan, runtime in zip(plan_forms(forwards, pricing, budget), ("gaudi", "tpu")):
@@ -130,7 +144,7 @@ def test_the_plan_covers_every_step_within_the_limits_and_keeps_its_budget(workl
 @given(workloads())
 def test_no_scheme_runs_a_workload_below_the_floor(workload):
     steps, limits = workload
-    pricing = Pricing(with_steps(), limits)
+    pricing = Pricing(with_rows(with_steps()), limits)
     forwards = WorkloadForwards(steps, limits)
     comparison = compare_schemes(forwards, pricing, plan_forms(forwards, pricing, Budget()), 16)
     for row in comparison.rows:
@@ -144,7 +158,7 @@ def test_more_graphs_lower_the_total_until_the_search_stops():
     requests = [Request(float(i), p, o) for i, (p, o) in enumerate([(30, 40), (200, 5), (90, 60), (250, 20)] * 3)]
     steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
              .steps(requests)]
-    pricing = Pricing(with_steps(compile_base=0.05), LIMITS)
+    pricing = Pricing(with_rows(with_steps(compile_base=0.05)), LIMITS)
     forwards = WorkloadForwards(steps, LIMITS)
     totals = [plan_warmup(forwards.of("gaudi"), LIMITS, pricing, Budget(n)).cost.total_seconds for n in (2, 4, 8, 64)]
     assert totals == sorted(totals, reverse=True) and totals[-1] < totals[0]
@@ -155,7 +169,7 @@ def test_a_phase_over_the_budget_is_left_out_and_its_forwards_priced_as_run_time
     steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
              .steps(requests)]
     forwards = WorkloadForwards(steps, LIMITS)
-    pricing = Pricing(with_steps(), LIMITS)
+    pricing = Pricing(with_rows(with_steps()), LIMITS)
     plan = plan_warmup(forwards.of("gaudi"), LIMITS, pricing, Budget(max_graphs=1))
     assert isinstance(plan.grid, Grid) and plan.grid.queries and not plan.grid.batches  # the prompt's top kept
     decodes = sum(n for f, n in forwards.of("gaudi").items() if f.phase == "decode")
@@ -174,7 +188,7 @@ def test_the_plans_host_settings_read_back_to_the_plans_graphs():
     steps = [s.layout for s in BatchFormer(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
              .steps(requests)]
     forwards = WorkloadForwards(steps, LIMITS)
-    pricing = Pricing(with_steps(compile_base=0.05), LIMITS)
+    pricing = Pricing(with_rows(with_steps(compile_base=0.05)), LIMITS)
     gaudi, ragged = plan_forms(forwards, pricing, Budget(12))
     planned = PlannedForms(GaudiBuckets.of(gaudi.warm), (), ragged.warm.prefill_lengths(), (), lambda warm: None)
     settings_ = host_settings(steps, gaudi.warm.prefill_lengths(), LIMITS, 16, forwards=forwards, planned=planned)
@@ -204,7 +218,7 @@ def test_pow2_doubles_every_dimension_up_to_the_maxima():
 
 
 def test_cli_plans_whole_requests_beside_the_runtimes(tmp_path, capsys):
-    path = CostFile(model=with_steps(compile_base=0.05)).save(tmp_path / "m.json")
+    path = CostFile(model=with_rows(with_steps(compile_base=0.05))).save(tmp_path / "m.json")
     out = tmp_path / "plan"
     flags = ["--limit", "30", "--max-seq-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "4"]
     assert main(["plan", "--family", "model", "--whole-requests", "--cost-model", str(path), "--max-graphs", "24",

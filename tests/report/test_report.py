@@ -42,7 +42,7 @@ from attnpolicy.report.recommend import (
 from attnpolicy.report.units import human_bytes
 from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request
-from tests.cost_models import synthetic, with_steps
+from tests.cost_models import synthetic, with_rows, with_steps
 
 REQUESTS = [Request(0.0, 40, 3), Request(0.1, 150, 2), Request(0.2, 7, 4), Request(0.3, 90, 1),
             Request(0.4, 300, 2), Request(0.5, 64, 3)]
@@ -71,7 +71,7 @@ def _trace(path):
 def small_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     trace = _trace(out.parent / "trace.csv")
-    model_cost = CostFile(model=with_steps(compile_base=0.05)).save(out.parent / "model.json")
+    model_cost = CostFile(model=with_rows(with_steps(compile_base=0.05))).save(out.parent / "model.json")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(["report", "--out", str(out), "--trace", str(trace), *SMALL, *SMALL_WORKLOAD, *MODEL,
