@@ -52,6 +52,7 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
+from attnpolicy.modelling.runtime_sets import RuntimeGraphSet
 from attnpolicy.modelling.simulation import SimRow, own_keys, replay_key_streams
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
@@ -337,13 +338,14 @@ class _RunnerReplay:
         self._modes[mode.value] = self._modes.get(mode.value, 0) + 1
         return mode
 
-    def _summary(self, stats: RunnerStats, hits: int, misses: int, layouts: Sequence[BatchLayout], *,
+    def _summary(self, stats: RunnerStats, hits: int, misses: int, layouts: Sequence[BatchLayout] | None, *,
                  requests: int = 0, context_steps: int = 0, steps: bool = False) -> Summary:
-        """The figures of ``stats`` (``layouts``: as served, priced with ``steps`` graphs)."""
+        """The figures of ``stats`` (``layouts``: as served, priced with ``steps`` graphs;
+        ``None``: no simulator's prediction)."""
         c, bg = stats.cache, stats.background if steps else None
         cost, config = self._cost, self._config
-        predicted = None if cost is None else replay_key_streams(layouts, cost, [config], [config.eviction],
-                                                                 steps=steps)[0]
+        predicted = None if cost is None or layouts is None else replay_key_streams(
+            layouts, cost, [config], [config.eviction], steps=steps)[0]
         return Summary(dict(self._modes), misses, {
             "spec": self._described, "policy": config.policy, "hits": hits, "compiles": c.compiles,
             "evictions": c.evictions, "clock": self._clock, "context_steps": context_steps, "requests": requests,
@@ -486,14 +488,25 @@ class RequestReplay(_RunnerReplay):
     (:class:`SlotPlan`). A step's time is compile time when it compiled its graph (compile
     and first run), load time when it loaded it from the store, else run time. With
     ``cost``, the simulator's row of the steps served (each on a step graph) is the
-    ``predicted`` one."""
+    ``predicted`` one.
+
+    With ``graphs`` (a runtime's graph set) no policy decides: the set's graphs are
+    compiled first (the warm-up, timed apart from the steps, then strict mode on), and
+    each step runs in the runtime's form on the set's graphs. Its figure ``graph_set``
+    says what was measured (graphs, warm-up seconds, run-time compiles, padding, each
+    build's static estimate and RSS) and, with ``cost``, what the set is modelled to
+    cost on the same steps (its row of the comparison)."""
+
+    json_keys = (*_RunnerReplay.json_keys, ("graph_set", "graph_set"))
 
     def __init__(self, spec: str, requests: Sequence[Request], steps: Sequence[ScheduledBatch],
                  config: AttnPolicyConfig, *, check: bool = False, clock: str = "cpu", threads: int = 1,
-                 cost: ModelCostModel | None = None) -> None:
+                 cost: ModelCostModel | None = None, graphs: RuntimeGraphSet | None = None) -> None:
         self._plan = SlotPlan.of(requests, steps)
         super().__init__(spec, config, check=check, clock=clock, threads=threads, cost=cost, slots=self._plan)
-        self._requests, self._steps = requests, steps
+        self._requests, self._steps, self._graphs = requests, steps, graphs
+        self._warmup_seconds, self._warm = 0.0, self._runner.cache.stats()
+        self._computed = self._tokens_run = 0  # rows the set's graphs computed, and the tokens they held
         vocab = self._model.config.vocab_size
         self._prompts = {rid: torch.randint(0, vocab, (requests[rid].prompt_tokens,),
                                             generator=torch.Generator().manual_seed(rid)).tolist()
@@ -508,6 +521,10 @@ class RequestReplay(_RunnerReplay):
     def steps(self) -> Iterator[_Served]:
         kv, tokens, fed = self._kv, self._tokens, self._fed
         assert kv is not None  # built from the slot plan
+        if self._graphs is not None:  # the warm-up, before the first step
+            start = self._now()
+            self._runner.warmup_keys(self._graphs.keys)
+            self._warmup_seconds, self._warm = self._now() - start, self._runner.cache.stats()
         for step, slots, freed in zip(self._steps, self._plan.slots, self._plan.freed):
             q_lens = step.layout.q_lens
             kv_lens = [kv.length(s) + q for s, q in zip(slots, q_lens)]
@@ -517,11 +534,17 @@ class RequestReplay(_RunnerReplay):
             yield _Served(step, slots, freed, layout, ids)
 
     def run(self, s: _Served) -> Ran:
-        runner, now, layout = self._runner, self._now, s.layout
-        mode = self._decide(layout)
+        runner, now, layout, graphs, kv = self._runner, self._now, s.layout, self._graphs, self._kv
+        assert kv is not None
         before, start = runner.cache.stats(), now()
-        out = runner.run(s.ids, layout, mode, kv=self._kv, slots=s.slots)
+        if graphs is None:
+            out = runner.run(s.ids, layout, self._decide(layout), kv=kv, slots=s.slots)
+        else:
+            out = runner.serve(s.ids, layout, graphs, kv=kv, slots=s.slots)
         took = now() - start
+        if graphs is not None:
+            self._computed += sum(key.tokens for _, _, key in graphs.parts(layout))
+            self._tokens_run += sum(layout.q_lens)
         after = runner.cache.stats()
         if self._background or after.misses == before.misses:
             seconds = (0.0, 0.0, took)
@@ -546,9 +569,25 @@ class RequestReplay(_RunnerReplay):
 
     def summary(self) -> Summary:
         stats = self._runner.stats()
-        served = self._served
-        return self._summary(stats, stats.forward_hits, stats.forward_misses, served, requests=len(self._prompts),
-                             context_steps=sum(layout.has_context for layout in served), steps=True)
+        served, graphs = self._served, self._graphs
+        if graphs is None:
+            summary = self._summary(stats, stats.forward_hits, stats.forward_misses, served,
+                                    requests=len(self._prompts),
+                                    context_steps=sum(layout.has_context for layout in served), steps=True)
+            return summary._replace(figures={**summary.figures, "graph_set": None})
+        self._modes = dict(stats.modes)
+        cost = self._cost
+        summary = self._summary(stats, stats.forward_hits, stats.forward_misses, None, requests=len(self._prompts),
+                                context_steps=sum(layout.has_context for layout in served))
+        measured = {"graphs": len(graphs.keys), "warmup_seconds": self._warmup_seconds,
+                    "runtime_compiles": stats.cache.compiles - self._warm.compiles,
+                    "strict_violations": stats.strict_violations,
+                    "padding": (self._computed - self._tokens_run) / self._tokens_run if self._tokens_run else 0.0,
+                    "estimate_bytes": sum(m.estimate_bytes for m in stats.memory),
+                    "rss_bytes": sum(m.rss_bytes for m in stats.memory)}
+        figure = {"name": graphs.name, "peer": graphs.peer, "limits": asdict(graphs.limits), "measured": measured,
+                  "modelled": None if cost is None else graphs.cost(served, cost).to_json()}
+        return Summary(summary.modes, summary.misses, {**summary.figures, "policy": None, "graph_set": figure})
 
     def checked(self, err: MaxAbsError) -> int:
         """The requests whose greedy tokens differ from ``generate``'s; every row's logits into ``err``."""

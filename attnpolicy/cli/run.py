@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from typing import Any
 
 from attnpolicy.bench.calibration_cache import Provenance
@@ -47,11 +48,14 @@ from attnpolicy.errors import AllocationError, ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
 from attnpolicy.modelling.cost_file import Family
+from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.ranges import GRAPH_RANGE, STEP_RANGE
+from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE, SCHEMES, GraphSetsFile, RuntimeGraphSet, scheme_set
 from attnpolicy.modelling.simulation import model_layouts
+from attnpolicy.modelling.warmup_costs import check_fits
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
 from attnpolicy.report.units import MIB
-from attnpolicy.workloads.batching import ScheduledBatch, Workload
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.traces import Request
 
 DEFAULTS = AttnPolicyConfig.model_fields
@@ -95,6 +99,15 @@ def register(subparsers: Any) -> None:
                         "SPEC (StaticModelRunner, its KV cache a graph input); --check compares every token with "
                         "transformers' greedy generate and every logit with the eager model (default: none, "
                         "attention calls)")
+    p.add_argument("--graph-set", metavar="NAME", default=None,
+                   help="with --model: serve whole requests from one graph set, compiled at start (the warm-up, "
+                        f"timed), then strict mode: a runtime's default set ({', '.join(SCHEMES)}) at the workload's "
+                        "limits, or with --plan a set of the plan's table by its label; each step runs in that "
+                        "runtime's form and the run reports each figure beside the set's modelled one (with "
+                        "--cost-model) (default: none, the policy decides)")
+    p.add_argument("--plan", metavar="DIR", default=None,
+                   help=f"with --model: a plan --whole-requests directory (its {GRAPH_SETS_FILE}); --graph-set names "
+                        f"one of its sets (default: {PLAN_SET!r})")
     p.add_argument("--prefill-only", action="store_true",
                    help="with --model: serve prompts only, each in one step (the workload the model-level "
                         "simulator and --cost-model predict) (default: off, whole requests)")
@@ -286,6 +299,15 @@ class _WholeModel:
         self.clock, self.prefill_only = args.clock or "cpu", args.prefill_only
         if cost is not None and cost.backend != config.backend:
             warn(f"--cost-model was calibrated with backend {cost.backend}, the run uses {config.backend}")
+        self.graphs = graphs = graph_set_from(args, former, config.backend)
+        if graphs is not None:
+            if cost is not None:
+                try:
+                    check_fits(cost)
+                except ConfigError as exc:
+                    fail(f"argument --cost-model: {exc}")
+            if config.strict == "off":  # after the warm-up a compile is counted and said
+                self.config = config.model_copy(update={"strict": "warn"})
 
     def prepare(self, args: argparse.Namespace) -> None:
         """Say where the cost model comes from, once the workload is read."""
@@ -301,7 +323,8 @@ class _WholeModel:
                 level: ReplayLevel[Any] = (
                     PrefillReplay(args.model, model_layouts(steps), config, check=args.check, cost=cost,
                                   clock=self.clock) if prefill else
-                    RequestReplay(args.model, requests, steps, config, check=args.check, clock=self.clock, cost=cost))
+                    RequestReplay(args.model, requests, steps, config, check=args.check, clock=self.clock, cost=cost,
+                                  graphs=self.graphs))
                 return replay(level, advance)
         except ConfigError as exc:
             fail(f"argument --model: {exc}")
@@ -313,6 +336,8 @@ class _WholeModel:
 
     def rows(self, result: ReplayResult, w: Workload) -> list[tuple[str, Any]]:
         config, f, clock = self.config, result.figures, self.clock
+        if f.get("graph_set") is not None:
+            return self.set_rows(result, w)
         rows: list[tuple[str, Any]] = [
             ("model", f["spec"]), ("policy", config.policy), ("backend", config.backend),
             ("buckets", config.buckets.describe()), ("max graphs", config.max_graphs or "∞"),
@@ -335,11 +360,76 @@ class _WholeModel:
             rows += [("requests whose greedy tokens differ", result.token_mismatches)]
         return rows
 
+    def set_rows(self, result: ReplayResult, w: Workload) -> list[tuple[str, Any]]:
+        """A graph set's run: its figures, each measured beside its modelled value."""
+        f, clock = result.figures, self.clock
+        g = f["graph_set"]
+        m, p = g["measured"], g["modelled"]
+        run_compile = result.compile_seconds + result.load_seconds
+        measured = {"graphs": m["graphs"], "warm-up s": m["warmup_seconds"], "run-time compiles": m["runtime_compiles"],
+                    "run-time compile s": run_compile, "run s": result.run_seconds,
+                    "total s": m["warmup_seconds"] + result.total_seconds, "padding": m["padding"],
+                    "graph MiB (static estimate)": m["estimate_bytes"] / MIB}
+        modelled = {} if p is None else {
+            "graphs": p["graphs"], "warm-up s": p["warmup_seconds"], "run-time compiles": p["runtime_compiles"],
+            "run-time compile s": p["runtime_compile_seconds"], "run s": p["run_seconds"],
+            "total s": p["total_seconds"], "padding": p["padding"],
+            "graph MiB (static estimate)": p["peak_bytes"] / MIB}
+        rows: list[tuple[str, Any]] = [
+            ("model", f["spec"]), ("graph set", f"{g['name']} ({g['peer']}'s form)"),
+            ("backend", self.config.backend), ("steps", result.batches), ("requests served", f["requests"]),
+            ("forwards per mode", ", ".join(f"{k} {n}" for k, n in result.modes.items())),
+            ("strict violations", m["strict_violations"])]
+        for name, value in measured.items():
+            shown = f"{value:.1%}" if name == "padding" else f"{value:.4g}"
+            label = f"{name} ({clock})" if name.endswith(" s") else name
+            if name in modelled:
+                other = modelled[name]
+                ratio = f", modelled/measured {other / value:.3g}" if value and name != "padding" else ""
+                shown = f"{shown} (modelled {f'{other:.1%}' if name == 'padding' else f'{other:.4g}'}{ratio})"
+            rows.append((label, shown))
+        rows.append(("build RSS MiB (measured)", m["rss_bytes"] / MIB))
+        if result.token_mismatches is not None:
+            rows += [("requests whose greedy tokens differ", result.token_mismatches)]
+        return rows
+
     def json(self, args: argparse.Namespace, result: ReplayResult, w: Workload) -> dict[str, Any]:
         outside = self.outside
         return {"trace": args.trace, "limit": args.limit, "workload": w.to_json(),
                 "config": self.config.model_dump(mode="json"), **result.to_json(),
                 "outside_calibrated_range": None if outside is None else outside.to_json()}
+
+
+#: The plan's set ``--plan`` serves unless --graph-set names another.
+PLAN_SET = "plan (gaudi form)"
+
+
+def graph_set_from(args: argparse.Namespace, former: BatchFormer, backend: str) -> RuntimeGraphSet | None:
+    """The graph set of --graph-set and --plan (``None``: neither), at the workload's
+    limits (a plan's must be them); every flag a set replaces refused, naming it."""
+    if args.graph_set is None and args.plan is None:
+        return None
+    taken = {"--policy": args.policy, "--option": args.option or None, "--max-graphs": args.max_graphs,
+             "--max-bytes": args.max_bytes, "--eviction": args.eviction, "--compile-mode": args.compile_mode,
+             "--prefill-only": args.prefill_only or None, "--config": args.config}
+    for flag, value in taken.items():
+        if value is not None:
+            fail(f"argument {flag}: not taken with --graph-set/--plan (the set's graphs serve every step, in its "
+                 "runtime's form; no policy decides and nothing is evicted)")
+    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
+    label = args.graph_set or PLAN_SET
+    try:
+        if args.plan is not None:
+            saved = GraphSetsFile.load(args.plan)
+            if saved.peer_limits() != limits:
+                fail(f"argument --plan: {args.plan} was planned for {asdict(saved.peer_limits())}, the workload flags "
+                     f"give {asdict(limits)}: give the plan's --max-num-seqs, --max-num-batched-tokens and "
+                     "--max-seq-len")
+        peer, warm = (scheme_set(label, limits) if args.plan is None or label in SCHEMES
+                      else saved.chosen(label))
+        return RuntimeGraphSet(label, peer, warm, limits, backend)
+    except ConfigError as exc:
+        fail(f"argument {'--plan' if args.plan and label not in SCHEMES else '--graph-set'}: {exc}")
 
 
 #: What ``run`` replays per --family.
