@@ -116,6 +116,17 @@ class ReplayResult:
                 "run_seconds": ratio(p.run_seconds, self.run_seconds),
                 "total_seconds": ratio(p.total_seconds, self.total_seconds)}
 
+    def set_measured(self) -> dict[str, Any] | None:
+        """A graph set's run (``None``: none ran): its ``graph_set`` figure's measured
+        values, the steps' run-time compile (and load) and run seconds, and the total
+        with the warm-up."""
+        figure = self.figures.get("graph_set")
+        if figure is None:
+            return None
+        m = figure["measured"]
+        return {**m, "runtime_compile_seconds": self.compile_seconds + self.load_seconds,
+                "run_seconds": self.run_seconds, "total_seconds": m["warmup_seconds"] + self.total_seconds}
+
     def to_json(self) -> dict[str, Any]:
         """The result as JSON: its level's keys."""
         values = {"batches": self.batches, "modes": self.modes, "misses": self.misses,

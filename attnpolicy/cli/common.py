@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.table import Table
 
 from attnpolicy.bench.settings import BENCH_DTYPES
-from attnpolicy.engine.model_specs import parse_spec
+from attnpolicy.engine.model_specs import max_positions, parse_spec
 from attnpolicy.errors import ConfigError
 from attnpolicy.modelling.cost_file import FAMILIES, Family
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload, model_former
@@ -225,6 +225,15 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help=f"channels per head (default: {d['head_dim']})")
     p.add_argument("--dtype", choices=sorted(BENCH_DTYPES), default=d["dtype"],
                    help=f"tensor dtype (default: {d['dtype']})")
+
+
+def check_positions(flag: str, spec: str, max_model_len: int) -> None:
+    """Refuse (exit 2) a --max-seq-len beyond the positions of the model of ``spec``
+    (given to ``flag``)."""
+    positions = max_positions(spec)
+    if positions is not None and max_model_len > positions:
+        fail(f"argument --max-seq-len: {max_model_len} is more than the {positions} positions of {flag} {spec}: "
+             f"set --max-seq-len {positions} or less")
 
 
 def check_spec_args(args: argparse.Namespace, *, not_with: str | None = None) -> None:

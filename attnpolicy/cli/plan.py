@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from attnpolicy.bench.replay import RequestReplay, replay
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
     add_cost_args,
@@ -15,12 +16,14 @@ from attnpolicy.cli.common import (
     by_family,
     check_evictions,
     check_policies,
+    check_positions,
     check_writable,
     command,
     fail,
     formed,
     former_from,
     former_options,
+    model_spec,
     not_taken,
     positive_int,
     print_table,
@@ -47,7 +50,7 @@ from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.layout import BatchLayout
-from attnpolicy.errors import ConfigError, PolicyError
+from attnpolicy.errors import AllocationError, ConfigError, PolicyError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.modelling.cost_file import Family
 from attnpolicy.modelling.peer_buckets import PeerLimits
@@ -60,13 +63,16 @@ from attnpolicy.modelling.peer_coverage import (
     table_rows,
 )
 from attnpolicy.modelling.ranges import CALL_RANGE, GRAPH_RANGE, STEP_RANGE
+from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE, RuntimeGraphSet
 from attnpolicy.modelling.simulation import (
     check_model,
     model_config,
     model_layouts,
+    packed_tokens,
     simulation_config,
 )
 from attnpolicy.modelling.warmup_costs import check_fits
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     PLAN_EVICTIONS,
@@ -88,13 +94,15 @@ from attnpolicy.planning.scheme_comparison import (
     COMPARISON_LEGEND,
     COMPARISON_TITLE,
     SchemeComparison,
+    SchemeRow,
     plan_whole_requests,
 )
 from attnpolicy.planning.scheme_comparison import comparison_table as comparison_rows
 from attnpolicy.planning.warmup_plan import Budget, Grid
 from attnpolicy.report.markdown import table
-from attnpolicy.workloads.batching import Workload
+from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
+from attnpolicy.workloads.traces import Request
 
 
 def seconds(text: str) -> float:
@@ -155,6 +163,11 @@ def register(subparsers: Any) -> None:
                         "prefill and decode steps) as vllm-gaudi buckets under one budget (--max-graphs, "
                         "--max-bytes, --warmup-seconds), every step within the limits served after warm-up, and "
                         "price them beside the runtimes' own warm-up sets (default: off, prefill graphs only)")
+    p.add_argument("--measure", type=model_spec, metavar="SPEC", default=None,
+                   help="with --whole-requests: run each scheme's set that runs here (not a ragged one, not one its "
+                        "host refuses, not pow2 nor plan @ NAME) on the planned steps through whole-model graphs of "
+                        "SPEC, the model --cost-model was calibrated on, warm-up first, and add its measured CPU "
+                        "seconds beside the modelled ones (default: off, every row modelled)")
     p.add_argument("--config", metavar="PATH",
                    help="base attnpolicy config (backend, impl, limits); the plan replaces its policy, buckets, "
                         "capacity, eviction, strict and warmup (default: derived from the cost model and the "
@@ -182,6 +195,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     level = by_family(args, PLAN_LEVELS)
     if args.whole_requests:
         return level.whole_requests(args)
+    if args.measure is not None:
+        fail("argument --measure: needs --family model --whole-requests (it runs the whole-request schemes' sets)")
     planning = level(args)
     steps, w = planning.workload(args)
     plan = planning.plan(args, steps, w)
@@ -328,8 +343,8 @@ class _WholeModel:
 
 def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     """``plan --family model --whole-requests``: the joint prompt and decode plan and the
-    model-level comparison of warm-up schemes (plan.md, plan.json, host_settings.json,
-    vllm-gaudi's bucketing file)."""
+    model-level comparison of warm-up schemes, each row's set run with ``--measure``
+    (plan.md, plan.json, graph_sets.json, host_settings.json, vllm-gaudi's bucketing file)."""
     why = "with --whole-requests (steps of the batch former, priced by the cost model's step fits)"
     not_taken(args, why, *(name for name in ATTENTION_ONLY if name != "warmup_seconds"))
     for name, default in (("policies", PLAN_POLICIES), ("evictions", PLAN_EVICTIONS), ("align", ALIGN),
@@ -337,12 +352,14 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if (tuple(value) if isinstance(value, list) else value) != default:
             fail(f"argument --{name}: not taken {why}")
-    cost, provenance = priced_model(args, steps=True)
+    cost, provenance = priced_model(args, steps=True, model=args.measure, flag="--measure")
     try:
         check_fits(cost)
     except ConfigError as exc:
         fail(f"argument --cost-model: {exc}")
     former = former_from(args)
+    if args.measure is not None:
+        check_positions("--measure", args.measure, former.max_model_len)
     requests = workload(args, former)
     print(provenance.line())
     steps, w = formed(args, former, requests)
@@ -358,25 +375,58 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
                 args.max_buckets, str(gaudi_file.resolve()))
     except ConfigError as exc:
         fail(str(exc))
+    if args.measure is not None:
+        comparison = comparison.with_measured(measured_sets(args.measure, comparison, requests, steps, cost, former))
     source = source_name(args)
     with writing("--out", out):
         write_text_atomic(gaudi_file, settings.gaudi_file)
         write_json(out / "host_settings.json", settings.sections)
+        write_json(out / GRAPH_SETS_FILE, comparison.graph_sets())
         write_json(out / "plan.json", {"source": source, "model": cost.spec, "steps": len(layouts),
                                        "rejected": w.rejected, "workload": w.to_json(), **fields,
-                                       "limits": asdict(limits), **comparison.to_json()})
-        write_text_atomic(out / "plan.md", requests_markdown(comparison, source, cost.spec, w))
+                                       "limits": asdict(limits), "measure": args.measure, **comparison.to_json()})
+        write_text_atomic(out / "plan.md", requests_markdown(comparison, source, cost.spec, w, args.measure))
     print_table(f"attnpolicy plan on whole requests: {source}, {cost.spec}", COMPARISON_COLUMNS,
                 comparison_rows(comparison), caption=comparison.summary())
     for plan in comparison.plans:
         for line in plan.outside:
             warn(f"outside the budget: {line}")
-    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'host_settings.json'}, {gaudi_file}")
+    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / GRAPH_SETS_FILE}, {out / 'host_settings.json'}, "
+          f"{gaudi_file}")
     return 0
 
 
-def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: Workload) -> str:
-    """plan.md of ``plan --whole-requests``: the recommendation, the comparison, the plans' sizes."""
+def measured_sets(spec: str, comparison: SchemeComparison, requests: Sequence[Request],
+                  steps: Sequence[ScheduledBatch], cost: ModelCostModel, former: BatchFormer
+                  ) -> dict[str, dict[str, Any]]:
+    """``--measure SPEC``: each :meth:`~SchemeComparison.measurable` row's set run on the
+    planned ``steps`` of ``requests`` through a runner of SPEC under the config the
+    simulation assumes (the cost model's backend, strict mode warning), CPU seconds;
+    its measured figures (:meth:`~attnpolicy.bench.replay.ReplayResult.set_measured`) by
+    the row's label."""
+    config = model_config(cost, former.max_model_len, packed_tokens(former), strict="warn")
+    rows = comparison.measurable()
+    try:
+        with progress(len(rows) * len(steps), "plan --measure") as advance:
+            def measured(row: SchemeRow) -> dict[str, Any]:
+                assert row.warm is not None and row.peer is not None  # measurable
+                graphs = RuntimeGraphSet(row.scheme, row.peer, row.warm, comparison.limits, config.backend)
+                result = replay(RequestReplay(spec, requests, steps, config, graphs=graphs),
+                                lambda label: advance(f"{row.scheme}: {label}"))
+                figures = result.set_measured()
+                assert figures is not None  # a graph set ran
+                return figures
+            return {row.scheme: measured(row) for row in rows}
+    except ConfigError as exc:
+        fail(f"argument --measure: {exc}")
+    except AllocationError as exc:  # the KV cache of the requests that run at once, each at its longest
+        fail(f"argument --max-num-seqs/--max-seq-len: {exc}: lower them, or plan fewer or shorter requests")
+
+
+def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: Workload,
+                      measure: str | None = None) -> str:
+    """plan.md of ``plan --whole-requests``: the recommendation, the comparison (``measure``:
+    the SPEC its measured column ran), the plans' sizes."""
     gaudi, ragged = comparison.plans
     g = gaudi.grid
     assert isinstance(g, Grid)
@@ -387,7 +437,9 @@ def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: W
     return "\n".join([
         f"# attnpolicy plan on whole requests: {source}", "",
         f"Model {spec}; {w.describe()}.", "", comparison.summary() + ".", "",
-        f"## {COMPARISON_TITLE}", "", COMPARISON_LEGEND, "", table(COMPARISON_COLUMNS, comparison_rows(comparison)),
+        f"## {COMPARISON_TITLE}", "", COMPARISON_LEGEND, "",
+        *([f"Measured with `--measure {measure}` on this machine.", ""] if measure else []),
+        table(COMPARISON_COLUMNS, comparison_rows(comparison)),
         "", "## The plan's sizes", "",
         (f"- gaudi form (`{GAUDI_FILE}`, host_settings.json \"gaudi\"; \"rbln\" its decode batches): {prompt}; "
          f"{decode} ({len(gaudi.warm.graphs)} graphs)."),

@@ -23,6 +23,7 @@ from attnpolicy.cli.common import (
     add_workload_args,
     by_family,
     check_evictions,
+    check_positions,
     check_spec_args,
     check_writable,
     command,
@@ -43,7 +44,6 @@ from attnpolicy.cli.simulate import flag_range, priced_model, workload
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core import jsonfile
 from attnpolicy.core.jsonfile import write_json
-from attnpolicy.engine.model_specs import max_positions
 from attnpolicy.errors import AllocationError, ConfigError
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
@@ -107,7 +107,7 @@ def register(subparsers: Any) -> None:
                         "--cost-model) (default: none, the policy decides)")
     p.add_argument("--plan", metavar="DIR", default=None,
                    help=f"with --model: a plan --whole-requests directory (its {GRAPH_SETS_FILE}); --graph-set names "
-                        f"one of its sets (default: {PLAN_SET!r})")
+                        f"one of its sets by its row's label, else {PLAN_SET!r} (default: none)")
     p.add_argument("--prefill-only", action="store_true",
                    help="with --model: serve prompts only, each in one step (the workload the model-level "
                         "simulator and --cost-model predict) (default: off, whole requests)")
@@ -288,10 +288,7 @@ class _WholeModel:
             fail("argument --prefill-only: builds each batch's graph before it runs, its build timed apart: not "
                  "with compile_mode background (--compile-mode or --config); serve whole requests to compile in the "
                  "background")
-        positions = max_positions(args.model)
-        if positions is not None and former.max_model_len > positions:
-            fail(f"argument --max-seq-len: {former.max_model_len} is more than the {positions} positions of --model "
-                 f"{args.model}: set --max-seq-len {positions} or less")
+        check_positions("--model", args.model, former.max_model_len)
         self.cost = cost = priced_model(args, model=args.model)[0] if args.cost_model else None
         if cost is not None and not args.prefill_only and cost.steps is None:
             fail(f"argument --cost-model: {args.cost_model} holds no step-graph fits, which whole requests run on: "
@@ -362,13 +359,13 @@ class _WholeModel:
 
     def set_rows(self, result: ReplayResult, w: Workload) -> list[tuple[str, Any]]:
         """A graph set's run: its figures, each measured beside its modelled value."""
-        f, clock = result.figures, self.clock
+        f, clock, m = result.figures, self.clock, result.set_measured()
         g = f["graph_set"]
-        m, p = g["measured"], g["modelled"]
-        run_compile = result.compile_seconds + result.load_seconds
+        p = g["modelled"]
+        assert m is not None  # a graph set ran
         measured = {"graphs": m["graphs"], "warm-up s": m["warmup_seconds"], "run-time compiles": m["runtime_compiles"],
-                    "run-time compile s": run_compile, "run s": result.run_seconds,
-                    "total s": m["warmup_seconds"] + result.total_seconds, "padding": m["padding"],
+                    "run-time compile s": m["runtime_compile_seconds"], "run s": m["run_seconds"],
+                    "total s": m["total_seconds"], "padding": m["padding"],
                     "graph MiB (static estimate)": m["estimate_bytes"] / MIB}
         modelled = {} if p is None else {
             "graphs": p["graphs"], "warm-up s": p["warmup_seconds"], "run-time compiles": p["runtime_compiles"],

@@ -198,11 +198,11 @@ def priced(args: argparse.Namespace) -> tuple[CostModel, Provenance]:
     return model, provenance
 
 
-def priced_model(args: argparse.Namespace, *, steps: bool = False,
-                 model: str | None = None) -> tuple[ModelCostModel, Provenance]:
+def priced_model(args: argparse.Namespace, *, steps: bool = False, model: str | None = None,
+                 flag: str = "--model") -> tuple[ModelCostModel, Provenance]:
     """The whole-model fits of the file of --cost-model and where they come from
     (``--family model`` needs the file; ``steps``: with step-graph fits); ``model``: the
-    SPEC of --model, whose model the file must have been calibrated on. Errors name the
+    SPEC of ``flag``, whose model the file must have been calibrated on. Errors name the
     flag, before any work."""
     path = args.cost_model
     if path is None:
@@ -210,7 +210,7 @@ def priced_model(args: argparse.Namespace, *, steps: bool = False,
              "calibrate --model SPEC --out FILE writes them)")
     try:
         cost = CostFile.load(path).model_fits(path, steps=steps)
-        differs = None if model is None else cost.model_differs(spec_config(model), f"--model {model}")
+        differs = None if model is None else cost.model_differs(spec_config(model), f"{flag} {model}")
     except ConfigError as exc:
         fail(f"argument --cost-model: {exc}")
     if differs:

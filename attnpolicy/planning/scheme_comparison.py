@@ -31,8 +31,8 @@ vllm-gaudi bucketing file without a prompt or decode bucket) is not one a host r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from attnpolicy.core.layout import BatchLayout
@@ -47,6 +47,7 @@ from attnpolicy.modelling.peer_buckets import (
     gaudi_file_warmup,
     peer_of,
 )
+from attnpolicy.modelling.runtime_sets import GraphSetsFile, why_not_runnable
 from attnpolicy.modelling.warmup_costs import Pricing, WarmupCost, vllm_warmup, warmup_cost
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, PlannedForms, host_settings
@@ -63,7 +64,10 @@ class SchemeRow:
     """One row: the ``hosts`` that can run its warm set, whether it is one host's
     ``default``, and its cost, or why the peer refuses to start under the limits
     (``refused``, with or without a cost); ``over``: the bound of the budget asked its
-    warm set breaks (``None``: within); ``reference``: a comparison no file sets up."""
+    warm set breaks (``None``: within); ``reference``: a comparison no file sets up.
+    ``warm``: its warm set (``None``: refused before one was made) and ``peer``: the
+    runtime whose form runs it; ``measured``: what a run of it measured (``None``: not
+    run, see :meth:`SchemeComparison.measurable`)."""
 
     scheme: str
     hosts: tuple[str, ...]
@@ -72,6 +76,9 @@ class SchemeRow:
     default: bool = False
     over: str | None = None
     reference: bool = False
+    warm: PeerWarmSet | None = field(default=None, compare=False, repr=False)
+    peer: Peer | None = field(default=None, compare=False)
+    measured: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @property
     def runnable(self) -> bool:
@@ -81,7 +88,7 @@ class SchemeRow:
     def to_json(self) -> dict[str, Any]:
         return {**(self.cost.to_json() if self.cost else {}), "scheme": self.scheme, "hosts": list(self.hosts),
                 "default": self.default, "refused": self.refused, "over_budget": self.over,
-                "reference": self.reference}
+                "reference": self.reference, "measured": None if self.measured is None else dict(self.measured)}
 
 
 @dataclass(frozen=True)
@@ -122,11 +129,30 @@ def _lowest(rows: Sequence[SchemeRow]) -> SchemeRow | None:
 
 @dataclass(frozen=True)
 class SchemeComparison:
-    """Every row of the module docstring, the plans asked for (each form), and the floor."""
+    """Every row of the module docstring, the plans asked for (each form), and the floor,
+    under the server's ``limits``."""
 
     plans: tuple[PeerPlan, PeerPlan]
     rows: tuple[SchemeRow, ...]
     floor: WarmupCost
+    limits: PeerLimits
+
+    def graph_sets(self) -> GraphSetsFile:
+        """``graph_sets.json``: the warm set of every row that has one, by its label,
+        with the runtime whose form runs it."""
+        return GraphSetsFile.of(self.limits, {r.scheme: (r.peer, r.warm) for r in self.rows
+                                              if r.warm is not None and r.peer is not None})
+
+    def measurable(self) -> tuple[SchemeRow, ...]:
+        """The rows a run measures: a warm set this runner serves (not ragged,
+        :func:`~attnpolicy.modelling.runtime_sets.why_not_runnable`) that its host does
+        not refuse, comparisons no file sets up (``reference``) left out."""
+        return tuple(r for r in self.rows if r.warm is not None and r.refused is None and not r.reference
+                     and why_not_runnable(r.warm) is None)
+
+    def with_measured(self, measured: Mapping[str, Mapping[str, Any]]) -> SchemeComparison:
+        """This comparison with each row of a label in ``measured`` holding its figures."""
+        return replace(self, rows=tuple(replace(r, measured=measured.get(r.scheme, r.measured)) for r in self.rows))
 
     @property
     def recommended(self) -> SchemeRow:
@@ -195,8 +221,11 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[P
     host settings' sets)."""
     limits, budget = forwards.limits, plans[0].budget
 
-    def priced(label: str, hosts: tuple[str, ...], cost: WarmupCost, **kw: Any) -> SchemeRow:
-        return SchemeRow(label, hosts, cost, over=budget.over(cost), **kw)
+    def priced(label: str, hosts: tuple[str, ...], warm: PeerWarmSet, peer: Peer, cost: WarmupCost | None = None,
+               **kw: Any) -> SchemeRow:
+        """The row of ``warm`` run in ``peer``'s form (``cost``: already priced)."""
+        cost = warmup_cost(label, warm, forwards.of(peer), pricing) if cost is None else cost
+        return SchemeRow(label, hosts, cost, over=budget.over(cost), warm=warm, peer=peer, **kw)
 
     def row(label: str, make: Callable[[], PeerWarmSet], default: bool = False, host: str | None = None) -> SchemeRow:
         try:
@@ -204,8 +233,7 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[P
         except ConfigError as exc:
             return SchemeRow(label, (host or peer_of(label),), None, str(exc), default)
         host = host or peer_of(warm.scheme)
-        ran = forwards.of("tpu" if host == "vllm" else peer_of(host))
-        return priced(label, (host,), warmup_cost(label, warm, ran, pricing), default=default)
+        return priced(label, (host,), warm, "tpu" if host == "vllm" else peer_of(host), default=default)
 
     peers = [row(name, lambda make=make: make(limits), True)  # type: ignore[misc]
              for name, make in WARMUPS.items()]
@@ -217,11 +245,12 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[P
         refused = None
     except ConfigError as exc:
         refused = str(exc)
-    rows = [*peers, priced("pow2", FORM_HOSTS["gaudi"], warmup_cost("pow2", pow2, forwards.of("gaudi"), pricing),
-                           reference=True),
-            priced("plan (gaudi form)", FORM_HOSTS["gaudi"], gaudi.cost, refused=refused),
+    rows = [*peers, priced("pow2", FORM_HOSTS["gaudi"], pow2, "gaudi", reference=True),
+            priced("plan (gaudi form)", FORM_HOSTS["gaudi"], gaudi.warm, FORM_PEER["gaudi"], gaudi.cost,
+                   refused=refused),
             # tpu-inference always compiles its cover padding: a plan without one runs on vLLM alone
-            priced("plan (ragged form)", FORM_HOSTS["ragged"] if ragged.warm.graphs else ("vllm",), ragged.cost)]
+            priced("plan (ragged form)", FORM_HOSTS["ragged"] if ragged.warm.graphs else ("vllm",), ragged.warm,
+                   FORM_PEER["ragged"], ragged.cost)]
     for peer in peers:
         if peer.cost is not None:
             at = Budget(peer.cost.graphs, budget.max_bytes, peer.cost.warmup_seconds)
@@ -229,9 +258,10 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[P
             forms = [(plan_warmup(forwards.of(FORM_PEER[form]), limits, pricing, at, max_sizes), form)
                      for form in names]
             chosen, form = min(forms, key=lambda p: p[0].cost.total_seconds)
-            rows.append(priced(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], chosen.cost, reference=True))
+            rows.append(priced(f"plan @ {peer.scheme} ({form} form)", FORM_HOSTS[form], chosen.warm,
+                               FORM_PEER[form], chosen.cost, reference=True))
     rows += [row(label, make) for label, make in extra]
-    return SchemeComparison(plans, tuple(rows), floor_cost(forwards, pricing))
+    return SchemeComparison(plans, tuple(rows), floor_cost(forwards, pricing), limits)
 
 
 def plan_whole_requests(steps: Sequence[BatchLayout], limits: PeerLimits, model: ModelCostModel, budget: Budget,
@@ -264,14 +294,17 @@ COMPARISON_LEGEND = ("Each scheme's warm-up set and each step as its runtime run
                      "estimates); *plan (gaudi form)*: vllm-gaudi buckets (prompts alone, decodes batched); *plan "
                      "(ragged form)*: token paddings (tpu, vllm); *plan @ NAME*: the plan under NAME's graph count "
                      "and warm-up seconds, in the form NAME's host runs; *floor*: every step one ragged forward at "
-                     "its own tokens, no warm-up (no scheme runs the workload for less); *budget*: the bound of the "
+                     "its own tokens, no warm-up (no scheme runs the workload for less); *measured total s*: with "
+                     "`--measure SPEC`, the row's set run here on the same steps (warm-up, run-time compiles and "
+                     "run, CPU seconds) for every set this runner serves that its host does not refuse (not the "
+                     "ragged ones, not pow2 nor plan @ NAME), *modelled* where none ran; *budget*: the bound of the "
                      "budget asked a warm-up set breaks, or why its host refuses it; * marks the lowest total within "
                      "the budget of the sets a host runs, from the plan's files or by default (pow2 and plan @ NAME "
                      "are comparisons no file sets up).")
 
 #: The table's columns (:func:`comparison_table` gives its cells).
 COMPARISON_COLUMNS = ("scheme", "graphs", "warm-up s", "padding", "run-time compiles", "peak graph MiB", "run s",
-                      "total s", "budget")
+                      "total s", "measured total s", "budget")
 
 
 def comparison_table(comparison: SchemeComparison) -> list[tuple[str, ...]]:
@@ -280,13 +313,16 @@ def comparison_table(comparison: SchemeComparison) -> list[tuple[str, ...]]:
     for r in (*comparison.rows, None):
         c = comparison.floor if r is None else r.cost
         if r is not None and c is None:
-            out.append((r.scheme, f"refused: {r.refused}", "", "", "", "", "", "", ""))
+            out.append((r.scheme, f"refused: {r.refused}", "", "", "", "", "", "", "", ""))
             continue
         assert c is not None
         mark = " *" if r is comparison.recommended else ""
         budget = "" if r is None else "; ".join(
             [f"over: {r.over}" if r.over else "within", *([f"refused: {r.refused}"] if r.refused else [])])
+        measured = ("" if r is None else "modelled" if r.measured is None
+                    else f"{r.measured['total_seconds']:.1f}")
         out.append(("floor" if r is None else r.scheme + mark, str(c.graphs), f"{c.warmup_seconds:.1f}",
                     f"{c.padding:.1%}", f"{c.runtime_compiles} ({c.unserved} forwards)",
-                    f"{c.peak_bytes / 2**20:.0f}", f"{c.run_seconds:.1f}", f"{c.total_seconds:.1f}", budget))
+                    f"{c.peak_bytes / 2**20:.0f}", f"{c.run_seconds:.1f}", f"{c.total_seconds:.1f}", measured,
+                    budget))
     return out
