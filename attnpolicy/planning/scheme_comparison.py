@@ -285,9 +285,11 @@ def plan_whole_requests(steps: Sequence[BatchLayout], limits: PeerLimits, model:
 
 #: The table's title and legend (under the title in plan.md).
 COMPARISON_TITLE = "Warm-up schemes on whole requests, modelled"
-COMPARISON_LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, priced by the cost model's step "
-                     "fits (MASK) at each graph's rows, context and attention cells: a static graph at its padded "
-                     "shape, a ragged one (tpu, vllm) at its padded tokens over the real context. *warm-up s*: every "
+COMPARISON_LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, each graph priced as the step "
+                     "graph `run --model --graph-set` compiles for it, by the cost model's step fits of its mode "
+                     "(prompts and vllm-rbln's decodes ROWS, vllm-gaudi's flat decodes MASK), at its padded shape; a "
+                     "ragged one (tpu, vllm), which does not run here, by the MASK fits at its padded tokens over the "
+                     "real context. *warm-up s*: every "
                      "warm graph compiled once and the first compile's start-up; *padding*: rows computed beyond the "
                      "tokens, per token; *run-time compiles*: distinct shapes no warm graph serves (at most that many "
                      "compiles), with the forwards they serve; *peak graph MiB*: every graph held (static-shape "
