@@ -29,6 +29,9 @@ it finishes), each decode fed the token the step before chose greedily; a step's
 is compile, load or run time as its graph was built, loaded or resident. Checked: each
 request's tokens must equal transformers' own greedy ``generate`` of the reference
 model, and every row's logits the reference's over the whole sequence.
+
+:func:`measured_sets`: rows of the warm-up schemes' comparison, each row's graph set
+served as a :class:`RequestReplay` of the same steps, its measured figures by its label.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.graphs.execute import attend
 from attnpolicy.graphs.keys import TensorSpec
 from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
+from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.runtime_sets import RuntimeGraphSet
-from attnpolicy.modelling.simulation import SimRow, own_keys, replay_key_streams
+from attnpolicy.modelling.simulation import SimRow, model_config, own_keys, packed_tokens, replay_key_streams
 from attnpolicy.modelling.whole_model_costs import ModelCostModel
+from attnpolicy.planning.scheme_comparison import SchemeRow
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch
 from attnpolicy.workloads.traces import Request
 
@@ -620,3 +625,28 @@ class RequestReplay(_RunnerReplay):
                                _differs(seq, seq[:n] + greedy[:len(seq) - n], whole, n))
                 err.add(got, whole)
         return mismatches
+
+
+def measured_sets(spec: str, rows: Sequence[SchemeRow], limits: PeerLimits, requests: Sequence[Request],
+                  steps: Sequence[ScheduledBatch], cost: ModelCostModel, former: BatchFormer,
+                  progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Each of ``rows``' warm set (rows that
+    :meth:`~attnpolicy.planning.scheme_comparison.SchemeComparison.measurable` allows, of a
+    comparison under ``limits``) run on the ``steps`` of ``requests`` through a runner of
+    SPEC under the config the simulation assumes (the cost model's backend, strict mode
+    warning), CPU seconds: its measured figures (:meth:`ReplayResult.set_measured`) by
+    the row's label; ``progress(label)`` after each step. Raises
+    :class:`~attnpolicy.errors.ConfigError` (SPEC, or a set this runner cannot serve) and
+    :class:`~attnpolicy.errors.AllocationError` (the KV cache of the requests that run
+    at once, each at its longest)."""
+    config = model_config(cost, former.max_model_len, packed_tokens(former), strict="warn")
+
+    def measured(row: SchemeRow) -> dict[str, Any]:
+        assert row.warm is not None and row.peer is not None  # measurable
+        graphs = RuntimeGraphSet(row.scheme, row.peer, row.warm, limits, config.backend)
+        result = replay(RequestReplay(spec, requests, steps, config, graphs=graphs),
+                        None if progress is None else lambda label: progress(f"{row.scheme}: {label}"))
+        figures = result.set_measured()
+        assert figures is not None  # a graph set ran
+        return figures
+    return {row.scheme: measured(row) for row in rows}

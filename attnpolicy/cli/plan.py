@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.bench.replay import RequestReplay, replay
+from attnpolicy.bench.replay import measured_sets
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
     add_cost_args,
@@ -63,16 +63,14 @@ from attnpolicy.modelling.peer_coverage import (
     table_rows,
 )
 from attnpolicy.modelling.ranges import CALL_RANGE, GRAPH_RANGE, STEP_RANGE
-from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE, RuntimeGraphSet
+from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE
 from attnpolicy.modelling.simulation import (
     check_model,
     model_config,
     model_layouts,
-    packed_tokens,
     simulation_config,
 )
 from attnpolicy.modelling.warmup_costs import check_fits
-from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.bucket_search import ALIGN
 from attnpolicy.planning.graph_set import (
     PLAN_EVICTIONS,
@@ -94,15 +92,13 @@ from attnpolicy.planning.scheme_comparison import (
     COMPARISON_LEGEND,
     COMPARISON_TITLE,
     SchemeComparison,
-    SchemeRow,
     plan_whole_requests,
 )
 from attnpolicy.planning.scheme_comparison import comparison_table as comparison_rows
 from attnpolicy.planning.warmup_plan import Budget, Grid
 from attnpolicy.report.markdown import table
-from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
+from attnpolicy.workloads.batching import Workload
 from attnpolicy.workloads.layout_stream import read_layout_stream, select_run
-from attnpolicy.workloads.traces import Request
 
 
 def seconds(text: str) -> float:
@@ -376,7 +372,15 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         fail(str(exc))
     if args.measure is not None:
-        comparison = comparison.with_measured(measured_sets(args.measure, comparison, requests, steps, cost, former))
+        rows = comparison.measurable()
+        try:
+            with progress(len(rows) * len(steps), "plan --measure") as advance:
+                measured = measured_sets(args.measure, rows, limits, requests, steps, cost, former, advance)
+        except ConfigError as exc:
+            fail(f"argument --measure: {exc}")
+        except AllocationError as exc:  # the KV cache of the requests that run at once, each at its longest
+            fail(f"argument --max-num-seqs/--max-seq-len: {exc}: lower them, or plan fewer or shorter requests")
+        comparison = comparison.with_measured(measured)
     source = source_name(args)
     with writing("--out", out):
         write_text_atomic(gaudi_file, settings.gaudi_file)
@@ -394,33 +398,6 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / GRAPH_SETS_FILE}, {out / 'host_settings.json'}, "
           f"{gaudi_file}")
     return 0
-
-
-def measured_sets(spec: str, comparison: SchemeComparison, requests: Sequence[Request],
-                  steps: Sequence[ScheduledBatch], cost: ModelCostModel, former: BatchFormer
-                  ) -> dict[str, dict[str, Any]]:
-    """``--measure SPEC``: each :meth:`~SchemeComparison.measurable` row's set run on the
-    planned ``steps`` of ``requests`` through a runner of SPEC under the config the
-    simulation assumes (the cost model's backend, strict mode warning), CPU seconds;
-    its measured figures (:meth:`~attnpolicy.bench.replay.ReplayResult.set_measured`) by
-    the row's label."""
-    config = model_config(cost, former.max_model_len, packed_tokens(former), strict="warn")
-    rows = comparison.measurable()
-    try:
-        with progress(len(rows) * len(steps), "plan --measure") as advance:
-            def measured(row: SchemeRow) -> dict[str, Any]:
-                assert row.warm is not None and row.peer is not None  # measurable
-                graphs = RuntimeGraphSet(row.scheme, row.peer, row.warm, comparison.limits, config.backend)
-                result = replay(RequestReplay(spec, requests, steps, config, graphs=graphs),
-                                lambda label: advance(f"{row.scheme}: {label}"))
-                figures = result.set_measured()
-                assert figures is not None  # a graph set ran
-                return figures
-            return {row.scheme: measured(row) for row in rows}
-    except ConfigError as exc:
-        fail(f"argument --measure: {exc}")
-    except AllocationError as exc:  # the KV cache of the requests that run at once, each at its longest
-        fail(f"argument --max-num-seqs/--max-seq-len: {exc}: lower them, or plan fewer or shorter requests")
 
 
 def requests_markdown(comparison: SchemeComparison, source: str, spec: str, w: Workload,

@@ -18,6 +18,7 @@ from attnpolicy.bench.settings import BenchSettings
 from attnpolicy.cli.common import (
     add_workload_args,
     check_evictions,
+    check_positions,
     check_writable,
     command,
     console,
@@ -28,6 +29,7 @@ from attnpolicy.cli.common import (
     former_options,
     int_list,
     model_spec,
+    natural_int,
     policy_options,
     positive_int,
     progress,
@@ -37,7 +39,9 @@ from attnpolicy.cli.common import (
     warn,
     writing,
 )
+from attnpolicy.cli.plan import seconds
 from attnpolicy.cli.simulate import add_sweep_args, sweep_size, workload
+from attnpolicy.engine.model_specs import spec_config
 from attnpolicy.errors import ConfigError
 from attnpolicy.kernels.accuracy import MaxAbsError
 from attnpolicy.modelling.cost_file import CostFile
@@ -53,7 +57,8 @@ REPORT_FLAGS = {"lengths": "--bench-lengths", "repeats": "--bench-repeats", "seq
          "kernel_lengths": "--kernel-lengths", "kernel_skip": "--kernel-skip",
          "validate_requests": "--validate-requests", "plan_max_buckets": "--plan-max-buckets",
          "model": "--model", "model_cost": "--model-cost", "model_lengths": "--model-lengths",
-         "model_backend": "--model-backend",
+         "model_backend": "--model-backend", "measure_requests": "--measure-requests",
+         "measure_seconds": "--measure-seconds",
          "sizes": "--calibrate-sizes"}
 
 
@@ -101,9 +106,36 @@ def register(subparsers: Any) -> None:
                    help="a cost-model file with whole-model step fits, as 'attnpolicy calibrate --model SPEC' "
                         "writes: adds the warm-up schemes on whole requests, as 'attnpolicy plan --family model "
                         "--whole-requests' (default: off)")
+    p.add_argument("--measure-requests", type=natural_int, default=None, metavar="N",
+                   help="with --model-cost: run the plan's gaudi form and the runtime default of the lowest modelled "
+                        "total that runs here on the first N requests, through the cost model's own model, beside "
+                        f"their modelled seconds; 0 measures nothing (default: {d.measure_requests})")
+    p.add_argument("--measure-seconds", type=seconds, default=None, metavar="S",
+                   help="with --model-cost: the most modelled seconds measured on that slice, a row whose modelled "
+                        f"total would go over stays modelled (default: {d.measure_seconds:g})")
     p.add_argument("--plan-max-buckets", type=positive_int, default=d.plan_max_buckets, metavar="K",
                    help="most bucket sizes per candidate list of the plan step, as 'attnpolicy plan "
                         f"--max-buckets' (default: {d.plan_max_buckets})")
+
+
+def check_model_cost(path: str, measure_requests: int, max_model_len: int) -> None:
+    """Refuse (exit 2) a --model-cost file without step fits and, when section 5
+    measures (``measure_requests``), one whose model cannot be loaded here, differs from
+    the fits' dims or holds fewer positions than ``max_model_len``."""
+    try:
+        cost = CostFile.load(path).model_fits(path, steps=True)
+        check_fits(cost)
+    except ConfigError as exc:
+        fail(f"argument --model-cost: {exc}")
+    if measure_requests:
+        try:
+            differs = cost.model_differs(spec_config(cost.spec), f"its spec {cost.spec}")
+        except ConfigError as exc:
+            fail(f"argument --model-cost: {path} prices a model that cannot be loaded here to measure on a slice: "
+                 f"{exc} (--measure-requests 0 leaves section 5 modelled)")
+        if differs:
+            fail(f"argument --model-cost: {path} prices another model: {differs}")
+        check_positions("--model-cost", cost.spec, max_model_len)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -111,6 +143,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     former = former_from(args)
     options = policy_options(args, "--policies", args.policies)
     check_evictions("--evictions", args.evictions, simulation=True)
+    measure = {name: getattr(args, name) for name in ("measure_requests", "measure_seconds")
+               if getattr(args, name) is not None}
+    if measure and args.model_cost is None:
+        fail(f"argument {REPORT_FLAGS[next(iter(measure))]}: needs --model-cost PATH (it measures section 5)")
     requests = workload(args, former)
     bench = settings(BenchSettings, REPORT_FLAGS, lengths=tuple(args.bench_lengths), repeats=args.bench_repeats)
     calibration = settings(partial(dataclasses.replace, ReportSettings().calibration), REPORT_FLAGS,
@@ -124,13 +160,11 @@ def cmd_report(args: argparse.Namespace) -> int:
                  plan_max_buckets=args.plan_max_buckets,
                  kernel_lengths=tuple(args.kernel_lengths), kernel_skip=tuple(args.kernel_skip),
                  model=args.model, model_cost=args.model_cost, model_lengths=tuple(args.model_lengths),
+                 **measure,
                  model_backend=args.model_backend,
                  bench=bench, former=former_options(args), policy_options=options)
     if s.model_cost is not None:
-        try:
-            check_fits(CostFile.load(s.model_cost).model_fits(s.model_cost, steps=True))
-        except ConfigError as exc:
-            fail(f"argument --model-cost: {exc}")
+        check_model_cost(s.model_cost, s.measure_requests, former.max_model_len)
     try:
         known = known_model(s, warn)
     except ConfigError as exc:
@@ -140,7 +174,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     formed(args, former, requests)
     total = (len(s.bench.lengths) * len(s.bench.seqs) + len(s.kernel_lengths) + sweep_size(args)
              + (len(s.model_lengths) if s.model else 0)
-             + len(s.validated_policies) + int(s.calibrates) + 1 + int(s.model_cost is not None))
+             + len(s.validated_policies) + int(s.calibrates) + 1
+             + (int(s.measure_requests > 0) + 1 if s.model_cost is not None else 0))
     command_line = "attnpolicy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress(total, "report") as advance, writing("--out", s.out):  # report.md, plots, the config
         data = make_report(s, command_line, advance, requests, known)

@@ -12,7 +12,10 @@
    predicted vs measured misses and seconds, side by side (``attnpolicy run``);
 5. the recommendation: ``attnpolicy plan`` at the sweep's leanest good bound, its
    config saved under ``DIR/config``, named beside the sweep's fastest row and its
-   leanest row within 10 % of it (:mod:`~attnpolicy.report.recommend`).
+   leanest row within 10 % of it (:mod:`~attnpolicy.report.recommend`);
+6. with a whole-model cost model (``model_cost``), the warm-up schemes on whole
+   requests (``attnpolicy plan --family model --whole-requests``), and the plan and
+   the best runtime default measured on a slice of the workload (:func:`measured_slice`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from attnpolicy.bench.calibration import calibrate, warm_up
 from attnpolicy.bench.calibration_cache import Provenance, lookup, store
 from attnpolicy.bench.kernel_timing import KernelRow, bench_kernels
 from attnpolicy.bench.mode_timing import MODEL_LENGTHS, AttentionBench, WholeModelBench, ratios, run_bench
-from attnpolicy.bench.replay import AttentionReplay, replay
+from attnpolicy.bench.replay import AttentionReplay, measured_sets, replay
 from attnpolicy.bench.settings import BenchSettings, CalibrationSettings
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
@@ -46,6 +49,7 @@ from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
 from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.ranges import CALL_RANGE, outside_range
+from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE
 from attnpolicy.modelling.simulation import (
     SimRow,
     lower_bounds,
@@ -53,8 +57,15 @@ from attnpolicy.modelling.simulation import (
     simulate_layouts,
     simulation_config,
 )
+from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.host_settings import GAUDI_FILE
-from attnpolicy.planning.scheme_comparison import COMPARISON_COLUMNS, comparison_table, plan_whole_requests
+from attnpolicy.planning.scheme_comparison import (
+    COMPARISON_COLUMNS,
+    SchemeComparison,
+    SchemeRow,
+    comparison_table,
+    plan_whole_requests,
+)
 from attnpolicy.planning.warmup_plan import Budget
 from attnpolicy.plugins.kernels import kernel_registry
 from attnpolicy.report.markdown import markdown
@@ -99,6 +110,11 @@ class ReportSettings:
     #: a cost-model file with whole-model step fits (``attnpolicy calibrate --model SPEC``):
     #: adds the warm-up schemes on whole requests (``plan --family model --whole-requests``)
     model_cost: str | None = None
+    #: with ``model_cost``: the first N requests of the workload on which the plan and the
+    #: best runtime default are measured (:func:`measured_slice`); 0: nothing measured
+    measure_requests: Annotated[int, Field(ge=0)] = 10
+    #: the most modelled seconds (the rows' modelled totals) measured on that slice
+    measure_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 120.0
     #: calibrate a cost model now (unless ``cost_model`` is given) with ``calibration``;
     #: off: the built-in model
     calibrate: bool = True
@@ -328,21 +344,84 @@ def marked(row: NamedRow) -> Marked:
                   row.peak_bytes / MIB, row.total_seconds, row.peak_graphs, row.capacity, row.max_bytes, row.hit_rate)
 
 
-def whole_requests(path: str, steps: Sequence[ScheduledBatch], former: BatchFormer, max_sizes: int,
-                   out: Path) -> dict[str, Any]:
-    """The warm-up schemes on the workload's whole requests, priced by the step fits of
-    the cost-model file ``path`` (``attnpolicy plan --family model --whole-requests``, its
-    host settings and bucketing file written under ``out``), as report.json holds them."""
+def whole_requests(s: ReportSettings, requests: Sequence[Request], steps: Sequence[ScheduledBatch],
+                   former: BatchFormer, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The warm-up schemes on the workload's whole requests (its ``steps`` of
+    ``requests``), priced by the step fits of the cost-model file ``s.model_cost``
+    (``attnpolicy plan --family model --whole-requests``, its graph sets, host settings
+    and bucketing file written under ``s.out / "whole_requests"``), with
+    :func:`measured_slice`, as report.json holds them."""
+    path, out = s.model_cost, s.out / "whole_requests"
+    assert path is not None
     model = CostFile.load(path).model_fits(path, steps=True)
     limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
     gaudi_file = out / GAUDI_FILE
-    comparison, settings = plan_whole_requests([s.layout for s in steps], limits, model, Budget(), max_sizes,
-                                               str(gaudi_file.resolve()))
+    comparison, settings = plan_whole_requests([st.layout for st in steps], limits, model, Budget(),
+                                               s.plan_max_buckets, str(gaudi_file.resolve()))
+    progress("planned whole requests")
+    sliced = measured_slice(s, model, requests, former, progress)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(gaudi_file, settings.gaudi_file)
     write_json(out / "host_settings.json", settings.sections)
+    write_json(out / GRAPH_SETS_FILE, comparison.graph_sets())
     return {"cost_model": path, "model": model.spec, "limits": asdict(limits), "dir": str(out),
-            "columns": list(COMPARISON_COLUMNS), "table": comparison_table(comparison), **comparison.to_json()}
+            "columns": list(COMPARISON_COLUMNS), "table": comparison_table(comparison), **comparison.to_json(),
+            "measured_slice": sliced}
+
+
+#: The plan's row that section 5 measures on its slice.
+PLAN_ROW = "plan (gaudi form)"
+
+
+def measured_slice(s: ReportSettings, model: ModelCostModel, requests: Sequence[Request], former: BatchFormer,
+                   progress: Callable[[str], None]) -> dict[str, Any] | None:
+    """Section 5 measured on a slice (``None``: ``s.measure_requests`` is 0): the first
+    ``s.measure_requests`` of ``requests`` in ``former``'s steps, planned as the section
+    plans the workload; its :data:`PLAN_ROW` and then the runtime default of the lowest
+    modelled total that this runner serves (:meth:`SchemeComparison.measurable`), each
+    run on the slice (:func:`~attnpolicy.bench.replay.measured_sets`, the cost model's
+    own model) while the modelled totals of the rows measured stay within
+    ``s.measure_seconds``. Each row says what it measured or why it stays modelled."""
+    if not s.measure_requests:
+        return None
+    sliced = list(requests[:s.measure_requests])
+    steps = list(former.steps(sliced))
+    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
+    comparison, _ = plan_whole_requests([st.layout for st in steps], limits, model, Budget(), s.plan_max_buckets)
+    rows = _slice_rows(comparison)
+    chosen, why, spent = [], {}, 0.0
+    for row in rows:
+        assert row.cost is not None  # the plan, and a measurable default
+        total = row.cost.total_seconds
+        if row.refused is not None:
+            why[row.scheme] = f"vllm-gaudi refuses its bucketing file: {row.refused}"
+        elif spent + total > s.measure_seconds:
+            why[row.scheme] = (f"measured, the rows would reach {spent + total:.4g} modelled s, over the budget "
+                               f"of {s.measure_seconds:g} (--measure-seconds)")
+        else:
+            chosen.append(row)
+            spent += total
+    measured = measured_sets(model.spec, chosen, limits, sliced, steps, model, former)
+    progress(f"measured {len(measured)} warm-up schemes on {len(sliced)} requests")
+
+    def row_json(row: SchemeRow) -> dict[str, Any]:
+        assert row.cost is not None
+        m, c = measured.get(row.scheme), row.cost
+        return {"scheme": row.scheme, "modelled": c.to_json(), "measured": m, "left_modelled": why.get(row.scheme),
+                "modelled_over_measured": (c.total_seconds / m["total_seconds"]
+                                           if m is not None and m["total_seconds"] > 0 else None)}
+    return {"requests": len(sliced), "steps": len(steps), "limits": asdict(limits), "model": model.spec,
+            "backend": model.backend, "budget_seconds": s.measure_seconds,
+            "rows": [row_json(r) for r in rows]}
+
+
+def _slice_rows(comparison: SchemeComparison) -> list[SchemeRow]:
+    """The rows :func:`measured_slice` measures, in order: :data:`PLAN_ROW`, then the
+    :meth:`~SchemeComparison.measurable` default of the lowest modelled total (if any)."""
+    plan = next(r for r in comparison.rows if r.scheme == PLAN_ROW)
+    defaults = [r for r in comparison.measurable() if r.default and r.cost is not None]
+    best = min(defaults, key=lambda r: r.cost.total_seconds if r.cost else 0.0, default=None)
+    return [plan, *([best] if best is not None else [])]
 
 
 def make_report(s: ReportSettings, command: str, progress: Callable[[str], None],
@@ -381,10 +460,7 @@ def make_report(s: ReportSettings, command: str, progress: Callable[[str], None]
     rec, plan, frontier = recommend(steps, sweep, base, model, s.policies, s.evictions, validation, s.out,
                                     s.plan_max_buckets, workload_name, schemes, workload)
     progress(f"planned {rec.policy}")
-    whole = None if s.model_cost is None else whole_requests(s.model_cost, steps, former, s.plan_max_buckets,
-                                                             s.out / "whole_requests")
-    if whole is not None:
-        progress("planned whole requests")
+    whole = None if s.model_cost is None else whole_requests(s, requests, steps, former, progress)
     bench_speedups = ratios(bench_rows, attention.measure)
     s.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {

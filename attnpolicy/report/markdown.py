@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE
 from attnpolicy.planning.scheme_comparison import COMPARISON_LEGEND
 from attnpolicy.report.plots import TT_XLA
 from attnpolicy.report.units import MIB, bound_text, capacity_text, human_bytes
@@ -141,8 +142,13 @@ def first_screen(data: dict[str, Any]) -> list[str]:
     ]
     whole = data.get("whole_requests")
     if whole is not None:
+        sliced = whole["measured_slice"]
+        ratios = [] if sliced is None else [f"{r['scheme']} {r['modelled_over_measured']:.2f}×"
+                                            for r in sliced["rows"] if r["modelled_over_measured"] is not None]
+        measured = (f" Modelled / measured total on a slice of {sliced['requests']} requests: {', '.join(ratios)}."
+                    if sliced is not None and ratios else "")
         lines += ["", (f"**Warm-up schemes on whole requests** ({whole['model']}, modelled, section 5): "
-                       f"{whole['summary'].removeprefix('* ')}.")]
+                       f"{whole['summary'].removeprefix('* ')}.{measured}")]
     if not err["trusted"]:
         advice = ("The cost model was calibrated in this run, so the machine's load changed between "
                   "calibration and validation: rerun on a quieter machine."
@@ -214,18 +220,56 @@ def _model_bench(bench: dict[str, Any] | None) -> list[str]:
 
 
 def _whole_requests(whole: dict[str, Any] | None) -> list[str]:
-    """Section 5 (``report --model-cost``): the warm-up schemes on whole requests; none without it."""
+    """Section 5 (``report --model-cost``): the warm-up schemes on whole requests, and
+    the rows measured on a slice; none without it."""
     if whole is None:
         return []
     limits = whole["limits"]
     return [
-        "## 5. Warm-up schemes on whole requests (modelled)", "",
+        "## 5. Warm-up schemes on whole requests (modelled, measured on a slice)", "",
         f"**Takeaway:** {whole['summary'].removeprefix('* ')}.", "",
         (f"Cost model `{whole['cost_model']}` ({whole['model']}); the server's limits: max_num_seqs "
          f"{limits['max_num_seqs']}, max_num_batched_tokens {limits['max_num_batched_tokens']}, max_model_len "
-         f"{limits['max_model_len']}, block {limits['block_size']}. The plan's host settings and vllm-gaudi "
-         f"bucketing file: `{whole['dir']}`. {COMPARISON_LEGEND}"), "",
+         f"{limits['max_model_len']}, block {limits['block_size']}. The plan's host settings, vllm-gaudi "
+         f"bucketing file and every row's graph set (`{GRAPH_SETS_FILE}`, which `attnpolicy run --model SPEC "
+         f"--plan DIR --graph-set LABEL` serves): `{whole['dir']}`. {COMPARISON_LEGEND} Here every row is "
+         "priced on the whole workload; the table below measures two of them on a slice."), "",
         table(whole["columns"], whole["table"]), "",
+        *_measured_slice(whole["measured_slice"]),
+    ]
+
+
+def _measured_slice(sliced: dict[str, Any] | None) -> list[str]:
+    """Section 5's rows measured on a slice (``None``: nothing measured)."""
+    head = "### Measured on a slice"
+    if sliced is None:
+        return [head, "", "Nothing measured (`--measure-requests 0`): every row above is modelled.", ""]
+    limits = sliced["limits"]
+    where = (f"first {sliced['requests']} requests, {sliced['steps']} steps, max_num_seqs {limits['max_num_seqs']}, "
+             f"max_num_batched_tokens {limits['max_num_batched_tokens']}, max_model_len {limits['max_model_len']}")
+
+    def counted(r: dict[str, Any], key: str) -> str:
+        modelled, m = r["modelled"][key], r["measured"]
+        if m is None:
+            return f"{modelled} (modelled)"
+        return str(m[key]) if m[key] == modelled else f"{m[key]} (modelled {modelled})"
+
+    rows = [(where, r["scheme"], f"{r['modelled']['total_seconds']:.4g}",
+             "modelled" if r["measured"] is None else f"{r['measured']['total_seconds']:.4g}",
+             "" if r["modelled_over_measured"] is None else f"{r['modelled_over_measured']:.2f}×",
+             counted(r, "graphs"), counted(r, "runtime_compiles")) for r in sliced["rows"]]
+    left = [f"- `{r['scheme']}` stays modelled ({r['modelled']['total_seconds']:.4g} modelled s): "
+            f"{r['left_modelled']}." for r in sliced["rows"] if r["left_modelled"]]
+    return [
+        head, "",
+        (f"The plan's gaudi form and then the runtime default of the lowest modelled total that this runner "
+         f"serves, each planned and priced on the slice as above and, while the modelled totals of the rows "
+         f"measured stay within {sliced['budget_seconds']:g} s (`--measure-seconds`), run here through "
+         f"{sliced['model']} (backend {sliced['backend']}): warm-up (every graph of the set compiled), run-time "
+         "compiles and run, CPU seconds (`--measure-requests` sets the slice)."), "",
+        table(("slice", "scheme", "modelled total s", "measured total s (CPU)", "modelled / measured", "graphs",
+               "run-time compiles"), rows), "",
+        *([*left, ""] if left else []),
     ]
 
 

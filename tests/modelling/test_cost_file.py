@@ -179,7 +179,7 @@ COMMANDS: list[tuple[str, list[str], set[str], bool]] = [
     ("run --model", ["run", "--model", TINY, "--backend", "none", "--json", "{out}/r.json", "--cost-model"],
      {"model", "steps", "model spec"}, True),
     ("report --model-cost", ["report", "--out", "{out}", "--no-calibrate", "--model-cost"],
-     {"model", "steps", "rows steps"}, True),
+     {"model", "steps", "rows steps", "model spec"}, True),
 ]
 
 

@@ -12,12 +12,17 @@ import pytest
 from attnpolicy.bench.mode_timing import Ratio
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
+from attnpolicy.core.jsonfile import dumps
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
+from attnpolicy.modelling.peer_buckets import PeerLimits
+from attnpolicy.modelling.runtime_sets import GraphSetsFile
 from attnpolicy.modelling.simulation import simulate, simulate_layouts, simulation_config
-from attnpolicy.report.build import ValidationRow
-from attnpolicy.report.markdown import first_screen, markdown, sizes_text
+from attnpolicy.planning.scheme_comparison import plan_whole_requests
+from attnpolicy.planning.warmup_plan import Budget
+from attnpolicy.report.build import ReportSettings, ValidationRow, whole_requests
+from attnpolicy.report.markdown import _whole_requests, first_screen, markdown, sizes_text
 from attnpolicy.report.plots import (
     MIB,
     TT_XLA,
@@ -42,7 +47,7 @@ from attnpolicy.report.recommend import (
 from attnpolicy.report.units import human_bytes
 from attnpolicy.workloads.batching import BatchFormer, Workload
 from attnpolicy.workloads.traces import Request
-from tests.cost_models import synthetic, with_rows, with_steps
+from tests.cost_models import of_model, synthetic, with_rows, with_steps
 
 REQUESTS = [Request(0.0, 40, 3), Request(0.1, 150, 2), Request(0.2, 7, 4), Request(0.3, 90, 1),
             Request(0.4, 300, 2), Request(0.5, 64, 3)]
@@ -50,7 +55,8 @@ FORMER = {"max_num_seqs": 3, "max_num_batched_tokens": 256}
 SMALL = ["--limit", "8", "--policies", "dynamic,varlen", "--capacities", "2,inf", "--evictions", "lru,lfu,belady",
          "--buckets", "pow2,vllm", "--bench-lengths", "64", "--bench-repeats", "1", "--validate-requests", "1",
          "--kernel-lengths", "64", "--kernel-skip", "flex"]
-MODEL = ["--model", "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64",
+TINY = "qwen3:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=64"
+MODEL = ["--model", TINY,
          "--model-lengths", "16,128", "--model-backend", "aot_eager"]
 
 
@@ -67,15 +73,24 @@ def _trace(path):
     return path
 
 
+#: The requests of section 5's slice in the report the tests read: fewer than ``REQUESTS``.
+SLICE = 4
+
+
+def _tiny_cost():
+    """A whole-model cost model of TINY, its graphs run uncompiled (quick to measure)."""
+    return of_model(with_rows(with_steps(compile_base=0.05)), TINY).model_copy(update={"backend": "none"})
+
+
 @pytest.fixture(scope="module")
 def small_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     trace = _trace(out.parent / "trace.csv")
-    model_cost = CostFile(model=with_rows(with_steps(compile_base=0.05))).save(out.parent / "model.json")
+    model_cost = CostFile(model=_tiny_cost()).save(out.parent / "model.json")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(["report", "--out", str(out), "--trace", str(trace), *SMALL, *SMALL_WORKLOAD, *MODEL,
-                     "--model-cost", str(model_cost)]) == 0
+                     "--model-cost", str(model_cost), "--measure-requests", str(SLICE)]) == 0
     return out, json.loads((out / "report.json").read_text()), " ".join(printed.getvalue().split())
 
 
@@ -363,14 +378,130 @@ def test_report_model_cost_adds_the_warm_up_schemes_on_whole_requests(small_repo
     assert whole["recommended"] == best["scheme"]
     text = (out / "report.md").read_text()
     screen = text[:text.index("## 1. Mask vs mask-free")]
-    line = f"Warm-up schemes on whole requests** (synthetic, modelled, section 5): lowest modelled total: {best['scheme']}"
-    assert f"**{line}" in screen and "Warm-up schemes on whole requests (synthetic, modelled, section 5)" in printed
+    line = f"Warm-up schemes on whole requests** ({TINY}, modelled, section 5): lowest modelled total: {best['scheme']}"
+    assert f"**{line}" in screen and f"Warm-up schemes on whole requests ({TINY}, modelled, section 5)" in printed
     section = text[text.index("## 5. Warm-up schemes on whole requests"):text.index("## Appendix")]
     assert f"| {best['scheme']} * |" in section and "| floor |" in section
     host = json.loads((out / "whole_requests" / "host_settings.json").read_text())
     assert host["tpu"]["num_tokens_paddings"] == whole["plans"]["ragged"]["grid"]["tokens"]
     assert (out / "whole_requests" / "gaudi_buckets.txt").read_text().startswith("# vllm-gaudi buckets")
     assert "## 5." not in markdown({**data, "whole_requests": None})  # off by default: no section
+
+
+def _strict(path):
+    return json.loads(path.read_text(), parse_constant=pytest.fail)
+
+
+def _slice_rows(requests, cost):
+    """The plan's gaudi-form row and the runtime defaults this runner serves, planned on
+    ``requests`` under ``FORMER`` as section 5 plans (unbounded budget)."""
+    former = BatchFormer(**FORMER)
+    steps = [st.layout for st in former.steps(requests)]
+    comparison, _ = plan_whole_requests(steps, PeerLimits(former.max_num_seqs, former.max_num_batched_tokens,
+                                                          former.max_model_len), cost, Budget(), 8)
+    defaults = [r for r in comparison.measurable() if r.default]
+    return next(r for r in comparison.rows if r.scheme == "plan (gaudi form)"), defaults
+
+
+def test_report_measures_the_plan_and_the_best_runtime_default_on_a_slice(small_report):
+    """Section 5 runs exactly two rows on the first ``--measure-requests`` requests: the
+    plan's gaudi form, then the served default of the lowest modelled total on the slice;
+    each warm-up compiles the row's graphs and nothing compiles after it."""
+    out, data, _ = small_report
+    sliced = _strict(out / "report.json")["whole_requests"]["measured_slice"]
+    plan, defaults = _slice_rows(REQUESTS[:SLICE], _tiny_cost())
+    best = min(defaults, key=lambda r: r.cost.total_seconds)
+    assert {r.scheme for r in defaults} == {"gaudi-linear", "gaudi-exponential", "rbln"}
+    assert sliced["requests"] == SLICE and sliced["steps"] == len(list(BatchFormer(**FORMER).steps(REQUESTS[:SLICE])))
+    assert sliced["model"] == TINY and sliced["budget_seconds"] == 120
+    assert [r["scheme"] for r in sliced["rows"]] == [plan.scheme, best.scheme]
+    for row, modelled in zip(sliced["rows"], (plan.cost, best.cost)):
+        m = row["measured"]
+        assert row["left_modelled"] is None and row["modelled"] == modelled.to_json()
+        assert m["graphs"] == modelled.graphs and m["runtime_compiles"] == modelled.runtime_compiles == 0
+        assert m["strict_violations"] == 0 and m["total_seconds"] > 0
+        assert row["modelled_over_measured"] == pytest.approx(modelled.total_seconds / m["total_seconds"])
+    text = (out / "report.md").read_text()
+    section = text[text.index("### Measured on a slice"):text.index("## Appendix")]
+    for row in sliced["rows"]:
+        m = row["measured"]
+        assert (f"| {row['scheme']} | {row['modelled']['total_seconds']:.4g} | {m['total_seconds']:.4g} | "
+                f"{row['modelled_over_measured']:.2f}× | {m['graphs']} | 0 |") in section
+    assert f"| first {SLICE} requests, {sliced['steps']} steps, max_num_seqs 3, " in section
+    screen = text[:text.index("## 1. Mask vs mask-free")]
+    ratios = ", ".join(f"{r['scheme']} {r['modelled_over_measured']:.2f}×" for r in sliced["rows"])
+    assert f"Modelled / measured total on a slice of {SLICE} requests: {ratios}." in screen
+    sets = GraphSetsFile.load(out / "whole_requests")  # every row's set, for run --model --plan
+    assert list(sets.sets) == [r["scheme"] for r in data["whole_requests"]["schemes"] if "graphs" in r]
+
+
+def _section(tmp_path, **settings):
+    """Section 5 of ``REQUESTS`` (report.json's part and report.md's) under ``settings``."""
+    path = CostFile(model=_tiny_cost()).save(tmp_path / "m.json")
+    s = ReportSettings(out=tmp_path / "r", model_cost=str(path), former=FORMER, **settings)
+    former = BatchFormer(**FORMER)
+    whole = whole_requests(s, REQUESTS, list(former.steps(REQUESTS)), former, lambda label: None)
+    dumps(whole, "whole_requests")  # strict JSON
+    text = "\n".join(_whole_requests(whole))
+    return whole, text[text.index("### Measured on a slice"):]
+
+
+def test_measure_requests_0_measures_nothing_and_the_section_says_so(tmp_path):
+    whole, section = _section(tmp_path, measure_requests=0)
+    assert whole["measured_slice"] is None
+    assert "Nothing measured (`--measure-requests 0`): every row above is modelled." in section
+    assert "| slice |" not in section
+
+
+@pytest.mark.parametrize("over", ["the default", "both"])
+def test_a_row_over_measure_seconds_stays_modelled_with_the_reason(tmp_path, over):
+    """The rows are measured in order while the modelled totals measured stay within the
+    budget: at the plan's own total the default goes over; at none both do."""
+    plan, defaults = _slice_rows(REQUESTS, _tiny_cost())
+    best = min(defaults, key=lambda r: r.cost.total_seconds)
+    budget = plan.cost.total_seconds if over == "the default" else 0.0
+    whole, section = _section(tmp_path, measure_seconds=budget)
+    rows = {r["scheme"]: r for r in whole["measured_slice"]["rows"]}
+    assert list(rows) == [plan.scheme, best.scheme]
+    left = [best.scheme] if over == "the default" else [plan.scheme, best.scheme]
+    for scheme, row in rows.items():
+        total = row["modelled"]["total_seconds"]
+        if scheme in left:
+            reached = total + (plan.cost.total_seconds if over == "the default" else 0.0)
+            assert row["measured"] is None and row["modelled_over_measured"] is None
+            assert row["left_modelled"] == (f"measured, the rows would reach {reached:.4g} modelled s, over the "
+                                            f"budget of {budget:g} (--measure-seconds)")
+            assert f"- `{scheme}` stays modelled ({total:.4g} modelled s): {row['left_modelled']}." in section
+            assert f"| {scheme} | {total:.4g} | modelled |  | {row['modelled']['graphs']} (modelled) |" in section
+        else:
+            assert row["measured"]["graphs"] == row["modelled"]["graphs"] and row["left_modelled"] is None
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--model-cost", "{synthetic}"],
+     "argument --model-cost: {synthetic} prices a model that cannot be loaded here to measure on a slice: model "
+     "spec 'synthetic'"),
+    (["--measure-requests", "3"], "argument --measure-requests: needs --model-cost PATH"),
+    (["--model-cost", "{tiny}", "--measure-seconds", "inf"], "argument --measure-seconds: "),
+    (["--model-cost", "{tiny}", "--max-seq-len", "9000"],
+     "argument --max-seq-len: 9000 is more than the 8192 positions of --model-cost " + TINY),
+], ids=["unloadable", "without-model-cost", "infinite", "positions"])
+def test_report_refuses_a_slice_it_cannot_measure_before_any_work(capsys, tmp_path, argv, error):
+    files = {"synthetic": str(CostFile(model=with_rows(with_steps())).save(tmp_path / "s.json")),
+             "tiny": str(CostFile(model=_tiny_cost()).save(tmp_path / "t.json"))}
+    assert main(["report", "--out", str(tmp_path / "r"), *SMALL, *(a.format(**files) for a in argv)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and error.format(**files) in lines[0] and captured.out == ""
+    assert not (tmp_path / "r").exists()
+
+
+def test_measure_requests_0_takes_a_model_cost_this_machine_cannot_load(tmp_path):
+    path = CostFile(model=with_rows(with_steps(compile_base=0.05))).save(tmp_path / "m.json")  # spec "synthetic"
+    s = ReportSettings(out=tmp_path / "r", model_cost=str(path), former=FORMER, measure_requests=0)
+    former = BatchFormer(**FORMER)
+    whole = whole_requests(s, REQUESTS, list(former.steps(REQUESTS)), former, lambda label: None)
+    assert whole["model"] == "synthetic" and whole["measured_slice"] is None
 
 
 def test_report_refuses_a_model_cost_without_step_fits_before_any_work(capsys, tmp_path):
