@@ -472,8 +472,10 @@ class StaticModelRunner:
 
     def _warm(self, items: Iterable[tuple[BatchLayout, tuple[Part, ...], bool]]) -> list[ModelKey]:
         """Each ``(layout, parts, kv)`` run once on zeros (``kv``: over a scratch cache
-        holding its context), then strict mode on."""
+        holding its context), then strict mode on (a later warm-up's compiles are none of
+        its violations)."""
         keys: list[ModelKey] = []
+        warm, self.source.warm = self.source.warm, False  # a warm-up's own compiles are no violations
         setup = backend_setup.start(self.config.backend, str(self.device))
         try:
             for layout, parts, step in items:
@@ -483,6 +485,9 @@ class StaticModelRunner:
                 self._check(ids, layout, kv, slots)
                 self._run(ids, layout, parts, kv, slots, background=False)
                 keys += [key for _, _, key in parts]
+        except BaseException:
+            self.source.warm = warm
+            raise
         finally:
             setup.join()  # its seconds are the warm-up's
         self.source.warm = True
