@@ -195,7 +195,8 @@ class _Attention:
 
     def __init__(self, args: argparse.Namespace) -> None:
         for flag, value in {"--cost-model": args.cost_model, "--clock": args.clock,
-                            "--prefill-only": args.prefill_only or None}.items():
+                            "--prefill-only": args.prefill_only or None, "--graph-set": args.graph_set,
+                            "--plan": args.plan}.items():
             if value is not None:
                 fail(f"argument {flag}: {value}: needs --model SPEC (without it the run replays attention calls)")
         check_spec_args(args)
@@ -416,17 +417,18 @@ def graph_set_from(args: argparse.Namespace, former: BatchFormer, backend: str) 
     limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
     label = args.graph_set or PLAN_SET
     try:
-        if args.plan is not None:
-            saved = GraphSetsFile.load(args.plan)
-            if saved.peer_limits() != limits:
-                fail(f"argument --plan: {args.plan} was planned for {asdict(saved.peer_limits())}, the workload flags "
-                     f"give {asdict(limits)}: give the plan's --max-num-seqs, --max-num-batched-tokens and "
-                     "--max-seq-len")
-        peer, warm = (scheme_set(label, limits) if args.plan is None or label in SCHEMES
-                      else saved.chosen(label))
+        saved = None if args.plan is None else GraphSetsFile.load(args.plan)
+    except ConfigError as exc:
+        fail(f"argument --plan: {exc}")
+    if saved is not None and saved.peer_limits() != limits:
+        fail(f"argument --plan: {args.plan} was planned for {asdict(saved.peer_limits())}, the workload flags "
+             f"give {asdict(limits)}: give the plan's --max-num-seqs, --max-num-batched-tokens and --max-seq-len")
+    planned = saved is not None and label not in SCHEMES  # a set of the plan's, not a runtime's default
+    try:
+        peer, warm = saved.chosen(label) if planned and saved is not None else scheme_set(label, limits)
         return RuntimeGraphSet(label, peer, warm, limits, backend)
     except ConfigError as exc:
-        fail(f"argument {'--plan' if args.plan and label not in SCHEMES else '--graph-set'}: {exc}")
+        fail(f"argument {'--plan' if planned else '--graph-set'}: {exc}")
 
 
 #: What ``run`` replays per --family.

@@ -127,6 +127,26 @@ class Placed:
         return logits
 
 
+def _segment_order(layout: BatchLayout, key: ModelKey, config: AttnPolicyConfig) -> list[int]:
+    """The sequence of ``layout`` each VARLEN segment of ``key`` holds, in the key's order:
+    each segment in turn the first sequence left that fits it, largest buckets first (a
+    key of the sequences' own buckets: that order; a key off ``config``'s buckets, as a
+    graph set's filling lays it out: sequence ``i`` in segment ``i``). A layout the
+    segments cannot hold raises :class:`~attnpolicy.errors.LayoutError`."""
+    ctx = contexts(layout)
+    left = sorted(range(layout.num_seqs), key=lambda i: segment(layout.q_lens[i], ctx[i], config), reverse=True)
+    order: list[int] = []
+    for rows, context in key.segments[:layout.num_seqs]:
+        i = next((i for i in left if layout.q_lens[i] <= rows and ctx[i] <= context), None)
+        if i is None:
+            break
+        left.remove(i)
+        order.append(i)
+    if left:
+        raise LayoutError(f"{layout.describe()} does not fit the segments of {key}")
+    return order
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -375,9 +395,8 @@ class StaticModelRunner:
         mode = key.mode
         token_ids = token_ids.to(device=self.device, dtype=torch.long)
         ctx = contexts(layout)
-        order = list(range(layout.num_seqs))
-        if mode is MaskMode.VARLEN:  # as the key's segments: largest buckets first
-            order.sort(key=lambda i: segment(layout.q_lens[i], ctx[i], self.config), reverse=True)
+        # VARLEN: each sequence in its own segment of the key; else in the layout's order
+        order = _segment_order(layout, key, self.config) if mode is MaskMode.VARLEN else range(layout.num_seqs)
         row_at, col_at, row, col = [0] * layout.num_seqs, [0] * layout.num_seqs, 0, 0
         for slot_i, i in enumerate(order):
             row_at[i], col_at[i] = row, col
@@ -453,8 +472,10 @@ class StaticModelRunner:
 
     def _warm(self, items: Iterable[tuple[BatchLayout, tuple[Part, ...], bool]]) -> list[ModelKey]:
         """Each ``(layout, parts, kv)`` run once on zeros (``kv``: over a scratch cache
-        holding its context), then strict mode on."""
+        holding its context), then strict mode on (a later warm-up's compiles are none of
+        its violations)."""
         keys: list[ModelKey] = []
+        warm, self.source.warm = self.source.warm, False  # a warm-up's own compiles are no violations
         setup = backend_setup.start(self.config.backend, str(self.device))
         try:
             for layout, parts, step in items:
@@ -464,6 +485,9 @@ class StaticModelRunner:
                 self._check(ids, layout, kv, slots)
                 self._run(ids, layout, parts, kv, slots, background=False)
                 keys += [key for _, _, key in parts]
+        except BaseException:
+            self.source.warm = warm
+            raise
         finally:
             setup.join()  # its seconds are the warm-up's
         self.source.warm = True

@@ -113,3 +113,64 @@ def test_a_second_run_on_a_store_loads_and_says_so(tmp_path, capsys):
     assert second["disk"]["hits"] == second["loads"] and first["disk"]["saves"] == first["compiles"]
     table = capsys.readouterr().out.split("attnpolicy run --model")[-1]
     assert "load s (cpu)" in table and "store loads / saves / evictions" in table
+
+
+#: the workload flags of the refusals below: the limits a plan's graph sets are checked against
+LIMITS = ["--max-seq-len", "64", "--max-num-batched-tokens", "32", "--max-num-seqs", "2"]
+
+
+@pytest.fixture
+def plan(tmp_path):
+    """A plan directory whose graph_sets.json holds one gaudi set at :data:`LIMITS`' limits."""
+    from attnpolicy.modelling.peer_buckets import PeerGraph, PeerLimits, PeerWarmSet
+    from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE, GraphSetsFile
+
+    warm = PeerWarmSet.of("plan", [PeerGraph("decode", 2, 1, 1), PeerGraph("prefill", 1, 32, 0)])
+    saved = GraphSetsFile.of(PeerLimits(2, 32, 64), {"plan (gaudi form)": ("gaudi", warm)})
+    folder = tmp_path / "plan"
+    folder.mkdir()
+    (folder / GRAPH_SETS_FILE).write_text(saved.model_dump_json())
+    return folder
+
+
+REFUSED = [
+    (["--graph-set", "tpu"], ["--graph-set", "graph set 'tpu' does not run here", "ragged"]),
+    (["--graph-set", "vllm"], ["--graph-set", "graph set 'vllm' does not run here", "ragged"]),
+    (["--graph-set", "nosuch"], ["--graph-set", "'nosuch'", "gaudi-exponential", "plan's graph_sets.json"]),
+    (["--graph-set", "rbln", "--policy", "varlen"], ["--policy", "not taken with --graph-set/--plan"]),
+    (["--graph-set", "rbln", "--prefill-only", "--max-num-batched-tokens", "64"],  # a budget a prompt fits
+     ["--prefill-only", "not taken with --graph-set/--plan"]),
+    (["--plan", "PLAN", "--max-seq-len", "128"], ["--plan", "was planned for", "'max_model_len': 64",
+                                                  "'max_model_len': 128", "--max-seq-len"]),
+    (["--plan", "PLAN", "--graph-set", "no such label"], ["--plan", "no graph set 'no such label'",
+                                                          "'plan (gaudi form)'"]),
+    # a plan that cannot be read is --plan's, whichever set --graph-set names
+    (["--plan", "PLAN/missing", "--graph-set", "rbln"], ["--plan", "missing"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_a_graph_set_run_is_refused_in_one_line_naming_the_flag_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                                  plan, argv, named):
+    work: list[str] = []
+    monkeypatch.setattr("attnpolicy.cli.run.workload", lambda *a: work.append("trace"))
+    monkeypatch.setattr("attnpolicy.engine.model_specs.ModelSpec.build", lambda *a: work.append("build"))
+    out = tmp_path / "run.json"
+    argv = [a.replace("PLAN", str(plan)) for a in argv]
+    assert main(["run", "--model", SPEC, "--trace", _trace(tmp_path, [20]), *LIMITS, *argv, "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnpolicy: error: argument {named[0]}: "), captured.err
+    for word in named[1:]:
+        assert word in lines[0], lines[0]
+    assert work == [] and not out.exists() and captured.out == ""
+
+
+@pytest.mark.parametrize("flag", ["--graph-set", "--plan"])
+def test_a_graph_set_without_model_is_refused_not_ignored(tmp_path, capsys, plan, flag):
+    """Without --model the run replays attention calls, which no graph set serves."""
+    value = "rbln" if flag == "--graph-set" else str(plan)
+    assert main(["run", "--trace", _trace(tmp_path, [20]), flag, value]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"attnpolicy: error: argument {flag}: {value}: needs --model SPEC (without it the run replays "
+                     "attention calls)"]

@@ -18,7 +18,7 @@ from test_static_model import TINY, Counted, config
 from attnpolicy.cli import main
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.core.modes import MaskMode
-from attnpolicy.engine.keys import ModelKey, dominates, estimate_bytes, forwards, model_key_for, step_keys
+from attnpolicy.engine.keys import GraphSet, ModelKey, dominates, estimate_bytes, forwards, model_key_for, step_keys
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
@@ -43,9 +43,11 @@ def whole(reference, tokens: list[int]) -> torch.Tensor:
         return reference(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
 
 
-def serve(runner, seqs: list[list[int]], chunks: list[list[int]], *, mode: MaskMode | None = None):
-    """Run ``seqs`` through ``runner`` in steps: step ``j`` gives sequence ``i`` its next
-    ``chunks[j][i]`` tokens (0: none); yields each step's logits per sequence."""
+def serve(runner, seqs: list[list[int]], chunks: list[list[int]], *, mode: MaskMode | None = None,
+          graphs: GraphSet | None = None):
+    """Run ``seqs`` through ``runner`` in steps (in ``mode``, or served from ``graphs``):
+    step ``j`` gives sequence ``i`` its next ``chunks[j][i]`` tokens (0: none); yields each
+    step's logits per sequence."""
     kv = KVCache.for_model(runner.model, len(seqs), MAX_LEN)
     done = [0] * len(seqs)
     for step in chunks:
@@ -53,7 +55,8 @@ def serve(runner, seqs: list[list[int]], chunks: list[list[int]], *, mode: MaskM
         q = [step[i] for i in live]
         layout = BatchLayout.from_lens(q, [done[i] + n for i, n in zip(live, q)], causal=True)
         ids = torch.tensor([t for i, n in zip(live, q) for t in seqs[i][done[i]:done[i] + n]])
-        out = (runner.logits(ids, layout, kv=kv, slots=live) if mode is None
+        out = (runner.serve(ids, layout, graphs, kv=kv, slots=live) if graphs is not None
+               else runner.logits(ids, layout, kv=kv, slots=live) if mode is None
                else runner.run(ids, layout, mode, kv=kv, slots=live))
         rows = {}
         for i, n, start in zip(live, q, layout.q_starts):
