@@ -270,25 +270,44 @@ class StaticModelRunner:
              slots: Sequence[int] | None, *, background: bool, counted: bool = False) -> torch.Tensor:
         """Run checked inputs (:meth:`_check`) as ``parts``: one forward per part (a ROWS
         step's decodes apart from its prefills, a graph set's runtime form), each on the
-        graph of its key (``counted``: each forward's hit or miss)."""
-        if len(parts) == 1:
-            return self._one_forward(token_ids, layout, parts[0][2], kv, slots, background=background,
-                                     counted=counted)
+        graph of its key (``counted``: each forward's hit or miss). Every part is placed
+        and its graph fetched before any runs, so a step one of whose graphs cannot be had
+        (strict mode raising, a failed build) changes no slot of ``kv``."""
+        def pinned(staged: Sequence[tuple[Any, ...]]) -> list[ModelKey]:  # cached graphs; else eager forwards
+            return [batch.key for *_, batch, graph in staged if isinstance(graph, CompiledGraph)]
+
+        fetched: list[tuple[int, BatchLayout, Sequence[int] | None, Placed, Callable[..., Any]]] = []
+        try:
+            for first, end, key in parts:
+                part, q0, own = layout.sequences(first, end), layout.q_starts[first], slots and slots[first:end]
+                fetched.append((q0, part, own, *self._fetch(token_ids[q0:q0 + part.q_tokens], part, key, kv, own,
+                                                            background=background, counted=counted)))
+        except BaseException:
+            self.cache.unpin(pinned(fetched))
+            raise
         logits: torch.Tensor | None = None
-        for first, end, key in parts:
-            part, q0 = layout.sequences(first, end), layout.q_starts[first]
-            out = self._one_forward(token_ids[q0:q0 + part.q_tokens], part, key, kv,
-                                    None if slots is None else slots[first:end], background=background,
-                                    counted=counted)
-            if logits is None:
-                logits = out.new_zeros(layout.q_tokens, out.shape[-1])
-            logits[q0:q0 + part.q_tokens] = out
+        try:
+            for q0, part, own, batch, graph in fetched:
+                with torch.no_grad():
+                    out = graph(*batch.inputs)
+                if batch.key.kv:  # a step: its KV rows into its slots
+                    assert kv is not None and own is not None
+                    out, new_k, new_v = out
+                    kv.append(own, batch.seq_rows, new_k, new_v)
+                rows = batch.scatter(out, part.q_tokens)
+                if logits is None:
+                    logits = rows.new_zeros(layout.q_tokens, rows.shape[-1])
+                logits[q0:q0 + part.q_tokens] = rows
+        finally:
+            self.cache.unpin(pinned(fetched))
         assert logits is not None
         return logits
 
-    def _one_forward(self, token_ids: torch.Tensor, layout: BatchLayout, key: ModelKey, kv: KVCache | None,
-                     slots: Sequence[int] | None, *, background: bool, counted: bool) -> torch.Tensor:
-        """One forward's logits over the graph of ``key`` (a step's KV rows into its slots)."""
+    def _fetch(self, token_ids: torch.Tensor, layout: BatchLayout, key: ModelKey, kv: KVCache | None,
+               slots: Sequence[int] | None, *, background: bool, counted: bool
+               ) -> tuple[Placed, Callable[..., Any]]:
+        """One forward placed in the graph of ``key`` (or of the larger key it is padded up
+        to) and that graph: cached and pinned, or the eager forward while it compiles."""
         batch = self._legal_place(token_ids, layout, key, kv, slots)
         bg = self._background
         graph: Callable[..., Any]
@@ -308,17 +327,7 @@ class StaticModelRunner:
             graph = self.graph_for(batch, pin=True)
         if counted:
             self._count(hit)
-        pinned = isinstance(graph, CompiledGraph)  # a cached graph (pinned), else the eager forward
-        try:
-            with torch.no_grad():
-                out = graph(*batch.inputs)
-        finally:
-            if pinned:
-                self.cache.unpin([batch.key])
-        if kv is not None and slots is not None:  # a step: its KV rows into the slots
-            out, new_k, new_v = out
-            kv.append(slots, batch.seq_rows, new_k, new_v)
-        return batch.scatter(out, layout.q_tokens)
+        return batch, graph
 
     def prepare(self, token_ids: torch.Tensor, layout: BatchLayout, mode: MaskMode, *, kv: KVCache | None = None,
                 slots: Sequence[int] | None = None) -> Placed:

@@ -189,6 +189,22 @@ def test_a_warmed_set_serves_its_steps_with_no_compile_and_a_step_it_cannot_is_a
         assert ModelKey(MaskMode.ROWS, 20, 0, ((20, 0),), BACKEND, kv=True) in runner.cache.keys()
 
 
+def test_a_step_one_of_whose_graphs_strict_mode_refuses_changes_no_slot(models):
+    """Every part's graph is fetched before any part runs: a decode the set serves beside a
+    prompt it does not raises under strict "raise" with neither slot extended."""
+    model, _ = models
+    graphs = covering()
+    runner = StaticModelRunner(model, config(strict="raise"))
+    runner.warmup_keys(graphs.keys)
+    kv = KVCache.for_model(model, 2, 64, lengths=[5, 0])
+    layout = BatchLayout.from_lens([1, 20], [6, 20], causal=True)  # a decode over 5, a prompt of 20
+    ids = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(StrictModeError, match="step/rows/r1t20c0"):
+        runner.serve(ids, layout, graphs, kv=kv, slots=[0, 1])
+    assert [kv.length(0), kv.length(1)] == [5, 0]
+    assert runner.stats().cache.compiles == len(graphs.keys)
+
+
 # -- a step's parts in each runtime's form ----------------------------------------------------
 
 #: two decodes (contexts 19 and 8: 2 + 1 blocks of their 20 and 9 keys), then a prompt of 12
