@@ -595,8 +595,9 @@ class RequestReplay(_RunnerReplay):
         cost = self._cost
         summary = self._summary(stats, stats.forward_hits, stats.forward_misses, None, requests=len(self._prompts),
                                 context_steps=sum(layout.has_context for layout in served))
-        measured = {"graphs": len(graphs.keys), "warmup_seconds": self._warmup_seconds,
-                    "runtime_compiles": stats.cache.compiles - self._warm.compiles,
+        warm = self._warm  # the cache after the warm-up: its graphs compiled (or loaded) then
+        measured = {"graphs": warm.compiles + warm.loads, "warmup_seconds": self._warmup_seconds,
+                    "runtime_compiles": stats.cache.compiles - warm.compiles,
                     "strict_violations": stats.strict_violations,
                     "padding": (self._computed - self._tokens_run) / self._tokens_run if self._tokens_run else 0.0,
                     "estimate_bytes": sum(m.estimate_bytes for m in stats.memory),
