@@ -8,7 +8,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from attnpolicy.bench.replay import measured_sets
 from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.cli.common import (
     add_cost_args,
@@ -372,6 +371,7 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         fail(str(exc))
     if args.measure is not None:
+        from attnpolicy.bench.replay import measured_sets  # torch: only when measuring (plan itself needs none)
         rows = comparison.measurable()
         try:
             with progress(len(rows) * len(steps), "plan --measure") as advance:
