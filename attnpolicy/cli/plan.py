@@ -360,7 +360,7 @@ def cmd_plan_whole_requests(args: argparse.Namespace) -> int:
     steps, w = formed(args, former, requests)
     layouts = layouts_of(steps)
     fields = provenance_json(provenance, flag_range(cost, layouts, STEP_RANGE))
-    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
+    limits = PeerLimits.of(former)
     out = Path(args.out)
     gaudi_file = out / GAUDI_FILE
     try:

@@ -50,10 +50,18 @@ from attnpolicy.kernels.accuracy import TOLERANCE, MaxAbsError
 from attnpolicy.modelling.cost_file import Family
 from attnpolicy.modelling.peer_buckets import PeerLimits
 from attnpolicy.modelling.ranges import GRAPH_RANGE, STEP_RANGE
-from attnpolicy.modelling.runtime_sets import GRAPH_SETS_FILE, SCHEMES, GraphSetsFile, RuntimeGraphSet, scheme_set
+from attnpolicy.modelling.runtime_sets import (
+    GRAPH_SETS_FILE,
+    SCHEMES,
+    SERVED_SCHEMES,
+    GraphSetsFile,
+    RuntimeGraphSet,
+    scheme_set,
+)
 from attnpolicy.modelling.simulation import model_layouts
 from attnpolicy.modelling.warmup_costs import check_fits
 from attnpolicy.planning.replan import DRIFT_THRESHOLD, Replanner
+from attnpolicy.planning.scheme_comparison import PLAN_GAUDI
 from attnpolicy.report.units import MIB
 from attnpolicy.workloads.batching import BatchFormer, ScheduledBatch, Workload
 from attnpolicy.workloads.traces import Request
@@ -101,13 +109,14 @@ def register(subparsers: Any) -> None:
                         "attention calls)")
     p.add_argument("--graph-set", metavar="NAME", default=None,
                    help="with --model: serve whole requests from one graph set, compiled at start (the warm-up, "
-                        f"timed), then strict mode: a runtime's default set ({', '.join(SCHEMES)}) at the workload's "
-                        "limits, or with --plan a set of the plan's table by its label; each step runs in that "
-                        "runtime's form and the run reports each figure beside the set's modelled one (with "
+                        f"timed), then strict mode: a runtime's default set ({', '.join(SERVED_SCHEMES)}; the "
+                        f"ragged {', '.join(s for s in SCHEMES if s not in SERVED_SCHEMES)} do not run here) at the "
+                        "workload's limits, or with --plan a set of the plan's table by its label; each step runs in "
+                        "that runtime's form and the run reports each figure beside the set's modelled one (with "
                         "--cost-model) (default: none, the policy decides)")
     p.add_argument("--plan", metavar="DIR", default=None,
                    help=f"with --model: a plan --whole-requests directory (its {GRAPH_SETS_FILE}); --graph-set names "
-                        f"one of its sets by its row's label, else {PLAN_SET!r} (default: none)")
+                        f"one of its sets by its row's label, else {PLAN_GAUDI!r} (default: none)")
     p.add_argument("--prefill-only", action="store_true",
                    help="with --model: serve prompts only, each in one step (the workload the model-level "
                         "simulator and --cost-model predict) (default: off, whole requests)")
@@ -304,8 +313,7 @@ class _WholeModel:
                     check_fits(cost)
                 except ConfigError as exc:
                     fail(f"argument --cost-model: {exc}")
-            if config.strict == "off":  # after the warm-up a compile is counted and said
-                self.config = config.model_copy(update={"strict": "warn"})
+            self.config = config.model_copy(update={"strict": "warn"})  # after the warm-up: counted and said
 
     def prepare(self, args: argparse.Namespace) -> None:
         """Say where the cost model comes from, once the workload is read."""
@@ -398,8 +406,6 @@ class _WholeModel:
                 "outside_calibrated_range": None if outside is None else outside.to_json()}
 
 
-#: The plan's set ``--plan`` serves unless --graph-set names another.
-PLAN_SET = "plan (gaudi form)"
 
 
 def graph_set_from(args: argparse.Namespace, former: BatchFormer, backend: str) -> RuntimeGraphSet | None:
@@ -414,8 +420,8 @@ def graph_set_from(args: argparse.Namespace, former: BatchFormer, backend: str) 
         if value is not None:
             fail(f"argument {flag}: not taken with --graph-set/--plan (the set's graphs serve every step, in its "
                  "runtime's form; no policy decides and nothing is evicted)")
-    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
-    label = args.graph_set or PLAN_SET
+    limits = PeerLimits.of(former)
+    label = args.graph_set or PLAN_GAUDI
     try:
         saved = None if args.plan is None else GraphSetsFile.load(args.plan)
     except ConfigError as exc:

@@ -106,6 +106,25 @@ class GraphSet(Protocol):
     def parts(self, layout: BatchLayout) -> tuple[Part, ...]: ...
 
 
+def why_not_held(key: ModelKey, layout: BatchLayout) -> str | None:
+    """Why ``key``'s graph cannot hold ``layout``'s sequences in its padded rows and context
+    (``None``: it can): ROWS, a row per sequence, each within the row's length and context;
+    MASK, every row and context column within its totals; CAUSAL, one sequence within its
+    rows over exactly its context. (VARLEN's segments are matched as it is placed.)"""
+    ctx = contexts(layout)
+    if key.mode is MaskMode.ROWS:
+        length, context = key.segments[0]
+        if layout.num_seqs > key.rows or max(layout.q_lens) > length or max(ctx) > context:
+            return (f"{layout.num_seqs} rows of at most {max(layout.q_lens)} tokens over {max(ctx)} context, "
+                    f"the graph {key.rows} of {length} over {context}")
+    elif key.mode is MaskMode.MASK and (sum(layout.q_lens) > key.tokens or sum(ctx) > key.context):
+        return f"{sum(layout.q_lens)} rows over {sum(ctx)} context, the graph {key.tokens} over {key.context}"
+    elif key.mode is MaskMode.CAUSAL and (layout.num_seqs != 1 or layout.q_lens[0] > key.tokens
+                                          or ctx[0] != key.context):
+        return f"the graph holds one sequence of at most {key.tokens} rows over exactly {key.context} context"
+    return None
+
+
 def filling(key: ModelKey) -> BatchLayout:
     """The layout that fills ``key``'s graph exactly: every segment one causal sequence of
     its rows over its context (ROWS: one per row; MASK and CAUSAL: one of all). What a

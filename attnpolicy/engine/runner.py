@@ -62,6 +62,7 @@ from attnpolicy.engine.keys import (
     step_keys,
     step_parts,
     why_illegal_step,
+    why_not_held,
 )
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.errors import ConfigError, IllegalModeError, LayoutError
@@ -253,10 +254,15 @@ class StaticModelRunner:
         Counted per forward, by its graph's mode."""
         self._check(token_ids, layout, kv, slots)
         parts = graphs.parts(layout)
+        ends = [0, *(end for _, end, _ in parts)]
+        if [first for first, _, _ in parts] != ends[:-1] or ends[-1] != layout.num_seqs:
+            raise LayoutError(f"graph set {graphs.name!r} gave parts {[p[:2] for p in parts]}, not the "
+                              f"{layout.num_seqs} sequences of ({layout.describe()}) in order, each once")
+        out = self._run(token_ids, layout, parts, kv, slots, background=self._background is not None, counted=True)
         with self._lock:
             self._modes.update(key.mode.value for _, _, key in parts)
             self._batches += 1
-        return self._run(token_ids, layout, parts, kv, slots, background=self._background is not None, counted=True)
+        return out
 
     def _count(self, hit: bool) -> None:
         """One forward run on its own resident graph (``hit``), or not."""
@@ -346,6 +352,8 @@ class StaticModelRunner:
             check_legal(key.mode, layout)
         elif (why := why_illegal_step(key.mode, layout)) is not None:
             raise IllegalModeError(f"mode={key.mode.value} is illegal for step ({layout.describe()}): {why}")
+        if (why := why_not_held(key, layout)) is not None:
+            raise LayoutError(f"graph {key} cannot hold ({layout.describe()}): {why}")
         return self._place(token_ids, layout, key, kv, slots)
 
     def graph_for(self, batch: Placed, *, pin: bool = False) -> CompiledGraph:

@@ -42,6 +42,7 @@ import numpy as np
 from attnpolicy.core.layout import BatchLayout
 from attnpolicy.errors import ConfigError
 from attnpolicy.graphs import plan_rules
+from attnpolicy.workloads.batching import BatchFormer
 
 Phase = Literal["prefill", "decode", "mixed"]
 #: The peers whose warm sets and forwards are modelled here.
@@ -96,6 +97,11 @@ class PeerLimits:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             _check_int(name, getattr(self, name), 1)
+
+    @classmethod
+    def of(cls, former: BatchFormer) -> PeerLimits:
+        """The limits of the server whose steps ``former`` forms (blocks of the default size)."""
+        return cls(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -689,7 +695,8 @@ def peer_ranges(peer: Peer, q_lens: Sequence[int]) -> tuple[tuple[int, int], ...
     with ``q_lens`` new tokens as, one forward each: ``tpu`` the whole step;
     ``gaudi`` and ``rbln`` each prompt alone and a step's decodes together
     (:func:`~attnpolicy.graphs.plan_rules.row_groups` with one prompt a range: the
-    runtimes put a step's decodes first, so they run as one batch)."""
+    runtimes put a step's decodes first, so they run as one batch; a one-token prefill
+    chunk after the prompts is a decode to them and runs as a second decode batch)."""
     if peer == "tpu":
         return ((0, len(q_lens)),) if q_lens else ()
     return plan_rules.row_groups(q_lens, prompt_rows=1)

@@ -51,14 +51,18 @@ from attnpolicy.modelling.whole_model_costs import ModelCostModel
 
 #: The runtimes' default sets by name (vLLM's: its piecewise capture sizes, ragged).
 SCHEMES = (*WARMUPS, "vllm")
+#: Those this runner serves: vllm-gaudi's and vllm-rbln's (the others are ragged).
+SERVED_SCHEMES = tuple(name for name in WARMUPS if peer_of(name) != "tpu")
 #: The file ``plan --whole-requests`` writes its sets to.
 GRAPH_SETS_FILE = "graph_sets.json"
 GRAPH_SETS_VERSION: Literal[1] = 1
 
 
-def why_not_runnable(warm: PeerWarmSet) -> str | None:
-    """Why this runner cannot serve ``warm`` (``None``: it can): a ragged graph."""
-    if any(g.phase == "mixed" for g in warm.graphs):
+def why_not_runnable(peer: Peer, warm: PeerWarmSet) -> str | None:
+    """Why this runner cannot serve ``warm`` in ``peer``'s form (``None``: it can): a
+    ragged form (tpu-inference's, vLLM's, the plan's ragged form, even one left empty)
+    or a ragged graph."""
+    if peer == "tpu" or any(g.phase == "mixed" for g in warm.graphs):
         return ("its graphs are ragged (one forward padded on its tokens, attention reading the KV cache in place "
                 "through the step's page table); this runner's step graphs take each forward's context as a dense "
                 "input of static size, so it runs vllm-gaudi's and vllm-rbln's forms only")
@@ -78,7 +82,7 @@ class RuntimeGraphSet:
     backend: str
 
     def __post_init__(self) -> None:
-        why = why_not_runnable(self.warm)
+        why = why_not_runnable(self.peer, self.warm)
         if why is not None:
             raise ConfigError(f"graph set {self.name!r} does not run here: {why}")
 

@@ -65,12 +65,17 @@ def own_graph(forward: Forward) -> PeerGraph:
     return PeerGraph(forward.phase, forward.batch, forward.query_tokens, forward.context_blocks)
 
 
-def check_fits(model: ModelCostModel) -> ModelCostModel:
-    """``model``, when it holds the step fits of every mode a peer's graph is priced by
-    (ROWS and MASK); else a :class:`ConfigError` naming the mode and the fix."""
+def step_run_fit(model: ModelCostModel, mode: MaskMode) -> ModelFit:
+    """``model``'s step graphs' run fit of ``mode`` (a :class:`ConfigError` naming the fix
+    when it holds none: ROWS in a file calibrated before it)."""
+    return model.fit(ModelKey(mode, 1, 0, ((1, 0),), model.backend, kv=True), "run")
+
+
+def check_fits(model: ModelCostModel) -> None:
+    """Nothing when ``model`` holds the step fits of every mode a peer's graph is priced
+    by (ROWS and MASK); else a :class:`ConfigError` naming the mode and the fix."""
     for mode in (MaskMode.ROWS, MaskMode.MASK):
-        model.fit(ModelKey(mode, 1, 0, ((1, 0),), model.backend, kv=True), "run")
-    return model
+        step_run_fit(model, mode)
 
 
 class Pricing:
@@ -83,10 +88,8 @@ class Pricing:
         check_fits(model)
 
     def run_fit(self, mode: MaskMode) -> ModelFit:
-        """The step graphs' run fit of ``mode`` (a :class:`ConfigError` naming the fix when
-        the model holds none: ROWS in a file calibrated before it)."""
-        key = ModelKey(mode, 1, 0, ((1, 0),), self.model.backend, kv=True)
-        return self.model.fit(key, "run")
+        """The step graphs' run fit of ``mode`` (:func:`step_run_fit`)."""
+        return step_run_fit(self.model, mode)
 
     def key(self, graph: PeerGraph) -> ModelKey:
         return peer_key(graph, self.limits, self.model.backend)

@@ -53,6 +53,8 @@ from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.host_settings import GAUDI_FILE, GaudiBuckets, HostSettings, PlannedForms, host_settings
 from attnpolicy.planning.warmup_plan import Budget, Grid, PeerPlan, plan_forms, plan_warmup, top_grid
 
+#: The label of the plan's row in the gaudi form: the plan's set this runner serves.
+PLAN_GAUDI = "plan (gaudi form)"
 #: The hosts that run each form of the plan.
 FORM_HOSTS = {"gaudi": ("gaudi",), "ragged": ("tpu", "vllm")}
 #: The peer whose forwards each form plans (:func:`~attnpolicy.planning.warmup_plan.plan_forms`).
@@ -147,8 +149,8 @@ class SchemeComparison:
         """The rows a run measures: a warm set this runner serves (not ragged,
         :func:`~attnpolicy.modelling.runtime_sets.why_not_runnable`) that its host does
         not refuse, comparisons no file sets up (``reference``) left out."""
-        return tuple(r for r in self.rows if r.warm is not None and r.refused is None and not r.reference
-                     and why_not_runnable(r.warm) is None)
+        return tuple(r for r in self.rows if r.warm is not None and r.peer is not None and r.refused is None
+                     and not r.reference and why_not_runnable(r.peer, r.warm) is None)
 
     def with_measured(self, measured: Mapping[str, Mapping[str, Any]]) -> SchemeComparison:
         """This comparison with each row of a label in ``measured`` holding its figures."""
@@ -246,7 +248,7 @@ def compare_schemes(forwards: WorkloadForwards, pricing: Pricing, plans: tuple[P
     except ConfigError as exc:
         refused = str(exc)
     rows = [*peers, priced("pow2", FORM_HOSTS["gaudi"], pow2, "gaudi", reference=True),
-            priced("plan (gaudi form)", FORM_HOSTS["gaudi"], gaudi.warm, FORM_PEER["gaudi"], gaudi.cost,
+            priced(PLAN_GAUDI, FORM_HOSTS["gaudi"], gaudi.warm, FORM_PEER["gaudi"], gaudi.cost,
                    refused=refused),
             # tpu-inference always compiles its cover padding: a plan without one runs on vLLM alone
             priced("plan (ragged form)", FORM_HOSTS["ragged"] if ragged.warm.graphs else ("vllm",), ragged.warm,
@@ -284,7 +286,7 @@ def plan_whole_requests(steps: Sequence[BatchLayout], limits: PeerLimits, model:
 
 
 #: The table's title and legend (under the title in plan.md).
-COMPARISON_TITLE = "Warm-up schemes on whole requests, modelled"
+COMPARISON_TITLE = "Warm-up schemes on whole requests, modelled (measured with --measure)"
 COMPARISON_LEGEND = ("Each scheme's warm-up set and each step as its runtime runs it, each graph priced as the step "
                      "graph `run --model --graph-set` compiles for it, by the cost model's step fits of its mode "
                      "(prompts and vllm-rbln's decodes ROWS, vllm-gaudi's flat decodes MASK), at its padded shape; a "

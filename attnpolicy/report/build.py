@@ -43,7 +43,7 @@ from attnpolicy.cache.key_stream import BELADY
 from attnpolicy.core.jsonfile import write_json, write_text_atomic
 from attnpolicy.core.names import BACKENDS
 from attnpolicy.engine.model_specs import parse_spec
-from attnpolicy.errors import ConfigError
+from attnpolicy.errors import AllocationError, ConfigError
 from attnpolicy.graphs.costmodel import CostModel
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
@@ -61,6 +61,7 @@ from attnpolicy.modelling.whole_model_costs import ModelCostModel
 from attnpolicy.planning.host_settings import GAUDI_FILE
 from attnpolicy.planning.scheme_comparison import (
     COMPARISON_COLUMNS,
+    PLAN_GAUDI,
     SchemeComparison,
     SchemeRow,
     comparison_table,
@@ -354,7 +355,7 @@ def whole_requests(s: ReportSettings, requests: Sequence[Request], steps: Sequen
     path, out = s.model_cost, s.out / "whole_requests"
     assert path is not None
     model = CostFile.load(path).model_fits(path, steps=True)
-    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
+    limits = PeerLimits.of(former)
     gaudi_file = out / GAUDI_FILE
     comparison, settings = plan_whole_requests([st.layout for st in steps], limits, model, Budget(),
                                                s.plan_max_buckets, str(gaudi_file.resolve()))
@@ -369,15 +370,11 @@ def whole_requests(s: ReportSettings, requests: Sequence[Request], steps: Sequen
             "measured_slice": sliced}
 
 
-#: The plan's row that section 5 measures on its slice.
-PLAN_ROW = "plan (gaudi form)"
-
-
 def measured_slice(s: ReportSettings, model: ModelCostModel, requests: Sequence[Request], former: BatchFormer,
                    progress: Callable[[str], None]) -> dict[str, Any] | None:
     """Section 5 measured on a slice (``None``: ``s.measure_requests`` is 0): the first
     ``s.measure_requests`` of ``requests`` in ``former``'s steps, planned as the section
-    plans the workload; its :data:`PLAN_ROW` and then the runtime default of the lowest
+    plans the workload; its :data:`PLAN_GAUDI` and then the runtime default of the lowest
     modelled total that this runner serves (:meth:`SchemeComparison.measurable`), each
     run on the slice (:func:`~attnpolicy.bench.replay.measured_sets`, the cost model's
     own model) while the modelled totals of the rows measured stay within
@@ -386,7 +383,7 @@ def measured_slice(s: ReportSettings, model: ModelCostModel, requests: Sequence[
         return None
     sliced = list(requests[:s.measure_requests])
     steps = list(former.steps(sliced))
-    limits = PeerLimits(former.max_num_seqs, former.max_num_batched_tokens, former.max_model_len)
+    limits = PeerLimits.of(former)
     comparison, _ = plan_whole_requests([st.layout for st in steps], limits, model, Budget(), s.plan_max_buckets)
     rows = _slice_rows(comparison)
     chosen, why, spent = [], {}, 0.0
@@ -401,7 +398,11 @@ def measured_slice(s: ReportSettings, model: ModelCostModel, requests: Sequence[
         else:
             chosen.append(row)
             spent += total
-    measured = measured_sets(model.spec, chosen, limits, sliced, steps, model, former)
+    try:
+        measured = measured_sets(model.spec, chosen, limits, sliced, steps, model, former)
+    except (ConfigError, AllocationError) as exc:  # the report keeps its work: the rows stay modelled, saying why
+        measured = {}
+        why.update({row.scheme: f"the run failed: {exc}" for row in chosen})
     progress(f"measured {len(measured)} warm-up schemes on {len(sliced)} requests")
 
     def row_json(row: SchemeRow) -> dict[str, Any]:
@@ -416,9 +417,9 @@ def measured_slice(s: ReportSettings, model: ModelCostModel, requests: Sequence[
 
 
 def _slice_rows(comparison: SchemeComparison) -> list[SchemeRow]:
-    """The rows :func:`measured_slice` measures, in order: :data:`PLAN_ROW`, then the
+    """The rows :func:`measured_slice` measures, in order: :data:`PLAN_GAUDI`, then the
     :meth:`~SchemeComparison.measurable` default of the lowest modelled total (if any)."""
-    plan = next(r for r in comparison.rows if r.scheme == PLAN_ROW)
+    plan = next(r for r in comparison.rows if r.scheme == PLAN_GAUDI)
     defaults = [r for r in comparison.measurable() if r.default and r.cost is not None]
     best = min(defaults, key=lambda r: r.cost.total_seconds if r.cost else 0.0, default=None)
     return [plan, *([best] if best is not None else [])]

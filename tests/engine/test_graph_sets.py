@@ -23,7 +23,7 @@ from attnpolicy.engine.keys import ModelKey, Part, contexts, filling
 from attnpolicy.engine.kv_cache import KVCache
 from attnpolicy.engine.model_specs import ModelSpec, parse_spec
 from attnpolicy.engine.runner import StaticModelRunner
-from attnpolicy.errors import StrictModeError
+from attnpolicy.errors import ConfigError, LayoutError, StrictModeError
 from attnpolicy.modelling.peer_buckets import PeerGraph, PeerLimits, PeerWarmSet
 from attnpolicy.modelling.runtime_sets import RuntimeGraphSet, scheme_set
 from attnpolicy.workloads.batching import BatchFormer
@@ -203,6 +203,54 @@ def test_a_step_one_of_whose_graphs_strict_mode_refuses_changes_no_slot(models):
         runner.serve(ids, layout, graphs, kv=kv, slots=[0, 1])
     assert [kv.length(0), kv.length(1)] == [5, 0]
     assert runner.stats().cache.compiles == len(graphs.keys)
+
+
+class Parts:
+    """A graph set that gives fixed parts, right or wrong."""
+
+    name = "fixed parts"
+
+    def __init__(self, *parts: Part) -> None:
+        self.keys = tuple(key for *_, key in parts)
+        self._parts = parts
+
+    def parts(self, layout: BatchLayout) -> tuple[Part, ...]:
+        return self._parts
+
+
+ROWS2 = ModelKey(MaskMode.ROWS, 2 * 16, 2 * 16, ((16, 16),) * 2, BACKEND, kv=True)
+
+
+@pytest.mark.parametrize(("graphs", "error"), [
+    (OneKey(ModelKey(MaskMode.ROWS, 16, 16, ((16, 16),), BACKEND, kv=True)),
+     "cannot hold .*2 rows of at most 12 tokens over 4 context, the graph 1 of 16 over 16"),
+    (OneKey(ModelKey(MaskMode.ROWS, 2 * 8, 2 * 16, ((8, 16),) * 2, BACKEND, kv=True)), "the graph 2 of 8 over 16"),
+    (OneKey(ModelKey(MaskMode.ROWS, 2 * 16, 2 * 2, ((16, 2),) * 2, BACKEND, kv=True)), "the graph 2 of 16 over 2"),
+    (OneKey(ModelKey(MaskMode.MASK, 16, 32, ((16, 32),), BACKEND, kv=True)), "17 rows over 7 context, the graph 16"),
+    (OneKey(ModelKey(MaskMode.MASK, 32, 4, ((32, 4),), BACKEND, kv=True)), "17 rows over 7 context, the graph 32 over 4"),
+    (Parts((0, 1, ROWS2)), r"gave parts \[\(0, 1\)\], not the 2 sequences"),
+    (Parts((0, 1, ROWS2), (0, 2, ROWS2)), r"gave parts \[\(0, 1\), \(0, 2\)\]"),
+])
+def test_a_part_no_graph_can_hold_is_refused_before_any_work(models, graphs, error):
+    """A graph set's key that cannot hold its part (a row, a length, a context too small),
+    or parts that do not cover the step's sequences once in order, raise LayoutError before
+    anything compiles or any slot changes."""
+    model, _ = models
+    runner = StaticModelRunner(model, config())
+    kv = KVCache.for_model(model, 2, 64, lengths=[3, 4])
+    layout = BatchLayout.from_lens([5, 12], [8, 16], causal=True)
+    with pytest.raises(LayoutError, match=error):
+        runner.serve(torch.zeros(17, dtype=torch.long), layout, graphs, kv=kv, slots=[0, 1])
+    assert runner.stats().cache.compiles == 0 and [kv.length(0), kv.length(1)] == [3, 4]
+    assert runner.stats().batches == 0
+
+
+def test_a_ragged_set_does_not_run_here_even_empty():
+    """The ragged form is refused by its runtime, not only by its graphs: a plan's ragged
+    form the budget left empty is still ragged."""
+    for warm in (PeerWarmSet.of("plan", []), PeerWarmSet.of("tpu", [PeerGraph("mixed", 2, 32)])):
+        with pytest.raises(ConfigError, match="does not run here: its graphs are ragged"):
+            RuntimeGraphSet("plan (ragged form)", "tpu", warm, LIMITS, BACKEND)
 
 
 # -- a step's parts in each runtime's form ----------------------------------------------------

@@ -9,10 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+import attnpolicy.report.build as report_build
 from attnpolicy.bench.mode_timing import Ratio
 from attnpolicy.cli import main
 from attnpolicy.config import AttnPolicyConfig
 from attnpolicy.core.jsonfile import dumps
+from attnpolicy.errors import AllocationError
 from attnpolicy.graphs.costmodel import CostModel, Fit
 from attnpolicy.modelling.bucket_schemes import bucket_scheme
 from attnpolicy.modelling.cost_file import CostFile
@@ -475,6 +477,20 @@ def test_a_row_over_measure_seconds_stays_modelled_with_the_reason(tmp_path, ove
             assert f"| {scheme} | {total:.4g} | modelled |  | {row['modelled']['graphs']} (modelled) |" in section
         else:
             assert row["measured"]["graphs"] == row["modelled"]["graphs"] and row["left_modelled"] is None
+
+
+def test_a_slice_whose_run_fails_stays_modelled_and_the_report_keeps_its_work(tmp_path, monkeypatch):
+    """A run the machine cannot make (its KV cache not allocated) leaves the rows modelled,
+    saying why, and the section is still written."""
+    def fails(*args, **kwargs):
+        raise AllocationError("a KV cache of 2 slots needs 99 bytes, more than cpu can allocate")
+    monkeypatch.setattr(report_build, "measured_sets", fails)
+    whole, section = _section(tmp_path)
+    rows = whole["measured_slice"]["rows"]
+    assert rows and all(r["measured"] is None for r in rows)
+    assert all(r["left_modelled"] == "the run failed: a KV cache of 2 slots needs 99 bytes, more than cpu can "
+               "allocate" for r in rows)
+    assert "stays modelled" in section
 
 
 @pytest.mark.parametrize(("argv", "error"), [
