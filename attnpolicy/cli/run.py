@@ -372,28 +372,19 @@ class _WholeModel:
         g = f["graph_set"]
         p = g["modelled"]
         assert m is not None  # a graph set ran
-        measured = {"graphs": m["graphs"], "warm-up s": m["warmup_seconds"], "run-time compiles": m["runtime_compiles"],
-                    "run-time compile s": m["runtime_compile_seconds"], "run s": m["run_seconds"],
-                    "total s": m["total_seconds"], "padding": m["padding"],
-                    "graph MiB (static estimate)": m["estimate_bytes"] / MIB}
-        modelled = {} if p is None else {
-            "graphs": p["graphs"], "warm-up s": p["warmup_seconds"], "run-time compiles": p["runtime_compiles"],
-            "run-time compile s": p["runtime_compile_seconds"], "run s": p["run_seconds"],
-            "total s": p["total_seconds"], "padding": p["padding"],
-            "graph MiB (static estimate)": p["peak_bytes"] / MIB}
         rows: list[tuple[str, Any]] = [
             ("model", f["spec"]), ("graph set", f"{g['name']} ({g['peer']}'s form)"),
             ("backend", self.config.backend), ("steps", result.batches), ("requests served", f["requests"]),
             ("forwards per mode", ", ".join(f"{k} {n}" for k, n in result.modes.items())),
             ("strict violations", m["strict_violations"])]
-        for name, value in measured.items():
+        for name, key, modelled_key, scale in SET_FIGURES:
+            value = m[key] / scale
             shown = f"{value:.1%}" if name == "padding" else f"{value:.4g}"
-            label = f"{name} ({clock})" if name.endswith(" s") else name
-            if name in modelled:
-                other = modelled[name]
+            if p is not None:
+                other = p[modelled_key] / scale
                 ratio = f", modelled/measured {other / value:.3g}" if value and name != "padding" else ""
                 shown = f"{shown} (modelled {f'{other:.1%}' if name == 'padding' else f'{other:.4g}'}{ratio})"
-            rows.append((label, shown))
+            rows.append((f"{name} ({clock})" if name.endswith(" s") else name, shown))
         rows.append(("build RSS MiB (measured)", m["rss_bytes"] / MIB))
         if result.token_mismatches is not None:
             rows += [("requests whose greedy tokens differ", result.token_mismatches)]
@@ -406,6 +397,14 @@ class _WholeModel:
                 "outside_calibrated_range": None if outside is None else outside.to_json()}
 
 
+#: A graph set run's figures as its table shows them: label, measured key
+#: (:meth:`ReplayResult.set_measured`), modelled key (:class:`WarmupCost`'s JSON), scale.
+SET_FIGURES = (("graphs", "graphs", "graphs", 1), ("warm-up s", "warmup_seconds", "warmup_seconds", 1),
+               ("run-time compiles", "runtime_compiles", "runtime_compiles", 1),
+               ("run-time compile s", "runtime_compile_seconds", "runtime_compile_seconds", 1),
+               ("run s", "run_seconds", "run_seconds", 1), ("total s", "total_seconds", "total_seconds", 1),
+               ("padding", "padding", "padding", 1),
+               ("graph MiB (static estimate)", "estimate_bytes", "peak_bytes", MIB))
 
 
 def graph_set_from(args: argparse.Namespace, former: BatchFormer, backend: str) -> RuntimeGraphSet | None:
