@@ -591,7 +591,6 @@ class RequestReplay(_RunnerReplay):
                                     requests=len(self._prompts),
                                     context_steps=sum(layout.has_context for layout in served), steps=True)
             return summary._replace(figures={**summary.figures, "graph_set": None})
-        self._modes = dict(stats.modes)
         cost = self._cost
         summary = self._summary(stats, stats.forward_hits, stats.forward_misses, None, requests=len(self._prompts),
                                 context_steps=sum(layout.has_context for layout in served))
@@ -604,7 +603,8 @@ class RequestReplay(_RunnerReplay):
                     "rss_bytes": sum(m.rss_bytes for m in stats.memory)}
         figure = {"name": graphs.name, "peer": graphs.peer, "limits": asdict(graphs.limits), "measured": measured,
                   "modelled": None if cost is None else graphs.cost(served, cost).to_json()}
-        return Summary(summary.modes, summary.misses, {**summary.figures, "policy": None, "graph_set": figure})
+        # no policy decides: the modes are the forwards' graphs', as the runner counts them
+        return Summary(dict(stats.modes), summary.misses, {**summary.figures, "policy": None, "graph_set": figure})
 
     def checked(self, err: MaxAbsError) -> int:
         """The requests whose greedy tokens differ from ``generate``'s; every row's logits into ``err``."""
